@@ -1,0 +1,268 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and ranges.
+
+Facts taken from vLLM's `vllm/sampling_params.py` (read at commit 00388f65): defaults
+(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, penalties neutral, max_tokens=16),
+ranges (presence/frequency penalty in [-2, 2], repetition_penalty > 0 and finite,
+temperature in [0, 2], top_p in (0, 1], top_k >= -1 with 0 and -1 both meaning "off",
+min_p in [0, 1], logprobs >= 0 or -1 for the whole vocabulary), greedy below 1e-5, tiny
+positive temperatures raised to 1e-2, logit_bias values clamped to [-100, 100],
+seed=-1 meaning "no seed", stop strings/bad words never empty.
+
+Deliberate difference, following the vllm.cpp guide (seed 000, "max_tokens: what a
+non-positive value means"): `max_tokens` None or <= 0 is *unset* and resolves to
+max_model_len minus the prompt length (see `resolve_max_tokens`), never an error.
+
+Construction only normalises (a string `stop` becomes a list, JSON string keys of
+`logit_bias` become ints, ...); `validate()` does the checking and raises
+`InvalidRequestError` whose `param` names the offending field.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
+GREEDY_EPSILON = 1e-5
+# Positive temperatures below this are raised to it: dividing logits by a smaller
+# number overflows to inf/nan (vLLM's _MAX_TEMP, same warning).
+MIN_POSITIVE_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+# Upper bound on n, as vLLM's VLLM_MAX_N_SEQUENCES default.
+MAX_N = 16384
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None or <= 0: up to max_model_len - prompt length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # -1: whole vocabulary
+    prompt_logprobs: int | None = None  # -1: whole vocabulary
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        # Duplicates are harmless but dedupe keeps order stable for the sampler.
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids))
+        self.bad_words = [] if self.bad_words is None else list(dict.fromkeys(self.bad_words))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.seed == -1:
+            self.seed = None
+        # OpenAI clients send booleans for these; True means "the sampled token only".
+        if self.logprobs is True:
+            self.logprobs = 1
+        elif self.logprobs is False:
+            self.logprobs = None
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        elif self.prompt_logprobs is False:
+            self.prompt_logprobs = None
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if _is_real(self.temperature) and 0.0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s and would overflow the softmax; using %s",
+                self.temperature, MIN_POSITIVE_TEMPERATURE, MIN_POSITIVE_TEMPERATURE)
+            self.temperature = MIN_POSITIVE_TEMPERATURE
+
+    @staticmethod
+    def _normalise_logit_bias(bias: dict) -> dict:
+        """JSON object keys arrive as strings; values are clamped like OpenAI/vLLM do.
+
+        Keys that are not integers are kept as-is so that `validate` can name them.
+        """
+        out: dict = {}
+        for key, value in bias.items():
+            token = key
+            if _is_int(key):
+                token = int(key)
+            elif isinstance(key, str):
+                try:
+                    token = int(key)
+                except ValueError:
+                    pass
+            if _is_real(value) and math.isfinite(value):
+                value = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+            out[token] = value
+        return out
+
+    # ----------------------------------------------------------------- derived values
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    def resolve_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        """Number of output tokens this request may generate.
+
+        Unset (None or <= 0) means "up to the context length"; a set value is also capped
+        by the context, because the sequence can never grow past max_model_len.
+        """
+        room = max(0, max_model_len - prompt_len)
+        if self.max_tokens is None or self.max_tokens <= 0:
+            return room
+        return min(self.max_tokens, room)
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    # ----------------------------------------------------------------- validation
+
+    def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first invalid field.
+
+        vocab_size: when given, token ids (stop_token_ids, logit_bias keys,
+        allowed_token_ids) must lie in [0, vocab_size) and logprobs may not exceed it.
+        max_logprobs: engine limit on logprobs/prompt_logprobs (-1: whole vocabulary),
+        as vLLM's --max-logprobs; None means only the vocabulary bounds it.
+        """
+        self._check_int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}.", "n", self.n)
+        self._check_finite("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.",
+                "temperature", self.temperature)
+        self._check_finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}.", "top_p", self.top_p)
+        self._check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be 0 or -1 (off) or at least 1, got {self.top_k}.", "top_k", self.top_k)
+        self._check_finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}.", "min_p", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check_finite(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}.", name, value)
+        self._check_finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+                "repetition_penalty", self.repetition_penalty)
+        if self.seed is not None:
+            self._check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", self.max_tokens)
+        self._check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.max_tokens > 0 and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}.", "min_tokens", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            self._check_int(name, value)
+            if value < -1:
+                raise InvalidRequestError(f"{name} must be non-negative or -1, got {value}.", name, value)
+            wanted = vocab_size if value == -1 else value
+            limit = max_logprobs
+            if limit == -1:
+                limit = vocab_size
+            if limit is not None and wanted is not None and wanted > limit:
+                raise InvalidRequestError(
+                    f"Requested {name} of {wanted}, which is greater than max allowed: {limit}.",
+                    name, value)
+            if vocab_size is not None and value > vocab_size:
+                raise InvalidRequestError(
+                    f"{name}={value} exceeds the vocabulary size {vocab_size}.", name, value)
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}.", "stop")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop cannot contain an empty string.", "stop")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError(
+                "stop strings are only supported when detokenize is True.", "stop")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise InvalidRequestError(
+                f"bad_words must be non-empty strings, got {self.bad_words!r}.", "bad_words")
+        self._check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise InvalidRequestError("allowed_token_ids is set but empty.", "allowed_token_ids")
+            self._check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        if self.logit_bias is not None:
+            self._check_token_ids("logit_bias", list(self.logit_bias), vocab_size)
+            for token, value in self.logit_bias.items():
+                if not _is_real(value) or not math.isfinite(value):
+                    raise InvalidRequestError(
+                        f"logit_bias value for token {token} must be a finite number, got {value!r}.",
+                        "logit_bias", value)
+        # Greedy sampling gives n identical answers; vLLM refuses it.
+        if self.is_greedy and self.n > 1:
+            raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {self.n}.", "n", self.n)
+
+    @staticmethod
+    def _check_int(name: str, value: object, low: int | None = None) -> None:
+        if not _is_int(value):
+            raise InvalidRequestError(f"{name} must be an integer, got {value!r}.", name, value)
+        if low is not None and value < low:
+            raise InvalidRequestError(f"{name} must be at least {low}, got {value}.", name, value)
+
+    @staticmethod
+    def _check_finite(name: str, value: object) -> None:
+        if not _is_real(value) or not math.isfinite(value):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value!r}.", name, value)
+
+    @staticmethod
+    def _check_token_ids(name: str, ids: list, vocab_size: int | None) -> None:
+        bad_type = [t for t in ids if not _is_int(t)]
+        if bad_type:
+            raise InvalidRequestError(f"{name} must contain only integer token ids, got {bad_type!r}.",
+                                      name, bad_type)
+        bound = vocab_size if vocab_size is not None else None
+        out_of_range = [t for t in ids if t < 0 or (bound is not None and t >= bound)]
+        if out_of_range:
+            where = f"[0, {bound})" if bound is not None else "non-negative"
+            raise InvalidRequestError(
+                f"token id(s) {out_of_range} in {name} are out of vocabulary; ids must be {where}"
+                + (f" (vocabulary size {bound})." if bound is not None else "."), name, out_of_range)
