@@ -1,0 +1,204 @@
+"""`@jitkern.kernel` and `@jitkern.jit`: source capture, specialisation and launching.
+
+    @jk.kernel
+    def add(x, y, out, n, BLOCK: jk.constexpr):
+        offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+        jk.store(out + offs, jk.load(x + offs, mask=offs < n) + jk.load(y + offs, mask=offs < n), mask=offs < n)
+
+    add[(jk.cdiv(n, 1024),)](x, y, out, n, BLOCK=1024)
+
+A launch specialises on the dtype of every array argument, the int width of every integer argument
+(i32 when it fits, else i64) and the value of every constexpr; each specialisation is compiled once per
+target and cached (in process and on disk).
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Any
+
+import numpy as np
+
+from . import ir
+from .language import CompilationError, constexpr
+
+_NP_TO_DTYPE = {
+    np.dtype(np.float32): ir.f32, np.dtype(np.float64): ir.f64, np.dtype(np.float16): ir.f16,
+    np.dtype(np.int8): ir.i8, np.dtype(np.uint8): ir.u8, np.dtype(np.int16): ir.i16, np.dtype(np.uint16): ir.u16,
+    np.dtype(np.int32): ir.i32, np.dtype(np.uint32): ir.u32, np.dtype(np.int64): ir.i64,
+    np.dtype(np.bool_): ir.u8,
+}
+
+
+class Pointer:
+    """A typed raw pointer argument (e.g. an array's bytes reinterpreted as bf16, or an offset view)."""
+
+    __slots__ = ("address", "dtype", "keepalive")
+
+    def __init__(self, address: int, dtype: ir.DType, keepalive=None):
+        self.address = int(address)
+        self.dtype = dtype
+        self.keepalive = keepalive
+
+
+def as_pointer(arr: np.ndarray, dtype: ir.DType | str) -> Pointer:
+    """View an array's memory as another element type (e.g. uint16 storage as bf16, bytes as u8)."""
+    if isinstance(dtype, str):
+        dtype = ir.DTYPES[dtype]
+    return Pointer(arr.ctypes.data, dtype, arr)
+
+
+def arg_type(name: str, v) -> ir.TileType:
+    if isinstance(v, np.ndarray):
+        d = _NP_TO_DTYPE.get(v.dtype)
+        if d is None:
+            raise TypeError(f"argument '{name}': arrays of dtype {v.dtype} are not supported")
+        return ir.TileType(ir.PtrType(d))
+    if isinstance(v, Pointer):
+        return ir.TileType(ir.PtrType(v.dtype))
+    if isinstance(v, (bool, np.bool_)):
+        return ir.TileType(ir.i32)
+    if isinstance(v, (int, np.integer)):
+        return ir.TileType(ir.i32 if -2**31 <= int(v) < 2**31 else ir.i64)
+    if isinstance(v, (float, np.floating)):
+        return ir.TileType(ir.f32)
+    raise TypeError(f"argument '{name}': cannot pass {type(v).__name__} to a kernel "
+                    f"(numpy arrays, jitkern.Pointer, int and float are accepted)")
+
+
+class JitFunction:
+    """A Python function traced into kernels: a kernel itself or a device function it calls."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.__module__ = fn.__module__
+        self.__qualname__ = fn.__qualname__
+        src = textwrap.dedent(inspect.getsource(fn))
+        self.source = src
+        self.source_lines = src.splitlines()
+        module = ast.parse(src)
+        fdef = module.body[0]
+        self.tree = fdef
+        self.filename = inspect.getsourcefile(fn) or "<kernel>"
+        self.first_line = fn.__code__.co_firstlineno
+        # decorators occupy the first lines of `src`; AST line numbers count from the top of `src`
+        self.first_line -= 0
+        self.signature = inspect.signature(fn)
+        self.params = list(self.signature.parameters.values())
+        self.constexpr_names = {p.name for p in self.params if self._is_constexpr(p)}
+        self._cache_key = None
+
+    @staticmethod
+    def _is_constexpr(p) -> bool:
+        ann = p.annotation
+        return ann is constexpr or isinstance(ann, constexpr) or (isinstance(ann, str) and "constexpr" in ann)
+
+    def globals_and_closure(self) -> dict:
+        g = dict(self.fn.__globals__)
+        if self.fn.__closure__:
+            for name, cell in zip(self.fn.__code__.co_freevars, self.fn.__closure__):
+                try:
+                    g[name] = cell.cell_contents
+                except ValueError:
+                    pass
+        return g
+
+    def bind(self, args, kwargs, where=None) -> dict:
+        try:
+            ba = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise CompilationError(f"calling {self.__name__}: {e}", where) from None
+        ba.apply_defaults()
+        out = {}
+        for k, v in ba.arguments.items():
+            out[k] = v.value if isinstance(v, constexpr) else v
+        return out
+
+    @property
+    def cache_key(self) -> str:
+        """Hash of this function's source and of every jit function and constant global it refers to."""
+        if self._cache_key is None:
+            h = hashlib.sha256(self.source.encode())
+            g = self.globals_and_closure()
+            seen = set()
+            for node in ast.walk(self.tree):
+                if isinstance(node, ast.Name) and node.id not in seen:
+                    seen.add(node.id)
+                    v = g.get(node.id)
+                    if isinstance(v, JitFunction):
+                        if v is not self:
+                            h.update(f"{node.id}={v.cache_key}".encode())
+                    elif isinstance(v, (int, float, str, bool, tuple, ir.DType)):
+                        h.update(f"{node.id}={v!r}".encode())
+            self._cache_key = h.hexdigest()
+        return self._cache_key
+
+    def __call__(self, *args, **kwargs):
+        raise CompilationError(f"{self.__name__} is a jitkern function: call it from a kernel, "
+                               f"or launch a kernel with kernel[grid](...)")
+
+
+class Kernel(JitFunction):
+    """A launchable kernel: `kernel[grid](*args, **constexprs)`."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self._specs: dict = {}
+
+    def __getitem__(self, grid):
+        return _Launcher(self, grid)
+
+    def specialize(self, args, kwargs, target=None):
+        """Resolves a call's arguments into (runtime params, constexpr dict, runtime values)."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params, consts, values = [], {}, []
+        for p in self.params:
+            if p.name not in bound.arguments:
+                raise TypeError(f"{self.__name__}: missing argument '{p.name}'")
+            v = bound.arguments[p.name]
+            if p.name in self.constexpr_names:
+                consts[p.name] = v.value if isinstance(v, constexpr) else v
+            else:
+                params.append((p.name, arg_type(p.name, v)))
+                values.append(v)
+        return params, consts, values
+
+    def compile(self, *args, target=None, **kwargs):
+        """Compiles for these arguments (without running) and returns the CompiledKernel."""
+        from .compiler import compile_kernel
+        params, consts, _ = self.specialize(args, kwargs)
+        return compile_kernel(self, params, consts, target)
+
+    def warmup(self, *args, target=None, **kwargs):
+        return self.compile(*args, target=target, **kwargs)
+
+
+class _Launcher:
+    __slots__ = ("kernel", "grid")
+
+    def __init__(self, kernel, grid):
+        self.kernel = kernel
+        self.grid = grid
+
+    def __call__(self, *args, **kwargs):
+        from .runtime.launch import launch
+        return launch(self.kernel, self.grid, args, kwargs)
+
+
+def kernel(fn=None):
+    """Decorator: a launchable jitkern kernel."""
+    if fn is None:
+        return kernel
+    return Kernel(fn)
+
+
+def jit(fn=None):
+    """Decorator: a jitkern device function, inlined into the kernels that call it."""
+    if fn is None:
+        return jit
+    return JitFunction(fn)

@@ -1,0 +1,77 @@
+"""The `Target` record every kernel is compiled against."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class UnknownTargetError(ValueError):
+    pass
+
+
+class TargetUnavailableError(RuntimeError):
+    """A target exists but this host cannot execute code built for it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str                    # "avx2", "sm_90a", "gfx942", "vulkan"
+    backend: str                 # "cpu" | "cuda" | "hip" | "vulkan"
+    triple: str
+    cpu: str                     # LLVM cpu / arch name
+    features: tuple = ()         # LLVM feature names required (without "+"), sorted
+    vector_bits: int = 128       # preferred SIMD width on CPUs; 0 on GPUs
+    warp_size: int = 0           # threads per warp / wavefront / subgroup on GPUs
+    data_layout: str = ""
+    arch: str = ""               # "x86_64", "aarch64", "nvptx64", "amdgcn", "spirv"
+    requires: tuple = ()         # host features (LLVM names) needed to *run* this target
+    description: str = ""
+    extra: tuple = field(default=())   # (key, value) pairs: backend-specific knobs
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.backend == "cpu"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.backend in ("cuda", "hip", "vulkan")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.backend == "cuda"
+
+    @property
+    def is_hip(self) -> bool:
+        return self.backend == "hip"
+
+    @property
+    def is_vulkan(self) -> bool:
+        return self.backend == "vulkan"
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch == "x86_64"
+
+    @property
+    def is_arm(self) -> bool:
+        return self.arch == "aarch64"
+
+    def has(self, feature: str) -> bool:
+        """Whether code for this target may use `feature` (an LLVM feature name such as "avx2")."""
+        return feature in self.features
+
+    @property
+    def feature_string(self) -> str:
+        return ",".join("+" + f for f in self.features)
+
+    @property
+    def device_tag(self) -> str:
+        """Cache folder name: backend, arch and target name."""
+        return f"{self.backend}-{self.arch}-{self.name}"
+
+    def key(self) -> tuple:
+        """Everything about the target that changes generated code (goes into cache keys)."""
+        return (self.name, self.backend, self.triple, self.cpu, self.features, self.vector_bits,
+                self.warp_size, self.data_layout, self.extra)
+
+    def __str__(self) -> str:
+        return self.name
