@@ -147,7 +147,8 @@ class Kernel(JitFunction):
 
     def __init__(self, fn):
         super().__init__(fn)
-        self._specs: dict = {}
+        self._plans: dict = {}
+        self._cx_positions = frozenset(i for i, p in enumerate(self.params) if p.name in self.constexpr_names)
 
     def __getitem__(self, grid):
         return _Launcher(self, grid)

@@ -1,28 +1,57 @@
-"""Launching a kernel: specialise, fetch the compiled code, pack the argument block, run the grid."""
+"""Launching a kernel: specialise, fetch the compiled code, pack the argument block, run the grid.
+
+The hot path is a dict lookup keyed by cheap per-argument type tokens (array dtype number, int width,
+float) plus the constexpr values; only a miss goes through `Kernel.specialize` and the compiler.
+"""
 from __future__ import annotations
+
+import struct
+import threading
+import weakref
 
 import numpy as np
 
-from ..jit import Pointer, arg_type
+from ..jit import Pointer
 
-_I32 = (-2**31, 2**31)
+_pack_d = struct.Struct("<d")
+_unpack_q = struct.Struct("<q")
+
+
+def _f64_bits(x: float) -> int:
+    return _unpack_q.unpack(_pack_d.pack(x))[0]
+
+
+_addr_cache: dict = {}
+
+
+def array_address(a: np.ndarray) -> int:
+    """Data address of an array; memoised per live array object (numpy's own accessors cost ~1 us)."""
+    ent = _addr_cache.get(id(a))
+    if ent is not None and ent[0]() is a:
+        return ent[1]
+    addr = a.__array_interface__["data"][0]
+    if len(_addr_cache) > 4096:
+        for k in [k for k, (r, _) in _addr_cache.items() if r() is None]:
+            del _addr_cache[k]
+    _addr_cache[id(a)] = (weakref.ref(a), addr)
+    return addr
 
 
 def pack_args(grid3, values) -> np.ndarray:
     """The argument block of the CPU ABI: grid sizes, then one 8-byte slot per run-time parameter."""
-    block = np.empty(3 + len(values), dtype=np.int64)
-    block[0], block[1], block[2] = grid3
-    fview = block.view(np.float64)
-    for i, v in enumerate(values):
-        if isinstance(v, np.ndarray):
-            block[3 + i] = v.ctypes.data
+    slots = [grid3[0], grid3[1], grid3[2]]
+    for v in values:
+        if type(v) is np.ndarray:
+            slots.append(array_address(v))
+        elif isinstance(v, np.ndarray):
+            slots.append(v.__array_interface__["data"][0])
         elif isinstance(v, Pointer):
-            block[3 + i] = v.address
+            slots.append(v.address)
         elif isinstance(v, (float, np.floating)):
-            fview[3 + i] = float(v)
+            slots.append(_f64_bits(float(v)))
         else:
-            block[3 + i] = int(v)
-    return block
+            slots.append(int(v))
+    return np.array(slots, dtype=np.int64)
 
 
 def normalize_grid(grid, meta) -> tuple:
@@ -36,14 +65,126 @@ def normalize_grid(grid, meta) -> tuple:
     return grid
 
 
-def launch(kernel, grid, args, kwargs, target=None):
+def _token(v):
+    """A cheap, hashable stand-in for an argument's specialisation."""
+    if isinstance(v, np.ndarray):
+        return v.dtype.num
+    if isinstance(v, Pointer):
+        return v.dtype.name
+    if isinstance(v, bool):
+        return "b"
+    if isinstance(v, (int, np.integer)):
+        return "i" if -2**31 <= v < 2**31 else "l"
+    if isinstance(v, (float, np.floating)):
+        return "f"
+    return type(v)
+
+
+class _Plan:
+    __slots__ = ("ck", "runtime_idx")
+
+    def __init__(self, ck, runtime_idx):
+        self.ck = ck
+        self.runtime_idx = runtime_idx
+
+
+def resolve(kernel, args, kwargs, target=None):
+    """(compiled kernel, run-time argument values, constexpr dict) for a call, memoised per type signature."""
     from ..compiler import compile_kernel
-    from .cpu_pool import get_pool
-    params, consts, values = kernel.specialize(args, kwargs)
-    ck = compile_kernel(kernel, params, consts, target)
-    g = normalize_grid(grid, consts)
+    cx = kernel.constexpr_names
+    cxp = kernel._cx_positions
+    toks = tuple([_token(a) if i not in cxp else a for i, a in enumerate(args)]) if cxp else \
+        tuple([_token(a) for a in args])
+    key = (toks, tuple(kwargs.items()) if kwargs else (), target)
+    try:
+        plan = kernel._plans[key]
+    except (KeyError, TypeError):
+        params, consts, values = kernel.specialize(args, kwargs)
+        ck = compile_kernel(kernel, params, consts, target)
+        if len(args) == len(kernel.params) - len([k for k in kwargs if k in cx]) and \
+                all(k in cx for k in kwargs):
+            idx = tuple(i for i, p in enumerate(kernel.params[:len(args)]) if p.name not in cx)
+            plan = _Plan(ck, idx)
+            try:
+                kernel._plans[key] = plan
+            except TypeError:
+                pass
+        return ck, values, consts
+    return plan.ck, [args[i] for i in plan.runtime_idx], None
+
+
+_pool = None
+_capture = threading.local()
+
+
+class Graph:
+    """A recorded sequence of launches replayed in one native call (like a CUDA graph).
+
+    While `jitkern.capture()` is active, launches are recorded instead of run: the kernel, its packed
+    argument block (array addresses and scalar values as they were at capture time) and its grid.
+    `replay()` runs them in order with a barrier between consecutive launches. Anything that changes
+    between replays must therefore live in arrays that the kernels read (positions, lengths, tables).
+    """
+
+    def __init__(self):
+        self.entries = []         # (fn address, args block, num programs)
+        self._tasks = None
+        self._keep = []
+
+    def add(self, address: int, block: np.ndarray, n: int, keep=()) -> None:
+        self.entries.append((address, block, n))
+        self._keep.append(keep)
+        self._tasks = None
+
+    def replay(self) -> None:
+        global _pool
+        if _pool is None or _pool.closed:
+            from .cpu_pool import get_pool
+            _pool = get_pool()
+        if self._tasks is None:
+            self._tasks = np.array([(a, b.__array_interface__["data"][0], n) for a, b, n in self.entries if n > 0],
+                                   dtype=np.int64).reshape(-1, 3)
+        if len(self._tasks):
+            _pool.launch_tasks(self._tasks)
+
+    def __len__(self):
+        return len(self.entries)
+
+
+class capture:
+    """Context manager recording launches on this thread into a `Graph`."""
+
+    def __init__(self, graph: Graph | None = None):
+        self.graph = graph or Graph()
+
+    def __enter__(self) -> Graph:
+        self.prev = getattr(_capture, "graph", None)
+        _capture.graph = self.graph
+        return self.graph
+
+    def __exit__(self, *exc):
+        _capture.graph = self.prev
+        return False
+
+
+def launch(kernel, grid, args, kwargs, target=None):
+    global _pool
+    if _pool is None or _pool.closed:
+        from .cpu_pool import get_pool
+        _pool = get_pool()
+    ck, values, consts = resolve(kernel, args, kwargs, target)
+    if callable(grid):
+        grid = grid(consts if consts is not None else dict(kwargs))
+    if isinstance(grid, int):
+        g = (grid, 1, 1)
+    else:
+        g = tuple(grid) + (1,) * (3 - len(grid))
     n = g[0] * g[1] * g[2]
     block = pack_args(g, values)
-    if n:
-        get_pool().launch(ck.address, block.ctypes.data, n)
+    graph = getattr(_capture, "graph", None)
+    if graph is not None:
+        graph.add(ck.address, block, n, keep=tuple(v for v in values if isinstance(v, (np.ndarray, Pointer))))
+        return ck
+    if n > 0:
+        _pool.launch(ck.address, block.__array_interface__["data"][0], n)
     return ck
