@@ -9,7 +9,7 @@
         jk.store(out + offs, jk.load(x + offs, mask=m) * alpha, mask=m)
 """
 from .language import (  # noqa: F401
-    CompilationError, constexpr, static_range, static_assert, cdiv,
+    CompilationError, constexpr, target, static_range, static_assert, cdiv,
     program_id, num_programs, arange, zeros, full, load, store, where, maximum, minimum, fma,
     exp, exp2, log, log2, sqrt, rsqrt, tanh, sigmoid, floor, ceil, erf, sin, cos, abs,
     sum, max, min, argmax, argmin, dot, dot4, trans, expand_dims, reshape, broadcast_to, cast,

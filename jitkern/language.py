@@ -711,3 +711,21 @@ class static_range:
 builtin(broadcast_to)
 builtin(reshape)
 builtin(cast)
+
+
+class _TargetProxy:
+    """`jk.target` inside a kernel: the Target being compiled for, read at trace time.
+
+    `if jk.target.has("avx512f"):` or `jk.target.vector_bits` fold while tracing, so per-target
+    branches cost nothing at run time (each target compiles its own specialisation anyway).
+    """
+
+    def __getattr__(self, name):
+        return getattr(_builder().target, name)
+
+    def __repr__(self):
+        b = getattr(_state, "builder", None)
+        return f"jk.target({b.target.name if b else 'outside a kernel'})"
+
+
+target = _TargetProxy()
