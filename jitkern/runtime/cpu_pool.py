@@ -18,15 +18,21 @@ the tasks before it ("graph replay": many launches in one native call). Within
 a task, ``[0, num_programs)`` is split statically into ``num_threads``
 contiguous chunks whose sizes differ by at most one; thread ``t`` runs chunk
 ``t`` and threads with an empty chunk only pass the barrier. With
-``num_programs == 1`` only thread 0 (the caller) runs.
+``num_programs == 1`` only thread 0 (the caller) runs; a launch in which no
+task has more than one program runs inline without waking the workers.
 
 Errors: a kernel cannot raise. Kernels must not fail; a crash in a kernel
 (segfault, illegal instruction) takes the whole process down, exactly as it
 would on the calling thread. A kernel must not launch on the pool that runs it
 (that would deadlock on the pool's launch lock).
 
-Idle workers spin for ``spin_us`` microseconds (``pause`` on x86) on a
-generation counter and then sleep on a futex, so an idle engine uses no CPU.
+Waiting threads (idle workers, and every thread at a barrier) poll a
+generation counter with ``pause`` (x86), call ``sched_yield`` every few dozen
+polls (so a thread that shares our CPU can finish its chunk), and after
+``spin_us`` microseconds sleep on a futex, so an idle engine uses no CPU.
+
+Environment: ``JITKERN_NUM_THREADS`` (default: physical cores),
+``JITKERN_SPIN_US`` (default 200), ``JITKERN_POLLS_PER_YIELD`` (default 32).
 
 Public API: :class:`CpuPool`, :func:`get_pool`, :func:`physical_core_count`,
 and :class:`NativeLibrary` (compile LLVM IR text and get symbol addresses;
@@ -79,6 +85,13 @@ _INT_MAX = 2**31 - 1
 _SIGSET_BYTES = 128  # glibc / musl sigset_t is 1024 bits
 
 DEFAULT_SPIN_US = 200
+# Polls of the futex word (each followed by `pause`, ~25 ns on the dev VM)
+# between two sched_yield calls (~0.5 us there) while spinning; override with
+# JITKERN_POLLS_PER_YIELD (read when the pool code is compiled, once per process).
+# Measured on 2 vCPUs, empty kernel, 2 threads (us/launch, free cores / both
+# threads forced onto one CPU): 64 -> 0.77 / 7.1, 32 -> 0.77 / 5.4,
+# 16 -> 1.05 / 4.7, 8 -> 0.84 / 4.3 (noisy).
+DEFAULT_POLLS_PER_YIELD = 32
 
 # --------------------------------------------------------------------------
 # Layout of the shared pool state block (byte offsets). Fields that different
@@ -152,7 +165,8 @@ class _PoolIRBuilder:
     """Builds the pool module. Every function is small; the comments on the
     atomics explain the ordering argument."""
 
-    def __init__(self, triple: str, data_layout: str):
+    def __init__(self, triple: str, data_layout: str, polls_per_yield: int):
+        self.polls_per_yield = polls_per_yield
         m = ir.Module(name="jitkern_cpu_pool")
         m.triple = triple
         m.data_layout = data_layout
@@ -290,10 +304,10 @@ class _PoolIRBuilder:
         b.call(self.cpu_relax, [])
         k1 = b.add(k, _i64(1))
         k.add_incoming(k1, spin_next)
-        b.cbranch(b.icmp_unsigned("<", k1, _i64(64)), spin, check_clock)
+        b.cbranch(b.icmp_unsigned("<", k1, _i64(self.polls_per_yield)), spin, check_clock)
 
-        # Every 64 polls: sched_yield, then check the spin deadline. The yield
-        # is nearly free when this CPU has nothing else to run, and it is what
+        # Every polls_per_yield polls: sched_yield, then check the spin deadline. The yield
+        # costs one syscall when this CPU has nothing else to run, and it is what
         # keeps an oversubscribed pool (more threads than CPUs, or a busy host)
         # fast: the thread we are waiting for may be queued behind us on this
         # CPU (measured on 2 CPUs, 4 threads: 400 us -> 7 us per launch).
@@ -831,7 +845,10 @@ class _PoolNative:
                 f"CpuPool: native pool supports Linux on x86_64/aarch64 only "
                 f"(this host: {os.uname().sysname} {platform.machine()})")
         tm, _ = _host_target_machine()
-        module = _PoolIRBuilder(_jit_state["triple"], str(tm.target_data)).m
+        polls = _env_int("JITKERN_POLLS_PER_YIELD", 1)
+        self.polls_per_yield = DEFAULT_POLLS_PER_YIELD if polls is None else polls
+        module = _PoolIRBuilder(_jit_state["triple"], str(tm.target_data),
+                                self.polls_per_yield).m
         self.ir_text = str(module)
         self.lib = NativeLibrary(self.ir_text, EXPORTS, name="cpu_pool")
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
