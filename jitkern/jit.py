@@ -77,7 +77,11 @@ class JitFunction:
         self.__doc__ = fn.__doc__
         self.__module__ = fn.__module__
         self.__qualname__ = fn.__qualname__
-        src = textwrap.dedent(inspect.getsource(fn))
+        try:
+            src = textwrap.dedent(inspect.getsource(fn))
+        except (OSError, TypeError) as e:
+            raise CompilationError(f"cannot read the source of {fn.__qualname__} ({e}): jitkern traces kernel "
+                                   f"source, so define kernels in a .py file, not in an interactive prompt or exec()")
         self.source = src
         self.source_lines = src.splitlines()
         module = ast.parse(src)

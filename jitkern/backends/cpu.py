@@ -81,6 +81,12 @@ def _prod(s) -> int:
     return math.prod(s) if s else 1
 
 
+def _last_axis_splat(p: PT, shape) -> bool:
+    """A pointer tile whose last axis (longer than 1) has stride 0: each row reads a single element."""
+    return len(shape) >= 1 and shape[-1] > 1 and p.offs is not None and p.offs.aff is not None \
+        and p.offs.aff.strides[-1] == 0
+
+
 class CpuLowering:
     def __init__(self, fn: ir.Function, target):
         self.fn = fn
@@ -143,6 +149,10 @@ class CpuLowering:
                        s.et, n, shape)
         if s.aff is not None and not s.aff.strides:
             out.aff = Aff(s.aff.base, (0,) * len(shape))
+        elif s.aff is None and s.et in ("i8", "i16", "i32", "i64"):
+            # any integer scalar (e.g. one loaded from memory) is uniform across the tile, so offsets
+            # built from it stay affine and loads through them stay vector loads, not gathers
+            out.aff = Aff(s.ref, (0,) * len(shape))
         return out
 
     def shuffle(self, v: LV, idx: list, shape=()) -> LV:
@@ -172,9 +182,15 @@ class CpuLowering:
             nxt = []
             for i in range(0, len(parts) - 1, 2):
                 a, b = parts[i], parts[i + 1]
+                idx = list(range(a.n)) + [a.n + j for j in range(b.n)]
                 if a.n != b.n:
-                    b = self.shuffle(b, list(range(b.n)) + [-1] * 0)
-                idx = list(range(a.n + b.n))
+                    # shufflevector needs equal operand widths: widen the narrower one with poison lanes
+                    w = max(a.n, b.n)
+                    pad = lambda v: self.val(  # noqa: E731
+                        f"shufflevector {v.ty} {v.ref}, {v.ty} poison, <{w} x i32> <"
+                        + ", ".join(f"i32 {j}" if j < v.n else "i32 poison" for j in range(w)) + ">", v.et, w)
+                    idx = list(range(a.n)) + [w + j for j in range(b.n)]
+                    a, b = (pad(a) if a.n < w else a), (pad(b) if b.n < w else b)
                 mask = "<" + ", ".join(f"i32 {j}" for j in idx) + ">"
                 nxt.append(self.val(f"shufflevector {a.ty} {a.ref}, {b.ty} {b.ref}, <{len(idx)} x i32> {mask}",
                                     a.et, len(idx)))
@@ -801,15 +817,18 @@ class CpuLowering:
         ref, oty = off
         return self.val(f"getelementptr inbounds {et}, ptr {p.base}, {oty} {ref}", "ptr", 0).ref
 
-    def _row_offsets(self, p: PT):
-        """For a unit-stride-last-axis pointer tile: (row length, [row start offset (int or (ref, type))])."""
+    def _row_offsets(self, p: PT, allow_splat=False):
+        """For a unit-stride-last-axis pointer tile: (row length, [row start offset (int or (ref, type))]).
+
+        A last axis of length 1 counts as unit-stride whatever its stride (broadcasting sets it to 0). With
+        `allow_splat`, a stride-0 last axis is accepted too (every row reads one element: see op_load)."""
         shape = p.shape
         aff = p.offs.aff if p.offs is not None else None
         if p.offs is None:
             return None
         if aff is None or len(aff.strides) != len(shape) or not shape:
             return None
-        if aff.strides[-1] != 1:
+        if aff.strides[-1] != 1 and shape[-1] != 1 and not (allow_splat and aff.strides[-1] == 0):
             return None
         L = shape[-1]
         rows = []
@@ -854,7 +873,32 @@ class CpuLowering:
         n = _prod(shape)
         if other is None:
             other = LV("zeroinitializer", et, n, shape)
-        rows = self._row_offsets(p)
+        rows = self._row_offsets(p, allow_splat=True)
+        if rows is not None and _last_axis_splat(p, shape):
+            # stride 0 along the last axis: one scalar load per row, broadcast (x86: a broadcast load or an
+            # FMA's embedded-broadcast operand), e.g. a[rows, k] against a row of b in a matmul microkernel
+            L, starts = rows
+            parts = []
+            for r, st in enumerate(starts):
+                ptr = self._elem_ptr(p, st)
+                if mask is None:
+                    s = self.val(f"load {et}, ptr {ptr}, align {align}", et, 0)
+                    parts.append(self.splat(s, L))
+                    continue
+                m = self.shuffle(mask, list(range(r * L, r * L + L))) if len(starts) > 1 else mask
+                o = self.shuffle(other, list(range(r * L, r * L + L))) if len(starts) > 1 else other
+                m, o = LV(m.ref, m.et, L), LV(o.ref, o.et, L)
+                rname = f"llvm.vector.reduce.or.v{L}i1"
+                self.declare(rname, "i1", [vty("i1", L)])
+                anyv = self.val(f"call i1 @{rname}({m.ty} {m.ref})", "i1", 0)
+                m1 = self.val(f"insertelement <1 x i1> poison, i1 {anyv.ref}, i32 0", "i1", 1)
+                name = f"llvm.masked.load.v1{_SUFFIX[et]}.p0"
+                self.declare(name, vty(et, 1), ["ptr", "i32", "<1 x i1>", vty(et, 1)])
+                s1 = self.val(f"call <1 x {et}> @{name}(ptr {ptr}, i32 {align}, <1 x i1> {m1.ref}, "
+                              f"<1 x {et}> zeroinitializer)", et, 1)
+                sp = self.shuffle(s1, [0] * L)
+                parts.append(self.val(f"select {m.ty} {m.ref}, {sp.ty} {sp.ref}, {o.ty} {o.ref}", et, L))
+            return self.concat(parts, shape) if len(parts) > 1 else LV(parts[0].ref, et, n, shape)
         if rows is not None:
             L, starts = rows
             parts = []
@@ -1120,6 +1164,21 @@ class CpuLowering:
                 bc = self.shuffle(b, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else b
                 w = self.val(f"call {wt} @{ub}({bt} {ac.ref}, {bt} {bc.ref})", "i16", chunk // 2)
                 parts.append(self.val(f"call {dt} @{wd}({wt} {w.ref}, {wt} {ones})", "i32", chunk // 4))
+            return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
+        arm_fn = None
+        if self.target.arch == "aarch64" and n % 16 == 0:
+            if ad.is_signed and self.target.has("dotprod"):
+                arm_fn = "llvm.aarch64.neon.sdot.v4i32.v16i8"      # SDOT: s8 x s8 groups of 4
+            elif not ad.is_signed and self.target.has("i8mm"):
+                arm_fn = "llvm.aarch64.neon.usdot.v4i32.v16i8"     # USDOT: u8 x s8 groups of 4
+        if arm_fn:
+            self.declare(arm_fn, "<4 x i32>", ["<4 x i32>", "<16 x i8>", "<16 x i8>"])
+            parts = []
+            for c in range(n // 16):
+                ac = self.shuffle(a, list(range(c * 16, (c + 1) * 16))) if n > 16 else a
+                bc = self.shuffle(b, list(range(c * 16, (c + 1) * 16))) if n > 16 else b
+                parts.append(self.val(f"call <4 x i32> @{arm_fn}(<4 x i32> zeroinitializer, <16 x i8> {ac.ref}, "
+                                      f"<16 x i8> {bc.ref})", "i32", 4))
             return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
         # generic: widen, multiply, add the four strided lanes
         ext_a = "sext" if ad.is_signed else "zext"

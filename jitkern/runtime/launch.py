@@ -167,7 +167,39 @@ class capture:
         return False
 
 
+class compile_only:
+    """Context manager: launches on this thread compile (for `target`, default the runtime tier) and
+    record what they compiled, but run nothing. `jitkern build` drives a model's warm-up through it."""
+
+    def __init__(self, target=None, on_compile=None):
+        self.target = target
+        self.on_compile = on_compile
+        self.compiled = []
+
+    def __enter__(self):
+        self.prev = getattr(_capture, "compile_only", None)
+        _capture.compile_only = self
+        return self
+
+    def __exit__(self, *exc):
+        _capture.compile_only = self.prev
+        return False
+
+
+def _compile_only_launch(co, kernel, args, kwargs):
+    from ..compiler import compile_kernel
+    params, consts, _ = kernel.specialize(args, kwargs)
+    ck = compile_kernel(kernel, params, consts, co.target, load=False)
+    co.compiled.append(ck)
+    if co.on_compile is not None:
+        co.on_compile(ck)
+    return ck
+
+
 def launch(kernel, grid, args, kwargs, target=None):
+    co = getattr(_capture, "compile_only", None)
+    if co is not None:
+        return _compile_only_launch(co, kernel, args, kwargs)
     global _pool
     if _pool is None or _pool.closed:
         from .cpu_pool import get_pool

@@ -1,0 +1,263 @@
+"""The `jitkern` command: targets, build, ir, asm, cache.
+
+    jitkern targets
+    jitkern build --target avx2 [--model DIR]
+    jitkern ir  KERNEL --sig 'x=*f32,n=i32' --const BLOCK=64 [--target T] [--llvm]
+    jitkern asm KERNEL --sig 'x=*f32,n=i32' --const BLOCK=64 --target avx512
+    jitkern cache [info|list|clear]
+
+KERNEL is `package.module:name` or `path/to/file.py:name`.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+
+
+def _fail(msg: str) -> int:
+    print(f"jitkern: error: {msg}", file=sys.stderr)
+    return 2
+
+
+# -------------------------------------------------------------------------------------------- targets
+def cmd_targets(args) -> int:
+    from targets import all_targets
+    from targets.cpu import can_run, host_arch, host_cpu_features, missing_features, select_cpu_tier
+    import llvmlite.binding as llvm
+    try:
+        sel, why = select_cpu_tier()
+        sel_name, sel_err = sel.name, None
+    except Exception as e:  # a forced tier this host cannot run
+        sel_name, why, sel_err = None, "", str(e)
+    print(f"host: {host_arch()} cpu {llvm.get_host_cpu_name()}, LLVM {'.'.join(map(str, llvm.llvm_version_info))}")
+    feats = sorted(f for f in host_cpu_features() if f.startswith(("sse", "avx", "fma", "f16c", "neon", "dotprod",
+                                                                      "i8mm")))
+    print(f"host features used for tiers: {' '.join(feats)}")
+    if sel_err:
+        print(f"selected CPU tier: NONE — {sel_err}")
+    else:
+        print(f"selected CPU tier: {sel_name} ({why})")
+    print()
+    print(f"{'target':<16}{'backend':<8}{'lowering':<10}{'run here':<34}{'width':<9}features / notes")
+    for t in all_targets():
+        name = t.name if t.arch in ("x86_64",) or not t.is_cpu else f"arm64-{t.name}"
+        if t.is_cpu:
+            lowering = "yes"
+            if can_run(t):
+                run = "yes" + (" (selected)" if t.name == sel_name and t.arch == host_arch() else "")
+            else:
+                run = "compile-only: missing " + ",".join(missing_features(t))
+            width = f"{t.vector_bits}b"
+            notes = t.feature_string or "(baseline)"
+        else:
+            lowering = "not yet"
+            run = "no (no lowering yet)"
+            width = f"warp {t.warp_size}" if t.warp_size else "-"
+            notes = t.description
+        if len(run) > 33:
+            run = run[:30] + "..."
+        print(f"{name:<16}{t.backend:<8}{lowering:<10}{run:<34}{width:<9}{notes}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- kernel loading
+def load_kernel(spec: str):
+    from .jit import Kernel
+    if ":" not in spec:
+        raise ValueError(f"KERNEL must be 'module:name' or 'file.py:name', got {spec!r}")
+    mod, name = spec.rsplit(":", 1)
+    if mod.endswith(".py") or os.path.sep in mod:
+        path = os.path.abspath(mod)
+        if not os.path.exists(path):
+            raise ValueError(f"no such file: {mod}")
+        sys.path.insert(0, os.path.dirname(path))
+        s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        m = importlib.util.module_from_spec(s)
+        s.loader.exec_module(m)
+    else:
+        m = importlib.import_module(mod)
+    k = getattr(m, name, None)
+    if not isinstance(k, Kernel):
+        raise ValueError(f"{spec} is not a @jitkern.kernel (found {type(k).__name__})")
+    return k
+
+
+def parse_sig(kernel, sig: str, consts: list) -> tuple:
+    from . import ir
+    types = {}
+    for part in filter(None, (p.strip() for p in (sig or "").split(","))):
+        if "=" not in part:
+            raise ValueError(f"--sig entries look like name=*f32 or name=i32, got {part!r}")
+        n, t = (x.strip() for x in part.split("=", 1))
+        ptr = t.startswith("*")
+        d = ir.DTYPES.get(t.lstrip("*"))
+        if d is None:
+            raise ValueError(f"unknown dtype {t!r} for '{n}' (known: {', '.join(ir.DTYPES)})")
+        types[n] = ir.TileType(ir.PtrType(d)) if ptr else ir.TileType(d)
+    cx = {}
+    for c in consts or []:
+        if "=" not in c:
+            raise ValueError(f"--const entries look like NAME=VALUE, got {c!r}")
+        n, v = c.split("=", 1)
+        try:
+            cx[n] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            cx[n] = getattr(ir, v, None) or ir.DTYPES.get(v) or v
+    params = []
+    for p in kernel.params:
+        if p.name in kernel.constexpr_names:
+            if p.name not in cx:
+                if p.default is not p.empty:
+                    cx[p.name] = p.default
+                else:
+                    raise ValueError(f"constexpr '{p.name}' needs --const {p.name}=VALUE")
+            continue
+        if p.name not in types:
+            need = ", ".join(q.name for q in kernel.params if q.name not in kernel.constexpr_names)
+            raise ValueError(f"parameter '{p.name}' needs a type in --sig (run-time parameters: {need})")
+        params.append((p.name, types[p.name]))
+    extra = set(types) - {n for n, _ in params}
+    if extra:
+        raise ValueError(f"--sig names unknown parameters: {', '.join(sorted(extra))}")
+    return params, cx
+
+
+def _target(name):
+    if name is None:
+        from .runtime.cpu import runtime_target
+        return runtime_target()
+    from targets import get_target
+    return get_target(name)
+
+
+def cmd_ir(args) -> int:
+    from .compiler import build_ir, lower
+    from .ir import format_function
+    k = load_kernel(args.kernel)
+    params, consts = parse_sig(k, args.sig, args.const)
+    t = _target(args.target)
+    fn = build_ir(k, params, consts, t)
+    print(format_function(fn))
+    if args.llvm:
+        print()
+        print(lower(fn, t))
+    return 0
+
+
+def cmd_asm(args) -> int:
+    from .compiler import compile_kernel
+    k = load_kernel(args.kernel)
+    params, consts = parse_sig(k, args.sig, args.const)
+    t = _target(args.target)
+    ck = compile_kernel(k, params, consts, t, load=False, emit=("obj", "asm"))
+    print(ck.asm())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- build
+def cmd_build(args) -> int:
+    from targets import get_target
+    from .runtime.launch import compile_only
+    t = get_target(args.target)
+    if not t.is_cpu:
+        return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers can be built now")
+    from tqdm import tqdm
+    bar = tqdm(desc=f"compiling for {t.name}", unit="kernel", disable=args.quiet)
+    n_cached = 0
+
+    def on_compile(ck):
+        nonlocal n_cached
+        n_cached += ck.from_cache
+        bar.update(1)
+        bar.set_postfix_str(ck.name)
+
+    try:
+        from engine.warmup import build_specializations
+    except ImportError as e:
+        bar.close()
+        return _fail(f"the engine's kernel list is not available ({e})")
+    with compile_only(t, on_compile) as co:
+        build_specializations(args.model)
+    bar.close()
+    uniq = {(c.symbol) for c in co.compiled}
+    print(f"{len(uniq)} kernel specialisations for {t.name} in the cache ({n_cached} launches were already cached) "
+          f"at {os.environ.get('JITKERN_CACHE_DIR') or 'the default cache dir'}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- cache
+def cmd_cache(args) -> int:
+    from .cache import KernelCache
+    c = KernelCache()
+    action = args.action or "info"
+    if action == "clear":
+        before = c.size_bytes()
+        c.clear()
+        print(f"cleared {before / 1e6:.2f} MB from {c.path}")
+        return 0
+    entries = c.entries()
+    if action == "list":
+        for e in entries:
+            print(f"{e.device_tag:<28} {e.key[:16]}  {e.size_bytes / 1e3:8.1f} kB")
+    by_dev = {}
+    for e in entries:
+        d = by_dev.setdefault(e.device_tag, [0, 0])
+        d[0] += 1
+        d[1] += e.size_bytes
+    print(f"cache: {c.path}")
+    print(f"total: {len(entries)} entries, {c.size_bytes() / 1e6:.2f} MB")
+    for dev, (n, b) in sorted(by_dev.items()):
+        print(f"  {dev:<28} {n:5d} entries {b / 1e6:8.2f} MB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jitkern", description="jitkern: tile-DSL kernels compiled by llvmlite for "
+                                "every processor. Inspect targets, fill the kernel cache, look at IR and assembly.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    s = sub.add_parser("targets", help="list every known target, whether this host can run it, and the CPU tier "
+                       "selected (and why)")
+    s.set_defaults(fn=cmd_targets)
+    s = sub.add_parser("build", help="compile every kernel the engine uses into the cache")
+    s.add_argument("--target", required=True, help="target name (jitkern targets lists them), e.g. avx2, sm_90a")
+    s.add_argument("--model", default=None, help="model file or directory: compile the specialisations it needs "
+                   "(default: the embedded SmolLM2)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_build)
+    for name, fn, hlp in (("ir", cmd_ir, "print a kernel's jitkern IR (and LLVM IR with --llvm)"),
+                          ("asm", cmd_asm, "print a kernel's assembly for a target")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("kernel", help="module:name or file.py:name of a @jitkern.kernel")
+        s.add_argument("--sig", default="", help="run-time parameter types, e.g. 'x=*f32,y=*f16,n=i32'")
+        s.add_argument("--const", action="append", default=[], metavar="NAME=VALUE", help="constexpr value "
+                       "(repeatable)")
+        s.add_argument("--target", default=None, help="target name (default: this host's selected CPU tier)")
+        if name == "ir":
+            s.add_argument("--llvm", action="store_true", help="also print the LLVM IR of the lowering")
+        s.set_defaults(fn=fn)
+    s = sub.add_parser("cache", help="where the kernel cache is, how big, clear it")
+    s.add_argument("action", nargs="?", choices=("info", "list", "clear"), help="info (default), list, clear")
+    s.set_defaults(fn=cmd_cache)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not getattr(args, "fn", None):
+        p.print_help()
+        return 0
+    from .errors import JitkernError
+    from .language import CompilationError
+    try:
+        return args.fn(args) or 0
+    except (ValueError, JitkernError, CompilationError, RuntimeError) as e:
+        return _fail(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Host-side argument handling shared by the basic op wrappers (norm, rope, activation, embedding, softmax,
+sampling): target resolution, the bf16 storage convention, row strides of 2-D views, launching.
+
+Conventions every wrapper here follows:
+- float arrays are float32 or float16; a **uint16 array means bf16 storage** (numpy has no bf16 dtype);
+- a "row-strided view" is an array whose last axis is contiguous (stride 1 element) while rows may be
+  further apart, e.g. `qkv[:, :q_size]`; the wrappers pass the row stride to the kernel;
+- `target=None` means the runtime tier (JITKERN_CPU_TIER or the best runnable); a tier name or a
+  `targets.Target` picks another one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import as_pointer
+from ..runtime.launch import launch
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
+
+
+def resolve_target(target):
+    if target is None:
+        return None
+    if isinstance(target, str):
+        from targets import get_target
+        return get_target(target)
+    return target
+
+
+def fptr(a: np.ndarray, what: str):
+    """The kernel argument for a float array: uint16 storage is passed as bf16."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype == np.uint16:
+        return as_pointer(a, "bf16")
+    if a.dtype not in (np.float32, np.float16):
+        raise TypeError(f"{what}: dtype {a.dtype} is not supported (float32, float16, or uint16 holding bf16)")
+    return a
+
+
+def row_stride(a: np.ndarray, what: str, ndim: int = 2) -> int:
+    """Row stride in elements of a 2-D array whose last axis is contiguous."""
+    if a.ndim != ndim:
+        raise ValueError(f"{what}: expected a {ndim}-D array, got shape {a.shape}")
+    it = a.itemsize
+    if a.shape[-1] > 1 and a.strides[-1] != it:
+        raise ValueError(f"{what}: the last axis must be contiguous (strides {a.strides}, itemsize {it})")
+    if any(s % it for s in a.strides):
+        raise ValueError(f"{what}: strides {a.strides} are not multiples of the item size {it}")
+    return a.strides[0] // it if a.shape[0] > 1 else a.shape[-1]
+
+
+def elem_strides(a: np.ndarray, what: str) -> tuple:
+    """All strides in elements; the last axis must be contiguous."""
+    it = a.itemsize
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != it:
+        raise ValueError(f"{what}: the last axis must be contiguous (strides {a.strides}, itemsize {it})")
+    if any(s % it for s in a.strides):
+        raise ValueError(f"{what}: strides {a.strides} are not multiples of the item size {it}")
+    return tuple(s // it for s in a.strides)
+
+
+def check_shape(a: np.ndarray, shape: tuple, what: str) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def check_dtype(a: np.ndarray, dtype, what: str) -> None:
+    if a.dtype != np.dtype(dtype):
+        raise TypeError(f"{what}: expected dtype {np.dtype(dtype)}, got {a.dtype}")
+
+
+def pow2_at_least(n: int, lo: int = 1) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def block_for(n: int, cap: int) -> int:
+    """A power-of-two tile width covering `n`, at most `cap` (larger rows loop over chunks)."""
+    return min(pow2_at_least(max(int(n), 1), 16), cap)
+
+
+def run(kernel, grid, args, target=None, **constexprs):
+    """Launches `kernel` on `grid` (skipped when the grid is empty)."""
+    if 0 in tuple(grid):
+        return None
+    return launch(kernel, grid, args, constexprs, target=resolve_target(target))

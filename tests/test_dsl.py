@@ -1,0 +1,261 @@
+"""The tile language end to end on every runnable CPU tier, against numpy."""
+import numpy as np
+import pytest
+
+import jitkern as jk
+from jitkern.runtime.launch import launch
+
+
+@jk.kernel
+def _axpb(x, out, n, a, b, BLOCK: jk.constexpr):
+    offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    v = jk.load(x + offs, mask=m, other=0.0)
+    jk.store(out + offs, v * a + b, mask=m)
+
+
+@jk.kernel
+def _matmul(a, b, c, M, N, K, BM: jk.constexpr, BN: jk.constexpr, BK: jk.constexpr):
+    rm = jk.program_id(0) * BM + jk.arange(0, BM)
+    rn = jk.program_id(1) * BN + jk.arange(0, BN)
+    acc = jk.zeros((BM, BN), jk.f32)
+    for k in range(0, K, BK):
+        rk = k + jk.arange(0, BK)
+        av = jk.load(a + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        bv = jk.load(b + rk[:, None] * N + rn[None, :], mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = jk.dot(av, bv, acc)
+    jk.store(c + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@jk.kernel
+def _row_stats(x, smax, ssum, amax, N, BLOCK: jk.constexpr):
+    row = jk.program_id(0)
+    offs = jk.arange(0, BLOCK)
+    v = jk.load(x + row * N + offs, mask=offs < N, other=-float("inf"))
+    jk.store(smax + row, jk.max(v, axis=0))
+    jk.store(amax + row, jk.argmax(v, axis=0))
+    jk.store(ssum + row, jk.sum(jk.where(offs < N, v, 0.0), axis=0))
+
+
+@jk.kernel
+def _col_sum(x, out, M, N: jk.constexpr, BM: jk.constexpr):
+    rows = jk.arange(0, BM)
+    cols = jk.arange(0, N)
+    v = jk.load(x + rows[:, None] * N + cols[None, :], mask=rows[:, None] < M, other=0.0)
+    jk.store(out + cols, jk.sum(v, axis=0))
+    jk.store(out + N + cols, jk.min(v * 1.0 + jk.where(rows[:, None] < M, 0.0, 1e30), axis=0))
+
+
+@jk.jit
+def _silu(x):
+    return x * jk.sigmoid(x)
+
+
+@jk.jit
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + jk.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@jk.kernel
+def _unary(x, out, n, F: jk.constexpr, BLOCK: jk.constexpr):
+    offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    jk.store(out + offs, F(jk.load(x + offs, mask=m, other=0.0)), mask=m)
+
+
+@jk.jit
+def _exp(x):
+    return jk.exp(x)
+
+
+@jk.jit
+def _rsqrt(x):
+    return jk.rsqrt(jk.abs(x) + 0.1)
+
+
+@jk.kernel
+def _copy(x, out, n, BLOCK: jk.constexpr):
+    offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    jk.store(out + offs, jk.load(x + offs, mask=m), mask=m)
+
+
+@jk.kernel
+def _dot4(a, b, out, K: jk.constexpr):
+    r = jk.program_id(0)
+    offs = jk.arange(0, K)
+    p = jk.dot4(jk.load(a + r * K + offs), jk.load(b + r * K + offs))
+    jk.store(out + r * (K // 4) + jk.arange(0, K // 4), p)
+
+
+@jk.kernel
+def _branchy(x, out, n, thresh, BLOCK: jk.constexpr):
+    pid = jk.program_id(0)
+    offs = pid * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    v = jk.load(x + offs, mask=m, other=0.0)
+    if pid % 2 == 0:
+        w = v * 2.0
+    else:
+        w = v - thresh
+    total = 0.0
+    for i in range(3):
+        total += jk.sum(jk.where(m, w, 0.0), axis=0) * i
+    jk.store(out + offs, w, mask=m)
+    jk.store(out + n + pid, total)
+
+
+@jk.kernel
+def _gather(x, idx, out, n, BLOCK: jk.constexpr):
+    offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    i = jk.load(idx + offs, mask=m, other=0)
+    jk.store(out + offs, jk.load(x + i, mask=m, other=0.0), mask=m)
+
+
+def _run(kernel, grid, tier, *args, **kw):
+    return launch(kernel, grid, args, kw, target=tier)
+
+
+def test_elementwise_masked_tail(tier):
+    rng = np.random.default_rng(1)
+    for n in (1, 63, 64, 1001):
+        x = rng.standard_normal(n).astype(np.float32)
+        out = np.full(n + 5, 7.0, np.float32)
+        ck = _run(_axpb, (jk.cdiv(n, 64),), tier, x, out, n, 1.5, -0.25, BLOCK=64)
+        assert ck.target.name == tier.name
+        np.testing.assert_allclose(out[:n], x * 1.5 - 0.25, rtol=1e-6, atol=1e-6)
+        assert (out[n:] == 7.0).all(), "masked-off lanes must not be written"
+
+
+def test_matmul_dot(tier):
+    rng = np.random.default_rng(2)
+    M, N, K = 37, 45, 129
+    A = rng.standard_normal((M, K), dtype=np.float32)
+    B = rng.standard_normal((K, N), dtype=np.float32)
+    C = np.zeros((M, N), np.float32)
+    _run(_matmul, (jk.cdiv(M, 16), jk.cdiv(N, 16)), tier, A, B, C, M, N, K, BM=16, BN=16, BK=8)
+    np.testing.assert_allclose(C, A.astype(np.float64) @ B, rtol=1e-4, atol=1e-4)
+
+
+def test_reductions_and_argmax(tier):
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((13, 100)).astype(np.float32)
+    smax, ssum, amax = np.zeros(13, np.float32), np.zeros(13, np.float32), np.zeros(13, np.int32)
+    _run(_row_stats, (13,), tier, X, smax, ssum, amax, 100, BLOCK=128)
+    np.testing.assert_array_equal(smax, X.max(1))
+    np.testing.assert_array_equal(amax, X.argmax(1))
+    np.testing.assert_allclose(ssum, X.sum(1), rtol=1e-5, atol=1e-5)
+    Y = rng.standard_normal((7, 16)).astype(np.float32)
+    out = np.zeros(32, np.float32)
+    _run(_col_sum, (1,), tier, Y, out, 7, N=16, BM=8)
+    np.testing.assert_allclose(out[:16], Y.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[16:], Y.min(0))
+
+
+@pytest.mark.parametrize("fn,ref,tol", [
+    (_silu, lambda x: x / (1 + np.exp(-x)), 2e-6),
+    (_gelu_tanh, lambda x: 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))), 2e-6),
+    (_exp, np.exp, 0),
+    (_rsqrt, lambda x: 1 / np.sqrt(np.abs(x) + 0.1), 1e-6),
+])
+def test_fused_jit_functions_and_math(tier, fn, ref, tol):
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(1003) * 6).astype(np.float32)
+    x[:4] = [0.0, -0.0, 1e-5, -1e-3]
+    out = np.zeros_like(x)
+    _run(_unary, (8,), tier, x, out, x.size, F=fn, BLOCK=128)
+    want = ref(x.astype(np.float64))
+    if fn is _exp:   # relative accuracy of the polynomial exp: a few ulp
+        np.testing.assert_allclose(out, want, rtol=4e-7)
+    else:
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=tol)
+
+
+def test_exp_extremes(tier):
+    x = np.array([-1000, -88, -87.5, -20, 0, 1, 20, 88, 88.7, 89, 1000, np.inf, -np.inf, np.nan], np.float32)
+    out = np.zeros_like(x)
+    _run(_unary, (1,), tier, x, out, x.size, F=_exp, BLOCK=16)
+    with np.errstate(over="ignore"):
+        want = np.exp(x.astype(np.float64)).astype(np.float32)
+    finite = np.isfinite(want) & (want > 1e-37)
+    np.testing.assert_allclose(out[finite], want[finite], rtol=1e-6)
+    assert out[0] == 0 and np.isposinf(out[9]) and np.isposinf(out[10]) and np.isposinf(out[11])
+    assert out[12] == 0 and np.isnan(out[13])
+
+
+def test_half_conversions_exact(tier):
+    rng = np.random.default_rng(5)
+    h = (rng.standard_normal(777) * 100).astype(np.float16)
+    h[:6] = [np.inf, -np.inf, np.nan, 6e-8, -0.0, 65504]
+    out = np.zeros(777, np.float32)
+    _run(_copy, (7,), tier, h, out, 777, BLOCK=128)
+    np.testing.assert_array_equal(out.view(np.uint32)[3:], h.astype(np.float32).view(np.uint32)[3:])
+    assert np.isnan(out[2])
+    f = (rng.standard_normal(777) * 1000).astype(np.float32)
+    f[:8] = [1e-6, 6e-8, 7e4, np.inf, -3e-5, 65519, 65520, 2.98e-8]
+    fh = np.zeros(777, np.float16)
+    _run(_copy, (7,), tier, f, fh, 777, BLOCK=128)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(fh.view(np.uint16), f.astype(np.float16).view(np.uint16))
+    torch = pytest.importorskip("torch")
+    bf = np.zeros(777, np.uint16)
+    _run(_copy, (7,), tier, f, jk.as_pointer(bf, "bf16"), 777, BLOCK=128)
+    want = torch.from_numpy(f).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bf, want)
+    back = np.zeros(777, np.float32)
+    _run(_copy, (7,), tier, jk.as_pointer(bf, "bf16"), back, 777, BLOCK=128)
+    np.testing.assert_array_equal(back, torch.from_numpy(want.view(np.int16)).view(torch.bfloat16).float().numpy())
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_dot4(tier, signed):
+    rng = np.random.default_rng(6)
+    for K in (16, 64, 96):
+        if signed:
+            a = rng.integers(-127, 128, (5, K)).astype(np.int8)
+        else:
+            a = rng.integers(0, 16, (5, K)).astype(np.uint8)
+        b = rng.integers(-127, 128, (5, K)).astype(np.int8)
+        out = np.zeros((5, K // 4), np.int32)
+        _run(_dot4, (5,), tier, a, b, out, K=K)
+        want = (a.astype(np.int32) * b.astype(np.int32)).reshape(5, K // 4, 4).sum(-1)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_runtime_if_and_loop_carried(tier):
+    rng = np.random.default_rng(7)
+    n = 200
+    x = rng.standard_normal(n).astype(np.float32)
+    out = np.zeros(n + 4, np.float32)
+    _run(_branchy, (4,), tier, x, out, n, 0.5, BLOCK=64)
+    want = x.copy()
+    totals = []
+    for p in range(4):
+        sl = slice(p * 64, min(n, p * 64 + 64))
+        want[sl] = x[sl] * 2 if p % 2 == 0 else x[sl] - 0.5
+        totals.append(want[sl].sum() * 3)
+    np.testing.assert_allclose(out[:n], want, rtol=1e-6)
+    np.testing.assert_allclose(out[n:], totals, rtol=1e-4, atol=1e-4)
+
+
+def test_gather_fallback(tier):
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(500).astype(np.float32)
+    idx = rng.integers(0, 500, 77).astype(np.int32)
+    out = np.zeros(77, np.float32)
+    _run(_gather, (2,), tier, x, idx, out, 77, BLOCK=64)
+    np.testing.assert_array_equal(out, x[idx])
+
+
+def test_capture_replay_reads_new_values():
+    x = np.random.default_rng(9).standard_normal(100).astype(np.float32)
+    out = np.zeros(100, np.float32)
+    with jk.capture() as g:
+        _axpb[(2,)](x, out, 100, 2.0, 0.0, BLOCK=64)
+    assert len(g) == 1 and (out == 0).all()
+    g.replay()
+    np.testing.assert_allclose(out, 2 * x)
+    x[:] = 1.0
+    g.replay()
+    np.testing.assert_allclose(out, 2.0)
