@@ -66,6 +66,13 @@ def assigned_names(stmts) -> list:
     return out
 
 
+def _carriable_tuple(v) -> bool:
+    """A non-empty tuple of run-time tiles and numbers, which a run-time loop can carry element-wise."""
+    return isinstance(v, tuple) and len(v) > 0 and all(
+        (isinstance(e, Tile) and not e.type.is_ptr) or isinstance(e, (bool, int, float)) for e in v) \
+        and any(isinstance(e, Tile) for e in v)
+
+
 class Tracer:
     def __init__(self, jitfn, builder: L.Builder, scope: dict):
         self.fn = jitfn
@@ -302,6 +309,13 @@ class Tracer:
         names = [n for n in assigned_names(node.body) if n in self.scope and n != node.target.id
                  and not isinstance(self.scope[n], _Undefined)]
         before = dict(self.scope)
+        # A tuple of tiles/numbers (e.g. per-head accumulators built with jk.static_range) is carried
+        # element by element under the hidden names 'name#i'; the body sees and rebinds the tuple.
+        tuples = {n: len(before[n]) for n in names if _carriable_tuple(before[n])}
+        for n, k in tuples.items():
+            for i in range(k):
+                before[f"{n}#{i}"] = before[n][i]
+        names = [e for n in names for e in ([f"{n}#{i}" for i in range(tuples[n])] if n in tuples else [n])]
         carried_types = {}
         for n in names:
             v = before[n]
@@ -314,7 +328,7 @@ class Tracer:
         # Trace the body; if a carried variable comes out with another type (e.g. `acc = 0.0` then
         # `acc += tile`), widen its initial type and trace again.
         for attempt in range(3):
-            block, out_scope, iv, args = self._trace_loop_body(node, idx_t, names, carried_types, before)
+            block, out_scope, iv, args = self._trace_loop_body(node, idx_t, names, carried_types, before, tuples)
             changed = False
             for n in names:
                 v = out_scope.get(n)
@@ -335,7 +349,7 @@ class Tracer:
         else:
             self.error(node, "loop-carried variable types do not settle")
         for n, v in out_scope.items():
-            if n not in names and n in before and v is not before[n] and not isinstance(v, Tile) \
+            if n not in names and n not in tuples and n in before and v is not before[n] and not isinstance(v, Tile) \
                     and not (isinstance(v, type(before[n])) and v == before[n]):
                 self.error(node, f"compile-time value '{n}' changes inside a run-time loop")
         self.b.loc = self.loc(node)
@@ -347,12 +361,14 @@ class Tracer:
         self.scope = dict(before)
         for n, r in zip(names, op.results):
             self.scope[n] = Tile(r)
+        for n, k in tuples.items():
+            self.scope[n] = tuple(self.scope.pop(f"{n}#{i}") for i in range(k))
         for n in assigned_names(node.body):
             if n not in before and n not in names:
                 self.scope[n] = _Undefined("it is only assigned inside a run-time loop")
         self.scope[node.target.id] = _Undefined("the loop variable of a run-time loop is not defined after it")
 
-    def _trace_loop_body(self, node, idx_t, names, carried_types, before):
+    def _trace_loop_body(self, node, idx_t, names, carried_types, before, tuples=None):
         iv = ir.Value(ir.TileType(idx_t), name=node.target.id)
         args = [ir.Value(carried_types[n], name=n) for n in names]
         block = ir.Block(args=[iv] + args)
@@ -360,6 +376,8 @@ class Tracer:
         self.scope[node.target.id] = Tile(iv)
         for n, a in zip(names, args):
             self.scope[n] = Tile(a)
+        for n, k in (tuples or {}).items():
+            self.scope[n] = tuple(self.scope[f"{n}#{i}"] for i in range(k))
         self.b.block_stack.append(block)
         self.runtime_depth += 1
         try:
@@ -368,6 +386,12 @@ class Tracer:
             self.runtime_depth -= 1
             self.b.block_stack.pop()
         out = self.scope
+        for n, k in (tuples or {}).items():
+            t = out.get(n)
+            if not isinstance(t, tuple) or len(t) != k:
+                self.error(node, f"loop-carried tuple '{n}' must stay a tuple of {k} values inside the loop")
+            for i in range(k):
+                out[f"{n}#{i}"] = t[i]
         self.scope = dict(before)
         return block, out, iv, args
 

@@ -259,3 +259,40 @@ def test_capture_replay_reads_new_values():
     x[:] = 1.0
     g.replay()
     np.testing.assert_allclose(out, 2.0)
+
+
+@jk.kernel
+def _tuple_carry(x, out, n, R: jk.constexpr, BLOCK: jk.constexpr):
+    # one accumulator per row, held in a tuple that the run-time loop carries element by element
+    accs = ()
+    for r in jk.static_range(R):
+        accs = accs + (jk.zeros((BLOCK,), jk.f32),)
+    stats = (0.0, jk.full((BLOCK,), -1e30, jk.f32))
+    for i in range(0, n, BLOCK):
+        offs = i + jk.arange(0, BLOCK)
+        new = ()
+        for r in jk.static_range(R):
+            v = jk.load(x + r * n + offs, mask=offs < n, other=0.0)
+            new = new + (accs[r] + v * (r + 1),)
+            stats = (stats[0] + jk.sum(v, axis=0), jk.maximum(stats[1], jk.where(offs < n, v, -1e30)))
+        accs = new
+    for r in jk.static_range(R):
+        jk.store(out + r * BLOCK + jk.arange(0, BLOCK), accs[r])
+    jk.store(out + R * BLOCK + jk.arange(0, BLOCK), stats[1])
+    jk.store(out + (R + 1) * BLOCK, stats[0])
+
+
+def test_loop_carried_tuple(tier):
+    rng = np.random.default_rng(10)
+    R, B, n = 3, 16, 75
+    x = rng.standard_normal((R, n)).astype(np.float32)
+    out = np.zeros((R + 2) * B, np.float32)
+    _run(_tuple_carry, (1,), tier, x, out, n, R=R, BLOCK=B)
+    xp = np.zeros((R, 80), np.float32)
+    xp[:, :n] = x
+    want = (xp.reshape(R, 5, B).sum(1) * np.arange(1, R + 1)[:, None]).ravel()
+    np.testing.assert_allclose(out[:R * B], want, rtol=1e-5, atol=1e-5)
+    xm = np.full((R, 80), -1e30, np.float32)
+    xm[:, :n] = x
+    np.testing.assert_array_equal(out[R * B:(R + 1) * B], xm.transpose(1, 0).reshape(5, B, R).max((0, 2)))
+    np.testing.assert_allclose(out[(R + 1) * B], x.sum(), rtol=1e-4, atol=1e-4)
