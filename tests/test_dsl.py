@@ -296,3 +296,34 @@ def test_loop_carried_tuple(tier):
     xm[:, :n] = x
     np.testing.assert_array_equal(out[R * B:(R + 1) * B], xm.transpose(1, 0).reshape(5, B, R).max((0, 2)))
     np.testing.assert_allclose(out[(R + 1) * B], x.sum(), rtol=1e-4, atol=1e-4)
+
+
+@jk.kernel
+def _rows_to_one(x, out, R: jk.constexpr, K: jk.constexpr):
+    # (R, K) summed over K: for R == 1 the reduction's (1,)-shaped result must stay a vector
+    v = jk.load(x + jk.arange(0, R)[:, None] * K + jk.arange(0, K)[None, :])
+    jk.store(out + jk.arange(0, R), jk.sum(v, axis=1))
+
+
+def test_reduce_to_length_one(tier):
+    rng = np.random.default_rng(11)
+    for R in (1, 2):
+        x = rng.standard_normal((R, 8)).astype(np.float32)
+        out = np.zeros(R, np.float32)
+        _run(_rows_to_one, (1,), tier, x, out, R=R, K=8)
+        np.testing.assert_allclose(out, x.sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_dot4_signed_extremes(tier):
+    # the sign trick (|a| as u8, b with a's sign: psignb on SSSE3/AVX2) must be exact for a = -128 and b = -127
+    rng = np.random.default_rng(12)
+    for K in (16, 32, 64):
+        a = rng.integers(-128, 128, (5, K)).astype(np.int8)
+        a[:, :4] = -128
+        a[:, 4:8] = 0
+        b = rng.integers(-127, 128, (5, K)).astype(np.int8)
+        b[:, :8] = -127
+        out = np.zeros((5, K // 4), np.int32)
+        _run(_dot4, (5,), tier, a, b, out, K=K)
+        want = (a.astype(np.int32) * b.astype(np.int32)).reshape(5, K // 4, 4).sum(-1)
+        np.testing.assert_array_equal(out, want)

@@ -1055,6 +1055,8 @@ class CpuLowering:
             res = LV(res.ref, res.et, res.n, oshape)
         if not oshape and res.n:
             res = self.extract(res, 0)
+        elif oshape and res.n == 0:
+            res = self.splat(res, 1, oshape)     # a (1,)-shaped result (e.g. (1, K) summed over K) stays a vector
         return self.from_f32(res, d) if half else res
 
     def op_argreduce(self, op):
@@ -1144,12 +1146,20 @@ class CpuLowering:
             elif self.target.has("avx") and n % 16 == 0:
                 chunk = 16     # SSSE3 pmaddubsw (AVX implies SSSE3)
         if chunk:
+            psign = None
             if ad.is_signed:
-                # u8 x s8 instructions: |a| times b with a's sign (a == 0 gives 0 either way)
+                # u8 x s8 instructions: |a| times b with a's sign (a == 0 gives 0 either way). SSSE3/AVX2 have
+                # psignb for the sign transfer (one instruction per chunk, applied below); AVX-512 has none,
+                # so 512-bit chunks use compare + masked negate.
                 ab = self.val(f"call {a.ty} @{self._abs_decl(a)}({a.ty} {a.ref}, i1 false)", "i8", n)
-                neg = self.val(f"icmp slt {a.ty} {a.ref}, zeroinitializer", "i1", n)
-                nb = self.val(f"sub {b.ty} zeroinitializer, {b.ref}", "i8", n)
-                b = self.val(f"select {neg.ty} {neg.ref}, {b.ty} {nb.ref}, {b.ty} {b.ref}", "i8", n)
+                if chunk == 64:
+                    neg = self.val(f"icmp slt {a.ty} {a.ref}, zeroinitializer", "i1", n)
+                    nb = self.val(f"sub {b.ty} zeroinitializer, {b.ref}", "i8", n)
+                    b = self.val(f"select {neg.ty} {neg.ref}, {b.ty} {nb.ref}, {b.ty} {b.ref}", "i8", n)
+                else:
+                    psign = "llvm.x86.avx2.psign.b" if chunk == 32 else "llvm.x86.ssse3.psign.b.128"
+                    self.declare(psign, vty("i8", chunk), [vty("i8", chunk)] * 2)
+                    sa = a
                 a = ab
             ub, wd = {64: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
                       32: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
@@ -1162,6 +1172,9 @@ class CpuLowering:
             for c in range(n // chunk):
                 ac = self.shuffle(a, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else a
                 bc = self.shuffle(b, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else b
+                if psign:
+                    sc = self.shuffle(sa, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else sa
+                    bc = self.val(f"call {bt} @{psign}({bt} {bc.ref}, {bt} {sc.ref})", "i8", chunk)
                 w = self.val(f"call {wt} @{ub}({bt} {ac.ref}, {bt} {bc.ref})", "i16", chunk // 2)
                 parts.append(self.val(f"call {dt} @{wd}({wt} {w.ref}, {wt} {ones})", "i32", chunk // 4))
             return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
