@@ -1,0 +1,24 @@
+"""The jitkern inference engine. `from engine import LLM, SamplingParams`.
+
+Imports are lazy so that `import engine.tokenizer` (or the server's argument parsing) stays light.
+"""
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "AsyncEngine", "RequestOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+        return SamplingParams
+    if name in ("LLMEngine", "EngineArgs"):
+        from engine import llm_engine
+        return getattr(llm_engine, name)
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    if name == "RequestOutput":
+        from engine.outputs import RequestOutput
+        return RequestOutput
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

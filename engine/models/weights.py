@@ -1,0 +1,115 @@
+"""Weights as the kernels want them: linear layers (dense or GGUF-quantised), norms, embeddings.
+
+Checkpoint bytes are used in place where the kernels can read them (quantised blocks, f32/f16 rows);
+fusing q/k/v or gate/up into one matrix, transposing GPT-2's Conv1D weights or widening bf16 vectors
+copies, and those copies are reported through `note_host_copy` (JITKERN_LOAD_STATS).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+from engine.loader import QUANT_TYPES, TensorRef, bf16_to_f32, note_host_copy
+
+
+def _aligned(a: np.ndarray, itemsize: int) -> np.ndarray:
+    """Kernels assume element alignment; a mis-aligned mapped view is copied (and counted)."""
+    if a.ctypes.data % itemsize == 0 and a.flags.c_contiguous:
+        return a
+    note_host_copy(a.nbytes)
+    return np.ascontiguousarray(a).copy()
+
+
+def vector_f32(t: TensorRef) -> np.ndarray:
+    """A 1-D/2-D float tensor (norm weights, biases, small tables) as f32."""
+    if t.dtype == "f32":
+        return _aligned(t.raw, 4)
+    if t.dtype == "f16":
+        note_host_copy(t.raw.size * 4)
+        return t.raw.astype(np.float32)
+    if t.dtype == "bf16":
+        note_host_copy(t.raw.size * 4)
+        return bf16_to_f32(t.raw)
+    if t.dtype in QUANT_TYPES:
+        note_host_copy(int(np.prod(t.shape)) * 4)
+        return t.to_numpy_f32().astype(np.float32)
+    raise ModelLoadError(f"unsupported dtype {t.dtype} for a norm/bias vector", path=t.file, tensor=t.name)
+
+
+class Linear:
+    """y = x @ W^T (+ b). W is (N, K): f32 / f16 / bf16 (uint16 storage) or GGUF-quantised raw blocks."""
+
+    def __init__(self, weight, kind: str, n: int, k: int, bias: np.ndarray | None = None, name: str = ""):
+        self.weight = weight
+        self.kind = kind            # "f32" | "f16" | "bf16" | one of QUANT_TYPES
+        self.n, self.k = n, k
+        self.bias = bias
+        self.name = name
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind in QUANT_TYPES
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.weight.nbytes)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if self.quantized:
+            from jitkern.ops.quant import matmul_q
+            y = matmul_q(x, self.weight, self.kind, self.n, self.k, out=out)
+            if self.bias is not None:
+                from jitkern.ops.activation import add
+                add(y, _bias_rows(self.bias, y.shape[0]), out=y)
+            return y
+        from jitkern.ops.matmul import linear
+        return linear(x, self.weight, bias=self.bias, out=out, **({"w_dtype": "bf16"} if self.kind == "bf16" else {}))
+
+
+def _bias_rows(b: np.ndarray, rows: int) -> np.ndarray:
+    """A (rows, N) broadcast view of a bias (stride 0) for the add kernel."""
+    return np.lib.stride_tricks.as_strided(b, shape=(rows, b.shape[0]), strides=(0, b.strides[0]))
+
+
+def linear_from(tensors: list, name: str, transpose: bool = False, biases: list | None = None) -> Linear:
+    """One Linear from one or more (N_i, K) tensors stacked along N (fused qkv / gate_up)."""
+    kinds = {t.dtype for t in tensors}
+    if len(kinds) != 1:
+        raise ModelLoadError(f"cannot fuse tensors of different types {sorted(kinds)}", path=tensors[0].file,
+                             tensor=", ".join(t.name for t in tensors))
+    kind = kinds.pop()
+    bias = None
+    if biases:
+        bias = np.concatenate([vector_f32(b) for b in biases]).astype(np.float32) if len(biases) > 1 \
+            else vector_f32(biases[0])
+    if kind in QUANT_TYPES:
+        if transpose:
+            raise ModelLoadError("a transposed quantised weight is not supported", path=tensors[0].file,
+                                 tensor=tensors[0].name)
+        k = tensors[0].shape[-1]
+        for t in tensors:
+            if t.shape[-1] != k:
+                raise ModelLoadError(f"fused tensors disagree on the input size ({t.shape[-1]} vs {k})",
+                                     path=t.file, tensor=t.name)
+        raws = [t.raw.reshape(t.shape[0], -1) for t in tensors]
+        if len(raws) == 1:
+            w = raws[0]
+        else:
+            w = np.concatenate(raws, axis=0)
+            note_host_copy(w.nbytes)
+        return Linear(np.ascontiguousarray(w), kind, sum(t.shape[0] for t in tensors), k, bias, name)
+    if kind not in ("f32", "f16", "bf16"):
+        raise ModelLoadError(f"unsupported weight dtype {kind}", path=tensors[0].file, tensor=tensors[0].name)
+    mats = []
+    for t in tensors:
+        a = t.raw.reshape(t.shape)
+        if transpose:
+            a = np.ascontiguousarray(a.T)
+            note_host_copy(a.nbytes)
+        mats.append(a)
+    if len(mats) == 1:
+        w = _aligned(mats[0], mats[0].itemsize)
+    else:
+        w = np.concatenate(mats, axis=0)
+        note_host_copy(w.nbytes)
+    return Linear(w, kind, w.shape[0], w.shape[1], bias, name)
