@@ -1,0 +1,488 @@
+"""Model hyper-parameters, read from a HF ``config.json`` or from a GGUF's metadata.
+
+One ``ModelConfig`` describes the transformer the model code builds. Both sources use different
+names for the same facts (``num_hidden_layers`` vs ``llama.block_count``); this module is the only
+place that knows both spellings.
+
+A key a file omits takes the *architecture's* default (the value HF's config class for that
+model_type would use), never a neutral one -- a Gemma-3 config.json without ``sliding_window`` still
+gets Gemma-3's 4096-token window. The core dimensions (vocab size, hidden size, layers, heads) have
+no safe default: a file without them is refused, naming the key and the file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.errors import ModelLoadError
+
+# HF model_type -> our architecture name. Families that share llama's maths keep their own name so
+# the model registry can still refuse or special-case them by name.
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "gpt2": "gpt2",
+}
+
+# Defaults of HF's config classes (LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig,
+# GPT2Config) for the keys we read. tests/test_loader.py checks them against transformers.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                  bos_token_id=1, eos_token_id=2),
+    "mistral": dict(max_position_embeddings=4096 * 32, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=8,
+                    tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
+                    bos_token_id=1, eos_token_id=2),
+    "qwen2": dict(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=32,
+                  tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=32,
+                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28, head_dim=128),
+    "gemma3": dict(max_position_embeddings=131072, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                   num_key_value_heads=4,
+                   attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                   sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
+                   head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "gpt2": dict(n_positions=1024, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                 activation_function="gelu_new", bos_token_id=50256, eos_token_id=50256),
+}
+_GENERIC_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass
+class ModelConfig:
+    """What the model code needs to know about a checkpoint's transformer.
+
+    Shapes as the maths sees them: q_proj is (num_heads*head_dim, hidden_size), k/v_proj
+    (num_kv_heads*head_dim, hidden_size), gate/up (intermediate_size, hidden_size).
+    ``layer_types`` has one entry per layer, FULL_ATTENTION or SLIDING_ATTENTION; sliding layers
+    attend to the last ``sliding_window`` positions. ``eos_token_ids`` is config.json's eos id(s)
+    as a list (see ``engine.tokenizer.stop_token_ids`` for the merged stop set).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float | None = 10000.0          # None: no rotary embedding (GPT-2's learned positions)
+    rope_scaling: dict | None = None            # HF-style dict with "rope_type" ("linear", "yarn", "llama3", ...)
+    rope_local_theta: float | None = None       # Gemma-3's sliding layers use their own base (10k)
+    rotary_dim: int | None = None               # rotated dims per head (== head_dim unless partial)
+    rms_norm_eps: float = 1e-6
+    layer_norm_eps: float | None = None         # GPT-2 uses LayerNorm (with bias) instead of RMSNorm
+    norm_type: str = "rms"                      # "rms" | "layernorm"
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    query_pre_attn_scalar: float | None = None  # attention scale is query_pre_attn_scalar**-0.5 when set
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+    attention_bias: bool = False                # bias on q/k/v projections (Qwen2: yes)
+    mlp_bias: bool = False
+    qk_norm: bool = False                       # RMSNorm over each head of q and k (Qwen3, Gemma-3)
+    position_embedding: str = "rope"            # "rope" | "learned"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    source: str = ""                            # the file this was read from
+    extra: dict = field(default_factory=dict, repr=False)  # the raw config, for model-specific keys
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor q.k is multiplied by before the softmax."""
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(t == SLIDING_ATTENTION for t in self.layer_types)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("extra")
+        return out
+
+    # ------------------------------------------------------------------ HF config.json
+
+    @classmethod
+    def from_hf_config_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError("config.json not found", path=path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"cannot parse JSON: {exc}", path=path) from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError("config.json is not a JSON object", path=path)
+        return cls.from_hf_config(raw, source=str(path))
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a parsed HF config.json (Llama, Mistral, Qwen2, Qwen3, Gemma-3, GPT-2, ...).
+
+        Gemma-3 multimodal configs nest the text tower under ``text_config``; its keys win over the
+        top level. GPT-2's n_embd / n_layer / n_head / n_positions / n_inner are understood.
+        """
+        top = dict(config)
+        model_type = top.get("model_type")
+        if not model_type:
+            raise ModelLoadError("missing 'model_type' (cannot tell the architecture)", path=source,
+                                 key="model_type")
+        text = dict(top)
+        if isinstance(top.get("text_config"), dict):
+            text.update(top["text_config"])
+        arch = _HF_MODEL_TYPES.get(model_type, model_type)
+        defaults = _HF_DEFAULTS.get(arch, _GENERIC_DEFAULTS)
+
+        def get(key, *alts, default=KeyError):
+            for k in (key, *alts):
+                if k in text and text[k] is not None:
+                    return text[k]
+            for k in (key, *alts):
+                if k in text:       # an explicit null: keep it (it disables e.g. a window)
+                    return None
+            for k in (key, *alts):
+                if k in defaults:
+                    return defaults[k]
+            if default is KeyError:
+                raise ModelLoadError(f"missing required key {key!r} for architecture {arch!r}",
+                                     path=source, key=key)
+            return default
+
+        if arch == "gpt2":
+            hidden = int(get("n_embd", "hidden_size"))
+            num_layers = int(get("n_layer", "num_hidden_layers"))
+            num_heads = int(get("n_head", "num_attention_heads"))
+            n_inner = get("n_inner", default=None)
+            intermediate = int(n_inner) if n_inner else 4 * hidden
+            max_pos = int(get("n_positions", "max_position_embeddings"))
+            rope_theta = None
+            num_kv = num_heads
+            head_dim = hidden // num_heads
+        else:
+            hidden = int(get("hidden_size"))
+            num_layers = int(get("num_hidden_layers"))
+            num_heads = int(get("num_attention_heads"))
+            intermediate = int(get("intermediate_size"))
+            max_pos = int(get("max_position_embeddings"))
+            num_kv = get("num_key_value_heads", default=None)
+            num_kv = int(num_kv) if num_kv is not None else num_heads
+            head_dim = get("head_dim", default=None)
+            head_dim = int(head_dim) if head_dim else hidden // num_heads
+            rope_theta = get("rope_theta", default=10000.0)
+        vocab = int(get("vocab_size"))
+        _check_positive(source, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers,
+                        num_attention_heads=num_heads, num_key_value_heads=num_kv, head_dim=head_dim)
+        if num_heads % num_kv:
+            raise ModelLoadError(f"num_attention_heads ({num_heads}) is not a multiple of "
+                                 f"num_key_value_heads ({num_kv})", path=source, key="num_key_value_heads")
+
+        # Rotary parameters: transformers v5 writes `rope_parameters` (possibly one dict per layer
+        # type), older files `rope_theta` + `rope_scaling`.
+        rope_scaling = text.get("rope_scaling")
+        rope_local = get("rope_local_base_freq", default=None)
+        params = text.get("rope_parameters")
+        if isinstance(params, dict) and arch != "gpt2":
+            if FULL_ATTENTION in params or SLIDING_ATTENTION in params:
+                full = params.get(FULL_ATTENTION) or {}
+                slide = params.get(SLIDING_ATTENTION) or {}
+                rope_theta = full.get("rope_theta", rope_theta)
+                rope_local = slide.get("rope_theta", rope_local)
+                params = full
+            else:
+                rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = params
+        rope_scaling = _normalise_rope_scaling(rope_scaling)
+        partial = get("partial_rotary_factor", default=None)
+        rotary_dim = int(head_dim * partial) if (partial and rope_theta is not None) else (
+            head_dim if rope_theta is not None else None)
+
+        # Which layers slide.
+        sliding_window = get("sliding_window", default=None)
+        layer_types = text.get("layer_types")
+        if arch in ("qwen2", "qwen3"):
+            if not get("use_sliding_window", default=False):
+                sliding_window = None
+            if layer_types is None:
+                mwl = int(get("max_window_layers", default=num_layers))
+                layer_types = [SLIDING_ATTENTION if sliding_window is not None and i >= mwl else FULL_ATTENTION
+                               for i in range(num_layers)]
+        elif arch == "gemma3" and layer_types is None:
+            pattern = int(get("sliding_window_pattern", default=6))
+            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+        if layer_types is None:
+            kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
+            layer_types = [kind] * num_layers
+        layer_types = list(layer_types)
+        if len(layer_types) != num_layers:
+            raise ModelLoadError(f"layer_types has {len(layer_types)} entries but the model has "
+                                 f"{num_layers} layers", path=source, key="layer_types")
+        if SLIDING_ATTENTION in layer_types and not sliding_window:
+            raise ModelLoadError("layer_types names sliding layers but sliding_window is not set",
+                                 path=source, key="sliding_window")
+
+        eos = get("eos_token_id", default=None)
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
+            rope_theta=float(rope_theta) if rope_theta is not None else None,
+            rope_scaling=rope_scaling,
+            rope_local_theta=float(rope_local) if rope_local is not None else None,
+            rotary_dim=rotary_dim,
+            rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
+            layer_norm_eps=float(get("layer_norm_epsilon")) if arch == "gpt2" else None,
+            norm_type="layernorm" if arch == "gpt2" else "rms",
+            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=layer_types,
+            query_pre_attn_scalar=_opt_float(get("query_pre_attn_scalar", default=None)),
+            final_logit_softcapping=_opt_float(get("final_logit_softcapping", default=None)),
+            attn_logit_softcapping=_opt_float(get("attn_logit_softcapping", default=None)),
+            hidden_act=str(get("hidden_activation", "hidden_act", "activation_function", default="silu")),
+            attention_bias=True if arch == "qwen2" else bool(get("attention_bias", default=False)),
+            mlp_bias=bool(get("mlp_bias", default=False)),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            position_embedding="learned" if arch == "gpt2" else "rope",
+            bos_token_id=_opt_int(get("bos_token_id", default=None)),
+            eos_token_ids=_id_list(eos),
+            pad_token_id=_opt_int(get("pad_token_id", default=None)),
+            source=str(source),
+            extra=dict(config),
+        )
+
+    # ------------------------------------------------------------------ GGUF metadata
+
+    @classmethod
+    def from_gguf_metadata(cls, reader: Any, source: str | None = None,
+                           tensor_names: list[str] | None = None) -> "ModelConfig":
+        """Build from a GGUF's metadata (llama.cpp key names, e.g. ``llama.block_count``).
+
+        ``reader`` is a ``gguf.GGUFReader`` (its tensors decide ``tie_word_embeddings``: a file
+        without ``output.weight`` shares the embedding) or a plain ``{key: value}`` mapping, with
+        ``tensor_names`` then given separately.
+        """
+        if hasattr(reader, "fields"):
+            meta = _GGUFMeta(reader)
+            if tensor_names is None:
+                tensor_names = [t.name for t in reader.tensors]
+            if source is None:
+                source = str(getattr(getattr(reader, "data", None), "filename", None) or "<gguf>")
+        else:
+            meta = dict(reader)
+        source = source or "<gguf>"
+
+        def get(key, default=KeyError):
+            if key in meta:
+                return meta[key]
+            if default is KeyError:
+                raise ModelLoadError(f"missing required GGUF metadata key {key!r}", path=source, key=key)
+            return default
+
+        arch = str(get("general.architecture"))
+        p = arch + "."
+        hidden = int(get(p + "embedding_length"))
+        num_layers = int(get(p + "block_count"))
+        num_heads = _uniform(get(p + "attention.head_count"), p + "attention.head_count", source)
+        num_kv = _uniform(get(p + "attention.head_count_kv", num_heads), p + "attention.head_count_kv", source)
+        ffn = _uniform(get(p + "feed_forward_length", 4 * hidden if arch == "gpt2" else KeyError),
+                       p + "feed_forward_length", source)
+        max_pos = int(get(p + "context_length"))
+        head_dim = int(get(p + "attention.key_length", hidden // num_heads if num_heads else 0))
+        vocab = get(p + "vocab_size", None)
+        if vocab is None:
+            tokens = meta.get("tokenizer.ggml.tokens") if not isinstance(meta, _GGUFMeta) else meta.array_len(
+                "tokenizer.ggml.tokens")
+            vocab = len(tokens) if isinstance(tokens, list) else tokens
+        if vocab is None:
+            raise ModelLoadError(f"cannot tell the vocabulary size: neither {p}vocab_size nor "
+                                 "tokenizer.ggml.tokens is present", path=source, key=p + "vocab_size")
+        vocab = int(vocab)
+        _check_positive(source, **{p + "embedding_length": hidden, p + "block_count": num_layers,
+                                   p + "attention.head_count": num_heads,
+                                   p + "attention.head_count_kv": num_kv, "vocab_size": vocab})
+        if num_heads % num_kv:
+            raise ModelLoadError(f"head_count ({num_heads}) is not a multiple of head_count_kv ({num_kv})",
+                                 path=source, key=p + "attention.head_count_kv")
+
+        if arch == "gpt2":
+            rope_theta = None
+            rms_eps = 1e-6
+            ln_eps = float(get(p + "attention.layer_norm_epsilon"))
+        else:
+            rope_theta = float(get(p + "rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0))
+            rms_eps = float(get(p + "attention.layer_norm_rms_epsilon"))
+            ln_eps = None
+        rotary_dim = int(get(p + "rope.dimension_count", head_dim)) if rope_theta is not None else None
+
+        rope_scaling = None
+        scaling_type = get(p + "rope.scaling.type", None)
+        factor = get(p + "rope.scaling.factor", None)
+        if factor is None and get(p + "rope.scale_linear", None) is not None:   # older files
+            scaling_type, factor = "linear", get(p + "rope.scale_linear")
+        if scaling_type not in (None, "none") and factor is not None:
+            rope_scaling = {"rope_type": str(scaling_type), "factor": float(factor)}
+            orig = get(p + "rope.scaling.original_context_length", None)
+            if orig is not None:
+                rope_scaling["original_max_position_embeddings"] = int(orig)
+            attn_factor = get(p + "rope.scaling.attn_factor", None)
+            if attn_factor is not None:
+                rope_scaling["attention_factor"] = float(attn_factor)
+
+        sliding_window = get(p + "attention.sliding_window", None)
+        rope_local = None
+        query_pre_attn_scalar = None
+        if arch == "gemma3":
+            # llama.cpp hard-codes Gemma-3's layout: every 6th layer global, the rest a 4096 window
+            # with rope base 10k; the query scale is 1/sqrt(head_dim) except for the 27B
+            # (62 layers), which uses 1/sqrt(hidden/heads). None of these are in the file.
+            sliding_window = int(sliding_window) if sliding_window else 4096
+            layer_types = [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(num_layers)]
+            rope_local = 10000.0
+            query_pre_attn_scalar = float(hidden // num_heads) if num_layers == 62 else float(head_dim)
+        else:
+            kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
+            layer_types = [kind] * num_layers
+
+        names = set(tensor_names or ())
+        tie = bool(names) and "output.weight" not in names
+        eos = get("tokenizer.ggml.eos_token_id", None)
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_local_theta=rope_local,
+            rotary_dim=rotary_dim,
+            rms_norm_eps=rms_eps,
+            layer_norm_eps=ln_eps,
+            norm_type="layernorm" if arch == "gpt2" else "rms",
+            tie_word_embeddings=tie,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=layer_types,
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            final_logit_softcapping=_opt_float(get(p + "final_logit_softcapping", None)),
+            attn_logit_softcapping=_opt_float(get(p + "attn_logit_softcapping", None)),
+            hidden_act={"gemma3": "gelu_pytorch_tanh", "gpt2": "gelu_new"}.get(arch, "silu"),
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+            mlp_bias="blk.0.ffn_up.bias" in names and arch != "gpt2",
+            qk_norm="blk.0.attn_q_norm.weight" in names or arch in ("qwen3", "gemma3"),
+            position_embedding="learned" if arch == "gpt2" else "rope",
+            bos_token_id=_opt_int(get("tokenizer.ggml.bos_token_id", None)),
+            eos_token_ids=_id_list(eos),
+            pad_token_id=_opt_int(get("tokenizer.ggml.padding_token_id", None)),
+            source=str(source),
+            extra={},
+        )
+
+
+class _GGUFMeta:
+    """Lazy ``key in meta`` / ``meta[key]`` over a GGUFReader's fields (python values)."""
+
+    def __init__(self, reader):
+        self._fields = reader.fields
+
+    def __contains__(self, key):
+        return key in self._fields
+
+    def __getitem__(self, key):
+        return gguf_field_value(self._fields[key])
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def array_len(self, key):
+        f = self._fields.get(key)
+        return None if f is None else len(f.data)
+
+
+def gguf_field_value(field) -> Any:
+    """A GGUF metadata field as a Python value (str, int, float, bool, or list of those)."""
+    value = field.contents()
+    if hasattr(value, "item"):
+        value = value.item()
+    return value
+
+
+def _uniform(value, key: str, source: str) -> int:
+    """A per-layer array (some converters write one value per layer) must be uniform here."""
+    if isinstance(value, (list, tuple)):
+        if not value or any(v != value[0] for v in value):
+            raise ModelLoadError(f"per-layer values {list(value)[:8]}... differ; only uniform layers are "
+                                 "supported", path=source, key=key)
+        value = value[0]
+    return int(value)
+
+
+def _check_positive(source: str, **values: int) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise ModelLoadError(f"{key} must be positive, got {value}", path=source, key=key)
+
+
+def _normalise_rope_scaling(scaling: Any) -> dict | None:
+    if not isinstance(scaling, dict):
+        return None
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    scaling["rope_type"] = kind
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    return scaling
+
+
+def _opt_float(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def _opt_int(v) -> int | None:
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    return None if v is None else int(v)
+
+
+def _id_list(v) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return [int(x) for x in v]
+    return [int(v)]
