@@ -327,3 +327,30 @@ def test_dot4_signed_extremes(tier):
         _run(_dot4, (5,), tier, a, b, out, K=K)
         want = (a.astype(np.int32) * b.astype(np.int32)).reshape(5, K // 4, 4).sum(-1)
         np.testing.assert_array_equal(out, want)
+
+
+@jk.kernel
+def _row_splat(a, out, M, K, k, BM: jk.constexpr, BN: jk.constexpr):
+    # a pointer tile broadcast along its last axis (stride 0): one scalar load per row, splatted; the last
+    # row block is shifted back with a scalar jk.minimum, which must keep the offsets affine
+    row0 = jk.minimum(jk.program_id(0) * BM, M - BM)
+    rows = row0 + jk.arange(0, BM)
+    cols = jk.arange(0, BN)
+    v = jk.load(jk.broadcast_to(a + rows[:, None] * K + k, (BM, BN)))
+    m = (cols[None, :] % 3 != 1) & (rows[:, None] % 2 == 0)
+    w = jk.load(jk.broadcast_to(a + rows[:, None] * K + k + 1, (BM, BN)), mask=m, other=-5.0)
+    jk.store(out + rows[:, None] * (2 * BN) + cols[None, :], v)
+    jk.store(out + rows[:, None] * (2 * BN) + BN + cols[None, :], w)
+
+
+def test_stride0_load_is_row_splat_and_scalar_min_stays_affine(tier):
+    rng = np.random.default_rng(13)
+    M, K, k, BM, BN = 11, 7, 3, 4, 8
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    out = np.zeros((M, 2 * BN), np.float32)
+    ck = _run(_row_splat, (3,), tier, a, out, M, K, k, BM=BM, BN=BN)
+    np.testing.assert_array_equal(out[:, :BN], np.repeat(a[:, k:k + 1], BN, 1))
+    m = (np.arange(BN)[None, :] % 3 != 1) & (np.arange(M)[:, None] % 2 == 0)
+    np.testing.assert_array_equal(out[:, BN:], np.where(m, a[:, k + 1:k + 2], -5.0))
+    ll = ck.artifacts["kernel.ll"].decode()
+    assert "masked.gather" not in ll and "masked.scatter" not in ll
