@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: `gunicorn server.app` or `python -m server --model ... --port ...`."""

@@ -1,0 +1,138 @@
+"""`python -m server --model DIR --port P ...`: the seeds' server flags, turned into JITKERN_* variables,
+then gunicorn (one gthread worker, server/gunicorn_conf.py) serving `server.app`.
+
+Flags are checked here, before gunicorn starts, so a typo is one clear line and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from server.settings import KV_CACHE_DTYPES, SCHEDULING_POLICIES, ServerSettings
+
+# Flags of `vllm serve` recipes that are accepted and have no effect here (a notice is printed).
+INERT_FLAGS = ("--trust-remote-code", "--enable-auto-tool-choice", "--disable-frontend-multiprocessing")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description="OpenAI-compatible server (gunicorn + Falcon) "
+                                "for the jitkern engine.")
+    p.add_argument("--model", help="model directory (safetensors) or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--host", default="0.0.0.0", help="bind host (default 0.0.0.0)")
+    p.add_argument("--port", type=_port, default=8000, help="bind port (default 8000)")
+    p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: model name)")
+    p.add_argument("--tokenizer-config", help="tokenizer_config.json with the chat template")
+    p.add_argument("--block-size", type=_positive, help="KV block size in tokens")
+    p.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
+    p.add_argument("--kv-cache-memory", type=_positive, help="bytes for the KV pool when --num-blocks is not given")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="KV-cache element type")
+    p.add_argument("--max-model-len", type=_non_negative, help="max sequence length (0: the model's, fitted to "
+                   "the KV pool)")
+    p.add_argument("--max-num-seqs", type=_positive, help="max concurrent sequences in a batch")
+    p.add_argument("--max-num-batched-tokens", type=_non_negative, help="per-step token budget (0: default)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="automatic prefix caching (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    p.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs a request may ask for")
+    p.add_argument("--seed", type=int, help="engine random seed")
+    logs = p.add_mutually_exclusive_group()
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
+                      help="log each request (default)")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false")
+    p.add_argument("--enable-log-outputs", action="store_true", help="also log generated outputs")
+    p.add_argument("--max-log-len", type=_non_negative, default=256, help="truncate logged prompts/outputs to N "
+                   "characters (default 256)")
+    metrics = p.add_mutually_exclusive_group()
+    metrics.add_argument("--enable-metrics", dest="enable_metrics", action="store_true", default=True)
+    metrics.add_argument("--disable-metrics", dest="enable_metrics", action="store_false")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set JITKERN_API_KEY)")
+    p.add_argument("--max-body-bytes", type=_positive, help="larger request bodies are answered 413 (default 32 MiB)")
+    p.add_argument("--threads", type=_positive, help="HTTP threads of the worker (default max-num-seqs + 32)")
+    p.add_argument("--graceful-timeout", type=_positive, help="seconds in-flight requests get after SIGTERM "
+                   "(default 30)")
+    p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
+    for flag in INERT_FLAGS:
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        model=args.model, served_model_name=args.served_model_name, tokenizer_config=args.tokenizer_config,
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len or None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens or None,
+        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs, seed=args.seed, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
+        log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
+        enable_metrics=args.enable_metrics, verbose=args.verbose,
+        max_body_bytes=args.max_body_bytes or ServerSettings.max_body_bytes)
+
+
+def gunicorn_command(args: argparse.Namespace) -> tuple[list, dict]:
+    """(argv, environment) that start gunicorn serving these settings."""
+    settings = settings_from_args(args)
+    env = dict(os.environ)
+    # Start from a clean slate of engine/server variables: the flags say everything.
+    for name in list(env):
+        if name.startswith("JITKERN_") and name[len("JITKERN_"):].lower() in ServerSettings._KINDS \
+                and name not in ("JITKERN_ENGINE_FACTORY", "JITKERN_SSE_PING_S", "JITKERN_DRAIN_TIMEOUT_S"):
+            del env[name]
+    env.update(settings.to_env())
+    env["JITKERN_HOST"] = args.host
+    env["JITKERN_PORT"] = str(args.port)
+    if args.threads:
+        env["JITKERN_THREADS"] = str(args.threads)
+    if args.graceful_timeout:
+        env["JITKERN_GRACEFUL_TIMEOUT"] = str(args.graceful_timeout)
+    # The repo root (or wherever `server` is installed) must be importable from gunicorn's worker.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    argv = [sys.executable, "-m", "gunicorn", "--config", "python:server.gunicorn_conf", "server.app"]
+    return argv, env
+
+
+def main(argv: list | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in INERT_FLAGS:
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            print(f"note: {flag} has no effect on this server", file=sys.stderr)
+    if args.model is not None and not Path(args.model).exists():
+        parser.error(f"--model {args.model}: no such file or directory")
+    if args.tokenizer_config is not None and not Path(args.tokenizer_config).is_file():
+        parser.error(f"--tokenizer-config {args.tokenizer_config}: no such file")
+    command, env = gunicorn_command(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(command[0], command, env)
+    return 0   # not reached

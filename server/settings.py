@@ -1,0 +1,175 @@
+"""Server settings, read from `JITKERN_*` environment variables.
+
+`python -m server --flag ...` turns its flags into these variables and execs gunicorn, whose one worker
+builds the app from them (`server.app`); `gunicorn server.app` alone reads the same variables. A bad value
+is reported naming the variable, not as a traceback.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
+
+ENV_PREFIX = "JITKERN_"
+
+
+class SettingsError(ValueError):
+    """A JITKERN_* variable has a value the server cannot use; the message names the variable."""
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={text!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _parse_int(name: str, text: str, low: int | None = None) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={text!r}: expected an integer") from None
+    if low is not None and value < low:
+        raise SettingsError(f"{name}={value}: must be at least {low}")
+    return value
+
+
+def _parse_float(name: str, text: str, low: float | None = None) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={text!r}: expected a number") from None
+    if value != value or (low is not None and value < low):
+        raise SettingsError(f"{name}={text!r}: must be a number >= {low}")
+    return value
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("f32", "f16")
+
+
+@dataclass
+class ServerSettings:
+    # engine (None: the engine's own default)
+    model: Optional[str] = None                  # JITKERN_MODEL; None: the embedded SmolLM2
+    served_model_name: Optional[str] = None      # JITKERN_SERVED_MODEL_NAME; default: model file/dir name
+    tokenizer_config: Optional[str] = None
+    block_size: Optional[int] = None
+    num_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    kv_cache_dtype: Optional[str] = None
+    max_model_len: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: Optional[bool] = None
+    scheduling_policy: str = "fcfs"
+    max_logprobs: Optional[int] = None
+    seed: Optional[int] = None
+    # server
+    api_key: Optional[str] = None
+    log_requests: bool = True
+    log_outputs: bool = False
+    max_log_len: int = 256
+    enable_metrics: bool = True
+    verbose: bool = False
+    max_body_bytes: int = 32 << 20              # larger request bodies are answered 413
+    sse_ping_s: float = 15.0                     # SSE comment frame while a stream waits; 0: off
+    drain_timeout_s: float = 25.0                # after SIGTERM, streams still running this long are ended
+    # For tests: "module:callable" returning an AsyncEngine-like object, called with these settings.
+    engine_factory: Optional[str] = None
+
+    # name -> (kind, extra check)
+    _KINDS = {
+        "model": "str", "served_model_name": "str", "tokenizer_config": "str", "block_size": "pos_int",
+        "num_blocks": "pos_int", "kv_cache_memory": "pos_int", "kv_cache_dtype": "kv_dtype",
+        "max_model_len": "len_int", "max_num_seqs": "pos_int", "max_num_batched_tokens": "len_int",
+        "enable_prefix_caching": "bool", "scheduling_policy": "policy", "max_logprobs": "logprobs_int",
+        "seed": "int", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
+        "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
+        "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "engine_factory": "str",
+    }
+
+    @classmethod
+    def env_name(cls, field_name: str) -> str:
+        return ENV_PREFIX + field_name.upper()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServerSettings":
+        environ = os.environ if environ is None else environ
+        values: dict = {}
+        for f in fields(cls):
+            kind = cls._KINDS.get(f.name)
+            if kind is None:
+                continue
+            name = cls.env_name(f.name)
+            text = environ.get(name)
+            if text is None or text == "":
+                continue
+            values[f.name] = _parse(kind, name, text)
+        return cls(**values)
+
+    def to_env(self) -> dict:
+        """The variables that reproduce these settings (for handing them to the gunicorn worker)."""
+        env = {}
+        for f in fields(self):
+            if f.name not in self._KINDS:
+                continue
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            env[self.env_name(f.name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return env
+
+    def engine_kwargs(self) -> dict:
+        """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
+        names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
+                 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                 "scheduling_policy", "max_logprobs", "seed")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+def _parse(kind: str, name: str, text: str):
+    if kind == "str":
+        return text
+    if kind == "bool":
+        return _parse_bool(name, text)
+    if kind == "int":
+        return _parse_int(name, text)
+    if kind == "pos_int":
+        return _parse_int(name, text, low=1)
+    if kind == "nonneg_int":
+        return _parse_int(name, text, low=0)
+    if kind == "len_int":
+        value = _parse_int(name, text, low=0)
+        return value or None          # 0 means "the default" (the seeds' --max-model-len 0)
+    if kind == "logprobs_int":
+        return _parse_int(name, text, low=-1)
+    if kind == "nonneg_float":
+        return _parse_float(name, text, low=0.0)
+    if kind == "policy":
+        if text not in SCHEDULING_POLICIES:
+            raise SettingsError(f"{name}={text!r}: expected one of {', '.join(SCHEDULING_POLICIES)}")
+        return text
+    if kind == "kv_dtype":
+        if text not in KV_CACHE_DTYPES:
+            raise SettingsError(f"{name}={text!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        return text
+    raise AssertionError(kind)
+
+
+def env_int(name: str, default: int, low: int = 0, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    return _parse_int(name, text, low=low)
+
+
+def env_float(name: str, default: float, low: float = 0.0, environ: Mapping[str, str] | None = None) -> float:
+    environ = os.environ if environ is None else environ
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    return _parse_float(name, text, low=low)
