@@ -53,7 +53,7 @@ def make_model_dir(arch: str, path: str, seed: int = 0):
     import transformers as tf
     torch.manual_seed(seed)
     cfg = make_config(arch)
-    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # random init of norms (HF initialises them to 1 / 0, which would hide a wrong norm formula)
     with torch.no_grad():
         for name, p in model.named_parameters():

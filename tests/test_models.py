@@ -41,7 +41,7 @@ def test_logits_match_transformers(model):
     prompt = _prompts(1, seed=1)[0] + list(range(5, 35))
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16)   # forces chunked prefill
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16, max_logprobs=-1)  # chunked prefill
     try:
         out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
                                                     detokenize=False))[0]
