@@ -159,6 +159,7 @@ class Generation:
         self.closed = False
         self._lock = threading.Lock()
         self.aborted_by_server = False
+        self._last_check = time.monotonic()
 
     # ----------------------------------------------------------------------------------- lifecycle
     def submit(self) -> None:
@@ -209,12 +210,15 @@ class Generation:
         """Next engine event; _TIMEOUT when a keepalive is due. Raises _ClientGone when the client left."""
         while True:
             now = time.monotonic()
+            if now - self._last_check >= POLL_S:
+                # Looked at on a clock, not only when idle: tokens may keep coming for a client long gone.
+                self._last_check = now
+                if client_gone(self.environ):
+                    raise _ClientGone()
             timeout = POLL_S if deadline_ping is None else max(0.0, min(POLL_S, deadline_ping - now))
             ev = self.events.next(timeout)
             if ev is not _TIMEOUT:
                 return ev
-            if client_gone(self.environ):
-                raise _ClientGone()
             if deadline_ping is not None and time.monotonic() >= deadline_ping:
                 return _TIMEOUT
 
