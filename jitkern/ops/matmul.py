@@ -1,0 +1,426 @@
+"""Dense matrix products: `linear` (y = x @ w^T + bias, the transformer projection), `matmul` (a @ b).
+
+Two kernel families, both accumulating in f32:
+
+- `_rows_kernel`, the *dot-product* form for weights as stored ([N, K], row-major, f32/f16/bf16): each
+  program owns a (BM, BN) block of y and keeps a (BM, BN, V) accumulator (V = SIMD lanes) that it reduces
+  over lanes once at the end. Every load is a full contiguous vector, weights are read exactly once per
+  program, so for M = 1 (GEMV, bandwidth-bound) it streams the weights once in total.
+- `_gemm_kernel`, the *outer-product* register-blocked microkernel on weights packed into column panels
+  (`pack_weight`): panel p holds columns [p*BN, (p+1)*BN) of B = w^T as K contiguous rows of BN values
+  (zero-padded past N). Per k it loads one row of the panel (BN/V vectors) and broadcasts one value of x per
+  output row straight from memory (an FMA with a broadcast operand on x86), keeping a (BM, BN) accumulator
+  in registers: BM*BN/V FMAs per BM + BN/V loads. The packed panel is read contiguously, which avoids the
+  cache-set conflicts a power-of-two row stride causes in plain row-major B (2x at N = 512 on znver4).
+
+Edge handling without masks in the hot loops: the last block of rows (and of columns in the dot form)
+is shifted back to end at M (N) and overlaps its neighbour, which recomputes and rewrites identical values;
+so block sizes never exceed M (N) and the wrapper picks them accordingly. K tails run in a separate short
+loop (outer-product) or one masked step (dot form). Packed panels are zero-padded so their loads need no
+mask; only the last column panel's store is masked.
+
+Tile sizes come from the tier's vector width (`target.vector_bits`): with V lanes per register, the
+outer-product tile is (BM, 2V), with BM*2 accumulator registers: 8 x 32 on AVX-512 (16 of 32 zmm), 6 x 16
+on AVX2 (12 of 16 ymm; 6 rows = a 4-row plus a 2-row accumulator because LLVM only legalises
+power-of-two vectors well), 4 x 8 on SSE2/portable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import jitkern as jk
+from jitkern.ir import bf16 as _BF16
+from jitkern.jit import Pointer
+from jitkern.runtime.cpu import runtime_target
+from jitkern.runtime.launch import launch
+from targets import get_target
+
+__all__ = ["linear", "linear_packed", "matmul", "pack_weight", "PackedWeight"]
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@jk.jit
+def _panel_step(a, panel, rows, k, lda, cols, acc, BN: jk.constexpr):
+    """acc[i, :] += a[rows[i], k] * panel[k, :] (one rank-1 update of the register tile)."""
+    bv = jk.load(jk.broadcast_to(panel + k * BN + cols[None, :], acc.shape)).to(jk.f32)
+    av = jk.load(jk.broadcast_to(a + rows[:, None] * lda + k, acc.shape))
+    return jk.fma(av, bv, acc)
+
+
+@jk.kernel
+def _gemm_kernel(a, bp, bias, c, M, N, K, lda, ldc, HAS_BIAS: jk.constexpr, BM1: jk.constexpr,
+                 BM2: jk.constexpr, BN: jk.constexpr, BK: jk.constexpr):
+    # c[M, N] = a[M, K] @ B (+ bias); B given as packed panels `bp` (see module docs). Grid (row blocks,
+    # column panels); the row block of BM1 + BM2 rows is split into two accumulators (BM2 may be 0).
+    BM = BM1 + BM2
+    pm = jk.program_id(0)
+    pn = jk.program_id(1)
+    row0 = jk.minimum(pm * BM, M - BM).to(jk.i64)     # the last block overlaps its neighbour
+    K64 = K.to(jk.i64)
+    lda64 = lda.to(jk.i64)
+    cols = jk.arange(0, BN).to(jk.i64)
+    panel = bp + pn.to(jk.i64) * K64 * BN
+    rows1 = row0 + jk.arange(0, BM1).to(jk.i64)
+    acc1 = jk.zeros((BM1, BN), jk.f32)
+    if BM2 > 0:
+        rows2 = row0 + BM1 + jk.arange(0, BM2).to(jk.i64)
+        acc2 = jk.zeros((BM2, BN), jk.f32)
+    kmain = K - K % BK
+    for k in range(0, kmain, BK):
+        k64 = k.to(jk.i64)
+        for kk in jk.static_range(BK):
+            acc1 = _panel_step(a, panel, rows1, k64 + kk, lda64, cols, acc1, BN)
+            if BM2 > 0:
+                acc2 = _panel_step(a, panel, rows2, k64 + kk, lda64, cols, acc2, BN)
+    for k in range(kmain, K, 1):
+        k64 = k.to(jk.i64)
+        acc1 = _panel_step(a, panel, rows1, k64, lda64, cols, acc1, BN)
+        if BM2 > 0:
+            acc2 = _panel_step(a, panel, rows2, k64, lda64, cols, acc2, BN)
+    gcols = pn.to(jk.i64) * BN + cols
+    if HAS_BIAS:
+        bv = jk.load(bias + gcols, mask=gcols < N, other=0.0).to(jk.f32)
+        acc1 = acc1 + bv[None, :]
+        if BM2 > 0:
+            acc2 = acc2 + bv[None, :]
+    ldc64 = ldc.to(jk.i64)
+    if (pn + 1) * BN <= N:
+        jk.store(c + rows1[:, None] * ldc64 + gcols[None, :], acc1)
+        if BM2 > 0:
+            jk.store(c + rows2[:, None] * ldc64 + gcols[None, :], acc2)
+    else:
+        jk.store(c + rows1[:, None] * ldc64 + gcols[None, :], acc1,
+                 mask=jk.broadcast_to((gcols < N)[None, :], (BM1, BN)))
+        if BM2 > 0:
+            jk.store(c + rows2[:, None] * ldc64 + gcols[None, :], acc2,
+                     mask=jk.broadcast_to((gcols < N)[None, :], (BM2, BN)))
+
+
+@jk.kernel
+def _pack_kernel(src, dst, N, K, ld, TRANS: jk.constexpr, BN: jk.constexpr, KB: jk.constexpr):
+    # dst[p, k, j] = B[k, p*BN + j] (0 past N), B = src^T for TRANS (src is w[N, K]) else src (b[K, N]).
+    pn = jk.program_id(0)
+    pk = jk.program_id(1)
+    cols = pn * BN + jk.arange(0, BN)
+    ks = pk * KB + jk.arange(0, KB)
+    if TRANS:
+        t = jk.load(src + cols[:, None].to(jk.i64) * ld + ks[None, :],
+                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        t = jk.trans(t)
+    else:
+        t = jk.load(src + ks[:, None].to(jk.i64) * ld + cols[None, :],
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+    out = dst + pn.to(jk.i64) * K * BN + ks[:, None].to(jk.i64) * BN + jk.arange(0, BN)[None, :]
+    jk.store(out, t, mask=jk.broadcast_to(ks[:, None] < K, (KB, BN)))
+
+
+@jk.kernel
+def _rows_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
+                 BN: jk.constexpr, V: jk.constexpr):
+    # y[M, N] = x[M, K] @ w[N, K]^T (+ bias), dot-product form; grid (row blocks, column blocks).
+    pm = jk.program_id(0)
+    pn = jk.program_id(1)
+    row0 = jk.minimum(pm * BM, M - BM).to(jk.i64)     # last blocks overlap their neighbours
+    n0 = jk.minimum(pn * BN, N - BN).to(jk.i64)
+    K64 = K.to(jk.i64)
+    rows = row0 + jk.arange(0, BM).to(jk.i64)
+    wrows = n0 + jk.arange(0, BN).to(jk.i64)
+    kv = jk.arange(0, V)
+    xrow = x + rows[:, None] * ldx.to(jk.i64)
+    wrow = w + wrows[:, None] * K64
+    acc = jk.zeros((BM, BN, V), jk.f32)
+    kmain = K - K % V
+    for k in range(0, kmain, V):
+        xv = jk.load(xrow + (k + kv)[None, :])
+        wv = jk.load(wrow + (k + kv)[None, :]).to(jk.f32)
+        acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
+    if kmain < K:
+        m = (kmain + kv) < K
+        xv = jk.load(xrow + (kmain + kv)[None, :], mask=jk.broadcast_to(m[None, :], (BM, V)), other=0.0)
+        wv = jk.load(wrow + (kmain + kv)[None, :], mask=jk.broadcast_to(m[None, :], (BN, V)), other=0.0)
+        acc = jk.fma(xv[:, None, :], wv.to(jk.f32)[None, :, :], acc)
+    out = jk.sum(acc, axis=2)
+    if HAS_BIAS:
+        out = out + jk.load(bias + wrows).to(jk.f32)[None, :]
+    jk.store(y + rows[:, None] * ldy.to(jk.i64) + wrows[None, :], out)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+_WEIGHT_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+def _target(target):
+    if target is None:
+        return runtime_target()
+    if isinstance(target, str):
+        return get_target(target)
+    return target
+
+
+_LAST: dict = {}
+
+
+def _launch(kernel, grid, args, consts, target):
+    ck = launch(kernel, grid, args, consts, target=target)
+    _LAST[kernel.__name__] = ck
+    return ck
+
+
+def last_compiled(kernel_name: str):
+    """The CompiledKernel of the latest launch of `kernel_name` from this module (its `.target` is the tier
+    that ran): "_gemm_kernel" (matmul, linear_packed), "_rows_kernel" (linear), "_pack_kernel"."""
+    return _LAST.get(kernel_name)
+
+
+def _lanes(target) -> int:
+    return max(4, target.vector_bits // 32)
+
+
+def _as_weight(w, w_dtype, name="w"):
+    """(2-D storage array, dtype name, kernel argument) for a weight given as an array or a jk.Pointer."""
+    if isinstance(w, Pointer):
+        arr = w.keepalive
+        if not isinstance(arr, np.ndarray) or arr.ndim != 2:
+            raise ValueError(f"{name}: a jk.Pointer weight must wrap its 2-D array (use jk.as_pointer(arr, ...))")
+        dt = w.dtype.name
+        if dt not in _WEIGHT_DTYPES or np.dtype(_WEIGHT_DTYPES[dt]).itemsize != arr.itemsize:
+            raise ValueError(f"{name}: weights must be f32, f16 or bf16, got a {dt} pointer over {arr.dtype}")
+        if not arr.flags.c_contiguous or w.address != arr.ctypes.data:
+            raise ValueError(f"{name}: the pointer must address a C-contiguous array from its start")
+        return arr, dt, w
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D numpy array, got {type(w).__name__}"
+                         f"{'' if not isinstance(w, np.ndarray) else f' of shape {w.shape}'}")
+    if w_dtype is None:
+        w_dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(w.dtype)
+        if w_dtype is None:
+            raise ValueError(f"{name}: dtype {w.dtype} is not a weight type (float32, float16, or uint16 storage "
+                             f"with w_dtype='bf16')")
+    if w_dtype not in _WEIGHT_DTYPES:
+        raise ValueError(f"w_dtype must be one of {sorted(_WEIGHT_DTYPES)}, got {w_dtype!r}")
+    if w.dtype != np.dtype(_WEIGHT_DTYPES[w_dtype]):
+        raise ValueError(f"{name}: w_dtype={w_dtype!r} needs {np.dtype(_WEIGHT_DTYPES[w_dtype])} storage, "
+                         f"got {w.dtype}")
+    if not w.flags.c_contiguous:
+        w = np.ascontiguousarray(w)
+    return w, w_dtype, (_bf16_pointer(w) if w_dtype == "bf16" else w)
+
+
+def _bf16_pointer(arr: np.ndarray) -> Pointer:
+    return Pointer(arr.__array_interface__["data"][0], _BF16, arr)
+
+
+def _as_x(x, K, name="x"):
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise ValueError(f"{name}: expected float32, got {x.dtype}")
+    squeeze = x.ndim == 1
+    x2 = x.reshape(1, -1) if squeeze else x
+    if x2.ndim != 2:
+        raise ValueError(f"{name}: expected a 1-D or 2-D array, got shape {x.shape}")
+    if x2.shape[1] != K:
+        raise ValueError(f"{name}: has {x2.shape[1]} columns but the weight has K={K}")
+    if x2.strides[1] != 4 or x2.strides[0] % 4 or x2.strides[0] < 4 * K:
+        x2 = np.ascontiguousarray(x2)
+    return x2, squeeze
+
+
+def _out(out, M, N, squeeze, name="out"):
+    """The [M, N] float32 view the kernels write (rows contiguous, any row stride)."""
+    if out is None:
+        return np.empty((M, N), np.float32)
+    shape = (N,) if squeeze else (M, N)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape:
+        raise ValueError(f"{name}: expected a float32 array of shape {shape}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+    if out.strides[-1] != 4 or (not squeeze and (out.strides[0] % 4 or out.strides[0] < 4 * N)):
+        raise ValueError(f"{name}: rows must be contiguous (strides {out.strides})")
+    return out.reshape(1, N) if squeeze else out
+
+
+def _as_bias(bias, N):
+    if bias is None:
+        return None
+    if not isinstance(bias, np.ndarray) or bias.shape != (N,):
+        raise ValueError(f"bias: expected an array of shape ({N},), got {getattr(bias, 'shape', type(bias).__name__)}")
+    if bias.dtype != np.float32:
+        bias = bias.astype(np.float32)
+    return np.ascontiguousarray(bias)
+
+
+def _split_rows(m: int, cap: int) -> tuple:
+    """(BM1, BM2): BM1 a power of two, BM2 a power of two or 0, BM1 + BM2 <= min(m, cap) as large as possible."""
+    best = (1, 0)
+    p = 1
+    while p <= cap:
+        for q in [0] + [1 << i for i in range(p.bit_length())]:
+            if q <= p and p + q <= min(m, cap) and (p + q > sum(best) or (p + q == sum(best) and q == 0)):
+                best = (p, q)
+        p <<= 1
+    return best
+
+
+def _gemm_shape(target) -> tuple:
+    """(panel width BN, most rows BM) of the outer-product tile: BM * BN / V accumulator registers plus BN / V
+    for the panel row and one broadcast must fit the register file (measured, single thread, n = 1024)."""
+    if target.has("avx512f"):
+        return 32, 8        # 16 of 32 zmm; 12 x 32 (24 zmm) and 4 x 64 measured slower
+    if target.has("fma") or target.arch == "aarch64":
+        return 16, 6        # 12 of 16 ymm (4 + 2 rows); 8 x 16 spills, 4 x 16 is 12% slower
+    return 16, 4            # SSE2 / portable x86: mul + add, 16 of 16 xmm measured best (4 x 8: -13%)
+
+
+def _gemm_rows(target, BN) -> int:
+    """Row cap for a panel width (a PackedWeight packed for another tier may have another BN)."""
+    bn, bm = _gemm_shape(target)
+    return max(1, bm * bn // BN)
+
+
+# ------------------------------------------------------------------------------------------ packed B
+@dataclass
+class PackedWeight:
+    """Weights repacked into column panels for the outer-product kernel (see the module docs).
+
+    `data` is a flat array (float32/float16, or uint16 holding bf16) of N_pad/BN panels x K rows x BN.
+    """
+    data: np.ndarray
+    N: int
+    K: int
+    BN: int
+    dtype: str          # "f32" | "f16" | "bf16"
+
+    def arg(self):
+        return _bf16_pointer(self.data) if self.dtype == "bf16" else self.data
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def _panel_width(target) -> int:
+    return _gemm_shape(target)[0]
+
+
+def _pack(src_arg, src_dtype, N, K, ld, trans, BN, target):
+    np_dt = _WEIGHT_DTYPES[src_dtype]
+    panels = -(-N // BN)
+    data = np.empty(panels * K * BN, np_dt)
+    dst = _bf16_pointer(data) if src_dtype == "bf16" else data
+    KB = 16
+    if K > 0 and panels > 0:
+        _launch(_pack_kernel, (panels, -(-K // KB)), (src_arg, dst, N, K, ld),
+                dict(TRANS=trans, BN=BN, KB=KB), target)
+    return data
+
+
+def pack_weight(w, w_dtype=None, target=None, block_n=None) -> PackedWeight:
+    """Repacks a linear layer's weight w[N, K] (f32, f16, or bf16 as uint16 with w_dtype='bf16', or a
+    jk.Pointer) into column panels for `linear_packed`; do it once at model load. The dtype is kept."""
+    T = _target(target)
+    arr, dt, arg = _as_weight(w, w_dtype)
+    N, K = arr.shape
+    BN = int(block_n or _panel_width(T))
+    return PackedWeight(_pack(arg, dt, N, K, K, True, BN, T), N, K, BN, dt)
+
+
+def _gemm(x2, packed: PackedWeight, bias, o2, T):
+    M, K = x2.shape
+    N = packed.N
+    if M == 0 or N == 0:
+        return
+    if K == 0:
+        o2[...] = 0.0 if bias is None else bias[None, :]
+        return
+    BM1, BM2 = _split_rows(M, _gemm_rows(T, packed.BN))
+    BM = BM1 + BM2
+    grid = (-(-M // BM), -(-N // packed.BN))
+    _launch(_gemm_kernel, grid,
+            (x2, packed.arg(), bias if bias is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4),
+            dict(HAS_BIAS=bias is not None, BM1=BM1, BM2=BM2, BN=packed.BN, BK=4), T)
+
+
+# -------------------------------------------------------------------------------------------- public
+def linear_packed(x, packed: PackedWeight, bias=None, out=None, target=None):
+    """y = x @ w^T (+ bias) with w pre-packed by `pack_weight`; x float32 [M, K] or [K]; returns float32."""
+    T = _target(target)
+    if not isinstance(packed, PackedWeight):
+        raise ValueError(f"packed: expected a PackedWeight from pack_weight(), got {type(packed).__name__}")
+    x2, squeeze = _as_x(x, packed.K)
+    M, N = x2.shape[0], packed.N
+    o2 = _out(out, M, N, squeeze)
+    _gemm(x2, packed, _as_bias(bias, N), o2, T)
+    if out is not None:
+        return out
+    return o2.reshape(N) if squeeze else o2
+
+
+def _rows_tiles(M, N, target):
+    """(BM, BN, V) of the dot-product kernel. M = 1: 8 weight rows per program (8 accumulators; measured
+    best on AVX-512, AVX2 and SSE2 against 4 and 16, single thread, SmolLM2 shapes). M > 1: 2 x 8 accumulator
+    vectors with 32 registers, 2 x 4 with 16."""
+    V = _lanes(target)
+    if M == 1:
+        BM, BN = 1, 8
+    else:
+        BM, BN = (2, 8) if target.has("avx512f") else (2, 4)
+    while BM > M:
+        BM //= 2
+    while BN > N:
+        BN //= 2
+    return BM, BN, V
+
+
+def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
+    """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
+
+    x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
+    w_dtype='bf16', or a jk.Pointer over such an array (jk.as_pointer(w_u16, 'bf16')). Reads w as stored
+    (every weight once per row block; M = 1 streams it once). For repeated GEMMs with large M,
+    `pack_weight` + `linear_packed` is faster. `out`: an optional float32 array of the result's shape.
+    """
+    T = _target(target)
+    arr, dt, warg = _as_weight(w, w_dtype)
+    N, K = arr.shape
+    x2, squeeze = _as_x(x, K)
+    M = x2.shape[0]
+    o2 = _out(out, M, N, squeeze)
+    b = _as_bias(bias, N)
+    if M and N:
+        if K == 0:
+            o2[...] = 0.0 if b is None else b[None, :]
+        else:
+            BM, BN, V = _rows_tiles(M, N, T)
+            grid = (-(-M // BM), -(-N // BN))
+            _launch(_rows_kernel, grid, (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4,
+                                         o2.strides[0] // 4),
+                    dict(HAS_BIAS=b is not None, BM=BM, BN=BN, V=V), T)
+    if out is not None:
+        return out
+    return o2.reshape(N) if squeeze else o2
+
+
+def matmul(a, b, out=None, target=None):
+    """c[M, N] = a[M, K] @ b[K, N], float32 in and out (packs b into panels, then the outer-product kernel)."""
+    T = _target(target)
+    for name, v in (("a", a), ("b", b)):
+        if not isinstance(v, np.ndarray) or v.ndim != 2 or v.dtype != np.float32:
+            raise ValueError(f"{name}: expected a 2-D float32 array, got "
+                             f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {a.shape} but b is {b.shape} (inner sizes differ)")
+    K, N = b.shape
+    a2, _ = _as_x(a, K, "a")
+    M = a2.shape[0]
+    o2 = _out(out, M, N, False)
+    if M and N:
+        if K == 0:
+            o2[...] = 0.0
+        else:
+            bc = b if b.strides[1] == 4 and b.strides[0] % 4 == 0 else np.ascontiguousarray(b)
+            BN = _panel_width(T)
+            packed = PackedWeight(_pack(bc, "f32", N, K, bc.strides[0] // 4, False, BN, T), N, K, BN, "f32")
+            _gemm(a2, packed, None, o2, T)
+    return out if out is not None else o2

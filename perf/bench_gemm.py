@@ -1,0 +1,155 @@
+"""Benchmark: jitkern dense matmul / linear against numpy (OpenBLAS) in one process, on the same inputs.
+
+    JITKERN_NUM_THREADS=2 .venv/bin/python perf/bench_gemm.py [--threads 2] [--sizes 512,1024,2048]
+        [--tiers avx512,avx2,sse2,portable] [--reps 9] [--no-gemv] [--no-gemm] [--json out.json]
+
+numpy's BLAS gets the same thread count: this script sets OPENBLAS_NUM_THREADS (and OMP/MKL) to --threads
+*before* importing numpy, and JITKERN_NUM_THREADS to the same value unless already set.
+
+GEMM rows (square f32 C = A @ B, every runnable tier; the tier printed is the one in the CompiledKernel that
+ran): `matmul` (packs B into panels on every call, included in the time), `linear_packed` (B pre-packed
+once, as for model weights: the kernel alone), median seconds, GFLOP/s, and time ratio to numpy's A @ B
+measured in the same run (ratio < 1: faster than numpy).
+GEMV rows (M = 1, SmolLM2-135M projection shapes N x K, weights f32/f16/bf16): `linear` reading the
+weights as stored, in GB/s of weight bytes; "hot" reuses one weight matrix (it stays in L2/L3), "cold"
+cycles through enough copies to exceed the last-level cache (DRAM bandwidth). numpy's x @ w.T on f32
+weights is given for reference (numpy has no bf16, and f16 matmul in numpy is not BLAS).
+Timing: each measurement is the median of --reps batches; jitkern and numpy runs are not interleaved
+(a short sleep separates them so one side's spinning worker threads do not steal the other's cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _parse():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("JITKERN_NUM_THREADS", "2")))
+    ap.add_argument("--sizes", default="512,1024,2048")
+    ap.add_argument("--tiers", default="avx512,avx2,sse2,portable")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--no-gemv", action="store_true")
+    ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--json", default=None)
+    return ap.parse_args()
+
+
+ARGS = _parse()
+for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(ARGS.threads)          # before numpy is imported
+os.environ.setdefault("JITKERN_NUM_THREADS", str(ARGS.threads))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import targets  # noqa: E402
+from targets.cpu import can_run  # noqa: E402
+from jitkern.ops import matmul as mm  # noqa: E402
+
+
+def timeit(fn, reps, min_batch_s=0.02):
+    """Median seconds per call over `reps` batches (a batch repeats fn until it lasts >= min_batch_s)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_batch_s / one))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t0) / inner)
+    time.sleep(0.01)      # let spinning pool threads go to sleep before the other side runs
+    return statistics.median(out)
+
+
+def blas_info() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+        return "; ".join(f"{d.get('internal_api')} {d.get('version')} threads={d.get('num_threads')} "
+                         f"arch={d.get('architecture')}" for d in threadpool_info() if d.get("user_api") == "blas")
+    except Exception:
+        return "threadpoolctl not installed"
+
+
+def main():
+    rng = np.random.default_rng(0)
+    tiers = [targets.get_target(t) for t in ARGS.tiers.split(",") if t]
+    runnable = [t for t in tiers if can_run(t)]
+    skipped = [t.name for t in tiers if not can_run(t)]
+    print(f"# threads={ARGS.threads} (JITKERN_NUM_THREADS={os.environ['JITKERN_NUM_THREADS']}, "
+          f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}), numpy {np.__version__}: {blas_info()}")
+    if skipped:
+        print(f"# tiers this host cannot run (skipped): {', '.join(skipped)}")
+    results = []
+    if not ARGS.no_gemm:
+        print(f"{'op':14s} {'size':>6s} {'tier':9s} {'ms':>9s} {'GFLOP/s':>8s} {'numpy ms':>9s} {'np GF/s':>8s} "
+              f"{'ratio':>6s}")
+        for n in [int(s) for s in ARGS.sizes.split(",") if s]:
+            a = rng.standard_normal((n, n), dtype=np.float32)
+            b = rng.standard_normal((n, n), dtype=np.float32)
+            c = np.empty((n, n), np.float32)
+            ref = a.astype(np.float64) @ b.astype(np.float64)
+            flop = 2.0 * n ** 3
+            t_np = timeit(lambda: np.matmul(a, b, out=c), ARGS.reps)
+            for T in runnable:
+                packed = mm.PackedWeight(mm._pack(b, "f32", n, n, n, False, mm._panel_width(T), T), n, n,
+                                         mm._panel_width(T), "f32")
+                for op, fn in (("matmul", lambda: mm.matmul(a, b, out=c, target=T)),
+                               ("linear_packed", lambda: mm._gemm(a, packed, None, c, T))):
+                    t = timeit(fn, ARGS.reps)
+                    err = float(np.abs(c - ref).max() / np.abs(ref).max())
+                    tier = mm.last_compiled("_gemm_kernel").target.name
+                    print(f"{op:14s} {n:6d} {tier:9s} {t * 1e3:9.3f} {flop / t / 1e9:8.1f} {t_np * 1e3:9.3f} "
+                          f"{flop / t_np / 1e9:8.1f} {t / t_np:6.2f}" + ("" if err < 1e-4 else f"  BAD rel err {err:.1e}"),
+                          flush=True)
+                    results.append(dict(kind="gemm", op=op, n=n, tier=tier, s=t, gflops=flop / t / 1e9,
+                                        numpy_s=t_np, ratio=t / t_np, rel_err=err))
+    if not ARGS.no_gemv:
+        print(f"\n{'GEMV':14s} {'N x K':>10s} {'w':5s} {'tier':9s} {'us hot':>8s} {'GB/s':>6s} {'us cold':>8s} "
+              f"{'GB/s':>6s} {'np f32 us':>9s} {'GB/s':>6s}")
+        for N, K in ((576, 576), (1536, 576), (576, 1536)):
+            x = rng.standard_normal(K, dtype=np.float32)
+            w32 = rng.standard_normal((N, K), dtype=np.float32)
+            y = np.empty(N, np.float32)
+            t_np = timeit(lambda: np.matmul(w32, x, out=y), ARGS.reps)
+            for wd in ("f32", "f16", "bf16"):
+                if wd == "f32":
+                    w = w32
+                elif wd == "f16":
+                    w = w32.astype(np.float16)
+                else:
+                    w = (w32.view(np.uint32) >> 16).astype(np.uint16)
+                wf = w.astype(np.float32) if wd != "bf16" else (w.astype(np.uint32) << 16).view(np.float32)
+                ref = wf.astype(np.float64) @ x
+                copies = max(2, int(96e6 // w.nbytes))     # > any L3 this is likely to run on
+                cold = [w.copy() for _ in range(copies)]
+                for T in runnable:
+                    t_hot = timeit(lambda: mm.linear(x, w, out=y, target=T, w_dtype=wd), ARGS.reps)
+                    err = float(np.abs(y - ref).max() / np.abs(ref).max())
+                    it = iter(range(10 ** 12))
+
+                    def run_cold():
+                        mm.linear(x, cold[next(it) % copies], out=y, target=T, w_dtype=wd)
+                    t_cold = timeit(run_cold, ARGS.reps)
+                    tier = mm.last_compiled("_rows_kernel").target.name
+                    gb = w.nbytes / 1e9
+                    print(f"{'linear M=1':14s} {f'{N}x{K}':>10s} {wd:5s} {tier:9s} {t_hot * 1e6:8.1f} {gb / t_hot:6.1f} "
+                          f"{t_cold * 1e6:8.1f} {gb / t_cold:6.1f} {t_np * 1e6:9.1f} {w32.nbytes / 1e9 / t_np:6.1f}"
+                          + ("" if err < 1e-4 else f"  BAD rel err {err:.1e}"), flush=True)
+                    results.append(dict(kind="gemv", N=N, K=K, w=wd, tier=tier, hot_s=t_hot, cold_s=t_cold,
+                                        hot_gbs=gb / t_hot, cold_gbs=gb / t_cold, numpy_f32_s=t_np, rel_err=err))
+                del cold
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
