@@ -167,11 +167,14 @@ def cmd_build(args) -> int:
         return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers can be built now")
     from tqdm import tqdm
     bar = tqdm(desc=f"compiling for {t.name}", unit="kernel", disable=args.quiet)
-    n_cached = 0
+    seen, cached = set(), set()
 
     def on_compile(ck):
-        nonlocal n_cached
-        n_cached += ck.from_cache
+        if ck.symbol in seen:
+            return
+        seen.add(ck.symbol)
+        if ck.from_cache:
+            cached.add(ck.symbol)
         bar.update(1)
         bar.set_postfix_str(ck.name)
 
@@ -183,9 +186,9 @@ def cmd_build(args) -> int:
     with compile_only(t, on_compile) as co:
         build_specializations(args.model)
     bar.close()
-    uniq = {(c.symbol) for c in co.compiled}
-    print(f"{len(uniq)} kernel specialisations for {t.name} in the cache ({n_cached} launches were already cached) "
-          f"at {os.environ.get('JITKERN_CACHE_DIR') or 'the default cache dir'}")
+    from .compiler import kernel_cache
+    print(f"{len(seen)} kernel specialisations for {t.name} are in the cache ({len(cached)} were already there) "
+          f"at {kernel_cache().path}")
     return 0
 
 

@@ -1,0 +1,34 @@
+"""The engine's kernel specialisations for a model, for `jitkern build` (and warm starts).
+
+`build_specializations(model)` builds a small engine for the model and drives representative steps
+through it — a chunked prefill, prefills of a few lengths, decode batches of several sizes — so that every
+kernel the forward pass and the sampler launch is specialised the way that model needs it. Under
+`jitkern.runtime.launch.compile_only` nothing runs: each launch only compiles into the cache.
+"""
+from __future__ import annotations
+
+
+def build_specializations(model: str | None = None, *, max_num_seqs: int = 8) -> int:
+    from engine.llm_engine import EngineArgs, LLMEngine
+    from engine.sampling_params import SamplingParams
+    eng = LLMEngine(EngineArgs(model=model, num_blocks=256, block_size=16, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=256, use_graphs=False, max_model_len=2048))
+    try:
+        vocab = eng.config.vocab_size
+        lengths = [5, 37, 300]             # short, medium and a chunked (> 256 tokens) prefill
+        n = 0
+        for i, L in enumerate(lengths + [9] * (max_num_seqs - 1)):
+            prompt = [(7 * j + 3 * i) % (vocab - 10) + 5 for j in range(L)]
+            eng.add_request(f"warm-{i}", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                               detokenize=False))
+            n += 1
+        eng.add_request("warm-sampled", [11, 12, 13], SamplingParams(max_tokens=2, temperature=0.8, top_k=20,
+                                                                    top_p=0.9, logprobs=2, seed=1,
+                                                                    detokenize=False))
+        steps = 0
+        while eng.has_unfinished_requests() and steps < 64:
+            eng.step()
+            steps += 1
+        return steps
+    finally:
+        eng.close()
