@@ -350,6 +350,7 @@ class Tracer:
             self.error(node, "loop-carried variable types do not settle")
         for n, v in out_scope.items():
             if n not in names and n not in tuples and n in before and v is not before[n] and not isinstance(v, Tile) \
+                    and not isinstance(v, _Undefined) \
                     and not (isinstance(v, type(before[n])) and v == before[n]):
                 self.error(node, f"compile-time value '{n}' changes inside a run-time loop")
         self.b.loc = self.loc(node)

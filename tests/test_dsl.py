@@ -354,3 +354,23 @@ def test_stride0_load_is_row_splat_and_scalar_min_stays_affine(tier):
     np.testing.assert_array_equal(out[:, BN:], np.where(m, a[:, k + 1:k + 2], -5.0))
     ll = ck.artifacts["kernel.ll"].decode()
     assert "masked.gather" not in ll and "masked.scatter" not in ll
+
+
+@jk.kernel
+def _reused_loop_var(x, out, n, BLOCK: jk.constexpr):
+    # the inner loop reuses the name of an earlier run-time loop's variable (undefined after that loop)
+    offs = jk.arange(0, BLOCK)
+    acc = jk.zeros((BLOCK,), jk.f32)
+    for h in range(0, 2):
+        acc += 1.0
+    for i in range(0, n):
+        for h in range(0, 3):
+            acc += jk.load(x + (i * 3 + h) * BLOCK + offs)
+    jk.store(out + offs, acc)
+
+
+def test_loop_variable_name_reused_in_nested_runtime_loop(tier):
+    x = np.random.default_rng(11).standard_normal((4, 3, 16)).astype(np.float32)
+    out = np.zeros(16, np.float32)
+    _run(_reused_loop_var, (1,), tier, x, out, 4, BLOCK=16)
+    np.testing.assert_allclose(out, x.sum((0, 1)) + 2.0, rtol=1e-5, atol=1e-5)
