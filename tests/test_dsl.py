@@ -374,3 +374,17 @@ def test_loop_variable_name_reused_in_nested_runtime_loop(tier):
     out = np.zeros(16, np.float32)
     _run(_reused_loop_var, (1,), tier, x, out, 4, BLOCK=16)
     np.testing.assert_allclose(out, x.sum((0, 1)) + 2.0, rtol=1e-5, atol=1e-5)
+
+
+def test_dot4_small_and_many_chunks(tier):
+    # the generic (portable / SSE2) lowering works per 16-byte chunk: cover tiles below and far above one chunk
+    rng = np.random.default_rng(13)
+    for K in (4, 8, 256):
+        for signed in (False, True):
+            a = (rng.integers(-128, 128, (3, K)) if signed else rng.integers(0, 64, (3, K))).astype(
+                np.int8 if signed else np.uint8)
+            b = rng.integers(-127, 128, (3, K)).astype(np.int8)     # b = -128 is outside dot4's contract
+            out = np.zeros((3, K // 4), np.int32)
+            _run(_dot4, (3,), tier, a, b, out, K=K)
+            want = (a.astype(np.int32) * b.astype(np.int32)).reshape(3, K // 4, 4).sum(-1)
+            np.testing.assert_array_equal(out, want)

@@ -1193,17 +1193,42 @@ class CpuLowering:
                 parts.append(self.val(f"call <4 x i32> @{arm_fn}(<4 x i32> zeroinitializer, <16 x i8> {ac.ref}, "
                                       f"<16 x i8> {bc.ref})", "i32", 4))
             return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
-        # generic: widen, multiply, add the four strided lanes
+        # generic: per 16-byte chunk (whole-tile widening makes huge vectors and shuffles that LLVM's
+        # instruction selection handles very slowly), widen, multiply, add the four strided lanes; x86 tiers
+        # without SSSE3 use SSE2's pmaddwd on the widened halves (pairs summed to i32) and add adjacent pairs
         ext_a = "sext" if ad.is_signed else "zext"
-        wa = self.val(f"{ext_a} {a.ty} {a.ref} to {vty('i32', n)}", "i32", n)
-        wb = self.val(f"sext {b.ty} {b.ref} to {vty('i32', n)}", "i32", n)
-        pr = self.val(f"mul {wa.ty} {wa.ref}, {wb.ref}", "i32", n)
-        q = n // 4
-        lanes = [self.shuffle(pr, [4 * i + j for i in range(q)]) for j in range(4)]
-        s01 = self.val(f"add {lanes[0].ty} {lanes[0].ref}, {lanes[1].ref}", "i32", q)
-        s23 = self.val(f"add {lanes[2].ty} {lanes[2].ref}, {lanes[3].ref}", "i32", q)
-        out = self.val(f"add {s01.ty} {s01.ref}, {s23.ref}", "i32", q, oshape)
-        return out
+        cw = min(n, 16)
+        parts = []
+        for c in range(n // cw):
+            ac = self.shuffle(a, list(range(c * cw, (c + 1) * cw))) if n > cw else a
+            bc = self.shuffle(b, list(range(c * cw, (c + 1) * cw))) if n > cw else b
+            if self.x86 and cw == 16:
+                wa = self.val(f"{ext_a} {ac.ty} {ac.ref} to <16 x i16>", "i16", 16)
+                wb = self.val(f"sext {bc.ty} {bc.ref} to <16 x i16>", "i16", 16)
+                self.declare("llvm.x86.sse2.pmadd.wd", "<4 x i32>", ["<8 x i16>", "<8 x i16>"])
+                pair = []
+                for h in range(2):
+                    ah, bh = self.shuffle(wa, list(range(8 * h, 8 * h + 8))), self.shuffle(wb, list(range(8 * h, 8 * h + 8)))
+                    pair.append(self.val(f"call <4 x i32> @llvm.x86.sse2.pmadd.wd(<8 x i16> {ah.ref}, <8 x i16> "
+                                         f"{bh.ref})", "i32", 4))
+                pr = self.concat(pair, (8,))
+                ev, od = self.shuffle(pr, [0, 2, 4, 6]), self.shuffle(pr, [1, 3, 5, 7])
+                parts.append(self.val(f"add <4 x i32> {ev.ref}, {od.ref}", "i32", 4))
+                continue
+            wa = self.val(f"{ext_a} {ac.ty} {ac.ref} to {vty('i32', cw)}", "i32", cw)
+            wb = self.val(f"sext {bc.ty} {bc.ref} to {vty('i32', cw)}", "i32", cw)
+            pr = self.val(f"mul {wa.ty} {wa.ref}, {wb.ref}", "i32", cw)
+            q = cw // 4
+            lanes = [self.shuffle(pr, [4 * i + j for i in range(q)]) if q > 1 else self.shuffle(pr, [j, j])
+                     for j in range(4)]
+            s01 = self.val(f"add {lanes[0].ty} {lanes[0].ref}, {lanes[1].ref}", "i32", lanes[0].n)
+            s23 = self.val(f"add {lanes[2].ty} {lanes[2].ref}, {lanes[3].ref}", "i32", lanes[0].n)
+            sm = self.val(f"add {s01.ty} {s01.ref}, {s23.ref}", "i32", lanes[0].n)
+            parts.append(sm if q > 1 else self.shuffle(sm, [0]))
+        if len(parts) == 1:
+            p0 = parts[0]
+            return LV(p0.ref, "i32", p0.n, oshape) if p0.n else self.splat(p0, 1, oshape)
+        return self.concat(parts, oshape)
 
     def _abs_decl(self, v: LV) -> str:
         name = f"llvm.abs.{self.sfx(v)}"
