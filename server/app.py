@@ -463,10 +463,30 @@ def default_app() -> OpenAIServer:
         except Exception as e:  # noqa: BLE001 - reported as one line; the traceback only with -v
             log.error("could not start the engine: %s: %s", type(e).__name__, e, exc_info=settings.verbose)
             raise SystemExit(WORKER_BOOT_ERROR) from None
+        if settings.warmup:
+            try:
+                warm_up(app.state)
+            except Exception as e:  # noqa: BLE001
+                log.error("the warm-up generation failed: %s: %s", type(e).__name__, e, exc_info=settings.verbose)
+                app.close()
+                raise SystemExit(WORKER_BOOT_ERROR) from None
         log.info("serving %s (max_model_len %d) in pid %d, ready in %.1fs", app.state.served_model_name,
                  app.state.max_model_len, os.getpid(), time.perf_counter() - t0)
         _default_app = app
         return app
+
+
+def warm_up(state: AppState) -> None:
+    """One short greedy generation, so that one-time work on the first step (kernel loading, graph
+    recording) is paid before /health says ready, not by the first client's time to first token."""
+    from engine.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    ids = state.tokenizer.encode("Hello", add_special_tokens=True) or [0]
+    stream = state.engine.submit(f"warmup-{os.getpid()}", ids, SamplingParams(max_tokens=2, temperature=0.0,
+                                                                              ignore_eos=True))
+    for _ in stream:
+        pass
+    log.info("warm-up generation done in %.1fs", time.perf_counter() - t0)
 
 
 def install_drain_on_sigterm(app: OpenAIServer) -> None:

@@ -77,6 +77,7 @@ class ServerSettings:
     max_body_bytes: int = 32 << 20              # larger request bodies are answered 413
     sse_ping_s: float = 15.0                     # SSE comment frame while a stream waits; 0: off
     drain_timeout_s: float = 25.0                # after SIGTERM, streams still running this long are ended
+    warmup: bool = True                          # one short generation before the worker takes requests
     # For tests: "module:callable" returning an AsyncEngine-like object, called with these settings.
     engine_factory: Optional[str] = None
 
@@ -88,7 +89,7 @@ class ServerSettings:
         "enable_prefix_caching": "bool", "scheduling_policy": "policy", "max_logprobs": "logprobs_int",
         "seed": "int", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
         "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
-        "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "engine_factory": "str",
+        "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
     }
 
     @classmethod

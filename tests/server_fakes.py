@@ -178,3 +178,126 @@ def make_engine(settings) -> AsyncEngine:
         step_delay=float(env.get("JITKERN_FAKE_STEP_DELAY", "0.002")),
         prefill_delay=float(env.get("JITKERN_FAKE_PREFILL_DELAY", "0")))
     return make_async_engine(**kwargs)
+
+
+# ================================================================================ a real server process
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`gunicorn server.app` (or `python -m server ...`) on a free loopback port, from the repo root.
+
+    backend "fake": the scripted model (JITKERN_ENGINE_FACTORY); "smollm2": the real embedded model.
+    start() waits for /health; if the server dies or never gets healthy it raises with the log's tail,
+    so a test that needs it fails (it is never skipped).
+    """
+
+    def __init__(self, backend: str = "fake", env: dict | None = None, cli_args: list | None = None,
+                 boot_timeout: float | None = None):
+        import subprocess
+        import sys
+        import tempfile
+        self.backend = backend
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        self.log_file = tempfile.NamedTemporaryFile(prefix=f"jitkern-server-{backend}-", suffix=".log", delete=False)
+        full_env = dict(os.environ)
+        full_env.pop("JITKERN_ENGINE_FACTORY", None)
+        if backend == "fake":
+            full_env["JITKERN_ENGINE_FACTORY"] = "tests.server_fakes:make_engine"
+        full_env.update({k: str(v) for k, v in (env or {}).items()})
+        full_env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        if cli_args is not None:
+            cmd = [sys.executable, "-m", "server", "--host", self.host, "--port", str(self.port)] + list(cli_args)
+        else:
+            full_env["JITKERN_HOST"], full_env["JITKERN_PORT"] = self.host, str(self.port)
+            cmd = [sys.executable, "-m", "gunicorn", "server.app"]
+        self.cmd = cmd
+        if boot_timeout is None:
+            boot_timeout = float(os.environ.get("JITKERN_TEST_SERVER_BOOT_S", "60" if backend == "fake" else "900"))
+        self.boot_timeout = boot_timeout
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log_text(self) -> str:
+        try:
+            return Path(self.log_file.name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def wait_ready(self) -> "ServerProcess":
+        import http.client
+        deadline = time.monotonic() + self.boot_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the {self.backend} server exited with status {self.proc.returncode} before "
+                                   f"it was healthy; log tail:\n{self.log_tail()}")
+            try:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return self
+                conn.close()
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"the {self.backend} server was not healthy after {self.boot_timeout:.0f}s; "
+                           f"log tail:\n{self.log_tail()}")
+
+    def terminate(self, timeout: float = 40.0) -> int:
+        """SIGTERM to the gunicorn master (graceful stop); returns its exit status."""
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise RuntimeError(f"the server did not exit within {timeout}s of SIGTERM; log tail:\n"
+                                   f"{self.log_tail()}")
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        import signal
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        try:
+            self.terminate()
+        finally:
+            self.kill()
+            try:
+                os.unlink(self.log_file.name)
+            except OSError:
+                pass
+
+
+def metrics_value(text: str, name: str) -> float:
+    """The value of an unlabelled-or-single-labelled sample `name` in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
