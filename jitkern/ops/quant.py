@@ -1,0 +1,399 @@
+"""GGUF quantised matrix products: y[M, N] = x[M, K] @ W[N, K]^T with W in raw GGUF block bytes.
+
+LLM decode on a CPU is a bandwidth-bound GEMV over the weights, so the kernels here follow ggml's plan:
+
+1. The activations are quantised once per row (`quantize_q8`): blocks of 32 int8 values with an f32 scale
+   d = max|x| / 127 and the f32 block sum s = d * sum(q) (the term the weight formats with a min/offset
+   need). One format serves every weight type; the K-quants (256-element super-blocks) use 8 of these
+   32-blocks per super-block, which is at least as precise as ggml's Q8_K (one scale per 256).
+2. Per weight block, the integer dot products run on `jk.dot4` (pmaddubsw + pmaddwd on x86: unsigned 4/5/6-bit
+   weights times signed int8 activations directly; Q8_0 / Q6_K weights are signed and use the sign trick).
+   dot4 leaves 8 partial sums per 32-block (one per group of 4) in vector lanes; they are converted to f32 and
+   FMA'd with the combined scale (weight scale * activation scale, broadcast over the lanes) into an f32
+   accumulator tile, which is reduced horizontally only once, at the end of the row.
+3. A program owns a tile of BM tokens x R weight rows (`_tiles`): every weight block it loads is used for BM
+   activation rows (prefill: the weights are read M/BM times instead of M times) and every activation block
+   for R weight rows.
+
+Weight layout (ggml-common.h; rows are K/block_elems consecutive blocks, row r of an (N, K) tensor starts at
+byte r * row_bytes). Every block is decoded in the kernel into an (R, S, 32) tile of small integers in
+natural element order (S = 32-element sub-blocks per step), a matching (R, S, 8) tile of f32 scales per group
+of 4 elements, and, where the format has one, an (R, S) f32 coefficient `c` of the activation block sum
+(the dequantised weight is  scale * q + c / 1  per element, so sum(w * x) = scale * dx * dot(q, qx) + c * s):
+
+  q8_0  (34 B / 32):  f16 d, 32 x int8;                    w = d * q
+  q4_0  (18 B / 32):  f16 d, 16 B nibbles;                 w = d * (q - 8)      (-8 folded into the int dot)
+  q4_1  (20 B / 32):  f16 d, f16 m, 16 B nibbles;          w = d * q + m
+        (for q4_0 / q4_1, byte j holds element j in its low nibble and element j + 16 in its high nibble)
+  q4_K  (144 B / 256): f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles; per 64-element chunk j the
+        low nibbles of bytes [32j, 32j+32) are sub-block 2j, the high nibbles sub-block 2j+1;
+        w = d * sc[s] * q - dmin * m[s]  (sc, m unpacked as ggml's get_scale_min_k4)
+  q5_K  (176 B / 256): f16 d, f16 dmin, 12 B scales/mins, 32 B high bits qh, 128 B nibbles; element i of
+        sub-block s gets bit s of qh[i] as its 5th bit; otherwise as q4_K
+  q6_K  (210 B / 256): 128 B low nibbles ql, 64 B high 2-bit pairs qh, 16 x int8 scales, f16 d;
+        element e of half h (128 elements): low 4 bits from ql[64h + e % 64] >> 4*(e // 64), high 2 bits
+        from qh[32h + e % 32] >> 2*(e // 32); w = d * scale[e // 16] * (q - 32)
+
+Edges without masks in the hot loops: the last tile of weight rows (tokens) is shifted back to end at N (M),
+overlapping its neighbour, which recomputes and rewrites identical values; so tiles never exceed N (M).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import jitkern as jk
+from jitkern.ops._hostargs import resolve_target, run
+
+__all__ = ["QTYPES", "QType", "quantize_q8", "matmul_q", "dequantize_rows", "row_bytes", "gemv_tiles"]
+
+
+@dataclass(frozen=True)
+class QType:
+    name: str
+    block_elems: int      # elements per (super-)block
+    block_bytes: int      # bytes per (super-)block
+
+
+QTYPES = {q.name: q for q in (QType("q8_0", 32, 34), QType("q4_0", 32, 18), QType("q4_1", 32, 20),
+                              QType("q4_K", 256, 144), QType("q5_K", 256, 176), QType("q6_K", 256, 210))}
+
+
+def _qtype(qtype) -> QType:
+    if isinstance(qtype, QType):
+        return qtype
+    q = QTYPES.get(str(qtype)) or {k.lower(): v for k, v in QTYPES.items()}.get(str(qtype).lower())
+    if q is None:
+        raise ValueError(f"qtype {qtype!r} is not supported; supported: {', '.join(QTYPES)}")
+    return q
+
+
+def row_bytes(qtype, K: int) -> int:
+    """Bytes of one weight row of K elements."""
+    q = _qtype(qtype)
+    if K <= 0 or K % q.block_elems:
+        raise ValueError(f"K={K} must be a positive multiple of {q.block_elems} for {q.name}")
+    return K // q.block_elems * q.block_bytes
+
+
+# --------------------------------------------------------------------------------- activation quantisation
+@jk.kernel
+def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr):
+    # program (row, chunk of BB 32-blocks); the last chunk of a row shifts back to end at the row's end
+    row = jk.program_id(1).to(jk.i64)
+    b0 = jk.minimum(jk.program_id(0) * BB, NBLK - BB).to(jk.i64)
+    blk = b0 + jk.arange(0, BB)
+    offs = row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]
+    v = jk.load(x + offs)
+    amax = jk.max(jk.abs(v), axis=1)
+    d = amax / 127.0
+    inv = jk.where(d > 0.0, 1.0 / jk.where(d > 0.0, d, 1.0), 0.0)
+    t = v * inv[:, None]
+    # round half to even (as ggml's AVX2 path, _mm256_round_ps nearest): adding and removing 1.5 * 2^23
+    # leaves the integer nearest to t (ties to even) for |t| < 2^22; |t| <= 127 (+ a few ulp) here
+    r = (t + 12582912.0) - 12582912.0
+    r = jk.minimum(jk.maximum(r, -127.0), 127.0)
+    q = r.to(jk.i32)
+    jk.store(qx + offs, q.to(jk.i8))
+    jk.store(xd + row * NBLK + blk, d)
+    jk.store(xs + row * NBLK + blk, d * jk.sum(r, axis=1))
+
+
+def quantize_q8(x: np.ndarray, out=None, target=None):
+    """Quantises float32 activations (M, K) or (K,) (K a multiple of 32) into 32-element int8 blocks.
+
+    Returns (qx int8 [..., K], scales f32 [..., K/32], sums f32 [..., K/32]) with, per block,
+    d = max|x| / 127, q = round_half_even(x * (1/d)) clipped to [-127, 127] (q = 0 where d = 0), and
+    sum = d * sum(q). `out` may give the three arrays to fill.
+    """
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"quantize_q8: x must be float32, got {x.dtype}")
+    if x.ndim not in (1, 2):
+        raise ValueError(f"quantize_q8: x must be (K,) or (M, K), got shape {x.shape}")
+    x = np.ascontiguousarray(x)
+    K = x.shape[-1]
+    if K % 32 or K == 0:
+        raise ValueError(f"quantize_q8: K={K} (x's last axis) must be a positive multiple of 32")
+    lead = x.shape[:-1]
+    nblk = K // 32
+    if out is None:
+        qx = np.empty(lead + (K,), np.int8)
+        xd = np.empty(lead + (nblk,), np.float32)
+        xs = np.empty(lead + (nblk,), np.float32)
+    else:
+        qx, xd, xs = out
+        for a, shp, dt, nm in ((qx, lead + (K,), np.int8, "qx"), (xd, lead + (nblk,), np.float32, "scales"),
+                               (xs, lead + (nblk,), np.float32, "sums")):
+            if a.shape != shp or a.dtype != dt or not a.flags.c_contiguous:
+                raise ValueError(f"quantize_q8: out {nm} must be a contiguous {np.dtype(dt)} array of shape {shp}, "
+                                 f"got {a.dtype} {a.shape}")
+    M = int(np.prod(lead)) if lead else 1
+    bb = 1
+    while bb * 2 <= min(nblk, 8):
+        bb *= 2
+    run(_quantize_q8_kernel, (-(-nblk // bb), M), (x, qx, xd, xs, K, nblk), target, BB=bb)
+    return qx, xd, xs
+
+
+# ------------------------------------------------------------------------------------ weight block decoders
+# Each decoder gets the weight bytes `w` (u8) and the same memory as f16 `wh`, the (R,) i64 weight rows, the
+# step index `st` (which S 32-element sub-blocks of every row), the row length in bytes `rb`, and returns
+#   q   (R, S, 32) u8 or i8  quantised values in element order,
+#   sc  (R, S, 8)  f32       weight scale of each group of 4 elements,
+#   c   (R, S)     f32       coefficient of the activation block sum (or None),
+#   OFF int                  a constant subtracted from every q (done exactly on the integer dot, or None).
+@jk.jit
+def _bcast_f16(wh, offs, shape):
+    """f16 scalars at `offs` ((R, S) element offsets into wh), each broadcast over 8 lanes, as f32."""
+    return jk.load(jk.broadcast_to((wh + offs)[:, :, None], shape)).to(jk.f32)
+
+
+@jk.jit
+def _nibbles(w, offs, R: jk.constexpr, C: jk.constexpr, N: jk.constexpr):
+    """Bytes at offs[r, c] + (0..N) as (R, C, 1, N); low nibbles then high nibbles along axis 2."""
+    b = jk.load(w + offs[:, :, None, None] + jk.arange(0, N)[None, None, None, :])
+    b = jk.broadcast_to(b, (R, C, 2, N))
+    hi = jk.arange(0, 2)[None, None, :, None] == 1
+    return jk.where(hi, b >> 4, b & 15)
+
+
+@jk.jit
+def _dec_q8_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 34
+    q = jk.load(w + base[:, :, None] + 2 + jk.arange(0, 32)[None, None, :]).to(jk.i8, bitcast=True)
+    sc = _bcast_f16(wh, rows[:, None] * (rb // 2) + blk[None, :] * 17, (R, S, 8))
+    return q, sc, None, None
+
+
+@jk.jit
+def _dec_q4_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 18
+    q = jk.reshape(_nibbles(w, base + 2, R, S, 16), (R, S, 32))
+    sc = _bcast_f16(wh, rows[:, None] * (rb // 2) + blk[None, :] * 9, (R, S, 8))
+    return q, sc, None, 8
+
+
+@jk.jit
+def _dec_q4_1(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 20
+    q = jk.reshape(_nibbles(w, base + 4, R, S, 16), (R, S, 32))
+    hoff = rows[:, None] * (rb // 2) + blk[None, :] * 10
+    sc = _bcast_f16(wh, hoff, (R, S, 8))
+    m = jk.reshape(jk.load((wh + hoff + 1)[:, :, None]), (R, S)).to(jk.f32)
+    return q, sc, m, None
+
+
+@jk.jit
+def _k_scales(w, wh, base, hbase, R: jk.constexpr):
+    """(d * sc, dmin * m) for the 8 sub-blocks of a q4_K / q5_K super-block, each (R, 8) f32."""
+    s = jk.arange(0, 8)[None, :]
+    a = jk.load(w + base[:, None] + 4 + s)        # scales[s]
+    b = jk.load(w + base[:, None] + 8 + s)        # scales[s + 4]
+    c = jk.load(w + base[:, None] + s)            # scales[s - 4] (for s >= 4)
+    low = s < 4
+    sc = jk.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
+    mn = jk.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+    d = jk.load((wh + hbase)[:, None]).to(jk.f32)
+    dmin = jk.load((wh + hbase + 1)[:, None]).to(jk.f32)
+    return d * sc.to(jk.f32), dmin * mn.to(jk.f32)
+
+
+@jk.jit
+def _dec_q4_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    base = rows * rb + st * 144
+    ds, dm = _k_scales(w, wh, base, rows * (rb // 2) + st * 72, R)
+    q = jk.reshape(_nibbles(w, base[:, None] + 16 + jk.arange(0, 4).to(jk.i64)[None, :] * 32, R, 4, 32),
+                   (R, 8, 32))
+    return q, jk.broadcast_to(ds[:, :, None], (R, 8, 8)), -dm, None
+
+
+@jk.jit
+def _dec_q5_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    base = rows * rb + st * 176
+    ds, dm = _k_scales(w, wh, base, rows * (rb // 2) + st * 88, R)
+    lo = jk.reshape(_nibbles(w, base[:, None] + 48 + jk.arange(0, 4).to(jk.i64)[None, :] * 32, R, 4, 32),
+                    (R, 8, 32))
+    qh = jk.load(w + base[:, None, None] + 16 + jk.arange(0, 32)[None, None, :])
+    bit = (jk.full((1, 8, 1), 1, jk.u8) << jk.arange(0, 8)[None, :, None].to(jk.u8))
+    q = lo | jk.where((jk.broadcast_to(qh, (R, 8, 32)) & bit) != 0, jk.full((1, 1, 1), 16, jk.u8),
+                      jk.full((1, 1, 1), 0, jk.u8))
+    return q, jk.broadcast_to(ds[:, :, None], (R, 8, 8)), -dm, None
+
+
+@jk.jit
+def _dec_q6_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    base = rows * rb + st * 210
+    # low 4 bits: (R, half h, nibble, 32-byte half of the 64 bytes, 32) -> sub-block 4h + 2*nibble + half
+    b = jk.load(w + base[:, None, None, None, None] + jk.arange(0, 2)[None, :, None, None, None] * 64
+                + jk.arange(0, 2)[None, None, None, :, None] * 32 + jk.arange(0, 32)[None, None, None, None, :])
+    b = jk.broadcast_to(b, (R, 2, 2, 2, 32))
+    nib = jk.arange(0, 2)[None, None, :, None, None] == 1
+    ql = jk.reshape(jk.where(nib, b >> 4, b & 15), (R, 2, 4, 32))
+    # high 2 bits of sub-block u of half h: (qh[32h + i] >> 2u) & 3, moved to bits 4..5
+    h = jk.broadcast_to(jk.load(w + base[:, None, None, None] + 128 + jk.arange(0, 2)[None, :, None, None] * 32
+                                + jk.arange(0, 32)[None, None, None, :]), (R, 2, 4, 32))
+    u = jk.arange(0, 4)[None, None, :, None]
+    hb = jk.where(u == 0, h << 4, jk.where(u == 1, h << 2, jk.where(u == 2, h, h >> 2))) & 48
+    q = jk.reshape((ql | hb).to(jk.i8, bitcast=True) - 32, (R, 8, 32))
+    sc16 = jk.load(w + base[:, None] + 192 + jk.arange(0, 16)[None, :]).to(jk.i8, bitcast=True).to(jk.f32)
+    d = jk.load((wh + rows * (rb // 2) + st * 105 + 104)[:, None]).to(jk.f32)
+    sc = jk.reshape(jk.broadcast_to(jk.reshape(sc16 * d, (R, 8, 2, 1)), (R, 8, 2, 4)), (R, 8, 8))
+    return q, sc, None, None
+
+
+# ------------------------------------------------------------------------------------------- the product
+@jk.kernel
+def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, DEC: jk.constexpr, BM: jk.constexpr,
+                    R: jk.constexpr, S: jk.constexpr):
+    # y[m, n] for a tile of BM tokens x R weight rows; grid (N tiles, M tiles). Each of the NSTEP steps
+    # covers S 32-element sub-blocks of K; RB is the weight row length in bytes.
+    n0 = jk.minimum(jk.program_id(0) * R, N - R)
+    m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
+    rows = (n0 + jk.arange(0, R)).to(jk.i64)
+    toks = (m0 + jk.arange(0, BM)).to(jk.i64)
+    K64 = K.to(jk.i64)
+    rb = RB.to(jk.i64)
+    xrow = xq + toks[:, None, None] * K64 + jk.arange(0, S)[None, :, None] * 32 + jk.arange(0, 32)[None, None, :]
+    srow = toks[:, None] * (K64 // 32) + jk.arange(0, S)[None, :]
+    acc = jk.zeros((BM, R, 8), jk.f32)
+    accc = jk.zeros((BM, R, S), jk.f32)
+    for st0 in range(0, NSTEP):
+        st = st0.to(jk.i64)
+        q, sc, c, OFF = DEC(w, wh, rows, st, rb, R, S)
+        xv = jk.load(xrow + st * (S * 32))                                        # (BM, S, 32) i8
+        dx = jk.load(jk.broadcast_to((xd + srow + st * S)[:, :, None], (BM, S, 8)))
+        p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
+                    jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))           # (BM, R, S, 8) i32
+        if OFF is not None:
+            # sum((q - OFF) * x) = dot(q, x) - OFF * sum(x), exactly, per group of 4
+            xsum = jk.dot4(jk.full((BM, S, 32), 1, jk.u8), xv)
+            p = p - jk.broadcast_to((xsum * OFF)[:, None, :, :], (BM, R, S, 8))
+        scale = sc[None, :, :, :] * dx[:, None, :, :]
+        if S == 1:
+            acc = jk.fma(jk.reshape(p.to(jk.f32), (BM, R, 8)), jk.reshape(scale, (BM, R, 8)), acc)
+        else:
+            acc += jk.sum(p.to(jk.f32) * scale, axis=2)
+        if c is not None:
+            sx = jk.load(xs + srow + st * S)                                      # (BM, S)
+            accc = jk.fma(c[None, :, :], sx[:, None, :], accc)
+    res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
+    jk.store(y + toks[:, None] * N + rows[None, :], res)
+
+
+_DECODERS = {"q8_0": _dec_q8_0, "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q4_K": _dec_q4_K, "q5_K": _dec_q5_K,
+             "q6_K": _dec_q6_K}
+
+
+def _pow2_le(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
+    """(BM, R, S): tokens x weight rows per program and 32-element sub-blocks per step."""
+    q = _qtype(qtype)
+    S = 8 if q.block_elems == 256 else 1
+    if M == 1:
+        BM, R = 1, 4
+    else:
+        BM, R = 4, 2
+    return _pow2_le(M, BM), _pow2_le(N, R), S
+
+
+def _weight_arg(raw, q: QType, N: int, K: int, what: str):
+    if not isinstance(raw, np.ndarray):
+        raise TypeError(f"{what}: the weight must be a numpy uint8 array of raw GGUF bytes, got {type(raw).__name__}")
+    if raw.dtype != np.uint8:
+        raise TypeError(f"{what}: the weight must hold raw GGUF bytes as uint8, got dtype {raw.dtype}")
+    if not raw.flags.c_contiguous:
+        raise ValueError(f"{what}: the weight bytes must be contiguous")
+    need = N * row_bytes(q, K)
+    if raw.nbytes != need:
+        raise ValueError(f"{what}: a {q.name} weight of N={N} rows x K={K} has {need} bytes, got {raw.nbytes}")
+    return raw, jk.as_pointer(raw, "f16")
+
+
+def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, out=None, target=None):
+    """y = x @ dequantize(W)^T for x float32 (M, K) or (K,) and W a GGUF-quantised (N, K) weight given as its
+    raw uint8 bytes. Returns y float32 (M, N) or (N,) (written into `out` when given)."""
+    q = _qtype(qtype)
+    N, K = int(N), int(K)
+    w, wh = _weight_arg(weight_raw, q, N, K, f"matmul_q({q.name})")
+    x = np.asarray(x)
+    if x.ndim not in (1, 2) or x.shape[-1] != K:
+        raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {x.shape}")
+    M = 1 if x.ndim == 1 else x.shape[0]
+    oshape = (N,) if x.ndim == 1 else (M, N)
+    if out is None:
+        out = np.empty(oshape, np.float32)
+    elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"matmul_q: out must be a contiguous float32 array of shape {oshape}, got {out.dtype} "
+                         f"{out.shape}")
+    if M == 0 or N == 0:
+        return out
+    qx, xd, xs = quantize_q8(x, target=target)
+    BM, R, S = gemv_tiles(q, M, N, K, target)
+    nstep = K // (32 * S)
+    run(_qmatmul_kernel, (-(-N // R), -(-M // BM)), (w, wh, qx, xd, xs, out, M, N, K, nstep, row_bytes(q, K)),
+        target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ dequantisation
+@jk.kernel
+def _dequant_rows_kernel(w, wh, idx, out, K, RB, DEC: jk.constexpr, S: jk.constexpr):
+    # out[i, st*S*32 : (st+1)*S*32] = dequantised W[idx[i], same range]; grid (K steps, rows)
+    i = jk.program_id(1).to(jk.i64)
+    st = jk.program_id(0).to(jk.i64)
+    rows = jk.load(idx + i).to(jk.i64) + jk.arange(0, 1).to(jk.i64)
+    q, sc, c, OFF = DEC(w, wh, rows, st, RB.to(jk.i64), 1, S)
+    v = q.to(jk.f32)
+    if OFF is not None:
+        v = v - OFF
+    scale = jk.reshape(jk.broadcast_to(sc[:, :, :, None], (1, S, 8, 4)), (1, S, 32))
+    val = v * scale
+    if c is not None:
+        val = val + c[:, :, None]
+    jk.store(out + i * K.to(jk.i64) + st * (S * 32) + jk.arange(0, S)[None, :, None] * 32
+             + jk.arange(0, 32)[None, None, :], val)
+
+
+def dequantize_rows(raw: np.ndarray, qtype: str, rows_idx: np.ndarray, K: int, out: np.ndarray = None,
+                    target=None) -> np.ndarray:
+    """out[i] = dequantize(W[rows_idx[i]]) (float32, (len(rows_idx), K)): the embedding lookup of a quantised
+    token_embd. `raw` holds all rows' GGUF bytes; rows_idx is int32 (indices are not range-checked here
+    beyond the host check below)."""
+    q = _qtype(qtype)
+    K = int(K)
+    rb = row_bytes(q, K)
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or not raw.flags.c_contiguous:
+        raise TypeError("dequantize_rows: raw must be a contiguous uint8 array of GGUF bytes")
+    if raw.nbytes % rb:
+        raise ValueError(f"dequantize_rows: {raw.nbytes} bytes is not a whole number of {q.name} rows of K={K} "
+                         f"({rb} bytes each)")
+    nrows = raw.nbytes // rb
+    idx = np.ascontiguousarray(rows_idx, dtype=np.int32).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= nrows):
+        raise IndexError(f"dequantize_rows: row index out of range [0, {nrows}): min {idx.min()}, max {idx.max()}")
+    if out is None:
+        out = np.empty((idx.size, K), np.float32)
+    elif out.shape != (idx.size, K) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"dequantize_rows: out must be a contiguous float32 array of shape {(idx.size, K)}, got "
+                         f"{out.dtype} {out.shape}")
+    if q.block_elems == 256:
+        S = 8
+    else:
+        nb = K // 32
+        S = 1
+        while S < 8 and nb % (S * 2) == 0:
+            S *= 2
+    run(_dequant_rows_kernel, (K // (32 * S), idx.size), (raw, jk.as_pointer(raw, "f16"), idx, out, K, rb),
+        target, DEC=_DECODERS[q.name], S=S)
+    return out

@@ -1,0 +1,161 @@
+"""GGUF quantised matmul/GEMV ops (jitkern/ops/quant.py) against numpy + the `gguf` package, on every tier.
+
+References:
+- weights: `gguf.quants.dequantize` of the raw blocks. q8_0 / q4_0 / q4_1 blocks come from
+  `gguf.quants.quantize` of random normals; the gguf package cannot quantise the K-quants, so those blocks are
+  random bytes with sane f16 scales (every byte pattern of the other fields is a valid block).
+- activations: `ref_quantize_q8` below, the same f32 arithmetic as the kernel: d = max|x| / 127,
+  q = round-half-to-even(x * (1/d)) (ggml's AVX2 rounding), clipped to [-127, 127], sum = d * sum(q).
+  quantize_q8 must match it exactly.
+
+Tolerances (stated per check):
+- dequantize_rows: bit-exact against gguf (same f32 operations in the same order).
+- matmul_q "tight": against x_q @ W^T in float64, where x_q is the dequantised int8 activation the kernel
+  really uses; |err| <= 1e-5 * sum_k |x_q[m,k] W[n,k]| (f32 accumulation over K; the integer block dots are
+  exact).
+- matmul_q "loose": against x @ W^T with the f32 activations; the int8 rounding moves each x[k] by at most
+  d_block / 2 = amax_block / 254, so |err| <= sum_k |W[n,k]| * amax_block(k) / 254 (+ the tight tolerance).
+"""
+import numpy as np
+import pytest
+
+import gguf
+import gguf.quants as gq
+
+from jitkern.ops import quant as Q
+
+QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K"]
+_GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_K": gguf.GGMLQuantizationType.Q4_K,
+         "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K}
+# two K per type: 32-element blocks (odd number of blocks too) and 256-element super-blocks
+KS = {"q8_0": (96, 160), "q4_0": (96, 160), "q4_1": (64, 160), "q4_K": (256, 768), "q5_K": (256, 768),
+      "q6_K": (256, 768)}
+
+
+# --------------------------------------------------------------------------------------------- references
+def ref_quantize_q8(x: np.ndarray):
+    x = np.asarray(x, np.float32)
+    b = x.reshape(x.shape[:-1] + (-1, 32))
+    amax = np.abs(b).max(-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    t = (b * inv[..., None]).astype(np.float32)
+    r = np.clip(np.rint(t), -127, 127).astype(np.float32)
+    q = r.astype(np.int8).reshape(x.shape)
+    s = (d * r.sum(-1, dtype=np.float32)).astype(np.float32)
+    return q, d, s
+
+
+def make_weight(qtype: str, N: int, K: int, rng):
+    """(raw uint8 (N, row_bytes), dequantised float32 (N, K))."""
+    q = Q.QTYPES[qtype]
+    if q.block_elems == 32:
+        raw = gq.quantize(rng.standard_normal((N, K)).astype(np.float32), _GGUF[qtype])
+    else:
+        nb = K // 256
+        raw = rng.integers(0, 256, (N, nb, q.block_bytes), dtype=np.uint8)
+        offs = (0, 2) if qtype in ("q4_K", "q5_K") else (208,)
+        for off in offs:
+            v = rng.uniform(0.002, 0.02, (N, nb)).astype(np.float16)
+            v[rng.random((N, nb)) < 0.3] *= -1      # negative scales are legal (and occur with dmin)
+            raw[:, :, off:off + 2] = v.view(np.uint8).reshape(N, nb, 2)
+        raw = raw.reshape(N, -1)
+    raw = np.ascontiguousarray(raw)
+    assert raw.shape == (N, Q.row_bytes(qtype, K))
+    return raw, gq.dequantize(raw, _GGUF[qtype]).reshape(N, K).astype(np.float32)
+
+
+def dequant_acts(qx, xd):
+    M, K = qx.shape
+    return (qx.reshape(M, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(M, K)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_quantize_q8_exact(tier):
+    rng = np.random.default_rng(1)
+    for M, K in ((1, 32), (3, 96), (5, 576)):
+        x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 50, (M, 1))).astype(np.float32)
+        x[0, :32] = 0.0                               # an all-zero block: d = 0, q = 0
+        x[-1, 5] = 1e4                                # an outlier block
+        if K >= 96:
+            # exact .5 ties after scaling: a block with amax 127 has d = 1 and 1/d = 1 exactly
+            x[-1, 64:96] = rng.uniform(-100, 100, 32).astype(np.float32)
+            x[-1, 64:69] = [127.0, 2.5, -3.5, 0.5, -0.5]
+        qx, xd, xs = Q.quantize_q8(x, target=tier)
+        rq, rd, rs = ref_quantize_q8(x)
+        np.testing.assert_array_equal(xd, rd)
+        np.testing.assert_array_equal(qx, rq)
+        np.testing.assert_array_equal(xs, rs)
+    # 1-D input keeps its rank; out= is filled in place
+    x = rng.standard_normal(64).astype(np.float32)
+    out = (np.empty(64, np.int8), np.empty(2, np.float32), np.empty(2, np.float32))
+    got = Q.quantize_q8(x, out=out, target=tier)
+    assert got[0] is out[0]
+    np.testing.assert_array_equal(out[0], ref_quantize_q8(x)[0])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_rows_exact(tier, qtype):
+    rng = np.random.default_rng(2)
+    K = KS[qtype][1]
+    raw, wd = make_weight(qtype, 11, K, rng)
+    idx = np.array([10, 0, 3, 3, 7], np.int32)
+    out = Q.dequantize_rows(raw, qtype, idx, K, target=tier)
+    np.testing.assert_array_equal(out, wd[idx])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_q(tier, qtype):
+    rng = np.random.default_rng(3 + QTYPES.index(qtype))
+    N = 37
+    for K in KS[qtype]:
+        raw, wd = make_weight(qtype, N, K, rng)
+        for M in (1, 3, 17):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            x[0, :3] *= 20.0                              # uneven block scales
+            y = Q.matmul_q(x if M > 1 else x[0], raw, qtype, N, K, target=tier)
+            assert y.shape == ((M, N) if M > 1 else (N,)) and y.dtype == np.float32
+            y = y.reshape(M, N)
+            qx, xd, _ = ref_quantize_q8(x)
+            xq = dequant_acts(qx, xd)
+            w64 = wd.astype(np.float64)
+            tight_ref = xq @ w64.T
+            tight_tol = 1e-5 * (np.abs(xq) @ np.abs(w64).T) + 1e-30
+            err = np.abs(y - tight_ref)
+            assert (err <= tight_tol).all(), \
+                f"{qtype} M={M} K={K}: tight max err {err.max():.3g}, worst ratio {(err / tight_tol).max():.3g}"
+            amax = np.repeat(np.abs(x).reshape(M, -1, 32).max(-1), 32, axis=1).astype(np.float64)
+            loose_tol = (amax / 254.0) @ np.abs(w64).T * (1 + 1e-6) + tight_tol
+            err = np.abs(y - x.astype(np.float64) @ w64.T)
+            assert (err <= loose_tol).all(), f"{qtype} M={M} K={K}: loose max err {err.max():.3g}"
+
+
+def test_matmul_q_out_and_small_n(tier):
+    rng = np.random.default_rng(9)
+    raw, wd = make_weight("q4_1", 3, 64, rng)          # N smaller than the row tile
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    out = np.full((2, 3), np.nan, np.float32)
+    y = Q.matmul_q(x, raw, "q4_1", 3, 64, out=out, target=tier)
+    assert y is out
+    qx, xd, _ = ref_quantize_q8(x)
+    np.testing.assert_allclose(out, dequant_acts(qx, xd) @ wd.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_errors_name_the_problem():
+    raw = np.zeros(34 * 2, np.uint8)
+    with pytest.raises(ValueError, match="qtype 'q3_K'"):
+        Q.matmul_q(np.zeros(32, np.float32), raw, "q3_K", 2, 32)
+    with pytest.raises(ValueError, match="K=48"):
+        Q.row_bytes("q8_0", 48)
+    with pytest.raises(ValueError, match="68 bytes"):
+        Q.matmul_q(np.zeros(32, np.float32), raw[:-1], "q8_0", 2, 32)
+    with pytest.raises(ValueError, match=r"x must be \(K,\) or \(M, K\) with K=32"):
+        Q.matmul_q(np.zeros(64, np.float32), raw, "q8_0", 2, 32)
+    with pytest.raises(TypeError, match="uint8"):
+        Q.matmul_q(np.zeros(32, np.float32), raw.view(np.int8), "q8_0", 2, 32)
+    with pytest.raises(IndexError, match="out of range"):
+        Q.dequantize_rows(raw, "q8_0", np.array([2], np.int32), 32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q.quantize_q8(np.zeros(40, np.float32))
