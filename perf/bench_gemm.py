@@ -11,9 +11,11 @@ ran): `matmul` (packs B into panels on every call, included in the time), `linea
 once, as for model weights: the kernel alone), median seconds, GFLOP/s, and time ratio to numpy's A @ B
 measured in the same run (ratio < 1: faster than numpy).
 GEMV rows (M = 1, SmolLM2-135M projection shapes N x K, weights f32/f16/bf16): `linear` reading the
-weights as stored, in GB/s of weight bytes; "hot" reuses one weight matrix (it stays in L2/L3), "cold"
-cycles through enough copies to exceed the last-level cache (DRAM bandwidth). numpy's x @ w.T on f32
-weights is given for reference (numpy has no bf16, and f16 matmul in numpy is not BLAS).
+weights as stored, in GB/s of weight bytes. "call": the Python call (argument checks + launch, ~10-20 us of
+fixed cost); "graph": the same launch recorded with jk.capture() and replayed (what the engine's decode
+graph pays: the kernel plus ~1 us), one weight matrix reused (it stays in L2/L3); "cold": replaying launches
+over enough copies of the matrix to exceed the last-level cache (DRAM bandwidth). numpy's w @ x on f32
+weights is given for reference (numpy has no bf16, and its f16 matmul is not BLAS).
 Timing: each measurement is the median of --reps batches; jitkern and numpy runs are not interleaved
 (a short sleep separates them so one side's spinning worker threads do not steal the other's cores).
 """
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+import jitkern as jk  # noqa: E402
 import targets  # noqa: E402
 from targets.cpu import can_run  # noqa: E402
 from jitkern.ops import matmul as mm  # noqa: E402
@@ -83,6 +86,7 @@ def main():
     tiers = [targets.get_target(t) for t in ARGS.tiers.split(",") if t]
     runnable = [t for t in tiers if can_run(t)]
     skipped = [t.name for t in tiers if not can_run(t)]
+    print(f"# load average at the start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"# threads={ARGS.threads} (JITKERN_NUM_THREADS={os.environ['JITKERN_NUM_THREADS']}, "
           f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}), numpy {np.__version__}: {blas_info()}")
     if skipped:
@@ -106,14 +110,14 @@ def main():
                     t = timeit(fn, ARGS.reps)
                     err = float(np.abs(c - ref).max() / np.abs(ref).max())
                     tier = mm.last_compiled("_gemm_kernel").target.name
+                    bad = "" if err < 1e-4 else f"  BAD rel err {err:.1e}"
                     print(f"{op:14s} {n:6d} {tier:9s} {t * 1e3:9.3f} {flop / t / 1e9:8.1f} {t_np * 1e3:9.3f} "
-                          f"{flop / t_np / 1e9:8.1f} {t / t_np:6.2f}" + ("" if err < 1e-4 else f"  BAD rel err {err:.1e}"),
-                          flush=True)
+                          f"{flop / t_np / 1e9:8.1f} {t / t_np:6.2f}{bad}", flush=True)
                     results.append(dict(kind="gemm", op=op, n=n, tier=tier, s=t, gflops=flop / t / 1e9,
                                         numpy_s=t_np, ratio=t / t_np, rel_err=err))
     if not ARGS.no_gemv:
-        print(f"\n{'GEMV':14s} {'N x K':>10s} {'w':5s} {'tier':9s} {'us hot':>8s} {'GB/s':>6s} {'us cold':>8s} "
-              f"{'GB/s':>6s} {'np f32 us':>9s} {'GB/s':>6s}")
+        print(f"\n{'GEMV M=1':10s} {'N x K':>9s} {'w':4s} {'tier':9s} {'call us':>8s} {'GB/s':>5s} {'graph us':>8s} "
+              f"{'GB/s':>5s} {'cold us':>8s} {'GB/s':>5s} {'np f32 us':>9s} {'GB/s':>5s}")
         for N, K in ((576, 576), (1536, 576), (576, 1536)):
             x = rng.standard_normal(K, dtype=np.float32)
             w32 = rng.standard_normal((N, K), dtype=np.float32)
@@ -128,24 +132,30 @@ def main():
                     w = (w32.view(np.uint32) >> 16).astype(np.uint16)
                 wf = w.astype(np.float32) if wd != "bf16" else (w.astype(np.uint32) << 16).view(np.float32)
                 ref = wf.astype(np.float64) @ x
-                copies = max(2, int(96e6 // w.nbytes))     # > any L3 this is likely to run on
+                copies = max(2, int(96e6 // w.nbytes))     # more bytes than any L3 this is likely to run on
                 cold = [w.copy() for _ in range(copies)]
                 for T in runnable:
-                    t_hot = timeit(lambda: mm.linear(x, w, out=y, target=T, w_dtype=wd), ARGS.reps)
+                    t_call = timeit(lambda: mm.linear(x, w, out=y, target=T, w_dtype=wd), ARGS.reps)
                     err = float(np.abs(y - ref).max() / np.abs(ref).max())
-                    it = iter(range(10 ** 12))
-
-                    def run_cold():
-                        mm.linear(x, cold[next(it) % copies], out=y, target=T, w_dtype=wd)
-                    t_cold = timeit(run_cold, ARGS.reps)
                     tier = mm.last_compiled("_rows_kernel").target.name
+                    # kernel time without the Python call path: launches recorded once, replayed natively
+                    with jk.capture() as g_hot:
+                        for _ in range(50):
+                            mm.linear(x, w, out=y, target=T, w_dtype=wd)
+                    t_hot = timeit(g_hot.replay, ARGS.reps) / 50
+                    with jk.capture() as g_cold:
+                        for c in cold:
+                            mm.linear(x, c, out=y, target=T, w_dtype=wd)
+                    t_cold = timeit(g_cold.replay, ARGS.reps) / copies
                     gb = w.nbytes / 1e9
-                    print(f"{'linear M=1':14s} {f'{N}x{K}':>10s} {wd:5s} {tier:9s} {t_hot * 1e6:8.1f} {gb / t_hot:6.1f} "
-                          f"{t_cold * 1e6:8.1f} {gb / t_cold:6.1f} {t_np * 1e6:9.1f} {w32.nbytes / 1e9 / t_np:6.1f}"
+                    print(f"{'linear':10s} {f'{N}x{K}':>9s} {wd:4s} {tier:9s} {t_call * 1e6:8.1f} {gb / t_call:5.1f} "
+                          f"{t_hot * 1e6:8.1f} {gb / t_hot:5.1f} {t_cold * 1e6:8.1f} {gb / t_cold:5.1f} "
+                          f"{t_np * 1e6:9.1f} {w32.nbytes / 1e9 / t_np:5.1f}"
                           + ("" if err < 1e-4 else f"  BAD rel err {err:.1e}"), flush=True)
-                    results.append(dict(kind="gemv", N=N, K=K, w=wd, tier=tier, hot_s=t_hot, cold_s=t_cold,
-                                        hot_gbs=gb / t_hot, cold_gbs=gb / t_cold, numpy_f32_s=t_np, rel_err=err))
+                    results.append(dict(kind="gemv", N=N, K=K, w=wd, tier=tier, call_s=t_call, graph_hot_s=t_hot,
+                                        graph_cold_s=t_cold, numpy_f32_s=t_np, rel_err=err))
                 del cold
+    print(f"# load average at the end: {os.getloadavg()[0]:.2f} (other processes on this host skew the timings)")
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump(results, f, indent=1)

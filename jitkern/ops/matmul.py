@@ -101,19 +101,27 @@ def _gemm_kernel(a, bp, bias, c, M, N, K, lda, ldc, HAS_BIAS: jk.constexpr, BM1:
 @jk.kernel
 def _pack_kernel(src, dst, N, K, ld, TRANS: jk.constexpr, BN: jk.constexpr, KB: jk.constexpr):
     # dst[p, k, j] = B[k, p*BN + j] (0 past N), B = src^T for TRANS (src is w[N, K]) else src (b[K, N]).
+    # Interior tiles take an unmasked path: AVX2 has no 16-bit masked loads/stores (they become branches).
     pn = jk.program_id(0)
     pk = jk.program_id(1)
     cols = pn * BN + jk.arange(0, BN)
     ks = pk * KB + jk.arange(0, KB)
-    if TRANS:
-        t = jk.load(src + cols[:, None].to(jk.i64) * ld + ks[None, :],
-                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-        t = jk.trans(t)
-    else:
-        t = jk.load(src + ks[:, None].to(jk.i64) * ld + cols[None, :],
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
     out = dst + pn.to(jk.i64) * K * BN + ks[:, None].to(jk.i64) * BN + jk.arange(0, BN)[None, :]
-    jk.store(out, t, mask=jk.broadcast_to(ks[:, None] < K, (KB, BN)))
+    if TRANS:
+        src_tile = src + cols[:, None].to(jk.i64) * ld + ks[None, :]
+    else:
+        src_tile = src + ks[:, None].to(jk.i64) * ld + cols[None, :]
+    if (pn + 1) * BN <= N and (pk + 1) * KB <= K:
+        t = jk.load(src_tile)
+        if TRANS:
+            t = jk.trans(t)
+        jk.store(out, t)
+    else:
+        if TRANS:
+            t = jk.trans(jk.load(src_tile, mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0))
+        else:
+            t = jk.load(src_tile, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        jk.store(out, t, mask=jk.broadcast_to(ks[:, None] < K, (KB, BN)))
 
 
 @jk.kernel
