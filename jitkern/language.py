@@ -500,6 +500,17 @@ def load(pointer, mask=None, other=None) -> Tile:
 
 
 @builtin
+def prefetch(pointer) -> None:
+    """Hints that the memory a pointer tile addresses will be read soon (one cache-line prefetch per 64
+    bytes of each row). Never faults, so it may address past the end of an array (e.g. the next block
+    of a loop). The pointer tile must be contiguous along its last axis (or a scalar pointer)."""
+    pointer = to_tile(pointer)
+    if not pointer.type.is_ptr:
+        _error(f"prefetch needs a pointer, got {pointer.type}")
+    _builder().op("prefetch", [pointer.value], [])
+
+
+@builtin
 def store(pointer, value, mask=None) -> None:
     pointer = to_tile(pointer)
     if not pointer.type.is_ptr:

@@ -388,3 +388,33 @@ def test_dot4_small_and_many_chunks(tier):
             _run(_dot4, (3,), tier, a, b, out, K=K)
             want = (a.astype(np.int32) * b.astype(np.int32)).reshape(3, K // 4, 4).sum(-1)
             np.testing.assert_array_equal(out, want)
+
+
+@jk.kernel
+def _prefetched_rows(x, out, n_rows, ROWS: jk.constexpr, N: jk.constexpr):
+    # prefetch the next chunk of rows (past the end on the last one: prefetches never fault), then read
+    r = jk.arange(0, ROWS)
+    c = jk.arange(0, N)
+    acc = jk.zeros((N,), jk.f32)
+    for i in range(0, n_rows, ROWS):
+        jk.prefetch(x + (i + ROWS + r[:, None]) * N + c[None, :])
+        jk.prefetch(x + i * N + 5)
+        acc += jk.sum(jk.load(x + (i + r[:, None]) * N + c[None, :], mask=(i + r[:, None]) < n_rows, other=0.0),
+                      axis=0)
+    jk.store(out + c, acc)
+
+
+@jk.kernel
+def _prefetch_gather(x, idx):
+    jk.prefetch(x + jk.load(idx + jk.arange(0, 8)))
+
+
+def test_prefetch(tier):
+    x = np.random.default_rng(12).standard_normal((37, 48)).astype(np.float32)
+    out = np.zeros(48, np.float32)
+    ck = _run(_prefetched_rows, (1,), tier, x, out, 37, ROWS=8, N=48)
+    np.testing.assert_allclose(out, x.sum(0), rtol=1e-5, atol=1e-5)
+    ll = ck.artifacts["kernel.ll"].decode()
+    assert ll.count("call void @llvm.prefetch.p0(") == 8 * 3 + 1      # 8 rows x 3 lines of 64 B, + scalar
+    with pytest.raises(jk.CompilationError, match="contiguous along its last axis"):
+        _prefetch_gather.compile(x, np.zeros(8, np.int32), target=tier)

@@ -941,6 +941,32 @@ class CpuLowering:
         o = other.ref if other is not None else ("0.0" if et in ("float", "double") else "0")
         return self.val(f"phi {et} [ {v.ref}, %{yes} ], [ {o}, %{pred} ]", et, 0)
 
+    def op_prefetch(self, op):
+        """One llvm.prefetch (read, high locality) per 64-byte line of each contiguous row. The addresses
+        are formed without `inbounds`: a prefetch may point past an array (it never faults)."""
+        p = self.get(op.operands[0])
+        shape = op.operands[0].type.shape
+        et, isz = elem_ty(p.elem), p.elem.itemsize
+        name = self.declare("llvm.prefetch.p0", "void", ["ptr", "i32", "i32", "i32"])
+        if not shape:
+            off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
+            starts, L = [off], 1
+        else:
+            rows = self._row_offsets(p)
+            if rows is None:
+                raise CompilationError("prefetch needs a pointer tile that is contiguous along its last axis",
+                                       op.loc)
+            L, starts = rows
+        for st in starts:
+            if isinstance(st, int):
+                row = self.val(f"getelementptr {et}, ptr {p.base}, i64 {st}", "ptr", 0).ref
+            else:
+                row = self.val(f"getelementptr {et}, ptr {p.base}, {st[1]} {st[0]}", "ptr", 0).ref
+            for byte in range(0, L * isz, 64):
+                ptr = row if byte == 0 else self.val(f"getelementptr i8, ptr {row}, i64 {byte}", "ptr", 0).ref
+                self.emit(f"call void @{name}(ptr {ptr}, i32 0, i32 3, i32 1)")
+        return None
+
     def op_store(self, op):
         p = self.get(op.operands[0])
         v = self.get(op.operands[1])
