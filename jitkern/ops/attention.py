@@ -1,0 +1,489 @@
+"""Attention over a vLLM-style paged KV cache: cache writes, decode attention, prefill/mixed attention.
+
+Layouts (fixed; the engine relies on them)
+-----------------------------------------
+KV cache, per layer: ``k_cache`` and ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+C-contiguous, dtype float32 or float16 (f16 halves the bytes decode reads; all math is f32). The token at
+global slot ``s`` lives at ``cache[s // block_size, s % block_size]`` (so slot ``s`` starts at element
+``s * num_kv_heads * head_dim``).
+
+``reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)``
+    ``k``, ``v``: ``[num_tokens, num_kv_heads, head_dim]`` float32; the last axis contiguous, the token and
+    head axes may have any stride (e.g. views into the fused ``qkv`` output ``[T, (H + 2*KVH) * D]``:
+    ``qkv[:, H*D:(H+KVH)*D].reshape(T, KVH, D)``). ``slot_mapping``: int32 ``[num_tokens]``; token ``i`` is
+    written to slot ``slot_mapping[i]``; ``-1`` skips the token (padding).
+
+``paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, scale=..., ...)``
+    One engine step over a batch mixing prefill chunks and decodes.
+    ``q``: ``[num_tokens, num_heads, head_dim]`` float32 (token/head strides free, last axis contiguous);
+    ``out``: same shape, float32 (allocated when not given; strides free like ``q``).
+    ``query_start``: int32 ``[num_seqs + 1]``; sequence ``i``'s new tokens are rows
+    ``query_start[i] .. query_start[i+1]-1`` (non-decreasing; a sequence with no new tokens is padding).
+    ``seq_lens``: int32 ``[num_seqs]``, the total length (cached context + new tokens) of each sequence.
+    ``block_table``: int32 ``[num_seqs, max_blocks_per_seq]`` (rows may be strided), physical block ids.
+    Query token ``j`` of sequence ``i`` (``q_len = query_start[i+1] - query_start[i]``) sits at absolute
+    position ``seq_lens[i] - q_len + j`` and attends causally to positions ``<=`` its own. Head ``h`` uses
+    KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA and MQA).
+    ``scale``: logits are ``scale * q.k``. ``softcap`` (0 = off): logits become ``softcap * tanh(logits /
+    softcap)`` before masking and softmax (Gemma 2). ``sliding_window`` (0 = off): a query at position
+    ``p`` sees only keys at ``p - sliding_window < pos <= p``, i.e. the last ``sliding_window`` positions
+    including itself (HF ``sliding_window`` / vLLM ``window_size = (sliding_window - 1, 0)``).
+
+Everything that changes from step to step (query_start, seq_lens, block_table, slot_mapping) is read by
+the kernels from those int32 arrays; grid sizes depend only on ``num_tokens``, ``num_seqs`` and the
+partition count, so a launch recorded with ``jk.capture()`` can be replayed after rewriting the arrays in
+place (keep the same array objects and the same ``num_tokens`` / ``num_seqs``; pad with empty sequences).
+
+Kernels
+-------
+- ``decode_kernel``: sequences with exactly one new token. One program per (sequence, context partition)
+  handles *all* heads: each block of the cache holds the K rows of every KV head of 16 tokens back to back,
+  so reading a whole block at once streams contiguous memory (per-KV-head programs read 1/KVH of every
+  cache line run and measured ~1.7x slower, the hardware prefetcher pulling in the other heads' lines).
+  The query heads of a KV group share its K/V tile; scores per head are row dot products reduced with a
+  butterfly (one vector of 16 scores, no per-row horizontal sums); the softmax is online (running max,
+  per-lane running sums) over the blocks of the block table, and the next block is prefetched. With
+  ``num_partitions > 1`` the context is split across programs (flash-decoding) and ``merge_kernel``
+  combines the partial (max, sum, accumulator) triples.
+- ``prefill_kernel``: sequences with more than one new token (or every sequence, for a general step).
+  One program per (query tile of ``BQ`` tokens x the ``G`` query heads of one KV head, KV head); the
+  sequence of a tile is found by a binary search over ``query_start`` (vLLM's unified-attention trick), so
+  the grid is ``(num_tokens // BQ + num_seqs, num_kv_heads)``. K/V tiles come from the paged cache a block
+  at a time: ``S^T = K @ Q^T`` (keys x rows: column maxima/sums are plain vector ops), causal/window masks,
+  online softmax, ``acc += P @ V``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jitkern as jk
+from ._hostargs import elem_strides, resolve_target, run
+
+NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
+_MAX_PARTITIONS = 16
+
+
+# ------------------------------------------------------------------------------------------ helpers
+@jk.jit
+def _load_chunks(ptr, n, row_stride, D, w):
+    """A (BS, D) tile at ptr + n * row_stride + [0, D) as a tuple of D // w column chunks of shape (BS, w)."""
+    j = jk.arange(0, w)
+    out = ()
+    for c in jk.static_range(D // w):
+        out = out + (jk.load(ptr + n[:, None] * row_stride + c * w + j[None, :]).to(jk.f32),)
+    return out
+
+
+@jk.jit
+def _chunk_dots(ks, qc, BS, w):
+    """(BS,) dot products of the rows of a chunked tile ks (tuple of (BS, w)) with a chunked row qc.
+
+    The chunk products are added vertically into one (BS, w) tile, whose w lanes are then folded pairwise
+    in log2(w) steps: one (BS,) vector of results instead of BS horizontal reductions plus inserts, and
+    only (BS, w)-sized shuffles (whole-row shuffles of a (BS, D) tile compile several times slower).
+    """
+    y = ks[0] * qc[0][None, :]
+    for c in jk.static_range(1, len(ks)):
+        y = y + ks[c] * qc[c][None, :]
+    half = w
+    for _ in jk.static_range(w.bit_length() - 1):
+        half = half // 2
+        y = jk.sum(jk.reshape(y, (BS, 2, half)), axis=1)
+    return jk.reshape(y, (BS,))
+
+
+@jk.jit
+def _attend_block(qrow, q_hs, ks, v_ptr, v_row_stride, valid, m_i, l_i, acc, scale, softcap,
+                  G, D, BS, w, SOFTCAP):
+    """One online-softmax step of G query heads (rows qrow + g * q_hs) against one block of BS keys.
+
+    ks: the K tile of the block for this KV head, chunked (see _load_chunks); v_ptr: its V tile's first
+    row; valid: (BS,) which keys this query may see. State: m_i (G,) running max, l_i (G, BS) per-lane
+    running sums of exp (summed across lanes only at the end), acc (G, D) running P @ V.
+    The caller guarantees at least one valid key per block *or* a state that has seen none yet with all
+    keys masked (then p is forced to 0 and the state stays (NEG, 0, 0)).
+    """
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    j = jk.arange(0, w)
+    gi = jk.arange(0, G)
+    s = jk.zeros((G, BS), jk.f32)
+    for g in jk.static_range(G):
+        qc = ()
+        for c in jk.static_range(D // w):
+            qc = qc + (jk.load(qrow + g * q_hs + c * w + j),)
+        s = jk.where(gi[:, None] == g, _chunk_dots(ks, qc, BS, w)[None, :], s)
+    s = s * scale
+    if SOFTCAP:
+        s = softcap * jk.tanh(s / softcap)
+    s = jk.where(valid[None, :], s, NEG)
+    m_new = jk.maximum(m_i, jk.max(s, axis=1))
+    alpha = jk.exp(m_i - m_new)
+    p = jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
+    vt = jk.load(v_ptr + n[:, None] * v_row_stride + d[None, :]).to(jk.f32)
+    return m_new, l_i * alpha[:, None] + p, jk.dot(p, vt, acc * alpha[:, None])
+
+
+@jk.jit
+def _vec_width(D):
+    """f32 lanes per vector register of the target, at most D."""
+    w = jk.target.vector_bits // 32
+    if D < w:
+        w = D
+    return w
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@jk.kernel
+def reshape_and_cache_kernel(k, v, k_cache, v_cache, slot_mapping, k_ts, k_hs, v_ts, v_hs,
+                             KVH: jk.constexpr, D: jk.constexpr):
+    t = jk.program_id(0)
+    slot = jk.load(slot_mapping + t)
+    ok = slot >= 0
+    dst = jk.maximum(slot, 0).to(jk.i64) * (KVH * D)
+    hh = jk.arange(0, KVH)
+    d = jk.arange(0, D)
+    tt = t.to(jk.i64)
+    kv = jk.load(k + tt * k_ts + hh[:, None] * k_hs + d[None, :])
+    vv = jk.load(v + tt * v_ts + hh[:, None] * v_hs + d[None, :])
+    jk.store(k_cache + dst + hh[:, None] * D + d[None, :], kv, mask=ok)
+    jk.store(v_cache + dst + hh[:, None] * D + d[None, :], vv, mask=ok)
+
+
+@jk.kernel
+def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
+                  q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
+                  KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
+                  NUM_PARTS: jk.constexpr, SOFTCAP: jk.constexpr, PREFETCH: jk.constexpr):
+    """Program (sequence, partition): every head of a q_len == 1 sequence over a slice of its blocks.
+
+    Blocks are the outer loop and KV heads the inner one, so each cache block is read once, front to back;
+    the per-head softmax state lives in the st_* workspace (L1-resident), not in registers, which keeps
+    the code size independent of the head count (only the G query heads of a group are unrolled).
+    """
+    seq = jk.program_id(0)
+    part = jk.program_id(1)
+    H = KVH * G
+    w = _vec_width(D)
+    q0 = jk.load(query_start + seq)
+    q_len = jk.load(query_start + seq + 1) - q0
+    seq_len = jk.load(seq_lens + seq)
+    active = (q_len == 1) & (seq_len > 0)
+    qpos = seq_len - 1
+    lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
+    start_blk = lo // BS
+    end_blk = jk.where(active, (seq_len + BS - 1) // BS, start_blk)
+    per = (end_blk - start_blk + NUM_PARTS - 1) // NUM_PARTS
+    b0 = jk.minimum(start_blk + part * per, end_blk)
+    b1 = jk.minimum(b0 + per, end_blk)
+
+    d = jk.arange(0, D)
+    n = jk.arange(0, BS)
+    gi = jk.arange(0, G)
+    rows = jk.arange(0, BS * KVH)
+    slot = (seq * NUM_PARTS + part).to(jk.i64) * H
+    for h in range(0, KVH):
+        r = slot + h * G + gi
+        jk.store(st_m + r, jk.full((G,), NEG, jk.f32))
+        jk.store(st_l + r[:, None] * BS + n[None, :], jk.zeros((G, BS), jk.f32))
+        jk.store(st_acc + r[:, None] * D + d[None, :], jk.zeros((G, D), jk.f32))
+    qrow = q + jk.maximum(jk.minimum(q0, q0 + q_len - 1), 0).to(jk.i64) * q_ts
+    bt_row = block_table + seq.to(jk.i64) * bt_stride
+    for b in range(b0, b1):
+        base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D)
+        if PREFETCH:
+            nxt = jk.load(bt_row + jk.minimum(b + 1, b1 - 1)).to(jk.i64) * (BS * KVH * D)
+            jk.prefetch(k_cache + nxt + rows[:, None] * D + d[None, :])
+            jk.prefetch(v_cache + nxt + rows[:, None] * D + d[None, :])
+        pos = b * BS + n
+        valid = (pos < seq_len) & (pos >= lo)
+        for h in range(0, KVH):
+            r = slot + h * G + gi
+            ks = _load_chunks(k_cache + base + h * D, n, KVH * D, D, w)
+            m_i, l_i, acc = _attend_block(
+                qrow + h * G * q_hs, q_hs, ks, v_cache + base + h * D, KVH * D, valid,
+                jk.load(st_m + r), jk.load(st_l + r[:, None] * BS + n[None, :]),
+                jk.load(st_acc + r[:, None] * D + d[None, :]), scale, softcap, G, D, BS, w, SOFTCAP)
+            jk.store(st_m + r, m_i)
+            jk.store(st_l + r[:, None] * BS + n[None, :], l_i)
+            jk.store(st_acc + r[:, None] * D + d[None, :], acc)
+    if NUM_PARTS == 1:
+        orow = out + q0.to(jk.i64) * o_ts
+        for h in range(0, KVH):
+            r = slot + h * G + gi
+            l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
+            acc = jk.load(st_acc + r[:, None] * D + d[None, :])
+            jk.store(orow + (h * G + gi[:, None]) * o_hs + d[None, :], acc / l_tot[:, None], mask=active)
+
+
+@jk.kernel
+def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs,
+                 H: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, NUM_PARTS: jk.constexpr):
+    """Program (sequence, query head): combines the NUM_PARTS partial states of a decode sequence."""
+    seq = jk.program_id(0)
+    hq = jk.program_id(1)
+    q0 = jk.load(query_start + seq)
+    active = (jk.load(query_start + seq + 1) - q0 == 1) & (jk.load(seq_lens + seq) > 0)
+    pi = jk.arange(0, NUM_PARTS)
+    d = jk.arange(0, D)
+    n = jk.arange(0, BS)
+    r = (seq * NUM_PARTS + pi).to(jk.i64) * H + hq
+    m = jk.load(st_m + r)
+    l = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
+    acc = jk.load(st_acc + r[:, None] * D + d[None, :])
+    wgt = jk.exp(m - jk.max(m, axis=0))       # empty partitions carry m = NEG, l = 0, acc = 0: weight 0
+    o = jk.sum(wgt[:, None] * acc, axis=0) / jk.sum(wgt * l, axis=0)
+    jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + d, o, mask=active)
+
+
+@jk.kernel
+def prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_table,
+                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
+                   KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
+                   SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr):
+    """Program (query tile of BQ tokens of one sequence, KV head): each token of the tile attends, for the
+    G query heads of the KV head, to the blocks of its causal (and window) range; the K/V blocks a tile
+    shares stay in cache from one token to the next."""
+    qb = jk.program_id(0)
+    h = jk.program_id(1)
+    w = _vec_width(D)
+    # the sequence owning query tile qb: the last i with query_start[i] // BQ + i <= qb
+    lo_s = qb * 0
+    hi_s = num_seqs
+    for _ in range(0, search_steps):
+        mid = (lo_s + hi_s) // 2
+        go = jk.load(query_start + mid) // BQ + mid <= qb
+        lo_s = jk.where(go, mid, lo_s)
+        hi_s = jk.where(go, hi_s, mid)
+    seq = lo_s
+    q0 = jk.load(query_start + seq)
+    q_len = jk.load(query_start + seq + 1) - q0
+    seq_len = jk.load(seq_lens + seq)
+    t0 = (qb - (q0 // BQ + seq)) * BQ
+    n_rows = jk.minimum(jk.maximum(q_len - t0, 0), BQ)
+    if SKIP_DECODE:
+        n_rows = jk.where(q_len == 1, 0, n_rows)
+    first_pos = seq_len - q_len + t0
+
+    d = jk.arange(0, D)
+    n = jk.arange(0, BS)
+    gi = jk.arange(0, G)
+    bt_row = block_table + seq.to(jk.i64) * bt_stride
+    for t in range(0, n_rows):
+        tok = (q0 + t0 + t).to(jk.i64)
+        qpos = first_pos + t
+        lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
+        m_i = jk.full((G,), NEG, jk.f32)
+        l_i = jk.zeros((G, BS), jk.f32)
+        acc = jk.zeros((G, D), jk.f32)
+        for b in range(lo // BS, qpos // BS + 1):
+            base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
+            pos = b * BS + n
+            ks = _load_chunks(k_cache + base, n, KVH * D, D, w)
+            m_i, l_i, acc = _attend_block(q + tok * q_ts + h * G * q_hs, q_hs, ks, v_cache + base, KVH * D,
+                                          (pos <= qpos) & (pos >= lo), m_i, l_i, acc, scale, softcap,
+                                          G, D, BS, w, SOFTCAP)
+        l_tot = jk.sum(l_i, axis=1)
+        jk.store(out + tok * o_ts + (h * G + gi[:, None]) * o_hs + d[None, :], acc / l_tot[:, None])
+
+
+# ------------------------------------------------------------------------------------- host wrappers
+def _i32(a, what, ndim=1):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy int32 array, got {type(a).__name__}")
+    if a.dtype != np.int32:
+        raise TypeError(f"{what}: expected dtype int32, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{what}: expected a {ndim}-D array, got shape {a.shape}")
+    if ndim == 1 and a.size > 1 and a.strides[0] != 4:
+        raise ValueError(f"{what}: must be contiguous (strides {a.strides})")
+    return a
+
+
+def _check_cache(k_cache, v_cache):
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy array, got {type(c).__name__}")
+        if c.ndim != 4:
+            raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim], got shape {c.shape}")
+        if c.dtype not in (np.float32, np.float16):
+            raise TypeError(f"{name}: dtype {c.dtype} is not supported (float32 or float16)")
+        if not c.flags.c_contiguous:
+            raise ValueError(f"{name}: the cache must be C-contiguous")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} {v_cache.dtype} differ")
+    return k_cache.shape[1:]
+
+
+def _heads_view(a, what, heads, head_dim, dtype=np.float32):
+    """(token stride, head stride) in elements of a [T, heads, head_dim] array (or [T, heads*head_dim])."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{what}: expected dtype {np.dtype(dtype)}, got {a.dtype}")
+    if a.ndim == 2 and a.shape[1] == heads * head_dim:
+        ts, _ = elem_strides(a, what)
+        return ts, head_dim
+    if a.ndim != 3 or a.shape[1:] != (heads, head_dim):
+        raise ValueError(f"{what}: expected shape [num_tokens, {heads}, {head_dim}], got {a.shape}")
+    ts, hs, _ = elem_strides(a, what)
+    return ts, hs
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, target=None) -> None:
+    """Writes k, v [num_tokens, num_kv_heads, head_dim] (f32, strided rows ok) into the paged caches at
+    slot_mapping[i] (int32; -1 skips the token). f16 caches get the values rounded to nearest even."""
+    bs, kvh, dim = _check_cache(k_cache, v_cache)
+    slot_mapping = _i32(slot_mapping, "slot_mapping")
+    T = slot_mapping.shape[0]
+    k_ts, k_hs = _heads_view(k, "k", kvh, dim)
+    v_ts, v_hs = _heads_view(v, "v", kvh, dim)
+    if k.shape[0] != T or v.shape[0] != T:
+        raise ValueError(f"k has {k.shape[0]} tokens, v {v.shape[0]}, slot_mapping {T}")
+    run(reshape_and_cache_kernel, (T,), (k, v, k_cache, v_cache, slot_mapping, k_ts, k_hs, v_ts, v_hs),
+        target=target, KVH=kvh, D=dim)
+
+
+def _threads() -> int:
+    from ..runtime.cpu_pool import get_pool
+    return get_pool().num_threads
+
+
+def choose_partitions(num_seqs: int, max_seq_len: int, block_size: int, threads: int | None = None) -> int:
+    """Context partitions for decode (flash-decoding): enough programs to keep every thread busy, but at
+    least 8 blocks (128 tokens at block size 16) per partition so that the merge stays cheap."""
+    threads = _threads() if threads is None else threads
+    blocks = -(-max(max_seq_len, 1) // block_size)
+    p = 1
+    while p < _MAX_PARTITIONS and num_seqs * p < 4 * threads and blocks // (2 * p) >= 8:
+        p *= 2
+    return p
+
+
+PREFILL_BLOCK_Q = 16     # query tokens per prefill program (per KV head)
+
+
+def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
+                    sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
+                    num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
+                    validate: bool = True, target=None):
+    """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
+
+    max_query_len: the largest q_len of the step, when the caller knows it (else read from query_start).
+    1 runs only the decode kernel; anything else runs the decode kernel for the q_len == 1 sequences and
+    the prefill kernel for the others (both grids depend only on num_tokens / num_seqs).
+    num_partitions: decode context split (power of two <= 16); None picks one from seq_lens and threads.
+    workspace: a dict reused across calls for the flash-decoding scratch (keep it for jk.capture()).
+    validate: check query_start / seq_lens / block-table width on the host (O(num_seqs) numpy work);
+    block ids themselves are trusted (an id >= num_blocks reads outside the cache).
+    """
+    bs, kvh, dim = _check_cache(k_cache, v_cache)
+    query_start = _i32(query_start, "query_start")
+    seq_lens = _i32(seq_lens, "seq_lens")
+    block_table = _i32(block_table, "block_table", 2)
+    num_seqs = seq_lens.shape[0]
+    if query_start.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start: expected {num_seqs + 1} entries (num_seqs + 1), got {query_start.shape[0]}")
+    if block_table.shape[0] != num_seqs:
+        raise ValueError(f"block_table: expected {num_seqs} rows, got {block_table.shape[0]}")
+    if block_table.shape[1] > 1 and block_table.strides[1] != 4:
+        raise ValueError("block_table: rows must be contiguous")
+    bt_stride = block_table.strides[0] // 4
+    if not isinstance(q, np.ndarray) or q.ndim not in (2, 3):
+        raise ValueError("q: expected a [num_tokens, num_heads, head_dim] float32 array")
+    T = q.shape[0]
+    heads = q.shape[1] if q.ndim == 3 else q.shape[1] // dim
+    if heads % kvh or heads == 0:
+        raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")
+    G = heads // kvh
+    q_ts, q_hs = _heads_view(q, "q", heads, dim)
+    if out is None:
+        out = np.empty((T, heads, dim), np.float32)
+    o_ts, o_hs = _heads_view(out, "out", heads, dim)
+    if out.shape[0] != T:
+        raise ValueError(f"out: expected {T} tokens, got {out.shape[0]}")
+    if num_seqs == 0 or T == 0:
+        return out
+    if validate:
+        _validate_step(query_start, seq_lens, block_table, T, bs)
+    scale, softcap, window = float(scale), float(softcap), int(sliding_window)
+    if softcap < 0 or window < 0:
+        raise ValueError(f"softcap ({softcap}) and sliding_window ({window}) must be >= 0")
+    if max_query_len is None:
+        max_query_len = int(np.diff(query_start).max())
+    if num_partitions is None:
+        num_partitions = choose_partitions(num_seqs, int(seq_lens.max()), bs)
+    P = int(num_partitions)
+    if P < 1 or P > _MAX_PARTITIONS or P & (P - 1):
+        raise ValueError(f"num_partitions must be a power of two in [1, {_MAX_PARTITIONS}], got {P}")
+    use_cap = softcap > 0.0
+    cap = softcap if use_cap else 1.0
+    ws = workspace if workspace is not None else {}
+    rows = num_seqs * P * heads
+    if ws.get("rows") != (rows, bs, dim):
+        ws["rows"] = (rows, bs, dim)
+        ws["m"] = np.empty(rows, np.float32)
+        ws["l"] = np.empty(rows * bs, np.float32)
+        ws["acc"] = np.empty(rows * dim, np.float32)
+    st_m, st_l, st_acc = ws["m"], ws["l"], ws["acc"]
+    run(decode_kernel, (num_seqs, P),
+        (q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
+         q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, cap),
+        target=target, KVH=kvh, G=G, D=dim, BS=bs, NUM_PARTS=P, SOFTCAP=use_cap, PREFETCH=bool(prefetch))
+    if P > 1:
+        run(merge_kernel, (num_seqs, heads), (out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs),
+            target=target, H=heads, D=dim, BS=bs, NUM_PARTS=P)
+    if max_query_len > 1:
+        BQ = PREFILL_BLOCK_Q
+        run(prefill_kernel, (T // BQ + num_seqs, kvh),
+            (q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, int(num_seqs).bit_length(),
+             q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, cap),
+            target=target, KVH=kvh, G=G, D=dim, BS=bs, BQ=BQ, SOFTCAP=use_cap, SKIP_DECODE=True)
+    return out
+
+
+def _validate_step(query_start, seq_lens, block_table, num_tokens, block_size):
+    q_lens = np.diff(query_start)
+    if query_start[0] < 0 or (q_lens < 0).any() or int(query_start[-1]) > num_tokens:
+        raise ValueError(f"query_start must be non-decreasing within [0, {num_tokens}], got {query_start}")
+    bad = np.nonzero(seq_lens < q_lens)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"seq_lens[{i}] = {int(seq_lens[i])} is shorter than its {int(q_lens[i])} new tokens")
+    need = int(-(-int(seq_lens.max()) // block_size))
+    if need > block_table.shape[1]:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns but a sequence of length "
+                         f"{int(seq_lens.max())} needs {need} blocks of {block_size}")
+
+
+def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
+                            sliding_window: int = 0, softcap: float = 0.0, out=None, block_q: int | None = None,
+                            target=None):
+    """The general kernel alone over every sequence (decodes included): same arguments as paged_attention."""
+    bs, kvh, dim = _check_cache(k_cache, v_cache)
+    query_start = _i32(query_start, "query_start")
+    seq_lens = _i32(seq_lens, "seq_lens")
+    block_table = _i32(block_table, "block_table", 2)
+    num_seqs = seq_lens.shape[0]
+    T = q.shape[0]
+    heads = q.shape[1] if q.ndim == 3 else q.shape[1] // dim
+    if heads % kvh or heads == 0:
+        raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")
+    G = heads // kvh
+    q_ts, q_hs = _heads_view(q, "q", heads, dim)
+    if out is None:
+        out = np.empty((T, heads, dim), np.float32)
+    o_ts, o_hs = _heads_view(out, "out", heads, dim)
+    if query_start.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError("query_start must have num_seqs + 1 entries and block_table num_seqs rows")
+    if num_seqs == 0 or T == 0:
+        return out
+    _validate_step(query_start, seq_lens, block_table, T, bs)
+    softcap, window = float(softcap), int(sliding_window)
+    use_cap = softcap > 0.0
+    BQ = int(block_q) if block_q else PREFILL_BLOCK_Q
+    run(prefill_kernel, (T // BQ + num_seqs, kvh),
+        (q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, int(num_seqs).bit_length(),
+         q_ts, q_hs, o_ts, o_hs, block_table.strides[0] // 4, float(scale), window, softcap if use_cap else 1.0),
+        target=target, KVH=kvh, G=G, D=dim, BS=bs, BQ=BQ, SOFTCAP=use_cap, SKIP_DECODE=False)
+    return out

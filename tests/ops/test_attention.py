@@ -1,0 +1,213 @@
+"""Paged attention ops against a float64 numpy reference, on every runnable CPU tier.
+
+The reference gathers each sequence's contiguous K/V from its block table and computes
+softmax(q k^T * scale [softcapped] + causal/window mask) v in float64. Block tables are shuffled,
+non-contiguous block ids; unused table entries point at blocks full of other data, so reading past a
+sequence's blocks shows up as a wrong result. Tolerances: f32 caches rtol 1e-4 / atol 2e-5 (the kernels
+accumulate in f32 over up to 300 keys; observed errors ~1e-6); f16 caches hold exactly the values the
+reference reads (the cache itself is the f16 data), so the same tolerance applies.
+"""
+import numpy as np
+import pytest
+
+import jitkern as jk
+from jitkern.ops import attention as A
+
+BS = 16
+
+# (seq_len, q_len): decodes at total lengths 1, 15, 16, 17, 300; whole prompts of 15/16/17 tokens; a 17-token
+# chunk continuing a 283-token cached context; a chunk of 23 after 17 cached; an empty (padding) sequence
+MIXED = [(1, 1), (15, 1), (300, 1), (15, 15), (16, 1), (16, 16), (0, 0), (17, 1), (300, 17), (17, 17), (40, 23)]
+DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (0, 0), (33, 1)]
+
+
+def ref_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, scale, window=0, softcap=0.0):
+    T, H, D = q.shape
+    KVH = k_cache.shape[2]
+    G = H // KVH
+    out = np.zeros((T, H, D))
+    for i in range(len(seq_lens)):
+        L, q0 = int(seq_lens[i]), int(query_start[i])
+        ql = int(query_start[i + 1]) - q0
+        if ql == 0:
+            continue
+        blocks = block_table[i, :-(-L // BS)]
+        K = k_cache[blocks].reshape(-1, KVH, D)[:L].astype(np.float64)
+        V = v_cache[blocks].reshape(-1, KVH, D)[:L].astype(np.float64)
+        kpos = np.arange(L)
+        for j in range(ql):
+            p = L - ql + j
+            ok = kpos <= p
+            if window:
+                ok &= kpos > p - window
+            for h in range(H):
+                s = K[:, h // G] @ q[q0 + j, h].astype(np.float64) * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                s = np.where(ok, s, -np.inf)
+                e = np.exp(s - s.max())
+                out[q0 + j, h] = (e / e.sum()) @ V[:, h // G]
+    return out
+
+
+def make_step(rng, seqs, H, KVH, D, dtype, extra_blocks=13):
+    """A random step: caches with shuffled block ids, q, query_start, seq_lens, block_table."""
+    need = [-(-L // BS) for L, _ in seqs]
+    width = max(need) + 2
+    num_blocks = sum(need) + extra_blocks
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    table = np.empty((len(seqs), width), np.int32)
+    at = 0
+    for i, nb in enumerate(need):
+        table[i, :nb] = ids[at:at + nb]
+        at += nb
+        table[i, nb:] = rng.choice(ids[at:], width - nb)      # valid ids of blocks holding other data
+    k_cache = rng.standard_normal((num_blocks, BS, KVH, D)).astype(dtype)
+    v_cache = rng.standard_normal((num_blocks, BS, KVH, D)).astype(dtype)
+    q_lens = [ql for _, ql in seqs]
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_lens = np.array([L for L, _ in seqs], np.int32)
+    q = rng.standard_normal((int(query_start[-1]), H, D)).astype(np.float32)
+    return q, k_cache, v_cache, query_start, seq_lens, table
+
+
+def check(out, want):
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_mixed_step_gqa(tier, dtype):
+    """SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64): decodes and prefill chunks in one step,
+    single-partition and split (flash-decoding) decode, with and without a sliding window."""
+    rng = np.random.default_rng(1)
+    q, kc, vc, qs, sl, bt = make_step(rng, MIXED, 9, 3, 64, dtype)
+    for window in (0, 7):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window)
+        for parts in (1, 4):
+            out = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window,
+                                    num_partitions=parts, target=tier)
+            check(out, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (5, 1, 64), (6, 2, 128)], ids=["mha", "mqa", "gqa128"])
+def test_mixed_step_head_layouts(tier, heads, kv_heads, dim):
+    rng = np.random.default_rng(2)
+    q, kc, vc, qs, sl, bt = make_step(rng, MIXED, heads, kv_heads, dim, np.float32)
+    scale = dim ** -0.5
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, scale)
+    check(A.paged_attention(q, kc, vc, qs, sl, bt, scale=scale, num_partitions=2, target=tier), want)
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, scale, window=16)
+    check(A.paged_attention(q, kc, vc, qs, sl, bt, scale=scale, sliding_window=16, num_partitions=2,
+                            target=tier), want)
+
+
+def test_softcap(tier):
+    rng = np.random.default_rng(3)
+    q, kc, vc, qs, sl, bt = make_step(rng, MIXED, 9, 3, 64, np.float32)
+    q *= 3.0                                            # large logits, so the cap matters
+    for window in (0, 17):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window, softcap=5.0)
+        assert np.abs(want - ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window)).max() > 0.05
+        out = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, softcap=5.0,
+                                num_partitions=2, target=tier)
+        check(out, want)
+
+
+def test_decode_partitions(tier):
+    """Pure decode steps (the fast path alone) for every partition count, including partitions with no
+    blocks (16 partitions of a 1-token context)."""
+    rng = np.random.default_rng(4)
+    q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125)
+    for parts in (1, 2, 4, 16, None):
+        out = np.full_like(q, np.nan)
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=parts,
+                          target=tier)
+        check(out, want)
+
+
+def test_prefill_kernel_handles_every_sequence(tier):
+    """paged_prefill_attention runs the general kernel alone, decodes included."""
+    rng = np.random.default_rng(5)
+    q, kc, vc, qs, sl, bt = make_step(rng, MIXED, 9, 3, 64, np.float32)
+    for window in (0, 5):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window)
+        check(A.paged_prefill_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, target=tier),
+              want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_reshape_and_cache_from_fused_qkv(tier, dtype):
+    """New K/V rows taken as strided views of a fused qkv output are written at their slots (-1 skipped),
+    then attention reads q from the same fused buffer and writes a strided out view."""
+    rng = np.random.default_rng(6)
+    H, KVH, D = 9, 3, 64
+    seqs = [(17, 17), (300, 5), (16, 1), (33, 1)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, dtype)
+    T = q.shape[0]
+    qkv = rng.standard_normal((T + 1, (H + 2 * KVH) * D + 8)).astype(np.float32)[1:]   # rows padded: strided
+    k_new = qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D)
+    v_new = qkv[:, (H + KVH) * D:(H + 2 * KVH) * D].reshape(T, KVH, D)
+    slots = []
+    for i, (L, ql) in enumerate(seqs):
+        for p in range(L - ql, L):
+            slots.append(bt[i, p // BS] * BS + p % BS)
+    slots = np.array(slots, np.int32)
+    slots[3] = -1                                       # a skipped token keeps the old cache contents
+    kc_before, vc_before = kc.copy(), vc.copy()
+    A.reshape_and_cache(k_new, v_new, kc, vc, slots, target=tier)
+    want_k, want_v = kc_before.reshape(-1, KVH, D).copy(), vc_before.reshape(-1, KVH, D).copy()
+    keep = slots >= 0
+    want_k[slots[keep]] = k_new[keep].astype(dtype)     # numpy's f16 rounding: round to nearest even
+    want_v[slots[keep]] = v_new[keep].astype(dtype)
+    np.testing.assert_array_equal(kc.reshape(-1, KVH, D), want_k)
+    np.testing.assert_array_equal(vc.reshape(-1, KVH, D), want_v)
+
+    qv = qkv[:, :H * D].reshape(T, H, D)
+    out_buf = np.full((T, H * D + 5), np.nan, np.float32)
+    out = out_buf[:, :H * D].reshape(T, H, D)
+    A.paged_attention(qv, kc, vc, qs, sl, bt, scale=0.125, out=out, target=tier)
+    check(out, ref_paged_attention(np.ascontiguousarray(qv), kc, vc, qs, sl, bt, 0.125))
+    assert np.isnan(out_buf[:, H * D:]).all()
+
+
+def test_capture_replay_with_new_step_arrays(tier):
+    """The launches of a step recorded once replay correctly after the step arrays change in place."""
+    rng = np.random.default_rng(7)
+    q, kc, vc, qs, sl, bt = make_step(rng, [(300, 1), (40, 1), (17, 1), (5, 1)], 9, 3, 64, np.float32)
+    out = np.zeros_like(q)
+    ws = {}
+    with jk.capture() as graph:
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=4,
+                          workspace=ws, target=tier)
+    assert len(graph) == 2 and not out.any()
+    graph.replay()
+    check(out, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+    sl[:] = [301, 12, 18, 0]                          # next step: contexts grow, one sequence finished
+    qs[:] = [0, 1, 2, 3, 3]
+    bt[:] = np.roll(bt, 1, axis=0)
+    q[:] = rng.standard_normal(q.shape)
+    out[:] = 0
+    graph.replay()
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125)
+    check(out[:3], want[:3])
+    assert not out[3].any()                           # the finished (empty) sequence wrote nothing
+
+
+def test_errors_name_the_bad_argument():
+    rng = np.random.default_rng(8)
+    q, kc, vc, qs, sl, bt = make_step(rng, [(20, 1)], 9, 3, 64, np.float32)
+    with pytest.raises(TypeError, match="block_table"):
+        A.paged_attention(q, kc, vc, qs, sl, bt.astype(np.int64), scale=1.0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        A.paged_attention(q[:, :8], kc, vc, qs, sl, bt, scale=1.0)
+    with pytest.raises(ValueError, match="block_table has 2 columns"):
+        A.paged_attention(q, kc, vc, qs, np.array([40], np.int32), bt[:, :2], scale=1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        A.paged_attention(q, kc, vc, np.array([0, 1], np.int32), np.array([0], np.int32), bt, scale=1.0)
+    with pytest.raises(TypeError, match="v_cache"):
+        A.paged_attention(q, kc, vc.astype(np.float64), qs, sl, bt, scale=1.0)
+    with pytest.raises(ValueError, match="num_partitions"):
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=1.0, num_partitions=3)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        A.reshape_and_cache(q[:, :3], q[:, :3], kc, vc, np.zeros(5, np.int32))
