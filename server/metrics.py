@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("jitkern.server")
+
+# No `*_created` series next to every counter and histogram (vLLM turns them off the same way).
+prometheus_client.disable_created_metrics()
 
 # Bucket edges as vLLM's (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
