@@ -84,12 +84,23 @@ def _chunk_dots(ks, qc, BS, w):
     """
     y = ks[0] * qc[0][None, :]
     for c in jk.static_range(1, len(ks)):
-        y = y + ks[c] * qc[c][None, :]
+        y = jk.fma(ks[c], qc[c][None, :], y)
     half = w
     for _ in jk.static_range(w.bit_length() - 1):
         half = half // 2
         y = jk.sum(jk.reshape(y, (BS, 2, half)), axis=1)
     return jk.reshape(y, (BS,))
+
+
+@jk.jit
+def _row_max(x, R, C):
+    """max over the last axis of an (R, C) tile (C a power of two) by pairwise vector maxima of halves;
+    jk.max(x, axis=1) would reduce each row through a serial NaN-aware scalar chain."""
+    half = C
+    for _ in jk.static_range(C.bit_length() - 1):
+        half = half // 2
+        x = jk.max(jk.reshape(x, (R, 2, half)), axis=1)
+    return jk.reshape(x, (R,))
 
 
 @jk.jit
@@ -117,7 +128,7 @@ def _attend_block(qrow, q_hs, ks, v_ptr, v_row_stride, valid, m_i, l_i, acc, sca
     if SOFTCAP:
         s = softcap * jk.tanh(s / softcap)
     s = jk.where(valid[None, :], s, NEG)
-    m_new = jk.maximum(m_i, jk.max(s, axis=1))
+    m_new = jk.maximum(m_i, _row_max(s, G, BS))
     alpha = jk.exp(m_i - m_new)
     p = jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
     vt = jk.load(v_ptr + n[:, None] * v_row_stride + d[None, :]).to(jk.f32)
@@ -126,10 +137,11 @@ def _attend_block(qrow, q_hs, ks, v_ptr, v_row_stride, valid, m_i, l_i, acc, sca
 
 @jk.jit
 def _vec_width(D):
-    """f32 lanes per vector register of the target, at most D."""
+    """Chunk width for head_dim D: the target's f32 lanes per vector register, halved until it divides D."""
     w = jk.target.vector_bits // 32
-    if D < w:
-        w = D
+    for _ in jk.static_range(8):
+        if D % w != 0:
+            w = w // 2
     return w
 
 
@@ -237,13 +249,14 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs,
 
 
 @jk.kernel
-def prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_table,
+def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
                    num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
                    SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr):
     """Program (query tile of BQ tokens of one sequence, KV head): each token of the tile attends, for the
     G query heads of the KV head, to the blocks of its causal (and window) range; the K/V blocks a tile
-    shares stay in cache from one token to the next."""
+    shares stay in cache from one token to the next. The softmax state goes through the st_* workspace
+    (L1-resident): as loop-carried values, odd-sized state vectors compiled to much slower code."""
     qb = jk.program_id(0)
     h = jk.program_id(1)
     w = _vec_width(D)
@@ -269,21 +282,27 @@ def prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_table,
     n = jk.arange(0, BS)
     gi = jk.arange(0, G)
     bt_row = block_table + seq.to(jk.i64) * bt_stride
+    r = (qb * KVH + h).to(jk.i64) * G + gi     # this program's G state rows in the workspace
     for t in range(0, n_rows):
         tok = (q0 + t0 + t).to(jk.i64)
         qpos = first_pos + t
         lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
-        m_i = jk.full((G,), NEG, jk.f32)
-        l_i = jk.zeros((G, BS), jk.f32)
-        acc = jk.zeros((G, D), jk.f32)
+        jk.store(st_m + r, jk.full((G,), NEG, jk.f32))
+        jk.store(st_l + r[:, None] * BS + n[None, :], jk.zeros((G, BS), jk.f32))
+        jk.store(st_acc + r[:, None] * D + d[None, :], jk.zeros((G, D), jk.f32))
         for b in range(lo // BS, qpos // BS + 1):
             base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
             pos = b * BS + n
             ks = _load_chunks(k_cache + base, n, KVH * D, D, w)
-            m_i, l_i, acc = _attend_block(q + tok * q_ts + h * G * q_hs, q_hs, ks, v_cache + base, KVH * D,
-                                          (pos <= qpos) & (pos >= lo), m_i, l_i, acc, scale, softcap,
-                                          G, D, BS, w, SOFTCAP)
-        l_tot = jk.sum(l_i, axis=1)
+            m_i, l_i, acc = _attend_block(
+                q + tok * q_ts + h * G * q_hs, q_hs, ks, v_cache + base, KVH * D, (pos <= qpos) & (pos >= lo),
+                jk.load(st_m + r), jk.load(st_l + r[:, None] * BS + n[None, :]),
+                jk.load(st_acc + r[:, None] * D + d[None, :]), scale, softcap, G, D, BS, w, SOFTCAP)
+            jk.store(st_m + r, m_i)
+            jk.store(st_l + r[:, None] * BS + n[None, :], l_i)
+            jk.store(st_acc + r[:, None] * D + d[None, :], acc)
+        l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
+        acc = jk.load(st_acc + r[:, None] * D + d[None, :])
         jk.store(out + tok * o_ts + (h * G + gi[:, None]) * o_hs + d[None, :], acc / l_tot[:, None])
 
 
@@ -363,6 +382,67 @@ def choose_partitions(num_seqs: int, max_seq_len: int, block_size: int, threads:
 PREFILL_BLOCK_Q = 16     # query tokens per prefill program (per KV head)
 
 
+class _Step:
+    """The checked arguments of one attention call (shapes, strides, step arrays)."""
+
+    def __init__(self, q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window,
+                 softcap, validate):
+        self.bs, self.kvh, self.dim = _check_cache(k_cache, v_cache)
+        if self.bs & (self.bs - 1):
+            raise ValueError(f"k_cache: block_size {self.bs} must be a power of two")
+        self.query_start = _i32(query_start, "query_start")
+        self.seq_lens = _i32(seq_lens, "seq_lens")
+        self.block_table = _i32(block_table, "block_table", 2)
+        self.num_seqs = self.seq_lens.shape[0]
+        if self.query_start.shape[0] != self.num_seqs + 1:
+            raise ValueError(f"query_start: expected {self.num_seqs + 1} entries (num_seqs + 1), "
+                             f"got {self.query_start.shape[0]}")
+        if self.block_table.shape[0] != self.num_seqs:
+            raise ValueError(f"block_table: expected {self.num_seqs} rows, got {self.block_table.shape[0]}")
+        if self.block_table.shape[1] > 1 and self.block_table.strides[1] != 4:
+            raise ValueError("block_table: rows must be contiguous")
+        self.bt_stride = self.block_table.strides[0] // 4
+        if not isinstance(q, np.ndarray) or q.ndim not in (2, 3):
+            raise ValueError("q: expected a [num_tokens, num_heads, head_dim] float32 array")
+        self.T = q.shape[0]
+        self.heads = q.shape[1] if q.ndim == 3 else q.shape[1] // self.dim
+        if self.heads == 0 or self.heads % self.kvh:
+            raise ValueError(f"num_heads {self.heads} is not a multiple of num_kv_heads {self.kvh}")
+        self.G = self.heads // self.kvh
+        self.q_ts, self.q_hs = _heads_view(q, "q", self.heads, self.dim)
+        self.out = np.empty((self.T, self.heads, self.dim), np.float32) if out is None else out
+        self.o_ts, self.o_hs = _heads_view(self.out, "out", self.heads, self.dim)
+        if self.out.shape[0] != self.T:
+            raise ValueError(f"out: expected {self.T} tokens, got {self.out.shape[0]}")
+        self.scale, self.window, softcap = float(scale), int(sliding_window), float(softcap)
+        if softcap < 0 or self.window < 0:
+            raise ValueError(f"softcap ({softcap}) and sliding_window ({self.window}) must be >= 0")
+        self.use_cap = softcap > 0.0
+        self.cap = softcap if self.use_cap else 1.0
+        self.empty = self.num_seqs == 0 or self.T == 0
+        if validate and not self.empty:
+            _validate_step(self.query_start, self.seq_lens, self.block_table, self.T, self.bs)
+
+
+def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int):
+    """Softmax-state scratch (m, l, acc) for `rows` (query head x program) rows, kept in ws across calls."""
+    if ws.get(key) is None or ws[key][0] != (rows, bs, dim):
+        ws[key] = ((rows, bs, dim), np.empty(rows, np.float32), np.empty(rows * bs, np.float32),
+                   np.empty(rows * dim, np.float32))
+    return ws[key][1:]
+
+
+def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
+    programs = st.T // block_q + st.num_seqs
+    m, l, acc = _workspace(ws, "prefill", programs * st.heads, st.bs, st.dim)
+    run(prefill_kernel, (programs, st.kvh),
+        (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
+         int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
+         st.cap),
+        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, SOFTCAP=st.use_cap,
+        SKIP_DECODE=skip_decode)
+
+
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                     num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
@@ -373,73 +453,36 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     1 runs only the decode kernel; anything else runs the decode kernel for the q_len == 1 sequences and
     the prefill kernel for the others (both grids depend only on num_tokens / num_seqs).
     num_partitions: decode context split (power of two <= 16); None picks one from seq_lens and threads.
-    workspace: a dict reused across calls for the flash-decoding scratch (keep it for jk.capture()).
+    workspace: a dict holding the softmax-state scratch across calls (pass the same one to jk.capture()d
+    calls: the recorded launches point at its arrays).
+    prefetch: software-prefetch the next cache block in the decode kernel.
     validate: check query_start / seq_lens / block-table width on the host (O(num_seqs) numpy work);
     block ids themselves are trusted (an id >= num_blocks reads outside the cache).
     """
-    bs, kvh, dim = _check_cache(k_cache, v_cache)
-    query_start = _i32(query_start, "query_start")
-    seq_lens = _i32(seq_lens, "seq_lens")
-    block_table = _i32(block_table, "block_table", 2)
-    num_seqs = seq_lens.shape[0]
-    if query_start.shape[0] != num_seqs + 1:
-        raise ValueError(f"query_start: expected {num_seqs + 1} entries (num_seqs + 1), got {query_start.shape[0]}")
-    if block_table.shape[0] != num_seqs:
-        raise ValueError(f"block_table: expected {num_seqs} rows, got {block_table.shape[0]}")
-    if block_table.shape[1] > 1 and block_table.strides[1] != 4:
-        raise ValueError("block_table: rows must be contiguous")
-    bt_stride = block_table.strides[0] // 4
-    if not isinstance(q, np.ndarray) or q.ndim not in (2, 3):
-        raise ValueError("q: expected a [num_tokens, num_heads, head_dim] float32 array")
-    T = q.shape[0]
-    heads = q.shape[1] if q.ndim == 3 else q.shape[1] // dim
-    if heads % kvh or heads == 0:
-        raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")
-    G = heads // kvh
-    q_ts, q_hs = _heads_view(q, "q", heads, dim)
-    if out is None:
-        out = np.empty((T, heads, dim), np.float32)
-    o_ts, o_hs = _heads_view(out, "out", heads, dim)
-    if out.shape[0] != T:
-        raise ValueError(f"out: expected {T} tokens, got {out.shape[0]}")
-    if num_seqs == 0 or T == 0:
-        return out
-    if validate:
-        _validate_step(query_start, seq_lens, block_table, T, bs)
-    scale, softcap, window = float(scale), float(softcap), int(sliding_window)
-    if softcap < 0 or window < 0:
-        raise ValueError(f"softcap ({softcap}) and sliding_window ({window}) must be >= 0")
+    st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
+               validate)
+    if st.empty:
+        return st.out
     if max_query_len is None:
-        max_query_len = int(np.diff(query_start).max())
-    if num_partitions is None:
-        num_partitions = choose_partitions(num_seqs, int(seq_lens.max()), bs)
-    P = int(num_partitions)
+        max_query_len = int(np.diff(st.query_start).max())
+    P = choose_partitions(st.num_seqs, int(st.seq_lens.max()), st.bs) if num_partitions is None \
+        else int(num_partitions)
     if P < 1 or P > _MAX_PARTITIONS or P & (P - 1):
         raise ValueError(f"num_partitions must be a power of two in [1, {_MAX_PARTITIONS}], got {P}")
-    use_cap = softcap > 0.0
-    cap = softcap if use_cap else 1.0
     ws = workspace if workspace is not None else {}
-    rows = num_seqs * P * heads
-    if ws.get("rows") != (rows, bs, dim):
-        ws["rows"] = (rows, bs, dim)
-        ws["m"] = np.empty(rows, np.float32)
-        ws["l"] = np.empty(rows * bs, np.float32)
-        ws["acc"] = np.empty(rows * dim, np.float32)
-    st_m, st_l, st_acc = ws["m"], ws["l"], ws["acc"]
-    run(decode_kernel, (num_seqs, P),
-        (q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
-         q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, cap),
-        target=target, KVH=kvh, G=G, D=dim, BS=bs, NUM_PARTS=P, SOFTCAP=use_cap, PREFETCH=bool(prefetch))
+    m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim)
+    run(decode_kernel, (st.num_seqs, P),
+        (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
+         st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap),
+        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, SOFTCAP=st.use_cap,
+        PREFETCH=bool(prefetch))
     if P > 1:
-        run(merge_kernel, (num_seqs, heads), (out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs),
-            target=target, H=heads, D=dim, BS=bs, NUM_PARTS=P)
+        run(merge_kernel, (st.num_seqs, st.heads),
+            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs),
+            target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P)
     if max_query_len > 1:
-        BQ = PREFILL_BLOCK_Q
-        run(prefill_kernel, (T // BQ + num_seqs, kvh),
-            (q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, int(num_seqs).bit_length(),
-             q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, cap),
-            target=target, KVH=kvh, G=G, D=dim, BS=bs, BQ=BQ, SOFTCAP=use_cap, SKIP_DECODE=True)
-    return out
+        _launch_prefill(st, q, k_cache, v_cache, ws, PREFILL_BLOCK_Q, True, target)
+    return st.out
 
 
 def _validate_step(query_start, seq_lens, block_table, num_tokens, block_size):
@@ -458,32 +501,12 @@ def _validate_step(query_start, seq_lens, block_table, num_tokens, block_size):
 
 def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                             sliding_window: int = 0, softcap: float = 0.0, out=None, block_q: int | None = None,
-                            target=None):
-    """The general kernel alone over every sequence (decodes included): same arguments as paged_attention."""
-    bs, kvh, dim = _check_cache(k_cache, v_cache)
-    query_start = _i32(query_start, "query_start")
-    seq_lens = _i32(seq_lens, "seq_lens")
-    block_table = _i32(block_table, "block_table", 2)
-    num_seqs = seq_lens.shape[0]
-    T = q.shape[0]
-    heads = q.shape[1] if q.ndim == 3 else q.shape[1] // dim
-    if heads % kvh or heads == 0:
-        raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")
-    G = heads // kvh
-    q_ts, q_hs = _heads_view(q, "q", heads, dim)
-    if out is None:
-        out = np.empty((T, heads, dim), np.float32)
-    o_ts, o_hs = _heads_view(out, "out", heads, dim)
-    if query_start.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
-        raise ValueError("query_start must have num_seqs + 1 entries and block_table num_seqs rows")
-    if num_seqs == 0 or T == 0:
-        return out
-    _validate_step(query_start, seq_lens, block_table, T, bs)
-    softcap, window = float(softcap), int(sliding_window)
-    use_cap = softcap > 0.0
-    BQ = int(block_q) if block_q else PREFILL_BLOCK_Q
-    run(prefill_kernel, (T // BQ + num_seqs, kvh),
-        (q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, int(num_seqs).bit_length(),
-         q_ts, q_hs, o_ts, o_hs, block_table.strides[0] // 4, float(scale), window, softcap if use_cap else 1.0),
-        target=target, KVH=kvh, G=G, D=dim, BS=bs, BQ=BQ, SOFTCAP=use_cap, SKIP_DECODE=False)
-    return out
+                            workspace: dict | None = None, validate: bool = True, target=None):
+    """The general (prefill) kernel alone over every sequence, decodes included; arguments as for
+    paged_attention. block_q: query tokens per program (default PREFILL_BLOCK_Q)."""
+    st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
+               validate)
+    if not st.empty:
+        _launch_prefill(st, q, k_cache, v_cache, workspace if workspace is not None else {},
+                        int(block_q or PREFILL_BLOCK_Q), False, target)
+    return st.out
