@@ -193,12 +193,26 @@ def test_32_concurrent_streams_equal_solo_greedy(srv, model):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"{i}: {type(e).__name__}: {e}")
 
+    running = []
+    stop_watch = threading.Event()
+
+    def watch():
+        # The one engine batches the 32 HTTP threads: /metrics sees many requests running at once.
+        while not stop_watch.is_set():
+            running.append(metrics_value(get_metrics(srv), "vllm:num_requests_running"))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    watcher.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
+    stop_watch.set()
+    watcher.join(30)
     assert not errors, errors
+    assert max(running) >= 8, f"never more than {max(running)} requests in a batch"
     assert len(results) == 32
     for i, (prompt, text, finish) in sorted(results.items()):
         assert text == solo[prompt], f"stream {i} ({prompt!r}) differs from its solo greedy text"
