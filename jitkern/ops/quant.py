@@ -17,8 +17,8 @@ LLM decode on a CPU is a bandwidth-bound GEMV over the weights, so the kernels h
 
 Weight layout (ggml-common.h; rows are K/block_elems consecutive blocks, row r of an (N, K) tensor starts at
 byte r * row_bytes). Every block is decoded in the kernel into an (R, S, 32) tile of small integers in
-natural element order (S = 32-element sub-blocks per step), a matching (R, S, 8) tile of f32 scales per group
-of 4 elements, and, where the format has one, an (R, S) f32 coefficient `c` of the activation block sum
+natural element order (S = 32-element sub-blocks per step), a matching tile of f32 scales (per sub-block, or
+per group of 4 elements for q6_K's 16-element scales), and, where the format has one, an (R, S) f32 coefficient `c` of the activation block sum
 (the dequantised weight is  scale * q + c / 1  per element, so sum(w * x) = scale * dx * dot(q, qx) + c * s):
 
   q8_0  (34 B / 32):  f16 d, 32 x int8;                    w = d * q
@@ -46,7 +46,7 @@ import numpy as np
 import jitkern as jk
 from jitkern.ops._hostargs import resolve_target, run
 
-__all__ = ["QTYPES", "QType", "quantize_q8", "matmul_q", "dequantize_rows", "row_bytes", "gemv_tiles"]
+__all__ = ["QTYPES", "QType", "quantize_q8", "matmul_q", "matmul_q8", "dequantize_rows", "row_bytes", "gemv_tiles"]
 
 
 @dataclass(frozen=True)
@@ -141,15 +141,9 @@ def quantize_q8(x: np.ndarray, out=None, target=None):
 # Each decoder gets the weight bytes `w` (u8) and the same memory as f16 `wh`, the (R,) i64 weight rows, the
 # step index `st` (which S 32-element sub-blocks of every row), the row length in bytes `rb`, and returns
 #   q   (R, S, 32) u8 or i8  quantised values in element order,
-#   sc  (R, S, 8)  f32       weight scale of each group of 4 elements,
+#   sc  (R, S, 1)  f32       weight scale of each sub-block (or (R, S, 8): of each group of 4 elements),
 #   c   (R, S)     f32       coefficient of the activation block sum (or None),
 #   OFF int                  a constant subtracted from every q (done exactly on the integer dot, or None).
-@jk.jit
-def _bcast_f16(wh, offs, shape):
-    """f16 scalars at `offs` ((R, S) element offsets into wh), each broadcast over 8 lanes, as f32."""
-    return jk.load(jk.broadcast_to((wh + offs)[:, :, None], shape)).to(jk.f32)
-
-
 @jk.jit
 def _nibbles(w, offs, R: jk.constexpr, C: jk.constexpr, N: jk.constexpr):
     """Bytes at offs[r, c] + (0..N) as (R, C, 1, N); low nibbles then high nibbles along axis 2."""
@@ -164,16 +158,28 @@ def _dec_q8_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     blk = st * S + jk.arange(0, S).to(jk.i64)
     base = rows[:, None] * rb + blk[None, :] * 34
     q = jk.load(w + base[:, :, None] + 2 + jk.arange(0, 32)[None, None, :]).to(jk.i8, bitcast=True)
-    sc = _bcast_f16(wh, rows[:, None] * (rb // 2) + blk[None, :] * 17, (R, S, 8))
+    sc = jk.load((wh + rows[:, None] * (rb // 2) + blk[None, :] * 17)[:, :, None]).to(jk.f32)
     return q, sc, None, None
+
+
+@jk.jit
+def _nibble_halves(w, offs, R: jk.constexpr, S: jk.constexpr):
+    """q4_0 / q4_1 quants of blocks at byte offsets offs (R, S) in the 'halves' layout (R, 2, S, 16):
+    [:, 0] the low nibbles (elements 0..15 of each block), [:, 1] the high nibbles (elements 16..31). With
+    S > 1 one register holds the same half of S blocks, so a 32-byte vector of nibble bytes (two blocks on
+    AVX2) is unpacked by one and, one shift + and, instead of per block."""
+    b = jk.load(w + offs[:, None, :, None] + jk.arange(0, 16)[None, None, None, :])
+    b = jk.broadcast_to(b, (R, 2, S, 16))
+    hi = jk.arange(0, 2)[None, :, None, None] == 1
+    return jk.where(hi, b >> 4, b & 15)
 
 
 @jk.jit
 def _dec_q4_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     blk = st * S + jk.arange(0, S).to(jk.i64)
     base = rows[:, None] * rb + blk[None, :] * 18
-    q = jk.reshape(_nibbles(w, base + 2, R, S, 16), (R, S, 32))
-    sc = _bcast_f16(wh, rows[:, None] * (rb // 2) + blk[None, :] * 9, (R, S, 8))
+    q = _nibble_halves(w, base + 2, R, S)
+    sc = jk.load((wh + rows[:, None] * (rb // 2) + blk[None, :] * 9)[:, :, None]).to(jk.f32)
     return q, sc, None, 8
 
 
@@ -181,10 +187,15 @@ def _dec_q4_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
 def _dec_q4_1(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     blk = st * S + jk.arange(0, S).to(jk.i64)
     base = rows[:, None] * rb + blk[None, :] * 20
-    q = jk.reshape(_nibbles(w, base + 4, R, S, 16), (R, S, 32))
+    q = _nibble_halves(w, base + 4, R, S)
     hoff = rows[:, None] * (rb // 2) + blk[None, :] * 10
-    sc = _bcast_f16(wh, hoff, (R, S, 8))
-    m = jk.reshape(jk.load((wh + hoff + 1)[:, :, None]), (R, S)).to(jk.f32)
+    # d and m are adjacent: one 4-byte load per block, split into two vectors by a transpose (the selects
+    # against -0.0 fold away, leaving a shuffle)
+    dm = jk.load((wh + hoff)[:, :, None] + jk.arange(0, 2)[None, None, :]).to(jk.f32)     # (R, S, 2)
+    dmt = jk.trans(jk.reshape(dm, (R * S, 2)))
+    first = jk.arange(0, 2)[:, None] == 0
+    sc = jk.reshape(jk.sum(jk.where(first, dmt, -0.0), axis=0), (R, S, 1))
+    m = jk.reshape(jk.sum(jk.where(first, -0.0, dmt), axis=0), (R, S))
     return q, sc, m, None
 
 
@@ -209,7 +220,7 @@ def _dec_q4_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     ds, dm = _k_scales(w, wh, base, rows * (rb // 2) + st * 72, R)
     q = jk.reshape(_nibbles(w, base[:, None] + 16 + jk.arange(0, 4).to(jk.i64)[None, :] * 32, R, 4, 32),
                    (R, 8, 32))
-    return q, jk.broadcast_to(ds[:, :, None], (R, 8, 8)), -dm, None
+    return q, ds[:, :, None], -dm, None
 
 
 @jk.jit
@@ -222,7 +233,7 @@ def _dec_q5_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     bit = (jk.full((1, 8, 1), 1, jk.u8) << jk.arange(0, 8)[None, :, None].to(jk.u8))
     q = lo | jk.where((jk.broadcast_to(qh, (R, 8, 32)) & bit) != 0, jk.full((1, 1, 1), 16, jk.u8),
                       jk.full((1, 1, 1), 0, jk.u8))
-    return q, jk.broadcast_to(ds[:, :, None], (R, 8, 8)), -dm, None
+    return q, ds[:, :, None], -dm, None
 
 
 @jk.jit
@@ -249,37 +260,54 @@ def _dec_q6_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
 # ------------------------------------------------------------------------------------------- the product
 @jk.kernel
 def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, DEC: jk.constexpr, BM: jk.constexpr,
-                    R: jk.constexpr, S: jk.constexpr):
+                    R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr):
     # y[m, n] for a tile of BM tokens x R weight rows; grid (N tiles, M tiles). Each of the NSTEP steps
-    # covers S 32-element sub-blocks of K; RB is the weight row length in bytes.
+    # covers S 32-element sub-blocks of K; RB is the weight row length in bytes. LANES: f32 lanes of the
+    # accumulator per (token, row), at most one vector register.
     n0 = jk.minimum(jk.program_id(0) * R, N - R)
     m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
     rows = (n0 + jk.arange(0, R)).to(jk.i64)
     toks = (m0 + jk.arange(0, BM)).to(jk.i64)
     K64 = K.to(jk.i64)
     rb = RB.to(jk.i64)
-    xrow = xq + toks[:, None, None] * K64 + jk.arange(0, S)[None, :, None] * 32 + jk.arange(0, 32)[None, None, :]
     srow = toks[:, None] * (K64 // 32) + jk.arange(0, S)[None, :]
-    acc = jk.zeros((BM, R, 8), jk.f32)
+    acc = jk.zeros((BM, R, LANES), jk.f32)
     accc = jk.zeros((BM, R, S), jk.f32)
     for st0 in range(0, NSTEP):
         st = st0.to(jk.i64)
         q, sc, c, OFF = DEC(w, wh, rows, st, rb, R, S)
-        xv = jk.load(xrow + st * (S * 32))                                        # (BM, S, 32) i8
-        dx = jk.load(jk.broadcast_to((xd + srow + st * S)[:, :, None], (BM, S, 8)))
-        p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
-                    jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))           # (BM, R, S, 8) i32
+        xbase = toks * K64 + st * (S * 32)
+        if len(q.shape) == 4:
+            # 'halves' layout (R, 2, S, 16): the activations likewise, (BM, 2, S, 16)
+            xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
+                         + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
+            p = jk.sum(jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
+                               jk.broadcast_to(xv[:, None, :, :, :], (BM, R, 2, S, 16))), axis=2)
+            ones = jk.full((BM, 2, S, 16), 1, jk.u8)
+            L = 4
+        else:
+            xv = jk.load(xq + xbase[:, None, None] + jk.arange(0, S)[None, :, None] * 32
+                         + jk.arange(0, 32)[None, None, :])                        # (BM, S, 32) i8
+            p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
+                        jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))           # (BM, R, S, 8) i32
+            ones = jk.full((BM, S, 32), 1, jk.u8)
+            L = 8
         if OFF is not None:
             # sum((q - OFF) * x) = dot(q, x) - OFF * sum(x), exactly, per group of 4
-            xsum = jk.dot4(jk.full((BM, S, 32), 1, jk.u8), xv)
-            p = p - jk.broadcast_to((xsum * OFF)[:, None, :, :], (BM, R, S, 8))
-        scale = sc[None, :, :, :] * dx[:, None, :, :]
-        if S == 1:
-            acc = jk.fma(jk.reshape(p.to(jk.f32), (BM, R, 8)), jk.reshape(scale, (BM, R, 8)), acc)
+            xsum = jk.dot4(ones, xv)
+            if len(q.shape) == 4:
+                xsum = jk.sum(xsum, axis=1)
+            p = p - jk.broadcast_to((xsum * OFF)[:, None, :, :], (BM, R, S, L))
+        # weight scale x activation scale, one per block (sc (R, S, 1)) or per group of 4 (sc (R, S, 8)),
+        # multiplied before broadcasting over the lanes
+        dx = jk.load((xd + srow + st * S)[:, :, None])                               # (BM, S, 1)
+        scale = jk.broadcast_to(sc[None, :, :, :] * dx[:, None, :, :], (BM, R, S, L))
+        if S * L == LANES:
+            acc = jk.fma(jk.reshape(p.to(jk.f32), (BM, R, LANES)), jk.reshape(scale, (BM, R, LANES)), acc)
         else:
             acc += jk.sum(p.to(jk.f32) * scale, axis=2)
         if c is not None:
-            sx = jk.load(xs + srow + st * S)                                      # (BM, S)
+            sx = jk.load(xs + srow + st * S)                                          # (BM, S)
             accc = jk.fma(c[None, :, :], sx[:, None, :], accc)
     res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
     jk.store(y + toks[:, None] * N + rows[None, :], res)
@@ -297,14 +325,37 @@ def _pow2_le(n: int, cap: int) -> int:
 
 
 def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
-    """(BM, R, S): tokens x weight rows per program and 32-element sub-blocks per step."""
+    """(BM, R, S, LANES): tokens x weight rows per program, 32-element sub-blocks per step, accumulator lanes."""
     q = _qtype(qtype)
-    S = 8 if q.block_elems == 256 else 1
-    if M == 1:
-        BM, R = 1, 4
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    vbytes = max(16, target.vector_bits // 8)
+    nblk = K // 32
+    if q.block_elems == 256:
+        S, L = 8, 8
+    elif q.name in ("q4_0", "q4_1"):
+        S, L = vbytes // 16, 4          # one vector of nibble bytes holds the same half of S blocks
     else:
+        S, L = max(1, vbytes // 32), 8  # one vector of int8 quants per block (two on AVX-512)
+    while S > 1 and nblk % S:
+        S //= 2
+    lanes = S * L if S * L <= 16 else L
+    # tile sizes measured on znver4 (perf/bench_gemv.py and single-thread sweeps): GEMV wants enough rows per
+    # program to amortise the activation loads and the per-step scale work (8 for the 4-bit formats, whose
+    # per-block work is lighter); GEMM wants the largest token x row tile whose accumulators and operands
+    # fit the register file (16 vector registers on AVX2 and below, 32 on AVX-512)
+    if M == 1:
+        BM, R = 1, (8 if q.name in ("q4_0", "q4_1") else 4)
+    elif q.block_elems == 256:
         BM, R = 4, 2
-    return _pow2_le(M, BM), _pow2_le(N, R), S
+    elif vbytes >= 64 or q.name in ("q4_0", "q4_1"):
+        BM, R = 4, 4
+    elif vbytes >= 32:
+        BM, R = 8, 2
+    else:
+        BM, R = 2, 2
+    return _pow2_le(M, BM), _pow2_le(N, R), S, lanes
 
 
 def _weight_arg(raw, q: QType, N: int, K: int, what: str):
@@ -322,47 +373,71 @@ def _weight_arg(raw, q: QType, N: int, K: int, what: str):
 
 def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, out=None, target=None):
     """y = x @ dequantize(W)^T for x float32 (M, K) or (K,) and W a GGUF-quantised (N, K) weight given as its
-    raw uint8 bytes. Returns y float32 (M, N) or (N,) (written into `out` when given)."""
+    raw uint8 bytes. Returns y float32 (M, N) or (N,) (written into `out` when given).
+
+    The activations are quantised on the way (`quantize_q8`); to share one quantisation between several
+    weights with the same input (q/k/v, gate/up), call `quantize_q8` once and `matmul_q8` per weight."""
+    q = _qtype(qtype)
+    x = np.asarray(x)
+    if x.ndim not in (1, 2) or x.shape[-1] != int(K):
+        raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {x.shape}")
+    if x.size == 0:
+        sc = np.zeros(x.shape[:-1] + (int(K) // 32,), np.float32)
+        return matmul_q8((np.zeros(x.shape, np.int8), sc, sc), weight_raw, q, N, K, out=out, target=target)
+    return matmul_q8(quantize_q8(x, target=target), weight_raw, q, N, K, out=out, target=target)
+
+
+def matmul_q8(xq: tuple, weight_raw: np.ndarray, qtype: str, N: int, K: int, out=None, target=None):
+    """matmul_q on activations already quantised by `quantize_q8`: xq = (qx, scales, sums)."""
+    out, _ = _matmul_q8(xq, weight_raw, qtype, N, K, out, target)
+    return out
+
+
+def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
+    """(out, the CompiledKernel that ran or None)."""
     q = _qtype(qtype)
     N, K = int(N), int(K)
     w, wh = _weight_arg(weight_raw, q, N, K, f"matmul_q({q.name})")
-    x = np.asarray(x)
-    if x.ndim not in (1, 2) or x.shape[-1] != K:
-        raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {x.shape}")
-    M = 1 if x.ndim == 1 else x.shape[0]
-    oshape = (N,) if x.ndim == 1 else (M, N)
+    qx, xd, xs = xq
+    if qx.ndim not in (1, 2) or qx.shape[-1] != K or qx.dtype != np.int8:
+        raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {qx.shape}")
+    M = 1 if qx.ndim == 1 else qx.shape[0]
+    if xd.shape != qx.shape[:-1] + (K // 32,) or xs.shape != xd.shape:
+        raise ValueError(f"matmul_q8: scales/sums must have shape {qx.shape[:-1] + (K // 32,)}, got {xd.shape} "
+                         f"and {xs.shape}")
+    oshape = (N,) if qx.ndim == 1 else (M, N)
     if out is None:
         out = np.empty(oshape, np.float32)
     elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"matmul_q: out must be a contiguous float32 array of shape {oshape}, got {out.dtype} "
                          f"{out.shape}")
     if M == 0 or N == 0:
-        return out
-    qx, xd, xs = quantize_q8(x, target=target)
-    BM, R, S = gemv_tiles(q, M, N, K, target)
-    nstep = K // (32 * S)
-    run(_qmatmul_kernel, (-(-N // R), -(-M // BM)), (w, wh, qx, xd, xs, out, M, N, K, nstep, row_bytes(q, K)),
-        target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S)
-    return out
+        return out, None
+    BM, R, S, lanes = gemv_tiles(q, M, N, K, resolve_target(target))
+    ck = run(_qmatmul_kernel, (-(-N // R), -(-M // BM)),
+             (w, wh, qx, xd, xs, out, M, N, K, K // (32 * S), row_bytes(q, K)),
+             target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes)
+    return out, ck
 
 
 # ------------------------------------------------------------------------------------------ dequantisation
 @jk.kernel
-def _dequant_rows_kernel(w, wh, idx, out, K, RB, DEC: jk.constexpr, S: jk.constexpr):
-    # out[i, st*S*32 : (st+1)*S*32] = dequantised W[idx[i], same range]; grid (K steps, rows)
-    i = jk.program_id(1).to(jk.i64)
-    st = jk.program_id(0).to(jk.i64)
+def _dequant_rows_kernel(w, wh, idx, out, K, NSTEP, RB, DEC: jk.constexpr, S: jk.constexpr):
+    # out[i, :] = dequantised W[idx[i], :]; one program per output row, S 32-element sub-blocks per step
+    i = jk.program_id(0).to(jk.i64)
     rows = jk.load(idx + i).to(jk.i64) + jk.arange(0, 1).to(jk.i64)
-    q, sc, c, OFF = DEC(w, wh, rows, st, RB.to(jk.i64), 1, S)
-    v = q.to(jk.f32)
-    if OFF is not None:
-        v = v - OFF
-    scale = jk.reshape(jk.broadcast_to(sc[:, :, :, None], (1, S, 8, 4)), (1, S, 32))
-    val = v * scale
-    if c is not None:
-        val = val + c[:, :, None]
-    jk.store(out + i * K.to(jk.i64) + st * (S * 32) + jk.arange(0, S)[None, :, None] * 32
-             + jk.arange(0, 32)[None, None, :], val)
+    orow = out + i * K.to(jk.i64) + jk.arange(0, S)[None, :, None] * 32 + jk.arange(0, 32)[None, None, :]
+    for st0 in range(0, NSTEP):
+        st = st0.to(jk.i64)
+        q, sc, c, OFF = DEC(w, wh, rows, st, RB.to(jk.i64), 1, S)
+        v = jk.reshape(q, (1, S, 32)).to(jk.f32)      # S == 1 for the 'halves' layout: element order
+        if OFF is not None:
+            v = v - OFF
+        scale = jk.reshape(jk.broadcast_to(jk.broadcast_to(sc, (1, S, 8))[:, :, :, None], (1, S, 8, 4)), (1, S, 32))
+        val = v * scale
+        if c is not None:
+            val = val + c[:, :, None]
+        jk.store(orow + st * (S * 32), val)
 
 
 def dequantize_rows(raw: np.ndarray, qtype: str, rows_idx: np.ndarray, K: int, out: np.ndarray = None,
@@ -387,13 +462,7 @@ def dequantize_rows(raw: np.ndarray, qtype: str, rows_idx: np.ndarray, K: int, o
     elif out.shape != (idx.size, K) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"dequantize_rows: out must be a contiguous float32 array of shape {(idx.size, K)}, got "
                          f"{out.dtype} {out.shape}")
-    if q.block_elems == 256:
-        S = 8
-    else:
-        nb = K // 32
-        S = 1
-        while S < 8 and nb % (S * 2) == 0:
-            S *= 2
-    run(_dequant_rows_kernel, (K // (32 * S), idx.size), (raw, jk.as_pointer(raw, "f16"), idx, out, K, rb),
+    S = 8 if q.block_elems == 256 else 1
+    run(_dequant_rows_kernel, (idx.size,), (raw, jk.as_pointer(raw, "f16"), idx, out, K, K // (32 * S), rb),
         target, DEC=_DECODERS[q.name], S=S)
     return out

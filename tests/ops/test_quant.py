@@ -28,8 +28,8 @@ QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K"]
 _GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
          "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_K": gguf.GGMLQuantizationType.Q4_K,
          "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K}
-# two K per type: 32-element blocks (odd number of blocks too) and 256-element super-blocks
-KS = {"q8_0": (96, 160), "q4_0": (96, 160), "q4_1": (64, 160), "q4_K": (256, 768), "q5_K": (256, 768),
+# two K per type: an even number of blocks (several blocks per step) and an odd one (one block per step)
+KS = {"q8_0": (128, 160), "q4_0": (128, 160), "q4_1": (64, 160), "q4_K": (256, 768), "q5_K": (256, 768),
       "q6_K": (256, 768)}
 
 
@@ -141,6 +141,16 @@ def test_matmul_q_out_and_small_n(tier):
     assert y is out
     qx, xd, _ = ref_quantize_q8(x)
     np.testing.assert_allclose(out, dequant_acts(qx, xd) @ wd.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_prequantized_and_empty(tier):
+    rng = np.random.default_rng(10)
+    raw, wd = make_weight("q8_0", 9, 96, rng)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    xq = Q.quantize_q8(x, target=tier)
+    np.testing.assert_array_equal(Q.matmul_q8(xq, raw, "q8_0", 9, 96, target=tier),
+                                  Q.matmul_q(x, raw, "q8_0", 9, 96, target=tier))
+    assert Q.matmul_q(np.zeros((0, 96), np.float32), raw, "q8_0", 9, 96, target=tier).shape == (0, 9)
 
 
 def test_errors_name_the_problem():

@@ -1,0 +1,254 @@
+"""Benchmark: GGUF quantised GEMV (decode) and GEMM (prefill) against this machine's memory bandwidth and numpy.
+
+    .venv/bin/python perf/bench_gemv.py [--threads 2] [--qtypes q8_0,q4_1] [--tiers avx512,avx2,sse2,portable]
+        [--shapes 576x576,1536x576,576x1536,49152x576] [--reps 9] [--prefill-m 512] [--json out.json]
+
+Shapes are N x K = (out features, in features) of SmolLM2-135M: q/o (576x576), gate/up (1536x576), down
+(576x1536), tied lm_head (49152x576). numpy's BLAS gets the same thread count (OPENBLAS_NUM_THREADS etc. are
+set before numpy is imported) and JITKERN_NUM_THREADS is set to --threads unless already set; the pool's
+actual thread count is printed.
+
+1. Memory bandwidth: a jitkern streaming-read kernel (sum of a 256 MB f32 array, all threads) and numpy's
+   copy (2 x bytes per copy: read + write, numpy is single-threaded), both median of --reps.
+2. GEMV rows (M = 1), per shape, qtype and tier (the tier printed is the one in the CompiledKernel that ran):
+     call us   the Python call on pre-quantised activations (argument checks + launch + kernel)
+     hot us    the launch recorded with jk.capture() and replayed (kernel + ~1 us): one weight matrix reused,
+               so small ones stay in L2/L3
+     cold us   replays over enough copies of the weight (> 192 MB) that every call streams it from DRAM:
+               the realistic decode case (a model's weights do not fit in the caches)
+     GB/s, %bw weight bytes / cold time, and that as a % of the streaming-read bandwidth measured just before
+               this row (the host may be shared: the bandwidth is re-measured per row)
+     GFLOP/s   2*N*K / cold time;  vs best  cold-time speed-up over the best *other* tier (> 1: this is faster)
+   plus per shape: quantize_q8 of the activation row (paid once per input, shared by q/k/v or gate/up), numpy
+   f32 (W @ x on dequantised f32 weights, 4x-8x the bytes, cold), and jitkern's f32 `linear` GEMV (cold) with
+   its time ratio to numpy (< 1: faster).
+3. Prefill GEMM: M = --prefill-m tokens at N x K = 576 x 1536 (the down projection), tokens/s including the
+   activation quantisation, against numpy's f32 x @ W^T on the dequantised weights (BLAS sgemm).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _parse():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("JITKERN_NUM_THREADS", "2")))
+    ap.add_argument("--qtypes", default="q8_0,q4_1")
+    ap.add_argument("--tiers", default="avx512,avx2,sse2,portable")
+    ap.add_argument("--shapes", default="576x576,1536x576,576x1536,49152x576")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--prefill-m", type=int, default=512)
+    ap.add_argument("--json", default=None)
+    return ap.parse_args()
+
+
+ARGS = _parse()
+for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(ARGS.threads)          # before numpy is imported
+os.environ.setdefault("JITKERN_NUM_THREADS", str(ARGS.threads))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import jitkern as jk  # noqa: E402
+import targets  # noqa: E402
+from targets.cpu import can_run  # noqa: E402
+from jitkern.ops import quant as Q  # noqa: E402
+from jitkern.runtime.cpu_pool import get_pool  # noqa: E402
+
+COLD_BYTES = 192e6
+
+
+def timeit(fn, reps, min_batch_s=0.02):
+    """Median seconds per call over `reps` batches (a batch repeats fn until it lasts >= min_batch_s)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_batch_s / one))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t0) / inner)
+    time.sleep(0.01)      # let spinning pool threads go to sleep before the other side runs
+    return statistics.median(out)
+
+
+@jk.kernel
+def _stream_sum(x, out, n_per, BLOCK: jk.constexpr, U: jk.constexpr):
+    # program p sums its contiguous n_per floats (U independent vector loads per step); the pool splits the
+    # programs between the threads, so every thread streams its own part of the array
+    base = jk.program_id(0).to(jk.i64) * n_per
+    acc = jk.zeros((BLOCK,), jk.f32)
+    for i in range(0, n_per, BLOCK * U):
+        for u in jk.static_range(U):
+            acc += jk.load(x + base + i + u * BLOCK + jk.arange(0, BLOCK))
+    jk.store(out + jk.program_id(0), jk.sum(acc))
+
+
+class Bandwidth:
+    def __init__(self, nbytes=256 << 20, programs=64):
+        self.x = np.random.default_rng(1).random(nbytes // 4, dtype=np.float32)
+        self.out = np.zeros(programs, np.float32)
+        self.per = self.x.size // programs
+        self.programs = programs
+
+    def read_gbs(self, reps) -> float:
+        f = lambda: _stream_sum[(self.programs,)](self.x, self.out, self.per, BLOCK=64, U=4)  # noqa: E731
+        return self.x.nbytes / timeit(f, reps, min_batch_s=0.0) / 1e9
+
+    def numpy_copy_gbs(self, reps) -> float:
+        y = np.empty_like(self.x)
+        return 2 * self.x.nbytes / timeit(lambda: np.copyto(y, self.x), reps, min_batch_s=0.0) / 1e9
+
+
+def blas_info() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+        return "; ".join(f"{d.get('internal_api')} {d.get('version')} threads={d.get('num_threads')}"
+                         for d in threadpool_info() if d.get("user_api") == "blas")
+    except Exception:
+        return "threadpoolctl not installed"
+
+
+def make_weight(qtype, N, K, rng):
+    """Raw GGUF bytes of a random weight and its dequantised f32 copy."""
+    import gguf
+    import gguf.quants as gq
+    gt = getattr(gguf.GGMLQuantizationType, qtype.upper())
+    if Q.QTYPES[qtype].block_elems == 32:
+        raw = gq.quantize(rng.standard_normal((N, K), dtype=np.float32), gt)
+    else:     # the gguf package cannot quantise K-quants: random blocks with sane f16 scales
+        q = Q.QTYPES[qtype]
+        raw = rng.integers(0, 256, (N, K // 256, q.block_bytes), dtype=np.uint8)
+        for off in ((0, 2) if qtype in ("q4_K", "q5_K") else (208,)):
+            raw[:, :, off:off + 2] = rng.uniform(0.002, 0.02, raw.shape[:2]).astype(np.float16).view(
+                np.uint8).reshape(raw.shape[:2] + (2,))
+        raw = raw.reshape(N, -1)
+    raw = np.ascontiguousarray(raw)
+    return raw, gq.dequantize(raw, gt).reshape(N, K).astype(np.float32)
+
+
+def cold_time(launch_one, items, reps) -> float:
+    """Seconds per launch, replaying one captured launch per item (items together exceed the LLC)."""
+    with jk.capture() as g:
+        for it in items:
+            launch_one(it)
+    return timeit(g.replay, reps, min_batch_s=0.0) / len(items)
+
+
+def main():
+    rng = np.random.default_rng(0)
+    tiers = [targets.get_target(t) for t in ARGS.tiers.split(",") if t]
+    runnable = [t for t in tiers if can_run(t)]
+    skipped = [t.name for t in tiers if not can_run(t)]
+    pool = get_pool()
+    print(f"# load average at the start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs "
+          f"(other processes on this host skew the timings)")
+    print(f"# jitkern pool threads={pool.num_threads} (JITKERN_NUM_THREADS={os.environ['JITKERN_NUM_THREADS']}), "
+          f"numpy {np.__version__}: {blas_info()}")
+    if skipped:
+        print(f"# tiers this host cannot run (skipped): {', '.join(skipped)}")
+    bw = Bandwidth()
+    bw_read = bw.read_gbs(ARGS.reps)
+    bw_copy = bw.numpy_copy_gbs(ARGS.reps)
+    print(f"memory bandwidth: jitkern streaming read {bw_read:.1f} GB/s ({pool.num_threads} threads), "
+          f"numpy copy {bw_copy:.1f} GB/s (read + write, 1 thread)")
+    results = [dict(kind="bandwidth", jitkern_read_gbs=bw_read, numpy_copy_gbs=bw_copy, threads=pool.num_threads)]
+    qtypes = [q for q in ARGS.qtypes.split(",") if q]
+
+    print(f"\n{'GEMV M=1':9s} {'N x K':>10s} {'tier':9s} {'call us':>8s} {'hot us':>8s} {'cold us':>8s} {'GB/s':>6s} "
+          f"{'bw GB/s':>7s} {'%bw':>5s} {'GFLOP/s':>7s} {'vs best':>7s}")
+    for shape in ARGS.shapes.split(","):
+        N, K = (int(v) for v in shape.split("x"))
+        x = rng.standard_normal(K, dtype=np.float32)
+        xq = Q.quantize_q8(x)
+        t_quant = timeit(lambda: Q.quantize_q8(x, out=xq), ARGS.reps)
+        y = np.empty(N, np.float32)
+        w32 = None
+        rows = []
+        for qt in qtypes:
+            raw, wd = make_weight(qt, N, K, rng)
+            w32 = wd if w32 is None else w32
+            cold = [raw.copy() for _ in range(max(2, int(COLD_BYTES // raw.nbytes)))]
+            ref = (xq[0].reshape(-1, 32) * xq[1][:, None]).reshape(-1).astype(np.float64) @ wd.T.astype(np.float64)
+            per_tier = []
+            for T in runnable:
+                _, ck = Q._matmul_q8(xq, raw, qt, N, K, y, T)
+                err = float(np.abs(y - ref).max() / np.abs(ref).max())
+                t_call = timeit(lambda: Q.matmul_q8(xq, raw, qt, N, K, out=y, target=T), ARGS.reps)
+                t_hot = cold_time(lambda w: Q.matmul_q8(xq, w, qt, N, K, out=y, target=T), [raw] * 50, ARGS.reps)
+                bw_now = bw.read_gbs(3)
+                t_cold = cold_time(lambda w: Q.matmul_q8(xq, w, qt, N, K, out=y, target=T), cold, ARGS.reps)
+                per_tier.append(dict(kind="gemv", qtype=qt, N=N, K=K, tier=ck.target.name, call_s=t_call,
+                                     hot_s=t_hot, cold_s=t_cold, bw_gbs=bw_now, bytes=raw.nbytes, rel_err=err,
+                                     threads=pool.num_threads))
+            for r in per_tier:
+                others = [o["cold_s"] for o in per_tier if o is not r]
+                r["vs_best_other"] = (min(others) / r["cold_s"]) if others else float("nan")
+                gbs = r["bytes"] / r["cold_s"] / 1e9
+                print(f"{qt:9s} {shape:>10s} {r['tier']:9s} {r['call_s'] * 1e6:8.1f} {r['hot_s'] * 1e6:8.1f} "
+                      f"{r['cold_s'] * 1e6:8.1f} {gbs:6.1f} {r['bw_gbs']:7.1f} {100 * gbs / r['bw_gbs']:5.0f} "
+                      f"{2 * N * K / r['cold_s'] / 1e9:7.1f} {r['vs_best_other']:7.2f}"
+                      + ("" if r["rel_err"] < 1e-5 else f"  BAD rel err {r['rel_err']:.1e}"), flush=True)
+            rows += per_tier
+            del cold
+        # f32 references: numpy (BLAS sgemv) and jitkern's dense `linear`, both on DRAM-cold weights
+        cold32 = [w32.copy() for _ in range(max(2, int(COLD_BYTES // w32.nbytes)))]
+        it = iter(range(1 << 62))
+        t_np = timeit(lambda: np.matmul(cold32[next(it) % len(cold32)], x, out=y), ARGS.reps)
+        f32_line = f"numpy f32 {t_np * 1e6:.1f} us ({w32.nbytes / t_np / 1e9:.1f} GB/s)"
+        res = dict(kind="gemv_ref", N=N, K=K, quantize_s=t_quant, numpy_f32_cold_s=t_np)
+        try:
+            from jitkern.ops import matmul as mm
+            t_lin = cold_time(lambda w: mm.linear(x, w, out=y), cold32, ARGS.reps)
+            f32_line += (f", jitkern f32 linear {t_lin * 1e6:.1f} us ({w32.nbytes / t_lin / 1e9:.1f} GB/s, "
+                         f"ratio to numpy {t_lin / t_np:.2f})")
+            res["jitkern_f32_cold_s"] = t_lin
+        except ImportError:
+            pass
+        del cold32
+        best_q = {qt: min(r["cold_s"] for r in rows if r["qtype"] == qt) for qt in qtypes}
+        print(f"{'':9s} {shape:>10s} quantize_q8 {t_quant * 1e6:.1f} us; {f32_line}; best quantised vs numpy f32: "
+              + ", ".join(f"{qt} {t_np / t:.1f}x" for qt, t in best_q.items()), flush=True)
+        results += rows + [res]
+
+    M = ARGS.prefill_m
+    if M > 0:
+        N, K = 576, 1536
+        print(f"\nprefill GEMM M={M} at N x K = {N}x{K} (tokens/s, activation quantisation included)")
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        y = np.empty((M, N), np.float32)
+        w32 = None
+        for qt in qtypes:
+            raw, wd = make_weight(qt, N, K, rng)
+            w32 = wd if w32 is None else w32
+            ref = x.astype(np.float64) @ wd.T.astype(np.float64)
+            t_np = timeit(lambda: np.matmul(x, wd.T, out=y), ARGS.reps)
+            for T in runnable:
+                xq = Q.quantize_q8(x, target=T)
+                _, ck = Q._matmul_q8(xq, raw, qt, N, K, y, T)
+                err = float(np.abs(y - ref).max() / np.abs(ref).max())
+                t = timeit(lambda: Q.matmul_q(x, raw, qt, N, K, out=y, target=T), ARGS.reps)
+                tk = timeit(lambda: Q.matmul_q8(xq, raw, qt, N, K, out=y, target=T), ARGS.reps)
+                print(f"{qt:9s} {ck.target.name:9s} {M / t:9.0f} tok/s ({2 * M * N * K / t / 1e9:6.1f} GFLOP/s; "
+                      f"kernel alone {2 * M * N * K / tk / 1e9:6.1f} GFLOP/s)  numpy f32 {M / t_np:9.0f} tok/s "
+                      f"({2 * M * N * K / t_np / 1e9:6.1f} GFLOP/s)  ratio {t_np / t:5.2f}x"
+                      + ("" if err < 2e-2 else f"  BAD rel err {err:.1e}"), flush=True)
+                results.append(dict(kind="prefill", qtype=qt, M=M, N=N, K=K, tier=ck.target.name, s=t, kernel_s=tk,
+                                    numpy_f32_s=t_np, rel_err=err))
+    print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
