@@ -104,35 +104,43 @@ def _row_max(x, R, C):
 
 
 @jk.jit
-def _attend_block(qrow, q_hs, ks, v_ptr, v_row_stride, valid, m_i, l_i, acc, scale, softcap,
+def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, scale, softcap,
                   G, D, BS, w, SOFTCAP):
-    """One online-softmax step of G query heads (rows qrow + g * q_hs) against one block of BS keys.
+    """One online-softmax step of G query heads (rows qrow + g * q_hs) against one block of BS keys whose
+    K and V rows start at k_ptr / v_ptr, kv_stride elements apart; valid: (BS,) keys this query may see.
 
-    ks: the K tile of the block for this KV head, chunked (see _load_chunks); v_ptr: its V tile's first
-    row; valid: (BS,) which keys this query may see. State: m_i (G,) running max, l_i (G, BS) per-lane
-    running sums of exp (summed across lanes only at the end), acc (G, D) running P @ V.
-    The caller guarantees at least one valid key per block *or* a state that has seen none yet with all
-    keys masked (then p is forced to 0 and the state stays (NEG, 0, 0)).
+    The state of the G heads lives in workspace rows r0 .. r0 + G - 1: st_m (running max), st_l (BS
+    per-lane running sums of exp, summed across lanes only at the end) and st_acc (D, running P @ V).
+    A state that has seen no valid key yet is (NEG, 0, 0) and stays so on an all-masked block.
+
+    Each head's scores are stored (into its st_l row, read back below) before the next head's K rows are
+    loaded: the store may alias the cache, so LLVM reloads K from L1 per head instead of keeping the
+    whole K tile live across the heads and spilling it to the stack.
     """
     n = jk.arange(0, BS)
     d = jk.arange(0, D)
     j = jk.arange(0, w)
-    gi = jk.arange(0, G)
-    s = jk.zeros((G, BS), jk.f32)
+    r = r0 + jk.arange(0, G)
+    l_i = jk.load(st_l + r[:, None] * BS + n[None, :])
     for g in jk.static_range(G):
         qc = ()
         for c in jk.static_range(D // w):
             qc = qc + (jk.load(qrow + g * q_hs + c * w + j),)
-        s = jk.where(gi[:, None] == g, _chunk_dots(ks, qc, BS, w)[None, :], s)
-    s = s * scale
+        ks = _load_chunks(k_ptr, n, kv_stride, D, w)
+        jk.store(st_l + (r0 + g) * BS + n, _chunk_dots(ks, qc, BS, w))
+    s = jk.load(st_l + r[:, None] * BS + n[None, :]) * scale
     if SOFTCAP:
         s = softcap * jk.tanh(s / softcap)
     s = jk.where(valid[None, :], s, NEG)
+    m_i = jk.load(st_m + r)
     m_new = jk.maximum(m_i, _row_max(s, G, BS))
     alpha = jk.exp(m_i - m_new)
     p = jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
-    vt = jk.load(v_ptr + n[:, None] * v_row_stride + d[None, :]).to(jk.f32)
-    return m_new, l_i * alpha[:, None] + p, jk.dot(p, vt, acc * alpha[:, None])
+    vt = jk.load(v_ptr + n[:, None] * kv_stride + d[None, :]).to(jk.f32)
+    acc = jk.dot(p, vt, jk.load(st_acc + r[:, None] * D + d[None, :]) * alpha[:, None])
+    jk.store(st_m + r, m_new)
+    jk.store(st_l + r[:, None] * BS + n[None, :], l_i * alpha[:, None] + p)
+    jk.store(st_acc + r[:, None] * D + d[None, :], acc)
 
 
 @jk.jit
@@ -210,15 +218,8 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
         pos = b * BS + n
         valid = (pos < seq_len) & (pos >= lo)
         for h in range(0, KVH):
-            r = slot + h * G + gi
-            ks = _load_chunks(k_cache + base + h * D, n, KVH * D, D, w)
-            m_i, l_i, acc = _attend_block(
-                qrow + h * G * q_hs, q_hs, ks, v_cache + base + h * D, KVH * D, valid,
-                jk.load(st_m + r), jk.load(st_l + r[:, None] * BS + n[None, :]),
-                jk.load(st_acc + r[:, None] * D + d[None, :]), scale, softcap, G, D, BS, w, SOFTCAP)
-            jk.store(st_m + r, m_i)
-            jk.store(st_l + r[:, None] * BS + n[None, :], l_i)
-            jk.store(st_acc + r[:, None] * D + d[None, :], acc)
+            _attend_block(qrow + h * G * q_hs, q_hs, k_cache + base + h * D, v_cache + base + h * D, KVH * D,
+                          valid, st_m, st_l, st_acc, slot + h * G, scale, softcap, G, D, BS, w, SOFTCAP)
     if NUM_PARTS == 1:
         orow = out + q0.to(jk.i64) * o_ts
         for h in range(0, KVH):
@@ -282,7 +283,8 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
     n = jk.arange(0, BS)
     gi = jk.arange(0, G)
     bt_row = block_table + seq.to(jk.i64) * bt_stride
-    r = (qb * KVH + h).to(jk.i64) * G + gi     # this program's G state rows in the workspace
+    r0 = (qb * KVH + h).to(jk.i64) * G        # this program's G state rows in the workspace
+    r = r0 + gi
     for t in range(0, n_rows):
         tok = (q0 + t0 + t).to(jk.i64)
         qpos = first_pos + t
@@ -293,14 +295,9 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
         for b in range(lo // BS, qpos // BS + 1):
             base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
             pos = b * BS + n
-            ks = _load_chunks(k_cache + base, n, KVH * D, D, w)
-            m_i, l_i, acc = _attend_block(
-                q + tok * q_ts + h * G * q_hs, q_hs, ks, v_cache + base, KVH * D, (pos <= qpos) & (pos >= lo),
-                jk.load(st_m + r), jk.load(st_l + r[:, None] * BS + n[None, :]),
-                jk.load(st_acc + r[:, None] * D + d[None, :]), scale, softcap, G, D, BS, w, SOFTCAP)
-            jk.store(st_m + r, m_i)
-            jk.store(st_l + r[:, None] * BS + n[None, :], l_i)
-            jk.store(st_acc + r[:, None] * D + d[None, :], acc)
+            _attend_block(q + tok * q_ts + h * G * q_hs, q_hs, k_cache + base, v_cache + base, KVH * D,
+                          (pos <= qpos) & (pos >= lo), st_m, st_l, st_acc, r0, scale, softcap, G, D, BS, w,
+                          SOFTCAP)
         l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
         acc = jk.load(st_acc + r[:, None] * D + d[None, :])
         jk.store(out + tok * o_ts + (h * G + gi[:, None]) * o_hs + d[None, :], acc / l_tot[:, None])
