@@ -183,7 +183,7 @@ class Function:
 #   addptr                pointer tile + integer offsets (in elements)
 #   load                  ptr[, mask[, other]]
 #   store                 ptr, value[, mask]
-#   prefetch              ptr (cache hint; no result, never faults)
+#   prefetch[locality]    ptr (cache hint; no result, never faults)
 #   reduce[kind, axis]    sum max min  (axis removed)
 #   argreduce[kind, axis] argmax argmin -> i32
 #   dot                   (M,K)x(K,N)[+acc] -> (M,N), f32 (or i32 for integer inputs)

@@ -500,14 +500,19 @@ def load(pointer, mask=None, other=None) -> Tile:
 
 
 @builtin
-def prefetch(pointer) -> None:
+def prefetch(pointer, locality=3) -> None:
     """Hints that the memory a pointer tile addresses will be read soon (one cache-line prefetch per 64
     bytes of each row). Never faults, so it may address past the end of an array (e.g. the next block
-    of a loop). The pointer tile must be contiguous along its last axis (or a scalar pointer)."""
+    of a loop). The pointer tile must be contiguous along its last axis (or a scalar pointer).
+    locality as LLVM's: 3 = into every cache level (x86 prefetcht0), 2 = L2 and out (prefetcht1), 1 = the
+    last level (prefetcht2), 0 = non-temporal. Prefetching more than L1 holds is better done at 2."""
     pointer = to_tile(pointer)
     if not pointer.type.is_ptr:
         _error(f"prefetch needs a pointer, got {pointer.type}")
-    _builder().op("prefetch", [pointer.value], [])
+    locality = getattr(locality, "value", locality)
+    if locality not in (0, 1, 2, 3):
+        _error(f"prefetch locality must be a compile-time 0, 1, 2 or 3, got {locality!r}")
+    _builder().op("prefetch", [pointer.value], [], {"locality": int(locality)})
 
 
 @builtin

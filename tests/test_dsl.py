@@ -398,7 +398,7 @@ def _prefetched_rows(x, out, n_rows, ROWS: jk.constexpr, N: jk.constexpr):
     acc = jk.zeros((N,), jk.f32)
     for i in range(0, n_rows, ROWS):
         jk.prefetch(x + (i + ROWS + r[:, None]) * N + c[None, :])
-        jk.prefetch(x + i * N + 5)
+        jk.prefetch(x + i * N + 5, locality=2)
         acc += jk.sum(jk.load(x + (i + r[:, None]) * N + c[None, :], mask=(i + r[:, None]) < n_rows, other=0.0),
                       axis=0)
     jk.store(out + c, acc)
@@ -416,5 +416,6 @@ def test_prefetch(tier):
     np.testing.assert_allclose(out, x.sum(0), rtol=1e-5, atol=1e-5)
     ll = ck.artifacts["kernel.ll"].decode()
     assert ll.count("call void @llvm.prefetch.p0(") == 8 * 3 + 1      # 8 rows x 3 lines of 64 B, + scalar
+    assert ll.count(", i32 0, i32 2, i32 1)") == 1                     # the scalar one goes to L2
     with pytest.raises(jk.CompilationError, match="contiguous along its last axis"):
         _prefetch_gather.compile(x, np.zeros(8, np.int32), target=tier)

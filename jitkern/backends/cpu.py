@@ -964,7 +964,7 @@ class CpuLowering:
                 row = self.val(f"getelementptr {et}, ptr {p.base}, {st[1]} {st[0]}", "ptr", 0).ref
             for byte in range(0, L * isz, 64):
                 ptr = row if byte == 0 else self.val(f"getelementptr i8, ptr {row}, i64 {byte}", "ptr", 0).ref
-                self.emit(f"call void @{name}(ptr {ptr}, i32 0, i32 3, i32 1)")
+                self.emit(f"call void @{name}(ptr {ptr}, i32 0, i32 {op.attrs.get('locality', 3)}, i32 1)")
         return None
 
     def op_store(self, op):
@@ -1006,7 +1006,25 @@ class CpuLowering:
                         m = LV(m.ref, m.et, 1) if m.n else self.splat(m, 1)
                     name = f"llvm.masked.store.v{L}{_SUFFIX[et]}.p0"
                     self.declare(name, "void", [vt, "ptr", "i32", vty("i1", L)])
-                    self.emit(f"call void @{name}({vt} {part.ref}, ptr {ptr}, i32 {align}, {vty('i1', L)} {m.ref})")
+                    call = f"call void @{name}({vt} {part.ref}, ptr {ptr}, i32 {align}, {vty('i1', L)} {m.ref})"
+                    if self.target.has("avx512f"):
+                        self.emit(call)
+                        continue
+                    # Below AVX-512 a masked store is slow (AVX/AVX2 vmaskmov stores are microcoded on AMD
+                    # Zen: ~4x a plain store in a streaming loop) or expanded lane by lane (SSE, portable,
+                    # NEON); a row whose mask is all true (every chunk but a tail) takes a plain store.
+                    rname = f"llvm.vector.reduce.and.v{L}i1"
+                    self.declare(rname, "i1", [vty("i1", L)])
+                    allv = self.val(f"call i1 @{rname}({vty('i1', L)} {m.ref})", "i1", 0)
+                    full, some, done = self.label("st_full"), self.label("st_some"), self.label("st_done")
+                    self.emit(f"br i1 {allv.ref}, label %{full}, label %{some}")
+                    self.start_block(full)
+                    self.emit(f"store {vt} {part.ref}, ptr {ptr}, align {align}")
+                    self.emit(f"br label %{done}")
+                    self.start_block(some)
+                    self.emit(call)
+                    self.emit(f"br label %{done}")
+                    self.start_block(done)
             return None
         offs = self.to_i64(p.offs) if p.offs is not None else self.const(0, "i64", n, shape)
         if offs.n == 0:
