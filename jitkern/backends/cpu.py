@@ -915,8 +915,26 @@ class CpuLowering:
                         o = LV(o.ref, o.et, 1) if o.n else self.splat(o, 1)
                     name = f"llvm.masked.load.v{L}{_SUFFIX[et]}.p0"
                     self.declare(name, vt, ["ptr", "i32", vty("i1", L), vt])
-                    parts.append(self.val(f"call {vt} @{name}(ptr {ptr}, i32 {align}, {vty('i1', L)} {m.ref}, "
-                                          f"{vt} {o.ref})", et, L))
+                    call = f"call {vt} @{name}(ptr {ptr}, i32 {align}, {vty('i1', L)} {m.ref}, {vt} {o.ref})"
+                    if self.target.has("avx512f") or (self.target.has("avx") and p.elem.itemsize >= 4):
+                        parts.append(self.val(call, et, L))
+                        continue
+                    # No native masked load for this element size (AVX/AVX2 have 32/64-bit vmaskmov only;
+                    # SSE, portable and NEON have none): LLVM expands it lane by lane, so a row whose mask
+                    # is all true (every chunk but a tail) takes a plain vector load instead.
+                    rname = f"llvm.vector.reduce.and.v{L}i1"
+                    self.declare(rname, "i1", [vty("i1", L)])
+                    allv = self.val(f"call i1 @{rname}({vty('i1', L)} {m.ref})", "i1", 0)
+                    full, some, done = self.label("ld_full"), self.label("ld_some"), self.label("ld_done")
+                    self.emit(f"br i1 {allv.ref}, label %{full}, label %{some}")
+                    self.start_block(full)
+                    vf = self.val(f"load {vt}, ptr {ptr}, align {align}", et, L)
+                    self.emit(f"br label %{done}")
+                    self.start_block(some)
+                    vs = self.val(call, et, L)
+                    self.emit(f"br label %{done}")
+                    self.start_block(done)
+                    parts.append(self.val(f"phi {vt} [ {vf.ref}, %{full} ], [ {vs.ref}, %{some} ]", et, L))
             return self.concat(parts, shape) if len(parts) > 1 else LV(parts[0].ref, et, n, shape)
         # general case: gather
         offs = self.to_i64(p.offs) if p.offs is not None else self.const(0, "i64", n, shape)
