@@ -77,8 +77,36 @@ def pow2_at_least(n: int, lo: int = 1) -> int:
     return p
 
 
-def block_for(n: int, cap: int) -> int:
-    """A power-of-two tile width covering `n`, at most `cap` (larger rows loop over chunks)."""
+def launch_target(target):
+    """The Target a launch compiles for (the runtime tier when `target` is None)."""
+    t = resolve_target(target)
+    if t is None:
+        from ..runtime.cpu import runtime_target
+        t = runtime_target()
+    return t
+
+
+def narrow_tier(target) -> bool:
+    """Tiers without native masked vector loads/stores (x86 below AVX, portable, ARM): LLVM expands masked
+    accesses lane by lane there and compile time grows superlinearly with the tile width (an rms_norm row
+    tile of 256 lanes took ~27 s to compile on `portable`, 64 lanes < 1 s), so tiles stay <= 64 lanes."""
+    t = launch_target(target)
+    return not (t.is_x86 and t.has("avx"))
+
+
+def has_half(*arrays) -> bool:
+    """Whether any of these arrays holds 16-bit floats (float16, or uint16 = bf16)."""
+    return any(isinstance(a, np.ndarray) and a.dtype.itemsize == 2 for a in arrays)
+
+
+def block_for(n: int, cap: int, target=None, half: bool = False) -> int:
+    """A power-of-two tile width covering `n`, at most `cap`; larger rows loop over chunks.
+
+    Capped at 64 lanes on narrow tiers, and for tiles touching 16-bit data (`half`) below AVX-512 (no
+    16-bit masked loads there either: a masked f16 row load of 1024 lanes took ~90 s to compile on avx2,
+    64 lanes 0.07 s)."""
+    if narrow_tier(target) or (half and not launch_target(target).has("avx512bw")):
+        cap = min(cap, 64)
     return min(pow2_at_least(max(int(n), 1), 16), cap)
 
 

@@ -1,0 +1,163 @@
+"""Normalisation ops: RMSNorm (plain, fused residual add, Gemma's (1 + w) weights, per-head q/k norm) and
+LayerNorm.
+
+Numerics: statistics and the normalised value are computed in f32 whatever the storage dtype; the result
+is rounded once when stored. (HF's LlamaRMSNorm rounds x * rsqrt(...) to the input dtype before the
+weight multiply; for f16/bf16 activations the two differ by at most one rounding of the output.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jitkern as jk
+from ._hostargs import FLOAT_DTYPES, block_for, check_shape, elem_strides, fptr, has_half, row_stride, run
+
+_MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measured slower)
+
+
+@jk.kernel
+def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
+                    HAS_RES: jk.constexpr, BLOCK: jk.constexpr):
+    """One program per row (grid (R0, R1)): row (p0, p1) starts at base + p0*s0 + p1*s1."""
+    p0 = jk.program_id(0)
+    p1 = jk.program_id(1)
+    xb = p0.to(jk.i64) * x_s0 + p1.to(jk.i64) * x_s1
+    ob = p0.to(jk.i64) * o_s0 + p1.to(jk.i64) * o_s1
+    rb = p0.to(jk.i64) * r_s0 + p1.to(jk.i64) * r_s1
+    offs = jk.arange(0, BLOCK)
+    acc = jk.zeros((BLOCK,), jk.f32)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        m = cols < n
+        v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+        if HAS_RES:
+            v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+            jk.store(res + rb + cols, v, mask=m)
+            # normalise the sum as stored (rounded to the residual's dtype), as vLLM does
+            v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+        acc += v * v
+    inv = jk.rsqrt(jk.sum(acc, axis=0) / n + eps)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        m = cols < n
+        if HAS_RES:
+            v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+        else:
+            v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+        wv = jk.load(w + cols, mask=m, other=0.0).to(jk.f32) + w_off
+        jk.store(out + ob + cols, v * inv * wv, mask=m)
+
+
+@jk.kernel
+def layer_norm_kernel(x, x_s, w, b, out, o_s, n, eps, HAS_BIAS: jk.constexpr, BLOCK: jk.constexpr):
+    row = jk.program_id(0)
+    xb = row.to(jk.i64) * x_s
+    ob = row.to(jk.i64) * o_s
+    offs = jk.arange(0, BLOCK)
+    acc = jk.zeros((BLOCK,), jk.f32)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        acc += jk.load(x + xb + cols, mask=cols < n, other=0.0).to(jk.f32)
+    mean = jk.sum(acc, axis=0) / n
+    acc2 = jk.zeros((BLOCK,), jk.f32)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        m = cols < n
+        d = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32) - mean
+        d = jk.where(m, d, 0.0)
+        acc2 += d * d
+    inv = jk.rsqrt(jk.sum(acc2, axis=0) / n + eps)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        m = cols < n
+        y = (jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32) - mean) * inv
+        y = y * jk.load(w + cols, mask=m, other=0.0).to(jk.f32)
+        if HAS_BIAS:
+            y = y + jk.load(b + cols, mask=m, other=0.0).to(jk.f32)
+        jk.store(out + ob + cols, y, mask=m)
+
+
+def _check_weight(weight, n, what):
+    if not isinstance(weight, np.ndarray) or weight.ndim != 1 or weight.shape[0] != n:
+        raise ValueError(f"{what}: expected a 1-D array of {n} elements, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if not weight.flags.c_contiguous:
+        raise ValueError(f"{what}: must be contiguous")
+    return fptr(weight, what)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None, *,
+             residual: np.ndarray | None = None, weight_offset: float = 0.0, target=None) -> np.ndarray:
+    """RMSNorm over the last axis of `x` [T, N]: y = x / sqrt(mean(x^2) + eps) * (weight + weight_offset).
+
+    `weight_offset=1.0` gives Gemma's (1 + w) weights. With `residual` [T, N] given this is vLLM's
+    fused_add_rms_norm: residual += x (the sum is written back into `residual`, rounded to its dtype), then
+    the sum is normalised into `out`. `x`, `out` and `residual` may be row-strided views (last axis
+    contiguous); `out` may be `x` itself. Dtypes: float32, float16, uint16 (= bf16) for each array
+    independently. Returns `out` (allocated like `x` when not given).
+    """
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"rms_norm: x must be a 2-D array [tokens, hidden], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    T, n = x.shape
+    xs = row_stride(x, "rms_norm: x")
+    wp = _check_weight(weight, n, "rms_norm: weight")
+    if out is None:
+        out = np.empty((T, n), x.dtype)
+    check_shape(out, (T, n), "rms_norm: out")
+    os_ = row_stride(out, "rms_norm: out")
+    if residual is not None:
+        check_shape(residual, (T, n), "rms_norm: residual")
+        rs = row_stride(residual, "rms_norm: residual")
+        rp = fptr(residual, "rms_norm: residual")
+    else:
+        rs, rp = 0, fptr(x, "rms_norm: x")
+    run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, wp, fptr(out, "rms_norm: out"), os_, 0,
+                                  rp, rs, 0, n, float(eps), float(weight_offset)),
+        target, HAS_RES=residual is not None,
+        BLOCK=block_for(n, _MAX_BLOCK, target, has_half(x, weight, out, residual)))
+    return out
+
+
+def rms_norm_heads(x: np.ndarray, weight: np.ndarray, eps: float, *, weight_offset: float = 0.0,
+                   target=None) -> np.ndarray:
+    """Per-head RMSNorm in place (Qwen3 / Gemma3 q_norm, k_norm): x [T, H, D] normalised over D with one
+    `weight` [D] shared by all heads. `x` may be a strided view (e.g. the q or k part of a fused qkv output
+    reshaped to [T, H, D]) as long as D is contiguous. Returns `x`.
+    """
+    if not isinstance(x, np.ndarray) or x.ndim != 3:
+        raise ValueError(f"rms_norm_heads: x must be a 3-D array [tokens, heads, head_dim], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    T, H, D = x.shape
+    s0, s1, _ = elem_strides(x, "rms_norm_heads: x")
+    wp = _check_weight(weight, D, "rms_norm_heads: weight")
+    xp = fptr(x, "rms_norm_heads: x")
+    run(rms_norm_kernel, (T, H), (xp, s0, s1, wp, xp, s0, s1, xp, 0, 0, D, float(eps), float(weight_offset)),
+        target, HAS_RES=False, BLOCK=block_for(D, _MAX_BLOCK, target, has_half(x, weight)))
+    return x
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float,
+               out: np.ndarray | None = None, *, target=None) -> np.ndarray:
+    """LayerNorm over the last axis of `x` [T, N] (GPT-2): (x - mean) / sqrt(var + eps) * weight + bias,
+    with the biased variance (as torch). Statistics in f32 (two passes: mean, then centred variance).
+    `bias=None` skips the bias. Row-strided views accepted; `out` may be `x`. Returns `out`.
+    """
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"layer_norm: x must be a 2-D array [tokens, hidden], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    T, n = x.shape
+    xs = row_stride(x, "layer_norm: x")
+    wp = _check_weight(weight, n, "layer_norm: weight")
+    bp = _check_weight(bias, n, "layer_norm: bias") if bias is not None else wp
+    if out is None:
+        out = np.empty((T, n), x.dtype)
+    check_shape(out, (T, n), "layer_norm: out")
+    os_ = row_stride(out, "layer_norm: out")
+    run(layer_norm_kernel, (T,), (fptr(x, "layer_norm: x"), xs, wp, bp, fptr(out, "layer_norm: out"), os_, n,
+                                  float(eps)),
+        target, HAS_BIAS=bias is not None, BLOCK=block_for(n, _MAX_BLOCK, target, has_half(x, weight, bias, out)))
+    return out
+
+
+__all__ = ["rms_norm", "rms_norm_heads", "layer_norm", "FLOAT_DTYPES"]
