@@ -1,0 +1,229 @@
+"""Rotary position embeddings: the in-place kernel on q/k and the host-side cos/sin cache.
+
+The cache follows vLLM's RotaryEmbedding: `cache[pos] = [cos(pos * inv_freq) * s, sin(pos * inv_freq) * s]`
+([max_pos, rotary_dim], f32), where inv_freq and the attention scaling s come from the rope scaling config
+as HF transformers' `modeling_rope_utils` computes them (float32 arithmetic, like HF and vLLM).
+
+Layouts: NeoX style rotates (x[i], x[i + rotary_dim/2]) (HF `rotate_half`, most safetensors checkpoints);
+GPT-J style rotates adjacent pairs (x[2i], x[2i+1]) (GGUF llama-family checkpoints, whose Q/K rows were
+permuted for this convention). Dimensions past rotary_dim are left untouched (partial rotary).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import jitkern as jk
+from ._hostargs import check_dtype, elem_strides, fptr, pow2_at_least, run
+
+
+@jk.jit
+def _rotate_neox(base, i, m, c, s, HALF: jk.constexpr):
+    x1 = jk.load(base + i, mask=m, other=0.0).to(jk.f32)
+    x2 = jk.load(base + HALF + i, mask=m, other=0.0).to(jk.f32)
+    jk.store(base + i, x1 * c - x2 * s, mask=m)
+    jk.store(base + HALF + i, x2 * c + x1 * s, mask=m)
+
+
+@jk.jit
+def _rotate_gptj(base, j, m, even, c2, s2):
+    # out[2i] = x[2i] c_i - x[2i+1] s_i, out[2i+1] = x[2i+1] c_i + x[2i] s_i, with c2/s2 the per-lane
+    # cos and signed sin; the partner x[j ^ 1] comes from two shifted contiguous loads (no gather)
+    x = jk.load(base + j, mask=m, other=0.0).to(jk.f32)
+    nxt = jk.load(base + j + 1, mask=m & even, other=0.0).to(jk.f32)
+    prv = jk.load(base + j - 1, mask=m & (j >= 1) & (even == 0), other=0.0).to(jk.f32)
+    jk.store(base + j, x * c2 + jk.where(even, nxt, prv) * s2, mask=m)
+
+
+@jk.kernel
+def rope_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, n_k, positions, cache, max_pos,
+                HALF: jk.constexpr, NEOX: jk.constexpr, BLOCK: jk.constexpr):
+    """One program per token: rotates its n_q query heads and n_k key heads in place.
+    NeoX: BLOCK covers HALF lanes; GPT-J: BLOCK covers the 2*HALF rotated lanes."""
+    t = jk.program_id(0)
+    pos = jk.load(positions + t)
+    pos = jk.minimum(jk.maximum(pos, 0), max_pos - 1)     # memory safety; the wrapper checks the range
+    cb = cache + pos.to(jk.i64) * (2 * HALF)
+    i = jk.arange(0, BLOCK)
+    if NEOX:
+        m = i < HALF
+        c = jk.load(cb + i, mask=m, other=0.0)
+        s = jk.load(cb + HALF + i, mask=m, other=0.0)
+        for h in range(0, n_q):
+            _rotate_neox(q + t.to(jk.i64) * q_st + h * q_sh, i, m, c, s, HALF)
+        for h in range(0, n_k):
+            _rotate_neox(k + t.to(jk.i64) * k_st + h * k_sh, i, m, c, s, HALF)
+    else:
+        m = i < 2 * HALF
+        even = (i % 2) == 0
+        c2 = jk.load(cb + i // 2, mask=m, other=0.0)
+        s2 = jk.load(cb + HALF + i // 2, mask=m, other=0.0)
+        s2 = jk.where(even, -s2, s2)
+        for h in range(0, n_q):
+            _rotate_gptj(q + t.to(jk.i64) * q_st + h * q_sh, i, m, even, c2, s2)
+        for h in range(0, n_k):
+            _rotate_gptj(k + t.to(jk.i64) * k_st + h * k_sh, i, m, even, c2, s2)
+
+
+def _heads_view(a, T, D, what):
+    if not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[0] != T or a.shape[2] != D:
+        raise ValueError(f"{what}: expected an array [{T}, heads, {D}], got {getattr(a, 'shape', type(a).__name__)}")
+    s0, s1, _ = elem_strides(a, what)
+    return s0, s1
+
+
+def rope(q: np.ndarray, k: np.ndarray | None, positions: np.ndarray, cos_sin_cache: np.ndarray,
+         head_dim: int, rotary_dim: int, is_neox: bool, *, check_positions: bool = True, target=None) -> None:
+    """Applies rotary embeddings in place to q [T, H, head_dim] and k [T, KVH, head_dim].
+
+    q and k may be strided views into a fused qkv output (e.g. `qkv[:, :H*D].reshape(T, H, D)`; each head's
+    head_dim elements contiguous). `k=None` rotates q only. `positions` int32 [T] is read by the kernel (so
+    a captured graph replays with new positions). `cos_sin_cache` f32 [max_pos, rotary_dim] holds cos in
+    its first half and sin in its second half per position (see `rope_cos_sin_cache`). Positions outside
+    [0, max_pos) raise ValueError when `check_positions` (a cheap host check; the kernel clamps them
+    regardless, for memory safety). q/k dtypes: float32, float16, uint16 (= bf16); math in f32.
+    """
+    if not isinstance(q, np.ndarray) or q.ndim != 3:
+        raise ValueError(f"rope: q must be [tokens, heads, head_dim], got {getattr(q, 'shape', type(q).__name__)}")
+    T = q.shape[0]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"rope: q's last axis is {q.shape[2]}, head_dim is {head_dim}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rope: rotary_dim {rotary_dim} must be even and in (0, head_dim={head_dim}]")
+    qs0, qs1 = _heads_view(q, T, head_dim, "rope: q")
+    if k is not None:
+        ks0, ks1 = _heads_view(k, T, head_dim, "rope: k")
+        n_k = k.shape[1]
+    else:
+        k, ks0, ks1, n_k = q, 0, 0, 0
+    check_dtype(positions, np.int32, "rope: positions")
+    if positions.shape != (T,) or not positions.flags.c_contiguous:
+        raise ValueError(f"rope: positions must be a contiguous int32 array of shape ({T},), got {positions.shape}")
+    check_dtype(cos_sin_cache, np.float32, "rope: cos_sin_cache")
+    if cos_sin_cache.ndim != 2 or cos_sin_cache.shape[1] != rotary_dim or not cos_sin_cache.flags.c_contiguous:
+        raise ValueError(f"rope: cos_sin_cache must be a contiguous [max_pos, {rotary_dim}] array, "
+                         f"got {cos_sin_cache.shape}")
+    max_pos = cos_sin_cache.shape[0]
+    if check_positions and T and (int(positions.min()) < 0 or int(positions.max()) >= max_pos):
+        raise ValueError(f"rope: positions must lie in [0, {max_pos}) (the cos/sin cache length); got "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
+    half = rotary_dim // 2
+    run(rope_kernel, (T,), (fptr(q, "rope: q"), qs0, qs1, q.shape[1], fptr(k, "rope: k"), ks0, ks1, n_k,
+                           positions, cos_sin_cache, max_pos),
+        target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16))
+
+
+# ------------------------------------------------------------------------------------ host-side cache
+_F32 = np.float32
+
+
+def _pow_f32(base: float, exps: np.ndarray) -> np.ndarray:
+    """float32 base ** exps as torch computes it: numpy's float32 power is often an ulp off, so evaluate in
+    float64 and round once (bit-identical to torch for most exponents, within an ulp otherwise)."""
+    return (np.float64(_F32(base)) ** exps.astype(np.float64)).astype(_F32)
+
+
+def _base_inv_freq(base: float, dim: int) -> np.ndarray:
+    # HF: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), all in float32
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(_F32) / _F32(dim)
+    return (_F32(1.0) / _pow_f32(base, exps)).astype(_F32)
+
+
+def _get(scaling: dict, key: str, what: str):
+    if key not in scaling or scaling[key] is None:
+        raise ValueError(f"rope scaling '{what}': missing required field '{key}' (got {sorted(scaling)})")
+    return scaling[key]
+
+
+def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None,
+                  max_position_embeddings: int | None = None) -> tuple[np.ndarray, float]:
+    """(inv_freq f32 [rotary_dim // 2], attention_scaling) for a rope scaling config, as HF transformers'
+    rope init functions compute them. `scaling` is the config's rope_scaling / rope_parameters dict (type
+    under "rope_type" or "type"); None or type "default" means plain RoPE. Supported: default, linear,
+    llama3, yarn. `max_position_embeddings` is used only by yarn configs without a `factor`.
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rope: rotary_dim must be a positive even number, got {rotary_dim}")
+    kind = "default"
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    dim = rotary_dim
+    if kind == "default":
+        return _base_inv_freq(base, dim), 1.0
+    if kind == "linear":
+        factor = float(_get(scaling, "factor", kind))
+        return (_base_inv_freq(base, dim) / _F32(factor)).astype(_F32), 1.0
+    if kind == "llama3":
+        inv = _base_inv_freq(base, dim)
+        factor = _F32(_get(scaling, "factor", kind))
+        lo = _F32(_get(scaling, "low_freq_factor", kind))
+        hi = _F32(_get(scaling, "high_freq_factor", kind))
+        old = _get(scaling, "original_max_position_embeddings", kind)
+        low_wl = old / float(lo)
+        high_wl = old / float(hi)
+        wavelen = (_F32(2 * math.pi) / inv).astype(_F32)
+        inv_l = np.where(wavelen > low_wl, inv / factor, inv).astype(_F32)
+        smooth = ((_F32(old) / wavelen - lo) / (hi - lo)).astype(_F32)
+        smoothed = ((_F32(1) - smooth) * inv_l / factor + smooth * inv_l).astype(_F32)
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return np.where(medium, smoothed, inv_l).astype(_F32), 1.0
+    if kind == "yarn":
+        factor = scaling.get("factor")
+        orig = _get(scaling, "original_max_position_embeddings", kind)
+        if factor is None:
+            if max_position_embeddings is None:
+                raise ValueError("rope scaling 'yarn' without 'factor' needs max_position_embeddings")
+            factor = max_position_embeddings / orig
+        factor = float(factor)
+        attn = scaling.get("attention_factor")
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if attn is None:
+            attn = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all)) if mscale and mscale_all \
+                else get_mscale(factor)
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+        truncate = scaling.get("truncate", True)
+
+        def corr_dim(rot):
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        pos_freqs = _pow_f32(base, np.arange(0, dim, 2).astype(_F32) / _F32(dim))
+        extra = (_F32(1.0) / pos_freqs).astype(_F32)
+        inter = (_F32(1.0) / (_F32(factor) * pos_freqs)).astype(_F32)
+        ramp = np.clip((np.arange(dim // 2, dtype=_F32) - _F32(low)) / _F32(high - low), 0, 1).astype(_F32)
+        ef = (_F32(1) - ramp).astype(_F32)
+        return (inter * (_F32(1) - ef) + extra * ef).astype(_F32), float(attn)
+    raise ValueError(f"rope scaling type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
+
+
+def rope_cos_sin_cache(head_dim: int, rotary_dim: int, max_pos: int, base: float,
+                       scaling: dict | None = None, *, max_position_embeddings: int | None = None) -> np.ndarray:
+    """The f32 [max_pos, rotary_dim] cos/sin cache for `rope` (host-side, at model init).
+
+    Row p is [cos(p * inv_freq) * s, sin(p * inv_freq) * s] with inv_freq and the attention scaling s from
+    `rope_inv_freq`. The angle p * inv_freq is rounded to f32 as in HF/vLLM (which compute it in float32);
+    cos/sin are then evaluated in float64 and rounded (within an ulp of torch's float32 cos/sin).
+    """
+    if not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rope: rotary_dim {rotary_dim} must be in (0, head_dim={head_dim}]")
+    inv, attn = rope_inv_freq(rotary_dim, base, scaling, max_position_embeddings)
+    ang = (np.arange(max_pos, dtype=_F32)[:, None] * inv[None, :]).astype(_F32).astype(np.float64)
+    cache = np.empty((max_pos, rotary_dim), _F32)
+    half = rotary_dim // 2
+    cache[:, :half] = np.cos(ang) * attn
+    cache[:, half:] = np.sin(ang) * attn
+    return cache
+
+
+__all__ = ["rope", "rope_cos_sin_cache", "rope_inv_freq"]

@@ -1,0 +1,147 @@
+"""RoPE: the cos/sin cache against HF transformers' rope init functions (default, linear, llama3, yarn), and
+the in-place kernel (NeoX and GPT-J layouts, partial rotary, strided q/k views of a fused qkv buffer,
+f32/f16/bf16) against numpy on every runnable tier."""
+import warnings
+import zlib
+
+import numpy as np
+import pytest
+
+import jitkern as jk
+from jitkern.ops.rope import rope, rope_cos_sin_cache, rope_inv_freq
+
+from .ref_basic import as_f64, assert_close, rope_ref, stored
+
+ROPE_CONFIGS = [
+    (128, {"rope_type": "default", "rope_theta": 10000.0}),
+    (128, {"rope_type": "default", "rope_theta": 1000000.0}),
+    (64, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 2048}),
+    (128, {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768}),
+    (64, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}),
+    (128, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 2048,
+           "attention_factor": 0.9, "partial_rotary_factor": 0.5}),
+    (96, {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "original_max_position_embeddings": 4096,
+          "truncate": False}),
+]
+
+
+def _hf(head_dim, params, max_pos):
+    """(inv_freq, attention scaling, cos [P, rot/2], sin [P, rot/2]) from transformers."""
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.logging.set_verbosity_error()
+        cfg = tr.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                             max_position_embeddings=max_pos, rope_parameters=dict(params))
+        if params["rope_type"] == "default":
+            inv, attn = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
+        else:
+            inv, attn = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
+        emb = LlamaRotaryEmbedding(cfg)
+        cos, sin = emb(torch.zeros(1, dtype=torch.float32), torch.arange(max_pos)[None])
+    half = inv.shape[0]
+    return inv.numpy(), float(attn), cos[0, :, :half].numpy(), sin[0, :, :half].numpy()
+
+
+@pytest.mark.parametrize("head_dim,params", ROPE_CONFIGS, ids=lambda v: v.get("rope_type") if isinstance(v, dict) else str(v))
+def test_cos_sin_cache_matches_transformers(head_dim, params):
+    max_pos = 8192
+    inv_hf, attn_hf, cos_hf, sin_hf = _hf(head_dim, params, max_pos)
+    rot = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    inv, attn = rope_inv_freq(rot, params["rope_theta"], params)
+    assert inv.dtype == np.float32 and inv.shape == inv_hf.shape
+    # float32 pow: ours is the correctly rounded one, torch's is within an ulp of it
+    assert np.allclose(inv, inv_hf, rtol=2.5e-7, atol=0), np.abs(inv / inv_hf - 1).max()
+    assert (inv == inv_hf).mean() >= 0.9
+    assert attn == pytest.approx(attn_hf, rel=1e-12)
+    cache = rope_cos_sin_cache(head_dim, rot, max_pos, params["rope_theta"], params)
+    assert cache.shape == (max_pos, rot) and cache.dtype == np.float32
+    half = rot // 2
+    # bound: cos/sin rounding (torch's float32 cos/sin ~1 ulp) plus the angle difference from an ulp of
+    # inv_freq at this position, plus the f32 angle rounding
+    pos = np.arange(max_pos, dtype=np.float64)[:, None]
+    tol = attn * (3e-7 + pos * np.abs(inv.astype(np.float64) - inv_hf) + pos * inv * 2 ** -23)
+    tol_same = np.where(inv == inv_hf, attn * 3e-7, tol)
+    assert (np.abs(cache[:, :half] - cos_hf) <= tol_same).all()
+    assert (np.abs(cache[:, half:] - sin_hf) <= tol_same).all()
+
+
+def test_rope_scaling_old_format_and_errors():
+    # HF's legacy rope_scaling {"type": ...}; unknown types and missing fields are clear errors
+    a, _ = rope_inv_freq(64, 10000.0, {"type": "linear", "factor": 4.0})
+    b, _ = rope_inv_freq(64, 10000.0, None)
+    assert np.allclose(a * 4, b, rtol=1e-7)
+    with pytest.raises(ValueError, match="longrope"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "longrope"})
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192})
+
+
+def _qkv(rng, T, H, KVH, D, dtype):
+    qkv = stored(rng.standard_normal((T, (H + 2 * KVH) * D)), dtype)
+    q = qkv[:, :H * D].reshape(T, H, D)
+    k = qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D)
+    return qkv, q, k
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("D,rot,dtype", [(128, 128, "f32"), (64, 32, "f32"), (80, 40, "f32"), (128, 128, "f16"),
+                                         (64, 64, "bf16")])
+def test_rope_kernel(tier, neox, D, rot, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"{tier.name}/{neox}/{D}/{rot}/{dtype}".encode()))
+    T, H, KVH = 9, 5, 2
+    qkv, q, k = _qkv(rng, T, H, KVH, D, dtype)
+    before = as_f64(qkv).copy()
+    cache = rope_cos_sin_cache(D, rot, 3000, 10000.0, {"rope_type": "yarn", "factor": 2.0,
+                                                       "original_max_position_embeddings": 1500})
+    pos = rng.integers(0, 3000, T).astype(np.int32)
+    rope(q, k, pos, cache, D, rot, neox, target=tier)
+    want_q = rope_ref(before[:, :H * D].reshape(T, H, D), pos, cache, rot, neox)
+    want_k = rope_ref(before[:, H * D:(H + KVH) * D].reshape(T, KVH, D), pos, cache, rot, neox)
+    scale = np.abs(before).max() * 2
+    assert_close(q, want_q, dtype, "q", scale=np.full(want_q.shape, scale))
+    assert_close(k, want_k, dtype, "k", scale=np.full(want_k.shape, scale))
+    # v and the un-rotated tail of each head are bit-identical
+    assert np.array_equal(as_f64(qkv[:, (H + KVH) * D:]), before[:, (H + KVH) * D:])
+    if rot < D:
+        assert np.array_equal(as_f64(q[..., rot:]), before[:, :H * D].reshape(T, H, D)[..., rot:])
+
+
+def test_rope_q_only_and_position_check(tier):
+    rng = np.random.default_rng(3)
+    T, H, D = 4, 3, 64
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q0 = q.astype(np.float64).copy()
+    cache = rope_cos_sin_cache(D, D, 100, 10000.0)
+    pos = np.array([0, 99, 5, 42], np.int32)
+    rope(q, None, pos, cache, D, D, True, target=tier)
+    assert_close(q, rope_ref(q0, pos, cache, D, True), "f32", "q", scale=np.full(q.shape, 8.0))
+    assert np.array_equal(q[0], q0[0].astype(np.float32))        # position 0 is the identity
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 100\)"):
+        rope(q, None, np.array([0, 100, 1, 2], np.int32), cache, D, D, True, target=tier)
+    with pytest.raises(TypeError, match="positions"):
+        rope(q, None, pos.astype(np.int64), cache, D, D, True, target=tier)
+
+
+def test_rope_replays_with_new_positions():
+    """Positions are read from the array: a captured launch replays with the values written later."""
+    rng = np.random.default_rng(4)
+    T, H, KVH, D = 3, 2, 1, 64
+    _, q, k = _qkv(rng, T, H, KVH, D, "f32")
+    cache = rope_cos_sin_cache(D, D, 64, 10000.0)
+    pos = np.zeros(T, np.int32)
+    with jk.capture() as g:
+        rope(q, k, pos, cache, D, D, True)
+    q0 = q.astype(np.float64).copy()
+    pos[:] = [7, 8, 63]
+    g.replay()
+    assert_close(q, rope_ref(q0, pos, cache, D, True), "f32", "replayed q", scale=np.full(q.shape, 8.0))
