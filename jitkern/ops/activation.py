@@ -1,0 +1,176 @@
+"""Elementwise ops: gated MLP activations (vLLM's SiluAndMul / GeluAndMul(approximate="tanh") layout),
+the tanh GELU (GPT-2's "gelu_new"), residual adds, copies/dtype conversion, scaling and soft-capping.
+
+All math runs in f32 and is rounded once when stored; arrays may be float32, float16 or uint16 (= bf16),
+and 2-D arrays may be row-strided views (last axis contiguous).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jitkern as jk
+from ._hostargs import block_for, check_shape, fptr, has_half, row_stride, run
+
+_BLOCK = 128
+
+
+@jk.jit
+def silu(x):
+    return x / (1.0 + jk.exp(-x))
+
+
+@jk.jit
+def gelu_tanh_f(x):
+    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as torch's gelu(approximate="tanh")
+    return 0.5 * x * (1.0 + jk.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@jk.kernel
+def act_and_mul_kernel(gu, gu_s, out, o_s, n, ACT: jk.constexpr, BLOCK: jk.constexpr):
+    """out[t, j] = ACT(gu[t, j]) * gu[t, n + j]; grid (T, cdiv(n, BLOCK))."""
+    t = jk.program_id(0)
+    cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
+    m = cols < n
+    base = gu + t.to(jk.i64) * gu_s
+    g = jk.load(base + cols, mask=m, other=0.0).to(jk.f32)
+    u = jk.load(base + n + cols, mask=m, other=0.0).to(jk.f32)
+    jk.store(out + t.to(jk.i64) * o_s + cols, ACT(g) * u, mask=m)
+
+
+@jk.jit
+def _gelu_tanh_a(x, alpha):
+    return gelu_tanh_f(x)
+
+
+@jk.jit
+def _copy_a(x, alpha):
+    return x
+
+
+@jk.jit
+def _scale_a(x, alpha):
+    return x * alpha
+
+
+@jk.jit
+def _softcap_a(x, alpha):
+    # cap * tanh(x / cap), alpha = cap
+    return alpha * jk.tanh(x / alpha)
+
+
+@jk.kernel
+def unary_kernel(x, x_s, out, o_s, n, alpha, ACT: jk.constexpr, BLOCK: jk.constexpr):
+    """out = ACT(x, alpha) elementwise over rows; grid (R, cdiv(n, BLOCK))."""
+    t = jk.program_id(0)
+    cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
+    m = cols < n
+    v = jk.load(x + t.to(jk.i64) * x_s + cols, mask=m, other=0.0).to(jk.f32)
+    jk.store(out + t.to(jk.i64) * o_s + cols, ACT(v, alpha), mask=m)
+
+
+@jk.kernel
+def add_kernel(a, a_s, b, b_s, out, o_s, n, BLOCK: jk.constexpr):
+    t = jk.program_id(0)
+    cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
+    m = cols < n
+    av = jk.load(a + t.to(jk.i64) * a_s + cols, mask=m, other=0.0).to(jk.f32)
+    bv = jk.load(b + t.to(jk.i64) * b_s + cols, mask=m, other=0.0).to(jk.f32)
+    jk.store(out + t.to(jk.i64) * o_s + cols, av + bv, mask=m)
+
+
+def _as_rows(a: np.ndarray, what: str):
+    """A 1-D or 2-D array as (rows, cols, row stride, pointer); 1-D arrays are one row."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array, got {type(a).__name__}")
+    if a.ndim == 1:
+        if a.shape[0] > 1 and a.strides[0] != a.itemsize:
+            raise ValueError(f"{what}: a 1-D array must be contiguous")
+        return 1, a.shape[0], a.shape[0], fptr(a, what)
+    if a.ndim != 2:
+        raise ValueError(f"{what}: expected a 1-D or 2-D array, got shape {a.shape}")
+    return a.shape[0], a.shape[1], row_stride(a, what), fptr(a, what)
+
+
+def _act_and_mul(name, act, gate_up, out, target):
+    R, n2, gs, gp = _as_rows(gate_up, f"{name}: gate_up")
+    if gate_up.ndim != 2 or n2 % 2:
+        raise ValueError(f"{name}: gate_up must be [tokens, 2 * intermediate], got {gate_up.shape}")
+    n = n2 // 2
+    if out is None:
+        out = np.empty((R, n), gate_up.dtype)
+    check_shape(out, (R, n), f"{name}: out")
+    _, _, os_, op = _as_rows(out, f"{name}: out")
+    B = block_for(n, _BLOCK, target, has_half(gate_up, out))
+    run(act_and_mul_kernel, (R, jk.cdiv(n, B)), (gp, gs, op, os_, n), target, ACT=act, BLOCK=B)
+    return out
+
+
+def silu_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
+    """out = silu(gate) * up for gate_up [T, 2*I] holding gate in its first I columns and up in the last I
+    (vLLM's merged gate_up_proj layout). silu(x) = x / (1 + exp(-x)). Returns out [T, I]."""
+    return _act_and_mul("silu_and_mul", silu, gate_up, out, target)
+
+
+def gelu_tanh_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
+    """out = gelu_tanh(gate) * up (Gemma's GeGLU, vLLM's GeluAndMul(approximate="tanh")); layout as
+    `silu_and_mul`."""
+    return _act_and_mul("gelu_tanh_and_mul", gelu_tanh_f, gate_up, out, target)
+
+
+def _unary(name, act, x, out, alpha, target):
+    R, n, xs, xp = _as_rows(x, f"{name}: x")
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    check_shape(out, x.shape, f"{name}: out")
+    _, _, os_, op = _as_rows(out, f"{name}: out")
+    B = block_for(n, _BLOCK, target, has_half(x, out))
+    run(unary_kernel, (R, jk.cdiv(n, B)), (xp, xs, op, os_, n, float(alpha)), target, ACT=act, BLOCK=B)
+    return out
+
+
+def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) elementwise (GPT-2's gelu_new) on a 1-D or 2-D array;
+    `out` may be `x`."""
+    return _unary("gelu_tanh", _gelu_tanh_a, x, out, 0.0, target)
+
+
+def copy(x: np.ndarray, out: np.ndarray, *, target=None) -> np.ndarray:
+    """out[...] = x for 1-D or 2-D arrays of one shape (row-strided views; converts between float32,
+    float16 and uint16 = bf16, rounding to nearest even)."""
+    return _unary("copy", _copy_a, x, out, 0.0, target)
+
+
+def scale_inplace(x: np.ndarray, alpha: float, *, target=None) -> np.ndarray:
+    """x *= alpha (f32 math); returns x."""
+    return _unary("scale_inplace", _scale_a, x, x, alpha, target)
+
+
+def softcap_inplace(x: np.ndarray, cap: float, *, target=None) -> np.ndarray:
+    """x = cap * tanh(x / cap) in place (Gemma 2's attention / final-logit soft-capping); returns x."""
+    if not cap > 0:
+        raise ValueError(f"softcap_inplace: cap must be positive, got {cap}")
+    return _unary("softcap_inplace", _softcap_a, x, x, cap, target)
+
+
+def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
+    """out = a + b for 1-D or 2-D arrays of one shape (row-strided views accepted; dtypes may differ, the
+    sum is computed in f32 and rounded to out's dtype). `out` may alias `a` or `b`. Returns out."""
+    R, n, as_, ap = _as_rows(a, "add: a")
+    check_shape(b, a.shape, "add: b")
+    _, _, bs, bp = _as_rows(b, "add: b")
+    if out is None:
+        out = np.empty(a.shape, a.dtype)
+    check_shape(out, a.shape, "add: out")
+    _, _, os_, op = _as_rows(out, "add: out")
+    B = block_for(n, _BLOCK, target, has_half(a, b, out))
+    run(add_kernel, (R, jk.cdiv(n, B)), (ap, as_, bp, bs, op, os_, n), target, BLOCK=B)
+    return out
+
+
+def add_inplace(a: np.ndarray, b: np.ndarray, *, target=None) -> np.ndarray:
+    """a += b (residual update); returns a."""
+    return add(a, b, a, target=target)
+
+
+__all__ = ["silu_and_mul", "gelu_tanh_and_mul", "gelu_tanh", "add", "add_inplace", "copy", "scale_inplace",
+           "softcap_inplace", "silu", "gelu_tanh_f"]

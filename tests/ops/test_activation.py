@@ -1,0 +1,124 @@
+"""Gated activations, tanh GELU, residual adds, copies/conversions, scaling and soft-capping against float64
+numpy on every runnable tier. Tolerances: ref_basic.RTOL of the output dtype relative to |result| (+ the
+inputs' magnitude for sums, where results may cancel)."""
+import zlib
+
+import numpy as np
+import pytest
+
+from jitkern.ops.activation import (add, add_inplace, copy, gelu_tanh, gelu_tanh_and_mul, scale_inplace,
+                                    silu_and_mul, softcap_inplace)
+
+from .ref_basic import as_f64, assert_close, from_bf16, gelu_tanh_ref, silu_ref, stored, to_bf16
+
+
+def _rng(tier, *salt):
+    return np.random.default_rng(zlib.crc32("/".join(map(str, (tier.name,) + salt)).encode()))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("op", ["silu", "gelu"])
+def test_act_and_mul(tier, op, dtype):
+    rng = _rng(tier, op, dtype)
+    T, I = 5, 577
+    buf = stored(rng.standard_normal((T, 2 * I + 9)) * 4, dtype)
+    gu = buf[:, 9:]                                     # row-strided view
+    g, u = as_f64(gu[:, :I]), as_f64(gu[:, I:])
+    f = silu_and_mul if op == "silu" else gelu_tanh_and_mul
+    act = silu_ref if op == "silu" else gelu_tanh_ref
+    out = f(gu, target=tier)
+    assert out.shape == (T, I) and out.dtype == gu.dtype
+    want = act(g) * u
+    # silu: relative error ~ a few f32 ulps; gelu's 1 + tanh(z) cancels for negative gate values, leaving
+    # an absolute error of ~|g| * eps(1) / 2, i.e. 0.05 * |g| * |u| * rtol(f32) is ~16x that
+    scale = np.abs(want) + 0.05 * np.abs(g) * np.abs(u)
+    assert_close(out, want, dtype, op, scale=scale)
+    # into a strided out, f32 out from half inputs
+    obuf = np.full((T, I + 3), 7.0, np.float32)
+    f(gu, out=obuf[:, 3:], target=tier)
+    assert_close(obuf[:, 3:], want, "f32", op, scale=scale)      # f32 out: no output rounding
+    assert (obuf[:, :3] == 7.0).all()
+
+
+def test_silu_extremes(tier):
+    # exp overflow/underflow ends: silu(-100) = -0, silu(100) = 100, no NaN
+    g = np.array([[-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 88.0]], np.float32)
+    gu = np.concatenate([g, np.ones_like(g)], axis=1)
+    out = silu_and_mul(gu, target=tier)
+    assert np.isfinite(out).all()
+    assert np.allclose(out, silu_ref(g), rtol=1e-6, atol=1e-30)
+
+
+def test_gelu_tanh_matches_torch(tier):
+    torch = pytest.importorskip("torch")
+    x = _rng(tier, "gelu").standard_normal((3, 1000)).astype(np.float32) * 5
+    ref = torch.nn.functional.gelu(torch.from_numpy(x), approximate="tanh").numpy()
+    y = gelu_tanh(x, target=tier)
+    assert np.allclose(y, ref, rtol=2e-6, atol=2e-6)
+    flat = x.reshape(-1).copy()
+    gelu_tanh(flat, out=flat, target=tier)          # 1-D, in place
+    assert np.array_equal(flat, y.reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_add_and_add_inplace(tier, dtype):
+    rng = _rng(tier, "add", dtype)
+    a = stored(rng.standard_normal((7, 577)), dtype)
+    bbuf = stored(rng.standard_normal((7, 600)), dtype)
+    b = bbuf[:, 23:]
+    want = as_f64(a) + as_f64(b)
+    scale = np.abs(as_f64(a)) + np.abs(as_f64(b))
+    assert_close(add(a, b, target=tier), want, dtype, "add", scale=scale)
+    add_inplace(a, b, target=tier)
+    assert_close(a, want, dtype, "add_inplace", scale=scale)
+
+
+def test_add_broadcast_bias_rows(tier):
+    # a stride-0 row view (a bias repeated over rows), as the engine passes it
+    rng = _rng(tier, "bias")
+    y = rng.standard_normal((6, 333)).astype(np.float32)
+    bias = rng.standard_normal(333).astype(np.float32)
+    rows = np.lib.stride_tricks.as_strided(bias, shape=(6, 333), strides=(0, 4))
+    want = y + bias
+    add(y, rows, out=y, target=tier)
+    assert np.array_equal(y, want)                  # one f32 add: exact
+
+
+def test_copy_conversions_are_exactly_rounded(tier):
+    rng = _rng(tier, "copy")
+    x = (rng.standard_normal((5, 301)) * 1000).astype(np.float32)
+    x[0, :4] = [1e-6, 6e-8, 3e38, -2.5e-5]
+    h = np.empty(x.shape, np.float16)
+    copy(x[:, :], h, target=tier)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(h.view(np.uint16), x.astype(np.float16).view(np.uint16))
+    b = np.empty(x.shape, np.uint16)
+    copy(x, b, target=tier)
+    assert np.array_equal(b, to_bf16(x))
+    back = np.empty(x.shape, np.float32)
+    copy(b, back, target=tier)
+    assert np.array_equal(back, from_bf16(b))
+
+
+def test_scale_and_softcap(tier):
+    rng = _rng(tier, "scale")
+    x = (rng.standard_normal((4, 1000)) * 60).astype(np.float32)
+    y = x.copy()
+    scale_inplace(y, 0.125, target=tier)
+    assert np.array_equal(y, x * np.float32(0.125))          # power-of-two scale: exact
+    z = x.copy()
+    softcap_inplace(z, 30.0, target=tier)
+    want = 30.0 * np.tanh(x.astype(np.float64) / 30.0)
+    assert np.allclose(z, want, rtol=3e-6, atol=3e-6)
+    assert np.abs(z).max() <= 30.0
+    with pytest.raises(ValueError, match="cap"):
+        softcap_inplace(z, 0.0)
+
+
+def test_shape_errors_name_the_argument():
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_and_mul(np.ones((3, 5), np.float32))
+    with pytest.raises(ValueError, match="out"):
+        silu_and_mul(np.ones((3, 8), np.float32), out=np.ones((3, 3), np.float32))
+    with pytest.raises(ValueError, match="add: b"):
+        add(np.ones((3, 8), np.float32), np.ones((3, 7), np.float32))
