@@ -16,8 +16,10 @@ actual thread count is printed.
                so small ones stay in L2/L3
      cold us   replays over enough copies of the weight (> 192 MB) that every call streams it from DRAM:
                the realistic decode case (a model's weights do not fit in the caches)
-     GB/s, %bw weight bytes / cold time, and that as a % of the streaming-read bandwidth measured just before
-               this row (the host may be shared: the bandwidth is re-measured per row)
+     GB/s      weight bytes / cold time
+     bw GB/s   the streaming-read probe, re-measured in every timing round of this row (rounds alternate probe
+               and GEMV, so both see the same load from other processes on a shared host)
+     %bw       median over the rounds of GEMV GB/s / probe GB/s of the same round
      GFLOP/s   2*N*K / cold time;  vs best  cold-time speed-up over the best *other* tier (> 1: this is faster)
    plus per shape: quantize_q8 of the activation row (paid once per input, shared by q/k/v or gate/up), numpy
    f32 (W @ x on dequantised f32 weights, 4x-8x the bytes, cold), and jitkern's f32 `linear` GEMV (cold) with
@@ -100,9 +102,16 @@ class Bandwidth:
         self.per = self.x.size // programs
         self.programs = programs
 
+    def _run(self):
+        _stream_sum[(self.programs,)](self.x, self.out, self.per, BLOCK=64, U=4)
+
     def read_gbs(self, reps) -> float:
-        f = lambda: _stream_sum[(self.programs,)](self.x, self.out, self.per, BLOCK=64, U=4)  # noqa: E731
-        return self.x.nbytes / timeit(f, reps, min_batch_s=0.0) / 1e9
+        return self.x.nbytes / timeit(self._run, reps, min_batch_s=0.0) / 1e9
+
+    def read_gbs_once(self) -> float:
+        t0 = time.perf_counter()
+        self._run()
+        return self.x.nbytes / (time.perf_counter() - t0) / 1e9
 
     def numpy_copy_gbs(self, reps) -> float:
         y = np.empty_like(self.x)
@@ -142,6 +151,26 @@ def cold_time(launch_one, items, reps) -> float:
         for it in items:
             launch_one(it)
     return timeit(g.replay, reps, min_batch_s=0.0) / len(items)
+
+
+def cold_vs_bandwidth(launch_one, items, nbytes, bw: "Bandwidth", reps):
+    """(median s per launch, median probe GB/s, median of per-round GEMV/probe bandwidth ratios): each round
+    times the streaming-read probe and then the replay, so both see the same load from other processes."""
+    with jk.capture() as g:
+        for it in items:
+            launch_one(it)
+    g.replay()
+    ts, bws, ratios = [], [], []
+    for _ in range(reps):
+        b = bw.read_gbs_once()
+        t0 = time.perf_counter()
+        g.replay()
+        t = (time.perf_counter() - t0) / len(items)
+        ts.append(t)
+        bws.append(b)
+        ratios.append(nbytes / t / 1e9 / b)
+    time.sleep(0.01)
+    return statistics.median(ts), statistics.median(bws), statistics.median(ratios)
 
 
 def main():
@@ -185,17 +214,17 @@ def main():
                 err = float(np.abs(y - ref).max() / np.abs(ref).max())
                 t_call = timeit(lambda: Q.matmul_q8(xq, raw, qt, N, K, out=y, target=T), ARGS.reps)
                 t_hot = cold_time(lambda w: Q.matmul_q8(xq, w, qt, N, K, out=y, target=T), [raw] * 50, ARGS.reps)
-                bw_now = bw.read_gbs(3)
-                t_cold = cold_time(lambda w: Q.matmul_q8(xq, w, qt, N, K, out=y, target=T), cold, ARGS.reps)
+                t_cold, bw_now, frac = cold_vs_bandwidth(lambda w: Q.matmul_q8(xq, w, qt, N, K, out=y, target=T),
+                                                         cold, raw.nbytes, bw, ARGS.reps)
                 per_tier.append(dict(kind="gemv", qtype=qt, N=N, K=K, tier=ck.target.name, call_s=t_call,
-                                     hot_s=t_hot, cold_s=t_cold, bw_gbs=bw_now, bytes=raw.nbytes, rel_err=err,
-                                     threads=pool.num_threads))
+                                     hot_s=t_hot, cold_s=t_cold, bw_gbs=bw_now, bw_fraction=frac, bytes=raw.nbytes,
+                                     rel_err=err, threads=pool.num_threads))
             for r in per_tier:
                 others = [o["cold_s"] for o in per_tier if o is not r]
                 r["vs_best_other"] = (min(others) / r["cold_s"]) if others else float("nan")
                 gbs = r["bytes"] / r["cold_s"] / 1e9
                 print(f"{qt:9s} {shape:>10s} {r['tier']:9s} {r['call_s'] * 1e6:8.1f} {r['hot_s'] * 1e6:8.1f} "
-                      f"{r['cold_s'] * 1e6:8.1f} {gbs:6.1f} {r['bw_gbs']:7.1f} {100 * gbs / r['bw_gbs']:5.0f} "
+                      f"{r['cold_s'] * 1e6:8.1f} {gbs:6.1f} {r['bw_gbs']:7.1f} {100 * r['bw_fraction']:5.0f} "
                       f"{2 * N * K / r['cold_s'] / 1e9:7.1f} {r['vs_best_other']:7.2f}"
                       + ("" if r["rel_err"] < 1e-5 else f"  BAD rel err {r['rel_err']:.1e}"), flush=True)
             rows += per_tier

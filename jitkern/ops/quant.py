@@ -258,58 +258,73 @@ def _dec_q6_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
 
 
 # ------------------------------------------------------------------------------------------- the product
+@jk.jit
+def _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.constexpr, BM: jk.constexpr,
+           R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr):
+    """One step over S 32-element sub-blocks (index st*S ...) of the BM x R tile: returns the updated
+    accumulators acc (BM, R, LANES) (scaled integer dots, per lane) and accc (BM, R, S) (block-sum terms)."""
+    q, sc, c, OFF = DEC(w, wh, rows, st, rb, R, S)
+    xbase = toks * K64 + st * (S * 32)
+    srow = toks[:, None] * (K64 // 32) + st * S + jk.arange(0, S)[None, :]
+    if len(q.shape) == 4:
+        # 'halves' layout (R, 2, S, 16): the activations likewise, (BM, 2, S, 16)
+        xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
+                     + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
+        p = jk.sum(jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
+                           jk.broadcast_to(xv[:, None, :, :, :], (BM, R, 2, S, 16))), axis=2)
+        ones = jk.full((BM, 2, S, 16), 1, jk.u8)
+        L = 4
+    else:
+        xv = jk.load(xq + xbase[:, None, None] + jk.arange(0, S)[None, :, None] * 32
+                     + jk.arange(0, 32)[None, None, :])                            # (BM, S, 32) i8
+        p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
+                    jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))               # (BM, R, S, 8) i32
+        ones = jk.full((BM, S, 32), 1, jk.u8)
+        L = 8
+    if OFF is not None:
+        # sum((q - OFF) * x) = dot(q, x) - OFF * sum(x), exactly, per group of 4
+        xsum = jk.dot4(ones, xv)
+        if len(q.shape) == 4:
+            xsum = jk.sum(xsum, axis=1)
+        p = p - jk.broadcast_to((xsum * OFF)[:, None, :, :], (BM, R, S, L))
+    # weight scale x activation scale, one per block (sc (R, S, 1)) or per group of 4 (sc (R, S, 8)),
+    # multiplied before broadcasting over the lanes
+    dx = jk.load((xd + srow)[:, :, None])                                              # (BM, S, 1)
+    scale = jk.broadcast_to(sc[None, :, :, :] * dx[:, None, :, :], (BM, R, S, L))
+    if S * L == LANES:
+        acc = jk.fma(jk.reshape(p.to(jk.f32), (BM, R, LANES)), jk.reshape(scale, (BM, R, LANES)), acc)
+    else:
+        acc += jk.sum(p.to(jk.f32) * scale, axis=2)
+    if c is not None:
+        accc = jk.fma(c[None, :, :], jk.load(xs + srow)[:, None, :], accc)
+    return acc, accc
+
+
 @jk.kernel
 def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, DEC: jk.constexpr, BM: jk.constexpr,
-                    R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr):
-    # y[m, n] for a tile of BM tokens x R weight rows; grid (N tiles, M tiles). Each of the NSTEP steps
-    # covers S 32-element sub-blocks of K; RB is the weight row length in bytes. LANES: f32 lanes of the
-    # accumulator per (token, row), at most one vector register.
+                    R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, TL: jk.constexpr):
+    # y[m, n] for a tile of BM tokens x R weight rows; grid (N tiles, M tiles). NSTEP steps cover S 32-element
+    # sub-blocks each, the K // 32 - NSTEP * S sub-blocks left (32-element formats) one at a time; RB is the
+    # weight row length in bytes; LANES (TL) the f32 lanes of the main (tail) accumulator per (token, row);
+    # TL = 0: no tail loop (the K-quants step whole 256-element super-blocks).
     n0 = jk.minimum(jk.program_id(0) * R, N - R)
     m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
     rows = (n0 + jk.arange(0, R)).to(jk.i64)
     toks = (m0 + jk.arange(0, BM)).to(jk.i64)
     K64 = K.to(jk.i64)
     rb = RB.to(jk.i64)
-    srow = toks[:, None] * (K64 // 32) + jk.arange(0, S)[None, :]
     acc = jk.zeros((BM, R, LANES), jk.f32)
     accc = jk.zeros((BM, R, S), jk.f32)
-    for st0 in range(0, NSTEP):
-        st = st0.to(jk.i64)
-        q, sc, c, OFF = DEC(w, wh, rows, st, rb, R, S)
-        xbase = toks * K64 + st * (S * 32)
-        if len(q.shape) == 4:
-            # 'halves' layout (R, 2, S, 16): the activations likewise, (BM, 2, S, 16)
-            xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
-                         + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
-            p = jk.sum(jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
-                               jk.broadcast_to(xv[:, None, :, :, :], (BM, R, 2, S, 16))), axis=2)
-            ones = jk.full((BM, 2, S, 16), 1, jk.u8)
-            L = 4
-        else:
-            xv = jk.load(xq + xbase[:, None, None] + jk.arange(0, S)[None, :, None] * 32
-                         + jk.arange(0, 32)[None, None, :])                        # (BM, S, 32) i8
-            p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
-                        jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))           # (BM, R, S, 8) i32
-            ones = jk.full((BM, S, 32), 1, jk.u8)
-            L = 8
-        if OFF is not None:
-            # sum((q - OFF) * x) = dot(q, x) - OFF * sum(x), exactly, per group of 4
-            xsum = jk.dot4(ones, xv)
-            if len(q.shape) == 4:
-                xsum = jk.sum(xsum, axis=1)
-            p = p - jk.broadcast_to((xsum * OFF)[:, None, :, :], (BM, R, S, L))
-        # weight scale x activation scale, one per block (sc (R, S, 1)) or per group of 4 (sc (R, S, 8)),
-        # multiplied before broadcasting over the lanes
-        dx = jk.load((xd + srow + st * S)[:, :, None])                               # (BM, S, 1)
-        scale = jk.broadcast_to(sc[None, :, :, :] * dx[:, None, :, :], (BM, R, S, L))
-        if S * L == LANES:
-            acc = jk.fma(jk.reshape(p.to(jk.f32), (BM, R, LANES)), jk.reshape(scale, (BM, R, LANES)), acc)
-        else:
-            acc += jk.sum(p.to(jk.f32) * scale, axis=2)
-        if c is not None:
-            sx = jk.load(xs + srow + st * S)                                          # (BM, S)
-            accc = jk.fma(c[None, :, :], sx[:, None, :], accc)
+    for st in range(0, NSTEP):
+        acc, accc = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R, S, LANES)
     res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
+    if S > 1 and TL > 0:
+        acc1 = jk.zeros((BM, R, TL), jk.f32)
+        accc1 = jk.zeros((BM, R, 1), jk.f32)
+        for sb in range(NSTEP * S, K // 32):
+            acc1, accc1 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sb.to(jk.i64), acc1, accc1, DEC, BM, R, 1,
+                                 TL)
+        res = res + (jk.sum(acc1, axis=2) + jk.sum(accc1, axis=2))
     jk.store(y + toks[:, None] * N + rows[None, :], res)
 
 
@@ -325,28 +340,30 @@ def _pow2_le(n: int, cap: int) -> int:
 
 
 def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
-    """(BM, R, S, LANES): tokens x weight rows per program, 32-element sub-blocks per step, accumulator lanes."""
+    """(BM, R, S, LANES): tokens x weight rows per program, 32-element sub-blocks per main-loop step (the
+    K // 32 % S left over run one at a time), accumulator lanes per (token, row)."""
     q = _qtype(qtype)
     if target is None:
         from jitkern.compiler import default_target
         target = default_target()
     vbytes = max(16, target.vector_bits // 8)
-    nblk = K // 32
+    regs = 2 if M == 1 else 1           # accumulator registers per (token, row)
     if q.block_elems == 256:
         S, L = 8, 8
     elif q.name in ("q4_0", "q4_1"):
-        S, L = vbytes // 16, 4          # one vector of nibble bytes holds the same half of S blocks
+        S, L = regs * vbytes // 16, 4   # one vector of nibble bytes holds the same half of vbytes/16 blocks
     else:
-        S, L = max(1, vbytes // 32), 8  # one vector of int8 quants per block (two on AVX-512)
-    while S > 1 and nblk % S:
+        S, L = max(1, regs * vbytes // 32), 8
+    while S > K // 32:
         S //= 2
-    lanes = S * L if S * L <= 16 else L
-    # tile sizes measured on znver4 (perf/bench_gemv.py and single-thread sweeps): GEMV wants enough rows per
-    # program to amortise the activation loads and the per-step scale work (8 for the 4-bit formats, whose
-    # per-block work is lighter); GEMM wants the largest token x row tile whose accumulators and operands
-    # fit the register file (16 vector registers on AVX2 and below, 32 on AVX-512)
+    lanes = S * L if S * L <= regs * vbytes // 4 else L
+    # M == 1 (GEMV, bandwidth-bound): one weight row per program, so every thread reads one monotonic stream
+    # (R rows in lockstep are R interleaved streams, which the hardware prefetchers follow badly: 3-5x less
+    # DRAM bandwidth on znver4), and two accumulator registers' worth of blocks per step.
+    # M > 1 (GEMM, compute-bound): the largest token x row tile whose accumulators and operands fit the
+    # register file (16 vector registers on AVX2 and below, 32 on AVX-512).
     if M == 1:
-        BM, R = 1, (8 if q.name in ("q4_0", "q4_1") else 4)
+        BM, R = 1, 1
     elif q.block_elems == 256:
         BM, R = 4, 2
     elif vbytes >= 64 or q.name in ("q4_0", "q4_1"):
@@ -356,6 +373,11 @@ def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     else:
         BM, R = 2, 2
     return _pow2_le(M, BM), _pow2_le(N, R), S, lanes
+
+
+def _tail_lanes(q: QType) -> int:
+    """Accumulator lanes of the one-sub-block tail loop (0: none, the K-quants step whole super-blocks)."""
+    return 0 if q.block_elems == 256 else 4 if q.name in ("q4_0", "q4_1") else 8
 
 
 def _weight_arg(raw, q: QType, N: int, K: int, what: str):
@@ -416,7 +438,7 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     BM, R, S, lanes = gemv_tiles(q, M, N, K, resolve_target(target))
     ck = run(_qmatmul_kernel, (-(-N // R), -(-M // BM)),
              (w, wh, qx, xd, xs, out, M, N, K, K // (32 * S), row_bytes(q, K)),
-             target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes)
+             target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes, TL=_tail_lanes(q))
     return out, ck
 
 
