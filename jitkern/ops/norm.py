@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import FLOAT_DTYPES, block_for, check_shape, elem_strides, fptr, has_half, row_stride, run
+from ._hostargs import block_for, check_shape, elem_strides, fptr, has_half, row_stride, run
 
 _MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measured slower)
 
@@ -160,4 +160,4 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: 
     return out
 
 
-__all__ = ["rms_norm", "rms_norm_heads", "layer_norm", "FLOAT_DTYPES"]
+__all__ = ["rms_norm", "rms_norm_heads", "layer_norm"]

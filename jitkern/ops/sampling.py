@@ -3,8 +3,9 @@ inverse-CDF sampling from probabilities or logits with host-supplied uniform ran
 
 Every kernel runs one program per row and reads per-step values (penalty tables, temperatures, random
 numbers) from arrays, so a captured graph can be replayed after writing new values into them. Logits are
-float32 here (the sampler works on f32 logits); rows may be row-strided views. None of these ops define a
-result for NaN logits.
+float32 here (the sampler works on f32 logits); rows may be row-strided views. NaN logits are skipped by
+`argmax_rows` and `topk_rows` (numpy's argmax would return the NaN) and NaN probabilities count as zero
+weight in `sample_from_probs`; elsewhere NaN results are unspecified.
 
 How they compose into vLLM's sampling order (the engine's sampler decides; see vLLM v1 `Sampler`):
   logprobs of the raw logits (`softmax.log_softmax`) if requested -> `apply_penalties` ->

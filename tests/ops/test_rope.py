@@ -51,7 +51,8 @@ def _hf(head_dim, params, max_pos):
     return inv.numpy(), float(attn), cos[0, :, :half].numpy(), sin[0, :, :half].numpy()
 
 
-@pytest.mark.parametrize("head_dim,params", ROPE_CONFIGS, ids=lambda v: v.get("rope_type") if isinstance(v, dict) else str(v))
+@pytest.mark.parametrize("head_dim,params", ROPE_CONFIGS,
+                         ids=[f"{p['rope_type']}-{i}" for i, (_, p) in enumerate(ROPE_CONFIGS)])
 def test_cos_sin_cache_matches_transformers(head_dim, params):
     max_pos = 8192
     inv_hf, attn_hf, cos_hf, sin_hf = _hf(head_dim, params, max_pos)
