@@ -22,7 +22,7 @@ per group of 4 elements for q6_K's 16-element scales), and, where the format has
 (the dequantised weight is  scale * q + c / 1  per element, so sum(w * x) = scale * dx * dot(q, qx) + c * s):
 
   q8_0  (34 B / 32):  f16 d, 32 x int8;                    w = d * q
-  q4_0  (18 B / 32):  f16 d, 16 B nibbles;                 w = d * (q - 8)      (-8 folded into the int dot)
+  q4_0  (18 B / 32):  f16 d, 16 B nibbles;                 w = d * (q - 8)      (-8 d rides on the block sums)
   q4_1  (20 B / 32):  f16 d, f16 m, 16 B nibbles;          w = d * q + m
         (for q4_0 / q4_1, byte j holds element j in its low nibble and element j + 16 in its high nibble)
   q4_K  (144 B / 256): f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles; per 64-element chunk j the
@@ -46,7 +46,8 @@ import numpy as np
 import jitkern as jk
 from jitkern.ops._hostargs import resolve_target, run
 
-__all__ = ["QTYPES", "QType", "quantize_q8", "matmul_q", "matmul_q8", "dequantize_rows", "row_bytes", "gemv_tiles"]
+__all__ = ["QTYPES", "QType", "Q8Activations", "LAYOUTS", "act_layout", "quantize_q8", "matmul_q", "matmul_q8",
+           "dequantize_rows", "row_bytes", "gemv_tiles"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,9 @@ def row_bytes(qtype, K: int) -> int:
 
 
 # --------------------------------------------------------------------------------- activation quantisation
-@jk.kernel
-def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr):
-    # program (row, chunk of BB 32-blocks); the last chunk of a row shifts back to end at the row's end
-    row = jk.program_id(1).to(jk.i64)
-    b0 = jk.minimum(jk.program_id(0) * BB, NBLK - BB).to(jk.i64)
-    blk = b0 + jk.arange(0, BB)
-    offs = row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]
-    v = jk.load(x + offs)
+@jk.jit
+def _q8_blocks(v):
+    """(q f32 integer values, d, d * sum(q)) of a (B, 32) f32 tile of 32-element blocks."""
     amax = jk.max(jk.abs(v), axis=1)
     d = amax / 127.0
     inv = jk.where(d > 0.0, 1.0 / jk.where(d > 0.0, d, 1.0), 0.0)
@@ -94,19 +90,73 @@ def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr):
     # leaves the integer nearest to t (ties to even) for |t| < 2^22; |t| <= 127 (+ a few ulp) here
     r = (t + 12582912.0) - 12582912.0
     r = jk.minimum(jk.maximum(r, -127.0), 127.0)
-    q = r.to(jk.i32)
-    jk.store(qx + offs, q.to(jk.i8))
+    return r, d, d * jk.sum(r, axis=1)
+
+
+@jk.kernel
+def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr, PAIRS: jk.constexpr):
+    # program (row, chunk of BB 32-blocks); the last chunk of a row shifts back to end at the row's end.
+    # PAIRS: the 'q4' layout, blocks 2j and 2j+1 stored as [2j lo 16, 2j+1 lo 16, 2j hi 16, 2j+1 hi 16]
+    # (chunks of BB = even blocks over the pairs; the last block of an odd count stays as it is, done by the
+    # first program of the row)
+    row = jk.program_id(1).to(jk.i64)
+    if PAIRS:
+        b0 = jk.minimum(jk.program_id(0) * BB, NBLK - NBLK % 2 - BB).to(jk.i64)
+    else:
+        b0 = jk.minimum(jk.program_id(0) * BB, NBLK - BB).to(jk.i64)
+    blk = b0 + jk.arange(0, BB)
+    r, d, s = _q8_blocks(jk.load(x + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]))
+    if PAIRS:
+        pair = b0 // 2 + jk.arange(0, BB // 2)
+        jk.store(qx + row * K + pair[:, None, None, None] * 64 + jk.arange(0, 2)[None, :, None, None] * 16
+                 + jk.arange(0, 2)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :],
+                 jk.reshape(r.to(jk.i32).to(jk.i8), (BB // 2, 2, 2, 16)))
+    else:
+        jk.store(qx + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :], r.to(jk.i32).to(jk.i8))
     jk.store(xd + row * NBLK + blk, d)
-    jk.store(xs + row * NBLK + blk, d * jk.sum(r, axis=1))
+    jk.store(xs + row * NBLK + blk, s)
+    if PAIRS:
+        if (jk.program_id(0) == 0) & (NBLK % 2 == 1):
+            last = (NBLK - 1).to(jk.i64) + jk.arange(0, 1)
+            offs = row * K + last[:, None] * 32 + jk.arange(0, 32)[None, :]
+            r1, d1, s1 = _q8_blocks(jk.load(x + offs))
+            jk.store(qx + offs, r1.to(jk.i32).to(jk.i8))
+            jk.store(xd + row * NBLK + last, d1)
+            jk.store(xs + row * NBLK + last, s1)
 
 
-def quantize_q8(x: np.ndarray, out=None, target=None):
+LAYOUTS = ("natural", "q4")
+
+
+def act_layout(qtype) -> str:
+    """The activation layout `matmul_q8` needs for weights of this type ('q4' for q4_0 / q4_1)."""
+    return "q4" if _qtype(qtype).name in ("q4_0", "q4_1") else "natural"
+
+
+class Q8Activations(tuple):
+    """(qx, scales, sums) as returned by `quantize_q8`, carrying the layout of qx in `.layout`:
+    'natural' (each 32-block's values in order) or 'q4' (blocks 2j and 2j+1 interleaved by 16-value halves,
+    [2j: 0-15, 2j+1: 0-15, 2j: 16-31, 2j+1: 16-31]; the last block of an odd count in order), which lets the
+    q4_0 / q4_1 kernels load the activations that pair with one vector of nibble bytes contiguously."""
+
+    layout = "natural"
+
+    def __new__(cls, qx, scales, sums, layout="natural"):
+        obj = super().__new__(cls, (qx, scales, sums))
+        obj.layout = layout
+        return obj
+
+
+def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural") -> Q8Activations:
     """Quantises float32 activations (M, K) or (K,) (K a multiple of 32) into 32-element int8 blocks.
 
     Returns (qx int8 [..., K], scales f32 [..., K/32], sums f32 [..., K/32]) with, per block,
     d = max|x| / 127, q = round_half_even(x * (1/d)) clipped to [-127, 127] (q = 0 where d = 0), and
-    sum = d * sum(q). `out` may give the three arrays to fill.
+    sum = d * sum(q); qx in `layout` ('natural', or 'q4' for q4_0 / q4_1 weights: see Q8Activations and
+    act_layout). `out` may give the three arrays to fill.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"quantize_q8: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     x = np.asarray(x)
     if x.dtype != np.float32:
         raise TypeError(f"quantize_q8: x must be float32, got {x.dtype}")
@@ -130,11 +180,14 @@ def quantize_q8(x: np.ndarray, out=None, target=None):
                 raise ValueError(f"quantize_q8: out {nm} must be a contiguous {np.dtype(dt)} array of shape {shp}, "
                                  f"got {a.dtype} {a.shape}")
     M = int(np.prod(lead)) if lead else 1
-    bb = 1
-    while bb * 2 <= min(nblk, 8):
+    pairs = layout == "q4" and nblk >= 2     # one block: both layouts are the same
+    span = nblk - nblk % 2 if pairs else nblk
+    bb = 2 if pairs else 1
+    while bb * 2 <= min(span, 8):
         bb *= 2
-    run(_quantize_q8_kernel, (-(-nblk // bb), M), (x, qx, xd, xs, K, nblk), target, BB=bb)
-    return qx, xd, xs
+    if M:
+        run(_quantize_q8_kernel, (-(-span // bb), M), (x, qx, xd, xs, K, nblk), target, BB=bb, PAIRS=pairs)
+    return Q8Activations(qx, xd, xs, layout)
 
 
 # ------------------------------------------------------------------------------------ weight block decoders
@@ -143,7 +196,8 @@ def quantize_q8(x: np.ndarray, out=None, target=None):
 #   q   (R, S, 32) u8 or i8  quantised values in element order,
 #   sc  (R, S, 1)  f32       weight scale of each sub-block (or (R, S, 8): of each group of 4 elements),
 #   c   (R, S)     f32       coefficient of the activation block sum (or None),
-#   OFF int                  a constant subtracted from every q (done exactly on the integer dot, or None).
+#   QOFF int                 for q4_0: w = sc * (q - QOFF), with -QOFF * sc already in c; dequantisation applies
+#                            it to q instead, reproducing ggml's rounding exactly (else None).
 @jk.jit
 def _nibbles(w, offs, R: jk.constexpr, C: jk.constexpr, N: jk.constexpr):
     """Bytes at offs[r, c] + (0..N) as (R, C, 1, N); low nibbles then high nibbles along axis 2."""
@@ -180,7 +234,8 @@ def _dec_q4_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     base = rows[:, None] * rb + blk[None, :] * 18
     q = _nibble_halves(w, base + 2, R, S)
     sc = jk.load((wh + rows[:, None] * (rb // 2) + blk[None, :] * 9)[:, :, None]).to(jk.f32)
-    return q, sc, None, 8
+    # sum(d (q - 8) x) = d * dot(q, x) - 8 d * sum(x): the -8 rides on the activation block sums
+    return q, sc, jk.reshape(sc, (R, S)) * -8.0, 8
 
 
 @jk.jit
@@ -260,33 +315,33 @@ def _dec_q6_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
 # ------------------------------------------------------------------------------------------- the product
 @jk.jit
 def _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.constexpr, BM: jk.constexpr,
-           R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr):
+           R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, XQ4: jk.constexpr):
     """One step over S 32-element sub-blocks (index st*S ...) of the BM x R tile: returns the updated
-    accumulators acc (BM, R, LANES) (scaled integer dots, per lane) and accc (BM, R, S) (block-sum terms)."""
-    q, sc, c, OFF = DEC(w, wh, rows, st, rb, R, S)
+    accumulators acc (BM, R, LANES) (scaled integer dots, per lane) and accc (BM, R, S) (block-sum terms).
+    XQ4: the activations are in the 'q4' layout (see Q8Activations)."""
+    q, sc, c, _ = DEC(w, wh, rows, st, rb, R, S)
     xbase = toks * K64 + st * (S * 32)
     srow = toks[:, None] * (K64 // 32) + st * S + jk.arange(0, S)[None, :]
     if len(q.shape) == 4:
         # 'halves' layout (R, 2, S, 16): the activations likewise, (BM, 2, S, 16)
-        xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
-                     + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
+        if XQ4 and S % 2 == 0:
+            # 'q4' activation layout: pairs of blocks stored as [lo, lo, hi, hi] (st * S is even here)
+            xv = jk.reshape(jk.load(xq + xbase[:, None, None, None, None] + jk.arange(0, 2)[None, :, None, None, None] * 32
+                                    + jk.arange(0, S // 2)[None, None, :, None, None] * 64
+                                    + jk.arange(0, 2)[None, None, None, :, None] * 16
+                                    + jk.arange(0, 16)[None, None, None, None, :]), (BM, 2, S, 16))
+        else:
+            xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
+                         + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
         p = jk.sum(jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
                            jk.broadcast_to(xv[:, None, :, :, :], (BM, R, 2, S, 16))), axis=2)
-        ones = jk.full((BM, 2, S, 16), 1, jk.u8)
         L = 4
     else:
         xv = jk.load(xq + xbase[:, None, None] + jk.arange(0, S)[None, :, None] * 32
                      + jk.arange(0, 32)[None, None, :])                            # (BM, S, 32) i8
         p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
                     jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))               # (BM, R, S, 8) i32
-        ones = jk.full((BM, S, 32), 1, jk.u8)
         L = 8
-    if OFF is not None:
-        # sum((q - OFF) * x) = dot(q, x) - OFF * sum(x), exactly, per group of 4
-        xsum = jk.dot4(ones, xv)
-        if len(q.shape) == 4:
-            xsum = jk.sum(xsum, axis=1)
-        p = p - jk.broadcast_to((xsum * OFF)[:, None, :, :], (BM, R, S, L))
     # weight scale x activation scale, one per block (sc (R, S, 1)) or per group of 4 (sc (R, S, 8)),
     # multiplied before broadcasting over the lanes
     dx = jk.load((xd + srow)[:, :, None])                                              # (BM, S, 1)
@@ -302,11 +357,11 @@ def _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.conste
 
 @jk.kernel
 def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, DEC: jk.constexpr, BM: jk.constexpr,
-                    R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, TL: jk.constexpr):
+                    R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, TL: jk.constexpr, XQ4: jk.constexpr):
     # y[m, n] for a tile of BM tokens x R weight rows; grid (N tiles, M tiles). NSTEP steps cover S 32-element
-    # sub-blocks each, the K // 32 - NSTEP * S sub-blocks left (32-element formats) one at a time; RB is the
-    # weight row length in bytes; LANES (TL) the f32 lanes of the main (tail) accumulator per (token, row);
-    # TL = 0: no tail loop (the K-quants step whole 256-element super-blocks).
+    # sub-blocks each; RB is the weight row length in bytes; LANES (TL) the f32 lanes of the main (tail)
+    # accumulator per (token, row). The sub-blocks left (32-element formats, TL > 0) run two at a time while
+    # pairs remain in the 'q4' activation layout (XQ4), then one at a time.
     n0 = jk.minimum(jk.program_id(0) * R, N - R)
     m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
     rows = (n0 + jk.arange(0, R)).to(jk.i64)
@@ -316,14 +371,25 @@ def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, DEC: jk.constexpr,
     acc = jk.zeros((BM, R, LANES), jk.f32)
     accc = jk.zeros((BM, R, S), jk.f32)
     for st in range(0, NSTEP):
-        acc, accc = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R, S, LANES)
+        acc, accc = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R, S, LANES,
+                           XQ4)
     res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
+    nb = K // 32
+    done = NSTEP * S
+    if XQ4 and S > 2:
+        acc2 = jk.zeros((BM, R, 2 * TL), jk.f32)
+        accc2 = jk.zeros((BM, R, 2), jk.f32)
+        for sp in range(done // 2, nb // 2):
+            acc2, accc2 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sp.to(jk.i64), acc2, accc2, DEC, BM, R, 2,
+                                 2 * TL, XQ4)
+        res = res + (jk.sum(acc2, axis=2) + jk.sum(accc2, axis=2))
+        done = jk.maximum(done, nb - nb % 2)
     if S > 1 and TL > 0:
         acc1 = jk.zeros((BM, R, TL), jk.f32)
         accc1 = jk.zeros((BM, R, 1), jk.f32)
-        for sb in range(NSTEP * S, K // 32):
+        for sb in range(done, nb):
             acc1, accc1 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sb.to(jk.i64), acc1, accc1, DEC, BM, R, 1,
-                                 TL)
+                                 TL, XQ4)
         res = res + (jk.sum(acc1, axis=2) + jk.sum(accc1, axis=2))
     jk.store(y + toks[:, None] * N + rows[None, :], res)
 
@@ -351,7 +417,9 @@ def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     if q.block_elems == 256:
         S, L = 8, 8
     elif q.name in ("q4_0", "q4_1"):
-        S, L = regs * vbytes // 16, 4   # one vector of nibble bytes holds the same half of vbytes/16 blocks
+        # one vector of nibble bytes holds the same half of vbytes/16 blocks; at least a pair of blocks per
+        # step, as the 'q4' activation layout interleaves pairs
+        S, L = max(2, regs * vbytes // 16), 4
     else:
         S, L = max(1, regs * vbytes // 32), 8
     while S > K // 32:
@@ -405,12 +473,15 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
         raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {x.shape}")
     if x.size == 0:
         sc = np.zeros(x.shape[:-1] + (int(K) // 32,), np.float32)
-        return matmul_q8((np.zeros(x.shape, np.int8), sc, sc), weight_raw, q, N, K, out=out, target=target)
-    return matmul_q8(quantize_q8(x, target=target), weight_raw, q, N, K, out=out, target=target)
+        xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q))
+        return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
+    return matmul_q8(quantize_q8(x, target=target, layout=act_layout(q)), weight_raw, q, N, K, out=out,
+                     target=target)
 
 
 def matmul_q8(xq: tuple, weight_raw: np.ndarray, qtype: str, N: int, K: int, out=None, target=None):
-    """matmul_q on activations already quantised by `quantize_q8`: xq = (qx, scales, sums)."""
+    """matmul_q on activations already quantised by `quantize_q8(x, layout=act_layout(qtype))`:
+    xq = (qx, scales, sums) (a plain tuple counts as the 'natural' layout)."""
     out, _ = _matmul_q8(xq, weight_raw, qtype, N, K, out, target)
     return out
 
@@ -420,6 +491,10 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     q = _qtype(qtype)
     N, K = int(N), int(K)
     w, wh = _weight_arg(weight_raw, q, N, K, f"matmul_q({q.name})")
+    layout = getattr(xq, "layout", "natural")
+    if layout != act_layout(q) and K // 32 >= 2:
+        raise ValueError(f"matmul_q8: {q.name} needs activations in the {act_layout(q)!r} layout, got {layout!r} "
+                         f"(quantize_q8(x, layout=act_layout({q.name!r})))")
     qx, xd, xs = xq
     if qx.ndim not in (1, 2) or qx.shape[-1] != K or qx.dtype != np.int8:
         raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {qx.shape}")
@@ -436,9 +511,10 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     if M == 0 or N == 0:
         return out, None
     BM, R, S, lanes = gemv_tiles(q, M, N, K, resolve_target(target))
+    xq4 = layout == "q4" and K // 32 >= 2
     ck = run(_qmatmul_kernel, (-(-N // R), -(-M // BM)),
              (w, wh, qx, xd, xs, out, M, N, K, K // (32 * S), row_bytes(q, K)),
-             target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes, TL=_tail_lanes(q))
+             target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes, TL=_tail_lanes(q), XQ4=xq4)
     return out, ck
 
 
@@ -451,14 +527,15 @@ def _dequant_rows_kernel(w, wh, idx, out, K, NSTEP, RB, DEC: jk.constexpr, S: jk
     orow = out + i * K.to(jk.i64) + jk.arange(0, S)[None, :, None] * 32 + jk.arange(0, 32)[None, None, :]
     for st0 in range(0, NSTEP):
         st = st0.to(jk.i64)
-        q, sc, c, OFF = DEC(w, wh, rows, st, RB.to(jk.i64), 1, S)
+        q, sc, c, QOFF = DEC(w, wh, rows, st, RB.to(jk.i64), 1, S)
         v = jk.reshape(q, (1, S, 32)).to(jk.f32)      # S == 1 for the 'halves' layout: element order
-        if OFF is not None:
-            v = v - OFF
         scale = jk.reshape(jk.broadcast_to(jk.broadcast_to(sc, (1, S, 8))[:, :, :, None], (1, S, 8, 4)), (1, S, 32))
-        val = v * scale
-        if c is not None:
-            val = val + c[:, :, None]
+        if QOFF is not None:
+            val = (v - QOFF) * scale
+        else:
+            val = v * scale
+            if c is not None:
+                val = val + c[:, :, None]
         jk.store(orow + st * (S * 32), val)
 
 

@@ -28,8 +28,9 @@ QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K"]
 _GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
          "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_K": gguf.GGMLQuantizationType.Q4_K,
          "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K}
-# two K per type: an even number of blocks (several blocks per step) and an odd one (one block per step)
-KS = {"q8_0": (128, 160), "q4_0": (128, 160), "q4_1": (64, 160), "q4_K": (256, 768), "q5_K": (256, 768),
+# two K per type: a whole number of steps, and a remainder (odd block counts: the one-block tail; for q4_0 /
+# q4_1, 11 blocks also leave a pair for the two-block tail after 8-block (AVX-512) or 4-block (AVX2) steps)
+KS = {"q8_0": (128, 160), "q4_0": (128, 352), "q4_1": (64, 352), "q4_K": (256, 768), "q5_K": (256, 768),
       "q6_K": (256, 768)}
 
 
@@ -143,6 +144,34 @@ def test_matmul_q_out_and_small_n(tier):
     np.testing.assert_allclose(out, dequant_acts(qx, xd) @ wd.T.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
+def test_quantize_q8_q4_layout(tier):
+    # 'q4' layout: blocks 2j, 2j+1 stored as [2j lo16, 2j+1 lo16, 2j hi16, 2j+1 hi16], an odd last block as is
+    rng = np.random.default_rng(4)
+    for M, K in ((1, 32), (3, 64), (2, 160), (5, 576)):
+        x = rng.standard_normal((M, K)).astype(np.float32) * 3
+        got = Q.quantize_q8(x, layout="q4", target=tier)
+        assert got.layout == "q4"
+        rq, rd, rs = ref_quantize_q8(x)
+        nb = K // 32
+        want = rq.reshape(M, nb, 2, 16).copy()
+        npair = nb // 2
+        if npair:
+            p = want[:, :2 * npair].reshape(M, npair, 2, 2, 16)        # (pair, block in pair, half, 16)
+            want[:, :2 * npair] = p.transpose(0, 1, 3, 2, 4).reshape(M, 2 * npair, 2, 16)
+        np.testing.assert_array_equal(got[0], want.reshape(M, K))
+        np.testing.assert_array_equal(got[1], rd)
+        np.testing.assert_array_equal(got[2], rs)
+
+
+def test_layout_mismatch_is_an_error():
+    raw = np.zeros(18 * 2 * 2, np.uint8)
+    xq = Q.quantize_q8(np.ones(64, np.float32))                   # natural layout
+    with pytest.raises(ValueError, match="'q4' layout"):
+        Q.matmul_q8(xq, raw, "q4_0", 2, 64)
+    with pytest.raises(ValueError, match="layout 'x4'"):
+        Q.quantize_q8(np.ones(64, np.float32), layout="x4")
+
+
 def test_prequantized_and_empty(tier):
     rng = np.random.default_rng(10)
     raw, wd = make_weight("q8_0", 9, 96, rng)
@@ -150,6 +179,10 @@ def test_prequantized_and_empty(tier):
     xq = Q.quantize_q8(x, target=tier)
     np.testing.assert_array_equal(Q.matmul_q8(xq, raw, "q8_0", 9, 96, target=tier),
                                   Q.matmul_q(x, raw, "q8_0", 9, 96, target=tier))
+    raw4, _ = make_weight("q4_1", 9, 96, rng)
+    xq4 = Q.quantize_q8(x, layout=Q.act_layout("q4_1"), target=tier)
+    np.testing.assert_array_equal(Q.matmul_q8(xq4, raw4, "q4_1", 9, 96, target=tier),
+                                  Q.matmul_q(x, raw4, "q4_1", 9, 96, target=tier))
     assert Q.matmul_q(np.zeros((0, 96), np.float32), raw, "q8_0", 9, 96, target=tier).shape == (0, 9)
 
 
