@@ -5,9 +5,11 @@
     -> repetition / presence / frequency penalties
     -> greedy (temperature 0)  |  temperature -> top-k -> top-p -> min-p -> sample
 
-Seeded requests draw from their own generator (`Request.rng()`), so the same seed gives the same tokens
-whatever else is in the batch. Full-vocabulary work on the batch (argmax, log-softmax, top-k) runs as
-jitkern kernels; the per-request masking and the draw over the few surviving candidates are numpy glue.
+Seeded requests draw their uniform from their own generator (`Request.rng()`), so the same seed gives the
+same tokens whatever else is in the batch. The full-vocabulary work runs as jitkern kernels (argmax,
+log-softmax, penalties, temperature, top-k selection, inverse-CDF sampling); the sparse per-request edits
+(logit_bias, allowed ids, bad words, min_tokens) and top-p/min-p over the <= k surviving candidates are
+numpy glue. Top-p without top-k (or top-k > 1024) sorts the row on the host.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class SampleResult:
     prompt_logprobs: Optional[list] = None  # [(token id, logprob, rank, top), ...] for this chunk's prompt tokens
 
 
+_TOPK_KERNEL_MAX = 1024      # top-k beyond this falls back to a host sort
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, tokenizer=None):
         self.vocab = vocab_size
@@ -38,40 +43,121 @@ class Sampler:
         logits = result.logits
         out: dict = {}
         by_id = {s.req_id: s for s in sched.scheduled}
-        if not result.sample_rows and not result.prompt_rows:
-            return out
-        # greedy rows without any processor: one argmax kernel over them all
-        plain, others = [], []
-        for rid, row in result.sample_rows.items():
-            req = by_id[rid].request
-            p = req.sampling_params
-            if p.temperature == 0 and not self._has_processors(req) and p.logprobs is None:
-                plain.append((rid, row))
-            else:
-                others.append((rid, row))
-        if plain:
+        if result.sample_rows:
             from jitkern.ops.sampling import argmax_rows
-            rows = np.array([r for _, r in plain], np.int64)
-            sub = logits if len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows))) \
-                else np.ascontiguousarray(logits[rows])
-            ids = argmax_rows(sub)
-            for (rid, _), t in zip(plain, ids):
-                out[rid] = SampleResult(int(t))
-        need_lp = [rid for rid, _ in others if by_id[rid].request.sampling_params.logprobs is not None]
-        lp_rows = {}
-        if need_lp:
-            from jitkern.ops.softmax import log_softmax
-            rows = np.array([result.sample_rows[r] for r in need_lp], np.int64)
-            lps = log_softmax(np.ascontiguousarray(logits[rows]))
-            lp_rows = {r: lps[i] for i, r in enumerate(need_lp)}
-        for rid, row in others:
-            req = by_id[rid].request
-            out[rid] = self._sample_one(req, logits[row], lp_rows.get(rid))
+            rids = list(result.sample_rows)
+            reqs = [by_id[r].request for r in rids]
+            rows = np.array([result.sample_rows[r] for r in rids], np.int64)
+            # raw logprobs (vLLM's default logprobs mode) before any processing
+            lp_rows = {}
+            want_lp = [i for i, q in enumerate(reqs) if q.sampling_params.logprobs is not None]
+            if want_lp:
+                from jitkern.ops.softmax import log_softmax
+                lps = log_softmax(np.ascontiguousarray(logits[rows[want_lp]]))
+                lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
+            plain = [i for i, q in enumerate(reqs) if not self._has_processors(q)]
+            if len(plain) == len(reqs) and np.array_equal(rows, np.arange(logits.shape[0])):
+                x = logits                                   # nothing edits the logits: no copy
+            else:
+                x = np.ascontiguousarray(logits[rows])
+            self._process_batch(reqs, x)
+            greedy = [i for i, q in enumerate(reqs) if q.sampling_params.temperature == 0]
+            toks = np.empty(len(reqs), np.int64)
+            if greedy:
+                sub = x if len(greedy) == len(reqs) else np.ascontiguousarray(x[greedy])
+                toks[greedy] = argmax_rows(sub)
+            sampled = [i for i in range(len(reqs)) if reqs[i].sampling_params.temperature != 0]
+            if sampled:
+                toks[sampled] = self._draw(reqs, x, sampled)
+            for i, rid in enumerate(rids):
+                res = SampleResult(int(toks[i]))
+                if i in lp_rows:
+                    self._fill_logprobs(res, reqs[i].sampling_params, lp_rows[i])
+                out[rid] = res
         for rid, (r0, n, start) in result.prompt_rows.items():
             # a prompt chunk that does not end the prompt samples nothing: token_id -1 carries only logprobs
             res = out.setdefault(rid, SampleResult(-1))
             res.prompt_logprobs = self._prompt_logprobs(by_id[rid].request, logits[r0:r0 + n], start)
         return out
+
+    # ------------------------------------------------------------------------------ batch processing
+    def _process_batch(self, reqs, x: np.ndarray) -> None:
+        """Logit processors (sparse per-request edits on the host), then the penalties kernel."""
+        pen = []
+        for i, req in enumerate(reqs):
+            if not self._has_processors(req):
+                continue
+            self._sparse_processors(req, x[i])
+            p = req.sampling_params
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                pen.append(i)
+        if pen:
+            from jitkern.ops.sampling import apply_penalties, penalty_tables
+            ids, counts = penalty_tables([reqs[i].prompt_token_ids for i in pen],
+                                         [reqs[i].output_token_ids for i in pen])
+            sub = np.ascontiguousarray(x[pen])
+            f32 = lambda v: np.array(v, np.float32)  # noqa: E731
+            apply_penalties(sub, ids, counts, f32([reqs[i].sampling_params.repetition_penalty for i in pen]),
+                            f32([reqs[i].sampling_params.presence_penalty for i in pen]),
+                            f32([reqs[i].sampling_params.frequency_penalty for i in pen]))
+            x[pen] = sub
+
+    def _draw(self, reqs, x: np.ndarray, idx: list) -> np.ndarray:
+        """temperature -> top-k -> top-p -> min-p -> inverse-CDF draw with each request's own uniform."""
+        from jitkern.ops.sampling import apply_temperature, sample_from_logits, topk_rows
+        sub = np.ascontiguousarray(x[idx])
+        apply_temperature(sub, np.array([reqs[i].sampling_params.temperature for i in idx], np.float32))
+        u = np.array([(reqs[i].rng() or self.rng).random() for i in idx], np.float64)
+        toks = np.empty(len(idx), np.int64)
+        full = [j for j, i in enumerate(idx) if not self._truncates(reqs[i].sampling_params)]
+        if full:
+            s = sub if len(full) == len(idx) else np.ascontiguousarray(sub[full])
+            toks[full] = sample_from_logits(s, u[full].astype(np.float32))
+        for j, i in enumerate(idx):
+            p = reqs[i].sampling_params
+            if not self._truncates(p):
+                continue
+            k = p.top_k if p.top_k and p.top_k > 0 else 0
+            if k and k <= _TOPK_KERNEL_MAX:
+                vals, ids = topk_rows(sub[j:j + 1], min(k, self.vocab))
+                vals, ids = vals[0].astype(np.float64), ids[0].astype(np.int64)
+            else:
+                # top-p / min-p over the whole vocabulary needs the full order: an O(V log V) host sort
+                ids = np.argsort(-sub[j], kind="stable")
+                vals = sub[j][ids].astype(np.float64)
+                if k:
+                    ids, vals = ids[:k], vals[:k]
+            keep = np.isfinite(vals) & (ids >= 0)
+            ids, vals = ids[keep], vals[keep]
+            if ids.size == 0:
+                toks[j] = int(np.argmax(sub[j]))
+                continue
+            probs = np.exp(vals - vals[0])
+            probs /= probs.sum()
+            if p.top_p < 1.0:
+                cut = int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1
+                ids, probs = ids[:cut], probs[:cut] / probs[:cut].sum()
+            if p.min_p > 0.0:
+                keep = probs >= p.min_p * probs[0]
+                ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+            c = int(np.searchsorted(np.cumsum(probs), u[j], side="right"))
+            toks[j] = int(ids[min(c, len(ids) - 1)])
+        return toks
+
+    @staticmethod
+    def _truncates(p) -> bool:
+        return bool((p.top_k and p.top_k > 0) or p.top_p < 1.0 or p.min_p > 0.0)
+
+    def _fill_logprobs(self, res: SampleResult, p, lp_row) -> None:
+        lp = lp_row.astype(np.float64)
+        tok = res.token_id
+        res.logprob = float(lp[tok])
+        res.rank = int(np.count_nonzero(lp > lp[tok])) + 1
+        n = self.vocab if p.logprobs == -1 else p.logprobs
+        if n:
+            top = np.argpartition(-lp, min(n, self.vocab) - 1)[:n] if n < self.vocab else np.arange(self.vocab)
+            top = top[np.argsort(-lp[top], kind="stable")]
+            res.top_logprobs = tuple((int(t), float(lp[t]), r + 1) for r, t in enumerate(top))
 
     # ----------------------------------------------------------------------------------- one row
     @staticmethod
@@ -94,18 +180,18 @@ class Sampler:
             self._bad_words_cache[key] = ids
         return self._bad_words_cache[key]
 
-    def _process(self, req, logits: np.ndarray) -> np.ndarray:
+    def _sparse_processors(self, req, x: np.ndarray) -> None:
+        """logit_bias, allowed_token_ids, bad_words, min_tokens: a few entries per request, in place."""
         p = req.sampling_params
-        x = logits.astype(np.float64, copy=True)
         out_ids = req.output_token_ids
         if p.logit_bias:
             for t, bval in p.logit_bias.items():
                 x[int(t)] += bval
         if p.allowed_token_ids:
-            keep = np.full(self.vocab, -np.inf)
-            idx = np.asarray(list(p.allowed_token_ids), np.int64)
-            keep[idx] = x[idx]
-            x = keep
+            keep = np.asarray(list(p.allowed_token_ids), np.int64)
+            saved = x[keep].copy()
+            x[:] = -np.inf
+            x[keep] = saved
         if p.bad_words:
             for seq in self._bad_word_ids(p.bad_words):
                 prefix = seq[:-1]
@@ -118,59 +204,6 @@ class Sampler:
             for t in ban:
                 if 0 <= t < self.vocab:
                     x[t] = -np.inf
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            if p.repetition_penalty != 1.0:
-                seen = np.unique(np.asarray(list(req.prompt_token_ids) + list(out_ids), np.int64))
-                v = x[seen]
-                x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-            if out_ids and (p.presence_penalty or p.frequency_penalty):
-                ids, counts = np.unique(np.asarray(out_ids, np.int64), return_counts=True)
-                x[ids] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        return x
-
-    def _sample_one(self, req, raw: np.ndarray, lp_row) -> SampleResult:
-        p = req.sampling_params
-        x = self._process(req, raw)
-        if p.temperature == 0:
-            tok = int(np.argmax(x))
-        else:
-            x = x / p.temperature
-            k = p.top_k if p.top_k and p.top_k > 0 else 0
-            if k and k < self.vocab:
-                cand = np.argpartition(-x, k - 1)[:k]
-            else:
-                cand = np.arange(self.vocab)
-            cand = cand[np.isfinite(x[cand])]
-            if cand.size == 0:
-                cand = np.array([int(np.argmax(raw))])
-            order = cand[np.argsort(-x[cand], kind="stable")]
-            v = x[order]
-            probs = np.exp(v - v[0])
-            probs /= probs.sum()
-            if p.top_p < 1.0:
-                cum = np.cumsum(probs)
-                cut = int(np.searchsorted(cum, p.top_p, side="left")) + 1
-                order, probs = order[:cut], probs[:cut]
-                probs = probs / probs.sum()
-            if p.min_p > 0.0:
-                keep = probs >= p.min_p * probs[0]
-                order, probs = order[keep], probs[keep]
-                probs = probs / probs.sum()
-            rng = req.rng() or self.rng
-            u = rng.random()
-            i = int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))
-            tok = int(order[min(i, len(order) - 1)])
-        res = SampleResult(tok)
-        if p.logprobs is not None and lp_row is not None:
-            lp = lp_row.astype(np.float64)
-            res.logprob = float(lp[tok])
-            res.rank = int(np.count_nonzero(lp > lp[tok])) + 1
-            n = self.vocab if p.logprobs == -1 else p.logprobs
-            if n:
-                top = np.argpartition(-lp, min(n, self.vocab) - 1)[:n] if n < self.vocab else np.arange(self.vocab)
-                top = top[np.argsort(-lp[top], kind="stable")]
-                res.top_logprobs = tuple((int(t), float(lp[t]), r + 1) for r, t in enumerate(top))
-        return res
 
     def _prompt_logprobs(self, req, rows: np.ndarray, start: int) -> list:
         """Logprobs of the prompt tokens at positions start+1 .. predicted by these rows."""

@@ -50,11 +50,11 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
 
 
 def test_n_sequences(llm):
-    out = llm.generate([P1], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, detokenize=False))[0]
+    out = llm.generate([P1], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, detokenize=False))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     seqs = [tuple(o.token_ids) for o in out.outputs]
     assert all(len(s) == 12 for s in seqs) and len(set(seqs)) > 1
-    out2 = llm.generate([P1], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, detokenize=False))[0]
+    out2 = llm.generate([P1], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, detokenize=False))[0]
     assert [tuple(o.token_ids) for o in out2.outputs] == seqs
 
 
