@@ -356,42 +356,45 @@ def _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.conste
 
 
 @jk.kernel
-def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, DEC: jk.constexpr, BM: jk.constexpr,
+def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, RS, DEC: jk.constexpr, BM: jk.constexpr,
                     R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, TL: jk.constexpr, XQ4: jk.constexpr):
-    # y[m, n] for a tile of BM tokens x R weight rows; grid (N tiles, M tiles). NSTEP steps cover S 32-element
-    # sub-blocks each; RB is the weight row length in bytes; LANES (TL) the f32 lanes of the main (tail)
-    # accumulator per (token, row). The sub-blocks left (32-element formats, TL > 0) run two at a time while
-    # pairs remain in the 'q4' activation layout (XQ4), then one at a time.
-    n0 = jk.minimum(jk.program_id(0) * R, N - R)
+    # y[m, n] for BM tokens x RS * R weight rows: RS tiles of R rows one after the other (so a GEMV program
+    # with R = 1 still reads one monotonic stream, and its fixed costs are shared by RS rows); grid (N tiles,
+    # M tiles). NSTEP steps cover S 32-element sub-blocks each; RB is the weight row length in bytes; LANES
+    # (TL) the f32 lanes of the main (tail) accumulator per (token, row). The sub-blocks left (32-element
+    # formats, TL > 0) run two at a time while pairs remain in the 'q4' activation layout (XQ4), then one at
+    # a time.
+    n0 = jk.minimum(jk.program_id(0) * (RS * R), N - RS * R)
     m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
-    rows = (n0 + jk.arange(0, R)).to(jk.i64)
     toks = (m0 + jk.arange(0, BM)).to(jk.i64)
     K64 = K.to(jk.i64)
     rb = RB.to(jk.i64)
-    acc = jk.zeros((BM, R, LANES), jk.f32)
-    accc = jk.zeros((BM, R, S), jk.f32)
-    for st in range(0, NSTEP):
-        acc, accc = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R, S, LANES,
-                           XQ4)
-    res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
     nb = K // 32
-    done = NSTEP * S
-    if XQ4 and S > 2:
-        acc2 = jk.zeros((BM, R, 2 * TL), jk.f32)
-        accc2 = jk.zeros((BM, R, 2), jk.f32)
-        for sp in range(done // 2, nb // 2):
-            acc2, accc2 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sp.to(jk.i64), acc2, accc2, DEC, BM, R, 2,
-                                 2 * TL, XQ4)
-        res = res + (jk.sum(acc2, axis=2) + jk.sum(accc2, axis=2))
-        done = jk.maximum(done, nb - nb % 2)
-    if S > 1 and TL > 0:
-        acc1 = jk.zeros((BM, R, TL), jk.f32)
-        accc1 = jk.zeros((BM, R, 1), jk.f32)
-        for sb in range(done, nb):
-            acc1, accc1 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sb.to(jk.i64), acc1, accc1, DEC, BM, R, 1,
-                                 TL, XQ4)
-        res = res + (jk.sum(acc1, axis=2) + jk.sum(accc1, axis=2))
-    jk.store(y + toks[:, None] * N + rows[None, :], res)
+    for rt in range(0, RS):
+        rows = (n0 + rt * R + jk.arange(0, R)).to(jk.i64)
+        acc = jk.zeros((BM, R, LANES), jk.f32)
+        accc = jk.zeros((BM, R, S), jk.f32)
+        for st in range(0, NSTEP):
+            acc, accc = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R, S,
+                               LANES, XQ4)
+        res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
+        done = NSTEP * S
+        if XQ4 and S > 2:
+            acc2 = jk.zeros((BM, R, 2 * TL), jk.f32)
+            accc2 = jk.zeros((BM, R, 2), jk.f32)
+            for sp in range(done // 2, nb // 2):
+                acc2, accc2 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sp.to(jk.i64), acc2, accc2, DEC, BM, R,
+                                     2, 2 * TL, XQ4)
+            res = res + (jk.sum(acc2, axis=2) + jk.sum(accc2, axis=2))
+            done = jk.maximum(done, nb - nb % 2)
+        if S > 1 and TL > 0:
+            acc1 = jk.zeros((BM, R, TL), jk.f32)
+            accc1 = jk.zeros((BM, R, 1), jk.f32)
+            for sb in range(done, nb):
+                acc1, accc1 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sb.to(jk.i64), acc1, accc1, DEC, BM, R,
+                                     1, TL, XQ4)
+            res = res + (jk.sum(acc1, axis=2) + jk.sum(accc1, axis=2))
+        jk.store(y + toks[:, None] * N + rows[None, :], res)
 
 
 _DECODERS = {"q8_0": _dec_q8_0, "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q4_K": _dec_q4_K, "q5_K": _dec_q5_K,
@@ -441,6 +444,15 @@ def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     else:
         BM, R = 2, 2
     return _pow2_le(M, BM), _pow2_le(N, R), S, lanes
+
+
+def _seq_tiles(M: int, N: int, R: int) -> int:
+    """Row tiles one program runs one after the other: GEMV programs take 8 rows (a program's fixed costs,
+    the program-id divisions and the final horizontal sums, are then small next to short rows' work);
+    GEMM programs one tile (they are long anyway)."""
+    if M > 1:
+        return 1
+    return max(1, min(8, N // R))
 
 
 def _tail_lanes(q: QType) -> int:
@@ -512,8 +524,9 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
         return out, None
     BM, R, S, lanes = gemv_tiles(q, M, N, K, resolve_target(target))
     xq4 = layout == "q4" and K // 32 >= 2
-    ck = run(_qmatmul_kernel, (-(-N // R), -(-M // BM)),
-             (w, wh, qx, xd, xs, out, M, N, K, K // (32 * S), row_bytes(q, K)),
+    rs = _seq_tiles(M, N, R)
+    ck = run(_qmatmul_kernel, (-(-N // (rs * R)), -(-M // BM)),
+             (w, wh, qx, xd, xs, out, M, N, K, K // (32 * S), row_bytes(q, K), rs),
              target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes, TL=_tail_lanes(q), XQ4=xq4)
     return out, ck
 
