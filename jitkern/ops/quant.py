@@ -1,29 +1,38 @@
 """GGUF quantised matrix products: y[M, N] = x[M, K] @ W[N, K]^T with W in raw GGUF block bytes.
 
-LLM decode on a CPU is a bandwidth-bound GEMV over the weights, so the kernels here follow ggml's plan:
+API: `matmul_q(x, weight_raw, qtype, N, K)`; `quantize_q8(x, layout=act_layout(qtype))` once + `matmul_q8(xq, ...)`
+per weight when several weights share an input; `dequantize_rows(raw, qtype, rows_idx, K)` (embedding lookup);
+`row_bytes`, `QTYPES`. qtypes: q8_0 q4_0 q4_1 q4_K q5_K q6_K.
+
+LLM decode on a CPU is a bandwidth-bound GEMV over the weights, so the kernels follow ggml's plan:
 
 1. The activations are quantised once per row (`quantize_q8`): blocks of 32 int8 values with an f32 scale
-   d = max|x| / 127 and the f32 block sum s = d * sum(q) (the term the weight formats with a min/offset
-   need). One format serves every weight type; the K-quants (256-element super-blocks) use 8 of these
-   32-blocks per super-block, which is at least as precise as ggml's Q8_K (one scale per 256).
-2. Per weight block, the integer dot products run on `jk.dot4` (pmaddubsw + pmaddwd on x86: unsigned 4/5/6-bit
-   weights times signed int8 activations directly; Q8_0 / Q6_K weights are signed and use the sign trick).
-   dot4 leaves 8 partial sums per 32-block (one per group of 4) in vector lanes; they are converted to f32 and
-   FMA'd with the combined scale (weight scale * activation scale, broadcast over the lanes) into an f32
-   accumulator tile, which is reduced horizontally only once, at the end of the row.
-3. A program owns a tile of BM tokens x R weight rows (`_tiles`): every weight block it loads is used for BM
-   activation rows (prefill: the weights are read M/BM times instead of M times) and every activation block
-   for R weight rows.
+   d = max|x| / 127 and the f32 block sum s = d * sum(q) (what the formats with a min/offset need). One
+   format serves every weight type; the K-quants (256-element super-blocks) use 8 of these 32-blocks per
+   super-block, at least as precise as ggml's Q8_K (one scale per 256). For q4_0 / q4_1 weights the values
+   are stored in the 'q4' layout (pairs of blocks interleaved by 16-value halves, see Q8Activations).
+2. Per weight block the integer dot products run on `jk.dot4` (pmaddubsw + pmaddwd on x86: unsigned 4/5/6-bit
+   weights times signed int8 activations directly; q8_0 / q6_K weights are signed: the sign trick). dot4
+   leaves the partial sums of each group of 4 in vector lanes; they are converted to f32 and FMA'd with the
+   block's combined scale (weight scale * activation scale, broadcast over its lanes) into an f32 accumulator,
+   reduced horizontally once per row. Min/offset terms (q4_1's m, the K-quants' dmin * m, q4_0's -8 d) are
+   FMA'd with the activation block sums.
+3. GEMV (M = 1): a program runs 8 weight rows one after the other, each over its whole K with two vector
+   registers' worth of blocks per step. Rows are not interleaved: each thread then reads one monotonic
+   stream, which the hardware prefetchers follow (R rows in lockstep measured 3-5x less DRAM bandwidth).
+   GEMM (M > 1, prefill): a program owns a tile of BM tokens x R rows, so every weight block loaded serves BM
+   tokens (the weights are read M/BM times, not M times) and every activation block R rows (`gemv_tiles`).
 
 Weight layout (ggml-common.h; rows are K/block_elems consecutive blocks, row r of an (N, K) tensor starts at
-byte r * row_bytes). Every block is decoded in the kernel into an (R, S, 32) tile of small integers in
-natural element order (S = 32-element sub-blocks per step), a matching tile of f32 scales (per sub-block, or
-per group of 4 elements for q6_K's 16-element scales), and, where the format has one, an (R, S) f32 coefficient `c` of the activation block sum
-(the dequantised weight is  scale * q + c / 1  per element, so sum(w * x) = scale * dx * dot(q, qx) + c * s):
+byte r * row_bytes). A decoder turns a step's blocks into small integers q (natural element order, or for
+q4_0 / q4_1 the 'halves' order (R, 2, S, 16): one vector holds the same 16-value half of several blocks, so
+one and / one shift + and unpacks the nibbles of two blocks on AVX2), f32 scales per block (per group of 4
+for q6_K's 16-element scales) and, where the format has one, the coefficient c of the activation block sum
+(sum_k w x = sum_blocks scale * dx * dot(q, qx) + c * s):
 
   q8_0  (34 B / 32):  f16 d, 32 x int8;                    w = d * q
-  q4_0  (18 B / 32):  f16 d, 16 B nibbles;                 w = d * (q - 8)      (-8 d rides on the block sums)
-  q4_1  (20 B / 32):  f16 d, f16 m, 16 B nibbles;          w = d * q + m
+  q4_0  (18 B / 32):  f16 d, 16 B nibbles;                 w = d * (q - 8)      c = -8 d
+  q4_1  (20 B / 32):  f16 d, f16 m, 16 B nibbles;          w = d * q + m        c = m
         (for q4_0 / q4_1, byte j holds element j in its low nibble and element j + 16 in its high nibble)
   q4_K  (144 B / 256): f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles; per 64-element chunk j the
         low nibbles of bytes [32j, 32j+32) are sub-block 2j, the high nibbles sub-block 2j+1;
@@ -33,9 +42,11 @@ per group of 4 elements for q6_K's 16-element scales), and, where the format has
   q6_K  (210 B / 256): 128 B low nibbles ql, 64 B high 2-bit pairs qh, 16 x int8 scales, f16 d;
         element e of half h (128 elements): low 4 bits from ql[64h + e % 64] >> 4*(e // 64), high 2 bits
         from qh[32h + e % 32] >> 2*(e // 32); w = d * scale[e // 16] * (q - 32)
+(all checked against gguf.quants.dequantize in tests/ops/test_quant.py; dequantize_rows is bit-exact)
 
 Edges without masks in the hot loops: the last tile of weight rows (tokens) is shifted back to end at N (M),
-overlapping its neighbour, which recomputes and rewrites identical values; so tiles never exceed N (M).
+overlapping its neighbour, which recomputes and rewrites identical values; so tiles never exceed N (M). K
+steps that do not divide the block count leave a remainder run by short tail loops.
 """
 from __future__ import annotations
 
@@ -326,10 +337,10 @@ def _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.conste
         # 'halves' layout (R, 2, S, 16): the activations likewise, (BM, 2, S, 16)
         if XQ4 and S % 2 == 0:
             # 'q4' activation layout: pairs of blocks stored as [lo, lo, hi, hi] (st * S is even here)
-            xv = jk.reshape(jk.load(xq + xbase[:, None, None, None, None] + jk.arange(0, 2)[None, :, None, None, None] * 32
-                                    + jk.arange(0, S // 2)[None, None, :, None, None] * 64
-                                    + jk.arange(0, 2)[None, None, None, :, None] * 16
-                                    + jk.arange(0, 16)[None, None, None, None, :]), (BM, 2, S, 16))
+            offs = (xbase[:, None, None, None, None] + jk.arange(0, 2)[None, :, None, None, None] * 32
+                    + jk.arange(0, S // 2)[None, None, :, None, None] * 64
+                    + jk.arange(0, 2)[None, None, None, :, None] * 16 + jk.arange(0, 16)[None, None, None, None, :])
+            xv = jk.reshape(jk.load(xq + offs), (BM, 2, S, 16))
         else:
             xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
                          + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
