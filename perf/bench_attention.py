@@ -35,6 +35,8 @@ def parse_args():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-prefetch", action="store_true", help="disable the software prefetch of the next block")
     ap.add_argument("--hot", action="store_true", help="reuse one layer's blocks (K/V stay in the CPU caches)")
+    ap.add_argument("--partitions", default="auto",
+                    help="decode context partitions: auto (choose_partitions), or a comma list to compare")
     ap.add_argument("--cache-blocks", type=int, default=16384,
                     help="blocks in the shared K/V caches (16384 = 2 x 192 MiB at f32)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
@@ -95,7 +97,8 @@ def kv_caches(dtype, num_blocks: int):
     return _caches[key]
 
 
-def bench_decode(batch: int, ctx: int, dtype, reps: int, prefetch: bool, hot: bool, num_blocks: int) -> dict:
+def bench_decode(batch: int, ctx: int, dtype, reps: int, prefetch: bool, hot: bool, num_blocks: int,
+                 parts: int | None) -> dict:
     """Times paged_attention calls; each call reads another 'layer' (disjoint random blocks of one big
     cache, >= 8x the L3 cache in all) unless hot, so the K/V stream comes from DRAM as in a real step."""
     k_cache, v_cache = kv_caches(dtype, num_blocks)
@@ -108,7 +111,7 @@ def bench_decode(batch: int, ctx: int, dtype, reps: int, prefetch: bool, hot: bo
     query_start = np.arange(batch + 1, dtype=np.int32)
     q = rng.standard_normal((batch, H, D)).astype(np.float32)
     out = np.empty_like(q)
-    parts = A.choose_partitions(batch, ctx, BS)
+    parts = A.choose_partitions(batch, ctx, BS) if parts is None else parts
     ws: dict = {}
     layer = [0]
 
@@ -131,13 +134,15 @@ def main():
     target = runtime_target()
     bw = read_bandwidth()
     rows = []
+    parts_list = [None] if args.partitions == "auto" else [int(x) for x in args.partitions.split(",")]
     for dt in args.dtypes.split(","):
         dtype = {"f32": np.float32, "f16": np.float16}[dt]
         for b in (int(x) for x in args.batches.split(",")):
             for c in (int(x) for x in args.contexts.split(",")):
-                r = bench_decode(b, c, dtype, args.reps, not args.no_prefetch, args.hot, args.cache_blocks)
-                r["pct_of_bw"] = 100 * r["kv_gb_per_s"] / bw
-                rows.append(r)
+                for p in parts_list:
+                    r = bench_decode(b, c, dtype, args.reps, not args.no_prefetch, args.hot, args.cache_blocks, p)
+                    r["pct_of_bw"] = 100 * r["kv_gb_per_s"] / bw
+                    rows.append(r)
     if args.json:
         for r in rows:
             print(json.dumps({**r, "tier": target.name, "threads": args.threads, "read_bw_gb_per_s": bw}))

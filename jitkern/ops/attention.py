@@ -372,12 +372,14 @@ def _threads() -> int:
 
 
 def choose_partitions(num_seqs: int, max_seq_len: int, block_size: int, threads: int | None = None) -> int:
-    """Context partitions for decode (flash-decoding): enough programs to keep every thread busy, but at
-    least 8 blocks (128 tokens at block size 16) per partition so that the merge stays cheap."""
+    """Context partitions for decode (flash-decoding): split only while there are fewer programs than
+    threads (the pool splits a grid statically, so more programs than threads buys nothing for equal-length
+    sequences) and each partition keeps at least 8 blocks (128 tokens at block size 16); the split costs a
+    second launch (the merge) plus the partial-state traffic."""
     threads = _threads() if threads is None else threads
     blocks = -(-max(max_seq_len, 1) // block_size)
     p = 1
-    while p < _MAX_PARTITIONS and num_seqs * p < 4 * threads and blocks // (2 * p) >= 8:
+    while p < _MAX_PARTITIONS and num_seqs * p < threads and blocks // (2 * p) >= 8:
         p *= 2
     return p
 
