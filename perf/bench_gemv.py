@@ -118,6 +118,28 @@ class Bandwidth:
         return 2 * self.x.nbytes / timeit(lambda: np.copyto(y, self.x), reps, min_batch_s=0.0) / 1e9
 
 
+@jk.kernel
+def _spin(x, out, n):
+    # a pure-compute program (a dependent FMA chain): how many of them run at once shows how many cores
+    # the pool really gets on a shared host
+    acc = jk.load(x + jk.arange(0, 8))
+    b = jk.load(x + 8 + jk.arange(0, 8))
+    for i in range(0, n):
+        acc = jk.fma(acc, b, b)
+    jk.store(out + jk.program_id(0) * 8 + jk.arange(0, 8), acc)
+
+
+def effective_cores(threads: int) -> float:
+    """Time of 1 spin program / time of `threads` spin programs launched together (ideal: threads)."""
+    x = np.full(16, 0.5, np.float32)
+    out = np.zeros(8 * threads, np.float32)
+    n = 2_000_000
+    _spin[(1,)](x, out, 10)
+    t1 = timeit(lambda: _spin[(1,)](x, out, n), 5, min_batch_s=0.0)
+    tn = timeit(lambda: _spin[(threads,)](x, out, n), 5, min_batch_s=0.0)
+    return threads * t1 / tn
+
+
 def blas_info() -> str:
     try:
         from threadpoolctl import threadpool_info
@@ -185,12 +207,16 @@ def main():
           f"numpy {np.__version__}: {blas_info()}")
     if skipped:
         print(f"# tiers this host cannot run (skipped): {', '.join(skipped)}")
+    eff = effective_cores(pool.num_threads)
+    print(f"# effective parallelism: {pool.num_threads} compute-only programs ran {eff:.2f}x as fast as one "
+          f"(ideal {pool.num_threads}.00; less means other processes hold the cores)")
     bw = Bandwidth()
     bw_read = bw.read_gbs(ARGS.reps)
     bw_copy = bw.numpy_copy_gbs(ARGS.reps)
     print(f"memory bandwidth: jitkern streaming read {bw_read:.1f} GB/s ({pool.num_threads} threads), "
           f"numpy copy {bw_copy:.1f} GB/s (read + write, 1 thread)")
-    results = [dict(kind="bandwidth", jitkern_read_gbs=bw_read, numpy_copy_gbs=bw_copy, threads=pool.num_threads)]
+    results = [dict(kind="bandwidth", jitkern_read_gbs=bw_read, numpy_copy_gbs=bw_copy, threads=pool.num_threads,
+                    effective_cores=eff)]
     qtypes = [q for q in ARGS.qtypes.split(",") if q]
 
     print(f"\n{'GEMV M=1':9s} {'N x K':>10s} {'tier':9s} {'call us':>8s} {'hot us':>8s} {'cold us':>8s} {'GB/s':>6s} "
@@ -198,16 +224,17 @@ def main():
     for shape in ARGS.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
         x = rng.standard_normal(K, dtype=np.float32)
-        xq = Q.quantize_q8(x)
-        t_quant = timeit(lambda: Q.quantize_q8(x, out=xq), ARGS.reps)
+        xq0 = Q.quantize_q8(x)
+        t_quant = timeit(lambda: Q.quantize_q8(x, out=xq0), ARGS.reps)
         y = np.empty(N, np.float32)
         w32 = None
         rows = []
         for qt in qtypes:
+            xq = Q.quantize_q8(x, layout=Q.act_layout(qt))
             raw, wd = make_weight(qt, N, K, rng)
             w32 = wd if w32 is None else w32
             cold = [raw.copy() for _ in range(max(2, int(COLD_BYTES // raw.nbytes)))]
-            ref = (xq[0].reshape(-1, 32) * xq[1][:, None]).reshape(-1).astype(np.float64) @ wd.T.astype(np.float64)
+            ref = (xq0[0].reshape(-1, 32) * xq0[1][:, None]).reshape(-1).astype(np.float64) @ wd.T.astype(np.float64)
             per_tier = []
             for T in runnable:
                 _, ck = Q._matmul_q8(xq, raw, qt, N, K, y, T)
@@ -262,7 +289,7 @@ def main():
             ref = x.astype(np.float64) @ wd.T.astype(np.float64)
             t_np = timeit(lambda: np.matmul(x, wd.T, out=y), ARGS.reps)
             for T in runnable:
-                xq = Q.quantize_q8(x, target=T)
+                xq = Q.quantize_q8(x, target=T, layout=Q.act_layout(qt))
                 _, ck = Q._matmul_q8(xq, raw, qt, N, K, y, T)
                 err = float(np.abs(y - ref).max() / np.abs(ref).max())
                 t = timeit(lambda: Q.matmul_q(x, raw, qt, N, K, out=y, target=T), ARGS.reps)
