@@ -1,28 +1,35 @@
 """Dense matrix products: `linear` (y = x @ w^T + bias, the transformer projection), `matmul` (a @ b).
 
-Two kernel families, both accumulating in f32:
+API: `linear(x, w, bias=None, out=None, target=None, w_dtype=None)` on weights as stored ([N, K]; f32, f16,
+or bf16 as uint16 storage with w_dtype='bf16' / a jk.Pointer); `pack_weight(w) -> PackedWeight` once (model
+load) + `linear_packed(x, packed, bias=None, out=None)`; `matmul(a, b, out=None)` for plain f32 a[M,K] @ b[K,N].
+All accumulate and return f32.
 
-- `_rows_kernel`, the *dot-product* form for weights as stored ([N, K], row-major, f32/f16/bf16): each
-  program owns a (BM, BN) block of y and keeps a (BM, BN, V) accumulator (V = SIMD lanes) that it reduces
-  over lanes once at the end. Every load is a full contiguous vector, weights are read exactly once per
-  program, so for M = 1 (GEMV, bandwidth-bound) it streams the weights once in total.
-- `_gemm_kernel`, the *outer-product* register-blocked microkernel on weights packed into column panels
-  (`pack_weight`): panel p holds columns [p*BN, (p+1)*BN) of B = w^T as K contiguous rows of BN values
+Three kernels:
+
+- `_gemv_kernel` (linear, M <= GEMV_MAX_M: decode): a program takes 8 weight rows *one after the other*, each
+  over its whole K against BM <= 4 tokens, with U x V-lane accumulators per token. Decode is bandwidth-bound
+  and its weights come from DRAM; a thread that reads one monotonic stream gets ~2x the DRAM bandwidth of
+  one that reads 8 rows in lockstep (measured on znver4, f16: 10 -> 23 GB/s per core), at a 5-15% cost
+  when the weights sit in L2/L3.
+- `_rows_kernel` (linear, larger M), the *dot-product* form for weights as stored: a program owns a
+  (BM, BN) block of y and keeps a (BM, BN, V) accumulator that it reduces over lanes once at the end; every
+  load is a full contiguous vector and each weight is read once per BM tokens.
+- `_gemm_kernel` (linear_packed, matmul), the *outer-product* register-blocked microkernel on weights packed
+  into column panels: panel p holds columns [p*BN, (p+1)*BN) of B = w^T as K contiguous rows of BN values
   (zero-padded past N). Per k it loads one row of the panel (BN/V vectors) and broadcasts one value of x per
-  output row straight from memory (an FMA with a broadcast operand on x86), keeping a (BM, BN) accumulator
-  in registers: BM*BN/V FMAs per BM + BN/V loads. The packed panel is read contiguously, which avoids the
-  cache-set conflicts a power-of-two row stride causes in plain row-major B (2x at N = 512 on znver4).
+  output row straight from memory (vbroadcastss / an FMA memory operand), keeping a (BM, BN) accumulator in
+  registers: BM*BN/V FMAs per BM + BN/V loads, no shuffles. The panel is read contiguously, which also
+  avoids the cache-set conflicts of a power-of-two row stride in plain row-major B (2x at N = 512).
+  Tiles (`_gemm_shape`, measured single-thread at n = 1024): 8 x 32 on AVX-512 (16 of 32 zmm), 6 x 16 on
+  AVX2 (12 of 16 ymm; 6 rows = a 4-row plus a 2-row accumulator, since LLVM legalises only power-of-two
+  vectors well), 4 x 16 on SSE2/portable (mul + add). It runs at ~1 zmm FMA per cycle (~106 GFLOP/s per
+  znver4 core, numpy/OpenBLAS's speed); SSE2 at ~37 (4 lanes, no FMA).
 
-Edge handling without masks in the hot loops: the last block of rows (and of columns in the dot form)
-is shifted back to end at M (N) and overlaps its neighbour, which recomputes and rewrites identical values;
-so block sizes never exceed M (N) and the wrapper picks them accordingly. K tails run in a separate short
-loop (outer-product) or one masked step (dot form). Packed panels are zero-padded so their loads need no
-mask; only the last column panel's store is masked.
-
-Tile sizes come from the tier's vector width (`target.vector_bits`): with V lanes per register, the
-outer-product tile is (BM, 2V), with BM*2 accumulator registers: 8 x 32 on AVX-512 (16 of 32 zmm), 6 x 16
-on AVX2 (12 of 16 ymm; 6 rows = a 4-row plus a 2-row accumulator because LLVM only legalises
-power-of-two vectors well), 4 x 8 on SSE2/portable.
+Edges without masks in the hot loops: the last block of tokens (and of weight rows) is shifted back to end
+at M (N) and overlaps its neighbour, which recomputes and rewrites identical values; so blocks never exceed
+M (N) and the wrappers pick them accordingly. K tails run in short separate loops or one masked step.
+Packed panels are zero-padded, so their loads need no mask; only the last panel's store is masked.
 """
 from __future__ import annotations
 
@@ -125,6 +132,45 @@ def _pack_kernel(src, dst, N, K, ld, TRANS: jk.constexpr, BN: jk.constexpr, KB: 
 
 
 @jk.kernel
+def _gemv_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr, R: jk.constexpr,
+                 V: jk.constexpr, U: jk.constexpr):
+    # y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for few tokens (M <= ~4: decode): a program takes R weight rows
+    # *one after the other*, each over its whole K against BM tokens, so a thread reads the weights as one
+    # monotonic stream (R rows in lockstep are R short streams that the prefetchers follow badly: about 2x less
+    # DRAM bandwidth measured on znver4). U x V lanes per token and step keep U FMA chains in flight.
+    pm = jk.program_id(0)
+    pn = jk.program_id(1)
+    row0 = jk.minimum(pm * BM, M - BM).to(jk.i64)     # last blocks overlap their neighbours
+    n0 = jk.minimum(pn * R, N - R).to(jk.i64)
+    K64 = K.to(jk.i64)
+    toks = row0 + jk.arange(0, BM).to(jk.i64)
+    ldy64 = ldy.to(jk.i64)
+    xrow = x + toks[:, None, None] * ldx.to(jk.i64)
+    xrow1 = x + toks[:, None] * ldx.to(jk.i64)
+    uv = (jk.arange(0, U)[:, None] * V + jk.arange(0, V)[None, :])[None, :, :]
+    kv = jk.arange(0, V)[None, :]
+    kmain = K - K % (U * V)
+    kvec = K - K % V
+    for r in range(0, R, 1):
+        n = n0 + r
+        wrow = w + n * K64
+        acc = jk.zeros((BM, U, V), jk.f32)
+        for k in range(0, kmain, U * V):
+            acc = jk.fma(jk.load(xrow + k + uv), jk.load(wrow + k + uv).to(jk.f32), acc)
+        acc1 = jk.zeros((BM, V), jk.f32)
+        for k in range(kmain, kvec, V):
+            acc1 = jk.fma(jk.load(xrow1 + k + kv), jk.load(wrow + k + kv).to(jk.f32), acc1)
+        if kvec < K:
+            m = (kvec + kv) < K
+            acc1 = jk.fma(jk.load(xrow1 + kvec + kv, mask=jk.broadcast_to(m, (BM, V)), other=0.0),
+                          jk.load(wrow + kvec + kv, mask=m, other=0.0).to(jk.f32), acc1)
+        s = jk.sum(jk.sum(acc, axis=1) + acc1, axis=1)
+        if HAS_BIAS:
+            s = s + jk.load(bias + n).to(jk.f32)
+        jk.store(y + toks * ldy64 + n, s)
+
+
+@jk.kernel
 def _rows_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                  BN: jk.constexpr, V: jk.constexpr):
     # y[M, N] = x[M, K] @ w[N, K]^T (+ bias), dot-product form; grid (row blocks, column blocks).
@@ -178,7 +224,8 @@ def _launch(kernel, grid, args, consts, target):
 
 def last_compiled(kernel_name: str):
     """The CompiledKernel of the latest launch of `kernel_name` from this module (its `.target` is the tier
-    that ran): "_gemm_kernel" (matmul, linear_packed), "_rows_kernel" (linear), "_pack_kernel"."""
+    that ran): "_gemm_kernel" (matmul, linear_packed), "_gemv_kernel" (linear, M <= GEMV_MAX_M), "_rows_kernel"
+    (linear, larger M), "_pack_kernel"."""
     return _LAST.get(kernel_name)
 
 
@@ -365,15 +412,23 @@ def linear_packed(x, packed: PackedWeight, bias=None, out=None, target=None):
     return o2.reshape(N) if squeeze else o2
 
 
-def _rows_tiles(M, N, target):
-    """(BM, BN, V) of the dot-product kernel. M = 1: 8 weight rows per program (8 accumulators; measured
-    best on AVX-512, AVX2 and SSE2 against 4 and 16, single thread, SmolLM2 shapes). M > 1: 2 x 8 accumulator
-    vectors with 32 registers, 2 x 4 with 16."""
+GEMV_MAX_M = 7      # up to here `linear` uses the sequential-row kernel; from 8 tokens on the dot-product tile
+
+
+def _gemv_tiles(M, N, target):
+    """(BM, R, V, U) of the sequential-row kernel: 8 rows per program, 4 (M = 1) or 2 vectors per token and
+    step; BM tokens (2 for M = 2, 3: M = 3 overlaps, 4 for M = 4..7)."""
     V = _lanes(target)
-    if M == 1:
-        BM, BN = 1, 8
-    else:
-        BM, BN = (2, 8) if target.has("avx512f") else (2, 4)
+    BM = 1 if M == 1 else 2 if M < 4 else 4
+    R = min(8, N)
+    return BM, R, V, 4 if BM == 1 else 2
+
+
+def _rows_tiles(M, N, target):
+    """(BM, BN, V) of the dot-product kernel: a 2 x 8 tile of accumulator vectors with 32 registers, 2 x 4
+    with 16 (V = the tier's f32 lanes)."""
+    V = _lanes(target)
+    BM, BN = (2, 8) if target.has("avx512f") else (2, 4)
     while BM > M:
         BM //= 2
     while BN > N:
@@ -385,9 +440,11 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
-    w_dtype='bf16', or a jk.Pointer over such an array (jk.as_pointer(w_u16, 'bf16')). Reads w as stored
-    (every weight once per row block; M = 1 streams it once). For repeated GEMMs with large M,
-    `pack_weight` + `linear_packed` is faster. `out`: an optional float32 array of the result's shape.
+    w_dtype='bf16', or a jk.Pointer over such an array (jk.as_pointer(w_u16, 'bf16')). Reads w as stored:
+    up to GEMV_MAX_M tokens with the sequential-row kernel (M = 1 streams the weights once, as one monotonic
+    stream per thread), more with the dot-product tile kernel (the weights once per 2 tokens). For GEMMs with
+    large M (prefill), `pack_weight` once + `linear_packed` is faster. `out`: an optional float32 array of the
+    result's shape (rows may be strided).
     """
     T = _target(target)
     arr, dt, warg = _as_weight(w, w_dtype)
@@ -400,11 +457,15 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
         if K == 0:
             o2[...] = 0.0 if b is None else b[None, :]
         else:
-            BM, BN, V = _rows_tiles(M, N, T)
-            grid = (-(-M // BM), -(-N // BN))
-            _launch(_rows_kernel, grid, (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4,
-                                         o2.strides[0] // 4),
-                    dict(HAS_BIAS=b is not None, BM=BM, BN=BN, V=V), T)
+            args = (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4)
+            if M <= GEMV_MAX_M:
+                BM, R, V, U = _gemv_tiles(M, N, T)
+                _launch(_gemv_kernel, (-(-M // BM), -(-N // R)), args,
+                        dict(HAS_BIAS=b is not None, BM=BM, R=R, V=V, U=U), T)
+            else:
+                BM, BN, V = _rows_tiles(M, N, T)
+                _launch(_rows_kernel, (-(-M // BM), -(-N // BN)), args,
+                        dict(HAS_BIAS=b is not None, BM=BM, BN=BN, V=V), T)
     if out is not None:
         return out
     return o2.reshape(N) if squeeze else o2

@@ -9,7 +9,7 @@ Tolerances, per weight dtype:
   It holds for the sequential FMA chain (outer-product kernel) and for the lane-split sums + reduction tree
   (dot-product kernel). A dropped or doubled k term (an error of ~|x_k w_nk| ~ 0.5) exceeds it by far.
 Inputs are fresh standard-normal values; sizes include odd N and K (37, 45, 129), aligned ones (64, 128), M in
-{1, 3, 64, 67} (GEMV, fewer rows than a tile, exact and ragged tiles), with and without bias.
+{1, 3, 5, 64, 67} (GEMV, fewer rows than a tile, exact and ragged tiles), with and without bias.
 """
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from jitkern.ops import matmul as mm
 
 U32 = 2.0 ** -24
 SHAPES_NK = [(37, 45), (45, 129), (64, 128), (129, 37)]
-MS = [1, 3, 64, 67]
+MS = [1, 3, 5, 64, 67]      # 1, 3, 5: the sequential-row GEMV kernel (5 overlaps a 4-token block)
 WDTYPES = ["f32", "f16", "bf16"]
 
 
@@ -66,7 +66,9 @@ def test_linear(tier, wdt):
         w, w64 = _weights(rng, N, K, wdt)
         bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
         y = mm.linear(x, w, bias, target=tier, w_dtype=wdt)
-        assert mm.last_compiled("_rows_kernel").target.name == tier.name
+        ran = mm.last_compiled("_gemv_kernel" if M <= mm.GEMV_MAX_M else "_rows_kernel")
+        assert ran is not None and ran.target.name == tier.name
+        assert ran.constexprs["HAS_BIAS"] == with_bias
         _check(y, x, w64, bias)
 
 
