@@ -34,7 +34,7 @@ test: install-test
 
 # llama.cpp as a peer for the benchmarks: building it takes minutes, so it is optional.
 peers: install
-	$(PIP) install -q llama-cpp-python
+	$(PIP) install -q 'llama-cpp-python[server]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,6 +13,14 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8) ->
     from engine.sampling_params import SamplingParams
     eng = LLMEngine(EngineArgs(model=model, num_blocks=256, block_size=16, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=256, use_graphs=False, max_model_len=2048))
+    # Under compile-only launches no kernel runs, so sampled ids and logprobs are garbage: keep the
+    # engine's bookkeeping valid by replacing them with a fixed in-vocabulary token.
+    real_sample = eng.sampler.sample
+
+    def sample(sched, result):
+        out = real_sample(sched, result) if not _compiling_only() else _fake_sample(sched, result)
+        return out
+    eng.sampler.sample = sample
     try:
         vocab = eng.config.vocab_size
         lengths = [5, 37, 300]             # short, medium and a chunked (> 256 tokens) prefill
@@ -32,3 +40,23 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8) ->
         return steps
     finally:
         eng.close()
+
+
+def _compiling_only() -> bool:
+    from jitkern.runtime import launch
+    return getattr(launch._capture, "compile_only", None) is not None
+
+
+def _fake_sample(sched, result):
+    """Drives the sampler's kernels (so they compile) but returns token 0 for every sampled request."""
+    from engine.sampler import SampleResult
+    import numpy as np
+    from jitkern.ops.sampling import argmax_rows, sample_from_logits, topk_rows
+    from jitkern.ops.softmax import log_softmax
+    if result.logits is not None and len(result.logits):
+        x = np.zeros_like(result.logits)
+        argmax_rows(x)
+        log_softmax(x)
+        topk_rows(x, 20)
+        sample_from_logits(x, np.zeros(x.shape[0], np.float32))
+    return {rid: SampleResult(0) for rid in result.sample_rows}

@@ -187,7 +187,7 @@ def cmd_build(args) -> int:
         build_specializations(args.model)
     bar.close()
     from .compiler import kernel_cache
-    print(f"{len(seen)} kernel specialisations for {t.name} are in the cache ({len(cached)} were already there) "
+    print(f"{len(seen)} kernel specialisations for {args.target} are in the cache ({len(cached)} were already there) "
           f"at {kernel_cache().path}")
     return 0
 
