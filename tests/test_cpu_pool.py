@@ -392,18 +392,27 @@ def test_close_is_idempotent_and_recreate_works(k):
 
 
 def test_dropping_an_open_pool_joins_its_workers():
-    before = threading.active_count()
-    native_before = len(os.listdir("/proc/self/task"))
-    p1 = CpuPool(1)  # one thread: no workers at all, tasks run in the caller
-    assert len(os.listdir("/proc/self/task")) == native_before
-    p1.close()
-    p = CpuPool(4)
-    assert len(os.listdir("/proc/self/task")) == native_before + 3
-    del p
-    import gc
-    gc.collect()
-    assert len(os.listdir("/proc/self/task")) == native_before
-    assert threading.active_count() == before  # natives never show up as Python threads
+    # In a fresh process: other tests leave threads (compile workers' readers, engine threads) that come and
+    # go on their own and would make a thread count in this process meaningless.
+    code = textwrap.dedent("""
+        import gc, os, threading
+        from jitkern.runtime.cpu_pool import CpuPool
+        tasks = lambda: len(os.listdir("/proc/self/task"))
+        before, native_before = threading.active_count(), tasks()
+        p1 = CpuPool(1)           # one thread: no workers at all, tasks run in the caller
+        assert tasks() == native_before, (tasks(), native_before)
+        p1.close()
+        p = CpuPool(4)
+        assert tasks() == native_before + 3, (tasks(), native_before)
+        del p
+        gc.collect()
+        assert tasks() == native_before, (tasks(), native_before)
+        assert threading.active_count() == before   # natives never show up as Python threads
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_idle_pool_uses_no_cpu(k):
