@@ -187,7 +187,8 @@ class Function:
 #   reduce[kind, axis]    sum max min  (axis removed)
 #   argreduce[kind, axis] argmax argmin -> i32
 #   dot                   (M,K)x(K,N)[+acc] -> (M,N), f32 (or i32 for integer inputs)
-#   dot4                  (...,K)x(...,K) int8/uint8 -> (...,K/4) i32: sums of products of groups of 4
+#   dot4[axis]            (...,K)x(...,K) int8/uint8 -> (...,K/4) i32: sums of products of groups of 4
+#                         (with axis: also summed over that input axis, which the result drops)
 #   for                   lb, ub, step, *inits; region args (iv, *carried); yields carried; results
 #   if                    cond; regions then, else; each yields the results
 #   yield                 *values

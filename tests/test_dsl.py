@@ -450,3 +450,61 @@ def test_masked_row_loads_stores_full_partial_empty(tier, dt):
         assert "st_full" not in ll
     else:
         assert "st_full" in ll and "@llvm.masked.store" in ll
+
+
+@jk.kernel
+def _dot4_axis(a, b, out, N: jk.constexpr, S: jk.constexpr, K: jk.constexpr):
+    # per program a (N, S, K) tile; dot4 summed over axis 0 (the N slices), then over axis 1 via a negative axis
+    r = jk.program_id(0)
+    offs = (r * (N * S * K) + jk.arange(0, N)[:, None, None] * (S * K) + jk.arange(0, S)[None, :, None] * K
+            + jk.arange(0, K)[None, None, :])
+    av, bv = jk.load(a + offs), jk.load(b + offs)
+    p = jk.dot4(av, bv, axis=0)                                                     # (S, K/4)
+    jk.store(out + r * (S * K // 4) + jk.arange(0, S)[:, None] * (K // 4) + jk.arange(0, K // 4)[None, :], p)
+    q = jk.dot4(av, bv, axis=-2)                                                    # (N, K/4)
+    jk.store(out + jk.num_programs(0) * (S * K // 4) + r * (N * K // 4) + jk.arange(0, N)[:, None] * (K // 4)
+             + jk.arange(0, K // 4)[None, :], q)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_dot4_axis(tier, signed):
+    # dot4(a, b, axis) == sum(dot4(a, b), axis); x86 adds the slices' pmaddubsw results in int16 (contract: the
+    # sums of 2*n products fit int16), so the values stay inside it: nibbles (u8) or |a| <= 31 (i8) against
+    # full-range int8, n <= 4. Shapes with whole 512/256/128-bit chunks and ones below a chunk (generic path).
+    rng = np.random.default_rng(15)
+    for N, S, K in ((2, 4, 16), (2, 2, 16), (4, 1, 32), (3, 2, 8), (2, 1, 4)):
+        a = (rng.integers(-31, 32, (5, N, S, K)) if signed else rng.integers(0, 16, (5, N, S, K))).astype(
+            np.int8 if signed else np.uint8)
+        a.reshape(-1)[:4] = -31 if signed else 15                                   # extremes of the contract
+        b = rng.integers(-127, 128, (5, N, S, K)).astype(np.int8)
+        b.reshape(-1)[:4] = 127
+        out = np.full(5 * (S + N) * K // 4, -7, np.int32)
+        _run(_dot4_axis, (5,), tier, a, b, out, N=N, S=S, K=K)
+        p = (a.astype(np.int32) * b.astype(np.int32)).reshape(5, N, S, K // 4, 4).sum(-1)
+        np.testing.assert_array_equal(out[:5 * S * K // 4].reshape(5, S, K // 4), p.sum(1))
+        np.testing.assert_array_equal(out[5 * S * K // 4:].reshape(5, N, K // 4), p.sum(2))
+
+
+def test_dot4_axis_errors():
+    a = np.zeros((2, 16), np.uint8)
+    b = np.zeros((2, 16), np.int8)
+
+    @jk.kernel
+    def _bad_axis(a, b, out, AX: jk.constexpr):
+        o = jk.arange(0, 2)[:, None] * 16 + jk.arange(0, 16)[None, :]
+        jk.store(out + jk.arange(0, 4), jk.dot4(jk.load(a + o), jk.load(b + o), axis=AX))
+
+    for ax in (1, -1, 2):
+        with pytest.raises(Exception, match="dot4 axis"):
+            _bad_axis[(1,)](a, b, np.zeros(4, np.int32), AX=ax)
+
+
+def test_dot4_lanes_not_a_multiple_of_16(tier):
+    # the generic lowering works per 16 lanes; a tile of 24 or 40 lanes leaves a last chunk of 8 (was dropped)
+    rng = np.random.default_rng(16)
+    for K in (24, 40, 20):
+        a = rng.integers(0, 16, (3, K)).astype(np.uint8)
+        b = rng.integers(-127, 128, (3, K)).astype(np.int8)
+        out = np.full((3, K // 4), -7, np.int32)
+        _run(_dot4, (3,), tier, a, b, out, K=K)
+        np.testing.assert_array_equal(out, (a.astype(np.int32) * b.astype(np.int32)).reshape(3, K // 4, 4).sum(-1))

@@ -1198,7 +1198,19 @@ class CpuLowering:
         ad = op.operands[0].type.elem
         shape = op.operands[0].type.shape
         oshape = op.result.type.shape
-        n = _prod(shape)
+        ax = op.attrs.get("axis")
+        if ax is None:
+            return self._dot4([a], [b], ad, _prod(shape), oshape)
+        # summed over input axis `ax`: the n slices along it, each flattened in the result's order
+        pre, n, post = _prod(shape[:ax]), shape[ax], _prod(shape[ax + 1:])
+        idx = [[p * n * post + j * post + q for p in range(pre) for q in range(post)] for j in range(n)]
+        return self._dot4([self.shuffle(a, ix) for ix in idx], [self.shuffle(b, ix) for ix in idx], ad, pre * post,
+                          oshape)
+
+    def _dot4(self, aa: list, bb: list, ad, n: int, oshape):
+        """Sum over the slices j of dot4(aa[j], bb[j]) (each n lanes). x86 adds the slices' pmaddubsw results
+        in int16 and widens once (the caller's contract keeps those sums inside int16); elsewhere the i32
+        results are added."""
         chunk = 0
         if self.x86:
             if self.target.has("avx512bw") and n % 64 == 0:
@@ -1207,22 +1219,32 @@ class CpuLowering:
                 chunk = 32
             elif self.target.has("avx") and n % 16 == 0:
                 chunk = 16     # SSSE3 pmaddubsw (AVX implies SSSE3)
+        if len(aa) > 1 and not chunk:
+            parts = [self._dot4([a], [b], ad, n, oshape) for a, b in zip(aa, bb)]
+            acc = parts[0]
+            for p in parts[1:]:
+                acc = self.val(f"add {acc.ty} {acc.ref}, {p.ref}", "i32", acc.n, oshape)
+            return acc
         if chunk:
             psign = None
+            signs = [None] * len(aa)
             if ad.is_signed:
                 # u8 x s8 instructions: |a| times b with a's sign (a == 0 gives 0 either way). SSSE3/AVX2 have
                 # psignb for the sign transfer (one instruction per chunk, applied below); AVX-512 has none,
                 # so 512-bit chunks use compare + masked negate.
-                ab = self.val(f"call {a.ty} @{self._abs_decl(a)}({a.ty} {a.ref}, i1 false)", "i8", n)
-                if chunk == 64:
-                    neg = self.val(f"icmp slt {a.ty} {a.ref}, zeroinitializer", "i1", n)
-                    nb = self.val(f"sub {b.ty} zeroinitializer, {b.ref}", "i8", n)
-                    b = self.val(f"select {neg.ty} {neg.ref}, {b.ty} {nb.ref}, {b.ty} {b.ref}", "i8", n)
-                else:
+                if chunk != 64:
                     psign = "llvm.x86.avx2.psign.b" if chunk == 32 else "llvm.x86.ssse3.psign.b.128"
                     self.declare(psign, vty("i8", chunk), [vty("i8", chunk)] * 2)
-                    sa = a
-                a = ab
+                aa, bb = list(aa), list(bb)
+                for j, (a, b) in enumerate(zip(aa, bb)):
+                    ab = self.val(f"call {a.ty} @{self._abs_decl(a)}({a.ty} {a.ref}, i1 false)", "i8", n)
+                    if chunk == 64:
+                        neg = self.val(f"icmp slt {a.ty} {a.ref}, zeroinitializer", "i1", n)
+                        nb = self.val(f"sub {b.ty} zeroinitializer, {b.ref}", "i8", n)
+                        bb[j] = self.val(f"select {neg.ty} {neg.ref}, {b.ty} {nb.ref}, {b.ty} {b.ref}", "i8", n)
+                    else:
+                        signs[j] = a
+                    aa[j] = ab
             ub, wd = {64: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
                       32: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
                       16: ("llvm.x86.ssse3.pmadd.ub.sw.128", "llvm.x86.sse2.pmadd.wd")}[chunk]
@@ -1232,14 +1254,19 @@ class CpuLowering:
             ones = self.const(1, "i16", chunk // 2).ref
             parts = []
             for c in range(n // chunk):
-                ac = self.shuffle(a, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else a
-                bc = self.shuffle(b, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else b
-                if psign:
-                    sc = self.shuffle(sa, list(range(c * chunk, (c + 1) * chunk))) if n > chunk else sa
-                    bc = self.val(f"call {bt} @{psign}({bt} {bc.ref}, {bt} {sc.ref})", "i8", chunk)
-                w = self.val(f"call {wt} @{ub}({bt} {ac.ref}, {bt} {bc.ref})", "i16", chunk // 2)
+                lanes = list(range(c * chunk, (c + 1) * chunk))
+                w = None
+                for a, b, sa in zip(aa, bb, signs):
+                    ac = self.shuffle(a, lanes) if n > chunk else a
+                    bc = self.shuffle(b, lanes) if n > chunk else b
+                    if psign:
+                        sc = self.shuffle(sa, lanes) if n > chunk else sa
+                        bc = self.val(f"call {bt} @{psign}({bt} {bc.ref}, {bt} {sc.ref})", "i8", chunk)
+                    wj = self.val(f"call {wt} @{ub}({bt} {ac.ref}, {bt} {bc.ref})", "i16", chunk // 2)
+                    w = wj if w is None else self.val(f"add {wt} {w.ref}, {wj.ref}", "i16", chunk // 2)
                 parts.append(self.val(f"call {dt} @{wd}({wt} {w.ref}, {wt} {ones})", "i32", chunk // 4))
             return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
+        a, b = aa[0], bb[0]
         arm_fn = None
         if self.target.arch == "aarch64" and n % 16 == 0:
             if ad.is_signed and self.target.has("dotprod"):
@@ -1259,11 +1286,12 @@ class CpuLowering:
         # instruction selection handles very slowly), widen, multiply, add the four strided lanes; x86 tiers
         # without SSSE3 use SSE2's pmaddwd on the widened halves (pairs summed to i32) and add adjacent pairs
         ext_a = "sext" if ad.is_signed else "zext"
-        cw = min(n, 16)
         parts = []
-        for c in range(n // cw):
-            ac = self.shuffle(a, list(range(c * cw, (c + 1) * cw))) if n > cw else a
-            bc = self.shuffle(b, list(range(c * cw, (c + 1) * cw))) if n > cw else b
+        starts = range(0, n, 16)        # a last chunk of 4, 8 or 12 lanes when n is not a multiple of 16
+        for c0 in starts:
+            cw = min(16, n - c0)
+            ac = self.shuffle(a, list(range(c0, c0 + cw))) if n > cw else a
+            bc = self.shuffle(b, list(range(c0, c0 + cw))) if n > cw else b
             if self.x86 and cw == 16:
                 wa = self.val(f"{ext_a} {ac.ty} {ac.ref} to <16 x i16>", "i16", 16)
                 wb = self.val(f"sext {bc.ty} {bc.ref} to <16 x i16>", "i16", 16)
@@ -1286,7 +1314,7 @@ class CpuLowering:
             s01 = self.val(f"add {lanes[0].ty} {lanes[0].ref}, {lanes[1].ref}", "i32", lanes[0].n)
             s23 = self.val(f"add {lanes[2].ty} {lanes[2].ref}, {lanes[3].ref}", "i32", lanes[0].n)
             sm = self.val(f"add {s01.ty} {s01.ref}, {s23.ref}", "i32", lanes[0].n)
-            parts.append(sm if q > 1 else self.shuffle(sm, [0]))
+            parts.append(sm if q > 1 else self.shuffle(sm, [0], (1,) if len(starts) > 1 else ()))
         if len(parts) == 1:
             p0 = parts[0]
             return LV(p0.ref, "i32", p0.n, oshape) if p0.n else self.splat(p0, 1, oshape)
