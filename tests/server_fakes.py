@@ -175,7 +175,8 @@ def make_engine(settings) -> AsyncEngine:
         block_size=settings.block_size or 16, max_num_seqs=settings.max_num_seqs or 64,
         enable_prefix_caching=True if settings.enable_prefix_caching is None else settings.enable_prefix_caching,
         scheduling_policy=settings.scheduling_policy,
-        step_delay=float(env.get("JITKERN_FAKE_STEP_DELAY", "0.002")),
+        # long enough that 32 concurrent 10-token requests overlap visibly in /metrics on a busy host
+        step_delay=float(env.get("JITKERN_FAKE_STEP_DELAY", "0.015")),
         prefill_delay=float(env.get("JITKERN_FAKE_PREFILL_DELAY", "0")))
     return make_async_engine(**kwargs)
 
