@@ -44,7 +44,7 @@ from jitkern.runtime.cpu import runtime_target
 from jitkern.runtime.launch import launch
 from targets import get_target
 
-__all__ = ["linear", "linear_packed", "matmul", "pack_weight", "PackedWeight"]
+__all__ = ["linear", "linear_packed", "matmul", "pack_weight", "PackedWeight", "last_compiled", "GEMV_MAX_M"]
 
 
 # ---------------------------------------------------------------------------------------------- kernels
