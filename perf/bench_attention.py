@@ -147,16 +147,17 @@ def main():
         for r in rows:
             print(json.dumps({**r, "tier": target.name, "threads": args.threads, "read_bw_gb_per_s": bw}))
         return
+    kv = 'hot (one layer reused)' if args.hot else 'cold (a new layer per call)'
     print(f"tier {target.name} ({runtime_target_reason()}), threads {args.threads}, "
-          f"prefetch {'off' if args.no_prefetch else 'on'}, K/V {'hot (one layer reused)' if args.hot else 'cold (a new layer per call)'}")
+          f"prefetch {'off' if args.no_prefetch else 'on'}, K/V {kv}")
     print(f"measured streaming read bandwidth: {bw:.1f} GB/s")
     print(f"decode attention, {H} heads / {KVH} KV heads / dim {D}, block {BS}, random block tables")
     print(f"{'cache':>5} {'batch':>5} {'context':>7} {'parts':>5} {'us/call':>9} {'(median)':>9} "
           f"{'tok/s':>9} {'GB/s':>6} {'% of bw':>7}")
     for r in rows:
-        print(f"{'f32' if r['dtype'] == 'float32' else 'f16':>5} {r['batch']:>5} {r['context']:>7} {r['partitions']:>5} "
-              f"{r['best_us']:>9.1f} {r['median_us']:>9.1f} {r['tokens_per_s']:>9.0f} {r['kv_gb_per_s']:>6.1f} "
-              f"{r['pct_of_bw']:>6.0f}%")
+        name = 'f32' if r['dtype'] == 'float32' else 'f16'
+        print(f"{name:>5} {r['batch']:>5} {r['context']:>7} {r['partitions']:>5} {r['best_us']:>9.1f} "
+              f"{r['median_us']:>9.1f} {r['tokens_per_s']:>9.0f} {r['kv_gb_per_s']:>6.1f} {r['pct_of_bw']:>6.0f}%")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import elem_strides, resolve_target, run
+from ._hostargs import elem_strides, run
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
 _MAX_PARTITIONS = 16
