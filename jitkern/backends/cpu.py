@@ -1062,10 +1062,7 @@ class CpuLowering:
             return self.extract(v, 0)
         if d.is_float:
             if kind == "sum":
-                name = f"llvm.vector.reduce.fadd.{self.sfx(v)}"
-                self.declare(name, v.et, [v.et, v.ty])
-                # reassoc: lets LLVM use a tree of vector adds instead of a serial chain
-                return self.val(f"call reassoc {v.et} @{name}({v.et} -0.0, {v.ty} {v.ref})", v.et, 0)
+                return self._fsum_tree(v)
             name = f"llvm.vector.reduce.{'fmax' if kind == 'max' else 'fmin'}.{self.sfx(v)}"
             self.declare(name, v.et, [v.ty])
             return self.val(f"call {v.et} @{name}({v.ty} {v.ref})", v.et, 0)
@@ -1074,6 +1071,28 @@ class CpuLowering:
         name = f"llvm.vector.reduce.{op}.{self.sfx(v)}"
         self.declare(name, v.et, [v.ty])
         return self.val(f"call {v.et} @{name}({v.ty} {v.ref})", v.et, 0)
+
+    def _fsum_tree(self, v: LV) -> LV:
+        """Sum of the lanes as an explicit halving tree, with no fast-math flags.
+
+        The order of the additions is fixed by the lane count alone (pad to a power of two with -0.0, add
+        the upper half to the lower half, repeat), never by what LLVM finds around it. Kernels that lay the
+        same values out in the same lanes therefore reduce them bit-identically, which batch invariance
+        relies on (a request's logits must not depend on what else is in the batch)."""
+        n = v.n
+        p = 1
+        while p < n:
+            p *= 2
+        if p != n:
+            idx = ", ".join(f"i32 {i if i < n else n}" for i in range(p))
+            v = self.val(f"shufflevector {v.ty} {v.ref}, {v.ty} {self.const(-0.0, v.et, n).ref}, "
+                         f"<{p} x i32> <{idx}>", v.et, p)
+        while v.n > 1:
+            h = v.n // 2
+            lo = self.shuffle(LV(v.ref, v.et, v.n), list(range(h))) if h > 1 else self.extract(v, 0)
+            hi = self.shuffle(LV(v.ref, v.et, v.n), list(range(h, 2 * h))) if h > 1 else self.extract(v, 1)
+            v = self.val(f"fadd {lo.ty} {lo.ref}, {hi.ref}", v.et, lo.n)
+        return v
 
     def _combine(self, kind, a: LV, b: LV, d: DType) -> LV:
         if kind == "sum":
@@ -1096,7 +1115,19 @@ class CpuLowering:
         shape = op.operands[0].type.shape
         pre, n, post = _prod(shape[:ax]), shape[ax], _prod(shape[ax + 1:])
         oshape = op.result.type.shape
-        if post == 1:
+        if post == 1 and pre >= 4 and 2 <= n <= 8 and n & (n - 1) == 0:
+            # many short rows (e.g. the lanes of per-(token, row) accumulators): halve every row at once, as
+            # whole-tile shuffles + vector ops (two-source permutes per register), instead of one horizontal
+            # reduction and one lane insert per row
+            cur, m = x, n
+            while m > 1:
+                h = m // 2
+                lo = self.shuffle(cur, [p * m + q for p in range(pre) for q in range(h)])
+                hi = self.shuffle(cur, [p * m + h + q for p in range(pre) for q in range(h)])
+                cur = self._combine(kind, lo, hi, rd)
+                m = h
+            res = LV(cur.ref, cur.et, cur.n, oshape)
+        elif post == 1:
             outs = []
             for p in range(pre):
                 sl = self.shuffle(x, list(range(p * n, p * n + n))) if pre > 1 else x

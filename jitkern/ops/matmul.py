@@ -145,26 +145,23 @@ def _gemv_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: j
     K64 = K.to(jk.i64)
     toks = row0 + jk.arange(0, BM).to(jk.i64)
     ldy64 = ldy.to(jk.i64)
-    xrow = x + toks[:, None, None] * ldx.to(jk.i64)
     xrow1 = x + toks[:, None] * ldx.to(jk.i64)
-    uv = (jk.arange(0, U)[:, None] * V + jk.arange(0, V)[None, :])[None, :, :]
     kv = jk.arange(0, V)[None, :]
-    kmain = K - K % (U * V)
     kvec = K - K % V
     for r in range(0, R, 1):
         n = n0 + r
         wrow = w + n * K64
-        acc = jk.zeros((BM, U, V), jk.f32)
-        for k in range(0, kmain, U * V):
-            acc = jk.fma(jk.load(xrow + k + uv), jk.load(wrow + k + uv).to(jk.f32), acc)
-        acc1 = jk.zeros((BM, V), jk.f32)
-        for k in range(kmain, kvec, V):
-            acc1 = jk.fma(jk.load(xrow1 + k + kv), jk.load(wrow + k + kv).to(jk.f32), acc1)
+        # The same arithmetic per output as _rows_kernel (one V-lane FMA chain over K, the masked tail into
+        # the same chain, one lane-sum tree): a token's result does not depend on how many tokens share the
+        # launch (batch invariance). U is kept in the signature for the tile table but is 1.
+        acc = jk.zeros((BM, V), jk.f32)
+        for k in range(0, kvec, V):
+            acc = jk.fma(jk.load(xrow1 + k + kv), jk.load(wrow + k + kv).to(jk.f32), acc)
         if kvec < K:
             m = (kvec + kv) < K
-            acc1 = jk.fma(jk.load(xrow1 + kvec + kv, mask=jk.broadcast_to(m, (BM, V)), other=0.0),
-                          jk.load(wrow + kvec + kv, mask=m, other=0.0).to(jk.f32), acc1)
-        s = jk.sum(jk.sum(acc, axis=1) + acc1, axis=1)
+            acc = jk.fma(jk.load(xrow1 + kvec + kv, mask=jk.broadcast_to(m, (BM, V)), other=0.0),
+                         jk.load(wrow + kvec + kv, mask=m, other=0.0).to(jk.f32), acc)
+        s = jk.sum(acc, axis=1)
         if HAS_BIAS:
             s = s + jk.load(bias + n).to(jk.f32)
         jk.store(y + toks * ldy64 + n, s)

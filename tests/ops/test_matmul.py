@@ -186,3 +186,18 @@ def test_bad_arguments_name_the_field():
         mm.matmul(x, np.ones((7, 3), np.float32))
     with pytest.raises(ValueError, match="b: expected a 2-D float32"):
         mm.matmul(x, np.ones((8, 3), np.float16))
+
+
+@pytest.mark.parametrize("wdt", ["f32", "f16"])
+def test_linear_is_batch_invariant(tier, wdt):
+    """A token's output is bit-identical whether it is multiplied alone (GEMV path) or inside a batch of
+    any size (tile kernels): the engine's greedy tokens must not depend on what else is batched."""
+    rng = np.random.default_rng(11)
+    N, K = 67, 301
+    w = rng.standard_normal((N, K)).astype(np.float32 if wdt == "f32" else np.float16)
+    x = rng.standard_normal((40, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32)
+    alone = np.stack([mm.linear(x[i:i + 1], w, bias=b, target=tier)[0] for i in range(40)])
+    for m in (2, 3, 5, 8, 17, 40):
+        got = mm.linear(x[:m], w, bias=b, target=tier)
+        np.testing.assert_array_equal(got, alone[:m], err_msg=f"batch of {m}")
