@@ -94,6 +94,9 @@ def _parse(argv=None):
                     help="ours: keep automatic prefix caching on (off by default: every round repeats the same "
                          "prompts, and llama.cpp starts each from an empty KV state)")
     ap.add_argument("--no-graphs", action="store_true", help="ours: launch decode steps directly (no graph replay)")
+    ap.add_argument("--no-invariance-check", action="store_true",
+                    help="skip the untimed check that every decode prompt alone gives the tokens it got in the "
+                         "largest wave")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.warmup < 0:
@@ -112,10 +115,16 @@ if ARGS is not None:
 import numpy as np  # noqa: E402
 
 try:
-    from tqdm import tqdm
+    from tqdm import tqdm as _tqdm
 except ImportError:                      # progress bars are a nicety, not a requirement
-    def tqdm(it=None, **_kw):
-        return it
+    _tqdm = None
+
+
+def tqdm(iterable=None, **kw):
+    """A progress bar on stderr when it is a terminal (none in logs); the iterable itself without tqdm."""
+    if _tqdm is None:
+        return iterable
+    return _tqdm(iterable, leave=False, disable=None, **kw)
 
 
 def _median(xs):
@@ -218,7 +227,7 @@ class OursRunner:
         metrics = [None] * len(rids)
         events = []
         remaining = len(rids)
-        bar = tqdm(total=len(rids) * max_tokens, desc=desc, leave=False, unit="tok") if desc else None
+        bar = tqdm(total=len(rids) * max_tokens, desc=desc, unit="tok") if desc else None
         while remaining:
             outs = eng.step()
             t = time.monotonic()
@@ -254,7 +263,7 @@ class OursRunner:
     def prefill(self, prompts):
         ttft = []
         t0 = time.perf_counter()
-        for p in tqdm(prompts, desc="ours prefill", leave=False):
+        for p in tqdm(prompts, desc="ours prefill"):
             _, metrics, _ = self._run_wave([p], 1)
             m = metrics[0]
             ttft.append(m.first_token_time - m.arrival_time)
@@ -377,7 +386,8 @@ class LlamaCppRunner:
         t_first = time.monotonic()
         out = [[t] for t in first]
         pos = [len(p) for p in prompts]
-        for _ in tqdm(range(max_tokens - 1), desc=desc, leave=False, disable=None if desc else True):
+        steps = range(max_tokens - 1)
+        for _ in (tqdm(steps, desc=desc) if desc else steps):
             self._decode(ctx, batch, [(out[s][-1], pos[s], s, True) for s in range(c)])
             for s in range(c):
                 out[s].append(self._argmax(ctx, s))
@@ -395,7 +405,7 @@ class LlamaCppRunner:
     def prefill(self, prompts):
         ttft = []
         t0 = time.perf_counter()
-        for p in tqdm(prompts, desc="llama.cpp prefill", leave=False):
+        for p in tqdm(prompts, desc="llama.cpp prefill"):
             _, ta, tf, _ = self._generate([p], 1)
             ttft.append(tf - ta)
         dt = time.perf_counter() - t0
@@ -450,6 +460,34 @@ def _summarise(rounds):
         best["tok_s_all"] = [r["tok_s"] for r in runs]
         out.append(best)
     return {"load_avg_1m_before": [r[0] for r in rounds], "phases": out}
+
+
+def _check_invariance(ours, prompts, wave_tokens, args):
+    """Untimed: each prompt of the largest wave decoded alone must give the same greedy tokens as in the wave
+    (greedy decoding must not depend on what else is in the batch). Returns per-sequence first divergence."""
+    c = max(args.concurrency)
+    div = []
+    for i in range(c):
+        alone, _, _ = ours._run_wave([prompts["decode"][i]], args.output_len)
+        div.append(_first_divergence(wave_tokens[c][i], alone[0]))
+    return {"concurrency": c, "identical": sum(d == args.output_len for d in div), "of": c,
+            "first_divergence": div}
+
+
+def _code_version(root):
+    """The commit and whether the engine's sources differ from it (the tree may be shared and changing)."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "jitkern", "engine", "targets"],
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    dirty = [line[3:] for line in dirty if line.strip()]
+    if not head:
+        return "unknown (not a git checkout)"
+    return head + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
 
 
 def _check_determinism(rounds):
@@ -510,11 +548,16 @@ def main(args):
             for name, res in _timed_round(runners, prompts, args).items():
                 rounds[name].append(res)
         infos = {r.name: r.info() for r in runners}
+        invariance = None
+        if max(args.concurrency) > 1 and not args.no_invariance_check:
+            print("[jitkern] batch-invariance check (untimed) ...", file=sys.stderr, flush=True)
+            invariance = _check_invariance(runners[0], prompts, rounds["jitkern"][0][2], args)
     finally:
         for r in runners:
             r.close()
 
     report = {"command": " ".join([".venv/bin/python", "perf/bench.py"] + sys.argv[1:]),
+              "code": _code_version(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
               "model": gguf, "threads": threads, "cpus": os.cpu_count(), "repeats": args.repeats,
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "concurrency": args.concurrency, "seed": args.seed, "engines": {}}
@@ -522,6 +565,7 @@ def main(args):
         report["engines"][name] = _summarise(rs)
         report["engines"][name]["info"] = infos[name]
     report["determinism_failures"] = _check_determinism(rounds["jitkern"])
+    report["batch_invariance"] = invariance
     if "llama.cpp" in rounds:
         agree = {}
         ours_tok, peer_tok = rounds["jitkern"][0][2], rounds["llama.cpp"][0][2]
@@ -544,6 +588,7 @@ def _print_report(rep):
     info = ours["info"]
     print()
     print(f"# {rep['command']}")
+    print(f"code {rep['code']}")
     print(f"model {rep['model']}")
     print(f"input {rep['input_len']} tokens, output {rep['output_len']}, prefill prompts {rep['num_prompts']}, "
           f"concurrency {','.join(map(str, rep['concurrency']))}, seed {rep['seed']}, "
@@ -593,6 +638,12 @@ def _print_report(rep):
         print("greedy tokens identical to llama.cpp's: " + ", ".join(
             f"c={c}: {a['identical']}/{a['of']} sequences (median first divergence at token "
             f"{_fmt(a['median_first_divergence'], 'g')})" for c, a in ag.items()))
+    inv = rep.get("batch_invariance")
+    if inv:
+        bad_seqs = {i: d for i, d in enumerate(inv["first_divergence"]) if d != rep["output_len"]}
+        print(f"jitkern batch invariance (each c={inv['concurrency']} prompt alone vs in the wave): "
+              f"{inv['identical']}/{inv['of']} sequences identical" +
+              (f"; DIFFERENT: sequence -> first divergent token {bad_seqs}" if bad_seqs else ""))
     bad = rep["determinism_failures"]
     print("jitkern request 0 (same prompt at every concurrency and round): " +
           ("identical greedy tokens throughout" if not bad else
