@@ -2,26 +2,38 @@
 
 API: `matmul_q(x, weight_raw, qtype, N, K)`; `quantize_q8(x, layout=act_layout(qtype))` once + `matmul_q8(xq, ...)`
 per weight when several weights share an input; `dequantize_rows(raw, qtype, rows_idx, K)` (embedding lookup);
-`row_bytes`, `QTYPES`. qtypes: q8_0 q4_0 q4_1 q4_K q5_K q6_K.
+`row_bytes`, `QTYPES`, `qmm_tiles` / `qmm_step` (the 32-element formats' tiles). qtypes: q8_0 q4_0 q4_1 q4_K
+q5_K q6_K.
 
-LLM decode on a CPU is a bandwidth-bound GEMV over the weights, so the kernels follow ggml's plan:
+Decode is a bandwidth-bound GEMV over the weights, prefill and batched decode a compute-bound GEMM; both
+follow ggml's plan for the arithmetic:
 
 1. The activations are quantised once per row (`quantize_q8`): blocks of 32 int8 values with an f32 scale
    d = max|x| / 127 and the f32 block sum s = d * sum(q) (what the formats with a min/offset need). One
    format serves every weight type; the K-quants (256-element super-blocks) use 8 of these 32-blocks per
    super-block, at least as precise as ggml's Q8_K (one scale per 256). For q4_0 / q4_1 weights the values
-   are stored in the 'q4' layout (pairs of blocks interleaved by 16-value halves, see Q8Activations).
-2. Per weight block the integer dot products run on `jk.dot4` (pmaddubsw + pmaddwd on x86: unsigned 4/5/6-bit
-   weights times signed int8 activations directly; q8_0 / q6_K weights are signed: the sign trick). dot4
-   leaves the partial sums of each group of 4 in vector lanes; they are converted to f32 and FMA'd with the
-   block's combined scale (weight scale * activation scale, broadcast over its lanes) into an f32 accumulator,
-   reduced horizontally once per row. Min/offset terms (q4_1's m, the K-quants' dmin * m, q4_0's -8 d) are
-   FMA'd with the activation block sums.
-3. GEMV (M = 1): a program runs 8 weight rows one after the other, each over its whole K with two vector
-   registers' worth of blocks per step. Rows are not interleaved: each thread then reads one monotonic
-   stream, which the hardware prefetchers follow (R rows in lockstep measured 3-5x less DRAM bandwidth).
-   GEMM (M > 1, prefill): a program owns a tile of BM tokens x R rows, so every weight block loaded serves BM
-   tokens (the weights are read M/BM times, not M times) and every activation block R rows (`gemv_tiles`).
+   are stored in the 'q4' / 'q4x4' layout (groups of 2 / 4 blocks interleaved by 16-value halves, see
+   Q8Activations), so the activations that meet one vector of nibble bytes are one contiguous load.
+2. The integer dot products run on `jk.dot4` (pmaddubsw + pmaddwd on x86: unsigned 4-bit weights times signed
+   int8 activations directly, the two 16-value halves of a q4 block added in int16 first (dot4's axis form);
+   q8_0 / the K-quants as ggml, q8_0 with the sign trick).
+3. q8_0 / q4_0 / q4_1 (`_qmm_kernel`, every M): the lanes dot4 leaves per block are summed to one exact i32
+   per (token, row, block) first; with 4 rows per tile that is a 4x4 transpose-and-add inside each 128-bit
+   lane (unpacks, which Zen 4 issues beside its multipliers, unlike cross-lane permutes), leaving registers
+   of 4 blocks x 4 rows. The float work then runs on those dense registers: per (token, row, block) one
+   product of the weight and activation scales, one FMA of the converted dot and one FMA of the block-sum
+   term (q4_1's m, q4_0's -8 d) into an accumulator lane per block of the step, summed by a fixed halving
+   tree at the end. A program owns BM tokens x R rows (16 x 4 on AVX-512, 8 x 4 on AVX2: every weight block
+   loaded serves BM tokens, every activation block 4 rows), or for M = 1 one row at a time, 8 rows one after
+   the other (each thread reads one monotonic stream, which the hardware prefetchers follow; R rows in
+   lockstep measured 3-5x less DRAM bandwidth). K is a compile-time constant (token rows are constant
+   offsets, the K loop and its leftover pair / single block are fixed).
+   Batch invariance: the integer dots are exact and the float operations of an output depend only on the
+   tier's step S (`qmm_step`) and K, never on M or the tile, so a row's result is bit-identical alone or in
+   any batch (tests/ops/test_quant.py checks it).
+4. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
+   the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above, GEMM tiles 4 x 2;
+   the same arithmetic for every tile shape.
 
 Weight layout (ggml-common.h; rows are K/block_elems consecutive blocks, row r of an (N, K) tensor starts at
 byte r * row_bytes). A decoder turns a step's blocks into small integers q (natural element order, or for
@@ -45,8 +57,7 @@ for q6_K's 16-element scales) and, where the format has one, the coefficient c o
 (all checked against gguf.quants.dequantize in tests/ops/test_quant.py; dequantize_rows is bit-exact)
 
 Edges without masks in the hot loops: the last tile of weight rows (tokens) is shifted back to end at N (M),
-overlapping its neighbour, which recomputes and rewrites identical values; so tiles never exceed N (M). K
-steps that do not divide the block count leave a remainder run by short tail loops.
+overlapping its neighbour, which recomputes and rewrites identical values; so tiles never exceed N (M).
 """
 from __future__ import annotations
 
@@ -58,7 +69,7 @@ import jitkern as jk
 from jitkern.ops._hostargs import resolve_target, run
 
 __all__ = ["QTYPES", "QType", "Q8Activations", "LAYOUTS", "act_layout", "quantize_q8", "matmul_q", "matmul_q8",
-           "dequantize_rows", "row_bytes", "gemv_tiles"]
+           "dequantize_rows", "row_bytes", "qmm_tiles", "qmm_step"]
 
 
 @dataclass(frozen=True)
@@ -104,51 +115,79 @@ def _q8_blocks(v):
     return r, d, d * jk.sum(r, axis=1)
 
 
+@jk.jit
+def _store_grouped(qx, off, r, NG: jk.constexpr, G: jk.constexpr):
+    """Stores the int8 values r of NG * G consecutive 32-blocks (a (NG * G, 32) f32 tile of integers) at qx + off
+    in groups of G blocks interleaved by 16-value halves: [b0 0-15, .., bG-1 0-15, b0 16-31, .., bG-1 16-31]
+    (G = 1: element order)."""
+    jk.store(qx + off + jk.arange(0, NG)[:, None, None, None] * (G * 32) + jk.arange(0, G)[None, :, None, None] * 16
+             + jk.arange(0, 2)[None, None, :, None] * (G * 16) + jk.arange(0, 16)[None, None, None, :],
+             jk.reshape(r.to(jk.i32).to(jk.i8), (NG, G, 2, 16)))
+
+
+@jk.jit
+def _quantize_tail(x, qx, xd, xs, row, K, b0, NBT: jk.constexpr):
+    """Quantises the NBT blocks from block b0 of a row as one group of NBT (the leftovers of a grouped layout)."""
+    blk = b0.to(jk.i64) + jk.arange(0, NBT)
+    r, d, s = _q8_blocks(jk.load(x + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]))
+    _store_grouped(qx, row * K + b0.to(jk.i64) * 32, r, 1, NBT)
+    jk.store(xd + row * (K // 32) + blk, d)
+    jk.store(xs + row * (K // 32) + blk, s)
+
+
 @jk.kernel
-def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr, PAIRS: jk.constexpr):
+def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr, G: jk.constexpr):
     # program (row, chunk of BB 32-blocks); the last chunk of a row shifts back to end at the row's end.
-    # PAIRS: the 'q4' layout, blocks 2j and 2j+1 stored as [2j lo 16, 2j+1 lo 16, 2j hi 16, 2j+1 hi 16]
-    # (chunks of BB = even blocks over the pairs; the last block of an odd count stays as it is, done by the
-    # first program of the row)
+    # G > 1: the grouped layouts ('q4': G = 2, 'q4x4': G = 4; see Q8Activations): chunks of BB (a multiple of
+    # G) blocks cover the NBLK - NBLK % G blocks in whole groups; the first program of the row does the rest
+    # (a pair, then a single block, each as its own group)
     row = jk.program_id(1).to(jk.i64)
-    if PAIRS:
-        b0 = jk.minimum(jk.program_id(0) * BB, NBLK - NBLK % 2 - BB).to(jk.i64)
-    else:
-        b0 = jk.minimum(jk.program_id(0) * BB, NBLK - BB).to(jk.i64)
+    b0 = jk.minimum(jk.program_id(0) * BB, NBLK - NBLK % G - BB).to(jk.i64)
     blk = b0 + jk.arange(0, BB)
     r, d, s = _q8_blocks(jk.load(x + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]))
-    if PAIRS:
-        pair = b0 // 2 + jk.arange(0, BB // 2)
-        jk.store(qx + row * K + pair[:, None, None, None] * 64 + jk.arange(0, 2)[None, :, None, None] * 16
-                 + jk.arange(0, 2)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :],
-                 jk.reshape(r.to(jk.i32).to(jk.i8), (BB // 2, 2, 2, 16)))
-    else:
-        jk.store(qx + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :], r.to(jk.i32).to(jk.i8))
+    _store_grouped(qx, row * K + b0 * 32, r, BB // G, G)
     jk.store(xd + row * NBLK + blk, d)
     jk.store(xs + row * NBLK + blk, s)
-    if PAIRS:
-        if (jk.program_id(0) == 0) & (NBLK % 2 == 1):
-            last = (NBLK - 1).to(jk.i64) + jk.arange(0, 1)
-            offs = row * K + last[:, None] * 32 + jk.arange(0, 32)[None, :]
-            r1, d1, s1 = _q8_blocks(jk.load(x + offs))
-            jk.store(qx + offs, r1.to(jk.i32).to(jk.i8))
-            jk.store(xd + row * NBLK + last, d1)
-            jk.store(xs + row * NBLK + last, s1)
+    if G > 1:
+        rest = NBLK % G
+        if (jk.program_id(0) == 0) & (rest > 0):
+            if G > 2:
+                if rest >= 2:
+                    _quantize_tail(x, qx, xd, xs, row, K, NBLK - rest, 2)
+            if rest % 2 == 1:
+                _quantize_tail(x, qx, xd, xs, row, K, NBLK - 1, 1)
 
 
-LAYOUTS = ("natural", "q4")
+LAYOUTS = ("natural", "q4", "q4x4")
+_GROUP = {"natural": 1, "q4": 2, "q4x4": 4}
 
 
-def act_layout(qtype) -> str:
-    """The activation layout `matmul_q8` needs for weights of this type ('q4' for q4_0 / q4_1)."""
-    return "q4" if _qtype(qtype).name in ("q4_0", "q4_1") else "natural"
+def _eff_group(layout: str, nblk: int) -> int:
+    """The group size a layout really has for rows of nblk blocks (fewer blocks than a group: the grouped
+    layouts coincide with the smaller ones)."""
+    g = _GROUP[layout]
+    while g > nblk:
+        g //= 2
+    return g
+
+
+def act_layout(qtype, M: int = 1, target=None) -> str:
+    """The activation layout `matmul_q8` needs for weights of this type on `target`: 'q4' for q4_0 / q4_1
+    ('q4x4' where the kernel steps over 4 blocks: 512-bit vectors), else 'natural'. The same for every M
+    (`M` is accepted for callers that pass it)."""
+    q = _qtype(qtype)
+    if q.name not in ("q4_0", "q4_1"):
+        return "natural"
+    return "q4x4" if qmm_step(q, resolve_target(target)) == 4 else "q4"
 
 
 class Q8Activations(tuple):
     """(qx, scales, sums) as returned by `quantize_q8`, carrying the layout of qx in `.layout`:
-    'natural' (each 32-block's values in order) or 'q4' (blocks 2j and 2j+1 interleaved by 16-value halves,
-    [2j: 0-15, 2j+1: 0-15, 2j: 16-31, 2j+1: 16-31]; the last block of an odd count in order), which lets the
-    q4_0 / q4_1 kernels load the activations that pair with one vector of nibble bytes contiguously."""
+    'natural' (each 32-block's values in order), 'q4' (blocks 2j and 2j+1 interleaved by 16-value halves,
+    [2j: 0-15, 2j+1: 0-15, 2j: 16-31, 2j+1: 16-31]; the last block of an odd count in order) or 'q4x4' (groups
+    of 4 blocks likewise, [4j: 0-15, .., 4j+3: 0-15, 4j: 16-31, .., 4j+3: 16-31]; of the last K/32 % 4 blocks
+    a pair as in 'q4', then an odd last block in order), which let the q4_0 / q4_1 kernels load the activations
+    that pair with one vector of nibble bytes (the same half of 2 or 4 blocks) with one contiguous load."""
 
     layout = "natural"
 
@@ -191,13 +230,13 @@ def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural") -
                 raise ValueError(f"quantize_q8: out {nm} must be a contiguous {np.dtype(dt)} array of shape {shp}, "
                                  f"got {a.dtype} {a.shape}")
     M = int(np.prod(lead)) if lead else 1
-    pairs = layout == "q4" and nblk >= 2     # one block: both layouts are the same
-    span = nblk - nblk % 2 if pairs else nblk
-    bb = 2 if pairs else 1
+    g = _eff_group(layout, nblk)
+    span = nblk - nblk % g
+    bb = g
     while bb * 2 <= min(span, 8):
         bb *= 2
     if M:
-        run(_quantize_q8_kernel, (-(-span // bb), M), (x, qx, xd, xs, K, nblk), target, BB=bb, PAIRS=pairs)
+        run(_quantize_q8_kernel, (-(-span // bb), M), (x, qx, xd, xs, K, nblk), target, BB=bb, G=g)
     return Q8Activations(qx, xd, xs, layout)
 
 
@@ -323,89 +362,196 @@ def _dec_q6_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     return q, sc, None, None
 
 
-# ------------------------------------------------------------------------------------------- the product
+# ------------------------------------------------------------------------------------- K-quants (256 blocks)
 @jk.jit
-def _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.constexpr, BM: jk.constexpr,
-           R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, XQ4: jk.constexpr):
-    """One step over S 32-element sub-blocks (index st*S ...) of the BM x R tile: returns the updated
-    accumulators acc (BM, R, LANES) (scaled integer dots, per lane) and accc (BM, R, S) (block-sum terms).
-    XQ4: the activations are in the 'q4' layout (see Q8Activations)."""
-    q, sc, c, _ = DEC(w, wh, rows, st, rb, R, S)
-    xbase = toks * K64 + st * (S * 32)
-    srow = toks[:, None] * (K64 // 32) + st * S + jk.arange(0, S)[None, :]
-    if len(q.shape) == 4:
-        # 'halves' layout (R, 2, S, 16): the activations likewise, (BM, 2, S, 16)
-        if XQ4 and S % 2 == 0:
-            # 'q4' activation layout: pairs of blocks stored as [lo, lo, hi, hi] (st * S is even here)
-            offs = (xbase[:, None, None, None, None] + jk.arange(0, 2)[None, :, None, None, None] * 32
-                    + jk.arange(0, S // 2)[None, None, :, None, None] * 64
-                    + jk.arange(0, 2)[None, None, None, :, None] * 16 + jk.arange(0, 16)[None, None, None, None, :])
-            xv = jk.reshape(jk.load(xq + offs), (BM, 2, S, 16))
-        else:
-            xv = jk.load(xq + xbase[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 16
-                         + jk.arange(0, S)[None, None, :, None] * 32 + jk.arange(0, 16)[None, None, None, :])
-        p = jk.sum(jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
-                           jk.broadcast_to(xv[:, None, :, :, :], (BM, R, 2, S, 16))), axis=2)
-        L = 4
-    else:
-        xv = jk.load(xq + xbase[:, None, None] + jk.arange(0, S)[None, :, None] * 32
-                     + jk.arange(0, 32)[None, None, :])                            # (BM, S, 32) i8
-        p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
-                    jk.broadcast_to(xv[:, None, :, :], (BM, R, S, 32)))               # (BM, R, S, 8) i32
-        L = 8
-    # weight scale x activation scale, one per block (sc (R, S, 1)) or per group of 4 (sc (R, S, 8)),
+def _kq_step(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.constexpr, BM: jk.constexpr,
+             R: jk.constexpr):
+    """One super-block (8 sub-blocks of 32, index st) of the BM x R tile: acc (BM, R, 8) gets the scaled
+    integer dots (8 lanes per sub-block, summed over the sub-blocks), accc (BM, R, 8) the block-sum terms."""
+    q, sc, c, _ = DEC(w, wh, rows, st, rb, R, 8)
+    xbase = toks * K64 + st * 256
+    srow = toks[:, None] * (K64 // 32) + st * 8 + jk.arange(0, 8)[None, :]
+    xv = jk.load(xq + xbase[:, None, None] + jk.arange(0, 8)[None, :, None] * 32
+                 + jk.arange(0, 32)[None, None, :])                                # (BM, 8, 32) i8
+    p = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, 8, 32)),
+                jk.broadcast_to(xv[:, None, :, :], (BM, R, 8, 32)))                   # (BM, R, 8, 8) i32
+    # weight scale x activation scale, one per sub-block (sc (R, 8, 1)) or per group of 4 (q6_K: (R, 8, 8)),
     # multiplied before broadcasting over the lanes
-    dx = jk.load((xd + srow)[:, :, None])                                              # (BM, S, 1)
-    scale = jk.broadcast_to(sc[None, :, :, :] * dx[:, None, :, :], (BM, R, S, L))
-    if S * L == LANES:
-        acc = jk.fma(jk.reshape(p.to(jk.f32), (BM, R, LANES)), jk.reshape(scale, (BM, R, LANES)), acc)
-    else:
-        acc += jk.sum(p.to(jk.f32) * scale, axis=2)
+    dx = jk.load((xd + srow)[:, :, None])                                              # (BM, 8, 1)
+    scale = jk.broadcast_to(sc[None, :, :, :] * dx[:, None, :, :], (BM, R, 8, 8))
+    acc += jk.sum(p.to(jk.f32) * scale, axis=2)
     if c is not None:
         accc = jk.fma(c[None, :, :], jk.load(xs + srow)[:, None, :], accc)
     return acc, accc
 
 
 @jk.kernel
-def _qmatmul_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, RS, DEC: jk.constexpr, BM: jk.constexpr,
-                    R: jk.constexpr, S: jk.constexpr, LANES: jk.constexpr, TL: jk.constexpr, XQ4: jk.constexpr):
+def _kq_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, RS, DEC: jk.constexpr, BM: jk.constexpr,
+               R: jk.constexpr):
     # y[m, n] for BM tokens x RS * R weight rows: RS tiles of R rows one after the other (so a GEMV program
     # with R = 1 still reads one monotonic stream, and its fixed costs are shared by RS rows); grid (N tiles,
-    # M tiles). NSTEP steps cover S 32-element sub-blocks each; RB is the weight row length in bytes; LANES
-    # (TL) the f32 lanes of the main (tail) accumulator per (token, row). The sub-blocks left (32-element
-    # formats, TL > 0) run two at a time while pairs remain in the 'q4' activation layout (XQ4), then one at
-    # a time.
+    # M tiles); NSTEP super-blocks per row of RB bytes. The same per-output arithmetic for every tile shape.
     n0 = jk.minimum(jk.program_id(0) * (RS * R), N - RS * R)
     m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
     toks = (m0 + jk.arange(0, BM)).to(jk.i64)
     K64 = K.to(jk.i64)
     rb = RB.to(jk.i64)
-    nb = K // 32
     for rt in range(0, RS):
         rows = (n0 + rt * R + jk.arange(0, R)).to(jk.i64)
-        acc = jk.zeros((BM, R, LANES), jk.f32)
-        accc = jk.zeros((BM, R, S), jk.f32)
+        acc = jk.zeros((BM, R, 8), jk.f32)
+        accc = jk.zeros((BM, R, 8), jk.f32)
         for st in range(0, NSTEP):
-            acc, accc = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R, S,
-                               LANES, XQ4)
-        res = jk.sum(acc, axis=2) + jk.sum(accc, axis=2)
-        done = NSTEP * S
-        if XQ4 and S > 2:
-            acc2 = jk.zeros((BM, R, 2 * TL), jk.f32)
-            accc2 = jk.zeros((BM, R, 2), jk.f32)
-            for sp in range(done // 2, nb // 2):
-                acc2, accc2 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sp.to(jk.i64), acc2, accc2, DEC, BM, R,
-                                     2, 2 * TL, XQ4)
-            res = res + (jk.sum(acc2, axis=2) + jk.sum(accc2, axis=2))
-            done = jk.maximum(done, nb - nb % 2)
-        if S > 1 and TL > 0:
-            acc1 = jk.zeros((BM, R, TL), jk.f32)
-            accc1 = jk.zeros((BM, R, 1), jk.f32)
-            for sb in range(done, nb):
-                acc1, accc1 = _qstep(w, wh, xq, xd, xs, rows, toks, K64, rb, sb.to(jk.i64), acc1, accc1, DEC, BM, R,
-                                     1, TL, XQ4)
-            res = res + (jk.sum(acc1, axis=2) + jk.sum(accc1, axis=2))
-        jk.store(y + toks[:, None] * N + rows[None, :], res)
+            acc, accc = _kq_step(w, wh, xq, xd, xs, rows, toks, K64, rb, st.to(jk.i64), acc, accc, DEC, BM, R)
+        jk.store(y + toks[:, None] * N + rows[None, :], jk.sum(acc, axis=2) + jk.sum(accc, axis=2))
+
+
+def _kq_tiles(M: int, N: int) -> tuple:
+    """(BM, R, RS) of the K-quant kernel: a GEMV program (M = 1) runs 8 single rows one after the other (one
+    monotonic weight stream per thread: R rows in lockstep are R interleaved streams, which the hardware
+    prefetchers follow badly, 3-5x less DRAM bandwidth on znver4); a GEMM program a 4 x 2 tile."""
+    if M == 1:
+        return 1, 1, max(1, min(8, N))
+    return _pow2_le(M, 4), _pow2_le(N, 2), 1
+
+
+# ------------------------------------------------------------- 32-element formats: one kernel for every M
+@jk.jit
+def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr):
+    """The integer dot of every (token, row, block) of a step, (BM, R // RI, S, RI) i32 (row = RI * rq + ri).
+
+    q: the decoder's quants, (R, 2, S, 16) 'halves' or (R, S, 32); x: (BM, S * 32) int8 activations. dot4
+    leaves 4 lanes per block (8 for q8_0, whose two 128-bit halves are added first); the sums over them are
+    exact, so their order is free: with RI = 4 they are unpack-and-add steps across 4 rows' registers (a 4x4
+    transpose-and-add inside every 128-bit lane), in-lane shuffles that Zen 4 runs beside its multipliers,
+    where cross-lane permutes compete with them."""
+    RQ = R // RI
+    if len(q.shape) == 4:
+        # both halves in one int16 sum (4 products of 4-bit x int8 per pair: inside dot4's axis contract)
+        p = jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
+                    jk.broadcast_to(jk.reshape(x, (BM, 1, 2, S, 16)), (BM, R, 2, S, 16)), axis=2)
+    else:
+        p8 = jk.dot4(jk.broadcast_to(q[None, :, :, :], (BM, R, S, 32)),
+                     jk.broadcast_to(jk.reshape(x, (BM, 1, S, 32)), (BM, R, S, 32)))
+        p = jk.sum(jk.reshape(p8, (BM, R, S, 2, 4)), axis=3)
+    if RI == 1:
+        return jk.reshape(jk.sum(p, axis=3), (BM, RQ, S, 1))
+    # axes (t, rq, rr, r1, b, jh, jl): row 4 rq + 2 rr + r1, lane 2 jh + jl
+    p7 = jk.reshape(p, (BM, RQ, 2, 2, S, 2, 2))
+    s1 = jk.sum(jk.trans(p7, (0, 1, 2, 4, 5, 6, 3)), axis=4)       # unpack lo/hi dwords: (t, rq, rr, b, jl, r1)
+    s2 = jk.sum(jk.trans(s1, (0, 1, 3, 4, 2, 5)), axis=3)          # unpack lo/hi qwords: (t, rq, b, rr, r1)
+    return jk.reshape(s2, (BM, RQ, S, 4))
+
+
+@jk.jit
+def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, RB: jk.constexpr,
+              BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr):
+    """acc (BM, R // RI, S, RI) f32 += the S blocks from block st * S: per (token, row, block) one FMA of the
+    exact integer dot with the scale product, then one FMA of the block-sum term (q4_1's m, q4_0's -8 d)."""
+    RQ = R // RI
+    q, sc, c, _ = DEC(w, wh, rows, st, RB, R, S)
+    x = jk.load(xq + xrow[:, None] + st * (S * 32) + jk.arange(0, S * 32)[None, :])
+    pb = _block_dots(q, x, BM, R, S, RI).to(jk.f32)
+    blk = srow[:, None] + st * S + jk.arange(0, S)[None, :]                                 # (BM, S)
+    shape = (BM, RQ, S, RI)
+    sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))                                  # (RQ, S, RI)
+    dx = jk.load(xd + blk)
+    acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx[:, None, :, None], shape), acc)
+    if c is not None:
+        cw = jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))
+        acc = jk.fma(jk.broadcast_to(cw[None, :, :, :], shape),
+                     jk.broadcast_to(jk.load(xs + blk)[:, None, :, None], shape), acc)
+    return acc
+
+
+@jk.jit
+def _block_sum(v, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.constexpr, LOGS: jk.constexpr):
+    """(BM, RQ, S, RI) -> (BM, RQ, RI): the upper half of the block lanes added to the lower half, LOGS times
+    (a fixed tree for every tile shape, as batch invariance needs)."""
+    for i in jk.static_range(LOGS):
+        v = jk.sum(jk.reshape(v, (BM, RQ, 2, S >> (i + 1), RI)), axis=2)
+    return jk.reshape(v, (BM, RQ, RI))
+
+
+@jk.kernel
+def _qmm_kernel(w, wh, xq, xd, xs, y, M, N, K: jk.constexpr, DEC: jk.constexpr, RB: jk.constexpr,
+                BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
+                LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr):
+    # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
+    # reads one monotonic weight stream); grid (N / (RS R), M / BM), the last tile of each axis shifted back
+    # to end at N (M). K is a compile-time constant: token rows are constant offsets from one pointer, the
+    # K loop and its leftovers (a pair of blocks, then one block) are fixed. Every output gets the same
+    # float operations whatever BM, R, RS (the integer dots are exact; lanes, FMAs and trees depend on S and
+    # K only), so a row's result does not depend on the batch.
+    n0 = jk.minimum(jk.program_id(0) * (RS * R), N - RS * R)
+    m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
+    toks = (m0 + jk.arange(0, BM)).to(jk.i64)
+    NB = K // 32
+    RQ = R // RI
+    xrow = toks * K
+    srow = toks * NB
+    for rt in range(0, RS):
+        rows = (n0 + rt * R + jk.arange(0, R)).to(jk.i64)
+        acc = jk.zeros((BM, RQ, S, RI), jk.f32)
+        for st in range(0, NB // S):
+            acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI)
+        res = _block_sum(acc, BM, RQ, S, RI, LOGS)
+        if PAIR_TAIL:
+            acc2 = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, (NB // S * S) // 2,
+                             jk.zeros((BM, RQ, 2, RI), jk.f32), DEC, RB, BM, R, 2, RI)
+            res += _block_sum(acc2, BM, RQ, 2, RI, 1)
+        if ONE_TAIL:
+            acc1 = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, NB - 1, jk.zeros((BM, RQ, 1, RI), jk.f32), DEC,
+                             RB, BM, R, 1, RI)
+            res += jk.reshape(acc1, (BM, RQ, RI))
+        jk.store(y + toks[:, None] * N + rows[None, :], jk.reshape(res, (BM, R)))
+
+
+_QMM_TYPES = ("q8_0", "q4_0", "q4_1")
+
+
+def _qmm_kernel_for(q: QType) -> bool:
+    return q.name in _QMM_TYPES
+
+
+def qmm_step(qtype, target=None) -> int:
+    """Blocks per K step of the 32-element-format kernel on this tier (fixed per tier and type, never per M:
+    the lanes and order of every output's float sums follow from it)."""
+    q = _qtype(qtype)
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    vbytes = max(16, target.vector_bits // 8)
+    if q.name in ("q4_0", "q4_1"):
+        # the same half of 4 blocks in one 512-bit vector (two 256-bit ones on AVX2: fewer instructions per
+        # byte for the bandwidth-bound GEMV than one); two blocks on 128-bit tiers
+        return 4 if vbytes >= 32 else 2
+    return max(1, vbytes // 16)               # q8_0: two vectors of 32-byte blocks
+
+
+def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
+    """(BM, R, RS, S) of the 32-element-format kernel: tokens x weight rows per tile, row tiles per program,
+    blocks per step (S shrinks for K below one step; it depends on K and the tier only)."""
+    q = _qtype(qtype)
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    S = qmm_step(q, target)
+    vbytes = max(16, target.vector_bits // 8)
+    while S > 1 and S > K // 32:
+        S //= 2
+    if M == 1:
+        if QMM_GEMV_OVERRIDE is not None:
+            return QMM_GEMV_OVERRIDE + (S,)
+        return 1, 1, max(1, min(8, N)), S
+    BM = _pow2_le(M, 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4)
+    R = 4 if N >= 4 else 1
+    if QMM_TILE_OVERRIDE is not None:           # benchmarks: (BM, R)
+        BM, R = QMM_TILE_OVERRIDE
+    return min(BM, M), R, 1, S
+
+
+QMM_TILE_OVERRIDE = None
+QMM_GEMV_OVERRIDE = None
 
 
 _DECODERS = {"q8_0": _dec_q8_0, "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q4_K": _dec_q4_K, "q5_K": _dec_q5_K,
@@ -417,58 +563,6 @@ def _pow2_le(n: int, cap: int) -> int:
     while p * 2 <= min(n, cap):
         p *= 2
     return p
-
-
-def gemv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
-    """(BM, R, S, LANES): tokens x weight rows per program, 32-element sub-blocks per main-loop step (the
-    K // 32 % S left over run one at a time), accumulator lanes per (token, row)."""
-    q = _qtype(qtype)
-    if target is None:
-        from jitkern.compiler import default_target
-        target = default_target()
-    vbytes = max(16, target.vector_bits // 8)
-    regs = 2 if M == 1 else 1           # accumulator registers per (token, row)
-    if q.block_elems == 256:
-        S, L = 8, 8
-    elif q.name in ("q4_0", "q4_1"):
-        # one vector of nibble bytes holds the same half of vbytes/16 blocks; at least a pair of blocks per
-        # step, as the 'q4' activation layout interleaves pairs
-        S, L = max(2, regs * vbytes // 16), 4
-    else:
-        S, L = max(1, regs * vbytes // 32), 8
-    while S > K // 32:
-        S //= 2
-    lanes = S * L if S * L <= regs * vbytes // 4 else L
-    # M == 1 (GEMV, bandwidth-bound): one weight row per program, so every thread reads one monotonic stream
-    # (R rows in lockstep are R interleaved streams, which the hardware prefetchers follow badly: 3-5x less
-    # DRAM bandwidth on znver4), and two accumulator registers' worth of blocks per step.
-    # M > 1 (GEMM, compute-bound): the largest token x row tile whose accumulators and operands fit the
-    # register file (16 vector registers on AVX2 and below, 32 on AVX-512).
-    if M == 1:
-        BM, R = 1, 1
-    elif q.block_elems == 256:
-        BM, R = 4, 2
-    elif vbytes >= 64 or q.name in ("q4_0", "q4_1"):
-        BM, R = 4, 4
-    elif vbytes >= 32:
-        BM, R = 8, 2
-    else:
-        BM, R = 2, 2
-    return _pow2_le(M, BM), _pow2_le(N, R), S, lanes
-
-
-def _seq_tiles(M: int, N: int, R: int) -> int:
-    """Row tiles one program runs one after the other: GEMV programs take 8 rows (a program's fixed costs,
-    the program-id divisions and the final horizontal sums, are then small next to short rows' work);
-    GEMM programs one tile (they are long anyway)."""
-    if M > 1:
-        return 1
-    return max(1, min(8, N // R))
-
-
-def _tail_lanes(q: QType) -> int:
-    """Accumulator lanes of the one-sub-block tail loop (0: none, the K-quants step whole super-blocks)."""
-    return 0 if q.block_elems == 256 else 4 if q.name in ("q4_0", "q4_1") else 8
 
 
 def _weight_arg(raw, q: QType, N: int, K: int, what: str):
@@ -496,9 +590,10 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
         raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {x.shape}")
     if x.size == 0:
         sc = np.zeros(x.shape[:-1] + (int(K) // 32,), np.float32)
-        xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q))
+        xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q, 0, target))
         return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
-    return matmul_q8(quantize_q8(x, target=target, layout=act_layout(q)), weight_raw, q, N, K, out=out,
+    M = 1 if x.ndim == 1 else x.shape[0]
+    return matmul_q8(quantize_q8(x, target=target, layout=act_layout(q, M, target)), weight_raw, q, N, K, out=out,
                      target=target)
 
 
@@ -515,9 +610,6 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     N, K = int(N), int(K)
     w, wh = _weight_arg(weight_raw, q, N, K, f"matmul_q({q.name})")
     layout = getattr(xq, "layout", "natural")
-    if layout != act_layout(q) and K // 32 >= 2:
-        raise ValueError(f"matmul_q8: {q.name} needs activations in the {act_layout(q)!r} layout, got {layout!r} "
-                         f"(quantize_q8(x, layout=act_layout({q.name!r})))")
     qx, xd, xs = xq
     if qx.ndim not in (1, 2) or qx.shape[-1] != K or qx.dtype != np.int8:
         raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {qx.shape}")
@@ -531,14 +623,25 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"matmul_q: out must be a contiguous float32 array of shape {oshape}, got {out.dtype} "
                          f"{out.shape}")
+    need = act_layout(q, M, target)
+    if _eff_group(layout, K // 32) != _eff_group(need, K // 32):
+        raise ValueError(f"matmul_q8: {q.name} needs activations in the {need!r} layout here, got {layout!r} "
+                         f"(quantize_q8(x, layout=act_layout({q.name!r}, M, target)))")
     if M == 0 or N == 0:
         return out, None
-    BM, R, S, lanes = gemv_tiles(q, M, N, K, resolve_target(target))
-    xq4 = layout == "q4" and K // 32 >= 2
-    rs = _seq_tiles(M, N, R)
-    ck = run(_qmatmul_kernel, (-(-N // (rs * R)), -(-M // BM)),
-             (w, wh, qx, xd, xs, out, M, N, K, K // (32 * S), row_bytes(q, K), rs),
-             target, DEC=_DECODERS[q.name], BM=BM, R=R, S=S, LANES=lanes, TL=_tail_lanes(q), XQ4=xq4)
+    T = resolve_target(target)
+    if _qmm_kernel_for(q):
+        BM, R, RS, S = qmm_tiles(q, M, N, K, T)
+        nb = K // 32
+        rest = nb - nb // S * S
+        ck = run(_qmm_kernel, (-(-N // (RS * R)), -(-M // BM)), (w, wh, qx, xd, xs, out, M, N), target, K=K,
+                 DEC=_DECODERS[q.name], RB=row_bytes(q, K), BM=BM, R=R, RI=min(R, 4), RS=RS, S=S,
+                 LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1)
+        return out, ck
+    BM, R, RS = _kq_tiles(M, N)
+    ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),
+             (w, wh, qx, xd, xs, out, M, N, K, K // 256, row_bytes(q, K), RS), target, DEC=_DECODERS[q.name],
+             BM=BM, R=R)
     return out, ck
 
 

@@ -28,9 +28,10 @@ QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K"]
 _GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
          "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_K": gguf.GGMLQuantizationType.Q4_K,
          "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K}
-# two K per type: a whole number of steps, and a remainder (odd block counts: the one-block tail; for q4_0 /
-# q4_1, 11 blocks also leave a pair for the two-block tail after 8-block (AVX-512) or 4-block (AVX2) steps)
-KS = {"q8_0": (128, 160), "q4_0": (128, 352), "q4_1": (64, 352), "q4_K": (256, 768), "q5_K": (256, 768),
+# two K per type: a whole number of steps, and a remainder: 11 blocks (q4_0 / q4_1) leave a pair and a single
+# block after 4-block steps, 6 (q8_0) a pair after one 4-block step (AVX-512), 5 a single block; 2 blocks
+# (q4_1, K = 64) are fewer than one 4-block step
+KS = {"q8_0": (192, 160), "q4_0": (128, 352), "q4_1": (64, 352), "q4_K": (256, 768), "q5_K": (256, 768),
       "q6_K": (256, 768)}
 
 
@@ -113,7 +114,7 @@ def test_matmul_q(tier, qtype):
     N = 37
     for K in KS[qtype]:
         raw, wd = make_weight(qtype, N, K, rng)
-        for M in (1, 3, 17):
+        for M in ((1, 3, 5, 16, 17, 37) if Q.QTYPES[qtype].block_elems == 32 else (1, 3, 17)):
             x = rng.standard_normal((M, K)).astype(np.float32)
             x[0, :3] *= 20.0                              # uneven block scales
             y = Q.matmul_q(x if M > 1 else x[0], raw, qtype, N, K, target=tier)
@@ -163,10 +164,30 @@ def test_quantize_q8_q4_layout(tier):
         np.testing.assert_array_equal(got[2], rs)
 
 
+def test_quantize_q8_q4x4_layout(tier):
+    # 'q4x4': groups of 4 blocks [b0 lo16 .. b3 lo16, b0 hi16 .. b3 hi16]; of the last K/32 % 4 blocks a pair
+    # as in 'q4', then an odd last block in order
+    rng = np.random.default_rng(19)
+    for nb in (1, 2, 3, 4, 5, 6, 7, 11, 18):
+        M, K = 3, 32 * nb
+        x = rng.standard_normal((M, K)).astype(np.float32) * 3
+        got = Q.quantize_q8(x, layout="q4x4", target=tier)
+        assert got.layout == "q4x4"
+        rq, rd, rs = ref_quantize_q8(x)
+        blocks = rq.reshape(M, nb, 2, 16)
+        parts, b = [], 0
+        for g in [4] * (nb // 4) + ([2] if nb % 4 >= 2 else []) + ([1] if nb % 2 else []):
+            parts.append(blocks[:, b:b + g].transpose(0, 2, 1, 3).reshape(M, -1))   # (half, block, 16)
+            b += g
+        np.testing.assert_array_equal(got[0], np.concatenate(parts, axis=1))
+        np.testing.assert_array_equal(got[1], rd)
+        np.testing.assert_array_equal(got[2], rs)
+
+
 def test_layout_mismatch_is_an_error():
     raw = np.zeros(18 * 2 * 2, np.uint8)
     xq = Q.quantize_q8(np.ones(64, np.float32))                   # natural layout
-    with pytest.raises(ValueError, match="'q4' layout"):
+    with pytest.raises(ValueError, match="needs activations in the 'q4(x4)?' layout"):
         Q.matmul_q8(xq, raw, "q4_0", 2, 64)
     with pytest.raises(ValueError, match="layout 'x4'"):
         Q.quantize_q8(np.ones(64, np.float32), layout="x4")
@@ -202,3 +223,18 @@ def test_errors_name_the_problem():
         Q.dequantize_rows(raw, "q8_0", np.array([2], np.int32), 32)
     with pytest.raises(ValueError, match="multiple of 32"):
         Q.quantize_q8(np.zeros(40, np.float32))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_q_batch_invariant(tier, qtype):
+    # a row's output must not depend on the batch: each row alone (M = 1, the GEMV tiles) and inside batches
+    # of several sizes (other tile shapes, shifted last tiles) must give bit-identical results
+    rng = np.random.default_rng(20 + QTYPES.index(qtype))
+    N = 41
+    for K in KS[qtype]:
+        raw, _ = make_weight(qtype, N, K, rng)
+        x = rng.standard_normal((37, K)).astype(np.float32)
+        alone = np.stack([Q.matmul_q(x[i], raw, qtype, N, K, target=tier) for i in range(x.shape[0])])
+        for M in (2, 3, 5, 16, 17, 37):
+            np.testing.assert_array_equal(Q.matmul_q(x[:M], raw, qtype, N, K, target=tier), alone[:M],
+                                          err_msg=f"{qtype} K={K} M={M}")
