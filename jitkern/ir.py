@@ -173,7 +173,7 @@ class Function:
 #   splat                 scalar -> tile of result shape
 #   broadcast             tile -> result shape (numpy rules; size-1 dims expand)
 #   reshape               same element count, new shape (row-major)
-#   trans                 2-D transpose
+#   trans[perm]           2-D transpose, or with perm any permutation of the axes (result axis i = input perm[i])
 #   binary[op]            add sub mul div floordiv mod and or xor shl shr min max
 #   cmp[op]               eq ne lt le gt ge  -> i1
 #   unary[op]             neg exp exp2 log log2 sqrt rsqrt tanh sigmoid abs floor ceil not erf

@@ -694,11 +694,22 @@ def dot4(a, b, axis=None) -> Tile:
 
 
 @builtin
-def trans(x) -> Tile:
+def trans(x, axes=None) -> Tile:
+    """Transpose: a 2-D tile's two axes, or with `axes` (a compile-time permutation, as numpy.transpose) any
+    tile's axes: result axis i is input axis axes[i]."""
     x = to_tile(x)
-    if len(x.shape) != 2:
-        _error(f"trans needs a 2-D tile, got {x.shape}")
-    return _builder().value("trans", [x], x.type.with_shape((x.shape[1], x.shape[0])))
+    if axes is None:
+        if len(x.shape) != 2:
+            _error(f"trans needs a 2-D tile (or axes=), got {x.shape}")
+        return _builder().value("trans", [x], x.type.with_shape((x.shape[1], x.shape[0])))
+    axes = getattr(axes, "value", axes)
+    try:
+        perm = tuple(int(getattr(a, "value", a)) for a in axes)
+    except (TypeError, ValueError):
+        _error(f"trans axes must be a compile-time tuple of ints, got {axes!r}")
+    if sorted(perm) != list(range(len(x.shape))):
+        _error(f"trans axes {perm} are not a permutation of the {len(x.shape)} axes of a {x.shape} tile")
+    return _builder().value("trans", [x], x.type.with_shape(tuple(x.shape[p] for p in perm)), perm=perm)
 
 
 @builtin

@@ -508,3 +508,62 @@ def test_dot4_lanes_not_a_multiple_of_16(tier):
         out = np.full((3, K // 4), -7, np.int32)
         _run(_dot4, (3,), tier, a, b, out, K=K)
         np.testing.assert_array_equal(out, (a.astype(np.int32) * b.astype(np.int32)).reshape(3, K // 4, 4).sum(-1))
+
+
+@jk.kernel
+def _permute3(x, out, A: jk.constexpr, B: jk.constexpr, C: jk.constexpr):
+    # out = x.transpose(2, 0, 1) (values), out2 = the same through a transposed pointer tile, plus a 2-D trans
+    offs = jk.arange(0, A)[:, None, None] * (B * C) + jk.arange(0, B)[None, :, None] * C + jk.arange(0, C)[None, None, :]
+    v = jk.load(x + offs)
+    o = jk.arange(0, C)[:, None, None] * (A * B) + jk.arange(0, A)[None, :, None] * B + jk.arange(0, B)[None, None, :]
+    jk.store(out + o, jk.trans(v, (2, 0, 1)))
+    jk.store(out + A * B * C + o, jk.load(jk.trans(x + offs, axes=(2, 0, 1))))
+    o2 = jk.arange(0, B * C)[:, None] * A + jk.arange(0, A)[None, :]
+    jk.store(out + 2 * A * B * C + o2, jk.trans(jk.reshape(v, (A, B * C))))
+
+
+def test_trans_axes(tier):
+    # N-D permutation (numpy.transpose semantics) of values and of pointer tiles, and the 2-D default
+    rng = np.random.default_rng(17)
+    for A, B, C in ((2, 3, 4), (4, 4, 16), (1, 5, 2)):
+        x = rng.standard_normal(A * B * C).astype(np.float32)
+        out = np.full(3 * A * B * C, np.nan, np.float32)
+        _run(_permute3, (1,), tier, x, out, A=A, B=B, C=C)
+        want = x.reshape(A, B, C).transpose(2, 0, 1).ravel()
+        np.testing.assert_array_equal(out[:A * B * C], want)
+        np.testing.assert_array_equal(out[A * B * C:2 * A * B * C], want)
+        np.testing.assert_array_equal(out[2 * A * B * C:], x.reshape(A, B * C).T.ravel())
+
+
+@jk.kernel
+def _short_row_reduce(x, out, R: jk.constexpr, N: jk.constexpr):
+    # reductions over a short last axis of many rows (the whole-tile halving tree in the backend)
+    v = jk.load(x + jk.arange(0, R)[:, None] * N + jk.arange(0, N)[None, :])
+    jk.store(out + jk.arange(0, R), jk.sum(v, axis=1))
+    jk.store(out + R + jk.arange(0, R), jk.max(v, axis=1))
+    jk.store(out + 2 * R + jk.arange(0, R), jk.min(v, axis=1))
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.int32])
+def test_reduce_many_short_rows(tier, dt):
+    rng = np.random.default_rng(18)
+    for R, N in ((4, 2), (16, 4), (12, 8), (64, 2), (3, 4), (8, 16)):
+        x = (rng.standard_normal((R, N)) * 100).astype(dt)
+        out = np.zeros(3 * R, dt)
+        _run(_short_row_reduce, (1,), tier, x, out, R=R, N=N)
+        tol = dict(rtol=1e-6, atol=1e-4) if dt == np.float32 else dict(rtol=0, atol=0)
+        np.testing.assert_allclose(out[:R], x.sum(1, dtype=np.float64).astype(dt), **tol)
+        np.testing.assert_array_equal(out[R:2 * R], x.max(1))
+        np.testing.assert_array_equal(out[2 * R:], x.min(1))
+
+
+def test_trans_axes_errors():
+    @jk.kernel
+    def _bad_perm(x, out, AX: jk.constexpr):
+        v = jk.load(x + jk.arange(0, 2)[:, None] * 4 + jk.arange(0, 4)[None, :])
+        jk.store(out + jk.arange(0, 8), jk.reshape(jk.trans(v, AX), (8,)))
+
+    x = np.zeros(8, np.float32)
+    for ax in ((0, 0), (0, 1, 2), (1,)):
+        with pytest.raises(Exception, match="trans axes"):
+            _bad_perm[(1,)](x, np.zeros(8, np.float32), AX=ax)

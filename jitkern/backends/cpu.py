@@ -374,16 +374,22 @@ class CpuLowering:
 
     def op_trans(self, op):
         x = self.get(op.operands[0])
-        m, n = op.operands[0].type.shape
-        idx = [i * n + j for j in range(n) for i in range(m)]
+        shape = op.operands[0].type.shape
+        perm = op.attrs.get("perm", (1, 0))
+        oshape = tuple(shape[p] for p in perm)
+        # lane of every output element (row-major output order) in the row-major input
+        istr = [_prod(shape[i + 1:]) for i in range(len(shape))]
+        idx = [0]
+        for p in perm:
+            idx = [b + j * istr[p] for b in idx for j in range(shape[p])]
         if isinstance(x, PT):
-            offs = self.shuffle(x.offs, idx, (n, m)) if x.offs else None
+            offs = self.shuffle(x.offs, idx, oshape) if x.offs else None
             if offs is not None and x.offs.aff is not None:
-                offs.aff = Aff(x.offs.aff.base, tuple(reversed(x.offs.aff.strides)))
-            return PT(x.base, x.elem, offs, (n, m))
-        out = self.shuffle(x, idx, (n, m))
+                offs.aff = Aff(x.offs.aff.base, tuple(x.offs.aff.strides[p] for p in perm))
+            return PT(x.base, x.elem, offs, oshape)
+        out = self.shuffle(x, idx, oshape)
         if x.aff is not None:
-            out.aff = Aff(x.aff.base, tuple(reversed(x.aff.strides)))
+            out.aff = Aff(x.aff.base, tuple(x.aff.strides[p] for p in perm))
         return out
 
     # ---------------------------------------------------------------------------------- arithmetic
