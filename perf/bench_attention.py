@@ -7,7 +7,7 @@ Shape: 9 query heads, 3 KV heads, head_dim 64, block size 16; block tables are r
 cache's blocks (as after a while of serving). Each timed call reads another "layer" (disjoint blocks of one
 cache of --cache-blocks blocks, many times the L3 size), so K/V come from DRAM as in a real decode step
 (--hot reuses one layer instead). Per (cache dtype, batch, context) row:
-  parts       the flash-decoding split chosen by choose_partitions (programs = batch x partitions)
+  parts       each sequence's flash-decoding partitions (decode_partitions: 256-token partitions, by length)
   us/call     best (and median) wall time of one paged_attention call = one layer of one decode step
   tok/s       batch / best time: decode tokens per second for this layer's attention alone
   GB/s        K+V bytes the call must read (batch x context x 3 heads x 64 x 2 x itemsize) / best time
@@ -35,8 +35,6 @@ def parse_args():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-prefetch", action="store_true", help="disable the software prefetch of the next block")
     ap.add_argument("--hot", action="store_true", help="reuse one layer's blocks (K/V stay in the CPU caches)")
-    ap.add_argument("--partitions", default="auto",
-                    help="decode context partitions: auto (choose_partitions), or a comma list to compare")
     ap.add_argument("--cache-blocks", type=int, default=16384,
                     help="blocks in the shared K/V caches (16384 = 2 x 192 MiB at f32)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
@@ -97,8 +95,7 @@ def kv_caches(dtype, num_blocks: int):
     return _caches[key]
 
 
-def bench_decode(batch: int, ctx: int, dtype, reps: int, prefetch: bool, hot: bool, num_blocks: int,
-                 parts: int | None) -> dict:
+def bench_decode(batch: int, ctx: int, dtype, reps: int, prefetch: bool, hot: bool, num_blocks: int) -> dict:
     """Times paged_attention calls; each call reads another 'layer' (disjoint random blocks of one big
     cache, >= 8x the L3 cache in all) unless hot, so the K/V stream comes from DRAM as in a real step."""
     k_cache, v_cache = kv_caches(dtype, num_blocks)
@@ -111,7 +108,7 @@ def bench_decode(batch: int, ctx: int, dtype, reps: int, prefetch: bool, hot: bo
     query_start = np.arange(batch + 1, dtype=np.int32)
     q = rng.standard_normal((batch, H, D)).astype(np.float32)
     out = np.empty_like(q)
-    parts = A.choose_partitions(batch, ctx, BS) if parts is None else parts
+    parts = int(A.decode_partitions([ctx], BS)[0])
     ws: dict = {}
     layer = [0]
 
@@ -134,15 +131,13 @@ def main():
     target = runtime_target()
     bw = read_bandwidth()
     rows = []
-    parts_list = [None] if args.partitions == "auto" else [int(x) for x in args.partitions.split(",")]
     for dt in args.dtypes.split(","):
         dtype = {"f32": np.float32, "f16": np.float16}[dt]
         for b in (int(x) for x in args.batches.split(",")):
             for c in (int(x) for x in args.contexts.split(",")):
-                for p in parts_list:
-                    r = bench_decode(b, c, dtype, args.reps, not args.no_prefetch, args.hot, args.cache_blocks, p)
-                    r["pct_of_bw"] = 100 * r["kv_gb_per_s"] / bw
-                    rows.append(r)
+                r = bench_decode(b, c, dtype, args.reps, not args.no_prefetch, args.hot, args.cache_blocks)
+                r["pct_of_bw"] = 100 * r["kv_gb_per_s"] / bw
+                rows.append(r)
     if args.json:
         for r in rows:
             print(json.dumps({**r, "tier": target.name, "threads": args.threads, "read_bw_gb_per_s": bw}))

@@ -42,15 +42,21 @@ Kernels
   of each line run and measured ~1.7x slower: the hardware prefetcher pulls in the other heads' lines).
   The G query heads of a KV head share its K/V rows; their scores are row dot products folded with a
   butterfly into one vector of 16 scores; the softmax is online (running max, per-lane running sums) and
-  the next block is prefetched into L2 while the current one is computed. With ``num_partitions > 1``
-  the context is split across programs (flash-decoding) and ``merge_kernel`` combines the partial
-  (max, sum, accumulator) states.
+  the next block is prefetched into L2 while the current one is computed. A sequence whose key range
+  exceeds PARTITION_BLOCKS blocks is split into partitions (flash-decoding: one program each, at most
+  MAX_PARTITIONS) and ``merge_kernel`` combines their (max, sum, accumulator) states.
 - ``prefill_kernel``: sequences with more than one new token (or every sequence, for a general step).
   One program per (tile of ``BQ`` query tokens of one sequence, KV head); the sequence of a tile is found
   by a binary search over ``query_start`` (vLLM's unified-attention trick), so the grid is
   ``(num_tokens // BQ + num_seqs, num_kv_heads)`` whatever the mix. Each token of the tile runs the same
   block step as decode (its G query heads against one K/V block at a time, causal and window masks) over
-  the blocks of its own range; the blocks the tile's tokens share stay in L1/L2 between tokens.
+  the blocks of its own range, split and merged like a decode at its position; the blocks the tile's
+  tokens share stay in L1/L2 between tokens.
+
+Batch invariance: a query's floating-point operations depend only on its own position, window and the
+cache contents, never on the batch, the partition axis of the launch, or which kernel ran it (decode or
+prefill): partitions are decided from the query's own key range, and the merge's lane sums are fixed
+trees whose padding lanes add exact identities. Tested with assert_array_equal.
 
 Both kernels keep the per-head softmax state in a small workspace (L1-resident) rather than in loop-carried
 registers: the code then does not grow with the number of heads (fast compiles on every tier) and odd
@@ -64,7 +70,8 @@ import jitkern as jk
 from ._hostargs import elem_strides, run
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
-_MAX_PARTITIONS = 16
+PARTITION_BLOCKS = 16  # a query's key range is split into partitions of this many blocks (256 tokens) ...
+MAX_PARTITIONS = 16    # ... at most this many (longer ranges get longer partitions)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -148,6 +155,58 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
 
 
 @jk.jit
+def _split(nb, PB, MAXP):
+    """(partitions, blocks per partition) for a key range of nb blocks: decided by the range alone, so a
+    query's arithmetic never depends on the batch it runs in (nor on decode vs prefill kernel)."""
+    parts = jk.minimum((nb + PB - 1) // PB, MAXP)
+    per = (nb + jk.maximum(parts, 1) - 1) // jk.maximum(parts, 1)
+    return parts, per
+
+
+@jk.jit
+def _init_state(st_m, st_l, st_acc, r, G, D, BS, mask):
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    jk.store(st_m + r, jk.full((G,), NEG, jk.f32), mask=mask)
+    jk.store(st_l + r[:, None] * BS + n[None, :], jk.zeros((G, BS), jk.f32), mask=mask)
+    jk.store(st_acc + r[:, None] * D + d[None, :], jk.zeros((G, D), jk.f32), mask=mask)
+
+
+@jk.jit
+def _finish_state(st_l, st_acc, r, G, D, BS):
+    """(G, D) attention output of a single-partition state: acc / sum of the per-lane exp sums."""
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
+    return jk.load(st_acc + r[:, None] * D + d[None, :]) / l_tot[:, None]
+
+
+@jk.jit
+def _merge_parts(st_m, st_l, st_acc, row0, stride, parts, NP, D, BS):
+    """(D,) output of one query head from its partial states in rows row0 + p * stride, p < parts (rows
+    up to NP must exist).
+
+    NP is the lane count of the partition axis (>= parts, a power of two); lanes p >= parts contribute the
+    exact identity (-0.0 to every sum), and the lane sums are fixed halving/pairwise trees, so the result
+    does not depend on NP: the decode merge (NP = the launch's partition count) and the prefill kernel
+    (NP = MAX_PARTITIONS) produce bit-identical outputs for the same partials."""
+    pi = jk.arange(0, NP)
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    ok = pi < parts
+    r = row0 + pi.to(jk.i64) * stride
+    # rows past `parts` exist in the workspace but hold stale data: read them unmasked (masked loads
+    # scalarise on SSE tiers) and select them away
+    m = jk.where(ok, jk.load(st_m + r), NEG)
+    l = jk.where(ok, jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1), 0.0)
+    acc = jk.load(st_acc + r[:, None] * D + d[None, :])
+    wgt = jk.where(ok, jk.exp(m - jk.max(m, axis=0)), 0.0)
+    num = jk.sum(jk.where(ok[:, None], wgt[:, None] * acc, -0.0), axis=0)
+    den = jk.sum(jk.where(ok, wgt * l, -0.0), axis=0)
+    return num / den
+
+
+@jk.jit
 def _vec_width(D):
     """Chunk width for head_dim D: the target's f32 lanes per vector register, halved until it divides D."""
     w = jk.target.vector_bits // 32
@@ -178,12 +237,15 @@ def reshape_and_cache_kernel(k, v, k_cache, v_cache, slot_mapping, k_ts, k_hs, v
 def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
                   q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
                   KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
-                  NUM_PARTS: jk.constexpr, SOFTCAP: jk.constexpr, PREFETCH: jk.constexpr):
-    """Program (sequence, partition): every head of a q_len == 1 sequence over a slice of its blocks.
+                  NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
+                  PREFETCH: jk.constexpr):
+    """Program (sequence, partition): every head of a q_len == 1 sequence over one partition of its blocks.
 
-    Blocks are the outer loop and KV heads the inner one, so each cache block is read once, front to back;
-    the per-head softmax state lives in the st_* workspace (L1-resident), not in registers, which keeps
-    the code size independent of the head count (only the G query heads of a group are unrolled).
+    The sequence's own key range decides its partitions (_split); programs past them do nothing, so
+    NUM_PARTS (the grid) only bounds them. A single-partition sequence writes its output here, the others
+    leave partial states for merge_kernel. Blocks are the outer loop and KV heads the inner one, so each
+    cache block is read once, front to back; the per-head softmax state lives in the st_* workspace
+    (L1-resident), which keeps the code size independent of the head count.
     """
     seq = jk.program_id(0)
     part = jk.program_id(1)
@@ -196,20 +258,18 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
     qpos = seq_len - 1
     lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
     start_blk = lo // BS
-    end_blk = jk.where(active, (seq_len + BS - 1) // BS, start_blk)
-    per = (end_blk - start_blk + NUM_PARTS - 1) // NUM_PARTS
-    b0 = jk.minimum(start_blk + part * per, end_blk)
-    b1 = jk.minimum(b0 + per, end_blk)
+    nb = jk.where(active, (seq_len + BS - 1) // BS - start_blk, 0)
+    parts, per = _split(nb, PB, MAXP)
+    mine = part < parts
+    b0 = start_blk + part * per
+    b1 = jk.where(mine, jk.minimum(b0 + per, start_blk + nb), b0)
 
-    d = jk.arange(0, D)
     n = jk.arange(0, BS)
+    d = jk.arange(0, D)
     gi = jk.arange(0, G)
     slot = (seq * NUM_PARTS + part).to(jk.i64) * H
     for h in range(0, KVH):
-        r = slot + h * G + gi
-        jk.store(st_m + r, jk.full((G,), NEG, jk.f32))
-        jk.store(st_l + r[:, None] * BS + n[None, :], jk.zeros((G, BS), jk.f32))
-        jk.store(st_acc + r[:, None] * D + d[None, :], jk.zeros((G, D), jk.f32))
+        _init_state(st_m, st_l, st_acc, slot + h * G + gi, G, D, BS, mine)
     qrow = q + jk.maximum(jk.minimum(q0, q0 + q_len - 1), 0).to(jk.i64) * q_ts
     bt_row = block_table + seq.to(jk.i64) * bt_stride
     for b in range(b0, b1):
@@ -226,44 +286,40 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
                 jk.prefetch(v_cache + nxt + h * D + n[:, None] * (KVH * D) + d[None, :], locality=2)
             _attend_block(qrow + h * G * q_hs, q_hs, k_cache + base + h * D, v_cache + base + h * D, KVH * D,
                           valid, st_m, st_l, st_acc, slot + h * G, scale, softcap, G, D, BS, w, SOFTCAP)
-    if NUM_PARTS == 1:
-        orow = out + q0.to(jk.i64) * o_ts
-        for h in range(0, KVH):
-            r = slot + h * G + gi
-            l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
-            acc = jk.load(st_acc + r[:, None] * D + d[None, :])
-            jk.store(orow + (h * G + gi[:, None]) * o_hs + d[None, :], acc / l_tot[:, None], mask=active)
+    orow = out + q0.to(jk.i64) * o_ts
+    for h in range(0, KVH):
+        o = _finish_state(st_l, st_acc, slot + h * G + gi, G, D, BS)
+        jk.store(orow + (h * G + gi[:, None]) * o_hs + d[None, :], o, mask=mine & (parts == 1))
 
 
 @jk.kernel
-def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs,
-                 H: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, NUM_PARTS: jk.constexpr):
-    """Program (sequence, query head): combines the NUM_PARTS partial states of a decode sequence."""
+def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, window,
+                 H: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, NUM_PARTS: jk.constexpr,
+                 PB: jk.constexpr, MAXP: jk.constexpr):
+    """Program (sequence, query head): combines the partial states of a decode sequence split in 2+."""
     seq = jk.program_id(0)
     hq = jk.program_id(1)
     q0 = jk.load(query_start + seq)
-    active = (jk.load(query_start + seq + 1) - q0 == 1) & (jk.load(seq_lens + seq) > 0)
-    pi = jk.arange(0, NUM_PARTS)
-    d = jk.arange(0, D)
-    n = jk.arange(0, BS)
-    r = (seq * NUM_PARTS + pi).to(jk.i64) * H + hq
-    m = jk.load(st_m + r)
-    l = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
-    acc = jk.load(st_acc + r[:, None] * D + d[None, :])
-    wgt = jk.exp(m - jk.max(m, axis=0))       # empty partitions carry m = NEG, l = 0, acc = 0: weight 0
-    o = jk.sum(wgt[:, None] * acc, axis=0) / jk.sum(wgt * l, axis=0)
-    jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + d, o, mask=active)
+    seq_len = jk.load(seq_lens + seq)
+    active = (jk.load(query_start + seq + 1) - q0 == 1) & (seq_len > 0)
+    lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
+    nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
+    parts, per = _split(nb, PB, MAXP)
+    o = _merge_parts(st_m, st_l, st_acc, seq.to(jk.i64) * NUM_PARTS * H + hq, H, parts, NUM_PARTS, D, BS)
+    jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + jk.arange(0, D), o, mask=parts > 1)
 
 
 @jk.kernel
 def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
                    num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
-                   SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr):
+                   PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr):
     """Program (query tile of BQ tokens of one sequence, KV head): each token of the tile attends, for the
-    G query heads of the KV head, to the blocks of its causal (and window) range; the K/V blocks a tile
-    shares stay in cache from one token to the next. The softmax state goes through the st_* workspace
-    (L1-resident): as loop-carried values, odd-sized state vectors compiled to much slower code."""
+    G query heads of the KV head, to the blocks of its causal (and window) range, split into partitions
+    and merged exactly as a decode of the same position would be (bit-identical results whichever kernel
+    or batch a token lands in); the K/V blocks a tile shares stay in cache from one token to the next.
+    The softmax state goes through the st_* workspace (L1-resident): as loop-carried values, odd-sized
+    state vectors compiled to much slower code."""
     qb = jk.program_id(0)
     h = jk.program_id(1)
     w = _vec_width(D)
@@ -289,24 +345,30 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
     n = jk.arange(0, BS)
     gi = jk.arange(0, G)
     bt_row = block_table + seq.to(jk.i64) * bt_stride
-    r0 = (qb * KVH + h).to(jk.i64) * G        # this program's G state rows in the workspace
-    r = r0 + gi
-    for t in range(0, n_rows):
+    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G)     # this program's state rows: partition p, head g at
+    for t in range(0, n_rows):                       # r0 + p * G + g
         tok = (q0 + t0 + t).to(jk.i64)
         qpos = first_pos + t
         lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
-        jk.store(st_m + r, jk.full((G,), NEG, jk.f32))
-        jk.store(st_l + r[:, None] * BS + n[None, :], jk.zeros((G, BS), jk.f32))
-        jk.store(st_acc + r[:, None] * D + d[None, :], jk.zeros((G, D), jk.f32))
-        for b in range(lo // BS, qpos // BS + 1):
-            base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
-            pos = b * BS + n
-            _attend_block(q + tok * q_ts + h * G * q_hs, q_hs, k_cache + base, v_cache + base, KVH * D,
-                          (pos <= qpos) & (pos >= lo), st_m, st_l, st_acc, r0, scale, softcap, G, D, BS, w,
-                          SOFTCAP)
-        l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
-        acc = jk.load(st_acc + r[:, None] * D + d[None, :])
-        jk.store(out + tok * o_ts + (h * G + gi[:, None]) * o_hs + d[None, :], acc / l_tot[:, None])
+        start_blk = lo // BS
+        nb = qpos // BS + 1 - start_blk
+        parts, per = _split(nb, PB, MAXP)           # the same split as a decode of this position
+        qrow = q + tok * q_ts + h * G * q_hs
+        for p in range(0, parts):
+            rp = r0 + p * G
+            _init_state(st_m, st_l, st_acc, rp + gi, G, D, BS, True)
+            b0 = start_blk + p * per
+            for b in range(b0, jk.minimum(b0 + per, start_blk + nb)):
+                base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
+                pos = b * BS + n
+                _attend_block(qrow, q_hs, k_cache + base, v_cache + base, KVH * D, (pos <= qpos) & (pos >= lo),
+                              st_m, st_l, st_acc, rp, scale, softcap, G, D, BS, w, SOFTCAP)
+        orow = out + tok * o_ts + h * G * o_hs
+        if parts == 1:
+            jk.store(orow + gi[:, None] * o_hs + d[None, :], _finish_state(st_l, st_acc, r0 + gi, G, D, BS))
+        else:
+            for g in range(0, G):      # a run-time loop: one copy of the (MAXP, D) merge code
+                jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS))
 
 
 # ------------------------------------------------------------------------------------- host wrappers
@@ -366,22 +428,15 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, target=None) -> N
         target=target, KVH=kvh, D=dim)
 
 
-def _threads() -> int:
-    from ..runtime.cpu_pool import get_pool
-    return get_pool().num_threads
-
-
-def choose_partitions(num_seqs: int, max_seq_len: int, block_size: int, threads: int | None = None) -> int:
-    """Context partitions for decode (flash-decoding): split only while there are fewer programs than
-    threads (the pool splits a grid statically, so more programs than threads buys nothing for equal-length
-    sequences) and each partition keeps at least 8 blocks (128 tokens at block size 16); the split costs a
-    second launch (the merge) plus the partial-state traffic."""
-    threads = _threads() if threads is None else threads
-    blocks = -(-max(max_seq_len, 1) // block_size)
-    p = 1
-    while p < _MAX_PARTITIONS and num_seqs * p < threads and blocks // (2 * p) >= 8:
-        p *= 2
-    return p
+def decode_partitions(seq_lens, block_size: int = 16, sliding_window: int = 0) -> np.ndarray:
+    """Each sequence's own decode partition count (int array): its key range in blocks (the last
+    sliding_window positions, or all of them) split into PARTITION_BLOCKS-block partitions, at most
+    MAX_PARTITIONS. The kernels compute the same numbers from seq_lens; a launch needs a partition axis
+    at least as long as the largest one."""
+    seq_lens = np.asarray(seq_lens, np.int64)
+    lo = np.maximum(seq_lens - sliding_window, 0) if sliding_window > 0 else np.zeros_like(seq_lens)
+    nb = np.where(seq_lens > 0, -(-seq_lens // block_size) - lo // block_size, 0)
+    return np.minimum(-(-nb // PARTITION_BLOCKS), MAX_PARTITIONS)
 
 
 PREFILL_BLOCK_Q = 16     # query tokens per prefill program (per KV head)
@@ -439,13 +494,13 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int):
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
-    m, l, acc = _workspace(ws, "prefill", programs * st.heads, st.bs, st.dim)
+    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads, st.bs, st.dim)
     run(prefill_kernel, (programs, st.kvh),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
          int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
          st.cap),
-        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, SOFTCAP=st.use_cap,
-        SKIP_DECODE=skip_decode)
+        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode)
 
 
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
@@ -457,12 +512,16 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     max_query_len: the largest q_len of the step, when the caller knows it (else read from query_start).
     1 runs only the decode kernel; anything else runs the decode kernel for the q_len == 1 sequences and
     the prefill kernel for the others (both grids depend only on num_tokens / num_seqs).
-    num_partitions: decode context split (power of two <= 16); None picks one from seq_lens and threads.
+    num_partitions: the decode launch's partition axis. Every sequence splits its own key range into
+    decode_partitions(...) partitions (flash-decoding; decided by its length alone, so results are
+    bit-identical whatever the batch); the axis must be at least the largest of them. None: computed from
+    seq_lens (rounded up to a power of two); pass MAX_PARTITIONS for a jk.capture()d launch whose sequence
+    lengths will grow.
     workspace: a dict holding the softmax-state scratch across calls (pass the same one to jk.capture()d
     calls: the recorded launches point at its arrays).
     prefetch: software-prefetch the next cache block in the decode kernel.
-    validate: check query_start / seq_lens / block-table width on the host (O(num_seqs) numpy work);
-    block ids themselves are trusted (an id >= num_blocks reads outside the cache).
+    validate: check query_start / seq_lens / block-table width (and num_partitions) on the host
+    (O(num_seqs) numpy work); block ids themselves are trusted (an id >= num_blocks reads outside the cache).
     """
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
                validate)
@@ -470,21 +529,28 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         return st.out
     if max_query_len is None:
         max_query_len = int(np.diff(st.query_start).max())
-    P = choose_partitions(st.num_seqs, int(st.seq_lens.max()), st.bs) if num_partitions is None \
-        else int(num_partitions)
-    if P < 1 or P > _MAX_PARTITIONS or P & (P - 1):
-        raise ValueError(f"num_partitions must be a power of two in [1, {_MAX_PARTITIONS}], got {P}")
+    if num_partitions is None or validate:
+        decodes = np.diff(st.query_start) == 1
+        need = int(decode_partitions(st.seq_lens[decodes], st.bs, st.window).max()) if decodes.any() else 1
+        if num_partitions is None:
+            num_partitions = 1 << max(need - 1, 0).bit_length()
+        elif int(num_partitions) < need:
+            raise ValueError(f"num_partitions={num_partitions} is below the {need} partitions a sequence of this "
+                             f"step needs (decode_partitions); use at least that, or MAX_PARTITIONS")
+    P = int(num_partitions)
+    if P < 1 or P > MAX_PARTITIONS:
+        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got {P}")
     ws = workspace if workspace is not None else {}
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim)
     run(decode_kernel, (st.num_seqs, P),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap),
-        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, SOFTCAP=st.use_cap,
-        PREFETCH=bool(prefetch))
+        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch))
     if P > 1:
         run(merge_kernel, (st.num_seqs, st.heads),
-            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs),
-            target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P)
+            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window),
+            target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS, MAXP=MAX_PARTITIONS)
     if max_query_len > 1:
         _launch_prefill(st, q, k_cache, v_cache, ws, PREFILL_BLOCK_Q, True, target)
     return st.out

@@ -15,10 +15,12 @@ from jitkern.ops import attention as A
 
 BS = 16
 
-# (seq_len, q_len): decodes at total lengths 1, 15, 16, 17, 300; whole prompts of 15/16/17 tokens; a 17-token
-# chunk continuing a 283-token cached context; a chunk of 23 after 17 cached; an empty (padding) sequence
-MIXED = [(1, 1), (15, 1), (300, 1), (15, 15), (16, 1), (16, 16), (0, 0), (17, 1), (300, 17), (17, 17), (40, 23)]
-DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (0, 0), (33, 1)]
+# (seq_len, q_len): decodes at total lengths 1, 15, 16, 17, 300, 600; whole prompts of 15/16/17 tokens; a
+# 17-token chunk continuing a 283-token cached context; a chunk of 23 after 17 cached; a 10-token chunk after
+# 600 (its queries' key ranges span 3 partitions); an empty (padding) sequence
+MIXED = [(1, 1), (15, 1), (300, 1), (15, 15), (16, 1), (16, 16), (0, 0), (17, 1), (300, 17), (17, 17), (40, 23),
+         (600, 1), (610, 10)]
+DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (0, 0), (33, 1), (600, 1)]
 
 
 def ref_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, scale, window=0, softcap=0.0):
@@ -83,7 +85,7 @@ def test_mixed_step_gqa(tier, dtype):
     q, kc, vc, qs, sl, bt = make_step(rng, MIXED, 9, 3, 64, dtype)
     for window in (0, 7):
         want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window)
-        for parts in (1, 4):
+        for parts in (None, A.MAX_PARTITIONS):
             out = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window,
                                     num_partitions=parts, target=tier)
             check(out, want)
@@ -95,10 +97,9 @@ def test_mixed_step_head_layouts(tier, heads, kv_heads, dim):
     q, kc, vc, qs, sl, bt = make_step(rng, MIXED, heads, kv_heads, dim, np.float32)
     scale = dim ** -0.5
     want = ref_paged_attention(q, kc, vc, qs, sl, bt, scale)
-    check(A.paged_attention(q, kc, vc, qs, sl, bt, scale=scale, num_partitions=2, target=tier), want)
+    check(A.paged_attention(q, kc, vc, qs, sl, bt, scale=scale, target=tier), want)
     want = ref_paged_attention(q, kc, vc, qs, sl, bt, scale, window=16)
-    check(A.paged_attention(q, kc, vc, qs, sl, bt, scale=scale, sliding_window=16, num_partitions=2,
-                            target=tier), want)
+    check(A.paged_attention(q, kc, vc, qs, sl, bt, scale=scale, sliding_window=16, target=tier), want)
 
 
 def test_softcap(tier):
@@ -109,21 +110,56 @@ def test_softcap(tier):
         want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window, softcap=5.0)
         assert np.abs(want - ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window)).max() > 0.05
         out = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, softcap=5.0,
-                                num_partitions=2, target=tier)
+                                target=tier)
         check(out, want)
 
 
-def test_decode_partitions(tier):
-    """Pure decode steps (the fast path alone) for every partition count, including partitions with no
-    blocks (16 partitions of a 1-token context)."""
+def test_decode_partition_axis(tier):
+    """Pure decode steps (the fast path alone): sequences split into their own partitions (1 to 3 here),
+    launched on partition axes of several lengths (programs past a sequence's partitions do nothing)."""
     rng = np.random.default_rng(4)
     q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)
+    assert list(A.decode_partitions(sl, BS)) == [1, 1, 1, 1, 2, 0, 1, 3]
     want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125)
-    for parts in (1, 2, 4, 16, None):
+    outs = []
+    for parts in (None, 3, 4, A.MAX_PARTITIONS):
         out = np.full_like(q, np.nan)
         A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=parts,
                           target=tier)
         check(out, want)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    with pytest.raises(ValueError, match="num_partitions=2 is below the 3 partitions"):
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, num_partitions=2, target=tier)
+
+
+def test_batch_invariance(tier):
+    """Every output row is bit-identical whether its sequence runs alone or in batches of other sizes and
+    orders, and whether a query runs as a decode (decode kernel) or as the last token of a prefill chunk
+    (prefill kernel): the split of a key range depends on the query's own position only."""
+    rng = np.random.default_rng(9)
+    H, KVH, D = 9, 3, 64
+    seqs = [(600, 1), (17, 17), (300, 1), (610, 10), (16, 1), (40, 23), (1, 1), (300, 17)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, np.float32)
+    for window in (0, 300):
+        full = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, target=tier)
+        rows = [full[qs[i]:qs[i + 1]] for i in range(len(seqs))]
+        for pick in ([3], [0], [6], [5, 1], [7, 0, 2], [2, 4, 0, 6, 1]):     # alone, then other batches
+            sub_q = np.concatenate([q[qs[i]:qs[i + 1]] for i in pick])
+            sub_qs = np.concatenate([[0], np.cumsum([seqs[i][1] for i in pick])]).astype(np.int32)
+            out = A.paged_attention(sub_q, kc, vc, sub_qs, sl[pick], np.ascontiguousarray(bt[pick]), scale=0.125,
+                                    sliding_window=window, num_partitions=A.MAX_PARTITIONS if len(pick) > 2 else None,
+                                    target=tier)
+            for k, i in enumerate(pick):
+                np.testing.assert_array_equal(out[sub_qs[k]:sub_qs[k + 1]], rows[i])
+        # the last token of the 17-token chunk at position 299 (seq 7) as a decode of a 300-token sequence
+        dec = A.paged_attention(q[qs[8] - 1:qs[8]], kc, vc, np.array([0, 1], np.int32), np.array([300], np.int32),
+                                np.ascontiguousarray(bt[7:8]), scale=0.125, sliding_window=window, target=tier)
+        np.testing.assert_array_equal(dec[0], full[qs[8] - 1])
+        # and the general kernel alone (decodes included) agrees bit for bit with the decode path
+        gen = A.paged_prefill_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, target=tier)
+        np.testing.assert_array_equal(gen, full)
 
 
 def test_prefill_kernel_handles_every_sequence(tier):
@@ -178,8 +214,8 @@ def test_capture_replay_with_new_step_arrays(tier):
     out = np.zeros_like(q)
     ws = {}
     with jk.capture() as graph:
-        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=4,
-                          workspace=ws, target=tier)
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1,
+                          num_partitions=A.MAX_PARTITIONS, workspace=ws, target=tier)
     assert len(graph) == 2 and not out.any()
     graph.replay()
     check(out, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
@@ -208,6 +244,6 @@ def test_errors_name_the_bad_argument():
     with pytest.raises(TypeError, match="v_cache"):
         A.paged_attention(q, kc, vc.astype(np.float64), qs, sl, bt, scale=1.0)
     with pytest.raises(ValueError, match="num_partitions"):
-        A.paged_attention(q, kc, vc, qs, sl, bt, scale=1.0, num_partitions=3)
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=1.0, num_partitions=A.MAX_PARTITIONS + 1)
     with pytest.raises(ValueError, match="slot_mapping"):
         A.reshape_and_cache(q[:, :3], q[:, :3], kc, vc, np.zeros(5, np.int32))
