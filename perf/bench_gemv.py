@@ -26,6 +26,24 @@ actual thread count is printed.
    its time ratio to numpy (< 1: faster).
 3. Prefill GEMM: M = --prefill-m tokens at N x K = 576 x 1536 (the down projection), tokens/s including the
    activation quantisation, against numpy's f32 x @ W^T on the dequantised weights (BLAS sgemm).
+
+--gemm (instead of 1-3): the quantised matmul for M > 1 (prefill, batched decode) at the embedded model's shapes
+(SmolLM2-135M, 30 layers: per layer N x K = 960 x 576 fused qkv, 576 x 576 o, 3072 x 576 fused gate_up,
+576 x 1536 down, all q4_1; the tied LM head 49152 x 576 q8_0), on --gemm-tiers, for M in --gemm-m:
+
+    .venv/bin/python perf/bench_gemv.py --gemm [--gemm-m 16,37,128,512] [--gemm-tiers avx512,avx2]
+        [--prefill 37,512] [--prefill-runs 5] [--threads 2]
+
+  per shape: GOP/s (2 M N K / time) of the kernel alone (pre-quantised activations, captured launches
+  replayed, median of --reps), and per M the four layer matmuls together: ms per layer including one
+  activation quantisation per matmul (as the engine calls matmul_q), GOP/s, and "30-layer tok/s" = M / (30 x
+  that time), the matmul-only ceiling of the model's throughput; the LM head at the same M (batched decode:
+  one logits row per sequence). Then the whole-model prefill through the engine
+  (engine.llm_engine.LLMEngine(EngineArgs(max_num_batched_tokens=2048)), prefix caching off so every round
+  computes): a random prompt of each --prefill length with SamplingParams(max_tokens=1, temperature=0,
+  detokenize=False), best and median of --prefill-runs after a warm-up, on the runtime tier
+  (JITKERN_CPU_TIER). The load average is printed before every part (a shared host: a busy second core
+  halves the 2-thread numbers).
 """
 from __future__ import annotations
 
@@ -46,6 +64,11 @@ def _parse():
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--prefill-m", type=int, default=512)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gemm", action="store_true", help="the M > 1 benchmark at the model's shapes (see above)")
+    ap.add_argument("--gemm-m", default="16,37,128,512")
+    ap.add_argument("--gemm-tiers", default="avx512,avx2")
+    ap.add_argument("--prefill", default="37,512", help="--gemm: whole-model prefill lengths ('' to skip)")
+    ap.add_argument("--prefill-runs", type=int, default=5)
     return ap.parse_args()
 
 
@@ -230,13 +253,14 @@ def main():
         w32 = None
         rows = []
         for qt in qtypes:
-            xq = Q.quantize_q8(x, layout=Q.act_layout(qt))
+            xq = None
             raw, wd = make_weight(qt, N, K, rng)
             w32 = wd if w32 is None else w32
             cold = [raw.copy() for _ in range(max(2, int(COLD_BYTES // raw.nbytes)))]
             ref = (xq0[0].reshape(-1, 32) * xq0[1][:, None]).reshape(-1).astype(np.float64) @ wd.T.astype(np.float64)
             per_tier = []
             for T in runnable:
+                xq = Q.quantize_q8(x, layout=_layout(qt, 1, T), target=T)
                 _, ck = Q._matmul_q8(xq, raw, qt, N, K, y, T)
                 err = float(np.abs(y - ref).max() / np.abs(ref).max())
                 t_call = timeit(lambda: Q.matmul_q8(xq, raw, qt, N, K, out=y, target=T), ARGS.reps)
@@ -289,7 +313,7 @@ def main():
             ref = x.astype(np.float64) @ wd.T.astype(np.float64)
             t_np = timeit(lambda: np.matmul(x, wd.T, out=y), ARGS.reps)
             for T in runnable:
-                xq = Q.quantize_q8(x, target=T, layout=Q.act_layout(qt))
+                xq = Q.quantize_q8(x, target=T, layout=_layout(qt, M, T))
                 _, ck = Q._matmul_q8(xq, raw, qt, N, K, y, T)
                 err = float(np.abs(y - ref).max() / np.abs(ref).max())
                 t = timeit(lambda: Q.matmul_q(x, raw, qt, N, K, out=y, target=T), ARGS.reps)
@@ -306,5 +330,116 @@ def main():
             json.dump(results, f, indent=1)
 
 
+def _layout(qt, M, T):
+    """The activation layout of qtype qt for M rows on tier T (older quant modules took the qtype only)."""
+    try:
+        return Q.act_layout(qt, M, T)
+    except TypeError:
+        return Q.act_layout(qt)
+
+
+LAYER_SHAPES = [("qkv", 960, 576, "q4_1"), ("o", 576, 576, "q4_1"), ("gate_up", 3072, 576, "q4_1"),
+                ("down", 576, 1536, "q4_1")]
+HEAD_SHAPE = ("lm_head", 49152, 576, "q8_0")
+N_LAYERS = 30
+
+
+def _replay_time(launch, reps, min_s=0.05):
+    """Median seconds per launch: launches recorded with jk.capture() (enough for >= min_s per replay)."""
+    launch()
+    t0 = time.perf_counter()
+    launch()
+    one = max(time.perf_counter() - t0, 1e-6)
+    n = max(1, min(200, int(min_s / one)))
+    with jk.capture() as g:
+        for _ in range(n):
+            launch()
+    g.replay()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        g.replay()
+        ts.append((time.perf_counter() - t0) / n)
+    time.sleep(0.01)
+    return statistics.median(ts)
+
+
+def gemm_main():
+    rng = np.random.default_rng(0)
+    pool = get_pool()
+    tiers = [targets.get_target(t) for t in ARGS.gemm_tiers.split(",") if t]
+    runnable = [t for t in tiers if can_run(t)]
+    skipped = [t.name for t in tiers if not can_run(t)]
+    print(f"# jitkern pool threads={pool.num_threads}; tiers this host cannot run: {', '.join(skipped) or 'none'}")
+    print(f"# effective parallelism: {effective_cores(pool.num_threads):.2f} of {pool.num_threads} "
+          f"(compute-only probe; less means other processes hold the cores)")
+    weights = {name: make_weight(qt, N, K, rng)[0] for name, N, K, qt in LAYER_SHAPES + [HEAD_SHAPE]}
+    results = []
+    ms = [int(v) for v in ARGS.gemm_m.split(",") if v]
+    for T in runnable:
+        print(f"\n# tier {T.name}, load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        print(f"{'M':>5s} " + " ".join(f"{n + ' ' + str(N) + 'x' + str(K):>18s}" for n, N, K, _ in
+                                      LAYER_SHAPES + [HEAD_SHAPE])
+              + f" {'layer ms':>9s} {'layer GOP/s':>11s} {'30-layer tok/s':>14s}")
+        for M in ms:
+            cells, layer_s, layer_ops = [], 0.0, 0
+            for name, N, K, qt in LAYER_SHAPES + [HEAD_SHAPE]:
+                raw = weights[name]
+                x = rng.standard_normal((M, K), dtype=np.float32)
+                y = np.empty((M, N), np.float32)
+                xq = Q.quantize_q8(x, layout=_layout(qt, M, T), target=T)
+                t_k = _replay_time(lambda: Q.matmul_q8(xq, raw, qt, N, K, out=y, target=T), ARGS.reps)
+                t_q = _replay_time(lambda: Q.quantize_q8(x, out=tuple(xq), layout=xq.layout, target=T), ARGS.reps)
+                ops = 2 * M * N * K
+                cells.append(f"{ops / t_k / 1e9:11.1f} GOP/s")
+                if name != HEAD_SHAPE[0]:
+                    layer_s += t_k + t_q
+                    layer_ops += ops
+                results.append(dict(kind="gemm", tier=T.name, M=M, N=N, K=K, qtype=qt, name=name, kernel_s=t_k,
+                                    quantize_s=t_q, threads=pool.num_threads))
+            print(f"{M:5d} " + " ".join(f"{c:>18s}" for c in cells)
+                  + f" {layer_s * 1e3:9.3f} {layer_ops / layer_s / 1e9:11.1f} {M / (N_LAYERS * layer_s):14.0f}",
+                  flush=True)
+    if ARGS.prefill:
+        results += engine_prefill([int(v) for v in ARGS.prefill.split(",") if v])
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def engine_prefill(lengths):
+    """Whole-model prefill through the engine: best and median seconds per prompt of each length."""
+    from engine.llm_engine import EngineArgs, LLMEngine
+    from engine.sampling_params import SamplingParams
+    from jitkern.runtime.cpu import runtime_target
+    eng = LLMEngine(EngineArgs(max_num_batched_tokens=2048, enable_prefix_caching=False))
+    vocab = eng.config.vocab_size
+    rng = np.random.default_rng(1)
+    counter = iter(range(1 << 30))
+
+    def one(n):
+        ids = rng.integers(0, vocab, n).tolist()
+        eng.add_request(f"p{next(counter)}", ids, SamplingParams(max_tokens=1, temperature=0, detokenize=False))
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        return time.perf_counter() - t0
+
+    print(f"\n# whole-model prefill (engine, tier {runtime_target().name}, "
+          f"{os.environ['JITKERN_NUM_THREADS']} threads), load average {os.getloadavg()[0]:.2f}")
+    out = []
+    for n in lengths:
+        one(n)                                  # warm-up: compiles and first-touch
+        ts = [one(n) for _ in range(ARGS.prefill_runs)]
+        best, med = min(ts), statistics.median(ts)
+        print(f"prefill {n:5d} tokens: best {best * 1e3:8.1f} ms ({n / best:6.0f} tok/s), median {med * 1e3:8.1f} ms "
+              f"({n / med:6.0f} tok/s) over {len(ts)} runs; load average {os.getloadavg()[0]:.2f}", flush=True)
+        out.append(dict(kind="engine_prefill", tokens=n, best_s=best, median_s=med, runs=ts))
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if ARGS.gemm:
+        gemm_main()
+    else:
+        main()

@@ -126,17 +126,27 @@ def _store_grouped(qx, off, r, NG: jk.constexpr, G: jk.constexpr):
 
 
 @jk.jit
-def _quantize_tail(x, qx, xd, xs, row, K, b0, NBT: jk.constexpr):
+def _store_scales(xd, xs, xd4, xs4, row, nblk, blk, d, s, NB: jk.constexpr, REP4: jk.constexpr):
+    """Stores the scales d and sums s of NB blocks (indices blk) of a row, and with REP4 each repeated 4 times."""
+    jk.store(xd + row * nblk + blk, d)
+    jk.store(xs + row * nblk + blk, s)
+    if REP4:
+        o4 = row * nblk * 4 + blk[:, None] * 4 + jk.arange(0, 4)[None, :]
+        jk.store(xd4 + o4, jk.broadcast_to(d[:, None], (NB, 4)))
+        jk.store(xs4 + o4, jk.broadcast_to(s[:, None], (NB, 4)))
+
+
+@jk.jit
+def _quantize_tail(x, qx, xd, xs, xd4, xs4, row, K, b0, NBT: jk.constexpr, REP4: jk.constexpr):
     """Quantises the NBT blocks from block b0 of a row as one group of NBT (the leftovers of a grouped layout)."""
     blk = b0.to(jk.i64) + jk.arange(0, NBT)
     r, d, s = _q8_blocks(jk.load(x + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]))
     _store_grouped(qx, row * K + b0.to(jk.i64) * 32, r, 1, NBT)
-    jk.store(xd + row * (K // 32) + blk, d)
-    jk.store(xs + row * (K // 32) + blk, s)
+    _store_scales(xd, xs, xd4, xs4, row, K // 32, blk, d, s, NBT, REP4)
 
 
 @jk.kernel
-def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr, G: jk.constexpr):
+def _quantize_q8_kernel(x, qx, xd, xs, xd4, xs4, K, NBLK, BB: jk.constexpr, G: jk.constexpr, REP4: jk.constexpr):
     # program (row, chunk of BB 32-blocks); the last chunk of a row shifts back to end at the row's end.
     # G > 1: the grouped layouts ('q4': G = 2, 'q4x4': G = 4; see Q8Activations): chunks of BB (a multiple of
     # G) blocks cover the NBLK - NBLK % G blocks in whole groups; the first program of the row does the rest
@@ -146,16 +156,15 @@ def _quantize_q8_kernel(x, qx, xd, xs, K, NBLK, BB: jk.constexpr, G: jk.constexp
     blk = b0 + jk.arange(0, BB)
     r, d, s = _q8_blocks(jk.load(x + row * K + blk[:, None] * 32 + jk.arange(0, 32)[None, :]))
     _store_grouped(qx, row * K + b0 * 32, r, BB // G, G)
-    jk.store(xd + row * NBLK + blk, d)
-    jk.store(xs + row * NBLK + blk, s)
+    _store_scales(xd, xs, xd4, xs4, row, NBLK, blk, d, s, BB, REP4)
     if G > 1:
         rest = NBLK % G
         if (jk.program_id(0) == 0) & (rest > 0):
             if G > 2:
                 if rest >= 2:
-                    _quantize_tail(x, qx, xd, xs, row, K, NBLK - rest, 2)
+                    _quantize_tail(x, qx, xd, xs, xd4, xs4, row, K, NBLK - rest, 2, REP4)
             if rest % 2 == 1:
-                _quantize_tail(x, qx, xd, xs, row, K, NBLK - 1, 1)
+                _quantize_tail(x, qx, xd, xs, xd4, xs4, row, K, NBLK - 1, 1, REP4)
 
 
 LAYOUTS = ("natural", "q4", "q4x4")
@@ -187,23 +196,28 @@ class Q8Activations(tuple):
     [2j: 0-15, 2j+1: 0-15, 2j: 16-31, 2j+1: 16-31]; the last block of an odd count in order) or 'q4x4' (groups
     of 4 blocks likewise, [4j: 0-15, .., 4j+3: 0-15, 4j: 16-31, .., 4j+3: 16-31]; of the last K/32 % 4 blocks
     a pair as in 'q4', then an odd last block in order), which let the q4_0 / q4_1 kernels load the activations
-    that pair with one vector of nibble bytes (the same half of 2 or 4 blocks) with one contiguous load."""
+    that pair with one vector of nibble bytes (the same half of 2 or 4 blocks) with one contiguous load.
+    `.scales4` / `.sums4` (or None): scales and sums with each block's value repeated 4 times, [..., K/32 * 4],
+    the lanes of the q8_0 / q4_0 / q4_1 kernel's 4-row registers (quantize_q8(..., rep4=True))."""
 
     layout = "natural"
+    scales4 = sums4 = None
 
-    def __new__(cls, qx, scales, sums, layout="natural"):
+    def __new__(cls, qx, scales, sums, layout="natural", scales4=None, sums4=None):
         obj = super().__new__(cls, (qx, scales, sums))
         obj.layout = layout
+        obj.scales4, obj.sums4 = scales4, sums4
         return obj
 
 
-def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural") -> Q8Activations:
+def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural", rep4: bool = False) -> Q8Activations:
     """Quantises float32 activations (M, K) or (K,) (K a multiple of 32) into 32-element int8 blocks.
 
     Returns (qx int8 [..., K], scales f32 [..., K/32], sums f32 [..., K/32]) with, per block,
     d = max|x| / 127, q = round_half_even(x * (1/d)) clipped to [-127, 127] (q = 0 where d = 0), and
     sum = d * sum(q); qx in `layout` ('natural', or 'q4' for q4_0 / q4_1 weights: see Q8Activations and
-    act_layout). `out` may give the three arrays to fill.
+    act_layout). `out` may give the three arrays to fill. rep4: also the scales and sums with every block's value
+    repeated 4 times (`.scales4`, `.sums4`; what matmul_q8 uses for M > 1, else it repeats them on the host).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"quantize_q8: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
@@ -235,9 +249,15 @@ def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural") -
     bb = g
     while bb * 2 <= min(span, 8):
         bb *= 2
+    xd4 = xs4 = None
+    if rep4:
+        xd4 = np.empty(lead + (nblk * 4,), np.float32)
+        xs4 = np.empty(lead + (nblk * 4,), np.float32)
     if M:
-        run(_quantize_q8_kernel, (-(-span // bb), M), (x, qx, xd, xs, K, nblk), target, BB=bb, G=g)
-    return Q8Activations(qx, xd, xs, layout)
+        run(_quantize_q8_kernel, (-(-span // bb), M), (x, qx, xd, xs, xd if xd4 is None else xd4,
+                                                       xs if xs4 is None else xs4, K, nblk),
+            target, BB=bb, G=g, REP4=rep4)
+    return Q8Activations(qx, xd, xs, layout, xd4, xs4)
 
 
 # ------------------------------------------------------------------------------------ weight block decoders
@@ -445,21 +465,23 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
 @jk.jit
 def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, RB: jk.constexpr,
               BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr):
+    # xd, xs: the activation block scales / sums, with RI = 4 repeated 4 times (Q8Activations.scales4): the
+    # lanes of a (token, 4 rows) register as they are, no shuffle per token
     """acc (BM, R // RI, S, RI) f32 += the S blocks from block st * S: per (token, row, block) one FMA of the
     exact integer dot with the scale product, then one FMA of the block-sum term (q4_1's m, q4_0's -8 d)."""
     RQ = R // RI
     q, sc, c, _ = DEC(w, wh, rows, st, RB, R, S)
     x = jk.load(xq + xrow[:, None] + st * (S * 32) + jk.arange(0, S * 32)[None, :])
     pb = _block_dots(q, x, BM, R, S, RI).to(jk.f32)
-    blk = srow[:, None] + st * S + jk.arange(0, S)[None, :]                                 # (BM, S)
+    blk = srow[:, None] * RI + st * (S * RI) + jk.arange(0, S * RI)[None, :]               # (BM, S * RI)
     shape = (BM, RQ, S, RI)
     sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))                                  # (RQ, S, RI)
-    dx = jk.load(xd + blk)
-    acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx[:, None, :, None], shape), acc)
+    dx = jk.reshape(jk.load(xd + blk), (BM, 1, S, RI))
+    acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx, shape), acc)
     if c is not None:
         cw = jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))
         acc = jk.fma(jk.broadcast_to(cw[None, :, :, :], shape),
-                     jk.broadcast_to(jk.load(xs + blk)[:, None, :, None], shape), acc)
+                     jk.broadcast_to(jk.reshape(jk.load(xs + blk), (BM, 1, S, RI)), shape), acc)
     return acc
 
 
@@ -473,17 +495,17 @@ def _block_sum(v, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.co
 
 
 @jk.kernel
-def _qmm_kernel(w, wh, xq, xd, xs, y, M, N, K: jk.constexpr, DEC: jk.constexpr, RB: jk.constexpr,
+def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constexpr, RB: jk.constexpr,
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
                 LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr):
     # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
-    # reads one monotonic weight stream); grid (N / (RS R), M / BM), the last tile of each axis shifted back
-    # to end at N (M). K is a compile-time constant: token rows are constant offsets from one pointer, the
+    # reads one monotonic weight stream); grid (N / (RS R), M / BM) over tokens M0 .. M0 + M, the last tile of
+    # each axis shifted back to end at N (M0 + M). K is a compile-time constant: token rows are constant offsets from one pointer, the
     # K loop and its leftovers (a pair of blocks, then one block) are fixed. Every output gets the same
     # float operations whatever BM, R, RS (the integer dots are exact; lanes, FMAs and trees depend on S and
     # K only), so a row's result does not depend on the batch.
     n0 = jk.minimum(jk.program_id(0) * (RS * R), N - RS * R)
-    m0 = jk.minimum(jk.program_id(1) * BM, M - BM)
+    m0 = M0 + jk.minimum(jk.program_id(1) * BM, M - BM)
     toks = (m0 + jk.arange(0, BM)).to(jk.i64)
     NB = K // 32
     RQ = R // RI
@@ -543,7 +565,7 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
         if QMM_GEMV_OVERRIDE is not None:
             return QMM_GEMV_OVERRIDE + (S,)
         return 1, 1, max(1, min(8, N)), S
-    BM = _pow2_le(M, 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4)
+    BM = 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4
     R = 4 if N >= 4 else 1
     if QMM_TILE_OVERRIDE is not None:           # benchmarks: (BM, R)
         BM, R = QMM_TILE_OVERRIDE
@@ -552,6 +574,33 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
 
 QMM_TILE_OVERRIDE = None
 QMM_GEMV_OVERRIDE = None
+
+
+def _token_launches(M: int, BM: int) -> list:
+    """[(first token, tokens, tile)] covering M tokens with power-of-two tiles of at most BM (other sizes make
+    LLVM scalarise the kernel's shuffles): whole tiles of BM, then the rest in one tile of the next power of
+    two ending at M (overlapping tokens already done, recomputed identically), or, while fewer than BM tokens
+    are left from the start, halving tiles. M = 37, BM = 16: 32 + 8 (ending at 37) = 40 token rows of work
+    instead of 48 for three tiles of 16."""
+    out = []
+    start = 0
+    while start < M:
+        left = M - start
+        if left >= BM:
+            n = left // BM * BM
+            out.append((start, n, BM))
+            start += n
+            continue
+        p = 1
+        while p < left:
+            p *= 2
+        if p <= M:                   # one tile of p ending at M
+            out.append((M - p, p, p))
+            break
+        p //= 2                      # M < p: a tile of p // 2 from here, then the rest
+        out.append((start, p, p))
+        start += p
+    return out
 
 
 _DECODERS = {"q8_0": _dec_q8_0, "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q4_K": _dec_q4_K, "q5_K": _dec_q5_K,
@@ -593,8 +642,8 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
         xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q, 0, target))
         return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
     M = 1 if x.ndim == 1 else x.shape[0]
-    return matmul_q8(quantize_q8(x, target=target, layout=act_layout(q, M, target)), weight_raw, q, N, K, out=out,
-                     target=target)
+    xq = quantize_q8(x, target=target, layout=act_layout(q, M, target), rep4=M > 1 and _qmm_kernel_for(q))
+    return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
 
 
 def matmul_q8(xq: tuple, weight_raw: np.ndarray, qtype: str, N: int, K: int, out=None, target=None):
@@ -634,9 +683,16 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
         BM, R, RS, S = qmm_tiles(q, M, N, K, T)
         nb = K // 32
         rest = nb - nb // S * S
-        ck = run(_qmm_kernel, (-(-N // (RS * R)), -(-M // BM)), (w, wh, qx, xd, xs, out, M, N), target, K=K,
-                 DEC=_DECODERS[q.name], RB=row_bytes(q, K), BM=BM, R=R, RI=min(R, 4), RS=RS, S=S,
-                 LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1)
+        RI = min(R, 4)
+        if RI == 4:
+            xd4, xs4 = getattr(xq, "scales4", None), getattr(xq, "sums4", None)
+            if xd4 is None or xs4 is None:
+                xd4, xs4 = np.repeat(xd, 4, axis=-1), np.repeat(xs, 4, axis=-1)
+            xd, xs = xd4, xs4
+        for m0, mn, bm in _token_launches(M, BM):
+            ck = run(_qmm_kernel, (-(-N // (RS * R)), -(-mn // bm)), (w, wh, qx, xd, xs, out, m0, mn, N), target,
+                     K=K, DEC=_DECODERS[q.name], RB=row_bytes(q, K), BM=bm, R=R, RI=RI, RS=RS, S=S,
+                     LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1)
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
     ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),
