@@ -142,6 +142,7 @@ class DecoderLM:
         self.num_kv_layers = cfg.num_layers
         self.k_caches = []
         self.v_caches = []
+        self._attn_ws = [{} for _ in self.layers]     # attention scratch with stable addresses (graphs)
 
     # ------------------------------------------------------------------------------------ loading
     def _t(self, key, i=None, required=True):
@@ -237,7 +238,7 @@ class DecoderLM:
     def forward(self, b) -> np.ndarray:
         """One step over the flat batch `b` (engine.model_runner.Batch); returns logits [len(b.logits_rows), V]."""
         from jitkern.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, silu_and_mul
-        from jitkern.ops.attention import paged_attention, reshape_and_cache
+        from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
         from jitkern.ops.embedding import embedding
         from jitkern.ops.norm import rms_norm, rms_norm_heads
         from jitkern.ops.rope import rope
@@ -287,7 +288,10 @@ class DecoderLM:
             paged_attention(q, self.k_caches[li], self.v_caches[li], b.query_start[: b.num_seqs + 1],
                             b.seq_lens[: b.num_seqs], b.block_table[: b.num_seqs], scale=self.scale,
                             sliding_window=self.cfg.sliding_window if L.sliding else 0, softcap=self.softcap,
-                            out=attn.reshape(T, H, D))
+                            out=attn.reshape(T, H, D), workspace=self._attn_ws[li],
+                            # the full partition axis: a recorded decode graph stays valid as contexts grow
+                            # (each sequence uses only the partitions its own length needs)
+                            num_partitions=MAX_PARTITIONS)
             L.o(attn, out=o)
             if L.post_attn_norm is not None:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
