@@ -219,3 +219,18 @@ def test_cli_on_the_embedded_model():
     r = subprocess.run([sys.executable, "-m", "engine.cli", "--model", "/nonexistent", "--prompt", "x"], cwd=REPO,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "/nonexistent" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_embedded_model_greedy_is_batch_invariant():
+    """SmolLM2 Q4_1: every prompt's greedy tokens are the same alone and inside a batch with prefills of
+    other lengths (quantised GEMV vs GEMM tiles, decode vs prefill attention, partitions)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (5, 37, 129, 300, 17, 64)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
+    m = LLM(max_num_seqs=8, max_num_batched_tokens=256)
+    try:
+        alone = [m.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+        batch = [o.outputs[0].token_ids for o in m.generate(prompts, sp)]
+    finally:
+        m.close()
+    assert batch == alone
