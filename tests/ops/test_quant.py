@@ -197,7 +197,7 @@ def test_prequantized_and_empty(tier):
     rng = np.random.default_rng(10)
     raw, wd = make_weight("q8_0", 9, 96, rng)
     x = rng.standard_normal((5, 96)).astype(np.float32)
-    xq = Q.quantize_q8(x, target=tier)
+    xq = Q.quantize_q8(x, layout=Q.act_layout("q8_0", 5, tier), target=tier)
     np.testing.assert_array_equal(Q.matmul_q8(xq, raw, "q8_0", 9, 96, target=tier),
                                   Q.matmul_q(x, raw, "q8_0", 9, 96, target=tier))
     raw4, _ = make_weight("q4_1", 9, 96, rng)
