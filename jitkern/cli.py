@@ -258,6 +258,9 @@ def main(argv=None) -> int:
     from .language import CompilationError
     try:
         return args.fn(args) or 0
+    except BrokenPipeError:          # `jitkern targets | head`: the reader went away, nothing is wrong
+        sys.stderr.close()
+        return 0
     except (ValueError, JitkernError, CompilationError, RuntimeError) as e:
         return _fail(str(e))
 
