@@ -547,11 +547,17 @@ def where(cond, a, b) -> Tile:
 
 @builtin
 def maximum(a, b) -> Tile:
+    a, b = getattr(a, "value", a) if isinstance(a, constexpr) else a, getattr(b, "value", b) if isinstance(b, constexpr) else b
+    if not isinstance(a, Tile) and not isinstance(b, Tile):
+        return _py.max(a, b)          # both compile-time: fold
     return binary("max", a, b)
 
 
 @builtin
 def minimum(a, b) -> Tile:
+    a, b = getattr(a, "value", a) if isinstance(a, constexpr) else a, getattr(b, "value", b) if isinstance(b, constexpr) else b
+    if not isinstance(a, Tile) and not isinstance(b, Tile):
+        return _py.min(a, b)
     return binary("min", a, b)
 
 

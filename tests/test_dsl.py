@@ -567,3 +567,14 @@ def test_trans_axes_errors():
     for ax in ((0, 0), (0, 1, 2), (1,)):
         with pytest.raises(Exception, match="trans axes"):
             _bad_perm[(1,)](x, np.zeros(8, np.float32), AX=ax)
+
+
+@jk.kernel
+def _fold_minmax(out, N: jk.constexpr):
+    jk.store(out + jk.arange(0, 4), jk.full((4,), jk.maximum(N, 3) * 10 + jk.minimum(N, 3), jk.i32))
+
+
+def test_maximum_minimum_of_compile_time_values_fold(tier):
+    out = np.zeros(4, np.int32)
+    launch(_fold_minmax, (1,), (out,), {"N": 7}, target=tier)
+    assert (out == 73).all()
