@@ -23,8 +23,9 @@ follow ggml's plan for the arithmetic:
    of 4 blocks x 4 rows. The float work then runs on those dense registers: per (token, row, block) one
    product of the weight and activation scales, one FMA of the converted dot and one FMA of the block-sum
    term (q4_1's m, q4_0's -8 d) into an accumulator lane per block of the step, summed by a fixed halving
-   tree at the end. A program owns BM tokens x R rows (16 x 4 on AVX-512, 8 x 4 on AVX2: every weight block
-   loaded serves BM tokens, every activation block 4 rows), or for M = 1 one row at a time, 8 rows one after
+   tree at the end. A program owns BM tokens x R rows (16 x 4 on AVX-512, 8 x 4 on AVX2 with each step run as
+   two halves: every weight block loaded serves BM tokens, every activation block 4 rows; q8_0 on 512-bit
+   tiers in the 'halves' order too), or for M = 1 one row at a time, 8 rows one after
    the other (each thread reads one monotonic stream, which the hardware prefetchers follow; R rows in
    lockstep measured 3-5x less DRAM bandwidth). K is a compile-time constant (token rows are constant
    offsets, the K loop and its leftover pair / single block are fixed).
@@ -490,16 +491,27 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
 
 @jk.jit
 def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, RB: jk.constexpr,
-              BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr):
-    # xd, xs: the activation block scales / sums, with RI = 4 repeated 4 times (Q8Activations.scales4): the
-    # lanes of a (token, 4 rows) register as they are, no shuffle per token
+              BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr, H: jk.constexpr = 0,
+              HS: jk.constexpr = 0):
     """acc (BM, R // RI, S, RI) f32 += the S blocks from block st * S: per (token, row, block) one FMA of the
-    exact integer dot with the scale product, then one FMA of the block-sum term (q4_1's m, q4_0's -8 d)."""
+    exact integer dot with the scale product, then one FMA of the block-sum term (q4_1's m, q4_0's -8 d).
+    xd, xs: the activation block scales / sums, with RI = 4 repeated 4 times (Q8Activations.scales4): the lanes
+    of a (token, 4 rows) register as they are, no shuffle per token.
+    HS > 0: only the S blocks at H * S of a step of HS blocks in a 'halves'-grouped activation layout (a split
+    step, the same operations per block as the whole one)."""
     RQ = R // RI
-    q, sc, c, _ = DEC(w, wh, rows, st, RB, R, S)
-    x = jk.load(xq + xrow[:, None] + st * (S * 32) + jk.arange(0, S * 32)[None, :])
+    if HS:
+        q, sc, c, _ = DEC(w, wh, rows, st * (HS // S) + H, RB, R, S)
+        x = jk.reshape(jk.load(xq + xrow[:, None, None] + st * (HS * 32) + H * (S * 16)
+                               + jk.arange(0, 2)[None, :, None] * (HS * 16) + jk.arange(0, S * 16)[None, None, :]),
+                       (BM, S * 32))
+        b0 = st * HS + H * S
+    else:
+        q, sc, c, _ = DEC(w, wh, rows, st, RB, R, S)
+        x = jk.load(xq + xrow[:, None] + st * (S * 32) + jk.arange(0, S * 32)[None, :])
+        b0 = st * S
     pb = _block_dots(q, x, BM, R, S, RI).to(jk.f32)
-    blk = srow[:, None] * RI + st * (S * RI) + jk.arange(0, S * RI)[None, :]               # (BM, S * RI)
+    blk = srow[:, None] * RI + b0 * RI + jk.arange(0, S * RI)[None, :]                      # (BM, S * RI)
     shape = (BM, RQ, S, RI)
     sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))                                  # (RQ, S, RI)
     dx = jk.reshape(jk.load(xd + blk), (BM, 1, S, RI))
@@ -523,7 +535,7 @@ def _block_sum(v, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.co
 @jk.kernel
 def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constexpr, RB: jk.constexpr,
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
-                LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr):
+                LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False):
     # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
     # reads one monotonic weight stream); grid (N / (RS R), M / BM) over tokens M0 .. M0 + M, the last tile of
     # each axis shifted back to end at N (M0 + M). K is a compile-time constant: token rows are constant offsets from one pointer, the
@@ -539,10 +551,22 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
     srow = toks * NB
     for rt in range(0, RS):
         rows = (n0 + rt * R + jk.arange(0, R)).to(jk.i64)
-        acc = jk.zeros((BM, RQ, S, RI), jk.f32)
-        for st in range(0, NB // S):
-            acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI)
-        res = _block_sum(acc, BM, RQ, S, RI, LOGS)
+        if SPLIT:
+            # each step as two halves with their own accumulators (fewer weight registers live at once); the
+            # first level of the block tree adds them, as it adds the halves of one accumulator
+            acc = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
+            acc_h = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
+            for st in range(0, NB // S):
+                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S // 2,
+                                RI, 0, S)
+                acc_h = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc_h, DEC, RB, BM, R,
+                                  S // 2, RI, 1, S)
+            res = _block_sum(acc + acc_h, BM, RQ, S // 2, RI, LOGS - 1)
+        else:
+            acc = jk.zeros((BM, RQ, S, RI), jk.f32)
+            for st in range(0, NB // S):
+                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI)
+            res = _block_sum(acc, BM, RQ, S, RI, LOGS)
         if PAIR_TAIL:
             acc2 = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, (NB // S * S) // 2,
                              jk.zeros((BM, RQ, 2, RI), jk.f32), DEC, RB, BM, R, 2, RI)
@@ -559,6 +583,15 @@ _QMM_TYPES = ("q8_0", "q4_0", "q4_1")
 
 def _qmm_kernel_for(q: QType) -> bool:
     return q.name in _QMM_TYPES
+
+
+def _split_steps(q: QType, M: int, S: int, target) -> bool:
+    """GEMM programs on 256-bit tiers run each 4-block q4 step as two 2-block halves: the 4 rows' weights of a
+    whole step fill the 16 registers, the halves' do not (+6-14% on AVX2; slower with 32 registers)."""
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    return M > 1 and S == 4 and q.name in ("q4_0", "q4_1") and target.vector_bits == 256
 
 
 def _qmm_decoder(q: QType, target):
@@ -722,7 +755,8 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
         for m0, mn, bm in _token_launches(M, BM):
             ck = run(_qmm_kernel, (-(-N // (RS * R)), -(-mn // bm)), (w, wh, qx, xd, xs, out, m0, mn, N), target,
                      K=K, DEC=_qmm_decoder(q, T), RB=row_bytes(q, K), BM=bm, R=R, RI=RI, RS=RS, S=S,
-                     LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1)
+                     LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1,
+                     SPLIT=_split_steps(q, M, S, T))
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
     ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),
