@@ -188,6 +188,7 @@ class Function:
 #   argreduce[kind, axis] argmax argmin -> i32
 #   dot                   (M,K)x(K,N)[+acc] -> (M,N), f32 (or i32 for integer inputs)
 #   dot4[axis]            (...,K)x(...,K) int8/uint8 -> (...,K/4) i32: sums of products of groups of 4
+#   madd                  (...,K)x(...,K) u8 x i8 -> (...,K/2) i16 (saturated), i16 x i16 -> i32: pair sums
 #                         (with axis: also summed over that input axis, which the result drops)
 #   for                   lb, ub, step, *inits; region args (iv, *carried); yields carried; results
 #   if                    cond; regions then, else; each yields the results

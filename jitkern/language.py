@@ -700,6 +700,25 @@ def dot4(a, b, axis=None) -> Tile:
 
 
 @builtin
+def madd(a, b) -> Tile:
+    """Sums of products of adjacent pairs along the last axis: (..., K) x (..., K) -> (..., K/2).
+
+    (u8, i8) -> i16, saturated to [-32768, 32767] (x86 pmaddubsw); (i16, i16) -> i32 (pmaddwd; two products
+    of -32768 wrap). The two stages of `dot4`, for kernels that add int16 partial sums of different tiles
+    before widening them (the caller keeps those sums inside int16)."""
+    a, b = to_tile(a), to_tile(b)
+    if a.shape != b.shape or not a.shape or a.shape[-1] % 2:
+        _error(f"madd needs equal shapes with an even last axis, got {a.shape} and {b.shape}")
+    if (a.dtype, b.dtype) == (u8, i8):
+        rt = i16
+    elif (a.dtype, b.dtype) == (i16, i16):
+        rt = i32
+    else:
+        _error(f"madd takes (u8, i8) or (i16, i16) tiles, got ({a.dtype}, {b.dtype})")
+    return _builder().value("madd", [a, b], TileType(rt, a.shape[:-1] + (a.shape[-1] // 2,)))
+
+
+@builtin
 def trans(x, axes=None) -> Tile:
     """Transpose: a 2-D tile's two axes, or with `axes` (a compile-time permutation, as numpy.transpose) any
     tile's axes: result axis i is input axis axes[i]."""

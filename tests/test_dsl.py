@@ -578,3 +578,45 @@ def test_maximum_minimum_of_compile_time_values_fold(tier):
     out = np.zeros(4, np.int32)
     launch(_fold_minmax, (1,), (out,), {"N": 7}, target=tier)
     assert (out == 73).all()
+
+
+@jk.kernel
+def _madd_kernel(a, b, out, R: jk.constexpr, K: jk.constexpr):
+    offs = jk.arange(0, R)[:, None] * K + jk.arange(0, K)[None, :]
+    p = jk.madd(jk.load(a + offs), jk.load(b + offs))
+    jk.store(out + jk.arange(0, R)[:, None] * (K // 2) + jk.arange(0, K // 2)[None, :], p)
+
+
+@pytest.mark.parametrize("kind", ["u8i8", "i16i16"])
+def test_madd(tier, kind):
+    # pair sums of products: u8 x i8 -> i16 saturated (pmaddubsw), i16 x i16 -> i32 (pmaddwd, wrapping only for
+    # two (-32768)^2 products); whole and partial vector chunks, including the saturation edges
+    rng = np.random.default_rng(21)
+    for R, K in ((3, 64), (2, 32), (5, 16), (1, 6), (4, 2)):
+        if kind == "u8i8":
+            a = rng.integers(0, 256, (R, K)).astype(np.uint8)
+            b = rng.integers(-128, 128, (R, K)).astype(np.int8)
+            if K >= 4:
+                a[0, :4] = 255
+                b[0, :4] = [127, 127, -128, -128]              # +32385 * 2 -> 32767, -32640 * 2 -> -32768
+            want = np.clip((a.astype(np.int64) * b).reshape(R, K // 2, 2).sum(-1), -32768, 32767).astype(np.int16)
+            out = np.zeros((R, K // 2), np.int16)
+        else:
+            a = rng.integers(-32768, 32768, (R, K)).astype(np.int16)
+            b = rng.integers(-32768, 32768, (R, K)).astype(np.int16)
+            a[0, :2] = b[0, :2] = -32768                       # 2^31: wraps to -2^31
+            want = ((a.astype(np.int64) * b).reshape(R, K // 2, 2).sum(-1) + 2**31) % 2**32 - 2**31
+            want = want.astype(np.int32)
+            out = np.zeros((R, K // 2), np.int32)
+        _run(_madd_kernel, (1,), tier, a, b, out, R=R, K=K)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_madd_errors():
+    @jk.kernel
+    def _bad_madd(a, b, out):
+        o = jk.arange(0, 4)
+        jk.store(out + jk.arange(0, 2), jk.madd(jk.load(a + o), jk.load(b + o)).to(jk.i32))
+
+    with pytest.raises(Exception, match=r"madd takes \(u8, i8\) or \(i16, i16\)"):
+        _bad_madd[(1,)](np.zeros(4, np.int8), np.zeros(4, np.int8), np.zeros(2, np.int32))

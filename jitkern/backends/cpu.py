@@ -1357,6 +1357,48 @@ class CpuLowering:
             return LV(p0.ref, "i32", p0.n, oshape) if p0.n else self.splat(p0, 1, oshape)
         return self.concat(parts, oshape)
 
+    def op_madd(self, op):
+        """Pair sums of products: u8 x i8 -> i16 saturated (pmaddubsw), i16 x i16 -> i32 (pmaddwd)."""
+        a, b = self.get(op.operands[0]), self.get(op.operands[1])
+        wide = op.operands[0].type.elem == ir.i16
+        oshape = op.result.type.shape
+        n = _prod(op.operands[0].type.shape)
+        et, rt = ("i16", "i32") if wide else ("i8", "i16")
+        chunk = 0
+        if self.x86:
+            lanes = {64: "avx512bw", 32: "avx2", 16: "sse2" if wide else "avx"}
+            for c in (64, 32, 16):          # bytes per instruction
+                if self.target.has(lanes[c]) and (n * (2 if wide else 1)) % c == 0:
+                    chunk = c
+                    break
+        if chunk:
+            cn = chunk // (2 if wide else 1)            # input lanes per instruction
+            fn = ({64: "llvm.x86.avx512.pmaddw.d.512", 32: "llvm.x86.avx2.pmadd.wd", 16: "llvm.x86.sse2.pmadd.wd"}
+                  if wide else {64: "llvm.x86.avx512.pmaddubs.w.512", 32: "llvm.x86.avx2.pmadd.ub.sw",
+                                16: "llvm.x86.ssse3.pmadd.ub.sw.128"})[chunk]
+            it, ot = vty(et, cn), vty(rt, cn // 2)
+            self.declare(fn, ot, [it, it])
+            parts = []
+            for c in range(n // cn):
+                lanes_c = list(range(c * cn, (c + 1) * cn))
+                ac = self.shuffle(a, lanes_c) if n > cn else a
+                bc = self.shuffle(b, lanes_c) if n > cn else b
+                parts.append(self.val(f"call {ot} @{fn}({it} {ac.ref}, {it} {bc.ref})", rt, cn // 2))
+            return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, rt, n // 2, oshape)
+        # generic: widen, multiply, add the even and odd products (saturating to i16 for the byte form)
+        wa = self.val(f"{'sext' if wide else 'zext'} {a.ty} {a.ref} to {vty(rt, n)}", rt, n)
+        wb = self.val(f"sext {b.ty} {b.ref} to {vty(rt, n)}", rt, n)
+        pr = self.val(f"mul {wa.ty} {wa.ref}, {wb.ref}", rt, n)
+        ev = self.shuffle(pr, list(range(0, n, 2)), (n // 2,))
+        od = self.shuffle(pr, list(range(1, n, 2)), (n // 2,))
+        if wide:
+            res = self.val(f"add {ev.ty} {ev.ref}, {od.ref}", rt, n // 2)
+        else:
+            name = f"llvm.sadd.sat.{self.sfx(ev)}"
+            self.declare(name, ev.ty, [ev.ty, ev.ty])
+            res = self.val(f"call {ev.ty} @{name}({ev.ty} {ev.ref}, {ev.ty} {od.ref})", rt, n // 2)
+        return LV(res.ref, rt, n // 2, oshape)
+
     def _abs_decl(self, v: LV) -> str:
         name = f"llvm.abs.{self.sfx(v)}"
         self.declare(name, v.ty, [v.ty, "i1"])
