@@ -19,8 +19,9 @@ follow ggml's plan for the arithmetic:
    q8_0 / the K-quants as ggml, q8_0 with the sign trick).
 3. q8_0 / q4_0 / q4_1 (`_qmm_kernel`, every M): the lanes dot4 leaves per block are summed to one exact i32
    per (token, row, block) first; with 4 rows per tile that is a 4x4 transpose-and-add inside each 128-bit
-   lane (unpacks, which Zen 4 issues beside its multipliers, unlike cross-lane permutes), leaving registers
-   of 4 blocks x 4 rows. The float work then runs on those dense registers: per (token, row, block) one
+   lane (unpacks, which Zen 4 issues beside its multipliers, unlike cross-lane permutes; for the 4-bit types
+   its first step on the int16 pair sums, so one pmaddwd widens two rows), leaving registers of 4 blocks x 4
+   rows. The float work then runs on those dense registers: per (token, row, block) one
    product of the weight and activation scales, one FMA of the converted dot and one FMA of the block-sum
    term (q4_1's m, q4_0's -8 d) into an accumulator lane per block of the step, summed by a fixed halving
    tree at the end. A program owns BM tokens x R rows (16 x 4 on AVX-512, 8 x 4 on AVX2 with each step run as
@@ -466,8 +467,21 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
     leaves 4 lanes per block (8 for q8_0, whose two 128-bit halves are added first); the sums over them are
     exact, so their order is free: with RI = 4 they are unpack-and-add steps across 4 rows' registers (a 4x4
     transpose-and-add inside every 128-bit lane), in-lane shuffles that Zen 4 runs beside its multipliers,
-    where cross-lane permutes compete with them."""
+    where cross-lane permutes compete with them; for the 4-bit types the first of those steps runs on the
+    int16 pair sums, before widening (`jk.madd`), so one pmaddwd widens two rows."""
     RQ = R // RI
+    if len(q.shape) == 4 and q.dtype == jk.u8 and RI == 4:
+        # int16 pair sums of both halves added (4 products of 4-bit x int8 per lane), then lanes j and j + 4 of
+        # 2 rows' registers interleaved by dwords and added (8 products, still inside int16: 15240 at most), so
+        # one pmaddwd widens 2 rows (half the pmaddwd of dot4); the second level adds the rows' pairs of i32
+        p16 = jk.sum(jk.madd(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
+                             jk.broadcast_to(jk.reshape(x, (BM, 1, 2, S, 16)), (BM, R, 2, S, 16))), axis=2)
+        # axes (t, rq, rr, r1, b, jh, dw, w): row 4 rq + 2 rr + r1, int16 lane 4 jh + 2 dw + w
+        p8 = jk.reshape(p16, (BM, RQ, 2, 2, S, 2, 2, 2))
+        s0 = jk.sum(jk.trans(p8, (0, 1, 2, 4, 5, 6, 3, 7)), axis=4)     # unpack lo/hi dwords: (t,rq,rr,b,dw,r1,w)
+        s1 = jk.reshape(jk.madd(s0, jk.full((BM, RQ, 2, S, 2, 2, 2), 1, jk.i16)), (BM, RQ, 2, S, 2, 2))
+        s2 = jk.sum(jk.trans(s1, (0, 1, 3, 4, 2, 5)), axis=3)          # unpack lo/hi qwords: (t, rq, b, rr, r1)
+        return jk.reshape(s2, (BM, RQ, S, 4))
     if len(q.shape) == 4 and q.dtype == jk.u8:
         # both halves in one int16 sum (4 products of 4-bit x int8 per pair: inside dot4's axis contract)
         p = jk.dot4(jk.broadcast_to(q[None, :, :, :, :], (BM, R, 2, S, 16)),
