@@ -624,7 +624,7 @@ def qmm_step(qtype, target=None) -> int:
         # the same half of 4 blocks in one 512-bit vector (two 256-bit ones on AVX2: fewer instructions per
         # byte for the bandwidth-bound GEMV than one); two blocks on 128-bit tiers
         return 4 if vbytes >= 32 else 2
-    return max(1, vbytes // 16)               # q8_0: two vectors of 32-byte blocks
+    return max(1, vbytes // 16)               # q8_0: two vectors' worth of 32-byte blocks
 
 
 def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
@@ -639,18 +639,17 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     while S > 1 and S > K // 32:
         S //= 2
     if M == 1:
-        if QMM_GEMV_OVERRIDE is not None:
-            return QMM_GEMV_OVERRIDE + (S,)
         return 1, 1, max(1, min(8, N)), S
     BM = 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4
     R = 4 if N >= 4 else 1
-    if QMM_TILE_OVERRIDE is not None:           # benchmarks: (BM, R)
+    if QMM_TILE_OVERRIDE is not None:
         BM, R = QMM_TILE_OVERRIDE
     return min(BM, M), R, 1, S
 
 
+# (BM, R) for every M > 1 launch instead of the defaults above: for benchmarks that compare tile shapes (BM a
+# power of two, R 1 or a multiple of 4); the outputs do not change with it
 QMM_TILE_OVERRIDE = None
-QMM_GEMV_OVERRIDE = None
 
 
 def _token_launches(M: int, BM: int) -> list:
