@@ -40,21 +40,10 @@ class RequestStream:
         return self
 
     def __next__(self) -> RequestOutput:
-        if self.finished:
-            raise StopIteration
-        item = self.queue.get()
-        if item is _DONE:
-            self.finished = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        return self.get()
 
     def get(self, timeout: Optional[float] = None) -> RequestOutput:
-        """Like next() with a timeout (raises queue.Empty)."""
+        """The next output; with a timeout, raises queue.Empty if none arrives in time."""
         if self.finished:
             raise StopIteration
         item = self.queue.get(timeout=timeout)
