@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from engine.llm_engine import EngineArgs, LLMEngine
 from engine.outputs import RequestOutput

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional

@@ -183,7 +183,7 @@ def cmd_build(args) -> int:
     except ImportError as e:
         bar.close()
         return _fail(f"the engine's kernel list is not available ({e})")
-    with compile_only(t, on_compile) as co:
+    with compile_only(t, on_compile):
         build_specializations(args.model)
     bar.close()
     from .compiler import kernel_cache

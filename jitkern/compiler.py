@@ -16,7 +16,6 @@ from . import ir
 from .cache import KernelCache, compiler_source_hash, hash_key
 from .errors import CompileError
 from .frontend import trace
-from .language import CompilationError
 
 _lock = threading.RLock()
 _cache = None

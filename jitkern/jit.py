@@ -17,7 +17,7 @@ import ast
 import hashlib
 import inspect
 import textwrap
-from typing import Any
+
 
 import numpy as np
 
@@ -89,8 +89,7 @@ class JitFunction:
         self.tree = fdef
         self.filename = inspect.getsourcefile(fn) or "<kernel>"
         self.first_line = fn.__code__.co_firstlineno
-        # decorators occupy the first lines of `src`; AST line numbers count from the top of `src`
-        self.first_line -= 0
+        # AST line numbers count from the top of `src`, which starts at the decorator line (co_firstlineno)
         self.signature = inspect.signature(fn)
         self.params = list(self.signature.parameters.values())
         self.constexpr_names = {p.name for p in self.params if self._is_constexpr(p)}

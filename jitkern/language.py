@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import builtins as _py
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 from . import ir
-from .ir import DType, PtrType, TileType, Value
+from .ir import DType, TileType, Value
 from .ir import f64, f32, f16, bf16, i1, i8, u8, i16, u16, i32, u32, i64  # noqa: F401  (public dtypes)
 
 float32, float16, bfloat16, float64 = f32, f16, bf16, f64

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .. import ir
-from ..ir import DType, TileType
+from ..ir import DType
 from ..language import CompilationError
 
 # ---------------------------------------------------------------------------------------------- types
@@ -169,7 +169,7 @@ class CpuLowering:
 
     def build_vector(self, scalars: list, et: str, shape) -> LV:
         n = len(scalars)
-        cur = f"poison"
+        cur = "poison"
         for i, s in enumerate(scalars):
             r = self.tmp()
             self.emit(f"{r} = insertelement <{n} x {et}> {cur}, {et} {s.ref}, i32 {i}")
