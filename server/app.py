@@ -7,7 +7,6 @@ thread and the kernel thread pool are started in the process that serves request
 """
 from __future__ import annotations
 
-import hmac
 import importlib
 import logging
 import os
@@ -22,9 +21,11 @@ from typing import Optional
 import falcon
 
 from server.errors import APIError
+from server.guard import Guard
 from server.logprobs import TokenStrings
 from server.protocol import (ServingContext, parse_chat_request, parse_completion_request, parse_detokenize_request,
-                             parse_json_body, parse_tokenize_request)
+                             parse_tokenize_request)
+from server.request_body import read_json_body
 from server.serving import ClientGone, Generation, SSEBody, dumps
 from server.settings import ServerSettings, SettingsError
 
@@ -150,16 +151,7 @@ class AppState:
 # ====================================================================================== resources
 
 def _read_json(req: falcon.Request, state: AppState) -> dict:
-    limit = state.settings.max_body_bytes
-    length = req.content_length
-    if length is not None and length > limit:
-        raise APIError(f"the request body is {length} bytes, more than this server's limit of {limit} bytes",
-                       status=413, code="request_too_large")
-    raw = (req.bounded_stream if length is not None else req.stream).read(limit + 1)
-    if len(raw) > limit:
-        raise APIError(f"the request body is larger than this server's limit of {limit} bytes", status=413,
-                       code="request_too_large")
-    return parse_json_body(raw)
+    return read_json_body(req, state.settings.max_body_bytes)
 
 
 def _check_model(state: AppState, model: Optional[str]) -> None:
@@ -231,6 +223,7 @@ class ModelsResource:
 
 class HealthResource:
     """Liveness: 200 while the engine thread runs (503 once it died or while shutting down)."""
+    public = True     # open without the API key (load balancers probe it)
 
     def __init__(self, state: AppState):
         self.state = state
@@ -251,11 +244,15 @@ class HealthResource:
 
 
 class VersionResource:
+    public = True
+
     def on_get(self, req, resp) -> None:
         _json(resp, {"version": _version()})
 
 
 class MetricsResource:
+    public = True     # Prometheus scrapes it without the key
+
     def __init__(self, state: AppState):
         self.state = state
 
@@ -318,30 +315,6 @@ class ResetPrefixCacheResource:
         _json(resp, {"success": ok})
 
 
-# ====================================================================================== middleware
-
-class _Guard:
-    """Bearer-key check on /v1/*, body-size limit, and request ids."""
-
-    def __init__(self, state: AppState):
-        self.state = state
-        key = state.settings.api_key
-        self._key = key.encode("utf-8") if key else None
-
-    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if self._key is not None and (req.path == "/v1" or req.path.startswith("/v1/")):
-            header = req.get_header("Authorization") or ""
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8"), self._key):
-                raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key the "
-                               "server was started with (--api-key / JITKERN_API_KEY).", status=401,
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        limit = self.state.settings.max_body_bytes
-        if req.content_length is not None and req.content_length > limit:
-            raise APIError(f"the request body is {req.content_length} bytes, more than this server's limit of "
-                           f"{limit} bytes", status=413, code="request_too_large")
-
-
 # ====================================================================================== errors
 
 def _handle_api_error(req, resp, ex: APIError, params) -> None:
@@ -381,7 +354,7 @@ class OpenAIServer:
 
     def __init__(self, state: AppState):
         self.state = state
-        app = falcon.App(middleware=[_Guard(state)])
+        app = falcon.App(middleware=[Guard(state.settings.api_key, state.settings.max_body_bytes)])
         app.req_options.auto_parse_form_urlencoded = False
         app.add_error_handler(Exception, _handle_unexpected)
         app.add_error_handler(falcon.HTTPError, _handle_http_error)

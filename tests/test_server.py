@@ -552,8 +552,55 @@ def test_api_key_on_v1_routes():
                                  headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
         assert client.simulate_post("/v1/completions", json={"prompt": "x"}).status_code == 401
-        assert client.simulate_get("/health").status_code == 200          # not under /v1
-        assert client.simulate_get("/v1/nope").status_code == 401         # auth before routing
+        assert client.simulate_get("/health").status_code == 200          # public
+        assert client.simulate_get("/v1/nope").status_code in (401, 404)  # never served
+    finally:
+        app.close()
+
+
+# Every route but the public ones (liveness, version, metrics) needs the key, whatever the path's spelling.
+PROTECTED = [("GET", "/v1/models"), ("GET", "/v1/models/fake-model"), ("POST", "/v1/completions"),
+             ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+             ("GET", "/server_info"), ("POST", "/reset_prefix_cache")]
+
+
+def test_api_key_is_checked_on_the_resolved_route_not_the_path():
+    app, client = make_server(api_key="s3cret", log_requests=False)
+    bodies = {"/v1/completions": {"prompt": "x", "max_tokens": 1}, "/tokenize": {"prompt": "x"},
+              "/detokenize": {"tokens": [1]},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}}
+    try:
+        for method, path in PROTECTED:
+            for spelling in (path, "/" + path, path.replace("/", "//"), path + "/", path.upper()):
+                r = client.simulate_request(method, spelling, json=bodies.get(path))
+                assert r.status_code in (401, 404), (method, spelling, r.status_code, r.text)
+                assert r.json["error"]["type"] == "invalid_request_error"
+            good = client.simulate_request(method, path, json=bodies.get(path),
+                                           headers={"Authorization": "Bearer s3cret"})
+            assert good.status_code == 200, (method, path, good.text)
+        for path in ("/health", "/ping", "/version", "/metrics"):
+            assert client.simulate_get(path).status_code == 200, path
+        assert engine_idle(app)["n"] == 0
+    finally:
+        app.close()
+
+
+def test_json_content_type_is_required_on_bodies():
+    app, client = make_server(log_requests=False)
+    body = json.dumps({"prompt": "x", "max_tokens": 1})
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            for ctype in (None, "text/plain", "application/x-www-form-urlencoded",
+                          "multipart/form-data; boundary=x", "application/jsonx", "application/json; charset=latin-1"):
+                headers = {"content-type": ctype} if ctype else {}
+                r = client.simulate_post(path, body=body, headers=headers)
+                assert r.status_code == 415, (path, ctype, r.text)
+                err = r.json["error"]
+                assert err["code"] == "unsupported_media_type" and err["param"] == "Content-Type"
+                assert "application/json" in err["message"]
+        for ctype in ("application/json", "Application/JSON; charset=utf-8", 'application/json;charset="UTF-8"'):
+            r = client.simulate_post("/v1/completions", body=body, headers={"content-type": ctype})
+            assert r.status_code == 200, (ctype, r.text)
     finally:
         app.close()
 
