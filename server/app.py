@@ -319,7 +319,7 @@ class ResetPrefixCacheResource:
 
 def _handle_api_error(req, resp, ex: APIError, params) -> None:
     if ex.status >= 500:
-        log.error("%s %s -> %d: %s", req.method, req.path, ex.status, ex.message)
+        log.error("%s %r -> %d: %r", req.method, req.path, ex.status, ex.message)
     for k, v in ex.headers.items():
         resp.set_header(k, v)
     _json(resp, ex.to_dict(), ex.status)
@@ -343,8 +343,9 @@ def _handle_unexpected(req, resp, ex: Exception, params) -> None:
         return _handle_http_error(req, resp, ex, params)
     if isinstance(ex, APIError):
         return _handle_api_error(req, resp, ex, params)
-    log.exception("%s %s failed", req.method, req.path)
-    _json(resp, APIError(f"internal server error: {type(ex).__name__}: {ex}", status=500).to_dict(), 500)
+    # The details (exception, traceback) go to the log only; the client learns that the server failed.
+    log.exception("%s %r failed", req.method, req.path)
+    _json(resp, APIError("internal server error (the server log has the details)", status=500).to_dict(), 500)
 
 
 # ====================================================================================== app

@@ -23,6 +23,7 @@ from server.errors import APIError, bad_request
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 MAX_PROMPTS_PER_REQUEST = 4096
+MAX_REQUEST_ID_LEN = 128
 
 # ------------------------------------------------------------------------------------- field sets
 
@@ -390,10 +391,25 @@ def _common(f: Fields, ctx: ServingContext, req: GenerationRequest) -> None:
     req.return_tokens_as_token_ids = bool(f.bool("return_tokens_as_token_ids", False))
     req.return_token_ids = bool(f.bool("return_token_ids", False))
     req.priority = _priority(f, ctx)
-    req.request_id = f.str("request_id")
-    if req.request_id is not None and not req.request_id.strip():
-        raise bad_request("'request_id' must not be empty", param="request_id")
+    req.request_id = check_request_id(f.str("request_id"))
     _response_format(f)
+
+
+def check_request_id(request_id: Optional[str], param: str = "request_id") -> Optional[str]:
+    """A client's request id goes into the X-Request-Id header and the logs: at most MAX_REQUEST_ID_LEN
+    visible ASCII characters (no spaces or controls), else a 400 naming the field."""
+    if request_id is None:
+        return None
+    if not request_id:
+        raise bad_request(f"'{param}' must not be empty", param=param)
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise bad_request(f"'{param}' is {len(request_id)} characters long; at most {MAX_REQUEST_ID_LEN} are "
+                          "allowed", param=param)
+    bad = next((c for c in request_id if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise bad_request(f"'{param}' may only contain visible ASCII characters (no spaces or control "
+                          f"characters); it contains {ascii(bad)}", param=param)
+    return request_id
 
 
 def parse_completion_request(body: dict, ctx: ServingContext) -> GenerationRequest:

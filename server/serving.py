@@ -58,7 +58,13 @@ def client_gone(environ: dict) -> bool:
 
 
 def truncate_for_log(value, limit: int) -> str:
-    text = value if isinstance(value, str) else repr(value)
+    """`value` for a log line: cut to `limit` characters, then escaped (repr), so that a newline or a
+    control character in client text can never start a forged log line."""
+    if isinstance(value, str):
+        if limit is not None and len(value) > limit:
+            return repr(value[:limit]) + f"...[{len(value) - limit} more chars]"
+        return repr(value)
+    text = repr(value)      # lists (a batch of prompts, outputs) and numbers: repr escapes their strings
     if limit is not None and len(text) > limit:
         return text[:limit] + f"...[{len(text) - limit} more chars]"
     return text
@@ -428,12 +434,12 @@ class Generation:
         except _ClientGone:
             log.info("request %s: client disconnected; aborted", self.id)
         except APIError as e:
-            log.error("request %s failed mid-stream: %s", self.id, e.message)
+            log.error("request %s failed mid-stream: %r", self.id, e.message)
             yield sse_frame(e.to_dict())
             yield DONE_FRAME
         except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not a dropped connection
             log.exception("request %s failed mid-stream", self.id)
-            yield sse_frame(APIError(f"internal error while generating: {type(e).__name__}: {e}",
+            yield sse_frame(APIError("internal error while generating (the server log has the details)",
                                      status=500).to_dict())
             yield DONE_FRAME
         finally:

@@ -711,17 +711,23 @@ def test_drain_ends_streams_cleanly_and_refuses_new_work():
         app.close()
 
 
-def test_engine_failure_mid_stream_is_an_error_event_then_done(server, client):
+def test_engine_failure_mid_stream_is_an_error_event_then_done(server, client, caplog):
     app = server[0]
     app.state.engine.call(lambda e: setattr(e, "fail_steps", 1))
-    r = client.simulate_post("/v1/completions", json={"prompt": "boom", "max_tokens": 5, "stream": True})
+    with caplog.at_level(logging.ERROR, logger="jitkern.server"):
+        r = client.simulate_post("/v1/completions", json={"prompt": "boom", "max_tokens": 5, "stream": True})
     assert r.status_code == 200
     events, _, done = parse_sse(r.text)
     assert done and "error" in events[-1]
-    assert "injected model failure" in events[-1]["error"]["message"]
+    # The client learns that the server failed; the details (exception, message) are in the log only.
+    err = events[-1]["error"]
+    assert err["type"] == "server_error" and "internal error" in err["message"]
+    assert "injected" not in err["message"] and "RuntimeError" not in err["message"]
+    assert "injected model failure" in caplog.text
     app.state.engine.call(lambda e: setattr(e, "fail_steps", 1))
     r = client.simulate_post("/v1/completions", json={"prompt": "boom", "max_tokens": 5})
     assert r.status_code == 500 and r.json["error"]["type"] == "server_error"
+    assert "injected" not in r.json["error"]["message"] and "RuntimeError" not in r.json["error"]["message"]
     assert client.simulate_post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
@@ -821,11 +827,45 @@ def test_request_logging_truncates_prompts_and_outputs(caplog):
             client.simulate_post("/v1/completions", json={"prompt": "0123456789abcdefghijXYZ", "max_tokens": 20})
         lines = [r.getMessage() for r in caplog.records if r.name == "jitkern.server"]
         req_line = next(line for line in lines if line.startswith("request "))
-        assert "0123456789ab...[11 more chars]" in req_line and "XYZ" not in req_line
+        assert "'0123456789ab'...[11 more chars]" in req_line and "XYZ" not in req_line
         out_line = next(line for line in lines if line.startswith("response "))
         assert "more chars]" in out_line and "finish_reason" in out_line
     finally:
         app.close()
+
+
+def test_logged_prompts_and_outputs_are_escaped_so_no_line_can_be_forged(caplog):
+    app, client = make_server(log_requests=True, log_outputs=True, max_log_len=40)
+    forged = "hi\n2026-01-01 00:00:00 INFO jitkern.server: request admin-1\r\x1b[2J\u2028"
+    try:
+        with caplog.at_level(logging.INFO, logger="jitkern.server"):
+            r = client.simulate_post("/v1/completions", json={"prompt": forged, "max_tokens": 3})
+            assert r.status_code == 200
+            r = client.simulate_post("/v1/completions", json={"prompt": [forged, "x\ny"], "max_tokens": 1})
+            assert r.status_code == 200
+            client.simulate_post("/v1/completions\n%0aFORGED", json={"prompt": "x"})
+        lines = [r.getMessage() for r in caplog.records if r.name == "jitkern.server"]
+        assert [line for line in lines if line.startswith("request ")], lines
+        for line in lines:
+            assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\u2028" not in line, line
+        req_line = next(line for line in lines if line.startswith("request "))
+        assert repr(forged[:40]) in req_line and "more chars]" in req_line
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("request_id,ok", [
+    ("a" * 128, True), ("req-1:abc/DEF_~.+=@", True), ("a" * 129, False), ("line\nbreak", False),
+    ("sp ace", False), ("caf\u00e9", False), ("\ud800", False), ("tab\t", False), ("", False), ("\x7f", False),
+])
+def test_request_id_length_and_charset(client, request_id, ok):
+    body = json.dumps({"prompt": "x", "max_tokens": 1, "request_id": request_id})   # ASCII: \\ud800 escaped
+    r = client.simulate_post("/v1/completions", body=body, headers={"content-type": "application/json"})
+    if ok:
+        assert r.status_code == 200 and r.headers["x-request-id"] == request_id == r.json["id"]
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json["error"]["param"] == "request_id"
 
 
 def test_request_logging_off():
