@@ -24,6 +24,8 @@ from server.errors import APIError, bad_request
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 MAX_PROMPTS_PER_REQUEST = 4096
 MAX_REQUEST_ID_LEN = 128
+# Bound on characters per token for the cheap length check before tokenising (see check_text_length).
+MAX_CHARS_PER_TOKEN = 64
 
 # ------------------------------------------------------------------------------------- field sets
 
@@ -385,6 +387,33 @@ def _check_token_ids(ids: list, vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad[0]} in '{param}' is out of range [0, {vocab_size})", param=param)
 
 
+def max_text_chars(ctx: ServingContext) -> int:
+    return ctx.max_model_len * MAX_CHARS_PER_TOKEN
+
+
+def check_text_length(ctx: ServingContext, text: str, param: str) -> None:
+    """A cheap bound before tokenising: no tokenizer makes fewer than one token per MAX_CHARS_PER_TOKEN
+    characters of ordinary text, so a longer text cannot fit the context (an 8 MiB prompt is refused
+    here in microseconds instead of being tokenised for tens of seconds first)."""
+    limit = max_text_chars(ctx)
+    if len(text) > limit:
+        raise bad_request(f"'{param}' is {len(text)} characters long; this server accepts at most {limit} "
+                          f"characters ({MAX_CHARS_PER_TOKEN} per token of its {ctx.max_model_len}-token context)",
+                          param=param, code="context_length_exceeded")
+
+
+def encode_texts(ctx: ServingContext, texts: list, add_special_tokens: bool) -> list:
+    """Token ids of `texts`, on the request's thread. `encode_batch` (HF tokenizers, Rust) releases the GIL
+    while it works, where `encode` holds it: a long prompt must not stall the engine thread and every
+    other stream of the process."""
+    if not texts:
+        return []
+    encode_batch = getattr(ctx.tokenizer, "encode_batch", None)
+    if encode_batch is None:
+        return [ctx.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    return encode_batch(list(texts), add_special_tokens=add_special_tokens)
+
+
 def _common(f: Fields, ctx: ServingContext, req: GenerationRequest) -> None:
     req.stream = bool(f.bool("stream", False))
     req.include_usage, req.continuous_usage_stats = _stream_options(f, req.stream)
@@ -438,7 +467,13 @@ def parse_completion_request(body: dict, ctx: ServingContext) -> GenerationReque
                             prompt_logprobs=prompt_logprobs, echo_logprobs=echo and logprobs is not None)
     _common(f, ctx, req)
     add_special = f.bool("add_special_tokens", True)
-    req.prompts = [_prompt_input(f, ctx, p, add_special) for p in _split_prompts(body.get("prompt"))]
+    prompts = _split_prompts(body.get("prompt"))
+    texts = [p for p in prompts if isinstance(p, str)]
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            check_text_length(ctx, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+    encoded = iter(encode_texts(ctx, texts, add_special))
+    req.prompts = [_prompt_input(f, ctx, p, next(encoded) if isinstance(p, str) else None) for p in prompts]
     req.log_summary = {"prompt": body.get("prompt")}
     return req
 
@@ -472,10 +507,9 @@ def _split_prompts(prompt) -> list:
                       "token-id arrays (not a mixture)", param="prompt", code="invalid_type")
 
 
-def _prompt_input(f: Fields, ctx: ServingContext, prompt, add_special_tokens: bool) -> PromptInput:
+def _prompt_input(f: Fields, ctx: ServingContext, prompt, encoded: Optional[list]) -> PromptInput:
     if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        text = prompt
+        ids, text = encoded, prompt
     else:
         _check_token_ids(prompt, ctx.vocab_size, "prompt")
         ids, text = prompt, None
@@ -510,7 +544,7 @@ def _content_text(content, where: str) -> Optional[str]:
     return "\n".join(texts)
 
 
-def _messages(f: Fields) -> list:
+def _messages(f: Fields, max_chars: Optional[int] = None) -> list:
     messages = f.body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", param="messages", code="missing_required_parameter")
@@ -519,6 +553,7 @@ def _messages(f: Fields) -> list:
     if not messages:
         raise bad_request("'messages' must not be empty", param="messages")
     out = []
+    total_chars = 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -534,6 +569,10 @@ def _messages(f: Fields) -> list:
         if content is None and not m.get("tool_calls"):
             content = ""
         msg["content"] = content
+        total_chars += len(content or "")
+        if max_chars is not None and total_chars > max_chars:
+            raise bad_request(f"the messages' contents are longer than this server accepts ({max_chars} characters "
+                              "in all)", param="messages", code="context_length_exceeded")
         if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
             raise _type_error(f"{where}.name", "a string", m["name"])
         if "tool_calls" in m and m["tool_calls"] is not None and not isinstance(m["tool_calls"], list):
@@ -566,7 +605,7 @@ def _tools(f: Fields) -> Optional[list]:
 def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     f = Fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = _model(f)
-    messages = _messages(f)
+    messages = _messages(f, max_text_chars(ctx))
     tools = _tools(f)
     modalities = f.str_list("modalities")
     if modalities is not None and any(m != "text" for m in modalities):
@@ -619,7 +658,8 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     req.echo = bool(f.bool("echo", False))
     if req.echo and messages[-1]["role"] == "assistant" and isinstance(messages[-1].get("content"), str):
         req.echo_text = messages[-1]["content"]
-    ids = ctx.tokenizer.encode(text, add_special_tokens=bool(f.bool("add_special_tokens", False)))
+    check_text_length(ctx, text, "messages")
+    (ids,) = encode_texts(ctx, [text], bool(f.bool("add_special_tokens", False)))
     ids = _truncate(f, ctx, ids, "messages")
     req.prompts = [PromptInput(text, ids)]
     req.log_summary = {"prompt": text}
@@ -634,7 +674,7 @@ def parse_tokenize_request(body: dict, ctx: ServingContext) -> tuple:
         f = Fields(body, {"model", "messages", "add_generation_prompt", "continue_final_message",
                           "add_special_tokens", "chat_template_kwargs", "tools", "tool_choice",
                           "return_token_strs"}, "/tokenize")
-        msgs = _messages(f)
+        msgs = _messages(f, max_text_chars(ctx))
         kwargs = f.dict("chat_template_kwargs") or {}
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
@@ -647,7 +687,8 @@ def parse_tokenize_request(body: dict, ctx: ServingContext) -> tuple:
         except ChatTemplateError as e:
             raise bad_request(f"the chat template could not render these messages: {e}", param="messages",
                               code="chat_template_error") from None
-        ids = ctx.tokenizer.encode(text, add_special_tokens=bool(f.bool("add_special_tokens", False)))
+        check_text_length(ctx, text, "messages")
+        (ids,) = encode_texts(ctx, [text], bool(f.bool("add_special_tokens", False)))
     else:
         f = Fields(body, {"model", "prompt", "add_special_tokens", "return_token_strs"}, "/tokenize")
         prompt = f.body.get("prompt")
@@ -656,7 +697,8 @@ def parse_tokenize_request(body: dict, ctx: ServingContext) -> tuple:
                               code="missing_required_parameter")
         if not isinstance(prompt, str):
             raise _type_error("prompt", "a string", prompt)
-        ids = ctx.tokenizer.encode(prompt, add_special_tokens=bool(f.bool("add_special_tokens", True)))
+        check_text_length(ctx, prompt, "prompt")
+        (ids,) = encode_texts(ctx, [prompt], bool(f.bool("add_special_tokens", True)))
     return ids, bool(f.bool("return_token_strs", False)), f.str("model")
 
 

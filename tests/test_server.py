@@ -479,6 +479,55 @@ def test_prompt_too_long_names_both_lengths(client, tok):
     assert r.json["error"]["code"] == "context_length_exceeded"
 
 
+def test_huge_prompts_are_refused_before_tokenising(client, tok):
+    """max_model_len 512 -> at most 512 * 64 characters; an 8 MiB prompt is refused at once, by field."""
+    huge = "x" * (8 << 20)
+    cases = [("/v1/completions", {"prompt": huge}, "prompt"),
+             ("/v1/completions", {"prompt": ["fine", huge]}, "prompt[1]"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 20000}] * 2}, "messages"),
+             ("/tokenize", {"prompt": huge}, "prompt"),
+             ("/tokenize", {"messages": [{"role": "user", "content": huge}]}, "messages")]
+    for path, body, param in cases:
+        t0 = time.perf_counter()
+        r = client.simulate_post(path, json=body)
+        took = time.perf_counter() - t0
+        assert r.status_code == 400, (path, param, r.text[:200])
+        err = r.json["error"]
+        assert err["param"] == param and err["code"] == "context_length_exceeded", err
+        assert "32768" in err["message"]
+        assert took < 5.0, f"{path} {param}: {took:.1f}s (tokenised before the length check?)"
+    # Just under the bound is tokenised and then refused by its token count.
+    r = client.simulate_post("/v1/completions", json={"prompt": "word " * 6000})
+    assert r.status_code == 400 and "input tokens" in r.json["error"]["message"]
+
+
+def test_tokenising_releases_the_gil(tok):
+    """encode_texts (what the request threads call) must let other threads run while it tokenises."""
+    from server.protocol import encode_texts
+    ctx = ServingContext(tok, 512, 49152)
+    text = "hello world, this is a test of the tokenizer. " * 6000
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    try:
+        t0 = time.perf_counter()
+        (ids,) = encode_texts(ctx, [text], False)
+        took = time.perf_counter() - t0
+    finally:
+        stop.set()
+        t.join()
+    assert ids == tok.encode(text, add_special_tokens=False)
+    # Holding the GIL in native code for `took` seconds would allow a handful of ticks at most.
+    assert took < 0.05 or ticks[0] >= 10, (took, ticks[0])
+
+
 def test_healthy_after_bad_requests(server, client):
     for path, body, *_ in BAD_REQUESTS[:10]:
         client.simulate_post(path, body=body if isinstance(body, bytes) else json.dumps(body).encode())
