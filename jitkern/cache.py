@@ -58,13 +58,8 @@ _COMPONENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("JITKERN_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "jitkern"
-    return Path.home() / ".cache" / "jitkern"
+    from .env import cache_dir   # the one reader of JITKERN_* settings ($JITKERN_CACHE_DIR, XDG, ~/.cache)
+    return cache_dir()
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,9 +18,56 @@ import os
 import sys
 
 
-def _fail(msg: str) -> int:
-    print(f"jitkern: error: {msg}", file=sys.stderr)
+def _fail(msg: str, prog: str = "jitkern") -> int:
+    print(f"{prog}: error: {msg}", file=sys.stderr)
     return 2
+
+
+# ------------------------------------------------------------------ shared by every jitkern command line
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): "prog: error: <what>; see prog --help". Subcommand
+    parsers made by add_subparsers() are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_settings(prog: str, **what) -> int | None:
+    """jitkern.env.check_environment(**what); on a bad JITKERN_* setting prints one line and returns 2."""
+    from .env import SettingError, check_environment
+    try:
+        check_environment(**what)
+    except SettingError as e:
+        return _fail(str(e), prog)
+    return None
+
+
+def run_main(main, argv, prog: str) -> int:
+    """Runs a command's main(argv): Ctrl-C is one line and status 130 (128 + SIGINT), a closed stdout pipe
+    (`... | head`) is a quiet 0."""
+    try:
+        return main(argv) or 0
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
 
 
 # -------------------------------------------------------------------------------------------- targets
@@ -77,9 +124,16 @@ def load_kernel(spec: str):
         sys.path.insert(0, os.path.dirname(path))
         s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
         m = importlib.util.module_from_spec(s)
-        s.loader.exec_module(m)
+        try:
+            s.loader.exec_module(m)
+        except Exception as e:   # the user's file: say which and why, not a traceback through importlib
+            raise ValueError(f"cannot load {mod}: {type(e).__name__}: {e}") from None
     else:
-        m = importlib.import_module(mod)
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:
+            raise ValueError(f"cannot import module {mod!r} ({e}); KERNEL is 'package.module:name' or "
+                             f"'path/to/file.py:name'") from None
     k = getattr(m, name, None)
     if not isinstance(k, Kernel):
         raise ValueError(f"{spec} is not a @jitkern.kernel (found {type(k).__name__})")
@@ -162,6 +216,9 @@ def cmd_asm(args) -> int:
 def cmd_build(args) -> int:
     from targets import get_target
     from .runtime.launch import compile_only
+    if args.model is not None and not os.path.exists(args.model):
+        return _fail(f"--model {args.model}: no such file or directory; pass a model directory or .gguf file "
+                     f"(or leave --model out for the embedded SmolLM2)", "jitkern build")
     t = get_target(args.target)
     if not t.is_cpu:
         return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers can be built now")
@@ -179,13 +236,18 @@ def cmd_build(args) -> int:
         bar.set_postfix_str(ck.name)
 
     try:
+        from engine.errors import ModelLoadError
         from engine.warmup import build_specializations
     except ImportError as e:
         bar.close()
         return _fail(f"the engine's kernel list is not available ({e})")
-    with compile_only(t, on_compile):
-        build_specializations(args.model)
-    bar.close()
+    try:
+        with compile_only(t, on_compile):
+            build_specializations(args.model)
+    except ModelLoadError as e:
+        return _fail(f"--model: {e}", "jitkern build")
+    finally:
+        bar.close()
     from .compiler import kernel_cache
     print(f"{len(seen)} kernel specialisations for {args.target} are in the cache ({len(cached)} were already there) "
           f"at {kernel_cache().path}")
@@ -219,13 +281,19 @@ def cmd_cache(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jitkern", description="jitkern: tile-DSL kernels compiled by llvmlite for "
-                                "every processor. Inspect targets, fill the kernel cache, look at IR and assembly.")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
-    s = sub.add_parser("targets", help="list every known target, whether this host can run it, and the CPU tier "
-                       "selected (and why)")
+    p = ArgumentParser(prog="jitkern", description="jitkern: tile-DSL kernels compiled by llvmlite for "
+                       "every processor. Inspect targets, fill the kernel cache, look at IR and assembly.",
+                       epilog="Settings come from JITKERN_* environment variables (CPU tier, threads, cache "
+                       "directory): see jitkern/env.py. Run `jitkern COMMAND --help` for a command's options.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", help="what to do (COMMAND --help for its options)")
+
+    def add(name, hlp):
+        return sub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ".")
+
+    s = add("targets", "list every known target, whether this host can run it, and the CPU tier selected (and "
+                       "why)")
     s.set_defaults(fn=cmd_targets)
-    s = sub.add_parser("build", help="compile every kernel the engine uses into the cache")
+    s = add("build", "compile every kernel the engine uses into the cache")
     s.add_argument("--target", required=True, help="target name (jitkern targets lists them), e.g. avx2, sm_90a")
     s.add_argument("--model", default=None, help="model file or directory: compile the specialisations it needs "
                    "(default: the embedded SmolLM2)")
@@ -233,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_build)
     for name, fn, hlp in (("ir", cmd_ir, "print a kernel's jitkern IR (and LLVM IR with --llvm)"),
                           ("asm", cmd_asm, "print a kernel's assembly for a target")):
-        s = sub.add_parser(name, help=hlp)
+        s = add(name, hlp)
         s.add_argument("kernel", help="module:name or file.py:name of a @jitkern.kernel")
         s.add_argument("--sig", default="", help="run-time parameter types, e.g. 'x=*f32,y=*f16,n=i32'")
         s.add_argument("--const", action="append", default=[], metavar="NAME=VALUE", help="constexpr value "
@@ -242,27 +310,38 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "ir":
             s.add_argument("--llvm", action="store_true", help="also print the LLVM IR of the lowering")
         s.set_defaults(fn=fn)
-    s = sub.add_parser("cache", help="where the kernel cache is, how big, clear it")
+    s = add("cache", "show where the kernel cache is and how big, list its entries, or clear it")
     s.add_argument("action", nargs="?", choices=("info", "list", "clear"), help="info (default), list, clear")
     s.set_defaults(fn=cmd_cache)
     return p
 
 
 def main(argv=None) -> int:
+    return run_main(_main, argv, "jitkern")
+
+
+def _main(argv) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if not getattr(args, "fn", None):
         p.print_help()
         return 0
+    # Settings are checked before any kernel is loaded or compiled. `targets` reports a bad JITKERN_CPU_TIER
+    # in its listing; commands that name their --target do not use it; only commands that write check the cache.
+    checks = {"targets": dict(tier=False, cache=False),
+              "build": dict(tier=False),
+              "ir": dict(tier=args.cmd == "ir" and args.target is None, cache=False),
+              "asm": dict(tier=args.cmd == "asm" and args.target is None),
+              "cache": dict(tier=False)}[args.cmd]
+    rc = check_settings(f"jitkern {args.cmd}", **checks)
+    if rc is not None:
+        return rc
     from .errors import JitkernError
     from .language import CompilationError
     try:
         return args.fn(args) or 0
-    except BrokenPipeError:          # `jitkern targets | head`: the reader went away, nothing is wrong
-        sys.stderr.close()
-        return 0
     except (ValueError, JitkernError, CompilationError, RuntimeError) as e:
-        return _fail(str(e))
+        return _fail(str(e), f"jitkern {args.cmd}")
 
 
 if __name__ == "__main__":

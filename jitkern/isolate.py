@@ -452,30 +452,9 @@ _pool: Optional[_Pool] = None
 _pool_lock = threading.Lock()
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{name}={raw!r} must be >= 1")
-    return value
-
-
 def _env_timeout() -> float:
-    raw = os.environ.get("JITKERN_COMPILE_TIMEOUT", "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"JITKERN_COMPILE_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"JITKERN_COMPILE_TIMEOUT={raw!r} must be > 0")
-    return value
+    from .env import compile_timeout   # the one parser of JITKERN_* settings
+    return compile_timeout(default=DEFAULT_TIMEOUT_S)
 
 
 def _inprocess() -> bool:
@@ -486,7 +465,8 @@ def _get_pool() -> _Pool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = _Pool(_env_int("JITKERN_COMPILE_WORKERS", 1))
+            from .env import compile_workers   # the one parser of JITKERN_* settings
+            _pool = _Pool(compile_workers())
         return _pool
 
 

@@ -121,7 +121,8 @@ def select_cpu_tier(forced: str | None = None) -> tuple[Target, str]:
         t = by_name.get(aliases.get(forced, forced))
         if t is None:
             raise UnknownTargetError(
-                f"JITKERN_CPU_TIER={forced!r} is not a CPU tier of {host_arch()}; known: {', '.join(by_name)}")
+                f"JITKERN_CPU_TIER={forced!r} is not a CPU tier of {host_arch()}; set it to one of "
+                f"{', '.join(t.name for t in tiers if can_run(t))} (those this host can run) or unset it")
         check_runnable(t)   # fail closed
         return t, f"forced by JITKERN_CPU_TIER={forced}"
     best = [t for t in tiers if can_run(t)][-1]

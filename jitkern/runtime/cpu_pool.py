@@ -919,16 +919,11 @@ def physical_core_count() -> int:
 
 
 def _env_int(name, minimum):
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
+    from jitkern.env import SettingError, env_int   # the one parser of JITKERN_* settings
     try:
-        val = int(raw)
-    except ValueError:
-        raise PoolError(f"environment variable {name}={raw!r} is not an integer") from None
-    if val < minimum:
-        raise PoolError(f"environment variable {name}={raw!r} must be >= {minimum}")
-    return val
+        return env_int(name, minimum)
+    except SettingError as e:
+        raise PoolError(str(e)) from None
 
 
 def default_num_threads() -> int:
