@@ -31,7 +31,8 @@ from server.settings import ServerSettings, SettingsError
 
 log = logging.getLogger("jitkern.server")
 
-WORKER_BOOT_ERROR = 3   # gunicorn's exit code for "this worker cannot start": the master then stops
+WORKER_BOOT_ERROR = 3
+GENERATION_KEY = "jitkern.generation"   # the WSGI environ entry holding a request's admitted Generation   # gunicorn's exit code for "this worker cannot start": the master then stops
 
 
 def _version() -> str:
@@ -181,18 +182,25 @@ class _GenerationResource:
             raise APIError("the server is shutting down", status=503, code="shutting_down")
         gen = Generation(state, gen_req, req.env)
         gen.submit()
-        resp.set_header("X-Request-Id", gen.id)
-        if gen_req.stream:
-            resp.status = falcon.HTTP_200
-            resp.content_type = "text/event-stream; charset=utf-8"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = SSEBody(gen)
-            return
+        # From here on the engine holds KV blocks for this request: whatever fails before the response is
+        # handed over (or while gunicorn sends it, see OpenAIServer.__call__) must end the generation.
+        req.env[GENERATION_KEY] = gen
         try:
-            _json(resp, gen.run_to_completion())
-        except ClientGone:
-            _json(resp, APIError("client disconnected", status=400).to_dict(), 400)
+            resp.set_header("X-Request-Id", gen.id)
+            if gen_req.stream:
+                resp.status = falcon.HTTP_200
+                resp.content_type = "text/event-stream; charset=utf-8"
+                resp.set_header("Cache-Control", "no-cache")
+                resp.set_header("X-Accel-Buffering", "no")
+                resp.stream = SSEBody(gen)
+                return
+            try:
+                _json(resp, gen.run_to_completion())
+            except ClientGone:
+                _json(resp, APIError("client disconnected", status=400).to_dict(), 400)
+        except BaseException:
+            gen.close()
+            raise
 
 
 class CompletionsResource(_GenerationResource):
@@ -378,7 +386,15 @@ class OpenAIServer:
         self.falcon_app = app
 
     def __call__(self, environ, start_response):
-        return self.falcon_app(environ, start_response)
+        try:
+            return self.falcon_app(environ, start_response)
+        except BaseException:
+            # E.g. the server could not send the status line or headers (a client gone, a header value it
+            # refuses): a generation admitted for this request must not run on with nobody to read it.
+            gen = environ.get(GENERATION_KEY)
+            if gen is not None:
+                gen.close()
+            raise
 
     def close(self) -> None:
         self.state.close()

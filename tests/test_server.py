@@ -694,6 +694,32 @@ def test_closing_a_stream_aborts_and_frees_blocks():
         app.close()
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_failure_sending_the_response_aborts_and_frees_blocks(stream):
+    """What gunicorn does when it cannot send the status line or headers (a header value it refuses, a
+    client gone): start_response raises. The admitted generation must end and free its KV blocks."""
+    app, _ = make_server(log_requests=False, fake={"step_delay": 0.01})
+    try:
+        # 400 steps of 10 ms: an orphan would still be running when engine_idle gives up after 1 s.
+        body = {"prompt": "a long story " * 20, "max_tokens": 400, "stream": stream, "ignore_eos": True}
+        env = falcon.testing.create_environ(path="/v1/completions", method="POST", body=json.dumps(body),
+                                            headers={"content-type": "application/json"})
+
+        def refusing_start_response(status, headers, exc_info=None):
+            raise ValueError("cannot send this header")
+
+        with pytest.raises(ValueError):
+            it = app(env, refusing_start_response)
+            for _ in it:          # a server iterates (and closes) what it got; nothing must come of it
+                pass
+        snap = engine_idle(app, timeout=1.0)
+        assert snap["n"] == 0 and snap["kv_cache_usage"] == 0.0 and snap["num_requests_running"] == 0
+        assert app.state.num_active == 0
+        assert app.state.engine.call(lambda e: e.kv.num_free_blocks) == app.state.num_blocks
+    finally:
+        app.close()
+
+
 def test_stream_closed_before_first_chunk_still_aborts():
     app, _ = make_server(log_requests=False, fake={"step_delay": 0.01})
     try:
