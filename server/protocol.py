@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -84,6 +85,11 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): only then can a parsed string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+MAX_JSON_DEPTH = 64
+
+
 def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object (400 for anything else, including NaN/Infinity)."""
     if not raw:
@@ -94,12 +100,57 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_json") from None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                          code="invalid_json") from None
     except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}",
                           code="invalid_json")
+    _check_structure(body, check_surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
+
+
+def _check_structure(body: dict, check_surrogates: bool) -> None:
+    """Walks the parsed body once, without recursion: nesting deeper than MAX_JSON_DEPTH is a 400 (deep
+    structures would otherwise reach recursive code: templates, json.dumps, error messages), and so is a
+    lone UTF-16 surrogate (`"\\ud800"`) in any string or key, which is not Unicode text: it cannot be
+    tokenised, logged as UTF-8, or echoed back in a response."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                              code="invalid_json")
+        if isinstance(value, dict):
+            items = value.items()
+        else:
+            items = enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                if check_surrogates and _has_surrogate(key):
+                    raise _surrogate_error(f"{path}.{ascii(key)}".lstrip("."))
+                where = f"{path}.{key}" if path else key
+            else:
+                where = None
+            if isinstance(item, (dict, list)):
+                stack.append((item, where if where is not None else f"{path}[{key}]", depth + 1))
+            elif check_surrogates and isinstance(item, str) and _has_surrogate(item):
+                raise _surrogate_error(where if where is not None else f"{path}[{key}]")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _surrogate_error(param: str) -> APIError:
+    return bad_request(f"'{param}' contains a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
+                       "which is not valid Unicode text", param=param, code="invalid_unicode")
 
 
 def _json_type(value) -> str:

@@ -33,7 +33,11 @@ KEEPALIVE_FRAME = b": keepalive\n\n"
 
 
 def dumps(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate somewhere (it has no UTF-8 form): \u escapes are still valid JSON.
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def sse_frame(obj) -> bytes:

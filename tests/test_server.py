@@ -528,6 +528,45 @@ def test_tokenising_releases_the_gil(tok):
     assert took < 0.05 or ticks[0] >= 10, (took, ticks[0])
 
 
+SURROGATE_BODIES = [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt[1]"),
+    ("/v1/completions", '{"prompt": "x", "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["\\uDBFF"]}', "stop[0]"),
+    ("/v1/completions", '{"prompt": "x", "bad_words": ["\\ud800"]}', "bad_words[0]"),
+    ("/v1/completions", '{"prompt": "x", "request_id": "\\ud800"}', "request_id"),
+    ("/v1/completions", '{"prompt": "x", "\\ud800": 1}', "'\\ud800'"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", SURROGATE_BODIES, ids=[p for *_, p in SURROGATE_BODIES])
+def test_lone_surrogates_are_400_naming_the_field(client, path, raw, param):
+    r = client.simulate_post(path, body=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json["error"]
+    assert err["param"] == param and err["code"] == "invalid_unicode", err
+    # A surrogate pair is one character, not an error.
+    ok = client.simulate_post("/v1/completions", body='{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}',
+                              headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("depth", [65, 900, 1000, 5000, 100000])
+def test_deeply_nested_json_is_400(client, depth):
+    for opener, closer in (("[", "]"), ('{"a":', "}")):
+        raw = '{"prompt": "x", "metadata": ' + opener * depth + "1" + closer * depth + "}"
+        r = client.simulate_post("/v1/completions", body=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text[:300]
+        assert r.json["error"]["code"] == "invalid_json" and "nested" in r.json["error"]["message"]
+    raw = '{"prompt": "x", "max_tokens": 1, "metadata": ' + "[" * 60 + "1" + "]" * 60 + "}"
+    assert client.simulate_post("/v1/completions", body=raw,
+                                headers={"content-type": "application/json"}).status_code == 200
+
+
 def test_healthy_after_bad_requests(server, client):
     for path, body, *_ in BAD_REQUESTS[:10]:
         client.simulate_post(path, body=body if isinstance(body, bytes) else json.dumps(body).encode())
