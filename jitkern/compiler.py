@@ -48,6 +48,11 @@ class CompiledKernel:
     artifacts: dict = field(default_factory=dict)
     from_cache: bool = False
     compile_seconds: float = 0.0
+    launch_meta: dict = field(default_factory=dict)     # GPU: num_threads, shared_bytes
+    loaded: object = None                               # GPU: the runtime's loaded function
+
+    def ptx(self) -> str:
+        return self.artifacts.get("kernel.ptx", b"").decode()
 
     def asm(self) -> str:
         return self.artifacts.get("kernel.s", b"").decode()
@@ -83,11 +88,48 @@ def build_ir(kernel, params, consts, target) -> ir.Function:
 
 
 def lower(fn: ir.Function, target) -> str:
+    return lower_with_meta(fn, target)[0]
+
+
+def lower_with_meta(fn: ir.Function, target) -> tuple:
+    """(LLVM IR text, launch metadata) for one traced kernel."""
     if target.is_cpu:
         from .backends.cpu import lower_to_llvm
-        return lower_to_llvm(fn, target)
+        return lower_to_llvm(fn, target), {}
+    if target.is_cuda:
+        from .backends.nvptx import lower_to_nvptx
+        return lower_to_nvptx(fn, target)
     raise CompileError(f"no lowering for {target.backend} targets yet (target {target.name})",
                        kernel=fn.name, target=target.name)
+
+
+def _toolchain_key(target) -> tuple:
+    """Tools outside LLVM that shape the artifacts (ptxas makes the cubins of CUDA targets)."""
+    if target.is_cuda:
+        from .backends.nvptx import find_ptxas, ptxas_version
+        if os.environ.get("JITKERN_NO_PTXAS"):
+            return ("ptxas", "none")
+        return ("ptxas", ptxas_version(find_ptxas()))
+    return ()
+
+
+def _compile_gpu(fn, target, describe, kernel_name, spec) -> tuple:
+    """LLVM IR -> PTX (isolated LLVM) -> cubin (ptxas, when present). Returns (artifacts, meta)."""
+    llvm_ir, meta = lower_with_meta(fn, target)
+    from .isolate import compile_llvm_ir
+    try:
+        out = compile_llvm_ir(llvm_ir, triple=target.triple, cpu=target.cpu, features=target.feature_string,
+                              opt=3, emit=("asm",), describe=describe, kernel=kernel_name, specialization=spec)
+    except CompileError as e:
+        if e.target is None:
+            e.target = target.name
+        raise
+    ptx = out["asm"]
+    artifacts = {"kernel.jkir": ir.format_function(fn).encode(), "kernel.ll": llvm_ir.encode(), "kernel.ptx": ptx}
+    from .backends.nvptx import find_ptxas, ptx_to_cubin
+    if find_ptxas() is not None and not os.environ.get("JITKERN_NO_PTXAS"):
+        artifacts["kernel.cubin"] = ptx_to_cubin(ptx, target.cpu, describe=describe)
+    return artifacts, meta
 
 
 def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj",)) -> CompiledKernel:
@@ -103,14 +145,27 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
         if hit is not None and (hit.address or not load):
             return hit
         t0 = time.perf_counter()
+        if target.is_gpu:
+            emit = ("gpu",)
         key = hash_key("jitkern-kernel", compiler_source_hash(), kernel.__qualname__, kernel.cache_key, spec,
-                       target.key(), sorted(emit))
+                       target.key(), sorted(emit), _toolchain_key(target))
         cache = kernel_cache()
         entry = None if os.environ.get("JITKERN_ALWAYS_COMPILE") else cache.get(target.device_tag, key)
+        launch_meta = {}
         if entry is not None:
             artifacts = dict(entry.artifacts)
             symbol = entry.meta["symbol"]
+            launch_meta = entry.meta.get("launch", {})
             from_cache = True
+        elif target.is_gpu:
+            fn = build_ir(kernel, params, consts, target)
+            symbol = fn.name
+            describe = f"kernel {kernel.__name__} {spec} for target {target.name}"
+            artifacts, launch_meta = _compile_gpu(fn, target, describe, kernel.__name__, spec)
+            cache.put(target.device_tag, key, artifacts,
+                      {"kernel": kernel.__qualname__, "symbol": symbol, "target": target.name, "spec": spec,
+                       "launch": launch_meta})
+            from_cache = False
         else:
             fn = build_ir(kernel, params, consts, target)
             symbol = fn.name
@@ -133,8 +188,12 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
                       {"kernel": kernel.__qualname__, "symbol": symbol, "target": target.name, "spec": spec})
             from_cache = False
         ck = CompiledKernel(kernel.__name__, symbol, target, params, consts, artifacts=artifacts,
-                            from_cache=from_cache)
-        if load and "kernel.o" in artifacts:
+                            from_cache=from_cache, launch_meta=launch_meta)
+        if load and target.is_cuda:
+            from .runtime.cuda import load_kernel
+            ck.loaded = load_kernel(artifacts, symbol, launch_meta)
+            ck.address = id(ck.loaded)
+        elif load and "kernel.o" in artifacts:
             from .runtime.cpu import load_object
             ck.address = load_object(artifacts["kernel.o"], symbol)
         ck.compile_seconds = time.perf_counter() - t0

@@ -32,6 +32,11 @@ _NP_TO_DTYPE = {
 }
 
 
+# Keyword arguments of a launch that configure it rather than the kernel (GPU targets read them; the CPU
+# ignores them): threads per program = num_warps * warp size; pipeline depth for async copies.
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
 class Pointer:
     """A typed raw pointer argument (e.g. an array's bytes reinterpreted as bf16, or an offset view)."""
 
@@ -50,7 +55,13 @@ def as_pointer(arr: np.ndarray, dtype: ir.DType | str) -> Pointer:
     return Pointer(arr.ctypes.data, dtype, arr)
 
 
+def _is_device_array(v) -> bool:
+    return type(v).__name__ == "DeviceArray" and hasattr(v, "ptr")
+
+
 def arg_type(name: str, v) -> ir.TileType:
+    if _is_device_array(v):
+        return ir.TileType(ir.PtrType(v.dtype))
     if isinstance(v, np.ndarray):
         d = _NP_TO_DTYPE.get(v.dtype)
         if d is None:
@@ -158,9 +169,14 @@ class Kernel(JitFunction):
 
     def specialize(self, args, kwargs, target=None):
         """Resolves a call's arguments into (runtime params, constexpr dict, runtime values)."""
+        params, consts, values = [], {}, []
+        for opt in LAUNCH_OPTIONS:
+            # launch options are part of the specialisation (and so of the cache key) like constexprs
+            if opt in kwargs and opt not in self.signature.parameters:
+                kwargs = dict(kwargs)
+                consts[opt] = int(kwargs.pop(opt))
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        params, consts, values = [], {}, []
         for p in self.params:
             if p.name not in bound.arguments:
                 raise TypeError(f"{self.__name__}: missing argument '{p.name}'")

@@ -656,17 +656,29 @@ def argmin(x, axis=None) -> Tile:
 
 
 @builtin
-def dot(a, b, acc=None) -> Tile:
-    """(M, K) x (K, N) -> (M, N) with f32 accumulation (i32 for integer inputs); adds `acc` if given."""
+def dot(a, b, acc=None, out_dtype=None) -> Tile:
+    """(M, K) x (K, N) -> (M, N), accumulated in f32 (i32 for integer inputs, or `out_dtype`), plus `acc`.
+
+    The inputs keep their dtypes (bf16/f16/i8 in, f32/i32 accumulate) and `acc` is an operand of the op, as
+    matrix units take them; each backend widens inside its own lowering. Inputs of two different float
+    dtypes are both widened to the accumulator type first."""
     a, b = to_tile(a), to_tile(b)
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
         _error(f"dot needs (M, K) x (K, N) tiles, got {a.shape} x {b.shape}")
-    out = i32 if a.dtype.is_int and b.dtype.is_int else f32
-    a, b = cast(a, out), cast(b, out)
-    res = _builder().value("dot", [a, b], TileType(out, (a.shape[0], b.shape[1])))
+    if a.dtype.is_int != b.dtype.is_int or a.dtype.is_bool or b.dtype.is_bool:
+        _error(f"dot needs two float or two integer tiles, got {a.dtype} x {b.dtype}")
+    out = getattr(out_dtype, "value", out_dtype)
+    if out is None:
+        out = i32 if a.dtype.is_int else f32
+    if not isinstance(out, DType) or out.is_int != a.dtype.is_int or out.bits < 32:
+        _error(f"dot out_dtype must be f32/f64 for float inputs or i32/i64 for integer inputs, got {out_dtype!r}")
+    if a.dtype != b.dtype:
+        a, b = cast(a, out), cast(b, out)
+    shape = (a.shape[0], b.shape[1])
+    operands = [a, b]
     if acc is not None:
-        res = res + acc
-    return res
+        operands.append(broadcast_to(cast(to_tile(acc), out), shape))
+    return _builder().value("dot", operands, TileType(out, shape))
 
 
 @builtin
@@ -716,6 +728,14 @@ def madd(a, b) -> Tile:
     else:
         _error(f"madd takes (u8, i8) or (i16, i16) tiles, got ({a.dtype}, {b.dtype})")
     return _builder().value("madd", [a, b], TileType(rt, a.shape[:-1] + (a.shape[-1] // 2,)))
+
+
+@builtin
+def barrier() -> None:
+    """Orders memory within a program: every store before it is seen by every load after it, and no store
+    after it overtakes a load before it (a CTA barrier on GPUs; nothing on the CPU, where a program is one
+    thread). The lowering inserts these where program order needs them; this is the explicit form."""
+    _builder().op("barrier", [], [])
 
 
 @builtin

@@ -26,6 +26,10 @@ class Target:
     requires: tuple = ()         # host features (LLVM names) needed to *run* this target
     description: str = ""
     extra: tuple = field(default=())   # (key, value) pairs: backend-specific knobs
+    # GPU capabilities (0 / "" on CPUs): what op code may ask `jk.target` instead of assuming a CPU
+    shared_mem_bytes: int = 0    # shared memory one CTA / workgroup may use (dynamic opt-in maximum)
+    mma: str = ""                # matrix unit: "mma.sync" (sm_80+), "wgmma" (sm_90a), "mfma", "wmma"
+    async_copy: str = ""         # "cp.async" (sm_80+), "tma" (sm_90+)
 
     @property
     def is_cpu(self) -> bool:
@@ -71,7 +75,7 @@ class Target:
     def key(self) -> tuple:
         """Everything about the target that changes generated code (goes into cache keys)."""
         return (self.name, self.backend, self.triple, self.cpu, self.features, self.vector_bits,
-                self.warp_size, self.data_layout, self.extra)
+                self.warp_size, self.data_layout, self.extra, self.shared_mem_bytes, self.mma, self.async_copy)
 
     def __str__(self) -> str:
         return self.name

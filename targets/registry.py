@@ -11,17 +11,26 @@ _AMDGPU_DL = ("e-p:64:64-p1:64:64-p2:32:32-p3:32:32-p4:64:64-p5:32:32-p6:32:32-p
 _SPIRV_DL = "e-i64:64-v16:16-v24:32-v32:32-v48:64-v96:128-v192:256-v256:256-v512:512-v1024:1024-n8:16:32:64-G10"
 
 
+# Per-CTA shared memory with the dynamic opt-in (CUDA programming guide, compute capabilities table), KiB
+_CUDA_SMEM_KIB = {"sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_90a": 227, "sm_100a": 227,
+                  "sm_120a": 99}
+
+
 def _cuda(sm: str) -> Target:
+    mma = {"sm_90a": "wgmma", "sm_100a": "tcgen05"}.get(sm, "mma.sync")
     return Target(name=sm, backend="cuda", triple="nvptx64-nvidia-cuda", cpu=sm, features=(),
                   vector_bits=0, warp_size=32, data_layout=_NVPTX_DL, arch="nvptx64",
-                  description=f"NVIDIA {sm} PTX (loaded through cuda-python)")
+                  description=f"NVIDIA {sm} PTX (loaded through cuda-python)",
+                  shared_mem_bytes=_CUDA_SMEM_KIB[sm] * 1024, mma=mma,
+                  async_copy="tma" if int(sm[3:].rstrip("a")) >= 90 else "cp.async")
 
 
 def _hip(gfx: str) -> Target:
     wave = 32 if gfx.startswith("gfx1") else 64
     return Target(name=gfx, backend="hip", triple="amdgcn-amd-amdhsa", cpu=gfx, features=(),
                   vector_bits=0, warp_size=wave, data_layout=_AMDGPU_DL, arch="amdgcn",
-                  description=f"AMD {gfx} code object v5 (loaded through hip-python)")
+                  description=f"AMD {gfx} code object v5 (loaded through hip-python)",
+                  shared_mem_bytes=64 * 1024, mma="wmma" if gfx.startswith("gfx1") else "mfma")
 
 
 _GPU = ([_cuda(s) for s in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120a")]

@@ -1206,9 +1206,24 @@ class CpuLowering:
         return best_i
 
     # ----------------------------------------------------------------------------------------- dot
+    def op_barrier(self, op):
+        return None          # one thread runs a program: program order is memory order
+
     def op_dot(self, op):
         a, b = self.get(op.operands[0]), self.get(op.operands[1])
         d = op.result.type.elem
+        # the IR keeps the input dtypes; the CPU widens whole tiles first, then adds `acc` after the products
+        # (the order the kernels' numerics were tuned with)
+        a = self.convert(a, op.operands[0].type.elem, d)
+        b = self.convert(b, op.operands[1].type.elem, d)
+        acc_in = self.get(op.operands[2]) if len(op.operands) > 2 else None
+        res = self._dot_products(a, b, op, d)
+        if acc_in is None:
+            return res
+        return self.val(f"{'fadd' if d.is_float else 'add'} {res.ty} {res.ref}, {acc_in.ref}", res.et, res.n,
+                        res.shape)
+
+    def _dot_products(self, a, b, op, d):
         m, k = op.operands[0].type.shape
         n = op.operands[1].type.shape[1]
         shape = (m, n)

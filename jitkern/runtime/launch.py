@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from ..jit import Pointer
+from ..jit import LAUNCH_OPTIONS, Pointer
 
 _pack_d = struct.Struct("<d")
 _unpack_q = struct.Struct("<q")
@@ -102,7 +102,7 @@ def resolve(kernel, args, kwargs, target=None):
         params, consts, values = kernel.specialize(args, kwargs)
         ck = compile_kernel(kernel, params, consts, target)
         if len(args) == len(kernel.params) - len([k for k in kwargs if k in cx]) and \
-                all(k in cx for k in kwargs):
+                all(k in cx or k in LAUNCH_OPTIONS for k in kwargs):
             idx = tuple(i for i, p in enumerate(kernel.params[:len(args)]) if p.name not in cx)
             plan = _Plan(ck, idx)
             try:
@@ -130,6 +130,7 @@ class Graph:
         self.entries = []         # (fn address, args block, num programs)
         self._tasks = None
         self._keep = []
+        self.cuda = None          # a CudaGraph when the captured launches ran on a GPU
 
     def add(self, address: int, block: np.ndarray, n: int, keep=()) -> None:
         self.entries.append((address, block, n))
@@ -138,6 +139,10 @@ class Graph:
 
     def replay(self) -> None:
         global _pool
+        if self.cuda is not None:
+            self.cuda.replay()
+            if not self.entries:
+                return
         if _pool is None or _pool.closed:
             from .cpu_pool import get_pool
             _pool = get_pool()
@@ -164,6 +169,8 @@ class capture:
 
     def __exit__(self, *exc):
         _capture.graph = self.prev
+        if self.graph.cuda is not None and self.graph.cuda.capturing:
+            self.graph.cuda.end()
         return False
 
 
@@ -196,10 +203,82 @@ def _compile_only_launch(co, kernel, args, kwargs):
     return ck
 
 
+def _device_target(args):
+    """The GPU target of the first device array among the arguments (as Triton does), else None."""
+    for a in args:
+        if type(a).__name__ == "DeviceArray":
+            return a.device.target()
+    return None
+
+
+def _launch_gpu(kernel, grid, args, kwargs, target):
+    from .cuda import CudaGraph, get_device, pack_slots
+    ck, values, consts = resolve(kernel, args, kwargs, target)
+    if callable(grid):
+        grid = grid(consts if consts is not None else dict(kwargs))
+    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+    if g[0] * g[1] * g[2] == 0:
+        return ck
+    dev = get_device()
+    slots = pack_slots(values)
+    graph = getattr(_capture, "graph", None)
+    if graph is not None:
+        # jk.capture() on a GPU is CUDA stream capture: the first launch starts it, capture's exit ends it
+        if graph.cuda is None:
+            graph.cuda = CudaGraph(dev)
+            graph.cuda.begin()
+        graph.cuda.nodes += 1
+        graph.cuda.keep(values)
+    lk = ck.loaded
+    dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes, slots)
+    return ck
+
+
+def _launch_gpu_staged(kernel, grid, args, kwargs, target):
+    """A GPU launch given host arrays (`target=` a GPU, numpy arguments): each distinct array is copied to the
+    device, the kernel runs, and every array is copied back (a kernel may write any of them). A convenience
+    for tests and one-off calls that keeps the op wrappers' numpy interface; the engine passes DeviceArrays."""
+    from .cuda import DeviceArray, get_device
+    dev = get_device()
+    staged, dargs = {}, []
+    for a in args:
+        if isinstance(a, Pointer):
+            host = a.keepalive
+            if not isinstance(host, np.ndarray) or host.ctypes.data != a.address:
+                raise TypeError("a GPU launch cannot take a raw host Pointer; pass a DeviceArray")
+            key = (id(host), a.dtype.name)
+            if key not in staged:
+                staged[key] = (host, DeviceArray.from_numpy(host.view(np.uint8).reshape(-1))
+                               .view("u8").reshape(-1))
+            d = staged[key][1]
+            n = host.nbytes // a.dtype.itemsize
+            dargs.append(DeviceArray(d.ptr, (n,), a.dtype, dev, d))
+        elif isinstance(a, np.ndarray):
+            key = (id(a), None)
+            if key not in staged:
+                staged[key] = (a, DeviceArray.from_numpy(a))
+            dargs.append(staged[key][1])
+        else:
+            dargs.append(a)
+    ck = _launch_gpu(kernel, grid, dargs, kwargs, target)
+    dev.synchronize()
+    for host, d in staged.values():
+        back = d.numpy()
+        np.copyto(host, back.view(host.dtype).reshape(host.shape) if back.dtype != host.dtype or
+                  back.shape != host.shape else back)
+    return ck
+
+
 def launch(kernel, grid, args, kwargs, target=None):
     co = getattr(_capture, "compile_only", None)
     if co is not None:
         return _compile_only_launch(co, kernel, args, kwargs)
+    if target is None:
+        target = _device_target(args)
+    if target is not None and target.is_gpu:
+        if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
+            return _launch_gpu_staged(kernel, grid, args, kwargs, target)
+        return _launch_gpu(kernel, grid, args, kwargs, target)
     global _pool
     if _pool is None or _pool.closed:
         from .cpu_pool import get_pool

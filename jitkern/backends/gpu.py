@@ -1,0 +1,815 @@
+"""The GPU tile lowering shared by every GPU target: jitkern IR -> LLVM IR for one CTA / workgroup.
+
+A program is one CTA of T = num_warps * warp_size threads. Every tile is *distributed*: its elements,
+flattened row-major, are dealt to the threads cyclically, so thread t holds flat elements t, t + T,
+t + 2T, ... as the lanes of one LLVM vector of R = ceil(numel / T) lanes (lanes past numel are padding:
+never loaded, stored or reduced). Adjacent threads hold adjacent elements, so a row-major tile load is a
+coalesced warp access. Scalars are *uniform*: every thread holds the same value (they come from kernel
+arguments, program ids, scalar loads, loop counters and reductions to a scalar, all computed by every
+thread), so run-time `if`/`for` never diverge and barriers inside them are legal.
+
+Elementwise arithmetic, casts, half conversions and the polynomial math are the target-neutral emitter
+inherited from the CPU lowering (a tile there is also one LLVM vector). What differs on a GPU is anything
+that moves an element to another thread; those ops go through shared memory in a fixed order:
+- broadcast / trans / reshape to a scalar: write the tile to shared memory at its flat index, barrier,
+  read each output element from the source index (`_relayout`);
+- reduce / argreduce: T threads are split into O outputs x G chunks; each chunk folds a strided part of
+  its row in increasing order, then the G partials are folded in chunk order. The order depends on the
+  tile shape and T only, never on the data or the grid, so results are batch invariant;
+- dot / dot4 / madd: operands through shared memory, each thread computing its own output elements (FMA
+  in K order; tensor cores are the next step).
+
+Memory model (the DSL's, on every target): within one program, a load sees the program's own earlier
+stores and a store never overtakes an earlier load of the same memory. On a GPU the threads of a program
+need a barrier for that, so the lowering puts one between a store and a later load (and between a load
+or store and a later store) in program order; loops that store are treated as storing before their first
+load. `jk.barrier()` is the explicit form. Programs (CTAs) never see each other's writes within a launch.
+
+Everything target-specific goes through a `GpuHooks` object: the module header, the kernel signature, thread
+and block ids, the barrier, the shared-memory address space and the math that has no portable form.
+"""
+from __future__ import annotations
+
+import math
+
+from .. import ir
+from ..language import CompilationError
+from .cpu import LV, PT, CpuLowering, _prod, elem_ty, vty
+
+_ES = {"float": 4, "double": 8, "half": 2, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
+
+
+class GpuHooks:
+    """What one GPU target supplies to the shared lowering (see backends/nvptx.py)."""
+    smem_as = 3                  # address space of shared memory
+    smem_index = "i32"           # pointer width of that address space
+    max_smem_bytes = 48 * 1024
+
+    def module_header(self, low) -> list:
+        raise NotImplementedError
+
+    def kernel_signature(self, low, name: str, params: list) -> str:
+        raise NotImplementedError
+
+    def thread_id(self, low) -> str:
+        raise NotImplementedError
+
+    def block_id(self, low, axis: int) -> str:
+        raise NotImplementedError
+
+    def num_blocks(self, low, axis: int) -> str:
+        raise NotImplementedError
+
+    def barrier(self, low) -> None:
+        raise NotImplementedError
+
+    def math(self, low, name: str, x: LV):
+        """An LV for math function `name` on x, or None to use the portable polynomial."""
+        return None
+
+    def function_attrs(self, low) -> list:
+        return []
+
+
+def _ops_of(block: ir.Block):
+    for op in block.ops:
+        yield op
+        for r in op.regions:
+            yield from _ops_of(r)
+
+
+class GpuLowering(CpuLowering):
+    def __init__(self, fn: ir.Function, target, hooks: GpuHooks):
+        super().__init__(fn, target)
+        self.x86 = False
+        self.f16c = False
+        self.hooks = hooks
+        self.num_warps = int(fn.constexprs.get("num_warps", 4))
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
+            raise CompilationError(f"num_warps must be a power of two in 1..32, got {self.num_warps}")
+        self.T = self.num_warps * target.warp_size
+        self.smem_bytes = 0
+        self.pending_write = False
+        self.pending_read = False
+        self._flat = {}
+
+    # ------------------------------------------------------------------------------ layout helpers
+    def lanes(self, shape) -> int:
+        """Lanes per thread of a tile of this shape (0 for a scalar)."""
+        if not shape:
+            return 0
+        return -(-_prod(shape) // self.T)
+
+    def flat_index(self, shape) -> LV:
+        """i32 vector: the flat element index each of this thread's lanes holds."""
+        R = self.lanes(shape)
+        hit = self._flat.get(R)
+        if hit is not None:
+            return LV(hit.ref, "i32", R, tuple(shape))
+        # defined in the entry block (spliced in after the thread id), so every later block may use it
+        ins, spl, ref = self.tmp("fi"), self.tmp("fs"), self.tmp("flat")
+        steps = "<" + ", ".join(f"i32 {j * self.T}" for j in range(R)) + ">"
+        self.entry_defs += [
+            f"  {ins} = insertelement <1 x i32> poison, i32 {self.tid}, i32 0",
+            f"  {spl} = shufflevector <1 x i32> {ins}, <1 x i32> poison, <{R} x i32> zeroinitializer",
+            f"  {ref} = add {vty('i32', R)} {spl}, {steps}"]
+        out = LV(ref, "i32", R, tuple(shape))
+        self._flat[R] = out
+        return out
+
+    def iconst(self, v: int, n: int, shape=()) -> LV:
+        return self.const(v, "i32", n, shape)
+
+    def ibin(self, instr: str, a: LV, b) -> LV:
+        if isinstance(b, int):
+            b = self.iconst(b, a.n, a.shape)
+        return self.val(f"{instr} {a.ty} {a.ref}, {b.ref}", a.et, a.n, a.shape)
+
+    def umin(self, a: LV, b: int) -> LV:
+        return self.val(f"call {a.ty} @{self._minmax('umin', a)}({a.ty} {a.ref}, {a.ty} "
+                        f"{self.iconst(b, a.n, a.shape).ref})", a.et, a.n, a.shape)
+
+    def barrier(self) -> None:
+        self.hooks.barrier(self)
+        self.pending_write = self.pending_read = False
+
+    # ------------------------------------------------------------------------------ shared memory
+    def smem_ptr(self, byte_off: int) -> str:
+        a = self.hooks.smem_as
+        return self.val(f"getelementptr i8, ptr addrspace({a}) @__jk_smem, {self.hooks.smem_index} {byte_off}",
+                        "ptr", 0).ref
+
+    def _claim(self, off: int, nbytes: int) -> int:
+        """Reserves [off, off + nbytes) of shared memory for one op; returns the next 16-byte aligned offset."""
+        end = off + nbytes
+        self.smem_bytes = max(self.smem_bytes, end)
+        return -(-end // 16) * 16
+
+    def _st_et(self, et: str) -> str:
+        return "i8" if et == "i1" else et
+
+    def smem_write(self, x: LV, off: int) -> int:
+        """Writes every lane of tile x at its flat index into shared memory at byte offset `off` (padding lanes
+        land in the padded tail, so no mask is needed); returns the end offset of the region."""
+        et = self._st_et(x.et)
+        R = x.n
+        v = x if x.et != "i1" else self.val(f"zext {x.ty} {x.ref} to {vty('i8', R)}", "i8", R, x.shape)
+        idx = self.flat_index(x.shape)
+        base = self.smem_ptr(off)
+        a = self.hooks.smem_as
+        ptrs = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, {idx.ty} {idx.ref}", "ptr", R)
+        pv = f"<{R} x ptr addrspace({a})>"
+        name = f"llvm.masked.scatter.v{R}{self._sfx_et(et)}.v{R}p{a}"
+        self.declare(name, "void", [vty(et, R), pv, "i32", vty("i1", R)])
+        self.emit(f"call void @{name}({vty(et, R)} {v.ref}, {pv} {ptrs.ref}, i32 {_ES[et]}, "
+                  f"{vty('i1', R)} {self.const(1, 'i1', R).ref})")
+        return self._claim(off, self.T * R * _ES[et])
+
+    def smem_read(self, et_val: str, off: int, idx: LV, shape) -> LV:
+        """Gathers elements at flat indices `idx` (i32 lanes, clamped by the caller) from shared memory."""
+        et = self._st_et(et_val)
+        R = idx.n
+        a = self.hooks.smem_as
+        base = self.smem_ptr(off)
+        if R == 0:
+            p = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, i32 {idx.ref}", "ptr", 0)
+            v = self.val(f"load {et}, ptr addrspace({a}) {p.ref}, align {_ES[et]}", et, 0)
+        else:
+            ptrs = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, {idx.ty} {idx.ref}", "ptr", R)
+            pv = f"<{R} x ptr addrspace({a})>"
+            name = f"llvm.masked.gather.v{R}{self._sfx_et(et)}.v{R}p{a}"
+            self.declare(name, vty(et, R), [pv, "i32", vty("i1", R), vty(et, R)])
+            v = self.val(f"call {vty(et, R)} @{name}({pv} {ptrs.ref}, i32 {_ES[et]}, {vty('i1', R)} "
+                         f"{self.const(1, 'i1', R).ref}, {vty(et, R)} poison)", et, R, tuple(shape))
+        if et_val == "i1":
+            v = self.val(f"trunc {v.ty} {v.ref} to {vty('i1', R)}", "i1", R, tuple(shape))
+        return LV(v.ref, v.et, R, tuple(shape))
+
+    @staticmethod
+    def _sfx_et(et: str) -> str:
+        return {"double": "f64", "float": "f32", "half": "f16", "i8": "i8", "i16": "i16", "i32": "i32",
+                "i64": "i64"}[et]
+
+    def _relayout(self, x: LV, src_shape, dst_shape, src_index) -> LV:
+        """Moves tile x (laid out for src_shape) to the layout of dst_shape: output flat element e takes source
+        element src_index(e) (an i32 LV -> i32 LV function built from vector integer ops)."""
+        self.barrier()                        # earlier readers of shared memory are done
+        self.smem_write(x, 0)
+        self.barrier()
+        if dst_shape:
+            e = self.flat_index(dst_shape)
+            si = self.umin(src_index(e), _prod(src_shape) - 1)   # padding lanes read a valid element
+        else:
+            si = LV(str(src_index(None)), "i32", 0)
+        return self.smem_read(x.et, 0, si, dst_shape)
+
+    def _coords(self, e: LV, shape) -> list:
+        """Per-axis coordinates of flat indices e in a row-major tile of `shape`."""
+        out = []
+        for ax in range(len(shape)):
+            inner = _prod(shape[ax + 1:])
+            c = self.ibin("udiv", e, inner) if inner > 1 else e
+            if ax > 0:
+                c = self.ibin("urem", c, shape[ax])
+            out.append(c)
+        return out
+
+    def _flat_of(self, coords: list, shape, like: LV) -> LV:
+        acc = None
+        for ax, c in enumerate(coords):
+            if c is None or shape[ax] == 1:
+                continue
+            st = _prod(shape[ax + 1:])
+            term = self.ibin("mul", c, st) if st > 1 else c
+            acc = term if acc is None else self.ibin("add", acc, term)
+        return acc if acc is not None else self.iconst(0, like.n, like.shape)
+
+    # ---------------------------------------------------------------------------------------- entry
+    def lower(self) -> str:
+        fn = self.fn
+        h = self.hooks
+        self.start_block("entry")
+        self.tid = h.thread_id(self)
+        self.entry_defs = []
+        splice_at = len(self.lines)
+        self.param_refs = []
+        for k, prm in enumerate(fn.params):
+            t = prm.type
+            ref = f"%arg{k}"
+            if t.is_ptr:
+                self.vals[prm.value.id] = PT(ref, t.elem.elem, None, ())
+            elif t.elem.is_float:
+                d = LV(ref, "double", 0)
+                if t.elem == ir.f64:
+                    self.vals[prm.value.id] = d
+                else:
+                    f = self.val(f"fptrunc double {ref} to float", "float", 0)
+                    self.vals[prm.value.id] = f if t.elem == ir.f32 else self.from_f32(f, t.elem)
+            else:
+                et = elem_ty(t.elem)
+                v = LV(ref, "i64", 0) if et == "i64" else self.val(f"trunc i64 {ref} to {et}", et, 0)
+                self.vals[prm.value.id] = v
+        self.lower_block(fn.body)
+        self.emit("ret void")
+        self.lines[splice_at:splice_at] = self.entry_defs
+        if self.smem_bytes > h.max_smem_bytes:
+            raise CompilationError(
+                f"kernel {fn.name} needs {self.smem_bytes} bytes of shared memory for its layout changes, more "
+                f"than {h.max_smem_bytes} on {self.target.name}: use smaller tiles")
+        out = [f"; jitkern kernel {fn.name} for {self.target.name} (num_warps={self.num_warps}, "
+               f"shared={self.smem_bytes} bytes)"]
+        out += h.module_header(self)
+        out.append(f"@__jk_smem = external addrspace({h.smem_as}) global [0 x i8], align 16")
+        out.append("")
+        out += sorted(self.decls.values())
+        out.append("")
+        out.append(h.kernel_signature(self, fn.name, fn.params) + " {")
+        out.append("\n".join(self.lines))
+        out.append("}")
+        attrs = h.function_attrs(self)
+        out.append(f"attributes #0 = {{ nounwind {' '.join(attrs)} }}")
+        return "\n".join(out) + "\n"
+
+    # --------------------------------------------------------------------------- ids and creation
+    def op_program_id(self, op):
+        return LV(self.hooks.block_id(self, op.attrs["axis"]), "i32", 0)
+
+    def op_num_programs(self, op):
+        return LV(self.hooks.num_blocks(self, op.attrs["axis"]), "i32", 0)
+
+    def op_const(self, op):
+        t = op.result.type
+        d = t.elem
+        R = self.lanes(t.shape)
+        if d in (ir.f16, ir.bf16):
+            return self.from_f32(self.const(float(op.attrs["value"]), "float", R, t.shape), d)
+        return self.const(op.attrs["value"], elem_ty(d), R, t.shape)
+
+    def op_arange(self, op):
+        s, e = op.attrs["start"], op.attrs["end"]
+        shape = (e - s,)
+        f = self.flat_index(shape)
+        return f if s == 0 else self.ibin("add", f, s)
+
+    def op_splat(self, op):
+        x = self.get(op.operands[0])
+        shape = op.result.type.shape
+        R = self.lanes(shape)
+        if isinstance(x, PT):
+            return PT(x.base, x.elem, self.splat(x.offs, R, shape) if x.offs is not None else None, shape)
+        return self.splat(x, R, shape)
+
+    # ------------------------------------------------------------------------------ layout changes
+    def _move(self, x, src_shape, dst_shape, src_index):
+        """_relayout for values and pointer tiles (a pointer tile moves its offsets)."""
+        if isinstance(x, PT):
+            if x.offs is None:
+                return PT(x.base, x.elem, None, dst_shape)
+            return PT(x.base, x.elem, self._move(x.offs, src_shape, dst_shape, src_index), dst_shape)
+        if x.n == 0:
+            return self.splat(x, self.lanes(dst_shape), dst_shape)
+        return self._relayout(x, src_shape, dst_shape, src_index)
+
+    def op_broadcast(self, op):
+        x = self.get(op.operands[0])
+        sshape = op.operands[0].type.shape
+        shape = op.result.type.shape
+        src = (1,) * (len(shape) - len(sshape)) + tuple(sshape)
+        if _prod(src) == _prod(shape):
+            return self._retag(x, shape)
+
+        def index(e):
+            cs = self._coords(e, shape)
+            return self._flat_of([c if s != 1 else None for c, s in zip(cs, src)], src, e)
+        return self._move(x, sshape, shape, index)
+
+    def _retag(self, x, shape):
+        """Same flat order and element count: the layout is unchanged, only the shape."""
+        if isinstance(x, PT):
+            return PT(x.base, x.elem, self._retag(x.offs, shape) if x.offs is not None else None, shape)
+        if x.n == 0:
+            return self.splat(x, self.lanes(shape), shape) if shape else x
+        if not shape:
+            # a one-element tile to a scalar: thread 0 holds it; every thread needs it
+            return self._move(x, x.shape, (), lambda e: 0)
+        return LV(x.ref, x.et, x.n, tuple(shape))
+
+    def op_reshape(self, op):
+        return self._retag(self.get(op.operands[0]), op.result.type.shape)
+
+    def op_trans(self, op):
+        x = self.get(op.operands[0])
+        shape = op.operands[0].type.shape
+        perm = op.attrs.get("perm", (1, 0))
+        oshape = tuple(shape[p] for p in perm)
+
+        def index(e):
+            cs = self._coords(e, oshape)         # output coordinate i is input axis perm[i]
+            inc = [None] * len(shape)
+            for i, p in enumerate(perm):
+                inc[p] = cs[i]
+            return self._flat_of(inc, shape, e)
+        return self._move(x, shape, oshape, index)
+
+    # -------------------------------------------------------------------------------------- memory
+    def _gpu_mask(self, shape, mask):
+        """The user's mask (or none) and-ed with the lanes that hold real elements."""
+        R = self.lanes(shape)
+        if mask is not None and mask.n == 0:
+            mask = self.splat(mask, R, shape)
+        if _prod(shape) % self.T == 0:
+            return mask
+        valid = self.val(f"icmp ult {vty('i32', R)} {self.flat_index(shape).ref}, "
+                         f"{self.iconst(_prod(shape), R).ref}", "i1", R, shape)
+        if mask is None:
+            return valid
+        return self.val(f"and {mask.ty} {mask.ref}, {valid.ref}", "i1", R, shape)
+
+    def _ptr_vec(self, p: PT, shape) -> LV:
+        R = self.lanes(shape)
+        et = elem_ty(p.elem)
+        offs = self.to_i64(p.offs) if p.offs is not None else self.const(0, "i64", R, shape)
+        if offs.n == 0:
+            offs = self.splat(offs, R, shape)
+        return self.val(f"getelementptr inbounds {et}, ptr {p.base}, {offs.ty} {offs.ref}", "ptr", R, shape)
+
+    def op_load(self, op):
+        if self.pending_write:
+            self.barrier()
+        self.pending_read = True
+        shape = op.result.type.shape
+        if not shape:
+            return super().op_load(op)
+        p = self.get(op.operands[0])
+        mask = self.get(op.operands[1]) if len(op.operands) > 1 else None
+        other = self.get(op.operands[2]) if len(op.operands) > 2 else None
+        et = elem_ty(p.elem)
+        R = self.lanes(shape)
+        if other is None:
+            other = LV("zeroinitializer", et, R, shape)
+        elif other.n == 0:
+            other = self.splat(other, R, shape)
+        ptrs = self._ptr_vec(p, shape)
+        m = self._gpu_mask(shape, mask)
+        vt = vty(et, R)
+        if m is None:
+            m = self.const(1, "i1", R, shape)
+        name = f"llvm.masked.gather.v{R}{self._sfx_et(et)}.v{R}p0"
+        self.declare(name, vt, [vty("ptr", R), "i32", vty("i1", R), vt])
+        return self.val(f"call {vt} @{name}({vty('ptr', R)} {ptrs.ref}, i32 {p.elem.itemsize}, {m.ty} {m.ref}, "
+                        f"{vt} {other.ref})", et, R, shape)
+
+    def op_store(self, op):
+        if self.pending_write or self.pending_read:
+            self.barrier()
+        self.pending_write = True
+        shape = op.operands[0].type.shape
+        p = self.get(op.operands[0])
+        v = self.get(op.operands[1])
+        mask = self.get(op.operands[2]) if len(op.operands) > 2 else None
+        et = elem_ty(p.elem)
+        if not shape:
+            # a scalar is uniform: one thread stores it
+            first = self.val(f"icmp eq i32 {self.tid}, 0", "i1", 0)
+            cond = first if mask is None else self.val(f"and i1 {first.ref}, {mask.ref}", "i1", 0)
+            yes, done = self.label("st"), self.label("st_done")
+            self.emit(f"br i1 {cond.ref}, label %{yes}, label %{done}")
+            self.start_block(yes)
+            off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
+            ptr = self._elem_ptr(p, off)
+            self.emit(f"store {et} {v.ref}, ptr {ptr}, align {p.elem.itemsize}")
+            self.emit(f"br label %{done}")
+            self.start_block(done)
+            return None
+        R = self.lanes(shape)
+        if v.n == 0:
+            v = self.splat(v, R, shape)
+        ptrs = self._ptr_vec(p, shape)
+        m = self._gpu_mask(shape, mask)
+        if m is None:
+            m = self.const(1, "i1", R, shape)
+        vt = vty(et, R)
+        name = f"llvm.masked.scatter.v{R}{self._sfx_et(et)}.v{R}p0"
+        self.declare(name, "void", [vt, vty("ptr", R), "i32", vty("i1", R)])
+        self.emit(f"call void @{name}({vt} {v.ref}, {vty('ptr', R)} {ptrs.ref}, i32 {p.elem.itemsize}, "
+                  f"{m.ty} {m.ref})")
+        return None
+
+    def op_prefetch(self, op):
+        return None               # a cache hint; GPUs stream through L2 anyway
+
+    def op_barrier(self, op):
+        self.barrier()
+        return None
+
+    # ------------------------------------------------------------------------------------- loops
+    def emit_loop(self, count: int, carried: list, body):
+        """A counted loop 0..count-1 (uniform) with vector values carried; body(iv_ref, carried) -> carried."""
+        hdr, bb, ex = self.label("l_hdr"), self.label("l_body"), self.label("l_exit")
+        pred = self.block
+        self.emit(f"br label %{hdr}")
+        self.start_block(hdr)
+        iv = self.tmp("i")
+        slot = len(self.lines)
+        self.lines.append(None)
+        phis = []
+        for c in carried:
+            ph = self.tmp("c")
+            phis.append(ph)
+            self.lines.append(None)
+        cond = self.val(f"icmp slt i32 {iv}, {count}", "i1", 0)
+        self.emit(f"br i1 {cond.ref}, label %{bb}, label %{ex}")
+        self.start_block(bb)
+        cur = [LV(ph, c.et, c.n, c.shape) for ph, c in zip(phis, carried)]
+        nxt = body(iv, cur)
+        inc = self.val(f"add i32 {iv}, 1", "i32", 0)
+        latch = self.block
+        self.emit(f"br label %{hdr}")
+        self.lines[slot] = f"  {iv} = phi i32 [ 0, %{pred} ], [ {inc.ref}, %{latch} ]"
+        for i, (ph, c, n) in enumerate(zip(phis, carried, nxt)):
+            self.lines[slot + 1 + i] = f"  {ph} = phi {c.ty} [ {c.ref}, %{pred} ], [ {n.ref}, %{latch} ]"
+        self.start_block(ex)
+        return cur
+
+    def op_for(self, op):
+        body_ops = list(_ops_of(op.regions[0]))
+        stores = any(o.name == "store" for o in body_ops)
+        loads = any(o.name == "load" for o in body_ops)
+        # a later iteration's load follows this iteration's store (and its store an earlier load); the loop
+        # may also run no iteration at all, so afterwards anything pending before or inside stays pending
+        before = (self.pending_write, self.pending_read)
+        self.pending_write |= stores
+        self.pending_read |= loads
+        res = super().op_for(op)
+        self.pending_write |= stores or before[0]
+        self.pending_read |= loads or before[1]
+        return res
+
+    def op_if(self, op):
+        c = self.get(op.operands[0])
+        tb, eb, mb = self.label("then"), self.label("else"), self.label("endif")
+        self.emit(f"br i1 {c.ref}, label %{tb}, label %{eb}")
+        before = (self.pending_write, self.pending_read)
+        outs, ends = [], []
+        for name, region in ((tb, op.regions[0]), (eb, op.regions[1])):
+            # each branch starts from the state before the `if`; the merge keeps what either left pending
+            self.pending_write, self.pending_read = before
+            self.start_block(name)
+            ys = self.lower_block(region)
+            outs.append(([self._phi_repr(y) for y in ys], ys, self.block))
+            ends.append((self.pending_write, self.pending_read))
+            self.emit(f"br label %{mb}")
+        self.pending_write = any(w for w, _ in ends)
+        self.pending_read = any(r for _, r in ends)
+        self.start_block(mb)
+        res = []
+        (tr, tys, tend), (er, eys, eend) = outs
+        for a, b, ya, yb in zip(tr, er, tys, eys):
+            if isinstance(ya, PT) and (not isinstance(yb, PT) or ya.base != yb.base):
+                raise CompilationError("both branches must give pointer tiles with the same base", op.loc)
+            ph = self.val(f"phi {a.ty} [ {a.ref}, %{tend} ], [ {b.ref}, %{eend} ]", a.et, a.n, a.shape)
+            res.append(self._unphi(ya, ph))
+        return res
+
+    def _phi_repr(self, v):
+        if isinstance(v, PT):
+            offs = v.offs if v.offs is not None else self.const(0, "i64", self.lanes(v.shape), v.shape)
+            return self.to_i64(offs)
+        return v
+
+    # ---------------------------------------------------------------------------------- reductions
+    def _identity(self, kind: str, et: str, d: ir.DType, n: int) -> LV:
+        if kind == "sum":
+            return self.const(-0.0 if et in ("float", "double") else 0, et, n)
+        if et in ("float", "double"):
+            return self.const(-math.inf if kind in ("max", "argmax") else math.inf, et, n)
+        bits = _ES[et] * 8
+        if d.is_signed:
+            lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        else:
+            lo, hi = 0, -1          # all ones: the largest unsigned value
+        return self.const(lo if kind in ("max", "argmax") else hi, et, n)
+
+    def _better(self, kind, d, v: LV, vi: LV, b: LV, bi: LV) -> LV:
+        """(v, vi) beats (b, bi): strictly more extreme, or equal with a smaller index."""
+        if d.is_float:
+            pred = "ogt" if kind == "argmax" else "olt"
+            strict = self.val(f"fcmp {pred} {v.ty} {v.ref}, {b.ref}", "i1", v.n)
+            eq = self.val(f"fcmp oeq {v.ty} {v.ref}, {b.ref}", "i1", v.n)
+        else:
+            s = "s" if d.is_signed else "u"
+            pred = f"{s}gt" if kind == "argmax" else f"{s}lt"
+            strict = self.val(f"icmp {pred} {v.ty} {v.ref}, {b.ref}", "i1", v.n)
+            eq = self.val(f"icmp eq {v.ty} {v.ref}, {b.ref}", "i1", v.n)
+        lower = self.val(f"icmp slt {vi.ty} {vi.ref}, {bi.ref}", "i1", v.n)
+        tie = self.val(f"and {eq.ty} {eq.ref}, {lower.ref}", "i1", v.n)
+        return self.val(f"or {eq.ty} {strict.ref}, {tie.ref}", "i1", v.n)
+
+    def _reduce_common(self, op, arg: bool):
+        x = self.get(op.operands[0])
+        d = op.operands[0].type.elem
+        kind, ax = op.attrs["kind"], op.attrs["axis"]
+        half = d in (ir.f16, ir.bf16)
+        if half:
+            x, d = self.to_f32(x, d), ir.f32
+        shape = op.operands[0].type.shape
+        oshape = op.result.type.shape
+        pre, n, post = _prod(shape[:ax]), shape[ax], _prod(shape[ax + 1:])
+        O = pre * post
+        T = self.T
+        G = 1
+        while G * 2 * O <= T and G * 2 <= n:
+            G *= 2
+        W = O * G                               # work items (output, chunk)
+        RW = -(-W // T)
+        et = x.et
+        self.barrier()
+        end = self.smem_write(x, 0)
+        self.barrier()
+        tv = self.splat(LV(self.tid, "i32", 0), RW)
+        w = self.val(f"add {vty('i32', RW)} {tv.ref}, <" + ", ".join(f"i32 {j * T}" for j in range(RW)) + ">",
+                     "i32", RW)
+        o = self.ibin("udiv", w, G) if G > 1 else w
+        c = self.ibin("urem", w, G) if G > 1 else self.iconst(0, RW)
+        p_, q_ = (self.ibin("udiv", o, post), self.ibin("urem", o, post)) if post > 1 else (o, None)
+        base = self.ibin("mul", p_, n * post)
+        if q_ is not None:
+            base = self.ibin("add", base, q_)
+        okw = self.val(f"icmp ult {w.ty} {w.ref}, {self.iconst(W, RW).ref}", "i1", RW)
+        ident = self._identity(kind, et, d, RW)
+        steps = -(-n // G)
+
+        def body(iv, cur):
+            ivv = self.splat(LV(iv, "i32", 0), RW)
+            k = self.ibin("add", self.ibin("mul", ivv, G), c) if G > 1 else ivv
+            ok = self.val(f"icmp ult {k.ty} {k.ref}, {self.iconst(n, RW).ref}", "i1", RW)
+            ok = self.val(f"and {ok.ty} {ok.ref}, {okw.ref}", "i1", RW)
+            idx = self.ibin("add", base, self.ibin("mul", k, post) if post > 1 else k)
+            idx = self.umin(idx, _prod(shape) - 1)
+            v = self.smem_read(et, 0, idx, ())
+            v = LV(v.ref, v.et, RW)
+            v = self.val(f"select {ok.ty} {ok.ref}, {v.ty} {v.ref}, {ident.ty} {ident.ref}", et, RW)
+            if not arg:
+                return [self._combine(kind, cur[0], v, d)]
+            better = self._better(kind, d, v, k, cur[0], cur[1])
+            better = self.val(f"and {better.ty} {better.ref}, {ok.ref}", "i1", RW)
+            return [self.val(f"select {better.ty} {better.ref}, {v.ty} {v.ref}, {v.ty} {cur[0].ref}", et, RW),
+                    self.val(f"select {better.ty} {better.ref}, {k.ty} {k.ref}, {k.ty} {cur[1].ref}", "i32", RW)]
+        init = [ident] + ([self.iconst(n, RW)] if arg else [])
+        part = self.emit_loop(steps, init, body)
+        R_out = self.lanes(oshape)
+        if G == 1:
+            # one chunk per output: the work items are the outputs in the output tile's layout
+            res = part[1] if arg else part[0]
+            res = LV(res.ref, res.et, R_out, oshape)
+        else:
+            # fold the G partials of each output in chunk order
+            self.barrier()
+            offv = end
+            end_v = self.smem_write(LV(part[0].ref, et, RW, (W,)), offv)
+            if arg:
+                self.smem_write(LV(part[1].ref, "i32", RW, (W,)), end_v)
+            self.barrier()
+            if oshape:
+                ov = self.flat_index(oshape)
+                n_out = R_out
+            else:
+                ov, n_out = self.iconst(0, 1), 1
+            ov = self.umin(ov, O - 1)
+            pbase = self.ibin("mul", ov, G)
+            cur0 = [self._identity(kind, et, d, n_out)] + ([self.iconst(n, n_out)] if arg else [])
+
+            def fold(iv, cur):
+                i = self.ibin("add", pbase, self.splat(LV(iv, "i32", 0), n_out))
+                v = self.smem_read(et, offv, i, ())
+                v = LV(v.ref, v.et, n_out)
+                if not arg:
+                    return [self._combine(kind, cur[0], v, d)]
+                vi = self.smem_read("i32", end_v, i, ())
+                vi = LV(vi.ref, "i32", n_out)
+                better = self._better(kind, d, v, vi, cur[0], cur[1])
+                return [self.val(f"select {better.ty} {better.ref}, {v.ty} {v.ref}, {v.ty} {cur[0].ref}", et, n_out),
+                        self.val(f"select {better.ty} {better.ref}, {vi.ty} {vi.ref}, {vi.ty} {cur[1].ref}", "i32",
+                                 n_out)]
+            fin = self.emit_loop(G, cur0, fold)
+            res = fin[1] if arg else fin[0]
+            if oshape:
+                res = LV(res.ref, res.et, R_out, oshape)
+            else:
+                res = self.extract(LV(res.ref, res.et, 1), 0)
+        if not oshape and G == 1:
+            # one output computed by thread 0 only: make the scalar uniform
+            res = self._move(LV(res.ref, res.et, 1, (1,)), (1,), (), lambda e: 0)
+        if half and not arg:
+            res = self.from_f32(res, op.operands[0].type.elem)
+        return res
+
+    def op_reduce(self, op):
+        return self._reduce_common(op, arg=False)
+
+    def op_argreduce(self, op):
+        return self._reduce_common(op, arg=True)
+
+    # ----------------------------------------------------------------------------------------- dot
+    def _to_acc(self, v: LV, d: ir.DType, acc_d: ir.DType) -> LV:
+        return self.convert(v, d, acc_d) if d != acc_d else v
+
+    def op_dot(self, op):
+        a, b = self.get(op.operands[0]), self.get(op.operands[1])
+        acc_in = self.get(op.operands[2]) if len(op.operands) > 2 and op.operands[2] is not None else None
+        ad, bd = op.operands[0].type.elem, op.operands[1].type.elem
+        rd = op.result.type.elem
+        m, k = op.operands[0].type.shape
+        n = op.operands[1].type.shape[1]
+        oshape = (m, n)
+        R = self.lanes(oshape)
+        self.barrier()
+        offb = self.smem_write(a, 0)
+        self.smem_write(b, offb)
+        self.barrier()
+        e = self.flat_index(oshape)
+        e = self.umin(e, m * n - 1)
+        row = self.ibin("udiv", e, n) if n > 1 else e
+        col = self.ibin("urem", e, n) if n > 1 else self.iconst(0, R)
+        arow = self.ibin("mul", row, k)
+        ret = elem_ty(rd)
+        if acc_in is not None:
+            init = acc_in if acc_in.n else self.splat(acc_in, R, oshape)
+            init = self._to_acc(init, op.operands[2].type.elem, rd)
+        else:
+            init = self.const(0.0 if rd.is_float else 0, ret, R, oshape)
+
+        def body(iv, cur):
+            kk = self.splat(LV(iv, "i32", 0), R)
+            av = self.smem_read(a.et, 0, self.ibin("add", arow, kk), ())
+            bv = self.smem_read(b.et, offb, self.ibin("add", self.ibin("mul", kk, n), col), ())
+            av = self._to_acc(LV(av.ref, av.et, R), ad, rd)
+            bv = self._to_acc(LV(bv.ref, bv.et, R), bd, rd)
+            if rd.is_float:
+                return [self.fmuladd(av, bv, cur[0])]
+            pr = self.val(f"mul {av.ty} {av.ref}, {bv.ref}", ret, R)
+            return [self.val(f"add {pr.ty} {cur[0].ref}, {pr.ref}", ret, R)]
+        out = self.emit_loop(k, [LV(init.ref, init.et, R)], body)[0]
+        return LV(out.ref, out.et, R, oshape)
+
+    def _int_products(self, a_et_signed: bool, av: LV, bv: LV, b_signed=True, wide="i32") -> LV:
+        wa = self.val(f"{'sext' if a_et_signed else 'zext'} {av.ty} {av.ref} to {vty(wide, av.n)}", wide, av.n)
+        wb = self.val(f"{'sext' if b_signed else 'zext'} {bv.ty} {bv.ref} to {vty(wide, bv.n)}", wide, bv.n)
+        return self.val(f"mul {wa.ty} {wa.ref}, {wb.ref}", wide, av.n)
+
+    def op_dot4(self, op):
+        """Exact i32 sums of products of groups of 4 (and over `axis`): no int16 intermediate on GPUs."""
+        a, b = self.get(op.operands[0]), self.get(op.operands[1])
+        ad = op.operands[0].type.elem
+        shape = op.operands[0].type.shape
+        oshape = op.result.type.shape
+        ax = op.attrs.get("axis")
+        R = self.lanes(oshape)
+        self.barrier()
+        offb = self.smem_write(a, 0)
+        self.smem_write(b, offb)
+        self.barrier()
+        o = self.umin(self.flat_index(oshape), _prod(oshape) - 1)
+        if ax is None:
+            starts, step = [self.ibin("mul", o, 4)], 0
+        else:
+            pre, nax = _prod(shape[:ax]), shape[ax]
+            post = _prod(shape[ax + 1:])             # elements per slice (includes the K axis)
+            q4 = post // 4
+            p_ = self.ibin("udiv", o, q4) if q4 > 1 else o
+            r4 = self.ibin("urem", o, q4) if q4 > 1 else self.iconst(0, R)
+            b0 = self.ibin("add", self.ibin("mul", p_, nax * post), self.ibin("mul", r4, 4))
+            starts = [self.ibin("add", b0, j * post) if j else b0 for j in range(nax)]
+            del pre
+        acc = None
+        for s in starts:
+            for g in range(4):
+                i = self.ibin("add", s, g) if g else s
+                av = self.smem_read("i8", 0, i, ())
+                bv = self.smem_read("i8", offb, i, ())
+                pr = self._int_products(ad.is_signed, LV(av.ref, "i8", R), LV(bv.ref, "i8", R))
+                acc = pr if acc is None else self.val(f"add {pr.ty} {acc.ref}, {pr.ref}", "i32", R)
+        del step
+        return LV(acc.ref, "i32", R, oshape)
+
+    def op_madd(self, op):
+        """Pair sums of products with the CPU's exact semantics: u8 x i8 -> i16 saturated, i16 x i16 -> i32."""
+        a, b = self.get(op.operands[0]), self.get(op.operands[1])
+        wide = op.operands[0].type.elem == ir.i16
+        oshape = op.result.type.shape
+        R = self.lanes(oshape)
+        et, rt = ("i16", "i32") if wide else ("i8", "i16")
+        self.barrier()
+        offb = self.smem_write(a, 0)
+        self.smem_write(b, offb)
+        self.barrier()
+        o2 = self.ibin("mul", self.umin(self.flat_index(oshape), _prod(oshape) - 1), 2)
+        prods = []
+        for g in range(2):
+            i = self.ibin("add", o2, g) if g else o2
+            av = LV(self.smem_read(et, 0, i, ()).ref, et, R)
+            bv = LV(self.smem_read(et, offb, i, ()).ref, et, R)
+            prods.append(self._int_products(wide, av, bv, wide=rt))
+        if wide:
+            res = self.val(f"add {prods[0].ty} {prods[0].ref}, {prods[1].ref}", rt, R)
+        else:
+            name = f"llvm.sadd.sat.{self.sfx(prods[0])}"
+            self.declare(name, prods[0].ty, [prods[0].ty] * 2)
+            res = self.val(f"call {prods[0].ty} @{name}({prods[0].ty} {prods[0].ref}, {prods[1].ty} "
+                           f"{prods[1].ref})", rt, R)
+        return LV(res.ref, rt, R, oshape)
+
+    # ----------------------------------------------------------------------------------------- math
+    def math_call(self, name: str, x: LV) -> LV:
+        hooked = self.hooks.math(self, name, x)
+        if hooked is not None:
+            return hooked
+        if name in ("log", "log2") and x.et == "float":
+            y = self.logf(x)
+            return y if name == "log" else self.fbin("fmul", y, self.fconst(1.0 / math.log(2.0), x))
+        return super().math_call(name, x)
+
+    def logf(self, x: LV) -> LV:
+        """logf by Cephes' method: x = m 2^e with m in [sqrt(1/2), sqrt(2)), a degree-8 polynomial in m - 1
+        (max rel. error ~2 ulp); log(0) = -inf, log(<0) = NaN, log(inf) = inf, NaN passes through."""
+        ty, n, sh = x.ty, x.n, x.shape
+        c = lambda v: self.fconst(v, x)  # noqa: E731
+        it = vty("i32", n)
+        ci = lambda v: self.const(v, "i32", n, sh)  # noqa: E731
+        # subnormals: scale by 2^23 first
+        sub = self.val(f"fcmp olt {ty} {x.ref}, {c(1.17549435e-38).ref}", "i1", n, sh)
+        xs = self.val(f"select {sub.ty} {sub.ref}, {ty} {self.fbin('fmul', x, c(8388608.0)).ref}, {ty} {x.ref}",
+                      x.et, n, sh)
+        eadj = self.val(f"select {sub.ty} {sub.ref}, {it} {ci(-23).ref}, {it} {ci(0).ref}", "i32", n, sh)
+        bits = self.val(f"bitcast {ty} {xs.ref} to {it}", "i32", n, sh)
+        e = self.val(f"lshr {it} {bits.ref}, {ci(23).ref}", "i32", n, sh)
+        e = self.val(f"sub {it} {e.ref}, {ci(126).ref}", "i32", n, sh)
+        e = self.val(f"add {it} {e.ref}, {eadj.ref}", "i32", n, sh)
+        mb = self.val(f"and {it} {bits.ref}, {ci(0x807fffff).ref}", "i32", n, sh)
+        mb = self.val(f"or {it} {mb.ref}, {ci(0x3f000000).ref}", "i32", n, sh)     # m in [0.5, 1)
+        m = self.val(f"bitcast {it} {mb.ref} to {ty}", x.et, n, sh)
+        small = self.val(f"fcmp olt {ty} {m.ref}, {c(0.707106781186547524).ref}", "i1", n, sh)
+        e1 = self.val(f"sub {it} {e.ref}, {ci(1).ref}", "i32", n, sh)
+        e = self.val(f"select {small.ty} {small.ref}, {it} {e1.ref}, {it} {e.ref}", "i32", n, sh)
+        m2 = self.fbin("fadd", m, m)
+        m = self.val(f"select {small.ty} {small.ref}, {ty} {m2.ref}, {ty} {m.ref}", x.et, n, sh)
+        f = self.fbin("fsub", m, c(1.0))
+        p = c(7.0376836292E-2)
+        for coef in (-1.1514610310E-1, 1.1676998740E-1, -1.2420140846E-1, 1.4249322787E-1, -1.6668057665E-1,
+                     2.0000714765E-1, -2.4999993993E-1, 3.3333331174E-1):
+            p = self.fmuladd(p, f, c(coef))
+        z = self.fbin("fmul", f, f)
+        y = self.fbin("fmul", self.fbin("fmul", p, f), z)
+        ef = self.val(f"sitofp {it} {e.ref} to {ty}", x.et, n, sh)
+        y = self.fmuladd(ef, c(-2.12194440e-4), y)
+        y = self.fmuladd(z, c(-0.5), y)
+        r = self.fbin("fadd", f, y)
+        r = self.fmuladd(ef, c(0.693359375), r)
+        zero = self.val(f"fcmp oeq {ty} {x.ref}, {c(0.0).ref}", "i1", n, sh)
+        r = self.val(f"select {zero.ty} {zero.ref}, {ty} {self.const(-math.inf, x.et, n, sh).ref}, {ty} {r.ref}",
+                     x.et, n, sh)
+        neg = self.val(f"fcmp ult {ty} {x.ref}, {c(0.0).ref}", "i1", n, sh)       # also NaN
+        r = self.val(f"select {neg.ty} {neg.ref}, {ty} {self.const(math.nan, x.et, n, sh).ref}, {ty} {r.ref}",
+                     x.et, n, sh)
+        inf = self.val(f"fcmp oeq {ty} {x.ref}, {self.const(math.inf, x.et, n, sh).ref}", "i1", n, sh)
+        return self.val(f"select {inf.ty} {inf.ref}, {ty} {x.ref}, {ty} {r.ref}", x.et, n, sh)

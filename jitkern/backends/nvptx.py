@@ -1,0 +1,150 @@
+"""NVPTX: the CUDA hooks of the shared GPU lowering, and PTX -> cubin.
+
+LLVM 22's NVPTX backend (facts in ../shared/notes/gpu-readiness.md): kernels are `ptx_kernel` functions
+whose pointer parameters NVPTXLowerArgs treats as global memory; `llvm.exp/log/sin` do not lower (exp and
+log are polynomials in the shared emitter; sin/cos use the hardware approximations below); `emit=obj` is
+refused, so the backend emits PTX text and ptxas (or the driver's JIT) makes the cubin.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+from ..errors import CompileError
+from .cpu import LV, elem_ty
+from .gpu import GpuHooks, GpuLowering
+
+
+class NvptxHooks(GpuHooks):
+    smem_as = 3
+    smem_index = "i32"
+
+    def __init__(self, target):
+        self.target = target
+        self.max_smem_bytes = target.shared_mem_bytes or 48 * 1024
+
+    def module_header(self, low) -> list:
+        return [f'target datalayout = "{self.target.data_layout}"', f'target triple = "{self.target.triple}"']
+
+    def kernel_signature(self, low, name, params) -> str:
+        args = []
+        for k, prm in enumerate(params):
+            t = prm.type
+            if t.is_ptr:
+                args.append(f"ptr noundef %arg{k}")
+            elif t.elem.is_float:
+                args.append(f"double %arg{k}")
+            else:
+                args.append(f"i64 %arg{k}")
+        return f"define ptx_kernel void @{name}({', '.join(args)}) #0"
+
+    def _sreg(self, low, reg: str) -> str:
+        name = f"llvm.nvvm.read.ptx.sreg.{reg}"
+        low.declare(name, "i32", [])
+        return low.val(f"call i32 @{name}()", "i32", 0).ref
+
+    def thread_id(self, low) -> str:
+        return self._sreg(low, "tid.x")
+
+    def block_id(self, low, axis: int) -> str:
+        return self._sreg(low, "ctaid." + "xyz"[axis])
+
+    def num_blocks(self, low, axis: int) -> str:
+        return self._sreg(low, "nctaid." + "xyz"[axis])
+
+    def barrier(self, low) -> None:
+        low.declare("llvm.nvvm.barrier0", "void", [])
+        low.emit("call void @llvm.nvvm.barrier0()")
+
+    def math(self, low, name: str, x: LV):
+        if name in ("sin", "cos") and x.et == "float":
+            # sin.approx/cos.approx: max abs error ~2^-20.5 on [-pi, pi] (PTX ISA); fine for the DSL's uses
+            fn = f"llvm.nvvm.{name}.approx.f"
+            low.declare(fn, "float", ["float"])
+            if x.n == 0:
+                return low.val(f"call float @{fn}(float {x.ref})", "float", 0)
+            parts = [low.val(f"call float @{fn}(float {low.extract(x, j).ref})", "float", 0) for j in range(x.n)]
+            return low.build_vector(parts, "float", x.shape)
+        return None
+
+    def function_attrs(self, low) -> list:
+        return [f'"nvvm.maxntid"="{low.T}"']
+
+
+def lower_to_nvptx(fn, target) -> tuple[str, dict]:
+    """(LLVM IR text, launch metadata) for one kernel."""
+    low = GpuLowering(fn, target, NvptxHooks(target))
+    text = low.lower()
+    return text, {"num_threads": low.T, "shared_bytes": low.smem_bytes}
+
+
+# ------------------------------------------------------------------------------------------ ptxas
+def find_ptxas():
+    """ptxas from $JITKERN_PTXAS, the nvidia-cuda-nvcc wheel, CUDA_HOME, or PATH; None if there is none."""
+    env = os.environ.get("JITKERN_PTXAS")
+    if env:
+        return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+        if spec and spec.submodule_search_locations:
+            p = os.path.join(list(spec.submodule_search_locations)[0], "bin", "ptxas")
+            if os.path.isfile(p):
+                return p
+    except (ImportError, ValueError):
+        pass
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "bin", "ptxas")):
+            return os.path.join(home, "bin", "ptxas")
+    return shutil.which("ptxas")
+
+
+_ptxas_version_cache: dict = {}
+
+
+def ptxas_version(path) -> str:
+    """The ptxas release line (part of the cache key: a new ptxas makes new cubins)."""
+    if path is None:
+        return "none"
+    hit = _ptxas_version_cache.get(path)
+    if hit is None:
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+            hit = out.strip().splitlines()[-1] if out.strip() else "unknown"
+        except (OSError, subprocess.SubprocessError):
+            hit = "unknown"
+        _ptxas_version_cache[path] = hit
+    return hit
+
+
+def ptx_to_cubin(ptx: bytes, arch: str, *, describe: str = "") -> bytes:
+    """Assembles PTX for `arch` (e.g. sm_90a) with ptxas; raises CompileError with ptxas's message."""
+    path = find_ptxas()
+    if path is None:
+        raise CompileError("no ptxas found (install the [cuda] extra, or set JITKERN_PTXAS / CUDA_HOME)",
+                           target=arch)
+    with tempfile.TemporaryDirectory(prefix="jitkern-ptxas-") as d:
+        src = os.path.join(d, "k.ptx")
+        dst = os.path.join(d, "k.cubin")
+        with open(src, "wb") as f:
+            f.write(ptx)
+        try:
+            r = subprocess.run([path, f"-arch={arch}", "-O3", src, "-o", dst], capture_output=True, text=True,
+                               timeout=600)
+        except subprocess.TimeoutExpired:
+            raise CompileError(f"ptxas timed out on {describe}", target=arch) from None
+        if r.returncode != 0:
+            msg = (r.stderr or r.stdout).strip()[-2000:]
+            raise CompileError(f"ptxas rejected the PTX of {describe}: {msg}", target=arch)
+        with open(dst, "rb") as f:
+            return f.read()
+
+
+def ptx_digest(ptx: bytes) -> str:
+    return hashlib.sha256(ptx).hexdigest()[:16]
+
+
+__all__ = ["NvptxHooks", "lower_to_nvptx", "find_ptxas", "ptxas_version", "ptx_to_cubin", "elem_ty"]

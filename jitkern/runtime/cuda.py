@@ -1,0 +1,417 @@
+"""The CUDA runtime on cuda-python's driver bindings (`cuda.bindings.driver`, the `[cuda]` extra).
+
+Imported lazily: `import jitkern` and every CPU path work without cuda-python or a GPU. What lives here:
+- `CudaDevice`: the primary context of one GPU, one stream that every jitkern launch and copy goes to,
+  and the driver's default memory pool kept warm (release threshold at its maximum), so `cuMemAllocAsync` /
+  `cuMemFreeAsync` on that stream act as a caching allocator;
+- `DeviceArray`: pointer, shape, dtype (any jitkern dtype, bf16 included) and device; C-contiguous; the type
+  every op accepts on a GPU (`from_numpy`, `numpy()`, `empty`, `view`, first-axis slices);
+- module loading (cubin, or PTX through the driver's JIT when no ptxas made a cubin) and launches with the
+  parameters packed once per launch into 8-byte slots (the same slots as the CPU ABI);
+- `CudaGraph`: `jk.capture()` on a GPU is stream capture; `replay()` is one `cuGraphLaunch`.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+
+import numpy as np
+
+from .. import ir
+from ..errors import JitkernError
+
+
+class CudaError(JitkernError):
+    """A CUDA driver call failed (the message names the call and the driver's error)."""
+
+
+class CudaUnavailable(CudaError):
+    """No usable CUDA driver / device / cuda-python here."""
+
+
+_driver = None
+
+
+def driver():
+    global _driver
+    if _driver is None:
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError as e:
+            raise CudaUnavailable(f"cuda-python is not installed ({e}); install jitkern[cuda]") from None
+        _driver = cu
+    return _driver
+
+
+def check(res, call: str):
+    """cuda-python returns (CUresult, *values): raise on an error, else return the values."""
+    err = res[0]
+    if int(err) != 0:
+        cu = driver()
+        try:
+            _, name = cu.cuGetErrorName(err)
+            _, text = cu.cuGetErrorString(err)
+            detail = f"{name.decode()}: {text.decode()}"
+        except Exception:          # noqa: BLE001 - the error message itself must not fail
+            detail = f"error {int(err)}"
+        raise CudaError(f"{call} failed: {detail}")
+    vals = res[1:]
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else vals
+
+
+# --------------------------------------------------------------------------------------------- device
+class CudaDevice:
+    def __init__(self, ordinal: int = 0):
+        cu = driver()
+        try:
+            check(cu.cuInit(0), "cuInit")
+        except CudaError as e:
+            raise CudaUnavailable(f"no usable CUDA driver: {e}") from None
+        count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if ordinal >= count:
+            raise CudaUnavailable(f"CUDA device {ordinal} asked for, {count} present")
+        self.ordinal = ordinal
+        self.dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        A = cu.CUdevice_attribute
+        self.cc = (check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev), "attr"),
+                   check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev), "attr"))
+        self.name = check(cu.cuDeviceGetName(64, self.dev), "cuDeviceGetName").split(b"\0")[0].decode()
+        self.num_sms = check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.dev), "attr")
+        self.driver_version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.stream_handle = int(self.stream)
+        pool = check(cu.cuDeviceGetDefaultMemPool(self.dev), "cuDeviceGetDefaultMemPool")
+        # keep freed blocks in the pool (default threshold 0 returns them to the OS at every sync)
+        check(cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                       cu.cuuint64_t(0xFFFFFFFFFFFFFFFF)), "cuMemPoolSetAttribute")
+        self._modules = {}
+        self._lock = threading.Lock()
+
+    @property
+    def target_name(self) -> str:
+        """The jitkern target that runs here: sm_90a on Hopper (the arch-specific ISA), else sm_XY."""
+        major, minor = self.cc
+        name = f"sm_{major}{minor}"
+        if (major, minor) in ((9, 0), (10, 0)):
+            name += "a"
+        return name
+
+    def target(self):
+        from targets import get_target
+        from targets.base import UnknownTargetError
+        try:
+            return get_target(self.target_name)
+        except UnknownTargetError:
+            raise CudaUnavailable(f"{self.name} is compute capability {self.cc[0]}.{self.cc[1]}, which jitkern "
+                                  f"has no target for") from None
+
+    def activate(self) -> None:
+        check(driver().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def synchronize(self) -> None:
+        check(driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    # ------------------------------------------------------------------------------------ memory
+    def alloc(self, nbytes: int) -> int:
+        cu = driver()
+        p = check(cu.cuMemAllocAsync(max(int(nbytes), 1), self.stream), f"cuMemAllocAsync({nbytes} bytes)")
+        return int(p)
+
+    def free(self, ptr: int) -> None:
+        try:
+            driver().cuMemFreeAsync(ptr, self.stream)
+        except Exception:           # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        check(driver().cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
+        self.synchronize()          # the host buffer may go away once we return
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        check(driver().cuMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        self.synchronize()
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        check(driver().cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
+
+    def memset8(self, dst: int, value: int, nbytes: int) -> None:
+        check(driver().cuMemsetD8Async(dst, value & 0xFF, nbytes, self.stream), "cuMemsetD8Async")
+
+    # ----------------------------------------------------------------------------------- modules
+    def load_function(self, image: bytes, symbol: str, shared_bytes: int = 0):
+        """Loads a cubin (or PTX text) once per image and returns the CUfunction of `symbol`."""
+        cu = driver()
+        with self._lock:
+            key = (hash(image), len(image), symbol)
+            hit = self._modules.get(key)
+            if hit is not None:
+                return hit
+            data = image if not image.lstrip().startswith(b"//") else image + b"\0"     # PTX needs a NUL
+            mod = check(cu.cuModuleLoadData(data), f"cuModuleLoadData({symbol})")
+            fn = check(cu.cuModuleGetFunction(mod, symbol.encode()), f"cuModuleGetFunction({symbol})")
+            if shared_bytes > 48 * 1024:
+                check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            int(shared_bytes)), "cuFuncSetAttribute(max dynamic shared memory)")
+            self._modules[key] = (mod, fn)
+            return mod, fn
+
+    def launch(self, fn, grid, num_threads: int, shared_bytes: int, slots: np.ndarray) -> None:
+        """Launches with one 8-byte slot per kernel parameter (pointer, i64 or f64 bits)."""
+        n = len(slots)
+        ptrs = (ctypes.c_void_p * max(n, 1))()
+        base = slots.ctypes.data
+        for i in range(n):
+            ptrs[i] = base + 8 * i
+        check(driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], num_threads, 1, 1, shared_bytes, self.stream,
+                                      ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+
+
+_devices: dict = {}
+_dev_lock = threading.Lock()
+
+
+def get_device(ordinal: int = 0) -> CudaDevice:
+    d = _devices.get(ordinal)
+    if d is None:
+        with _dev_lock:
+            d = _devices.get(ordinal)
+            if d is None:
+                d = _devices[ordinal] = CudaDevice(ordinal)
+    return d
+
+
+def is_available() -> bool:
+    """True when cuda-python is installed and a CUDA device answers (never raises)."""
+    try:
+        get_device(0)
+        return True
+    except Exception:       # noqa: BLE001
+        return False
+
+
+# ---------------------------------------------------------------------------------------- arrays
+_NP_OF = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i8": np.int8, "u8": np.uint8,
+          "i16": np.int16, "u16": np.uint16, "i32": np.int32, "u32": np.uint32, "i64": np.int64, "i1": np.uint8}
+
+
+def np_dtype_of(d: ir.DType):
+    return np.dtype(_NP_OF[d.name])
+
+
+class _Allocation:
+    __slots__ = ("device", "ptr", "nbytes", "__weakref__")
+
+    def __init__(self, device: CudaDevice, nbytes: int):
+        self.device = device
+        self.nbytes = nbytes
+        self.ptr = device.alloc(nbytes)
+
+    def __del__(self):
+        if self.ptr:
+            self.device.free(self.ptr)
+            self.ptr = 0
+
+
+class DeviceArray:
+    """A C-contiguous array in GPU memory. `dtype` is a jitkern dtype (bf16 arrays download as uint16 bits)."""
+
+    __slots__ = ("ptr", "shape", "dtype", "device", "_alloc", "__weakref__")
+
+    def __init__(self, ptr: int, shape, dtype: ir.DType, device: CudaDevice, alloc=None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.device = device
+        self._alloc = alloc
+
+    # construction
+    @classmethod
+    def empty(cls, shape, dtype, device: CudaDevice | None = None) -> "DeviceArray":
+        device = device or get_device()
+        dtype = _as_dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        a = _Allocation(device, nbytes)
+        return cls(a.ptr, shape, dtype, device, a)
+
+    @classmethod
+    def from_numpy(cls, host: np.ndarray, dtype=None, device: CudaDevice | None = None) -> "DeviceArray":
+        """Uploads `host`; `dtype` reinterprets its bytes (e.g. uint16 storage as bf16)."""
+        from ..jit import _NP_TO_DTYPE
+        host = np.ascontiguousarray(host)
+        d = _as_dtype(dtype) if dtype is not None else _NP_TO_DTYPE.get(host.dtype)
+        if d is None:
+            raise TypeError(f"arrays of dtype {host.dtype} cannot go to the GPU")
+        if d.itemsize != host.dtype.itemsize:
+            raise TypeError(f"cannot view {host.dtype} data as {d}")
+        out = cls.empty(host.shape, d, device)
+        if host.nbytes:
+            out.device.upload(out.ptr, host)
+        return out
+
+    @classmethod
+    def zeros(cls, shape, dtype, device=None) -> "DeviceArray":
+        out = cls.empty(shape, dtype, device)
+        if out.nbytes:
+            out.device.memset8(out.ptr, 0, out.nbytes)
+        return out
+
+    # properties
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device=cuda:{self.device.ordinal})"
+
+    # transfers and views
+    def numpy(self) -> np.ndarray:
+        out = np.empty(self.shape, np_dtype_of(self.dtype))
+        if out.nbytes:
+            self.device.download(out, self.ptr)
+        return out
+
+    def copy_from_numpy(self, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        if host.nbytes != self.nbytes:
+            raise ValueError(f"copy of {host.nbytes} bytes into a device array of {self.nbytes}")
+        self.device.upload(self.ptr, host)
+
+    def view(self, dtype) -> "DeviceArray":
+        """The same bytes as another dtype of the same size (e.g. uint16 as bf16)."""
+        d = _as_dtype(dtype)
+        if d.itemsize != self.dtype.itemsize:
+            raise TypeError(f"cannot view {self.dtype} as {d}")
+        return DeviceArray(self.ptr, self.shape, d, self.device, self._alloc or self)
+
+    def reshape(self, *shape) -> "DeviceArray":
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = tuple(shape)
+        if -1 in shape:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape = tuple(self.size // known if s == -1 else s for s in shape)
+        if int(np.prod(shape)) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return DeviceArray(self.ptr, shape, self.dtype, self.device, self._alloc or self)
+
+    def __getitem__(self, key) -> "DeviceArray":
+        """First-axis integer or contiguous slice views (enough for rows, tokens and layers)."""
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        if isinstance(key, (int, np.integer)):
+            k = int(key) + (self.shape[0] if key < 0 else 0)
+            if not 0 <= k < self.shape[0]:
+                raise IndexError(f"index {key} out of range for {self.shape[0]} rows")
+            return DeviceArray(self.ptr + k * row, self.shape[1:], self.dtype, self.device, self._alloc or self)
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.shape[0])
+            if step != 1:
+                raise IndexError("device arrays take contiguous slices only")
+            n = max(0, stop - start)
+            return DeviceArray(self.ptr + start * row, (n,) + self.shape[1:], self.dtype, self.device,
+                               self._alloc or self)
+        raise IndexError(f"device arrays take an int or a slice on the first axis, got {key!r}")
+
+
+def _as_dtype(d) -> ir.DType:
+    if isinstance(d, ir.DType):
+        return d
+    if isinstance(d, str):
+        return ir.DTYPES[d]
+    from ..jit import _NP_TO_DTYPE
+    return _NP_TO_DTYPE[np.dtype(d)]
+
+
+def to_device(x, dtype=None, device=None) -> DeviceArray:
+    return x if isinstance(x, DeviceArray) else DeviceArray.from_numpy(x, dtype, device)
+
+
+# ------------------------------------------------------------------------------------------ launch
+class LoadedKernel:
+    """What a launch needs: the CUfunction, threads per CTA and dynamic shared memory."""
+    __slots__ = ("fn", "num_threads", "shared_bytes", "module")
+
+    def __init__(self, module, fn, num_threads, shared_bytes):
+        self.module, self.fn, self.num_threads, self.shared_bytes = module, fn, num_threads, shared_bytes
+
+
+def load_kernel(artifacts: dict, symbol: str, meta: dict, device: CudaDevice | None = None) -> LoadedKernel:
+    device = device or get_device()
+    image = artifacts.get("kernel.cubin") or artifacts["kernel.ptx"]
+    mod, fn = device.load_function(image, symbol, meta.get("shared_bytes", 0))
+    return LoadedKernel(mod, fn, meta["num_threads"], meta.get("shared_bytes", 0))
+
+
+_pack_d = np.dtype("<f8")
+
+
+def pack_slots(values) -> np.ndarray:
+    slots = np.empty(len(values), np.uint64)
+    for i, v in enumerate(values):
+        if isinstance(v, DeviceArray):
+            slots[i] = v.ptr
+        elif isinstance(v, (float, np.floating)):
+            slots[i] = np.array([float(v)], _pack_d).view(np.uint64)[0]
+        elif isinstance(v, (bool, np.bool_)):
+            slots[i] = int(v)
+        elif isinstance(v, (int, np.integer)):
+            slots[i] = int(v) & 0xFFFFFFFFFFFFFFFF
+        elif isinstance(v, np.ndarray):
+            raise TypeError("a host (numpy) array was passed to a GPU kernel: upload it with "
+                            "jitkern.runtime.cuda.to_device first")
+        else:
+            raise TypeError(f"cannot pass {type(v).__name__} to a GPU kernel")
+    return slots
+
+
+class CudaGraph:
+    """Launches recorded by stream capture; `replay()` runs them as one graph launch."""
+
+    def __init__(self, device: CudaDevice):
+        self.device = device
+        self.graph = None
+        self.exec = None
+        self.nodes = 0
+        self.capturing = False
+        self._keep = []
+
+    def begin(self) -> None:
+        cu = driver()
+        check(cu.cuStreamBeginCapture(self.device.stream,
+                                      cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+        self.capturing = True
+
+    def end(self) -> None:
+        cu = driver()
+        self.capturing = False
+        self.graph = check(cu.cuStreamEndCapture(self.device.stream), "cuStreamEndCapture")
+        self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+
+    def keep(self, values) -> None:
+        self._keep.append(tuple(v for v in values if isinstance(v, DeviceArray)))
+
+    def replay(self) -> None:
+        check(driver().cuGraphLaunch(self.exec, self.device.stream), "cuGraphLaunch")
+
+    def __len__(self):
+        return self.nodes
+
+
+_live_graphs = weakref.WeakSet()
