@@ -8,8 +8,6 @@ import threading
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-
 from engine.errors import InvalidRequestError, ModelLoadError  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -20,6 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    # The oracle libraries, needed here (make_model_dir) and not at module level: the tests on the embedded
+    # model need neither.
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("tiny-llama")
     hf = make_model_dir("llama", str(path), seed=5)
     return str(path), hf
@@ -59,6 +61,7 @@ def test_n_sequences(llm):
 
 
 def test_greedy_logprobs_match_transformers(llm, tiny):
+    import torch
     _, hf = tiny
     out = llm.generate([P1], SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True,
                                             detokenize=False))[0].outputs[0]
