@@ -6,21 +6,33 @@
 
 `n > 1` fans a request out into n sequences (`<id>#<i>`) that share the prompt (and, through the
 prefix cache, its KV blocks).
+
+Admission is split in two so that the costly half runs in the caller's thread: `prepare_request`
+(tokenise, validate against the model, build the logit edits and detokenizers; touches no engine state)
+and `add_prepared` (register with the scheduler; cheap, on the engine thread).
+
+One request never fails another: if the model step or sampling raises for a batch, each request is run
+alone to find the one at fault; that request (all its sequences) finishes with finish_reason "error" and
+a generic message (the exception goes to the log), its KV blocks are freed, and the others go on. The
+same holds for a failure while turning one request's tokens into output.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine import limits
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.logit_edits import LogitEdits
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger("engine")
 
@@ -44,6 +56,8 @@ class EngineArgs:
 
 
 _DEFAULT_KV_MEMORY = 1 << 30
+# What a request is told when the engine failed on it; the exception itself goes to the log only.
+INTERNAL_ERROR = "internal error while running this request (the server log has the details)"
 
 
 @dataclass
@@ -78,6 +92,18 @@ class _ReqState:
     error: Optional[str] = None
 
 
+@dataclass
+class PreparedRequest:
+    """A request checked and built in the caller's thread, ready for `LLMEngine.add_prepared`."""
+    request_id: str
+    text: Optional[str]
+    prompt_token_ids: list
+    params: SamplingParams
+    seqs: list                                  # _SeqState per n, each holding its scheduler Request
+    arrival: float
+    stream: bool = True
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
@@ -101,11 +127,12 @@ class LLMEngine:
         self.max_model_len = sizing.max_model_len
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+        # Sampling params and prompt ids are validated by prepare_request, in the caller's thread; the
+        # scheduler does not repeat that on the engine thread (no vocab_size in its config).
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=self.max_model_len,
             max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
-            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
-            vocab_size=cfg.vocab_size, max_logprobs=args.max_logprobs), self.kv)
+            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy), self.kv)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
@@ -125,6 +152,11 @@ class LLMEngine:
     def tokenize_prompt(self, prompt) -> tuple:
         """(text or None, token ids) for a str prompt or a list of token ids."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError("the prompt is not valid Unicode text (it contains a lone surrogate)",
+                                          param="prompt") from None
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
@@ -136,9 +168,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, stream: bool = True) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority=priority,
+                                               arrival_time=arrival_time, stream=stream))
+
+    def prepare_request(self, request_id: str, prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                        arrival_time: float | None = None, stream: bool = True) -> PreparedRequest:
+        """Everything admission needs that does not touch engine state: safe in any thread, linear in the
+        request's size. Raises InvalidRequestError (param names the field) for anything the engine would
+        refuse or could fail on."""
         params = params or SamplingParams()
-        if request_id in self._reqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request id must be a non-empty string", param="request_id")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -147,17 +187,19 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, but the maximum context length is {self.max_model_len} "
                 f"tokens (the prompt must be shorter to leave room for output)", param="prompt")
+        edits = LogitEdits.build(params, vocab_size=self.config.vocab_size, eos_token_ids=self.stop_ids,
+                                 tokenizer=self.tokenizer)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
-        reqs = []
         for i in range(params.n):
-            p = params.clone()
+            # A shallow copy per sequence: the lists (allowed ids, bad words, ...) are shared, never changed.
+            p = copy.copy(params)
             p.n = 1
             if params.seed is not None and params.n > 1:
-                p.seed = params.seed + i
+                p.seed = (params.seed + i) % (limits.MAX_SEED + 1)
             sid = request_id if params.n == 1 else f"{request_id}#{i}"
             r = Request(sid, ids, p, arrival_time=arrival, priority=priority, eos_token_ids=self.stop_ids)
-            reqs.append(r)
+            r.logit_edits = edits
             detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens, prompt_ids=ids) \
                 if p.detokenize else None
             st = _SeqState(i, r, detok, p, logprobs=[] if p.logprobs is not None else None,
@@ -165,12 +207,26 @@ class LLMEngine:
             if p.stop and not p.include_stop_str_in_output:
                 st.stop_buffer = max(len(s) for s in p.stop) - 1
             seqs.append(st)
-        for r in reqs:
-            self.scheduler.add_request(r)      # validates the length again; raises before anything is kept
-        self._reqs[request_id] = _ReqState(request_id, text, ids, params, seqs, RequestMetrics(arrival), stream=stream,
-                                           prompt_logprobs=None)
-        for st in seqs:
-            self._seq_of[st.request.request_id] = (request_id, st.index)
+        return PreparedRequest(request_id, text, ids, params, seqs, arrival, stream=stream)
+
+    def add_prepared(self, prep: PreparedRequest) -> None:
+        """Registers a prepared request with the scheduler (the engine thread's share of admission)."""
+        if prep.request_id in self._reqs:
+            raise InvalidRequestError(f"request id {prep.request_id!r} is already in use", param="request_id")
+        added = []
+        try:
+            for st in prep.seqs:
+                self.scheduler.add_request(st.request)   # checks the length again; raises before keeping it
+                added.append(st.request.request_id)
+        except BaseException:
+            for sid in added:
+                self.scheduler.abort_request(sid)
+            raise
+        self._reqs[prep.request_id] = _ReqState(prep.request_id, prep.text, prep.prompt_token_ids, prep.params,
+                                                prep.seqs, RequestMetrics(prep.arrival), stream=prep.stream,
+                                                prompt_logprobs=None)
+        for st in prep.seqs:
+            self._seq_of[st.request.request_id] = (prep.request_id, st.index)
 
     def abort_request(self, request_id: str) -> bool:
         rs = self._reqs.pop(request_id, None)
@@ -205,55 +261,109 @@ class LLMEngine:
         if sched.is_empty:
             return self._emit(changed)
         now = time.monotonic()
-        result = self.runner.execute(sched)
-        sampled = self.sampler.sample(sched, result)
+        sampled = self._run_and_sample(sched)
+        for rid, smp in sampled.items():
+            if getattr(smp, "error", None):
+                self._fail_sequence(rid, smp.error, changed)
         for s in sched.scheduled:
             ent = self._seq_of.get(s.req_id)
             if ent and self._reqs[ent[0]].metrics.first_scheduled_time is None:
                 self._reqs[ent[0]].metrics.first_scheduled_time = now
         self.stats["prompt_tokens"] += sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
         for rid, smp in sampled.items():
-            if smp.prompt_logprobs is not None:
+            if smp.prompt_logprobs is not None and not getattr(smp, "error", None):
                 ent = self._seq_of.get(rid)
                 if ent is not None:
                     rs = self._reqs[ent[0]]
                     if ent[1] == 0:
+                        try:
+                            plps = [self._plp_dict(e) for e in smp.prompt_logprobs]
+                        except Exception:  # noqa: BLE001 - this request alone fails
+                            log.exception("prompt logprobs of request %s failed", rid)
+                            self._fail_sequence(rid, INTERNAL_ERROR, changed)
+                            continue
                         if rs.prompt_logprobs is None:
                             rs.prompt_logprobs = [None]
-                        rs.prompt_logprobs.extend(self._plp_dict(e) for e in smp.prompt_logprobs)
+                        rs.prompt_logprobs.extend(plps)
                     changed[rs.request_id] = rs
         updates = self.scheduler.update_from_output(
-            sched, {rid: [t.token_id] for rid, t in sampled.items() if t.token_id >= 0})
+            sched, {rid: [t.token_id] for rid, t in sampled.items()
+                    if t.token_id >= 0 and not getattr(t, "error", None)})
         now = time.monotonic()
         for u in updates:
-            ent = self._seq_of.get(u.req_id)
-            if ent is None:
-                continue
-            rs = self._reqs[ent[0]]
-            st = rs.seqs[ent[1]]
-            smp = sampled.get(u.req_id)
-            if rs.metrics.first_token_time is None and u.new_token_ids:
-                rs.metrics.first_token_time = now
-                rs.metrics.num_cached_tokens = max(st.request.num_cached_tokens, 0)
-            if u.new_token_ids:
-                rs.metrics.last_token_time = now
-            self.stats["generation_tokens"] += len(u.new_token_ids)
-            for tok in u.new_token_ids:
-                st.token_ids.append(tok)
-                if st.logprobs is not None and smp is not None:
-                    st.logprobs.append(self._logprob_dict(smp))
-                    st.cumulative_logprob += smp.logprob
-                if st.detok is not None:
-                    st.text += st.detok.add(tok)
-            if u.finished:
-                st.finish_reason = u.finish_reason
-                st.stop_reason = u.stop_reason
-                if st.detok is not None:
-                    st.text += st.detok.flush()
-            elif st.params.stop and st.detok is not None:
-                self._check_stop_strings(st)
-            changed[rs.request_id] = rs
+            try:
+                self._apply_update(u, sampled.get(u.req_id), now, changed)
+            except Exception:  # noqa: BLE001 - this request alone fails
+                log.exception("output processing of request %s failed", u.req_id)
+                self._fail_sequence(u.req_id, INTERNAL_ERROR, changed)
         return self._emit(changed)
+
+    def _run_and_sample(self, sched) -> dict:
+        """The model step and sampling for the batch; if that raises, each request alone, so that only the
+        request(s) at fault get an error (`SampleResult(-1, error=...)`) and the others their tokens."""
+        from engine.sampler import SampleResult
+        try:
+            return self.sampler.sample(sched, self.runner.execute(sched))
+        except Exception:  # noqa: BLE001
+            if len(sched.scheduled) == 1:
+                log.exception("the step of request %s failed", sched.scheduled[0].req_id)
+                return {sched.scheduled[0].req_id: SampleResult(-1, error=INTERNAL_ERROR)}
+            log.warning("a step of %d requests failed; running them one by one to find the one at fault",
+                        len(sched.scheduled), exc_info=True)
+        out = {}
+        for s in sched.scheduled:
+            alone = SchedulerOutput(scheduled=[s], num_scheduled_tokens=s.num_tokens)
+            try:
+                out.update(self.sampler.sample(alone, self.runner.execute(alone)))
+            except Exception:  # noqa: BLE001
+                log.exception("the step of request %s failed", s.req_id)
+                out[s.req_id] = SampleResult(-1, error=INTERNAL_ERROR)
+        return out
+
+    def _apply_update(self, u, smp, now: float, changed: dict) -> None:
+        """One sequence's new tokens into its text, logprobs and finish state."""
+        ent = self._seq_of.get(u.req_id)
+        if ent is None:
+            return
+        rs = self._reqs[ent[0]]
+        st = rs.seqs[ent[1]]
+        changed[rs.request_id] = rs
+        if rs.metrics.first_token_time is None and u.new_token_ids:
+            rs.metrics.first_token_time = now
+            rs.metrics.num_cached_tokens = max(st.request.num_cached_tokens, 0)
+        if u.new_token_ids:
+            rs.metrics.last_token_time = now
+        self.stats["generation_tokens"] += len(u.new_token_ids)
+        for tok in u.new_token_ids:
+            st.token_ids.append(tok)
+            if st.logprobs is not None and smp is not None:
+                st.logprobs.append(self._logprob_dict(smp))
+                st.cumulative_logprob += smp.logprob
+            if st.detok is not None:
+                st.text += st.detok.add(tok)
+        if u.finished:
+            st.finish_reason = u.finish_reason
+            st.stop_reason = u.stop_reason
+            if st.detok is not None:
+                st.text += st.detok.flush()
+        elif st.params.stop and st.detok is not None:
+            self._check_stop_strings(st)
+
+    def _fail_sequence(self, seq_id: str, message: str, changed: dict) -> None:
+        """Finishes every sequence of seq_id's request with finish_reason "error" (blocks freed at once)."""
+        ent = self._seq_of.get(seq_id)
+        if ent is None:
+            self.scheduler.finish_request(seq_id, "error")
+            return
+        rs = self._reqs.get(ent[0])
+        if rs is None:
+            return
+        rs.error = rs.error or message
+        for st in rs.seqs:
+            if st.finish_reason is None:
+                self.scheduler.finish_request(st.request.request_id, "error")
+                st.finish_reason = "error"
+        changed[rs.request_id] = rs
 
     def _check_stop_strings(self, st: _SeqState) -> None:
         text = st.text
@@ -285,32 +395,46 @@ class LLMEngine:
         outs = []
         now = time.monotonic()
         for rid, rs in changed.items():
-            comps = []
-            for st in rs.seqs:
-                hold = 0 if st.finish_reason else st.stop_buffer
-                visible = len(st.text) - hold
-                delta_text = st.text[st.sent_text_len:visible] if visible > st.sent_text_len else ""
-                st.sent_text_len = max(st.sent_text_len, visible)
-                delta_ids = st.token_ids[st.sent_tokens:]
-                st.sent_tokens = len(st.token_ids)
-                delta_lp = None
-                if st.logprobs is not None:
-                    delta_lp = st.logprobs[st.sent_logprobs:]
-                    st.sent_logprobs = len(st.logprobs)
-                comps.append(CompletionOutput(
-                    index=st.index, text=st.text, token_ids=list(st.token_ids),
-                    cumulative_logprob=st.cumulative_logprob, logprobs=st.logprobs,
-                    finish_reason=st.finish_reason, stop_reason=st.stop_reason,
-                    delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lp))
-            finished = all(st.finish_reason is not None for st in rs.seqs)
-            if finished:
-                rs.metrics.finished_time = now
-                self._reqs.pop(rid, None)
-                for st in rs.seqs:
-                    self._seq_of.pop(st.request.request_id, None)
-            outs.append(RequestOutput(rid, rs.prompt, rs.prompt_token_ids, comps, finished,
-                                      prompt_logprobs=rs.prompt_logprobs, metrics=rs.metrics, error=rs.error))
+            try:
+                outs.append(self._output(rs, now))
+            except Exception:  # noqa: BLE001 - this request alone fails
+                log.exception("building the output of request %s failed", rid)
+                self._fail_sequence(rs.seqs[0].request.request_id, INTERNAL_ERROR, {})
+                self._forget(rs)
+                outs.append(RequestOutput(rid, rs.prompt, rs.prompt_token_ids,
+                                          [CompletionOutput(index=st.index, finish_reason="error") for st in rs.seqs],
+                                          True, metrics=rs.metrics, error=rs.error))
         return outs
+
+    def _output(self, rs: _ReqState, now: float) -> RequestOutput:
+        comps = []
+        for st in rs.seqs:
+            hold = 0 if st.finish_reason else st.stop_buffer
+            visible = len(st.text) - hold
+            delta_text = st.text[st.sent_text_len:visible] if visible > st.sent_text_len else ""
+            st.sent_text_len = max(st.sent_text_len, visible)
+            delta_ids = st.token_ids[st.sent_tokens:]
+            st.sent_tokens = len(st.token_ids)
+            delta_lp = None
+            if st.logprobs is not None:
+                delta_lp = st.logprobs[st.sent_logprobs:]
+                st.sent_logprobs = len(st.logprobs)
+            comps.append(CompletionOutput(
+                index=st.index, text=st.text, token_ids=list(st.token_ids),
+                cumulative_logprob=st.cumulative_logprob, logprobs=st.logprobs,
+                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lp))
+        finished = all(st.finish_reason is not None for st in rs.seqs)
+        if finished:
+            rs.metrics.finished_time = now
+            self._forget(rs)
+        return RequestOutput(rs.request_id, rs.prompt, rs.prompt_token_ids, comps, finished,
+                             prompt_logprobs=rs.prompt_logprobs, metrics=rs.metrics, error=rs.error)
+
+    def _forget(self, rs: _ReqState) -> None:
+        self._reqs.pop(rs.request_id, None)
+        for st in rs.seqs:
+            self._seq_of.pop(st.request.request_id, None)
 
     # ------------------------------------------------------------------------------------ metrics
     def metrics_snapshot(self) -> dict:

@@ -74,6 +74,8 @@ class Request:
     error: str | None = None  # why it finished with FINISHED_ERROR
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not yet admitted)
     num_preemptions: int = 0
+    # engine.logit_edits.LogitEdits prepared at admission (None: the sampler builds them when needed)
+    logit_edits: object = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -13,10 +13,15 @@ numpy glue. Top-p without top-k (or top-k > 1024) sorts the row on the host.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from engine.logit_edits import LogitEdits
+
+log = logging.getLogger("engine.sampler")
 
 
 @dataclass
@@ -26,9 +31,12 @@ class SampleResult:
     rank: int = 1
     top_logprobs: tuple = ()               # ((token id, logprob, rank), ...)
     prompt_logprobs: Optional[list] = None  # [(token id, logprob, rank, top), ...] for this chunk's prompt tokens
+    error: Optional[str] = None            # this request could not be sampled (the engine fails it alone)
 
 
 _TOPK_KERNEL_MAX = 1024      # top-k beyond this falls back to a host sort
+# What a request is told when sampling it raised; the exception itself goes to the log only.
+INTERNAL_ERROR = "internal error while sampling this request (the server log has the details)"
 
 
 class Sampler:
@@ -36,58 +44,117 @@ class Sampler:
         self.vocab = vocab_size
         self.rng = np.random.default_rng(seed)
         self.tokenizer = tokenizer
-        self._bad_words_cache: dict = {}
 
     # --------------------------------------------------------------------------------- batch entry
     def sample(self, sched, result) -> dict:
-        logits = result.logits
-        out: dict = {}
+        """req_id -> SampleResult for every request that samples (or wants prompt logprobs) this step.
+
+        One request's failure never fails the others: its sparse edits run under their own guard, a
+        batch stage that raises is re-run request by request to find the one at fault, and a row left
+        with no token to pick is reported, each as `SampleResult(-1, error=...)`.
+        """
         by_id = {s.req_id: s for s in sched.scheduled}
-        if result.sample_rows:
-            from jitkern.ops.sampling import argmax_rows
-            rids = list(result.sample_rows)
-            reqs = [by_id[r].request for r in rids]
-            rows = np.array([result.sample_rows[r] for r in rids], np.int64)
-            # raw logprobs (vLLM's default logprobs mode) before any processing
-            lp_rows = {}
-            want_lp = [i for i, q in enumerate(reqs) if q.sampling_params.logprobs is not None]
-            if want_lp:
-                from jitkern.ops.softmax import log_softmax
-                lps = log_softmax(np.ascontiguousarray(logits[rows[want_lp]]))
-                lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
-            plain = [i for i, q in enumerate(reqs) if not self._has_processors(q)]
-            if len(plain) == len(reqs) and np.array_equal(rows, np.arange(logits.shape[0])):
-                x = logits                                   # nothing edits the logits: no copy
-            else:
-                x = np.ascontiguousarray(logits[rows])
-            self._process_batch(reqs, x)
-            greedy = [i for i, q in enumerate(reqs) if q.sampling_params.temperature == 0]
-            toks = np.empty(len(reqs), np.int64)
-            if greedy:
-                sub = x if len(greedy) == len(reqs) else np.ascontiguousarray(x[greedy])
-                toks[greedy] = argmax_rows(sub)
-            sampled = [i for i in range(len(reqs)) if reqs[i].sampling_params.temperature != 0]
-            if sampled:
-                toks[sampled] = self._draw(reqs, x, sampled)
-            for i, rid in enumerate(rids):
-                res = SampleResult(int(toks[i]))
-                if i in lp_rows:
-                    self._fill_logprobs(res, reqs[i].sampling_params, lp_rows[i])
-                out[rid] = res
+        rids = list(result.sample_rows)
+        # Each request's uniform is drawn before anything can fail, so a retry draws nothing new (a seeded
+        # request gives the same token whether or not another request's failure forced a retry).
+        uniforms = {rid: (by_id[rid].request.rng() or self.rng).random() for rid in rids
+                    if by_id[rid].request.sampling_params.temperature != 0}
+        out: dict = {}
+        if rids:
+            try:
+                out.update(self._sample_rows(by_id, result, rids, uniforms))
+            except Exception:  # noqa: BLE001 - find the request at fault
+                if len(rids) == 1:
+                    log.exception("sampling request %s failed", rids[0])
+                    out[rids[0]] = SampleResult(-1, error=INTERNAL_ERROR)
+                else:
+                    log.warning("batch sampling failed; sampling %d requests one by one", len(rids), exc_info=True)
+                    for rid in rids:
+                        try:
+                            out.update(self._sample_rows(by_id, result, [rid], uniforms))
+                        except Exception:  # noqa: BLE001
+                            log.exception("sampling request %s failed", rid)
+                            out[rid] = SampleResult(-1, error=INTERNAL_ERROR)
         for rid, (r0, n, start) in result.prompt_rows.items():
             # a prompt chunk that does not end the prompt samples nothing: token_id -1 carries only logprobs
             res = out.setdefault(rid, SampleResult(-1))
-            res.prompt_logprobs = self._prompt_logprobs(by_id[rid].request, logits[r0:r0 + n], start)
+            if res.error is not None:
+                continue
+            try:
+                res.prompt_logprobs = self._prompt_logprobs(by_id[rid].request, result.logits[r0:r0 + n], start)
+            except Exception:  # noqa: BLE001
+                log.exception("prompt logprobs of request %s failed", rid)
+                res.token_id, res.error = -1, INTERNAL_ERROR
         return out
 
+    def _sample_rows(self, by_id: dict, result, rids: list, uniforms: dict) -> dict:
+        from jitkern.ops.sampling import argmax_rows
+        logits = result.logits
+        out: dict = {}
+        reqs = [by_id[r].request for r in rids]
+        rows = np.array([result.sample_rows[r] for r in rids], np.int64)
+        # raw logprobs (vLLM's default logprobs mode) before any processing
+        lp_rows = {}
+        want_lp = [i for i, q in enumerate(reqs) if q.sampling_params.logprobs is not None]
+        if want_lp:
+            from jitkern.ops.softmax import log_softmax
+            lps = log_softmax(np.ascontiguousarray(logits[rows[want_lp]]))
+            lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
+        plain = [i for i, q in enumerate(reqs) if not self._has_processors(q)]
+        if len(plain) == len(reqs) and np.array_equal(rows, np.arange(logits.shape[0])):
+            x = logits                                   # nothing edits the logits: no copy
+        else:
+            x = np.ascontiguousarray(logits[rows])
+        failed = self._process_batch(reqs, x)
+        live = [i for i in range(len(reqs)) if i not in failed]
+        greedy = [i for i in live if reqs[i].sampling_params.temperature == 0]
+        toks = np.full(len(reqs), -1, np.int64)
+        if greedy:
+            sub = x if len(greedy) == len(reqs) else np.ascontiguousarray(x[greedy])
+            toks[greedy] = argmax_rows(sub)
+        sampled = [i for i in live if reqs[i].sampling_params.temperature != 0]
+        if sampled:
+            toks[sampled] = self._draw(reqs, x, sampled, np.array([uniforms[rids[i]] for i in sampled]))
+        for i, rid in enumerate(rids):
+            if i in failed:
+                out[rid] = SampleResult(-1, error=failed[i])
+                continue
+            tok = int(toks[i])
+            if not 0 <= tok < self.vocab or not np.isfinite(x[i, tok]):
+                # every token masked (allowed ids, bad words, min_tokens), or non-finite logits
+                out[rid] = SampleResult(-1, error=self._no_token_message(reqs[i], x[i]))
+                continue
+            res = SampleResult(tok)
+            if i in lp_rows:
+                self._fill_logprobs(res, reqs[i].sampling_params, lp_rows[i])
+            out[rid] = res
+        return out
+
+    @staticmethod
+    def _no_token_message(req, row: np.ndarray) -> str:
+        if np.isnan(row).any():
+            return "internal error: the model produced invalid (NaN) logits for this request"
+        return (f"no token can be generated at output position {len(req.output_token_ids)}: allowed_token_ids, "
+                f"bad_words and min_tokens together mask every token")
+
     # ------------------------------------------------------------------------------ batch processing
-    def _process_batch(self, reqs, x: np.ndarray) -> None:
-        """Logit processors (sparse per-request edits on the host), then the penalties kernel."""
+    def _process_batch(self, reqs, x: np.ndarray) -> dict:
+        """Logit edits (sparse per-request edits on the host), then the penalties kernel.
+
+        Returns {row index: error message} for the requests whose edits raised (the rest go on)."""
         pen = []
+        failed: dict = {}
         for i, req in enumerate(reqs):
             if not self._has_processors(req):
                 continue
-            self._sparse_processors(req, x[i])
+            try:
+                edits = self._edits(req)
+                if edits.active(len(req.output_token_ids)):
+                    edits.apply(x[i], req.output_token_ids)
+            except Exception:  # noqa: BLE001 - this request alone fails
+                log.exception("logit edits of request %s failed", req.request_id)
+                failed[i] = INTERNAL_ERROR
+                continue
             p = req.sampling_params
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 pen.append(i)
@@ -101,13 +168,22 @@ class Sampler:
                             f32([reqs[i].sampling_params.presence_penalty for i in pen]),
                             f32([reqs[i].sampling_params.frequency_penalty for i in pen]))
             x[pen] = sub
+        return failed
 
-    def _draw(self, reqs, x: np.ndarray, idx: list) -> np.ndarray:
-        """temperature -> top-k -> top-p -> min-p -> inverse-CDF draw with each request's own uniform."""
+    def _edits(self, req) -> LogitEdits:
+        """The request's edits, prepared at admission by the engine; built here for a bare Request."""
+        edits = getattr(req, "logit_edits", None)
+        if edits is None:
+            edits = req.logit_edits = LogitEdits.build(req.sampling_params, vocab_size=self.vocab,
+                                                       eos_token_ids=req.eos_token_ids, tokenizer=self.tokenizer)
+        return edits
+
+    def _draw(self, reqs, x: np.ndarray, idx: list, u: np.ndarray) -> np.ndarray:
+        """temperature -> top-k -> top-p -> min-p -> inverse-CDF draw with each request's own uniform u."""
         from jitkern.ops.sampling import apply_temperature, sample_from_logits, topk_rows
         sub = np.ascontiguousarray(x[idx])
         apply_temperature(sub, np.array([reqs[i].sampling_params.temperature for i in idx], np.float32))
-        u = np.array([(reqs[i].rng() or self.rng).random() for i in idx], np.float64)
+        u = np.asarray(u, np.float64)
         toks = np.empty(len(idx), np.int64)
         full = [j for j, i in enumerate(idx) if not self._truncates(reqs[i].sampling_params)]
         if full:
@@ -166,44 +242,6 @@ class Sampler:
         return bool(p.logit_bias or p.allowed_token_ids or p.bad_words or
                     (p.min_tokens and len(req.output_token_ids) < p.min_tokens) or
                     p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
-
-    def _bad_word_ids(self, words) -> list:
-        key = tuple(words)
-        if key not in self._bad_words_cache:
-            ids = []
-            if self.tokenizer is not None:
-                for w in words:
-                    for variant in (w, " " + w.lstrip()):
-                        t = self.tokenizer.encode(variant, add_special_tokens=False)
-                        if t and t not in ids:
-                            ids.append(t)
-            self._bad_words_cache[key] = ids
-        return self._bad_words_cache[key]
-
-    def _sparse_processors(self, req, x: np.ndarray) -> None:
-        """logit_bias, allowed_token_ids, bad_words, min_tokens: a few entries per request, in place."""
-        p = req.sampling_params
-        out_ids = req.output_token_ids
-        if p.logit_bias:
-            for t, bval in p.logit_bias.items():
-                x[int(t)] += bval
-        if p.allowed_token_ids:
-            keep = np.asarray(list(p.allowed_token_ids), np.int64)
-            saved = x[keep].copy()
-            x[:] = -np.inf
-            x[keep] = saved
-        if p.bad_words:
-            for seq in self._bad_word_ids(p.bad_words):
-                prefix = seq[:-1]
-                if not prefix or list(out_ids[-len(prefix):]) == prefix:
-                    x[seq[-1]] = -np.inf
-        if p.min_tokens and len(out_ids) < p.min_tokens:
-            ban = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                ban.update(req.eos_token_ids)
-            for t in ban:
-                if 0 <= t < self.vocab:
-                    x[t] = -np.inf
 
     def _prompt_logprobs(self, req, rows: np.ndarray, start: int) -> list:
         """Logprobs of the prompt tokens at positions start+1 .. predicted by these rows."""

@@ -12,9 +12,12 @@ Deliberate difference, following the vllm.cpp guide (seed 000, "max_tokens: what
 non-positive value means"): `max_tokens` None or <= 0 is *unset* and resolves to
 max_model_len minus the prompt length (see `resolve_max_tokens`), never an error.
 
-Construction only normalises (a string `stop` becomes a list, JSON string keys of
-`logit_bias` become ints, ...); `validate()` does the checking and raises
-`InvalidRequestError` whose `param` names the offending field.
+Construction normalises (a string `stop` becomes a list, JSON string keys of `logit_bias`
+become ints, ...) and validates every field on its own, raising `InvalidRequestError` (a
+ValueError) whose `param` names the offending field; `validate(vocab_size, max_logprobs)`
+repeats that and adds the checks that need the model (token ids in the vocabulary, the
+engine's logprobs limit). Lists are bounded by engine/limits.py, so that no request can make
+admission or a step expensive.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from engine import limits
 from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -36,8 +40,7 @@ GREEDY_EPSILON = 1e-5
 MIN_POSITIVE_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
 LOGIT_BIAS_LIMIT = 100.0
-# Upper bound on n, as vLLM's VLLM_MAX_N_SEQUENCES default.
-MAX_N = 16384
+MAX_N = limits.MAX_N
 
 
 def _is_int(value: object) -> bool:
@@ -75,18 +78,16 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        # Duplicates are harmless but dedupe keeps order stable for the sampler.
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids))
-        self.bad_words = [] if self.bad_words is None else list(dict.fromkeys(self.bad_words))
+        self.stop = self._as_list("stop", self.stop, limits.MAX_STOP_STRINGS, allow_str=True)
+        # Duplicates are harmless but dedupe keeps order stable for the sampler (ints/strings only:
+        # anything else is named by the checks below).
+        self.stop_token_ids = _dedupe(self._as_list("stop_token_ids", self.stop_token_ids,
+                                                    limits.MAX_STOP_TOKEN_IDS))
+        self.bad_words = _dedupe(self._as_list("bad_words", self.bad_words, limits.MAX_BAD_WORDS))
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.seed == -1:
+            self.allowed_token_ids = _dedupe(self._as_list("allowed_token_ids", self.allowed_token_ids,
+                                                           limits.MAX_ALLOWED_TOKEN_IDS))
+        if self.seed == -1 and _is_int(self.seed):
             self.seed = None
         # OpenAI clients send booleans for these; True means "the sampled token only".
         if self.logprobs is True:
@@ -98,12 +99,35 @@ class SamplingParams:
         elif self.prompt_logprobs is False:
             self.prompt_logprobs = None
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError(
+                    f"logit_bias must be an object mapping token ids to numbers, got {type(self.logit_bias).__name__}.",
+                    "logit_bias")
+            if len(self.logit_bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
+                raise InvalidRequestError(
+                    f"logit_bias has {len(self.logit_bias)} entries; at most {limits.MAX_LOGIT_BIAS_ENTRIES} "
+                    "are allowed.", "logit_bias")
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if _is_real(self.temperature) and 0.0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
             logger.warning(
                 "temperature %s is below %s and would overflow the softmax; using %s",
                 self.temperature, MIN_POSITIVE_TEMPERATURE, MIN_POSITIVE_TEMPERATURE)
             self.temperature = MIN_POSITIVE_TEMPERATURE
+        self._validate_fields()
+
+    @staticmethod
+    def _as_list(name: str, value, max_len: int, allow_str: bool = False) -> list:
+        """None -> [], a string -> [it] where allowed, a list/tuple -> a list of at most max_len items."""
+        if value is None:
+            return []
+        if allow_str and isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            kind = "a string or a list of strings" if allow_str else "a list"
+            raise InvalidRequestError(f"{name} must be {kind}, got {type(value).__name__}.", name)
+        if len(value) > max_len:
+            raise InvalidRequestError(f"{name} has {len(value)} entries; at most {max_len} are allowed.", name)
+        return list(value)
 
     @staticmethod
     def _normalise_logit_bias(bias: dict) -> dict:
@@ -116,7 +140,7 @@ class SamplingParams:
             token = key
             if _is_int(key):
                 token = int(key)
-            elif isinstance(key, str):
+            elif isinstance(key, str) and len(key) <= 24:   # int() of a huge digit string is quadratic
                 try:
                     token = int(key)
                 except ValueError:
@@ -155,14 +179,38 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
         """Raise InvalidRequestError naming the first invalid field.
 
-        vocab_size: when given, token ids (stop_token_ids, logit_bias keys,
+        Repeats the construction checks (fields may have been changed since) and adds the ones that
+        need the model. vocab_size: when given, token ids (stop_token_ids, logit_bias keys,
         allowed_token_ids) must lie in [0, vocab_size) and logprobs may not exceed it.
-        max_logprobs: engine limit on logprobs/prompt_logprobs (-1: whole vocabulary),
-        as vLLM's --max-logprobs; None means only the vocabulary bounds it.
+        max_logprobs: engine limit on logprobs/prompt_logprobs (-1: whole vocabulary), as vLLM's
+        --max-logprobs; None means only the vocabulary bounds it.
         """
-        self._check_int("n", self.n, low=1)
-        if self.n > MAX_N:
-            raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}.", "n", self.n)
+        self._validate_fields()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            wanted = vocab_size if value == -1 else value
+            limit = max_logprobs
+            if limit == -1:
+                limit = vocab_size
+            if limit is not None and wanted is not None and wanted > limit:
+                raise InvalidRequestError(
+                    f"Requested {name} of {wanted}, which is greater than max allowed: {limit}.",
+                    name, value)
+            if vocab_size is not None and value > vocab_size:
+                raise InvalidRequestError(
+                    f"{name}={value} exceeds the vocabulary size {vocab_size}.", name, value)
+        if vocab_size is not None:
+            self._check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+            if self.allowed_token_ids is not None:
+                self._check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+            if self.logit_bias is not None:
+                self._check_token_ids("logit_bias", list(self.logit_bias), vocab_size)
+
+    def _validate_fields(self) -> None:
+        """Every check that needs nothing but the parameters themselves."""
+        self._check_int("n", self.n, low=1, high=limits.MAX_N)
         self._check_finite("temperature", self.temperature)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidRequestError(
@@ -184,12 +232,16 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}.", name, value)
         self._check_finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0.0:
+        lo, hi = limits.MIN_REPETITION_PENALTY, limits.MAX_REPETITION_PENALTY
+        if not lo <= self.repetition_penalty <= hi:
             raise InvalidRequestError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+                f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 is off), got {self.repetition_penalty}.",
                 "repetition_penalty", self.repetition_penalty)
         if self.seed is not None:
             self._check_int("seed", self.seed)
+            if not 0 <= self.seed <= limits.MAX_SEED:
+                raise InvalidRequestError(
+                    f"seed must be -1 (no seed) or in [0, 2**64 - 1], got {_short(self.seed)}.", "seed", self.seed)
         if self.max_tokens is not None:
             self._check_int("max_tokens", self.max_tokens)
         self._check_int("min_tokens", self.min_tokens, low=0)
@@ -204,34 +256,23 @@ class SamplingParams:
             self._check_int(name, value)
             if value < -1:
                 raise InvalidRequestError(f"{name} must be non-negative or -1, got {value}.", name, value)
-            wanted = vocab_size if value == -1 else value
-            limit = max_logprobs
-            if limit == -1:
-                limit = vocab_size
-            if limit is not None and wanted is not None and wanted > limit:
-                raise InvalidRequestError(
-                    f"Requested {name} of {wanted}, which is greater than max allowed: {limit}.",
-                    name, value)
-            if vocab_size is not None and value > vocab_size:
-                raise InvalidRequestError(
-                    f"{name}={value} exceeds the vocabulary size {vocab_size}.", name, value)
-        if any(not isinstance(s, str) for s in self.stop):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}.", "stop")
-        if any(s == "" for s in self.stop):
-            raise InvalidRequestError("stop cannot contain an empty string.", "stop")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be a boolean, got {value!r}.", name)
+        self._check_strings("stop", self.stop, limits.MAX_STOP_STRING_CHARS)
         if self.stop and not self.detokenize:
             raise InvalidRequestError(
                 "stop strings are only supported when detokenize is True.", "stop")
-        if any(not isinstance(w, str) or not w for w in self.bad_words):
-            raise InvalidRequestError(
-                f"bad_words must be non-empty strings, got {self.bad_words!r}.", "bad_words")
-        self._check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        self._check_strings("bad_words", self.bad_words, limits.MAX_BAD_WORD_CHARS)
+        self._check_token_ids("stop_token_ids", self.stop_token_ids, None)
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
                 raise InvalidRequestError("allowed_token_ids is set but empty.", "allowed_token_ids")
-            self._check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+            self._check_token_ids("allowed_token_ids", self.allowed_token_ids, None)
         if self.logit_bias is not None:
-            self._check_token_ids("logit_bias", list(self.logit_bias), vocab_size)
+            self._check_token_ids("logit_bias", list(self.logit_bias), None)
             for token, value in self.logit_bias.items():
                 if not _is_real(value) or not math.isfinite(value):
                     raise InvalidRequestError(
@@ -242,27 +283,67 @@ class SamplingParams:
             raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {self.n}.", "n", self.n)
 
     @staticmethod
-    def _check_int(name: str, value: object, low: int | None = None) -> None:
+    def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
         if not _is_int(value):
-            raise InvalidRequestError(f"{name} must be an integer, got {value!r}.", name, value)
+            raise InvalidRequestError(f"{name} must be an integer, got {_short(value)}.", name, value)
         if low is not None and value < low:
-            raise InvalidRequestError(f"{name} must be at least {low}, got {value}.", name, value)
+            raise InvalidRequestError(f"{name} must be at least {low}, got {_short(value)}.", name, value)
+        if high is None and name != "seed":
+            high = limits.INT64_MAX
+        if high is not None and value > high:
+            raise InvalidRequestError(f"{name} must be at most {high}, got {_short(value)}.", name, value)
+        if value < limits.INT64_MIN:
+            raise InvalidRequestError(f"{name} is out of range, got {_short(value)}.", name, value)
 
     @staticmethod
     def _check_finite(name: str, value: object) -> None:
         if not _is_real(value) or not math.isfinite(value):
-            raise InvalidRequestError(f"{name} must be a finite number, got {value!r}.", name, value)
+            raise InvalidRequestError(f"{name} must be a finite number, got {_short(value)}.", name, value)
+
+    @staticmethod
+    def _check_strings(name: str, values: list, max_chars: int) -> None:
+        """Non-empty strings of at most max_chars characters that UTF-8 can encode (no lone surrogates)."""
+        for s in values:
+            if not isinstance(s, str):
+                raise InvalidRequestError(f"{name} must contain only strings, got {_short(s)}.", name)
+            if not s:
+                raise InvalidRequestError(f"{name} cannot contain an empty string.", name)
+            if len(s) > max_chars:
+                raise InvalidRequestError(
+                    f"{name} entries may be at most {max_chars} characters long, got one of {len(s)}.", name)
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    f"{name} contains a string that is not valid Unicode text (a lone surrogate).", name) from None
 
     @staticmethod
     def _check_token_ids(name: str, ids: list, vocab_size: int | None) -> None:
         bad_type = [t for t in ids if not _is_int(t)]
         if bad_type:
-            raise InvalidRequestError(f"{name} must contain only integer token ids, got {bad_type!r}.",
-                                      name, bad_type)
-        bound = vocab_size if vocab_size is not None else None
-        out_of_range = [t for t in ids if t < 0 or (bound is not None and t >= bound)]
-        if out_of_range:
-            where = f"[0, {bound})" if bound is not None else "non-negative"
             raise InvalidRequestError(
-                f"token id(s) {out_of_range} in {name} are out of vocabulary; ids must be {where}"
-                + (f" (vocabulary size {bound})." if bound is not None else "."), name, out_of_range)
+                f"{name} must contain only integer token ids, got {_short(bad_type[:8])}.", name, bad_type[:8])
+        out_of_range = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if out_of_range:
+            where = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+            raise InvalidRequestError(
+                f"token id(s) {_short(out_of_range[:8])} in {name} are out of vocabulary; ids must be {where}"
+                + (f" (vocabulary size {vocab_size})." if vocab_size is not None else "."), name,
+                out_of_range[:8])
+
+
+def _dedupe(items: list) -> list:
+    """Order-preserving dedupe in linear time; unhashable items are kept for the checks to name."""
+    try:
+        return list(dict.fromkeys(items))
+    except TypeError:
+        return items
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr of a value for an error message, truncated (a request can send megabytes)."""
+    try:
+        text = repr(value)
+    except ValueError:      # an int past Python's digit limit for str()
+        return "<a number too large to print>"
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -115,3 +115,76 @@ def test_clone_is_deep():
     q = p.clone()
     q.stop.append("b")
     assert p.stop == ["a"]
+
+
+# ------------------------------------------------------------------------- construction-time checks (issue 13)
+
+from engine import limits  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(seed=-2), "seed"),
+    (dict(seed=-(2**63)), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=10**5000), "seed"),
+    (dict(repetition_penalty=1e-39), "repetition_penalty"),
+    (dict(repetition_penalty=1e300), "repetition_penalty"),
+    (dict(repetition_penalty=math.nan), "repetition_penalty"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(min_p=math.inf), "min_p"),
+    (dict(presence_penalty=-math.inf), "presence_penalty"),
+    (dict(n=limits.MAX_N + 1), "n"),
+    (dict(n=True), "n"),
+    (dict(top_k=2**63), "top_k"),
+    (dict(max_tokens=2**70), "max_tokens"),
+    (dict(max_tokens=-(2**70)), "max_tokens"),
+    (dict(min_tokens=10**5000), "min_tokens"),
+    (dict(logprobs=2**64), "logprobs"),
+    (dict(bad_words=["\ud800"]), "bad_words"),
+    (dict(bad_words=["ok", 5]), "bad_words"),
+    (dict(bad_words=["w"] * 100_000), "bad_words"),
+    (dict(bad_words=["x" * (limits.MAX_BAD_WORD_CHARS + 1)]), "bad_words"),
+    (dict(bad_words="word"), "bad_words"),
+    (dict(stop=["a\udfff"]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(stop=[["nested"]]), "stop"),
+    (dict(stop=["s"] * (limits.MAX_STOP_STRINGS + 1)), "stop"),
+    (dict(stop=["s" * (limits.MAX_STOP_STRING_CHARS + 1)]), "stop"),
+    (dict(stop_token_ids=list(range(limits.MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+    (dict(stop_token_ids=[[1]]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(allowed_token_ids=list(range(limits.MAX_ALLOWED_TOKEN_IDS + 1))), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-3]), "allowed_token_ids"),
+    (dict(logit_bias={i: 1.0 for i in range(limits.MAX_LOGIT_BIAS_ENTRIES + 1)}), "logit_bias"),
+    (dict(logit_bias={1: math.inf}), "logit_bias"),
+    (dict(logit_bias={1: "high"}), "logit_bias"),
+    (dict(logit_bias={"9" * 5000: 1.0}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(detokenize=None), "detokenize"),
+])
+def test_construction_refuses_bad_fields_naming_them(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and isinstance(info.value, ValueError)
+    assert param in str(info.value) and len(str(info.value)) < 400     # never echoes a huge value back
+
+
+def test_limits_themselves_are_accepted():
+    SamplingParams(n=limits.MAX_N, temperature=1.0, seed=limits.MAX_SEED,
+                   bad_words=[f"w{i}" for i in range(limits.MAX_BAD_WORDS)],
+                   stop=[f"s{i}" for i in range(limits.MAX_STOP_STRINGS)],
+                   stop_token_ids=list(range(limits.MAX_STOP_TOKEN_IDS)),
+                   logit_bias={i: 1.0 for i in range(limits.MAX_LOGIT_BIAS_ENTRIES)},
+                   repetition_penalty=limits.MAX_REPETITION_PENALTY).validate(vocab_size=2000)
+    assert SamplingParams(seed=-1).seed is None
+
+
+def test_fields_changed_after_construction_are_checked_again():
+    p = SamplingParams()
+    p.seed = -5
+    with pytest.raises(InvalidRequestError) as info:
+        p.validate(100)
+    assert info.value.param == "seed"

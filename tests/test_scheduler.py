@@ -117,8 +117,12 @@ def random_workload(rng, n, max_model_len, shared_prefixes=3):
         prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + \
                  [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 25))]
         prompt = prompt[: max_model_len - 1]
-        params = SamplingParams(max_tokens=rng.choice([1, 3, 8, 20, 40, 0]),
-                                ignore_eos=rng.random() < 0.5, min_tokens=rng.choice([0, 0, 2]))
+        max_tokens = rng.choice([1, 3, 8, 20, 40, 0])
+        ignore_eos = rng.random() < 0.5
+        min_tokens = rng.choice([0, 0, 2])
+        if max_tokens > 0:
+            min_tokens = min(min_tokens, max_tokens)    # min_tokens > max_tokens is refused at construction
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, min_tokens=min_tokens)
         reqs.append((f"r{i}", prompt, params))
     return reqs
 
