@@ -1,9 +1,17 @@
 """A background engine thread with per-request queues: the front the server uses.
 
-Many threads (one per HTTP request) call `submit()` and iterate the returned `RequestStream`; one
-engine thread owns the `LLMEngine`, batches everything that is in flight, and pushes each request's
-`RequestOutput`s into its queue. `abort()` (e.g. on a client disconnect) frees the request's KV blocks
-at the next step boundary.
+Many threads (one per HTTP request) call `submit()` (one prompt) or `submit_batch()` (the prompts of one
+HTTP request, admitted together in one command, their outputs in one queue) and read the returned stream;
+one engine thread owns the `LLMEngine`, batches everything that is in flight, and pushes each request's
+`RequestOutput`s into its queue. `abort()` (e.g. on a client disconnect) frees the request's KV blocks at
+the next step boundary.
+
+Admission work that costs (tokenising, validating, building logit masks) runs in the caller's thread
+through `LLMEngine.prepare_request`; the engine thread only registers the prepared request.
+
+No caller can wait forever: if the engine thread stops (any cause), `dead` holds the cause, every stream
+and every waiting command gets an `EngineDeadError`, and later calls raise it at once; a command the
+engine thread does not take within `ENGINE_COMMAND_TIMEOUT_S` is withdrawn with an `EngineTimeoutError`.
 """
 from __future__ import annotations
 
@@ -13,18 +21,31 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
+from engine import limits
+from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineArgs, LLMEngine
 from engine.outputs import RequestOutput
 
 log = logging.getLogger("engine.async")
 
 _DONE = object()
+# How often a waiter without a timeout looks whether the engine thread is still alive.
+_LIVENESS_POLL_S = 0.5
 
 
-class EngineDeadError(RuntimeError):
-    pass
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve this call (the server answers 503)."""
+
+
+class EngineDeadError(EngineUnavailableError):
+    """The engine thread has stopped; nothing will be served any more."""
+
+
+class EngineTimeoutError(EngineUnavailableError):
+    """The engine thread did not take a command in time (it is stuck in a step)."""
 
 
 class RequestStream:
@@ -36,6 +57,9 @@ class RequestStream:
         self.queue: queue.Queue = queue.Queue()
         self.finished = False
 
+    def _put(self, item) -> None:
+        self.queue.put(item)
+
     def __iter__(self):
         return self
 
@@ -46,7 +70,7 @@ class RequestStream:
         """The next output; with a timeout, raises queue.Empty if none arrives in time."""
         if self.finished:
             raise StopIteration
-        item = self.queue.get(timeout=timeout)
+        item = self.engine._wait_on(self.queue, timeout)
         if item is _DONE:
             self.finished = True
             raise StopIteration
@@ -63,40 +87,119 @@ class RequestStream:
             self.finished = True
 
 
+class _GroupMember:
+    """Where the engine thread delivers one request of a group: into the group's queue, tagged."""
+    __slots__ = ("group", "index", "request_id")
+
+    def __init__(self, group: "RequestGroupStream", index: int, request_id: str):
+        self.group = group
+        self.index = index
+        self.request_id = request_id
+
+    def _put(self, item) -> None:
+        self.group.queue.put((self.index, item))
+
+
+class RequestGroupStream:
+    """The outputs of several requests admitted together (the prompts of one HTTP request), in arrival
+    order through one queue: `get()` returns (prompt index, RequestOutput); StopIteration once every
+    request has ended. No thread per prompt."""
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list):
+        self.engine = engine
+        self.request_ids = list(request_ids)
+        self.queue: queue.Queue = queue.Queue()
+        self.members = [_GroupMember(self, i, rid) for i, rid in enumerate(self.request_ids)]
+        self._open = set(range(len(self.request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple:
+        return self.get()
+
+    def get(self, timeout: Optional[float] = None) -> tuple:
+        """(index, output); with a timeout, raises queue.Empty if none arrives in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not self._open:
+                raise StopIteration
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            index, item = self.engine._wait_on(self.queue, left)
+            if item is _DONE:
+                self._open.discard(index)
+                continue
+            if isinstance(item, BaseException):
+                self._open.discard(index)
+                raise item
+            if item.finished:
+                self._open.discard(index)
+            return index, item
+
+    def abort(self) -> None:
+        if self._open:
+            self.engine.abort_many([self.request_ids[i] for i in sorted(self._open)])
+            self._open.clear()
+
+
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None, **kwargs):
         self.engine = engine or LLMEngine(args or EngineArgs(**kwargs))
         self._cmds: queue.Queue = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict = {}         # request id -> RequestStream or _GroupMember (engine thread only)
         self._wake = threading.Event()
         self._stop = False
         self._dead: Optional[BaseException] = None
+        self.command_timeout_s = limits.ENGINE_COMMAND_TIMEOUT_S
         self.step_count = 0
         self._thread = threading.Thread(target=self._loop, name="jitkern-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------------------- client side
+    @property
+    def dead(self) -> Optional[BaseException]:
+        """Why the engine thread stopped, or None while it runs."""
+        return self._dead
+
     def submit(self, request_id: str, prompt, params, *, priority: int = 0) -> RequestStream:
         """Adds a request; raises the engine's validation error (InvalidRequestError) synchronously."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine thread stopped: {self._dead}")
+        self._check_alive()
+        prep = self.engine.prepare_request(request_id, prompt, params, priority=priority)
         stream = RequestStream(self, request_id)
-        fut: Future = Future()
-        self._cmds.put(("add", (request_id, prompt, params, priority, stream), fut))
-        self._wake.set()
-        fut.result()
+        self._command("add", ([prep], [stream]))
         return stream
 
+    def submit_batch(self, requests: list, *, priority: int = 0) -> RequestGroupStream:
+        """Adds several requests, given as (request id, prompt, params), in one engine command: all of them
+        or (on an InvalidRequestError for any) none. Their outputs come through one RequestGroupStream."""
+        self._check_alive()
+        if not requests:
+            raise InvalidRequestError("no prompts were given", param="prompt")
+        num_seqs = sum(getattr(p, "n", 1) or 1 for _, _, p in requests)
+        if num_seqs > limits.MAX_SEQUENCES_PER_REQUEST:
+            raise InvalidRequestError(
+                f"{len(requests)} prompts x n make {num_seqs} sequences; one request may start at most "
+                f"{limits.MAX_SEQUENCES_PER_REQUEST}.", param="n")
+        preps = [self.engine.prepare_request(rid, prompt, params, priority=priority)
+                 for rid, prompt, params in requests]
+        group = RequestGroupStream(self, [rid for rid, _, _ in requests])
+        self._command("add", (preps, group.members))
+        return group
+
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id, None))
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: list) -> None:
+        self._cmds.put(("abort", list(request_ids), None))
         self._wake.set()
 
     def call(self, fn, *args):
         """Runs fn(engine, *args) on the engine thread (between steps) and returns its result."""
-        fut: Future = Future()
-        self._cmds.put(("call", (fn, args), fut))
-        self._wake.set()
-        return fut.result()
+        return self._command("call", (fn, args))
 
     @property
     def num_in_flight(self) -> int:
@@ -110,8 +213,54 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
-        for rid, s in list(self._streams.items()):
-            s.queue.put(EngineDeadError("the server is shutting down"))
+        if self._thread.is_alive():
+            # stuck in a step: the thread cannot be stopped, but nobody may keep waiting on it
+            self._die(EngineDeadError("the server is shutting down"))
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        cause = self._dead
+        if isinstance(cause, EngineDeadError):
+            return cause
+        return EngineDeadError(f"the engine thread stopped: {cause}")
+
+    def _command(self, kind: str, payload):
+        """Hands a command to the engine thread and waits for its result, never forever."""
+        self._check_alive()
+        fut: Future = Future()
+        self._cmds.put((kind, payload, fut))
+        self._wake.set()
+        deadline = time.monotonic() + self.command_timeout_s
+        while True:
+            try:
+                return fut.result(timeout=_LIVENESS_POLL_S)
+            except FutureTimeout:
+                pass
+            if self._dead is not None or not self._thread.is_alive():
+                if fut.cancel() or not fut.done():
+                    raise self._dead_error() if self._dead is not None else EngineDeadError(
+                        "the engine thread stopped")
+            elif time.monotonic() > deadline and fut.cancel():
+                raise EngineTimeoutError(
+                    f"the engine did not take the {kind!r} command within {self.command_timeout_s:g} s")
+
+    def _wait_on(self, q: queue.Queue, timeout: Optional[float]):
+        """q.get(timeout) that, without a timeout, still notices an engine thread that has stopped."""
+        if timeout is not None:
+            return q.get(timeout=timeout)
+        while True:
+            try:
+                return q.get(timeout=_LIVENESS_POLL_S)
+            except queue.Empty:
+                if self._dead is not None or not self._thread.is_alive():
+                    try:
+                        return q.get_nowait()     # what was delivered before it stopped comes first
+                    except queue.Empty:
+                        raise self._dead_error() if self._dead is not None else EngineDeadError(
+                            "the engine thread stopped") from None
 
     # ------------------------------------------------------------------------------- engine side
     def _drain(self) -> None:
@@ -120,47 +269,89 @@ class AsyncEngine:
                 kind, payload, fut = self._cmds.get_nowait()
             except queue.Empty:
                 return
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue                           # the caller gave up waiting
             try:
                 if kind == "add":
-                    rid, prompt, params, priority, stream = payload
-                    self.engine.add_request(rid, prompt, params, priority=priority)
-                    self._streams[rid] = stream
+                    self._add(*payload)
                     fut.set_result(True)
                 elif kind == "abort":
-                    if self.engine.abort_request(payload):
-                        pass
-                    s = self._streams.pop(payload, None)
-                    if s is not None:
-                        s.queue.put(_DONE)
+                    for rid in payload:
+                        self.engine.abort_request(rid)
+                        sink = self._streams.pop(rid, None)
+                        if sink is not None:
+                            sink._put(_DONE)
                 elif kind == "call":
                     fn, args = payload
                     fut.set_result(fn(self.engine, *args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except Exception as e:  # noqa: BLE001 - handed to the caller
                 if fut is not None:
                     fut.set_exception(e)
+                else:
+                    log.exception("engine command %r failed", kind)
+
+    def _add(self, preps: list, sinks: list) -> None:
+        added = []
+        try:
+            for prep in preps:
+                self.engine.add_prepared(prep)
+                added.append(prep.request_id)
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        for prep, sink in zip(preps, sinks):
+            self._streams[prep.request_id] = sink
 
     def _loop(self) -> None:
-        while not self._stop:
-            self._drain()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                outs = self.engine.step()
-                self.step_count += 1
-            except BaseException as e:  # noqa: BLE001
-                log.error("engine step failed: %s\n%s", e, traceback.format_exc())
-                err = RuntimeError(f"internal engine error: {e}")
-                for rid, s in list(self._streams.items()):
-                    self.engine.abort_request(rid)
-                    s.queue.put(err)
-                self._streams.clear()
-                continue
-            for out in outs:
-                s = self._streams.get(out.request_id)
-                if s is None:
+        cause: Optional[BaseException] = None
+        try:
+            while not self._stop:
+                self._drain()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
                     continue
-                s.queue.put(out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+                try:
+                    outs = self.engine.step()
+                    self.step_count += 1
+                except Exception as e:  # noqa: BLE001 - not attributable to a request (the engine isolates those)
+                    log.error("engine step failed: %s\n%s", e, traceback.format_exc())
+                    err = RuntimeError(f"internal engine error: {e}")
+                    for rid, sink in list(self._streams.items()):
+                        self.engine.abort_request(rid)
+                        sink._put(err)
+                    self._streams.clear()
+                    continue
+                for out in outs:
+                    sink = self._streams.get(out.request_id)
+                    if sink is None:
+                        continue
+                    sink._put(out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+        except BaseException as e:  # noqa: BLE001 - recorded as the cause, every waiter is told
+            log.critical("the engine thread stopped: %s\n%s", e, traceback.format_exc())
+            cause = e
+        finally:
+            self._die(cause if cause is not None else EngineDeadError("the engine was shut down"))
+
+    def _die(self, cause: BaseException) -> None:
+        """Marks the engine dead and wakes every waiter (streams and commands) with an EngineDeadError."""
+        if self._dead is None:
+            self._dead = cause
+        err = self._dead_error()
+        while True:
+            try:
+                _, _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
+        for rid, sink in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine may be what broke
+                pass
+            sink._put(err)
+        self._streams.clear()
