@@ -16,7 +16,9 @@ _port = env_int("JITKERN_PORT", 8000, low=0)
 bind = [f"[{_host}]:{_port}" if ":" in _host and not _host.startswith("[") else f"{_host}:{_port}"]
 
 workers = 1
-worker_class = "gthread"
+# gthread, with request heads and bodies read in the event loop (a slow client never holds a thread) and
+# gunicorn's own error pages as OpenAI JSON: see server/http_worker.py.
+worker_class = "server.http_worker.ServerWorker"
 # A thread per in-flight request: enough for a full batch plus room for /metrics, /health and queued clients.
 threads = env_int("JITKERN_THREADS", max(env_int("JITKERN_MAX_NUM_SEQS", 64, low=1), 32) + 32, low=1)
 timeout = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -51,6 +52,12 @@ def client_gone(environ: dict) -> bool:
     if sock is None:
         return False
     try:
+        # Poll first: a socket with a timeout (the worker sets one) waits for readability inside recv()
+        # whatever the flags say, so recv alone could block for the whole timeout.
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP)
+        if not poller.poll(0):
+            return False
         data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
         return False

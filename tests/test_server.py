@@ -792,6 +792,24 @@ def test_client_gone_while_waiting_is_noticed_without_writes():
         app.close()
 
 
+def test_client_gone_check_never_blocks_on_a_socket_with_a_timeout():
+    """The gunicorn worker gives sockets a read/write timeout; the disconnect check must stay instant."""
+    from server.serving import client_gone
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(5.0)
+        t0 = time.perf_counter()
+        assert client_gone({"gunicorn.socket": a}) is False
+        assert time.perf_counter() - t0 < 0.5
+        b.sendall(b"x")           # readable with data: still there
+        assert client_gone({"gunicorn.socket": a}) is False
+        b.close()
+        a.recv(1)
+        assert client_gone({"gunicorn.socket": a}) is True
+    finally:
+        a.close()
+
+
 def test_keepalive_comments_while_waiting():
     app, client = make_server(log_requests=False, sse_ping_s=0.1, fake={"prefill_delay": 0.5})
     try:
@@ -1062,7 +1080,7 @@ def test_gunicorn_conf_reads_env(monkeypatch):
     monkeypatch.setenv("JITKERN_GRACEFUL_TIMEOUT", "12")
     conf = importlib.reload(conf)
     try:
-        assert conf.bind == ["[::1]:9001"] and conf.workers == 1 and conf.worker_class == "gthread"
+        assert conf.bind == ["[::1]:9001"] and conf.workers == 1 and conf.worker_class == "server.http_worker.ServerWorker"
         assert conf.threads == 132 and conf.timeout == 0 and conf.graceful_timeout == 12 and not conf.preload_app
     finally:
         monkeypatch.undo()

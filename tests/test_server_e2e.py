@@ -396,15 +396,19 @@ def test_python_m_server_flags():
         assert c.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.base_url + "/v1", api_key="bad", max_retries=0).models.list()
-        info = json.loads(_get(server, "/server_info"))
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        conn.request("GET", "/server_info")
+        assert conn.getresponse().status == 401      # behind the key like every non-public route
+        conn.close()
+        info = json.loads(_get(server, "/server_info", {"Authorization": "Bearer k2"}))
         assert info["vllm_config"]["num_blocks"] == 40 and "k2" not in json.dumps(info)
     finally:
         server.close()
 
 
-def _get(server, path) -> bytes:
+def _get(server, path, headers=None) -> bytes:
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    conn.request("GET", path)
+    conn.request("GET", path, headers=headers or {})
     data = conn.getresponse().read()
     conn.close()
     return data

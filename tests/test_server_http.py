@@ -1,0 +1,179 @@
+"""The HTTP layer of a real gunicorn (server/http_worker.py) on the scripted model: slow clients never
+hold the worker's threads, gunicorn's own errors are OpenAI JSON 4xx, and the API key holds whatever
+form the request target takes.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+
+import pytest
+
+from tests.server_fakes import ServerProcess
+
+THREADS = 4
+KEY = "http-test-key"
+
+
+@pytest.fixture(scope="module")
+def srv():
+    server = ServerProcess("fake", env={"JITKERN_THREADS": THREADS, "JITKERN_API_KEY": KEY,
+                                        "JITKERN_HEAD_TIMEOUT_S": 2, "JITKERN_BODY_TIMEOUT_S": 4})
+    try:
+        server.wait_ready()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    yield server
+    server.close()
+
+
+def raw_exchange(srv, data: bytes, timeout: float = 10.0) -> bytes:
+    """Sends `data`, returns everything the server sends until it closes (or `timeout`)."""
+    with socket.create_connection((srv.host, srv.port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except (socket.timeout, ConnectionResetError):
+            pass
+    return out
+
+
+def split_response(raw: bytes) -> tuple[int, dict, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if "content-length" in headers:
+        body = body[:int(headers["content-length"])]
+    return status, headers, body
+
+
+def assert_openai_error(raw: bytes, statuses) -> dict:
+    assert raw, "no response"
+    status, headers, body = split_response(raw)
+    assert status in statuses, raw[:400]
+    assert headers.get("content-type", "").startswith("application/json"), raw[:400]
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    return err
+
+
+def health_seconds(srv) -> float:
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    conn.close()
+    return time.monotonic() - t0
+
+
+def test_slow_clients_do_not_hold_the_threads(srv):
+    """Slow clients, 4x the worker's threads, of every kind: /health still answers at once."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    partials = [
+        b"GET /health HTTP/1.1\r\nHost: x\r\n",                                         # headers never end
+        b"POST /v1/compl",                                                             # request line
+        head + b"Content-Length: 1000\r\n\r\n{\"prompt\": ",                           # body too short
+        head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n",                   # chunks stop
+        head + b"Expect: 100-continue\r\nContent-Length: 100\r\n\r\n",                 # body never sent
+        b"\r\n\r\n\r\nGET /health HT",                                                 # blank lines first
+    ]
+    socks = []
+    try:
+        for i in range(4 * THREADS):
+            s = socket.create_connection((srv.host, srv.port), timeout=10)
+            s.sendall(partials[i % len(partials)])
+            socks.append(s)
+        time.sleep(0.3)
+        # One more byte now and then, as a slow-loris client does, and /health every time.
+        for _ in range(3):
+            for s in socks:
+                s.sendall(b"X")
+            assert health_seconds(srv) < 2.0
+        # Past the head deadline (2 s), a client that never finished its headers gets a JSON 408.
+        err = assert_openai_error(recv_all(socks[0], 10.0), (408,))
+        assert err["code"] == "request_timeout"
+    finally:
+        for s in socks:
+            s.close()
+    assert health_seconds(srv) < 2.0
+
+
+def recv_all(s: socket.socket, timeout: float) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return out
+
+
+GUNICORN_ERRORS = [
+    # (raw request, statuses, code)
+    (b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", (414,), "uri_too_long"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", (431,), None),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 20000 + b"\r\n\r\n", (431, 400), None),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\n\r\n", (417,), "expectation_failed"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nBad\x01Name: y\r\n\r\n", (400,), "invalid_http_request"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", (400,), "invalid_http_request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", (400,), None),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nabcdef",
+     (400,), None),
+    (b"FOO\x7f /health HTTP/1.1\r\nHost: x\r\n\r\n", (400,), None),
+    (b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", (400,), None),
+    (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n", (400,), None),
+]
+
+
+@pytest.mark.parametrize("raw,statuses,code", GUNICORN_ERRORS, ids=[str(i) for i in range(len(GUNICORN_ERRORS))])
+def test_gunicorn_errors_are_openai_json_4xx(srv, raw, statuses, code):
+    err = assert_openai_error(raw_exchange(srv, raw), statuses)
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def test_invalid_chunk_size_is_400(srv):
+    auth = f"Authorization: Bearer {KEY}\r\n".encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + \
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    for body in (b"zz\r\nabc\r\n0\r\n\r\n", b"-5\r\nabcde\r\n0\r\n\r\n", b"5\r\nabcdefgh\r\n0\r\n\r\n",
+                 b"ffffffffffffffffffffff\r\nab\r\n0\r\n\r\n"):
+        err = assert_openai_error(raw_exchange(srv, head + body), (400, 413))
+        assert "body" in err["message"] or "chunk" in err["message"].lower(), err
+    good = json.dumps({"prompt": "chunked", "max_tokens": 2}).encode()
+    body = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (5, good[:5], len(good) - 5, good[5:])
+    status, _, payload = split_response(raw_exchange(srv, head + body))
+    assert status == 200 and json.loads(payload)["choices"][0]["finish_reason"] == "length"
+
+
+def test_api_key_holds_for_every_spelling_of_the_target(srv):
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    post = b"Host: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body), body)
+    targets = [b"/v1/completions", b"//v1/completions", b"http://x/v1/completions", b"http://x//v1/completions",
+               b"/v1//completions", b"/v1/./completions", b"/v1/../v1/completions", b"/%761/completions",
+               b"/v1/completions?x=1", b"/v1/completions#frag"]
+    for target in targets:
+        status, _, _ = split_response(raw_exchange(srv, b"POST " + target + b" HTTP/1.1\r\n" + post))
+        assert status in (400, 401, 404), (target, status)
+    for target in (b"//v1/models", b"http://x/v1/models", b"/server_info", b"//server_info", b"/tokenize",
+                   b"http://x/reset_prefix_cache"):
+        method = b"POST " if b"tokenize" in target or b"reset" in target else b"GET "
+        status, _, _ = split_response(raw_exchange(srv, method + target + b" HTTP/1.1\r\n" + post))
+        assert status in (400, 401, 404, 405), (target, status)
+    # The right key on an absolute-form target is served.
+    status, _, _ = split_response(raw_exchange(
+        srv, b"POST http://x/v1/completions HTTP/1.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n" + post))
+    assert status == 200
