@@ -20,6 +20,7 @@ from typing import Optional
 
 import falcon
 
+from engine.async_engine import EngineUnavailableError
 from server.errors import APIError
 from server.guard import Guard
 from server.logprobs import TokenStrings
@@ -351,6 +352,10 @@ def _handle_unexpected(req, resp, ex: Exception, params) -> None:
         return _handle_http_error(req, resp, ex, params)
     if isinstance(ex, APIError):
         return _handle_api_error(req, resp, ex, params)
+    if isinstance(ex, EngineUnavailableError):
+        log.error("%s %r: the engine is unavailable: %r", req.method, req.path, str(ex))
+        return _handle_api_error(req, resp, APIError("the engine is unavailable; try again later", status=503,
+                                                     code="engine_unavailable"), params)
     # The details (exception, traceback) go to the log only; the client learns that the server failed.
     log.exception("%s %r failed", req.method, req.path)
     _json(resp, APIError("internal server error (the server log has the details)", status=500).to_dict(), 500)

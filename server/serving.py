@@ -133,6 +133,27 @@ class EngineEvents:
                 log.warning("abort of %s failed: %s", getattr(s, "request_id", "?"), e)
 
 
+class GroupEvents:
+    """EngineEvents for prompts admitted together with the engine's `submit_batch` (one queue, no threads)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def next(self, timeout: float):
+        try:
+            return self.group.get(timeout=timeout)
+        except queue.Empty:
+            return _TIMEOUT
+        except StopIteration:
+            return _END
+
+    def abort(self) -> None:
+        try:
+            self.group.abort()
+        except Exception as e:  # noqa: BLE001
+            log.warning("abort of %s failed: %s", self.group.request_ids, e)
+
+
 @dataclass
 class _PromptProgress:
     token_ids: list
@@ -182,9 +203,17 @@ class Generation:
     def submit(self) -> None:
         engine = self.state.engine
         streams = []
+        prompts = self.req.prompts
         try:
-            for i, p in enumerate(self.req.prompts):
-                rid = self.id if len(self.req.prompts) == 1 else f"{self.id}-{i}"
+            if len(prompts) > 1 and hasattr(engine, "submit_batch"):
+                # All prompts of the request in one engine command: all admitted, or none.
+                rids = [f"{self.id}-{i}" for i in range(len(prompts))]
+                group = engine.submit_batch([(rid, list(p.token_ids), self.req.params.clone())
+                                             for rid, p in zip(rids, prompts)], priority=self.req.priority)
+                self.engine_ids = rids
+                self.events = GroupEvents(group)
+            for i, p in enumerate(prompts if self.events is None else ()):
+                rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
                 streams.append(engine.submit(rid, list(p.token_ids), self.req.params.clone(),
                                              priority=self.req.priority))
                 self.engine_ids.append(rid)
@@ -199,7 +228,8 @@ class Generation:
             for s in streams:
                 s.abort()
             raise
-        self.events = EngineEvents(streams)
+        if self.events is None:
+            self.events = EngineEvents(streams)
         self.state.register(self)
         self._log_request()
 

@@ -144,6 +144,31 @@ def test_completion_batch_of_prompts_with_n(client, fake, tok):
     assert r.json["usage"]["completion_tokens"] == 16
 
 
+def test_batch_of_prompts_is_admitted_in_one_command_without_threads(server, client, fake, tok):
+    before = {t.name for t in threading.enumerate()}
+    r = client.simulate_post("/v1/completions", json={"prompt": ["one", "two", "three"], "max_tokens": 4,
+                                                      "stream": True})
+    events, _, done = parse_sse(r.text)
+    assert done and sorted({c["index"] for e in events for c in e["choices"]}) == [0, 1, 2]
+    assert not [t for t in threading.enumerate() if t.name.startswith("jitkern-forward") and t.name not in before]
+    # One bad prompt (an out-of-vocabulary id) refuses the whole request: nothing is left in the engine.
+    r = client.simulate_post("/v1/completions", json={"prompt": [[1, 2], [3, 10 ** 9]], "max_tokens": 4})
+    assert r.status_code == 400 and r.json["error"]["param"] == "prompt"
+    assert engine_idle(server[0])["n"] == 0
+
+
+def test_a_dead_engine_is_503_not_500():
+    app, client = make_server(log_requests=False)
+    try:
+        app.state.engine.shutdown(timeout=2.0)
+        r = client.simulate_post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503, r.text
+        assert r.json["error"]["type"] == "server_error" and "unavailable" in r.json["error"]["message"]
+        assert client.simulate_get("/health").status_code == 503
+    finally:
+        app.close()
+
+
 def test_completion_stream_matches_json_and_never_splits_utf8(client, fake, tok):
     prompt = prompt_reaching(fake, tok, "☕", within=12)
     body = {"prompt": prompt, "max_tokens": 12}
