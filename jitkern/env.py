@@ -1,8 +1,10 @@
 """Every JITKERN_* environment setting of the compiler, runtime and engine, parsed and checked in one place.
 
-The modules that use a setting call the reader here (``num_threads()``, ``compile_workers()``, ...), so a bad
-value gives the same message wherever it is met. The command-line tools call ``check_environment()`` first,
-before any model load or compile, and print that message as one line with exit status 2.
+The modules that use a setting with a value to check call the reader here (the thread pool, the compile
+workers, the kernel cache), so a bad value gives the same message wherever it is met; on/off flags and free
+text (ALWAYS_COMPILE, LOAD_STATS, the hash seed, the CPU mask) are read where they are used and cannot be
+wrong. The command-line tools call ``check_environment()`` first, before any model load or compile, and print
+that message as one line with exit status 2. The server's CLI can do the same before starting gunicorn.
 
 Settings (all optional):
 
