@@ -352,8 +352,9 @@ def test_stride0_load_is_row_splat_and_scalar_min_stays_affine(tier):
     np.testing.assert_array_equal(out[:, :BN], np.repeat(a[:, k:k + 1], BN, 1))
     m = (np.arange(BN)[None, :] % 3 != 1) & (np.arange(M)[:, None] % 2 == 0)
     np.testing.assert_array_equal(out[:, BN:], np.where(m, a[:, k + 1:k + 2], -5.0))
-    ll = ck.artifacts["kernel.ll"].decode()
-    assert "masked.gather" not in ll and "masked.scatter" not in ll
+    if tier.is_cpu:         # the CPU lowering's access shapes (GPUs distribute the tile over threads)
+        ll = ck.artifacts["kernel.ll"].decode()
+        assert "masked.gather" not in ll and "masked.scatter" not in ll
 
 
 @jk.kernel
@@ -414,6 +415,8 @@ def test_prefetch(tier):
     out = np.zeros(48, np.float32)
     ck = _run(_prefetched_rows, (1,), tier, x, out, 37, ROWS=8, N=48)
     np.testing.assert_allclose(out, x.sum(0), rtol=1e-5, atol=1e-5)
+    if not tier.is_cpu:
+        return              # a prefetch is a no-op hint on GPUs (they stream through L2)
     ll = ck.artifacts["kernel.ll"].decode()
     assert ll.count("call void @llvm.prefetch.p0(") == 8 * 3 + 1      # 8 rows x 3 lines of 64 B, + scalar
     assert ll.count(", i32 0, i32 2, i32 1)") == 1                     # the scalar one goes to L2
@@ -446,7 +449,9 @@ def test_masked_row_loads_stores_full_partial_empty(tier, dt):
     np.testing.assert_array_equal(out, want)
     assert (out_buf[:32] == 99).all() and (out_buf[32 + n_rows * n_cols:] == 99).all()
     ll = ck.artifacts["kernel.ll"].decode()
-    if tier.has("avx512f"):
+    if not tier.is_cpu:
+        pass                # GPUs predicate each thread's elements; no row-shaped access to check
+    elif tier.has("avx512f"):
         assert "st_full" not in ll
     else:
         assert "st_full" in ll and "@llvm.masked.store" in ll

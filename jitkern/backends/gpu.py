@@ -13,9 +13,10 @@ inherited from the CPU lowering (a tile there is also one LLVM vector). What dif
 that moves an element to another thread; those ops go through shared memory in a fixed order:
 - broadcast / trans / reshape to a scalar: write the tile to shared memory at its flat index, barrier,
   read each output element from the source index (`_relayout`);
-- reduce / argreduce: T threads are split into O outputs x G chunks; each chunk folds a strided part of
-  its row in increasing order, then the G partials are folded in chunk order. The order depends on the
-  tile shape and T only, never on the data or the grid, so results are batch invariant;
+- reduce / argreduce: each output's row is split into G chunks (G from the row length and T only); each
+  chunk folds a strided part of the row in increasing order, then the G partials are folded in chunk
+  order. The order never depends on the other axes of the tile (the batch), the data or the grid, so
+  results are batch invariant;
 - dot / dot4 / madd: operands through shared memory, each thread computing its own output elements (FMA
   in K order; tensor cores are the next step).
 
@@ -557,8 +558,10 @@ class GpuLowering(CpuLowering):
         pre, n, post = _prod(shape[:ax]), shape[ax], _prod(shape[ax + 1:])
         O = pre * post
         T = self.T
+        # chunks per output: a function of the reduced length (and T) only, never of how many outputs the
+        # tile has, so an output's order of operations is the same whatever the other axes (the batch) are
         G = 1
-        while G * 2 * O <= T and G * 2 <= n:
+        while G * 2 <= min(n, T):
             G *= 2
         W = O * G                               # work items (output, chunk)
         RW = -(-W // T)
@@ -711,16 +714,15 @@ class GpuLowering(CpuLowering):
         self.barrier()
         o = self.umin(self.flat_index(oshape), _prod(oshape) - 1)
         if ax is None:
-            starts, step = [self.ibin("mul", o, 4)], 0
+            starts = [self.ibin("mul", o, 4)]
         else:
-            pre, nax = _prod(shape[:ax]), shape[ax]
+            nax = shape[ax]
             post = _prod(shape[ax + 1:])             # elements per slice (includes the K axis)
             q4 = post // 4
             p_ = self.ibin("udiv", o, q4) if q4 > 1 else o
             r4 = self.ibin("urem", o, q4) if q4 > 1 else self.iconst(0, R)
             b0 = self.ibin("add", self.ibin("mul", p_, nax * post), self.ibin("mul", r4, 4))
             starts = [self.ibin("add", b0, j * post) if j else b0 for j in range(nax)]
-            del pre
         acc = None
         for s in starts:
             for g in range(4):
@@ -729,7 +731,6 @@ class GpuLowering(CpuLowering):
                 bv = self.smem_read("i8", offb, i, ())
                 pr = self._int_products(ad.is_signed, LV(av.ref, "i8", R), LV(bv.ref, "i8", R))
                 acc = pr if acc is None else self.val(f"add {pr.ty} {acc.ref}, {pr.ref}", "i32", R)
-        del step
         return LV(acc.ref, "i32", R, oshape)
 
     def op_madd(self, op):

@@ -208,8 +208,9 @@ def _merge_parts(st_m, st_l, st_acc, row0, stride, parts, NP, D, BS):
 
 @jk.jit
 def _vec_width(D):
-    """Chunk width for head_dim D: the target's f32 lanes per vector register, halved until it divides D."""
-    w = jk.target.vector_bits // 32
+    """Chunk width for head_dim D: the target's f32 lanes per vector register, halved until it divides D
+    (GPUs have no vector registers in this sense: 4, a 16-byte access per thread)."""
+    w = (jk.target.vector_bits or 128) // 32
     for _ in jk.static_range(8):
         if D % w != 0:
             w = w // 2

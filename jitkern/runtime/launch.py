@@ -5,6 +5,7 @@ float) plus the constexpr values; only a miss goes through `Kernel.specialize` a
 """
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 import weakref
@@ -21,19 +22,36 @@ def _f64_bits(x: float) -> int:
     return _unpack_q.unpack(_pack_d.pack(x))[0]
 
 
+# Data addresses memoised per live array object (numpy's own accessors cost ~1 us). An entry leaves when
+# its array dies (weakref callback: no sweeps), and past ADDRESS_CACHE_MAX entries the oldest quarter is
+# dropped (insertion order), so the cache is bounded however many arrays stay alive (e.g. held by graphs).
+ADDRESS_CACHE_MAX = 8192
 _addr_cache: dict = {}
+
+
+class _AddressRef(weakref.ref):
+    __slots__ = ("key", "address")
+
+
+def _forget_address(ref: _AddressRef) -> None:
+    # runs when the array dies (any thread); the slot may already hold a newer array with the same id
+    if _addr_cache.get(ref.key) is ref:
+        _addr_cache.pop(ref.key, None)
 
 
 def array_address(a: np.ndarray) -> int:
     """Data address of an array; memoised per live array object (numpy's own accessors cost ~1 us)."""
-    ent = _addr_cache.get(id(a))
-    if ent is not None and ent[0]() is a:
-        return ent[1]
+    key = id(a)
+    ref = _addr_cache.get(key)
+    if ref is not None and ref() is a:
+        return ref.address
     addr = a.__array_interface__["data"][0]
-    if len(_addr_cache) > 4096:
-        for k in [k for k, (r, _) in _addr_cache.items() if r() is None]:
-            del _addr_cache[k]
-    _addr_cache[id(a)] = (weakref.ref(a), addr)
+    if len(_addr_cache) >= ADDRESS_CACHE_MAX:
+        for k in list(itertools.islice(_addr_cache, ADDRESS_CACHE_MAX // 4)):
+            _addr_cache.pop(k, None)
+    ref = _AddressRef(a, _forget_address)
+    ref.key, ref.address = key, addr
+    _addr_cache[key] = ref
     return addr
 
 
@@ -71,6 +89,8 @@ def _token(v):
         return v.dtype.num
     if isinstance(v, Pointer):
         return v.dtype.name
+    if type(v).__name__ == "DeviceArray":
+        return ("dev", v.dtype.name)
     if isinstance(v, bool):
         return "b"
     if isinstance(v, (int, np.integer)):
@@ -241,31 +261,39 @@ def _launch_gpu_staged(kernel, grid, args, kwargs, target):
     from .cuda import DeviceArray, get_device
     dev = get_device()
     staged, dargs = {}, []
+
+    def stage(arr: np.ndarray, address: int, dtype, shape):
+        # the whole buffer the array (or view) lives in goes over, so row strides and aliasing between
+        # arguments stay what the kernel was told
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not root.flags.c_contiguous:
+            root = arr = np.ascontiguousarray(arr)
+            address = arr.ctypes.data
+        key = id(root)
+        if key not in staged:
+            flat = root.reshape(-1).view(np.uint8)
+            staged[key] = (root, DeviceArray.from_numpy(flat))
+        d = staged[key][1]
+        return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
+
+    from ..jit import _NP_TO_DTYPE
     for a in args:
         if isinstance(a, Pointer):
             host = a.keepalive
-            if not isinstance(host, np.ndarray) or host.ctypes.data != a.address:
+            if not isinstance(host, np.ndarray):
                 raise TypeError("a GPU launch cannot take a raw host Pointer; pass a DeviceArray")
-            key = (id(host), a.dtype.name)
-            if key not in staged:
-                staged[key] = (host, DeviceArray.from_numpy(host.view(np.uint8).reshape(-1))
-                               .view("u8").reshape(-1))
-            d = staged[key][1]
-            n = host.nbytes // a.dtype.itemsize
-            dargs.append(DeviceArray(d.ptr, (n,), a.dtype, dev, d))
+            dargs.append(stage(host, a.address, a.dtype, (host.nbytes // a.dtype.itemsize,)))
         elif isinstance(a, np.ndarray):
-            key = (id(a), None)
-            if key not in staged:
-                staged[key] = (a, DeviceArray.from_numpy(a))
-            dargs.append(staged[key][1])
+            dargs.append(stage(a, a.ctypes.data, _NP_TO_DTYPE[a.dtype], a.shape))
         else:
             dargs.append(a)
     ck = _launch_gpu(kernel, grid, dargs, kwargs, target)
     dev.synchronize()
-    for host, d in staged.values():
-        back = d.numpy()
-        np.copyto(host, back.view(host.dtype).reshape(host.shape) if back.dtype != host.dtype or
-                  back.shape != host.shape else back)
+    for root, d in staged.values():
+        if root.flags.writeable:
+            root.reshape(-1).view(np.uint8)[...] = d.numpy()
     return ck
 
 

@@ -209,6 +209,9 @@ def test_reshape_and_cache_from_fused_qkv(tier, dtype):
 
 def test_capture_replay_with_new_step_arrays(tier):
     """The launches of a step recorded once replay correctly after the step arrays change in place."""
+    if tier.is_gpu:
+        pytest.skip("replays that read host arrays changed in place are the CPU graph's contract; CUDA graphs "
+                    "replay device arrays (tests/test_cuda_runtime.py)")
     rng = np.random.default_rng(7)
     q, kc, vc, qs, sl, bt = make_step(rng, [(300, 1), (40, 1), (17, 1), (5, 1)], 9, 3, 64, np.float32)
     out = np.zeros_like(q)

@@ -1,0 +1,176 @@
+"""The CUDA runtime and the NVPTX path: device arrays, launches on device arrays, CUDA-graph capture and
+replay, shared memory past 48 KiB, cache hits with zero compiles, and (without a GPU) PTX that ptxas accepts.
+
+GPU tests carry the `gpu` marker (CI deselects them; run them on the H200 with `-m gpu`)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jitkern as jk
+from jitkern.compiler import compile_kernel
+from targets import get_target
+
+
+@jk.kernel
+def _saxpy(x, y, out, n, a, BLOCK: jk.constexpr):
+    offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    jk.store(out + offs, a * jk.load(x + offs, mask=m) + jk.load(y + offs, mask=m), mask=m)
+
+
+@jk.kernel
+def _row_sum_big(x, out, N: jk.constexpr):
+    # one 16384-element f32 row: 64 KiB in shared memory for the reduction, past the 48 KiB default
+    row = jk.program_id(0)
+    offs = jk.arange(0, N)
+    v = jk.load(x + row * N + offs)
+    jk.store(out + row, jk.sum(v * v, axis=0))
+
+
+@jk.kernel
+def _step(tok, pos, table, out, D: jk.constexpr):
+    # reads per-step data from device arrays (as the engine's decode graphs do)
+    i = jk.program_id(0)
+    t = jk.load(tok + i)
+    p = jk.load(pos + i)
+    cols = jk.arange(0, D)
+    jk.store(out + i * D + cols, jk.load(table + t * D + cols) * (p + 1).to(jk.f32))
+
+
+def _cuda():
+    from jitkern.runtime import cuda
+    if not cuda.is_available():
+        pytest.skip("no CUDA device here")
+    return cuda
+
+
+@pytest.mark.gpu
+def test_device_array_round_trip_and_views():
+    cuda = _cuda()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((37, 19)).astype(np.float32)
+    d = cuda.DeviceArray.from_numpy(a)
+    assert d.shape == (37, 19) and d.dtype == jk.f32
+    np.testing.assert_array_equal(d.numpy(), a)
+    np.testing.assert_array_equal(d[5].numpy(), a[5])
+    np.testing.assert_array_equal(d[3:9].numpy(), a[3:9])
+    bits = rng.integers(0, 2**16, 100, dtype=np.uint16)
+    b = cuda.DeviceArray.from_numpy(bits, dtype="bf16")
+    assert b.dtype == jk.bf16
+    np.testing.assert_array_equal(b.numpy(), bits)
+    z = cuda.DeviceArray.zeros(1000, np.int32)
+    assert not z.numpy().any()
+
+
+@pytest.mark.gpu
+def test_launch_on_device_arrays_picks_the_gpu():
+    cuda = _cuda()
+    rng = np.random.default_rng(1)
+    n = 100_003
+    x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    dx, dy = cuda.to_device(x), cuda.to_device(y)
+    dout = cuda.DeviceArray.empty(n, np.float32)
+    ck = _saxpy[(jk.cdiv(n, 256),)](dx, dy, dout, n, 0.5, BLOCK=256)
+    assert ck.target.is_cuda
+    np.testing.assert_allclose(dout.numpy(), 0.5 * x + y, rtol=1e-6, atol=1e-6)
+    ck8 = _saxpy[(jk.cdiv(n, 256),)](dx, dy, dout, n, 2.0, BLOCK=256, num_warps=8)
+    assert ck8.launch_meta["num_threads"] == 256 and ck8.symbol != ck.symbol
+    np.testing.assert_allclose(dout.numpy(), 2.0 * x + y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_shared_memory_past_48k():
+    cuda = _cuda()
+    rng = np.random.default_rng(2)
+    N = 16384
+    x = rng.standard_normal((3, N)).astype(np.float32)
+    out = cuda.DeviceArray.empty(3, np.float32)
+    ck = _row_sum_big[(3,)](cuda.to_device(x), out, N=N)
+    assert ck.launch_meta["shared_bytes"] > 48 * 1024
+    np.testing.assert_allclose(out.numpy(), (x.astype(np.float64) ** 2).sum(1), rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_new_device_data():
+    cuda = _cuda()
+    rng = np.random.default_rng(3)
+    B, D, V = 4, 64, 50
+    table = cuda.to_device(rng.standard_normal((V, D)).astype(np.float32))
+    tok, pos = cuda.DeviceArray.empty(B, np.int32), cuda.DeviceArray.empty(B, np.int32)
+    out = cuda.DeviceArray.empty((B, D), np.float32)
+    t0, p0 = rng.integers(0, V, B).astype(np.int32), rng.integers(0, 9, B).astype(np.int32)
+    tok.copy_from_numpy(t0)
+    pos.copy_from_numpy(p0)
+    _step[(B,)](tok, pos, table, out, D=D)          # compile and load outside the capture
+    with jk.capture() as g:
+        _step[(B,)](tok, pos, table, out, D=D)
+    assert g.cuda is not None and len(g.cuda) == 1
+    host_table = table.numpy()
+    for _ in range(3):
+        t, p = rng.integers(0, V, B).astype(np.int32), rng.integers(0, 9, B).astype(np.int32)
+        tok.copy_from_numpy(t)
+        pos.copy_from_numpy(p)
+        g.replay()
+        np.testing.assert_array_equal(out.numpy(), host_table[t] * (p + 1)[:, None].astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_second_process_loads_every_kernel_from_the_cache(tmp_path):
+    _cuda()
+    code = ("import numpy as np, jitkern as jk\n"
+            "from jitkern.runtime import cuda\n"
+            "from tests.test_cuda_runtime import _saxpy\n"
+            "x = cuda.to_device(np.ones(1000, np.float32))\n"
+            "o = cuda.DeviceArray.empty(1000, np.float32)\n"
+            "ck = _saxpy[(4,)](x, x, o, 1000, 3.0, BLOCK=256)\n"
+            "assert (o.numpy() == 4.0).all()\n"
+            "print('FROM_CACHE', ck.from_cache)\n")
+    env = dict(os.environ, JITKERN_CACHE_DIR=str(tmp_path), PYTHONPATH=os.getcwd())
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "FROM_CACHE False" in first.stdout
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "FROM_CACHE True" in second.stdout
+
+
+@pytest.mark.gpu
+def test_driver_jit_when_there_is_no_ptxas(tmp_path):
+    _cuda()
+    code = ("import numpy as np, jitkern as jk\n"
+            "from jitkern.runtime import cuda\n"
+            "from tests.test_cuda_runtime import _saxpy\n"
+            "x = cuda.to_device(np.arange(300, dtype=np.float32))\n"
+            "o = cuda.DeviceArray.empty(300, np.float32)\n"
+            "ck = _saxpy[(2,)](x, x, o, 300, 1.0, BLOCK=256)\n"
+            "assert 'kernel.cubin' not in ck.artifacts\n"
+            "assert (o.numpy() == 2 * np.arange(300)).all()\n")
+    env = dict(os.environ, JITKERN_CACHE_DIR=str(tmp_path), JITKERN_NO_PTXAS="1", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------- no GPU needed: PTX for sm_80/sm_90a
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_ptx_is_accepted_by_ptxas(arch, tmp_path, monkeypatch):
+    from jitkern.backends.nvptx import find_ptxas
+    from jitkern.compiler import reset_kernel_cache
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine (install the [cuda] extra)")
+    monkeypatch.setenv("JITKERN_CACHE_DIR", str(tmp_path))
+    reset_kernel_cache()
+    try:
+        t = get_target(arch)
+        f32 = np.zeros(4, np.float32)
+        for kern, args, kw in [(_saxpy, (f32, f32, f32, 10, 1.0), dict(BLOCK=256)),
+                               (_row_sum_big, (f32, f32), dict(N=16384)),
+                               (_step, (np.zeros(4, np.int32), np.zeros(4, np.int32), f32, f32), dict(D=64))]:
+            params, consts, _ = kern.specialize(args, kw)
+            ck = compile_kernel(kern, params, consts, t, load=False)
+            assert ck.artifacts["kernel.cubin"][:4] == b"\x7fELF"
+            assert f".target {arch}" in ck.ptx()
+    finally:
+        reset_kernel_cache()
