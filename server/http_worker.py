@@ -183,13 +183,14 @@ class _RequestDeadlineSocket:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise http_errors.NoMoreData(b"")
-        self._sock.settimeout(min(IO_TIMEOUT_S, remaining))
+        current = self._sock.gettimeout()      # gunicorn's body drain sets a shorter one: keep it
+        self._sock.settimeout(min(IO_TIMEOUT_S, remaining, current or IO_TIMEOUT_S))
         try:
             return self._sock.recv(size, *args)
         except (socket.timeout, TimeoutError):
             raise http_errors.NoMoreData(b"") from None
         finally:
-            self._sock.settimeout(IO_TIMEOUT_S)
+            self._sock.settimeout(current)
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
@@ -258,9 +259,21 @@ class ServerWorker(gthread.ThreadWorker):
         self.reading_conns.append(conn)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_readable, conn))
 
+    def finish_request(self, conn, fs):
+        # Pipelined bytes after a request (read along with it) are the start of the next one: read the rest
+        # of it here as well, not in a thread.
+        if isinstance(conn, ServerConn) and self.alive and not fs.cancelled() and fs.exception() is None \
+                and fs.result() is True and conn.parser is not None and not conn.is_http2 \
+                and hasattr(conn.parser.unreader, "take_buffered"):
+            leftover = conn.parser.unreader.take_buffered()
+            if leftover:
+                self._start_reading(conn)
+                self._feed(conn, leftover)
+                return
+        super().finish_request(conn, fs)
+
     def _on_readable(self, conn: ServerConn, client) -> None:
-        scan = conn.scan
-        if scan is None:
+        if conn.scan is None:
             return
         try:
             data = conn.sock.recv(RECV_CHUNK)
@@ -271,6 +284,10 @@ class ServerWorker(gthread.ThreadWorker):
         if not data:
             self._drop(conn)
             return
+        self._feed(conn, data)
+
+    def _feed(self, conn: ServerConn, data: bytes) -> None:
+        scan = conn.scan
         had_head = scan.head_end >= 0
         before = len(scan.buf)
         scan.feed(data, MAX_BODY_BYTES)
@@ -329,6 +346,10 @@ class ServerWorker(gthread.ThreadWorker):
     def murder_pending(self):
         super().murder_pending()
         now = time.monotonic()
+        if not self.alive:
+            # Stopping: connections that have not started a request are closed now, like idle kept-alive ones.
+            for conn in [c for c in self.reading_conns if c.scan is not None and not c.scan.buf]:
+                self._drop(conn)
         while self.reading_conns and self.reading_conns[0].deadline <= now:
             conn = self.reading_conns[0]
             part = "body" if conn.scan is not None and conn.scan.head_end >= 0 else "headers"

@@ -84,6 +84,7 @@ def test_slow_clients_do_not_hold_the_threads(srv):
         head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n",                   # chunks stop
         head + b"Expect: 100-continue\r\nContent-Length: 100\r\n\r\n",                 # body never sent
         b"\r\n\r\n\r\nGET /health HT",                                                 # blank lines first
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHo",                # pipelined, cut
     ]
     socks = []
     try:
@@ -100,6 +101,9 @@ def test_slow_clients_do_not_hold_the_threads(srv):
         # Past the head deadline (2 s), a client that never finished its headers gets a JSON 408.
         err = assert_openai_error(recv_all(socks[0], 10.0), (408,))
         assert err["code"] == "request_timeout"
+        # The pipelined client got its first answer, then the 408 for the request it never finished.
+        both = recv_all(socks[len(partials) - 1], 10.0)
+        assert both.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in both, both[:300]
     finally:
         for s in socks:
             s.close()
