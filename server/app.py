@@ -182,11 +182,11 @@ class _GenerationResource:
         if state.draining:
             raise APIError("the server is shutting down", status=503, code="shutting_down")
         gen = Generation(state, gen_req, req.env)
-        gen.submit()
-        # From here on the engine holds KV blocks for this request: whatever fails before the response is
+        # Once admitted, the engine holds KV blocks for this request: whatever fails before the response is
         # handed over (or while gunicorn sends it, see OpenAIServer.__call__) must end the generation.
         req.env[GENERATION_KEY] = gen
         try:
+            gen.submit()
             resp.set_header("X-Request-Id", gen.id)
             if gen_req.stream:
                 resp.status = falcon.HTTP_200

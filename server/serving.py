@@ -81,60 +81,31 @@ def truncate_for_log(value, limit: int) -> str:
     return text
 
 
-class EngineEvents:
-    """The outputs of one HTTP request's engine requests (one stream per prompt), in arrival order."""
+class StreamEvents:
+    """The outputs of a request with one prompt (one engine stream)."""
 
-    def __init__(self, streams: list):
-        self.streams = streams
-        self._open = len(streams)
-        self._queue: Optional[queue.Queue] = None
-        if len(streams) > 1:
-            self._queue = queue.Queue()
-            for i, s in enumerate(streams):
-                threading.Thread(target=self._forward, args=(i, s), daemon=True,
-                                 name=f"jitkern-forward-{s.request_id}").start()
-
-    def _forward(self, index: int, stream) -> None:
-        try:
-            for out in stream:
-                self._queue.put((index, out))
-            self._queue.put((index, _END))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._queue.put((index, e))
+    def __init__(self, stream):
+        self.stream = stream
 
     def next(self, timeout: float):
-        """(prompt index, RequestOutput), or _TIMEOUT, or _END once every stream has ended."""
-        if self._queue is None:
-            try:
-                return 0, self.streams[0].get(timeout=timeout)
-            except queue.Empty:
-                return _TIMEOUT
-            except StopIteration:
-                return _END
-        while True:
-            try:
-                index, item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                return _TIMEOUT
-            if item is _END:
-                self._open -= 1
-                if self._open == 0:
-                    return _END
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return index, item
+        """(prompt index, RequestOutput), or _TIMEOUT, or _END once the stream has ended."""
+        try:
+            return 0, self.stream.get(timeout=timeout)
+        except queue.Empty:
+            return _TIMEOUT
+        except StopIteration:
+            return _END
 
     def abort(self) -> None:
-        for s in self.streams:
-            try:
-                s.abort()
-            except Exception as e:  # noqa: BLE001
-                log.warning("abort of %s failed: %s", getattr(s, "request_id", "?"), e)
+        try:
+            self.stream.abort()
+        except Exception as e:  # noqa: BLE001
+            log.warning("abort of %s failed: %s", getattr(self.stream, "request_id", "?"), e)
 
 
 class GroupEvents:
-    """EngineEvents for prompts admitted together with the engine's `submit_batch` (one queue, no threads)."""
+    """The outputs of a request with several prompts, admitted together by the engine's `submit_batch`: one
+    queue for all of them, in arrival order, as (prompt index, RequestOutput)."""
 
     def __init__(self, group):
         self.group = group
@@ -192,7 +163,7 @@ class Generation:
         now = time.monotonic()
         self.prompts = [_PromptProgress(p.token_ids, p.text, now) for p in req.prompts]
         self.choices = [_ChoiceProgress() for _ in range(len(req.prompts) * self.n)]
-        self.events: Optional[EngineEvents] = None
+        self.events = None               # StreamEvents or GroupEvents once submitted
         self.engine_ids: list = []
         self.closed = False
         self._lock = threading.Lock()
@@ -202,34 +173,25 @@ class Generation:
     # ----------------------------------------------------------------------------------- lifecycle
     def submit(self) -> None:
         engine = self.state.engine
-        streams = []
         prompts = self.req.prompts
         try:
-            if len(prompts) > 1 and hasattr(engine, "submit_batch"):
+            if len(prompts) == 1:
+                stream = engine.submit(self.id, list(prompts[0].token_ids), self.req.params.clone(),
+                                       priority=self.req.priority)
+                self.engine_ids = [self.id]
+                self.events = StreamEvents(stream)
+            else:
                 # All prompts of the request in one engine command: all admitted, or none.
                 rids = [f"{self.id}-{i}" for i in range(len(prompts))]
                 group = engine.submit_batch([(rid, list(p.token_ids), self.req.params.clone())
                                              for rid, p in zip(rids, prompts)], priority=self.req.priority)
                 self.engine_ids = rids
                 self.events = GroupEvents(group)
-            for i, p in enumerate(prompts if self.events is None else ()):
-                rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
-                streams.append(engine.submit(rid, list(p.token_ids), self.req.params.clone(),
-                                             priority=self.req.priority))
-                self.engine_ids.append(rid)
         except InvalidRequestError as e:
-            for s in streams:
-                s.abort()
             param = e.param
             if self.chat and param == "prompt":
                 param = "messages"
             raise bad_request(e.message, param=param) from None
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        if self.events is None:
-            self.events = EngineEvents(streams)
         self.state.register(self)
         self._log_request()
 
@@ -250,7 +212,8 @@ class Generation:
             for p in unfinished:
                 self._observe_finish(p, "abort", now)
         self.state.unregister(self)
-        self._log_output()
+        if self.events is not None:
+            self._log_output()
 
     # ----------------------------------------------------------------------------------- events
     def _wait(self, deadline_ping: Optional[float]):
