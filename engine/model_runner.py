@@ -5,9 +5,13 @@ The batch is laid out as vLLM's V1 runner does: the scheduled tokens of all requ
 context + new tokens), and the block table. All of these live in preallocated int32 arrays with fixed
 addresses, and activations in a buffer pool with fixed addresses, so a decode step can be recorded once
 per batch size as a jitkern graph and replayed with new values written into the arrays.
+
+Recorded graphs are bounded (engine.limits.MAX_DECODE_GRAPHS, least recently replayed evicted first) and
+all dropped when an activation buffer moves (they would point at the old buffers and keep them alive).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,7 +74,10 @@ class ModelRunner:
             seq_lens=np.zeros(max_num_seqs, np.int32),
             block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
         self.use_graphs = use_graphs
-        self._graphs: dict = {}
+        from engine.limits import MAX_DECODE_GRAPHS
+        self.max_graphs = MAX_DECODE_GRAPHS
+        self._graphs: OrderedDict = OrderedDict()   # decode batch size -> (graph, logits), LRU order
+        self._graphs_generation = self.batch.buffers.generation
 
     def close(self) -> None:
         self.model.free_kv()
@@ -125,17 +132,30 @@ class ModelRunner:
         lengths, block tables) lives in the batch's fixed arrays, which the kernels read when they run."""
         import jitkern as jk
         b = self.batch
-        key = (b.num_tokens, b.buffers.generation)
+        if b.buffers.generation != self._graphs_generation:
+            # a buffer moved: every graph points at (and keeps alive) the old ones
+            self._graphs.clear()
+            self._graphs_generation = b.buffers.generation
+        key = b.num_tokens
         ent = self._graphs.get(key)
         if ent is None:
             with jk.capture() as g:
                 logits = self.model.forward(b)
-            if b.buffers.generation != key[1]:
+            if b.buffers.generation != self._graphs_generation:
                 # a buffer moved while recording: record again with the final addresses
-                key = (b.num_tokens, b.buffers.generation)
+                self._graphs.clear()
+                self._graphs_generation = b.buffers.generation
                 with jk.capture() as g:
                     logits = self.model.forward(b)
             ent = self._graphs[key] = (g, logits)
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
         g, logits = ent
         g.replay()
         return logits
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
