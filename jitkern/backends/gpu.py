@@ -8,8 +8,9 @@ coalesced warp access. Scalars are *uniform*: every thread holds the same value 
 arguments, program ids, scalar loads, loop counters and reductions to a scalar, all computed by every
 thread), so run-time `if`/`for` never diverge and barriers inside them are legal.
 
-Elementwise arithmetic, casts, half conversions and the polynomial math are the target-neutral emitter
-inherited from the CPU lowering (a tile there is also one LLVM vector). What differs on a GPU is anything
+Elementwise arithmetic, casts, half conversions, the polynomial math and structured control flow come
+from the target-neutral emitter (backends/emitter.py) that the CPU tiers share (a tile there is also one
+LLVM vector, of all its elements). What differs on a GPU is anything
 that moves an element to another thread; those ops go through shared memory in a fixed order:
 - broadcast / trans / reshape to a scalar: write the tile to shared memory at its flat index, barrier,
   read each output element from the source index (`_relayout`);
@@ -35,7 +36,7 @@ import math
 
 from .. import ir
 from ..language import CompilationError
-from .cpu import LV, PT, CpuLowering, _prod, elem_ty, vty
+from .emitter import LV, PT, LlvmEmitter, _prod, elem_ty, vty
 
 _ES = {"float": 4, "double": 8, "half": 2, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
 
@@ -79,7 +80,7 @@ def _ops_of(block: ir.Block):
             yield from _ops_of(r)
 
 
-class GpuLowering(CpuLowering):
+class GpuLowering(LlvmEmitter):
     def __init__(self, fn: ir.Function, target, hooks: GpuHooks):
         super().__init__(fn, target)
         self.x86 = False
@@ -379,12 +380,17 @@ class GpuLowering(CpuLowering):
             self.barrier()
         self.pending_read = True
         shape = op.result.type.shape
-        if not shape:
-            return super().op_load(op)
         p = self.get(op.operands[0])
         mask = self.get(op.operands[1]) if len(op.operands) > 1 else None
         other = self.get(op.operands[2]) if len(op.operands) > 2 else None
         et = elem_ty(p.elem)
+        if not shape:
+            # a scalar load: every thread loads the same (uniform) value
+            off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
+            ptr = self._elem_ptr(p, off)
+            if mask is None:
+                return self.val(f"load {et}, ptr {ptr}, align {p.elem.itemsize}", et, 0)
+            return self._guarded_scalar_load(ptr, et, p.elem.itemsize, mask, other)
         R = self.lanes(shape)
         if other is None:
             other = LV("zeroinitializer", et, R, shape)
@@ -559,9 +565,12 @@ class GpuLowering(CpuLowering):
         O = pre * post
         T = self.T
         # chunks per output: a function of the reduced length (and T) only, never of how many outputs the
-        # tile has, so an output's order of operations is the same whatever the other axes (the batch) are
+        # tile has, so an output's order of operations is the same whatever the other axes (the batch) are.
+        # G = min(next power of two >= n, T) also makes a row padded with identities at its end (a merge over
+        # 3 partitions launched as 4 or 16) reduce bit-identically: element k always lands in chunk k mod G,
+        # chunks fold their elements in increasing k, and identities only ever add exact no-ops.
         G = 1
-        while G * 2 <= min(n, T):
+        while G < min(n, T):
             G *= 2
         W = O * G                               # work items (output, chunk)
         RW = -(-W // T)
