@@ -75,3 +75,61 @@ def test_penalties_change_the_greedy_choice():
     assert got[11] == 1
     got = _draws(SamplingParams(max_tokens=1, temperature=0, repetition_penalty=2.0), logits, n=1, out_ids=[10])
     assert got[11] == 1       # 5/2 < 4
+
+
+# ------------------------------------------------------------------------------ one row never fails the batch
+
+def _batch(params_list, logits, out_ids=None):
+    reqs = []
+    for i, p in enumerate(params_list):
+        r = Request(f"r{i}", [5, 6, 7], p, eos_token_ids=(1,))
+        for t in (out_ids or {}).get(i, ()):
+            r.append_output_token(t)
+        reqs.append(r)
+    sched = SimpleNamespace(scheduled=[SimpleNamespace(req_id=r.request_id, request=r) for r in reqs])
+    res = SimpleNamespace(logits=np.ascontiguousarray(logits, np.float32),
+                          sample_rows={r.request_id: i for i, r in enumerate(reqs)}, prompt_rows={})
+    return reqs, sched, res
+
+
+class _BrokenEdits:
+    def active(self, n):
+        return True
+
+    def apply(self, row, out_ids):
+        raise RuntimeError("injected: broken logit edits")
+
+
+def test_a_failing_row_gets_an_error_and_the_others_their_tokens():
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((4, V)) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0, logit_bias={9: 50.0})]
+    reqs, sched, res = _batch(params, logits)
+    reqs[1].logit_edits = _BrokenEdits()
+    out = Sampler(V).sample(sched, res)
+    assert out["r1"].token_id == -1 and "internal error" in out["r1"].error
+    assert out["r0"].token_id == int(np.argmax(logits[0])) and out["r0"].error is None
+    assert out["r3"].token_id == 9
+    # the seeded row draws the same token as when sampled alone
+    alone_reqs, alone_sched, alone_res = _batch([SamplingParams(temperature=0.8, seed=11)], logits[2:3])
+    assert out["r2"].token_id == Sampler(V).sample(alone_sched, alone_res)["r0"].token_id
+
+
+def test_rows_with_nothing_to_sample_or_nan_logits_fail_alone():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((3, V))
+    logits[2, :] = np.nan                       # a broken model row
+    # row 0: the only allowed token is the eos (1), which min_tokens masks for one more token
+    params = [SamplingParams(temperature=0.5, allowed_token_ids=[1, 40], bad_words=[], min_tokens=2),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.7)]
+    reqs, sched, res = _batch(params, logits, out_ids={0: [40]})
+    reqs[0].logit_edits = None
+    from engine.logit_edits import LogitEdits
+    edits = LogitEdits.build(params[0], vocab_size=V, eos_token_ids=(1,))
+    edits.allowed_ids = np.array([1])           # narrowed after admission (what a later step can reach)
+    reqs[0].logit_edits = edits
+    out = Sampler(V).sample(sched, res)
+    assert out["r0"].token_id == -1 and "no token can be generated at output position 1" in out["r0"].error
+    assert out["r1"].token_id == int(np.argmax(logits[1]))
+    assert out["r2"].token_id == -1 and "NaN" in out["r2"].error
