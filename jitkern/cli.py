@@ -220,9 +220,9 @@ def cmd_build(args) -> int:
         return _fail(f"--model {args.model}: no such file or directory; pass a model directory or .gguf file "
                      f"(or leave --model out for the embedded SmolLM2)", "jitkern build")
     t = get_target(args.target)
-    if not (t.is_cpu or t.is_cuda):
-        return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers and CUDA targets "
-                     f"(sm_80 ... sm_120a) can be built now")
+    if not (t.is_cpu or t.is_cuda or t.is_hip):
+        return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers, CUDA targets "
+                     f"(sm_80 ... sm_120a) and AMD targets (gfx90a, gfx942, gfx1100) can be built now")
     from tqdm import tqdm
     bar = tqdm(desc=f"compiling for {t.name}", unit="kernel", disable=args.quiet)
     seen, cached = set(), set()

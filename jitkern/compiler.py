@@ -96,6 +96,9 @@ def lower_with_meta(fn: ir.Function, target) -> tuple:
     if target.is_cpu:
         from .backends.cpu import lower_to_llvm
         return lower_to_llvm(fn, target), {}
+    if target.is_hip:
+        from .backends.amdgpu import lower_to_amdgpu
+        return lower_to_amdgpu(fn, target)
     if target.is_cuda:
         from .backends.nvptx import lower_to_nvptx
         return lower_to_nvptx(fn, target)
@@ -110,11 +113,33 @@ def _toolchain_key(target) -> tuple:
         if os.environ.get("JITKERN_NO_PTXAS"):
             return ("ptxas", "none")
         return ("ptxas", ptxas_version(find_ptxas()))
+    if target.is_hip:
+        from .backends.amdgpu import find_lld, lld_version
+        return ("ld.lld", lld_version(find_lld()))
     return ()
+
+
+def _compile_hip(fn, target, describe, kernel_name, spec) -> tuple:
+    """LLVM IR -> relocatable AMDGPU object (isolated LLVM) -> code object (ld.lld; backends/amdgpu.py)."""
+    llvm_ir, meta = lower_with_meta(fn, target)
+    from .backends.amdgpu import link_code_object
+    from .isolate import compile_llvm_ir
+    try:
+        obj = compile_llvm_ir(llvm_ir, triple=target.triple, cpu=target.cpu, features=target.feature_string,
+                              opt=3, emit=("obj",), describe=describe, kernel=kernel_name,
+                              specialization=spec)["obj"]
+    except CompileError as e:
+        if e.target is None:
+            e.target = target.name
+        raise
+    return {"kernel.jkir": ir.format_function(fn).encode(), "kernel.ll": llvm_ir.encode(), "kernel.o": obj,
+            "kernel.hsaco": link_code_object(obj, target=target.name, describe=describe)}, meta
 
 
 def _compile_gpu(fn, target, describe, kernel_name, spec) -> tuple:
     """LLVM IR -> PTX (isolated LLVM) -> cubin (ptxas, when present). Returns (artifacts, meta)."""
+    if target.is_hip:
+        return _compile_hip(fn, target, describe, kernel_name, spec)
     llvm_ir, meta = lower_with_meta(fn, target)
     from .isolate import compile_llvm_ir
     try:
@@ -192,6 +217,10 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
         if load and target.is_cuda:
             from .runtime.cuda import load_kernel
             ck.loaded = load_kernel(artifacts, symbol, launch_meta)
+            ck.address = id(ck.loaded)
+        elif load and target.is_hip:
+            from .runtime.hip import load_kernel as load_hip_kernel
+            ck.loaded = load_hip_kernel(artifacts, symbol, launch_meta)
             ck.address = id(ck.loaded)
         elif load and "kernel.o" in artifacts:
             from .runtime.cpu import load_object

@@ -1,0 +1,213 @@
+"""AMDGPU: the HIP hooks of the shared GPU lowering, and object -> code object (.hsaco) linking.
+
+Facts this rests on (../shared/notes/feasibility-codegen.md section 2, LLVM's AMDGPUUsage):
+- kernels are `amdgpu_kernel` functions; pointer parameters stay flat (`ptr`, address space 0), the same
+  IR as every other target: LLVM's AMDGPU pipeline assumes flat pointer kernel arguments point to global
+  memory (InferAddressSpaces), so loads and stores become `global_load` / `global_store` (the tests check
+  the disassembly for them);
+- thread / block ids are `llvm.amdgcn.workitem.id.x` / `llvm.amdgcn.workgroup.id.{x,y,z}`; the number of
+  workgroups comes from the HSA dispatch packet (`llvm.amdgcn.dispatch.ptr`): grid_size (u32 at byte 12 +
+  4 * axis, in work-items) divided by workgroup_size (u16 at byte 4 + 2 * axis). The packet is there under
+  every code object version and every runtime, so no hidden kernel parameter is needed;
+- `__syncthreads` is a workgroup-scope release fence, `llvm.amdgcn.s.barrier`, a workgroup-scope acquire
+  fence (the fences make LDS and global writes of the workgroup visible across the barrier);
+- LDS is address space 3 with 32-bit pointers; the dynamic part is an external zero-sized addrspace(3)
+  array, sized at launch (hipModuleLaunchKernel's sharedMemBytes), exactly as HIP's `extern __shared__`;
+- `amdgpu-flat-work-group-size`="1,T" tells the register allocator the workgroup size (launch bounds);
+- there is no libm: exp and log are the shared emitter's polynomials; sin/cos use `llvm.amdgcn.sin/cos`,
+  which take revolutions (x / 2pi), after a range reduction to [-0.5, 0.5) revolutions in f32;
+- LLVM 22 emits code object v6 by default; the module flag asks for v5, which ROCm 6.x loads.
+LLVM emits a relocatable ELF (`emit=obj`); `ld.lld -shared` makes the code object `hipModuleLoadData` takes.
+An ld.lld that knows AMDGPU and code object v5 is needed: the `ziglang` wheel's (LLD 22, pip-installable,
+the `[hip]` extra), or ld.lld-17+ on PATH; Debian 12's lld 14 rejects v5/v6 objects.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from ..errors import CompileError
+from .emitter import LV
+from .gpu import GpuHooks, GpuLowering
+
+CODE_OBJECT_VERSION = 500
+
+
+class AmdgpuHooks(GpuHooks):
+    smem_as = 3
+    smem_index = "i32"
+
+    def __init__(self, target):
+        self.target = target
+        self.max_smem_bytes = target.shared_mem_bytes or 64 * 1024
+
+    def module_header(self, low) -> list:
+        return [f'target datalayout = "{self.target.data_layout}"', f'target triple = "{self.target.triple}"',
+                "!llvm.module.flags = !{!0}",
+                f'!0 = !{{i32 1, !"amdhsa_code_object_version", i32 {CODE_OBJECT_VERSION}}}']
+
+    def kernel_signature(self, low, name, params) -> str:
+        args = []
+        for k, prm in enumerate(params):
+            t = prm.type
+            if t.is_ptr:
+                args.append(f"ptr noundef %arg{k}")
+            elif t.elem.is_float:
+                args.append(f"double %arg{k}")
+            else:
+                args.append(f"i64 %arg{k}")
+        return f"define amdgpu_kernel void @{name}({', '.join(args)}) #0"
+
+    def _call_i32(self, low, name: str) -> str:
+        low.declare(name, "i32", [])
+        return low.val(f"call i32 @{name}()", "i32", 0).ref
+
+    def thread_id(self, low) -> str:
+        return self._call_i32(low, "llvm.amdgcn.workitem.id.x")
+
+    def block_id(self, low, axis: int) -> str:
+        return self._call_i32(low, "llvm.amdgcn.workgroup.id." + "xyz"[axis])
+
+    def num_blocks(self, low, axis: int) -> str:
+        # hsa_kernel_dispatch_packet_t: u16 workgroup_size_{x,y,z} at bytes 4/6/8, u32 grid_size_{x,y,z}
+        # (in work-items) at bytes 12/16/20; the runtime launches whole workgroups, so the division is exact
+        low.declare("llvm.amdgcn.dispatch.ptr", "ptr addrspace(4)", [])
+        dp = low.val("call ptr addrspace(4) @llvm.amdgcn.dispatch.ptr()", "ptr", 0).ref
+        gp = low.val(f"getelementptr inbounds i8, ptr addrspace(4) {dp}, i64 {12 + 4 * axis}", "ptr", 0).ref
+        grid = low.val(f"load i32, ptr addrspace(4) {gp}, align 4, !invariant.load !{{}}", "i32", 0).ref
+        if axis == 0:
+            # the workgroup size along x is the kernel's own T (the runtime launches (T, 1, 1) workgroups)
+            return low.val(f"udiv i32 {grid}, {low.T}", "i32", 0).ref
+        wp = low.val(f"getelementptr inbounds i8, ptr addrspace(4) {dp}, i64 {4 + 2 * axis}", "ptr", 0).ref
+        w16 = low.val(f"load i16, ptr addrspace(4) {wp}, align 2, !invariant.load !{{}}", "i16", 0).ref
+        w = low.val(f"zext i16 {w16} to i32", "i32", 0).ref
+        return low.val(f"udiv i32 {grid}, {w}", "i32", 0).ref
+
+    def barrier(self, low) -> None:
+        low.declare("llvm.amdgcn.s.barrier", "void", [])
+        low.emit('fence syncscope("workgroup") release')
+        low.emit("call void @llvm.amdgcn.s.barrier()")
+        low.emit('fence syncscope("workgroup") acquire')
+
+    def math(self, low, name: str, x: LV):
+        if name in ("sin", "cos") and x.et == "float":
+            # llvm.amdgcn.sin/cos compute sin(2 pi r) for r in revolutions; valid for |r| up to ~256 on
+            # gfx9, so reduce first: r = t - rint(t), t = x / (2 pi), giving r in [-0.5, 0.5]
+            fn = f"llvm.amdgcn.{name}.f32"
+            low.declare(fn, "float", ["float"])
+            low.declare("llvm.rint.f32", "float", ["float"])
+
+            def one(v: str) -> LV:
+                t = low.val(f"fmul float {v}, {_f32(1.0 / (2.0 * math.pi))}", "float", 0).ref
+                k = low.val(f"call float @llvm.rint.f32(float {t})", "float", 0).ref
+                r = low.val(f"fsub float {t}, {k}", "float", 0).ref
+                return low.val(f"call float @{fn}(float {r})", "float", 0)
+            if x.n == 0:
+                return one(x.ref)
+            parts = [one(low.extract(x, j).ref) for j in range(x.n)]
+            return low.build_vector(parts, "float", x.shape)
+        return None
+
+    def function_attrs(self, low) -> list:
+        return [f'"amdgpu-flat-work-group-size"="1,{low.T}"']
+
+
+def _f32(v: float) -> str:
+    """An LLVM float literal: the f32 value written as the hex of its double."""
+    import struct
+    f = struct.unpack("<f", struct.pack("<f", v))[0]
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", f))[0]
+
+
+def lower_to_amdgpu(fn, target) -> tuple[str, dict]:
+    """(LLVM IR text, launch metadata) for one kernel."""
+    low = GpuLowering(fn, target, AmdgpuHooks(target))
+    text = low.lower()
+    return text, {"num_threads": low.T, "shared_bytes": low.smem_bytes}
+
+
+# ------------------------------------------------------------------------------------------ ld.lld
+def find_lld():
+    """An ld.lld command (list) that links AMDGPU code object v5: $JITKERN_LLD, the ziglang wheel's, or
+    ld.lld-22 ... ld.lld-17 / ld.lld on PATH when new enough; None if there is none."""
+    env = os.environ.get("JITKERN_LLD")
+    if env:
+        return env.split() if shutil.which(env.split()[0]) else None
+    cands = []
+    try:
+        import importlib.util
+        if importlib.util.find_spec("ziglang") is not None:
+            cands.append([sys.executable, "-m", "ziglang", "ld.lld"])
+    except (ImportError, ValueError):
+        pass
+    for v in range(22, 16, -1):
+        p = shutil.which(f"ld.lld-{v}")
+        if p:
+            cands.append([p])
+    p = shutil.which("ld.lld")
+    if p:
+        cands.append([p])
+    for c in cands:
+        if _lld_major(c) >= 17:
+            return c
+    return None
+
+
+_lld_version_cache: dict = {}
+
+
+def lld_version(cmd) -> str:
+    """The linker's version line (part of the cache key: a new linker makes new code objects)."""
+    if cmd is None:
+        return "none"
+    key = tuple(cmd)
+    hit = _lld_version_cache.get(key)
+    if hit is None:
+        try:
+            out = subprocess.run(list(cmd) + ["--version"], capture_output=True, text=True, timeout=60).stdout
+            hit = out.strip().splitlines()[0] if out.strip() else "unknown"
+        except (OSError, subprocess.SubprocessError):
+            hit = "unknown"
+        _lld_version_cache[key] = hit
+    return hit
+
+
+def _lld_major(cmd) -> int:
+    import re
+    m = re.search(r"LLD (\d+)\.", lld_version(cmd))
+    return int(m.group(1)) if m else 0
+
+
+def link_code_object(obj: bytes, *, target: str = "", describe: str = "") -> bytes:
+    """Links an AMDGPU relocatable object into a code object (.hsaco); CompileError with lld's message."""
+    cmd = find_lld()
+    if cmd is None:
+        raise CompileError("no ld.lld with AMDGPU code object v5 support found (install the [hip] extra, which "
+                           "brings the ziglang wheel's ld.lld, or ld.lld-17+, or set JITKERN_LLD)", target=target)
+    with tempfile.TemporaryDirectory(prefix="jitkern-lld-") as d:
+        src = os.path.join(d, "k.o")
+        dst = os.path.join(d, "k.hsaco")
+        with open(src, "wb") as f:
+            f.write(obj)
+        try:
+            r = subprocess.run(list(cmd) + ["-shared", src, "-o", dst], capture_output=True, text=True,
+                               timeout=300)
+        except subprocess.TimeoutExpired:
+            raise CompileError(f"ld.lld timed out on {describe}", target=target) from None
+        if r.returncode != 0:
+            msg = (r.stderr or r.stdout).strip()[-2000:]
+            raise CompileError(f"ld.lld rejected the object of {describe}: {msg}", target=target)
+        with open(dst, "rb") as f:
+            return f.read()
+
+
+def code_object_digest(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+__all__ = ["AmdgpuHooks", "lower_to_amdgpu", "find_lld", "lld_version", "link_code_object", "CODE_OBJECT_VERSION"]
