@@ -37,6 +37,27 @@ _NP_TO_DTYPE = {
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
+# Argument specialisation on GPUs (like Triton's): a pointer 16-byte aligned, an integer divisible by 16.
+# The facts go into the specialisation (and so the cache key) under this constexpr name; the GPU lowering's
+# axis analysis (jitkern/analysis.py) turns them into aligned vector accesses.
+SPEC_HINTS = "__spec_hints"
+
+
+def spec_hints(params, values) -> tuple:
+    out = []
+    for (name, t), v in zip(params, values):
+        if t.is_ptr:
+            # device arrays; host arrays and Pointers too (`jitkern build` traces the engine on numpy arrays:
+            # their views sit at the same offsets as the device buffers', which the allocator aligns)
+            addr = v.ptr if _is_device_array(v) else v.address if isinstance(v, Pointer) else \
+                v.ctypes.data if isinstance(v, np.ndarray) else 1
+            if addr % 16 == 0:
+                out.append((name, 16))
+        elif not t.is_ptr and t.elem.is_int and not isinstance(v, (bool, np.bool_)) and int(v) % 16 == 0:
+            out.append((name, 16))
+    return tuple(out)
+
+
 class Pointer:
     """A typed raw pointer argument (e.g. an array's bytes reinterpreted as bf16, or an offset view)."""
 
@@ -49,9 +70,12 @@ class Pointer:
 
 
 def as_pointer(arr: np.ndarray, dtype: ir.DType | str) -> Pointer:
-    """View an array's memory as another element type (e.g. uint16 storage as bf16, bytes as u8)."""
+    """View an array's memory as another element type (e.g. uint16 storage as bf16, bytes as u8).
+    A GPU DeviceArray gives the same device array with that kernel element type (launches stay on the GPU)."""
     if isinstance(dtype, str):
         dtype = ir.DTYPES[dtype]
+    if _is_device_array(arr):
+        return arr.with_elem(dtype)
     return Pointer(arr.ctypes.data, dtype, arr)
 
 
@@ -61,7 +85,7 @@ def _is_device_array(v) -> bool:
 
 def arg_type(name: str, v) -> ir.TileType:
     if _is_device_array(v):
-        return ir.TileType(ir.PtrType(v.dtype))
+        return ir.TileType(ir.PtrType(v.elem))
     if isinstance(v, np.ndarray):
         d = _NP_TO_DTYPE.get(v.dtype)
         if d is None:
@@ -186,6 +210,10 @@ class Kernel(JitFunction):
             else:
                 params.append((p.name, arg_type(p.name, v)))
                 values.append(v)
+        if target is not None and getattr(target, "is_gpu", False):
+            hints = spec_hints(params, values)
+            if hints:
+                consts[SPEC_HINTS] = hints
         return params, consts, values
 
     def compile(self, *args, target=None, **kwargs):

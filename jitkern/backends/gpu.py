@@ -72,6 +72,32 @@ class GpuHooks:
     def function_attrs(self, low) -> list:
         return []
 
+    # Targets without pointer kernel parameters (Vulkan's logical addressing) override these; the defaults
+    # keep the lowering's own code (pointer parameters, GEPs, masked gathers/scatters on pointer vectors).
+    def entry(self, low) -> None:
+        """Emits code at the top of the entry block (e.g. parameter values that are not LLVM arguments)."""
+
+    def smem_decl(self, low) -> list:
+        """The module-level declaration(s) of shared memory."""
+        return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align 16"]
+
+    def load(self, low, p, shape, mask, other):
+        """An LV loaded through pointer tile p (mask: the user's i1 mask or None; lanes past the tile are
+        the hook's to mask, with low._gpu_mask), or None for the lowering's own code."""
+        return None
+
+    def store(self, low, p, v, shape, mask) -> bool:
+        """Stores v through p (scalar stores come already guarded); False for the lowering's own code."""
+        return False
+
+    def smem_store(self, low, et: str, off: int, idx, v) -> bool:
+        """Stores the lanes of v at shared element indices idx of the region at byte offset off."""
+        return False
+
+    def smem_load(self, low, et: str, off: int, idx):
+        """Loads shared elements at indices idx (an LV) of the region at byte offset off, or None."""
+        return None
+
 
 def _ops_of(block: ir.Block):
     for op in block.ops:
@@ -96,27 +122,37 @@ class GpuLowering(LlvmEmitter):
         self._flat = {}
 
     # ------------------------------------------------------------------------------ layout helpers
+    @staticmethod
+    def vec(shape) -> int:
+        """Elements per chunk V: a thread holds runs of V consecutive elements (16 bytes of f32), so an
+        aligned contiguous load is one vector access. A function of the element count only, so a reshape
+        keeps the layout."""
+        return 4 if shape and _prod(shape) % 4 == 0 else 1
+
     def lanes(self, shape) -> int:
         """Lanes per thread of a tile of this shape (0 for a scalar)."""
         if not shape:
             return 0
-        return -(-_prod(shape) // self.T)
+        V = self.vec(shape)
+        return -(-_prod(shape) // (self.T * V)) * V
 
     def flat_index(self, shape) -> LV:
-        """i32 vector: the flat element index each of this thread's lanes holds."""
-        R = self.lanes(shape)
-        hit = self._flat.get(R)
+        """i32 vector: the flat element index each of this thread's lanes holds. Lane j of thread t holds
+        element ((j // V) * T + t) * V + j % V: chunks of V consecutive elements dealt cyclically."""
+        R, V = self.lanes(shape), self.vec(shape)
+        hit = self._flat.get((R, V))
         if hit is not None:
             return LV(hit.ref, "i32", R, tuple(shape))
         # defined in the entry block (spliced in after the thread id), so every later block may use it
-        ins, spl, ref = self.tmp("fi"), self.tmp("fs"), self.tmp("flat")
-        steps = "<" + ", ".join(f"i32 {j * self.T}" for j in range(R)) + ">"
+        ins, spl, tv, ref = self.tmp("fi"), self.tmp("fs"), self.tmp("ft"), self.tmp("flat")
+        steps = "<" + ", ".join(f"i32 {(j // V) * self.T * V + j % V}" for j in range(R)) + ">"
         self.entry_defs += [
-            f"  {ins} = insertelement <1 x i32> poison, i32 {self.tid}, i32 0",
+            f"  {tv} = mul i32 {self.tid}, {V}",
+            f"  {ins} = insertelement <1 x i32> poison, i32 {tv}, i32 0",
             f"  {spl} = shufflevector <1 x i32> {ins}, <1 x i32> poison, <{R} x i32> zeroinitializer",
             f"  {ref} = add {vty('i32', R)} {spl}, {steps}"]
         out = LV(ref, "i32", R, tuple(shape))
-        self._flat[R] = out
+        self._flat[(R, V)] = out
         return out
 
     def iconst(self, v: int, n: int, shape=()) -> LV:
@@ -157,6 +193,8 @@ class GpuLowering(LlvmEmitter):
         R = x.n
         v = x if x.et != "i1" else self.val(f"zext {x.ty} {x.ref} to {vty('i8', R)}", "i8", R, x.shape)
         idx = self.flat_index(x.shape)
+        if self.hooks.smem_store(self, et, off, idx, v):
+            return self._claim(off, self.T * R * _ES[et])
         base = self.smem_ptr(off)
         a = self.hooks.smem_as
         ptrs = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, {idx.ty} {idx.ref}", "ptr", R)
@@ -172,11 +210,15 @@ class GpuLowering(LlvmEmitter):
         et = self._st_et(et_val)
         R = idx.n
         a = self.hooks.smem_as
-        base = self.smem_ptr(off)
-        if R == 0:
+        v = self.hooks.smem_load(self, et, off, idx)
+        if v is not None:
+            pass
+        elif R == 0:
+            base = self.smem_ptr(off)
             p = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, i32 {idx.ref}", "ptr", 0)
             v = self.val(f"load {et}, ptr addrspace({a}) {p.ref}, align {_ES[et]}", et, 0)
         else:
+            base = self.smem_ptr(off)
             ptrs = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, {idx.ty} {idx.ref}", "ptr", R)
             pv = f"<{R} x ptr addrspace({a})>"
             name = f"llvm.masked.gather.v{R}{self._sfx_et(et)}.v{R}p{a}"
@@ -230,7 +272,11 @@ class GpuLowering(LlvmEmitter):
     def lower(self) -> str:
         fn = self.fn
         h = self.hooks
+        from ..analysis import AxisAnalysis
+        from ..jit import SPEC_HINTS
+        self.axes = AxisAnalysis(fn, dict(fn.constexprs.get(SPEC_HINTS, ())))
         self.start_block("entry")
+        h.entry(self)
         self.tid = h.thread_id(self)
         self.entry_defs = []
         splice_at = len(self.lines)
@@ -261,7 +307,7 @@ class GpuLowering(LlvmEmitter):
         out = [f"; jitkern kernel {fn.name} for {self.target.name} (num_warps={self.num_warps}, "
                f"shared={self.smem_bytes} bytes)"]
         out += h.module_header(self)
-        out.append(f"@__jk_smem = external addrspace({h.smem_as}) global [0 x i8], align 16")
+        out += h.smem_decl(self)
         out.append("")
         out += sorted(self.decls.values())
         out.append("")
@@ -359,7 +405,7 @@ class GpuLowering(LlvmEmitter):
         R = self.lanes(shape)
         if mask is not None and mask.n == 0:
             mask = self.splat(mask, R, shape)
-        if _prod(shape) % self.T == 0:
+        if _prod(shape) % (self.T * self.vec(shape)) == 0:
             return mask
         valid = self.val(f"icmp ult {vty('i32', R)} {self.flat_index(shape).ref}, "
                          f"{self.iconst(_prod(shape), R).ref}", "i1", R, shape)
@@ -384,6 +430,9 @@ class GpuLowering(LlvmEmitter):
         mask = self.get(op.operands[1]) if len(op.operands) > 1 else None
         other = self.get(op.operands[2]) if len(op.operands) > 2 else None
         et = elem_ty(p.elem)
+        hooked = self.hooks.load(self, p, shape, mask, other)
+        if hooked is not None:
+            return hooked
         if not shape:
             # a scalar load: every thread loads the same (uniform) value
             off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
@@ -398,6 +447,9 @@ class GpuLowering(LlvmEmitter):
             other = self.splat(other, R, shape)
         ptrs = self._ptr_vec(p, shape)
         m = self._gpu_mask(shape, mask)
+        V = self._chunk_vector(op.operands[0], op.operands[1] if len(op.operands) > 1 else None, shape, p.elem)
+        if V:
+            return self._load_chunks(ptrs, m, other, V, et, p.elem.itemsize, shape)
         vt = vty(et, R)
         if m is None:
             m = self.const(1, "i1", R, shape)
@@ -422,17 +474,24 @@ class GpuLowering(LlvmEmitter):
             yes, done = self.label("st"), self.label("st_done")
             self.emit(f"br i1 {cond.ref}, label %{yes}, label %{done}")
             self.start_block(yes)
-            off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
-            ptr = self._elem_ptr(p, off)
-            self.emit(f"store {et} {v.ref}, ptr {ptr}, align {p.elem.itemsize}")
+            if not self.hooks.store(self, p, v, (), None):
+                off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
+                ptr = self._elem_ptr(p, off)
+                self.emit(f"store {et} {v.ref}, ptr {ptr}, align {p.elem.itemsize}")
             self.emit(f"br label %{done}")
             self.start_block(done)
             return None
         R = self.lanes(shape)
         if v.n == 0:
             v = self.splat(v, R, shape)
+        if self.hooks.store(self, p, v, shape, mask):
+            return None
         ptrs = self._ptr_vec(p, shape)
         m = self._gpu_mask(shape, mask)
+        V = self._chunk_vector(op.operands[0], op.operands[2] if len(op.operands) > 2 else None, shape, p.elem)
+        if V:
+            self._store_chunks(ptrs, v, m, V, et, p.elem.itemsize)
+            return None
         if m is None:
             m = self.const(1, "i1", R, shape)
         vt = vty(et, R)
@@ -441,6 +500,59 @@ class GpuLowering(LlvmEmitter):
         self.emit(f"call void @{name}({vt} {v.ref}, {vty('ptr', R)} {ptrs.ref}, i32 {p.elem.itemsize}, "
                   f"{m.ty} {m.ref})")
         return None
+
+    def _chunk_vector(self, ptr_val, mask_val, shape, elem) -> int:
+        """V when every V-element chunk of this access is one aligned vector of at most 16 bytes with one
+        mask bit (the axis analysis proves contiguity, alignment and a chunk-constant mask), else 0."""
+        V = self.vec(shape)
+        size = V * elem.itemsize
+        if V == 1 or shape[-1] % V or size > 16 or size < 4:
+            return 0
+        info = self.axes.info(ptr_val)
+        if info.contig[-1] % V or info.div[-1] % size:
+            return 0
+        if mask_val is not None and self.axes.info(mask_val).const[-1] % V:
+            return 0
+        return V
+
+    def _load_chunks(self, ptrs: LV, m, other: LV, V: int, et: str, esize: int, shape) -> LV:
+        parts = []
+        vt = vty(et, V)
+        for c in range(ptrs.n // V):
+            pc = self.extract(ptrs, c * V)
+            if m is None:
+                parts.append(self.val(f"load {vt}, ptr {pc.ref}, align {V * esize}", et, V))
+                continue
+            mc = self.extract(m, c * V)
+            oc = self.shuffle(other, list(range(c * V, c * V + V))) if other.ref != "zeroinitializer" else \
+                LV("zeroinitializer", et, V)
+            pred = self.block
+            yes, done = self.label("vld"), self.label("vld_done")
+            self.emit(f"br i1 {mc.ref}, label %{yes}, label %{done}")
+            self.start_block(yes)
+            lv = self.val(f"load {vt}, ptr {pc.ref}, align {V * esize}", et, V)
+            self.emit(f"br label %{done}")
+            self.start_block(done)
+            parts.append(self.val(f"phi {vt} [ {lv.ref}, %{yes} ], [ {oc.ref}, %{pred} ]", et, V))
+        if len(parts) == 1:
+            return LV(parts[0].ref, et, V, tuple(shape))
+        return self.concat(parts, shape)
+
+    def _store_chunks(self, ptrs: LV, v: LV, m, V: int, et: str, esize: int) -> None:
+        vt = vty(et, V)
+        for c in range(ptrs.n // V):
+            pc = self.extract(ptrs, c * V)
+            part = self.shuffle(v, list(range(c * V, c * V + V))) if v.n > V else v
+            if m is None:
+                self.emit(f"store {vt} {part.ref}, ptr {pc.ref}, align {V * esize}")
+                continue
+            mc = self.extract(m, c * V)
+            yes, done = self.label("vst"), self.label("vst_done")
+            self.emit(f"br i1 {mc.ref}, label %{yes}, label %{done}")
+            self.start_block(yes)
+            self.emit(f"store {vt} {part.ref}, ptr {pc.ref}, align {V * esize}")
+            self.emit(f"br label %{done}")
+            self.start_block(done)
 
     def op_prefetch(self, op):
         return None               # a cache hint; GPUs stream through L2 anyway
@@ -572,15 +684,13 @@ class GpuLowering(LlvmEmitter):
         G = 1
         while G < min(n, T):
             G *= 2
-        W = O * G                               # work items (output, chunk)
-        RW = -(-W // T)
+        W = O * G                               # work items (output, chunk), laid out as a (W,) tile
+        RW = self.lanes((W,))
         et = x.et
         self.barrier()
         end = self.smem_write(x, 0)
         self.barrier()
-        tv = self.splat(LV(self.tid, "i32", 0), RW)
-        w = self.val(f"add {vty('i32', RW)} {tv.ref}, <" + ", ".join(f"i32 {j * T}" for j in range(RW)) + ">",
-                     "i32", RW)
+        w = LV(self.flat_index((W,)).ref, "i32", RW)
         o = self.ibin("udiv", w, G) if G > 1 else w
         c = self.ibin("urem", w, G) if G > 1 else self.iconst(0, RW)
         p_, q_ = (self.ibin("udiv", o, post), self.ibin("urem", o, post)) if post > 1 else (o, None)

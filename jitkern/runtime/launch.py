@@ -90,11 +90,13 @@ def _token(v):
     if isinstance(v, Pointer):
         return v.dtype.name
     if type(v).__name__ == "DeviceArray":
-        return ("dev", v.dtype.name)
+        # the kernel element type (bf16 over uint16 storage included) and 16-byte alignment (specialised on)
+        return ("dev", v.elem.name, v.ptr % 16 == 0)
     if isinstance(v, bool):
         return "b"
     if isinstance(v, (int, np.integer)):
-        return "i" if -2**31 <= v < 2**31 else "l"
+        # divisibility by 16 is part of a GPU specialisation (vector accesses); harmless on the CPU
+        return ("i" if -2**31 <= v < 2**31 else "l", v % 16 == 0)
     if isinstance(v, (float, np.floating)):
         return "f"
     return type(v)
@@ -119,7 +121,7 @@ def resolve(kernel, args, kwargs, target=None):
     try:
         plan = kernel._plans[key]
     except (KeyError, TypeError):
-        params, consts, values = kernel.specialize(args, kwargs)
+        params, consts, values = kernel.specialize(args, kwargs, target)
         ck = compile_kernel(kernel, params, consts, target)
         if len(args) == len(kernel.params) - len([k for k in kwargs if k in cx]) and \
                 all(k in cx or k in LAUNCH_OPTIONS for k in kwargs):
@@ -215,7 +217,7 @@ class compile_only:
 
 def _compile_only_launch(co, kernel, args, kwargs):
     from ..compiler import compile_kernel
-    params, consts, _ = kernel.specialize(args, kwargs)
+    params, consts, _ = kernel.specialize(args, kwargs, co.target)
     ck = compile_kernel(kernel, params, consts, co.target, load=False)
     co.compiled.append(ck)
     if co.on_compile is not None:
@@ -231,7 +233,23 @@ def _device_target(args):
     return None
 
 
+def _launch_vulkan(kernel, grid, args, kwargs, target):
+    """A Vulkan dispatch (runtime/vulkan.py): synchronous; no jk.capture() graphs yet."""
+    if getattr(_capture, "graph", None) is not None:
+        raise NotImplementedError("jk.capture() is not supported on Vulkan yet: launch without capture")
+    ck, values, consts = resolve(kernel, args, kwargs, target)
+    if callable(grid):
+        grid = grid(consts if consts is not None else dict(kwargs))
+    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+    if g[0] * g[1] * g[2] == 0:
+        return ck
+    ck.loaded.device.launch(ck.loaded.pipeline, g, values)
+    return ck
+
+
 def _launch_gpu(kernel, grid, args, kwargs, target):
+    if target.is_vulkan:
+        return _launch_vulkan(kernel, grid, args, kwargs, target)
     from .cuda import CudaGraph, get_device, pack_slots
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
@@ -259,7 +277,11 @@ def _launch_gpu_staged(kernel, grid, args, kwargs, target):
     device, the kernel runs, and every array is copied back (a kernel may write any of them). A convenience
     for tests and one-off calls that keeps the op wrappers' numpy interface; the engine passes DeviceArrays."""
     from .cuda import DeviceArray, get_device
-    dev = get_device()
+    if target.is_vulkan:
+        from .vulkan import get_device as vulkan_device
+        dev = vulkan_device()
+    else:
+        dev = get_device()
     staged, dargs = {}, []
 
     def stage(arr: np.ndarray, address: int, dtype, shape):
@@ -274,7 +296,7 @@ def _launch_gpu_staged(kernel, grid, args, kwargs, target):
         key = id(root)
         if key not in staged:
             flat = root.reshape(-1).view(np.uint8)
-            staged[key] = (root, DeviceArray.from_numpy(flat))
+            staged[key] = (root, DeviceArray.from_numpy(flat, device=dev))
         d = staged[key][1]
         return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
 
