@@ -102,6 +102,9 @@ def lower_with_meta(fn: ir.Function, target) -> tuple:
     if target.is_cuda:
         from .backends.nvptx import lower_to_nvptx
         return lower_to_nvptx(fn, target)
+    if target.is_vulkan:
+        from .backends.spirv import lower_to_spirv
+        return lower_to_spirv(fn, target)
     raise CompileError(f"no lowering for {target.backend} targets yet (target {target.name})",
                        kernel=fn.name, target=target.name)
 
@@ -142,6 +145,18 @@ def _compile_gpu(fn, target, describe, kernel_name, spec) -> tuple:
         return _compile_hip(fn, target, describe, kernel_name, spec)
     llvm_ir, meta = lower_with_meta(fn, target)
     from .isolate import compile_llvm_ir
+    if target.is_vulkan:
+        # LLVM IR -> SPIR-V (the SPIR-V backend's "object" is the module binary; isolated: LLVM asserts abort)
+        from .backends.spirv import finish_module
+        try:
+            out = compile_llvm_ir(llvm_ir, triple=target.triple, cpu="", features="", opt=0, emit=("obj",),
+                                  describe=describe, kernel=kernel_name, specialization=spec)
+        except CompileError as e:
+            if e.target is None:
+                e.target = target.name
+            raise
+        return {"kernel.jkir": ir.format_function(fn).encode(), "kernel.ll": llvm_ir.encode(),
+                "kernel.spv": finish_module(out["obj"])}, meta
     try:
         out = compile_llvm_ir(llvm_ir, triple=target.triple, cpu=target.cpu, features=target.feature_string,
                               opt=3, emit=("asm",), describe=describe, kernel=kernel_name, specialization=spec)
@@ -221,6 +236,10 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
         elif load and target.is_hip:
             from .runtime.hip import load_kernel as load_hip_kernel
             ck.loaded = load_hip_kernel(artifacts, symbol, launch_meta)
+            ck.address = id(ck.loaded)
+        elif load and target.is_vulkan:
+            from .runtime.vulkan import load_kernel as load_vulkan_kernel
+            ck.loaded = load_vulkan_kernel(artifacts, symbol, launch_meta)
             ck.address = id(ck.loaded)
         elif load and "kernel.o" in artifacts:
             from .runtime.cpu import load_object

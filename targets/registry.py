@@ -36,8 +36,11 @@ def _hip(gfx: str) -> Target:
 _GPU = ([_cuda(s) for s in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120a")]
         + [_hip(g) for g in ("gfx90a", "gfx942", "gfx1100")]
         + [Target(name="vulkan", backend="vulkan", triple="spirv1.5-unknown-vulkan1.2-compute", cpu="",
-                  vector_bits=0, warp_size=0, data_layout=_SPIRV_DL, arch="spirv",
-                  description="Vulkan 1.2 SPIR-V compute (run through the vulkan package)")])
+                  vector_bits=0, warp_size=32, data_layout=_SPIRV_DL, arch="spirv",
+                  description="Vulkan 1.2 SPIR-V compute (run through the vulkan package)",
+                  # workgroup = num_warps x 32 invocations (lavapipe's subgroups are 8 wide, NVIDIA's 32);
+                  # 32 KiB of workgroup memory: lavapipe's limit, and every desktop GPU's at least
+                  shared_mem_bytes=32 * 1024)])
 
 
 def all_targets() -> list[Target]:
