@@ -1,0 +1,329 @@
+"""The HIP runtime on hip-python (`from hip import hip`, the `[hip]` extra) for AMD GPUs. UNTESTED ON HARDWARE:
+no AMD GPU has run it yet; its code paths are exercised by tests/test_amdgpu.py with the driver calls stubbed.
+
+Imported lazily: nothing on the CPU or CUDA paths imports this module. hip-python itself imports without
+ROCm; the first driver call fails to dlopen libamdhip64.so, which `HipDevice` turns into one clear
+`HipUnavailable` error. The surface mirrors runtime/cuda.py:
+- `HipDevice`: one GPU (hipSetDevice), one non-blocking stream that every launch and copy goes to; memory
+  through hipMallocAsync / hipFreeAsync on that stream (the device's default pool caches freed blocks);
+- `DeviceArray` is runtime/cuda.py's class (it only calls its device's alloc/free/upload/download/copy/
+  memset8), made here with a `HipDevice`: `to_device(x)`, `empty`, `zeros`;
+- module loading of the linked code object (`kernel.hsaco`, backends/amdgpu.py) with hipModuleLoadData and
+  launches through hipModuleLaunchKernel with one 8-byte slot per kernel parameter (the CPU ABI's slots),
+  workgroups of (num_threads, 1, 1) and the kernel's dynamic LDS bytes;
+- `HipGraph` / `capture()`: launches inside `with capture() as g:` are recorded by HIP stream capture and
+  `g.replay()` is one hipGraphLaunch.
+`launch(kernel, grid, *args, **kwargs)` runs a `@jk.kernel` here (`python -m jitkern.runtime.hip` prints
+the device, or the one-line reason there is none).
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..errors import JitkernError
+
+
+class HipError(JitkernError):
+    """A HIP runtime call failed (the message names the call and HIP's error)."""
+
+
+class HipUnavailable(HipError):
+    """No usable HIP runtime / AMD GPU / hip-python here."""
+
+
+_hip = None
+_STREAM_NON_BLOCKING = 1          # hipStreamNonBlocking
+
+
+def hip_api():
+    """The hip-python module (`hip.hip`), imported on first use."""
+    global _hip
+    if _hip is None:
+        try:
+            from hip import hip as h
+        except ImportError as e:
+            raise HipUnavailable(f"hip-python is not installed ({e}); install jitkern[hip]") from None
+        _hip = h
+    return _hip
+
+
+def _text(v) -> str:
+    v = v[0] if isinstance(v, tuple) and len(v) == 1 else v
+    return v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def check(res, call: str):
+    """hip-python returns (hipError_t, *values): raise on an error, else return the values."""
+    err = res[0]
+    if int(err) != 0:
+        h = hip_api()
+        try:
+            detail = f"{_text(h.hipGetErrorName(err))}: {_text(h.hipGetErrorString(err))}"
+        except Exception:          # noqa: BLE001 - the error message itself must not fail
+            detail = f"error {int(err)}"
+        raise HipError(f"{call} failed: {detail}")
+    vals = res[1:]
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else vals
+
+
+# --------------------------------------------------------------------------------------------- device
+class HipDevice:
+    def __init__(self, ordinal: int = 0):
+        h = hip_api()
+        try:
+            check(h.hipInit(0), "hipInit")
+            count = check(h.hipGetDeviceCount(), "hipGetDeviceCount")
+        except (HipError, RuntimeError, OSError) as e:
+            # without ROCm the first call raises RuntimeError("failed to dlopen libamdhip64.so")
+            raise HipUnavailable(f"no AMD GPU: the HIP runtime is not usable here ({_first_line(e)})") from None
+        if ordinal >= count:
+            raise HipUnavailable(f"AMD GPU {ordinal} asked for, {count} present")
+        self.ordinal = ordinal
+        check(h.hipSetDevice(ordinal), "hipSetDevice")
+        props = check(h.hipGetDeviceProperties(ordinal), "hipGetDeviceProperties")
+        self.arch = _text(props.gcnArchName)          # e.g. "gfx942:sramecc+:xnack-"
+        self.name = _text(props.name)
+        self.warp_size = int(props.warpSize)
+        self.num_cus = int(props.multiProcessorCount)
+        self.stream = check(h.hipStreamCreateWithFlags(_STREAM_NON_BLOCKING), "hipStreamCreateWithFlags")
+        self._modules = {}
+        self._lock = threading.Lock()
+
+    @property
+    def target_name(self) -> str:
+        """The jitkern target of this GPU: the gfx name without its feature suffixes."""
+        return self.arch.split(":")[0]
+
+    def target(self):
+        from targets import get_target
+        from targets.base import UnknownTargetError
+        try:
+            t = get_target(self.target_name)
+        except UnknownTargetError:
+            t = None
+        if t is None or not t.is_hip:
+            raise HipUnavailable(f"{self.name} is {self.arch}, which jitkern has no target for "
+                                 f"(gfx90a, gfx942 and gfx1100 exist)")
+        return t
+
+    def activate(self) -> None:
+        check(hip_api().hipSetDevice(self.ordinal), "hipSetDevice")
+
+    def synchronize(self) -> None:
+        check(hip_api().hipStreamSynchronize(self.stream), "hipStreamSynchronize")
+
+    # ------------------------------------------------------------------------------------ memory
+    def alloc(self, nbytes: int) -> int:
+        p = check(hip_api().hipMallocAsync(max(int(nbytes), 1), self.stream), f"hipMallocAsync({nbytes} bytes)")
+        return int(p)
+
+    def free(self, ptr: int) -> None:
+        try:
+            hip_api().hipFreeAsync(ptr, self.stream)
+        except Exception:           # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        check(hip_api().hipMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self.stream), "hipMemcpyHtoDAsync")
+        self.synchronize()          # the host buffer may go away once we return
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        check(hip_api().hipMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, self.stream), "hipMemcpyDtoHAsync")
+        self.synchronize()
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        check(hip_api().hipMemcpyDtoDAsync(dst, src, nbytes, self.stream), "hipMemcpyDtoDAsync")
+
+    def memset8(self, dst: int, value: int, nbytes: int) -> None:
+        check(hip_api().hipMemsetD8Async(dst, value & 0xFF, nbytes, self.stream), "hipMemsetD8Async")
+
+    # ----------------------------------------------------------------------------------- modules
+    def load_function(self, image: bytes, symbol: str):
+        """Loads a code object once per image and returns (module, hipFunction) of `symbol`."""
+        h = hip_api()
+        with self._lock:
+            key = (hash(image), len(image), symbol)
+            hit = self._modules.get(key)
+            if hit is not None:
+                return hit
+            mod = check(h.hipModuleLoadData(image), f"hipModuleLoadData({symbol})")
+            fn = check(h.hipModuleGetFunction(mod, symbol.encode()), f"hipModuleGetFunction({symbol})")
+            self._modules[key] = (mod, fn)
+            return mod, fn
+
+    def launch(self, fn, grid, num_threads: int, shared_bytes: int, slots: np.ndarray) -> None:
+        """Launches with one 8-byte slot per kernel parameter (pointer, i64 or f64 bits); kernelParams is
+        an array of the slots' addresses, as hipModuleLaunchKernel (and cuLaunchKernel) take them."""
+        n = len(slots)
+        ptrs = (ctypes.c_void_p * max(n, 1))()
+        base = slots.ctypes.data
+        for i in range(n):
+            ptrs[i] = base + 8 * i
+        check(hip_api().hipModuleLaunchKernel(fn, grid[0], grid[1], grid[2], num_threads, 1, 1, shared_bytes,
+                                              self.stream, ctypes.addressof(ptrs), None), "hipModuleLaunchKernel")
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+_devices: dict = {}
+_dev_lock = threading.Lock()
+
+
+def get_device(ordinal: int = 0) -> HipDevice:
+    d = _devices.get(ordinal)
+    if d is None:
+        with _dev_lock:
+            d = _devices.get(ordinal)
+            if d is None:
+                d = _devices[ordinal] = HipDevice(ordinal)
+    return d
+
+
+def is_available() -> bool:
+    """True when hip-python is installed and an AMD GPU answers (never raises)."""
+    try:
+        get_device(0)
+        return True
+    except Exception:       # noqa: BLE001
+        return False
+
+
+# ---------------------------------------------------------------------------------------- arrays
+def to_device(x, dtype=None, device: HipDevice | None = None):
+    """Uploads a numpy array to the AMD GPU (a DeviceArray of runtime/cuda.py, on a HipDevice)."""
+    from .cuda import DeviceArray
+    return DeviceArray.from_numpy(np.asarray(x), dtype, device or get_device())
+
+
+def empty(shape, dtype, device: HipDevice | None = None):
+    from .cuda import DeviceArray
+    return DeviceArray.empty(shape, dtype, device or get_device())
+
+
+def zeros(shape, dtype, device: HipDevice | None = None):
+    from .cuda import DeviceArray
+    return DeviceArray.zeros(shape, dtype, device or get_device())
+
+
+# --------------------------------------------------------------------------------------- kernels
+class LoadedKernel:
+    __slots__ = ("module", "fn", "num_threads", "shared_bytes")
+
+    def __init__(self, module, fn, num_threads, shared_bytes):
+        self.module, self.fn, self.num_threads, self.shared_bytes = module, fn, num_threads, shared_bytes
+
+
+def load_kernel(artifacts: dict, symbol: str, meta: dict, device: HipDevice | None = None) -> LoadedKernel:
+    device = device or get_device()
+    image = artifacts.get("kernel.hsaco")
+    if image is None:
+        raise HipError(f"kernel {symbol}: the cache entry has no code object (kernel.hsaco)")
+    mod, fn = device.load_function(image, symbol)
+    return LoadedKernel(mod, fn, meta["num_threads"], meta.get("shared_bytes", 0))
+
+
+def pack_slots(values) -> np.ndarray:
+    from .cuda import pack_slots as pack
+    return pack(values)
+
+
+class HipGraph:
+    """Launches recorded by HIP stream capture; `replay()` runs them as one graph launch."""
+
+    def __init__(self, device: HipDevice):
+        self.device = device
+        self.graph = None
+        self.exec = None
+        self.nodes = 0
+        self.capturing = False
+        self._keep = []
+
+    def begin(self) -> None:
+        h = hip_api()
+        check(h.hipStreamBeginCapture(self.device.stream, h.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal),
+              "hipStreamBeginCapture")
+        self.capturing = True
+
+    def end(self) -> None:
+        h = hip_api()
+        self.capturing = False
+        self.graph = check(h.hipStreamEndCapture(self.device.stream), "hipStreamEndCapture")
+        out = check(h.hipGraphInstantiate(self.graph, 0), "hipGraphInstantiate")
+        self.exec = out[0] if isinstance(out, tuple) else out     # (exec, error node, log) in hip-python
+
+    def keep(self, values) -> None:
+        from .cuda import DeviceArray
+        self._keep.append(tuple(v for v in values if isinstance(v, DeviceArray)))
+
+    def replay(self) -> None:
+        if self.exec is None:
+            raise HipError("replay() of a graph whose capture has not ended")
+        check(hip_api().hipGraphLaunch(self.exec, self.device.stream), "hipGraphLaunch")
+
+    def __len__(self):
+        return self.nodes
+
+
+_capture = threading.local()
+
+
+@contextmanager
+def capture(device: HipDevice | None = None):
+    """Records the HIP launches of this thread into a HipGraph (ended and instantiated on exit)."""
+    g = HipGraph(device or get_device())
+    if getattr(_capture, "graph", None) is not None:
+        raise HipError("hip.capture() is already active on this thread")
+    g.begin()
+    _capture.graph = g
+    try:
+        yield g
+    finally:
+        _capture.graph = None
+        g.end()
+
+
+def launch(kernel, grid, *args, target=None, **kwargs):
+    """Runs `kernel` over `grid` on the AMD GPU with DeviceArray / scalar arguments; returns the
+    CompiledKernel. The target defaults to the device's (gfx942 on an MI300)."""
+    from .launch import resolve
+    dev = get_device()
+    target = target or dev.target()
+    ck, values, consts = resolve(kernel, args, kwargs, target)
+    if callable(grid):
+        grid = grid(consts if consts is not None else dict(kwargs))
+    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+    if g[0] * g[1] * g[2] == 0:
+        return ck
+    slots = pack_slots(values)
+    graph = getattr(_capture, "graph", None)
+    if graph is not None:
+        graph.nodes += 1
+        graph.keep(values)
+    lk = ck.loaded
+    dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes, slots)
+    return ck
+
+
+def main() -> int:
+    try:
+        d = get_device()
+        print(f"{d.name} ({d.arch}): jitkern target {d.target().name}, wave{d.warp_size}, {d.num_cus} CUs")
+        return 0
+    except HipError as e:
+        print(f"jitkern: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
