@@ -625,3 +625,40 @@ def test_madd_errors():
 
     with pytest.raises(Exception, match=r"madd takes \(u8, i8\) or \(i16, i16\)"):
         _bad_madd[(1,)](np.zeros(4, np.int8), np.zeros(4, np.int8), np.zeros(2, np.int32))
+
+
+@jk.kernel
+def _half_dot(a, b, c, acc0, M: jk.constexpr, N: jk.constexpr, K: jk.constexpr):
+    # 16-bit inputs straight into dot (matrix units on GPUs that have them), f32 accumulator operand
+    rm = jk.arange(0, M)
+    rn = jk.arange(0, N)
+    rk = jk.arange(0, K)
+    av = jk.load(a + rm[:, None] * K + rk[None, :])
+    bv = jk.load(b + rk[:, None] * N + rn[None, :])
+    acc = jk.load(acc0 + rm[:, None] * N + rn[None, :])
+    jk.store(c + rm[:, None] * N + rn[None, :], jk.dot(av, bv, acc))
+
+
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+def test_dot_of_16_bit_inputs(tier, half):
+    rng = np.random.default_rng(21)
+    M, N, K = 32, 24, 48
+    a32 = rng.standard_normal((M, K)).astype(np.float32)
+    b32 = rng.standard_normal((K, N)).astype(np.float32)
+    acc = rng.standard_normal((M, N)).astype(np.float32)
+    if half == "f16":
+        a, b = a32.astype(np.float16), b32.astype(np.float16)
+        ar, br = a.astype(np.float64), b.astype(np.float64)
+        args = (a, b)
+    else:
+        torch = pytest.importorskip("torch")
+        ab = torch.from_numpy(a32).to(torch.bfloat16)
+        bb = torch.from_numpy(b32).to(torch.bfloat16)
+        ar, br = ab.double().numpy(), bb.double().numpy()
+        a_bits = ab.view(torch.int16).numpy().view(np.uint16).copy()
+        b_bits = bb.view(torch.int16).numpy().view(np.uint16).copy()
+        args = (jk.as_pointer(a_bits, "bf16"), jk.as_pointer(b_bits, "bf16"))
+    c = np.full((M, N), np.nan, np.float32)
+    _run(_half_dot, (1,), tier, *args, c, acc, M=M, N=N, K=K)
+    want = ar @ br + acc
+    np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())

@@ -72,6 +72,13 @@ class GpuHooks:
     def function_attrs(self, low) -> list:
         return []
 
+    # matrix units: None where the target has none (dot then runs FMA through shared memory)
+    mma_shape = None            # (m, n, k) of one warp-level MMA, e.g. (16, 8, 16)
+
+    def mma(self, low, kind: str, a_regs: list, b_regs: list, c_regs: list) -> list:
+        """One warp-level MMA: A/B fragments as packed i32 refs, C as f32 refs; returns the 4 new C refs."""
+        raise NotImplementedError
+
     # Targets without pointer kernel parameters (Vulkan's logical addressing) override these; the defaults
     # keep the lowering's own code (pointer parameters, GEPs, masked gathers/scatters on pointer vectors).
     def entry(self, low) -> None:
@@ -785,6 +792,15 @@ class GpuLowering(LlvmEmitter):
         n = op.operands[1].type.shape[1]
         oshape = (m, n)
         R = self.lanes(oshape)
+        ms = self.hooks.mma_shape
+        if ms and ad == bd and ad in (ir.bf16, ir.f16) and rd == ir.f32 and m % ms[0] == 0 and n % ms[1] == 0 \
+                and k % ms[2] == 0:
+            out = self._dot_mma(a, b, m, n, k, "bf16" if ad == ir.bf16 else "f16")
+            if acc_in is not None:
+                init = acc_in if acc_in.n else self.splat(acc_in, R, oshape)
+                init = self._to_acc(init, op.operands[2].type.elem, rd)
+                out = self.val(f"fadd {out.ty} {out.ref}, {init.ref}", "float", R, oshape)
+            return out
         self.barrier()
         offb = self.smem_write(a, 0)
         self.smem_write(b, offb)
@@ -813,6 +829,81 @@ class GpuLowering(LlvmEmitter):
             return [self.val(f"add {pr.ty} {cur[0].ref}, {pr.ref}", ret, R)]
         out = self.emit_loop(k, [LV(init.ref, init.et, R)], body)[0]
         return LV(out.ref, out.et, R, oshape)
+
+    def _dot_mma(self, a: LV, b: LV, m: int, n: int, k: int, kind: str) -> LV:
+        """(m, k) x (k, n) 16-bit floats -> f32 on the matrix units: operands staged row-major in shared memory,
+        each warp taking 16x8 output tiles round-robin and running the K loop as m16n8k16 MMAs (fragments
+        loaded per the PTX fragment layout), results written to shared memory and read back in the tile
+        layout. Per output element the K steps are the same whatever m is, so results stay batch invariant."""
+        MS, NS, KS = self.hooks.mma_shape
+        ws = self.target.warp_size
+        self.barrier()
+        offb = self.smem_write(a, 0)
+        offc = self.smem_write(b, offb)
+        self._claim(offc, m * n * 4)
+        self.barrier()
+        a3 = self.hooks.smem_as
+        warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0)
+        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0)
+        g = self.val(f"lshr i32 {lane.ref}, 2", "i32", 0)
+        t4 = self.val(f"and i32 {lane.ref}, 3", "i32", 0)
+        t2 = self.val(f"shl i32 {t4.ref}, 1", "i32", 0)
+        ntiles = (m // MS) * (n // NS)
+        per_warp = -(-ntiles // self.num_warps)
+        base_a, base_b, base_c = self.smem_ptr(0), self.smem_ptr(offb), self.smem_ptr(offc)
+
+        def sld(base, et, idx_ref):
+            ptr = self.val(f"getelementptr {et}, ptr addrspace({a3}) {base}, i32 {idx_ref}", "ptr", 0)
+            return self.val(f"load {et}, ptr addrspace({a3}) {ptr.ref}, align {_ES[et]}", et, 0).ref
+
+        def add(x, y):
+            return self.val(f"add i32 {x}, {y}", "i32", 0).ref
+
+        def mul(x, c):
+            return self.val(f"mul i32 {x}, {c}", "i32", 0).ref
+
+        for i in range(per_warp):
+            q = self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0)
+            yes, done = self.label("mma_tile"), self.label("mma_done")
+            ok = self.val(f"icmp ult i32 {q.ref}, {ntiles}", "i1", 0)
+            self.emit(f"br i1 {ok.ref}, label %{yes}, label %{done}")   # warp-uniform: no barrier inside
+            self.start_block(yes)
+            mi = self.val(f"udiv i32 {q.ref}, {n // NS}", "i32", 0)
+            ni = self.val(f"urem i32 {q.ref}, {n // NS}", "i32", 0)
+            r0 = add(mul(mi.ref, MS), g.ref)                 # rows r0 and r0 + 8 of A and C
+            c0 = add(mul(ni.ref, NS), g.ref)                 # column of B this lane feeds
+            cc = add(mul(ni.ref, NS), t2.ref)                # columns cc, cc + 1 of C this lane holds
+            zero = LV("0.0", "float", 0)
+
+            def kstep(iv, cur):
+                kb = mul(iv, KS)
+                ka = add(kb, t2.ref)                         # A columns ka, ka + 1 (and + 8)
+                regs_a = []
+                for dr, dc in ((0, 0), (8, 0), (0, 8), (8, 8)):
+                    e = add(mul(add(r0, dr), k), add(ka, dc))         # element index of the pair's first half
+                    eb = mul(e, 2)                                    # bytes: the pair is one aligned i32
+                    p = self.val(f"getelementptr i8, ptr addrspace({a3}) {base_a}, i32 {eb}", "ptr", 0)
+                    regs_a.append(self.val(f"load i32, ptr addrspace({a3}) {p.ref}, align 4", "i32", 0).ref)
+                regs_b = []
+                for dk in (0, 8):
+                    lo_i = add(mul(add(ka, dk), n), c0)                # B[ka + dk][c0], B[ka + dk + 1][c0]
+                    hi_i = add(lo_i, n)
+                    lo = self.val(f"zext i16 {sld(base_b, 'i16', lo_i)} to i32", "i32", 0).ref
+                    hi = self.val(f"zext i16 {sld(base_b, 'i16', hi_i)} to i32", "i32", 0).ref
+                    hs = self.val(f"shl i32 {hi}, 16", "i32", 0).ref
+                    regs_b.append(self.val(f"or i32 {lo}, {hs}", "i32", 0).ref)
+                outs = self.hooks.mma(self, kind, regs_a, regs_b, [c.ref for c in cur])
+                return [LV(o, "float", 0) for o in outs]
+            acc = self.emit_loop(k // KS, [zero, zero, zero, zero], kstep)
+            for j, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                e = add(mul(add(r0, dr), n), add(cc, dc))
+                ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e}", "ptr", 0)
+                self.emit(f"store float {acc[j].ref}, ptr addrspace({a3}) {ptr.ref}, align 4")
+            self.emit(f"br label %{done}")
+            self.start_block(done)
+        self.barrier()
+        idx = self.umin(self.flat_index((m, n)), m * n - 1)
+        return self.smem_read("float", offc, idx, (m, n))
 
     def _int_products(self, a_et_signed: bool, av: LV, bv: LV, b_signed=True, wide="i32") -> LV:
         wa = self.val(f"{'sext' if a_et_signed else 'zext'} {av.ty} {av.ref} to {vty(wide, av.n)}", wide, av.n)

@@ -70,6 +70,21 @@ class NvptxHooks(GpuHooks):
             return low.build_vector(parts, "float", x.shape)
         return None
 
+    @property
+    def mma_shape(self):
+        return (16, 8, 16) if self.target.mma in ("mma.sync", "wgmma", "tcgen05") else None
+
+    def mma(self, low, kind, a_regs, b_regs, c_regs):
+        # mma.sync.m16n8k16 (sm_80+) as inline PTX: LLVM's intrinsic names for it changed across releases
+        asm = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
+               f"{{$8,$9}}, {{$10,$11,$12,$13}};")
+        cons = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
+        args = ", ".join([f"i32 {r}" for r in a_regs + b_regs] + [f"float {c}" for c in c_regs])
+        res = low.val(f'call {{ float, float, float, float }} asm "{asm}", "{cons}"({args})',
+                      "{4f}", 0)
+        return [low.val(f"extractvalue {{ float, float, float, float }} {res.ref}, {j}", "float", 0).ref
+                for j in range(4)]
+
     def function_attrs(self, low) -> list:
         return [f'"nvvm.maxntid"="{low.T}"']
 
