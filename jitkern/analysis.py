@@ -74,6 +74,10 @@ class AxisAnalysis:
             for r in op.regions:
                 for a in r.args:
                     self.facts[a.id] = AxisInfo.unknown(a.type.shape)     # loop-carried: nothing known
+            if op.name == "for" and op.regions and op.regions[0].args:
+                # the induction variable lb + i * step is a multiple of gcd(lb, step)
+                lb, step = self.info(op.operands[0]), self.info(op.operands[2])
+                self.facts[op.regions[0].args[0].id] = AxisInfo.uniform((), gcd(lb.scalar_div, step.scalar_div))
             if op.regions:
                 for r in op.regions:
                     self._block(r)

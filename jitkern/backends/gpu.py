@@ -72,6 +72,8 @@ class GpuHooks:
     def function_attrs(self, low) -> list:
         return []
 
+    global_as = 0               # address space of kernel pointer arguments' memory (NVPTX: 1 = global)
+
     # matrix units: None where the target has none (dot then runs FMA through shared memory)
     mma_shape = None            # (m, n, k) of one warp-level MMA, e.g. (16, 8, 16)
 
@@ -522,13 +524,23 @@ class GpuLowering(LlvmEmitter):
             return 0
         return V
 
+    def _chunk_ptr(self, ptrs: LV, lane: int):
+        """(pointer type, ref) of one chunk's first element, in the global address space when the target
+        names one (a generic pointer would make NVPTX emit generic ld/st)."""
+        pc = self.extract(ptrs, lane)
+        gas = self.hooks.global_as
+        if not gas:
+            return "ptr", pc
+        g = self.val(f"addrspacecast ptr {pc.ref} to ptr addrspace({gas})", "ptr", 0)
+        return f"ptr addrspace({gas})", g
+
     def _load_chunks(self, ptrs: LV, m, other: LV, V: int, et: str, esize: int, shape) -> LV:
         parts = []
         vt = vty(et, V)
         for c in range(ptrs.n // V):
-            pc = self.extract(ptrs, c * V)
+            pty, pc = self._chunk_ptr(ptrs, c * V)
             if m is None:
-                parts.append(self.val(f"load {vt}, ptr {pc.ref}, align {V * esize}", et, V))
+                parts.append(self.val(f"load {vt}, {pty} {pc.ref}, align {V * esize}", et, V))
                 continue
             mc = self.extract(m, c * V)
             oc = self.shuffle(other, list(range(c * V, c * V + V))) if other.ref != "zeroinitializer" else \
@@ -537,7 +549,7 @@ class GpuLowering(LlvmEmitter):
             yes, done = self.label("vld"), self.label("vld_done")
             self.emit(f"br i1 {mc.ref}, label %{yes}, label %{done}")
             self.start_block(yes)
-            lv = self.val(f"load {vt}, ptr {pc.ref}, align {V * esize}", et, V)
+            lv = self.val(f"load {vt}, {pty} {pc.ref}, align {V * esize}", et, V)
             self.emit(f"br label %{done}")
             self.start_block(done)
             parts.append(self.val(f"phi {vt} [ {lv.ref}, %{yes} ], [ {oc.ref}, %{pred} ]", et, V))
@@ -548,16 +560,16 @@ class GpuLowering(LlvmEmitter):
     def _store_chunks(self, ptrs: LV, v: LV, m, V: int, et: str, esize: int) -> None:
         vt = vty(et, V)
         for c in range(ptrs.n // V):
-            pc = self.extract(ptrs, c * V)
+            pty, pc = self._chunk_ptr(ptrs, c * V)
             part = self.shuffle(v, list(range(c * V, c * V + V))) if v.n > V else v
             if m is None:
-                self.emit(f"store {vt} {part.ref}, ptr {pc.ref}, align {V * esize}")
+                self.emit(f"store {vt} {part.ref}, {pty} {pc.ref}, align {V * esize}")
                 continue
             mc = self.extract(m, c * V)
             yes, done = self.label("vst"), self.label("vst_done")
             self.emit(f"br i1 {mc.ref}, label %{yes}, label %{done}")
             self.start_block(yes)
-            self.emit(f"store {vt} {part.ref}, ptr {pc.ref}, align {V * esize}")
+            self.emit(f"store {vt} {part.ref}, {pty} {pc.ref}, align {V * esize}")
             self.emit(f"br label %{done}")
             self.start_block(done)
 

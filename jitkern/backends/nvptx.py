@@ -21,6 +21,7 @@ from .gpu import GpuHooks, GpuLowering
 class NvptxHooks(GpuHooks):
     smem_as = 3
     smem_index = "i32"
+    global_as = 1
 
     def __init__(self, target):
         self.target = target
