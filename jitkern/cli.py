@@ -100,6 +100,11 @@ def cmd_targets(args) -> int:
                 run = "compile-only: missing " + ",".join(missing_features(t))
             width = f"{t.vector_bits}b"
             notes = t.feature_string or "(baseline)"
+        elif t.is_cuda or t.is_hip:
+            lowering = "yes"
+            run = "on its GPU; build anywhere" if t.is_cuda else "build only (runtime untested)"
+            width = f"warp {t.warp_size}"
+            notes = t.description
         else:
             lowering = "not yet"
             run = "no (no lowering yet)"
