@@ -430,3 +430,20 @@ def test_no_amd_gpu_fails_closed():
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jitkern: ") and ("no AMD GPU" in lines[0] or "hip-python is "
                                                                        "not installed" in lines[0])
+
+
+@needs_lld
+def test_kernel_call_with_hip_arrays_goes_to_hip(fake_hip):
+    """`kernel[grid](...)` with DeviceArrays made by runtime/hip.py launches through HIP (not CUDA); host arrays
+    and jk.capture() are refused with errors that say what to use instead."""
+    from jitkern.runtime import hip
+    x = hip.to_device(np.random.default_rng(7).standard_normal(2048).astype(np.float32))
+    out = hip.zeros((64,), np.float32)
+    colsum_sin[(2,)](x, out, 31, B=32)
+    (ln,) = fake_hip.launches
+    assert ln["grid"] == (2, 1, 1) and ln["block"] == (256, 1, 1)
+    with pytest.raises(hip.HipError, match="host \\(numpy\\) arrays"):
+        colsum_sin[(1,)](x, np.zeros(32, np.float32), 31, B=32, target=get_target("gfx942"))
+    with pytest.raises(hip.HipError, match="use jitkern.runtime.hip.capture"):
+        with jk.capture():
+            colsum_sin[(1,)](x, out, 31, B=32)

@@ -295,10 +295,19 @@ def capture(device: HipDevice | None = None):
 
 def launch(kernel, grid, *args, target=None, **kwargs):
     """Runs `kernel` over `grid` on the AMD GPU with DeviceArray / scalar arguments; returns the
-    CompiledKernel. The target defaults to the device's (gfx942 on an MI300)."""
-    from .launch import resolve
+    CompiledKernel. The target defaults to the device's (gfx942 on an MI300). `kernel[grid](...)` with a
+    DeviceArray made here comes the same way (launch.py)."""
+    return launch_args(kernel, grid, args, kwargs, target or get_device().target())
+
+
+def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
+    from .launch import Pointer, resolve
+    if jk_graph is not None:
+        raise HipError("jk.capture() does not record AMD GPU launches: use jitkern.runtime.hip.capture()")
+    if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
+        raise HipError(f"{kernel.__name__}: host (numpy) arrays were passed to an AMD GPU launch; upload them "
+                       f"with jitkern.runtime.hip.to_device")
     dev = get_device()
-    target = target or dev.target()
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
         grid = grid(consts if consts is not None else dict(kwargs))

@@ -326,6 +326,10 @@ def launch(kernel, grid, args, kwargs, target=None):
     if target is None:
         target = _device_target(args)
     if target is not None and target.is_gpu:
+        if target.is_hip:
+            # AMD GPUs: runtime/hip.py (device arrays from hip.to_device; graphs through hip.capture())
+            from .hip import launch_args
+            return launch_args(kernel, grid, args, kwargs, target, getattr(_capture, "graph", None))
         if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
             return _launch_gpu_staged(kernel, grid, args, kwargs, target)
         return _launch_gpu(kernel, grid, args, kwargs, target)
