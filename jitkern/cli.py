@@ -228,6 +228,11 @@ def cmd_build(args) -> int:
     if not (t.is_cpu or t.is_cuda or t.is_hip):
         return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers, CUDA targets "
                      f"(sm_80 ... sm_120a) and AMD targets (gfx90a, gfx942, gfx1100) can be built now")
+    if t.is_hip:
+        from .backends.amdgpu import find_lld
+        if find_lld() is None:
+            return _fail(f"target {t.name}: no ld.lld that links AMDGPU code object v5 (install jitkern[hip], which "
+                         f"brings the ziglang wheel's ld.lld, or ld.lld-17+; or set JITKERN_LLD)", "jitkern build")
     from tqdm import tqdm
     bar = tqdm(desc=f"compiling for {t.name}", unit="kernel", disable=args.quiet)
     seen, cached = set(), set()

@@ -447,3 +447,13 @@ def test_kernel_call_with_hip_arrays_goes_to_hip(fake_hip):
     with pytest.raises(hip.HipError, match="use jitkern.runtime.hip.capture"):
         with jk.capture():
             colsum_sin[(1,)](x, out, 31, B=32)
+
+
+def test_build_without_linker_fails_with_one_line(tmp_path):
+    env = dict(os.environ, JITKERN_LLD=str(tmp_path / "no-such-ld.lld"), JITKERN_CACHE_DIR=str(tmp_path / "c"))
+    r = subprocess.run([sys.executable, "-m", "jitkern.cli", "build", "--target", "gfx942", "--quiet"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "jitkern build: error: target gfx942: no ld.lld that links AMDGPU code object v5 (install jitkern[hip], "
+        "which brings the ziglang wheel's ld.lld, or ld.lld-17+; or set JITKERN_LLD)"]

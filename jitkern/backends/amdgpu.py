@@ -132,9 +132,20 @@ def lower_to_amdgpu(fn, target) -> tuple[str, dict]:
 
 
 # ------------------------------------------------------------------------------------------ ld.lld
+_found_lld: dict = {}
+
+
 def find_lld():
     """An ld.lld command (list) that links AMDGPU code object v5: $JITKERN_LLD, the ziglang wheel's, or
-    ld.lld-22 ... ld.lld-17 / ld.lld on PATH when new enough; None if there is none."""
+    ld.lld-22 ... ld.lld-17 / ld.lld on PATH when new enough; None if there is none (memoised per
+    $JITKERN_LLD and $PATH: every cache key asks)."""
+    key = (os.environ.get("JITKERN_LLD"), os.environ.get("PATH"))
+    if key not in _found_lld:
+        _found_lld[key] = _search_lld()
+    return _found_lld[key]
+
+
+def _search_lld():
     env = os.environ.get("JITKERN_LLD")
     if env:
         return env.split() if shutil.which(env.split()[0]) else None
