@@ -86,6 +86,12 @@ def _llvm():
     return llvm
 
 
+# SPIR-V codegen keeps pointers to IR and target objects in state that outlives a module (LLVM 22: ids
+# of a later module collide with an earlier one's, "Id 1 is defined more than once", once the earlier module's
+# memory is reused), so a worker keeps every SPIR-V module and TargetMachine it made alive.
+_SPIRV_KEEP: list = []
+
+
 def _compile_impl(
     llvm_ir: str, triple: str, cpu: str, features: str, opt: int, emit: Sequence[str]
 ) -> dict[str, bytes]:
@@ -114,6 +120,8 @@ def _compile_impl(
         pb = llvm.create_pass_builder(tm, pto)
         pb.getModulePassManager().run(mod, pb)
     opt_text = str(mod)
+    if triple.startswith("spirv"):
+        _SPIRV_KEEP.append((mod, tm))
     del mod, tm
 
     out: dict[str, bytes] = {}
@@ -129,6 +137,8 @@ def _compile_impl(
             out[kind] = bytes(etm.emit_object(emod))
         else:  # "asm"
             out[kind] = etm.emit_assembly(emod).encode()
+        if triple.startswith("spirv"):
+            _SPIRV_KEEP.append((emod, etm))
         del emod, etm
     return out
 

@@ -166,8 +166,8 @@ def test_fused_jit_functions_and_math(tier, fn, ref, tol):
     out = np.zeros_like(x)
     _run(_unary, (8,), tier, x, out, x.size, F=fn, BLOCK=128)
     want = ref(x.astype(np.float64))
-    if fn is _exp:   # relative accuracy of the polynomial exp: a few ulp
-        np.testing.assert_allclose(out, want, rtol=4e-7)
+    if fn is _exp:   # relative accuracy of the polynomial exp: a few ulp (Vulkan's Fma may be unfused)
+        np.testing.assert_allclose(out, want, rtol=4e-6 if tier.is_vulkan else 4e-7)
     else:
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=tol)
 
@@ -179,7 +179,8 @@ def test_exp_extremes(tier):
     with np.errstate(over="ignore"):
         want = np.exp(x.astype(np.float64)).astype(np.float32)
     finite = np.isfinite(want) & (want > 1e-37)
-    np.testing.assert_allclose(out[finite], want[finite], rtol=1e-6)
+    # Vulkan: Fma's precision is that of OpFMul then OpFAdd (SPIR-V environment spec); lavapipe's is unfused
+    np.testing.assert_allclose(out[finite], want[finite], rtol=4e-6 if tier.is_vulkan else 1e-6)
     assert out[0] == 0 and np.isposinf(out[9]) and np.isposinf(out[10]) and np.isposinf(out[11])
     assert out[12] == 0 and np.isnan(out[13])
 

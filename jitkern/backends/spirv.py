@@ -26,6 +26,7 @@ Launch metadata: threads per workgroup, shared bytes, the slot count and the poi
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +35,7 @@ from ..errors import CompileError
 from ..language import CompilationError
 from .emitter import LV, elem_ty, vty
 from .gpu import _ES, GpuHooks, GpuLowering
+from .scalarize import scalarize
 
 _SFX = {"float": "f32", "double": "f64", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64"}
 _PLACEHOLDER = "__JK_SMEM_LEN_{}__"
@@ -274,11 +276,81 @@ class SpirvHooks(GpuHooks):
         return out + self.names
 
 
+# ---------------------------------------------------------------------- intrinsics without a SPIR-V form
+# LLVM 22's SPIR-V backend cannot select G_FCOPYSIGN or G_SADDSAT (scalar or vector); the shared emitter
+# uses both (tanh's sign, madd's i16 saturation), so their calls are expanded into plain IR here.
+_CALL = re.compile(r"^(\s*)(%[\w.]+) = call (<(\d+) x (\w+)>|\w+) @llvm\.(copysign|sadd\.sat)\.\w+\("
+                   r"(?:<\d+ x \w+>|\w+) ([^,]+), (?:<\d+ x \w+>|\w+) ([^)]+)\)\s*$")
+_WIDE = {"i8": "i16", "i16": "i32", "i32": "i64"}
+_BITS = {"float": ("i32", 0x7FFFFFFF, -0x80000000), "double": ("i64", 0x7FFFFFFFFFFFFFFF, -0x8000000000000000)}
+
+
+def _splat(et: str, n, v) -> str:
+    return f"<{', '.join([f'{et} {v}'] * int(n))}>" if n else str(v)
+
+
+def _expand(line: str) -> list:
+    m = _CALL.match(line)
+    if not m:
+        return [line]
+    ind, r, ty, n, vet, what, a, b = m.groups()
+    et = vet or ty
+    t = lambda k: f"{r}.jk{k}"  # noqa: E731
+    vt = lambda e: f"<{n} x {e}>" if n else e  # noqa: E731
+    if what == "copysign":
+        it, mag, sign = _BITS[et]
+        return [f"{ind}{t(0)} = bitcast {ty} {a} to {vt(it)}", f"{ind}{t(1)} = bitcast {ty} {b} to {vt(it)}",
+                f"{ind}{t(2)} = and {vt(it)} {t(0)}, {_splat(it, n, mag)}",
+                f"{ind}{t(3)} = and {vt(it)} {t(1)}, {_splat(it, n, sign)}",
+                f"{ind}{t(4)} = or {vt(it)} {t(2)}, {t(3)}", f"{ind}{r} = bitcast {vt(it)} {t(4)} to {ty}"]
+    w = _WIDE[et]
+    bits = int(et[1:])
+    hi, lo = (1 << (bits - 1)) - 1, -(1 << (bits - 1))
+    return [f"{ind}{t(0)} = sext {ty} {a} to {vt(w)}", f"{ind}{t(1)} = sext {ty} {b} to {vt(w)}",
+            f"{ind}{t(2)} = add {vt(w)} {t(0)}, {t(1)}",
+            f"{ind}{t(3)} = icmp sgt {vt(w)} {t(2)}, {_splat(w, n, hi)}",
+            f"{ind}{t(4)} = select {vt('i1')} {t(3)}, {vt(w)} {_splat(w, n, hi)}, {vt(w)} {t(2)}",
+            f"{ind}{t(5)} = icmp slt {vt(w)} {t(4)}, {_splat(w, n, lo)}",
+            f"{ind}{t(6)} = select {vt('i1')} {t(5)}, {vt(w)} {_splat(w, n, lo)}, {vt(w)} {t(4)}",
+            f"{ind}{r} = trunc {vt(w)} {t(6)} to {ty}"]
+
+
+# `fcmp uno/ord` become OpUnordered/OpOrdered, which need the Kernel capability: NaN tests are rewritten
+# into self-comparisons (OpFUnordNotEqual / OpFOrdEqual), which shaders have.
+_FCMP = re.compile(r"^(\s*)(%[\w.]+) = fcmp (uno|ord) (<\d+ x \w+>|\w+) ([^,]+), (.+?)\s*$")
+
+
+def _expand_fcmp(line: str) -> list:
+    m = _FCMP.match(line)
+    if not m:
+        return [line]
+    ind, r, pred, ty, a, b = m.groups()
+    p = "une" if pred == "uno" else "oeq"
+    if a == b:
+        return [f"{ind}{r} = fcmp {p} {ty} {a}, {a}"]
+    bt = re.sub(r"\b(float|double|half)\b", "i1", ty)
+    return [f"{ind}{r}.jka = fcmp {p} {ty} {a}, {a}", f"{ind}{r}.jkb = fcmp {p} {ty} {b}, {b}",
+            f"{ind}{r} = {'or' if pred == 'uno' else 'and'} {bt} {r}.jka, {r}.jkb"]
+
+
+def legalize_intrinsics(text: str) -> str:
+    out = []
+    for line in text.split("\n"):
+        if line.startswith("declare") and ("@llvm.copysign." in line or "@llvm.sadd.sat." in line):
+            continue
+        if " = fcmp uno " in line or " = fcmp ord " in line:
+            out += _expand_fcmp(line)
+        else:
+            out += _expand(line) if ("@llvm.copysign." in line or "@llvm.sadd.sat." in line) else [line]
+    return "\n".join(out)
+
+
 def lower_to_spirv(fn, target) -> tuple[str, dict]:
     """(LLVM IR text, launch metadata) for one kernel."""
     hooks = SpirvHooks(target)
     low = GpuLowering(fn, target, hooks)
-    text = low.lower()
+    # the backend cannot legalize most vectors wider than 4 (and <N x i1>): hand it scalar IR
+    text = legalize_intrinsics(scalarize(low.lower()))
     meta = {"num_threads": low.T, "shared_bytes": getattr(hooks, "smem_total", 0), "slots": hooks.slots,
             "bindings": [list(b) for b in hooks.bindings], "entry": fn.name}
     return text, meta

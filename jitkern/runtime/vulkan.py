@@ -281,8 +281,17 @@ class VulkanDevice:
             try:
                 p.pipeline = v.vkCreateComputePipelines(self.device, v.VK_NULL_HANDLE, 1, [ci], None)[0]
             except Exception as e:      # noqa: BLE001
+                why = ""
+                if os.environ.get("JITKERN_VULKAN_DUMP"):
+                    with open(os.path.join(os.environ["JITKERN_VULKAN_DUMP"], meta["entry"] + ".spv"), "wb") as f:
+                        f.write(spv)
+                try:
+                    from ..backends.spirv import spirv_validate
+                    why = spirv_validate(spv) or "spirv-val accepts the module"
+                except Exception as ve:     # noqa: BLE001 - no spirv-val here
+                    why = str(ve)
                 raise VulkanError(f"{self.name} rejected the pipeline of {meta['entry']}: {type(e).__name__} "
-                                  f"{e}") from e
+                                  f"{e} ({why})") from e
             p.keep = (name, stage, ci)
             p.bindings = [tuple(b) for b in meta["bindings"]]
             p.num_threads = meta["num_threads"]
