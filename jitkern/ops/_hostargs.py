@@ -18,8 +18,56 @@ from ..runtime.launch import launch
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
-def resolve_target(target):
+def is_device(a) -> bool:
+    """A GPU DeviceArray (jitkern.runtime.cuda), checked without importing the CUDA runtime."""
+    return type(a).__name__ == "DeviceArray"
+
+
+def is_array(a) -> bool:
+    """A numpy array or a GPU DeviceArray (both have dtype, shape, strides in bytes, itemsize, ndim)."""
+    return isinstance(a, np.ndarray) or is_device(a)
+
+
+def empty_like_dev(ref, shape, dtype):
+    """An uninitialised array on the device `ref` lives on: a DeviceArray there, else numpy."""
+    if is_device(ref):
+        from ..runtime.cuda import DeviceArray
+        return DeviceArray.empty(shape, dtype, ref.device)
+    return np.empty(shape, dtype)
+
+
+_scratch: dict = {}
+
+
+def device_scratch(ref, role: str, shape, dtype):
+    """A wrapper's internal temporary on `ref`'s device (e.g. matmul_q's quantised activations), reused
+    across calls: stable addresses (what recorded CUDA graphs point at) and no allocation once the sizes
+    were seen (stream capture must not allocate). Safe because every launch and copy goes to the device's
+    one stream in order; a grown buffer stays alive in the graphs that recorded the old one."""
+    from ..runtime.cuda import DeviceArray
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    key = (id(ref.device), role, dtype.str)
+    buf = _scratch.get(key)
+    if buf is None or buf.size < n or buf.device is not ref.device:
+        buf = _scratch[key] = DeviceArray.empty(max(n, 1), dtype, ref.device)
+    return buf[:n].reshape(shape)
+
+
+def host_copy(a, host=None):
+    """The host values of a small array the wrapper must read (lengths, ids): `host` when the caller has a
+    host copy, the array itself when it is numpy, else a download (a synchronising copy)."""
+    if host is not None:
+        return host
+    return a.numpy() if is_device(a) else a
+
+
+def resolve_target(target, *arrays):
+    """`target` as a Target; None stays None, except that device arrays among `arrays` pick their GPU."""
     if target is None:
+        for a in arrays:
+            if is_device(a):
+                return a.device.target()
         return None
     if isinstance(target, str):
         from targets import get_target
@@ -29,7 +77,7 @@ def resolve_target(target):
 
 def fptr(a: np.ndarray, what: str):
     """The kernel argument for a float array: uint16 storage is passed as bf16."""
-    if not isinstance(a, np.ndarray):
+    if not is_array(a):
         raise TypeError(f"{what}: expected a numpy array, got {type(a).__name__}")
     if a.dtype == np.uint16:
         return as_pointer(a, "bf16")
@@ -96,7 +144,7 @@ def narrow_tier(target) -> bool:
 
 def has_half(*arrays) -> bool:
     """Whether any of these arrays holds 16-bit floats (float16, or uint16 = bf16)."""
-    return any(isinstance(a, np.ndarray) and a.dtype.itemsize == 2 for a in arrays)
+    return any(is_array(a) and a.dtype.itemsize == 2 for a in arrays)
 
 
 def block_for(n: int, cap: int, target=None, half: bool = False) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import block_for, check_shape, fptr, has_half, row_stride, run
+from ._hostargs import (block_for, check_shape, empty_like_dev, fptr, has_half, is_array, resolve_target, row_stride,
+                        run)
 
 _BLOCK = 128
 
@@ -80,7 +81,7 @@ def add_kernel(a, a_s, b, b_s, out, o_s, n, BLOCK: jk.constexpr):
 
 def _as_rows(a: np.ndarray, what: str):
     """A 1-D or 2-D array as (rows, cols, row stride, pointer); 1-D arrays are one row."""
-    if not isinstance(a, np.ndarray):
+    if not is_array(a):
         raise TypeError(f"{what}: expected a numpy array, got {type(a).__name__}")
     if a.ndim == 1:
         if a.shape[0] > 1 and a.strides[0] != a.itemsize:
@@ -92,12 +93,13 @@ def _as_rows(a: np.ndarray, what: str):
 
 
 def _act_and_mul(name, act, gate_up, out, target):
+    target = resolve_target(target, gate_up)
     R, n2, gs, gp = _as_rows(gate_up, f"{name}: gate_up")
     if gate_up.ndim != 2 or n2 % 2:
         raise ValueError(f"{name}: gate_up must be [tokens, 2 * intermediate], got {gate_up.shape}")
     n = n2 // 2
     if out is None:
-        out = np.empty((R, n), gate_up.dtype)
+        out = empty_like_dev(gate_up, (R, n), gate_up.dtype)
     check_shape(out, (R, n), f"{name}: out")
     _, _, os_, op = _as_rows(out, f"{name}: out")
     B = block_for(n, _BLOCK, target, has_half(gate_up, out))
@@ -118,9 +120,10 @@ def gelu_tanh_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, tar
 
 
 def _unary(name, act, x, out, alpha, target):
+    target = resolve_target(target, x)
     R, n, xs, xp = _as_rows(x, f"{name}: x")
     if out is None:
-        out = np.empty(x.shape, x.dtype)
+        out = empty_like_dev(x, x.shape, x.dtype)
     check_shape(out, x.shape, f"{name}: out")
     _, _, os_, op = _as_rows(out, f"{name}: out")
     B = block_for(n, _BLOCK, target, has_half(x, out))
@@ -155,11 +158,12 @@ def softcap_inplace(x: np.ndarray, cap: float, *, target=None) -> np.ndarray:
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
     """out = a + b for 1-D or 2-D arrays of one shape (row-strided views accepted; dtypes may differ, the
     sum is computed in f32 and rounded to out's dtype). `out` may alias `a` or `b`. Returns out."""
+    target = resolve_target(target, a)
     R, n, as_, ap = _as_rows(a, "add: a")
     check_shape(b, a.shape, "add: b")
     _, _, bs, bp = _as_rows(b, "add: b")
     if out is None:
-        out = np.empty(a.shape, a.dtype)
+        out = empty_like_dev(a, a.shape, a.dtype)
     check_shape(out, a.shape, "add: out")
     _, _, os_, op = _as_rows(out, "add: out")
     B = block_for(n, _BLOCK, target, has_half(a, b, out))

@@ -67,7 +67,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import elem_strides, run
+from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, resolve_target, run
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
 PARTITION_BLOCKS = 16  # a query's key range is split into partitions of this many blocks (256 tokens) ...
@@ -374,7 +374,7 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
 
 # ------------------------------------------------------------------------------------- host wrappers
 def _i32(a, what, ndim=1):
-    if not isinstance(a, np.ndarray):
+    if not is_array(a):
         raise TypeError(f"{what}: expected a numpy int32 array, got {type(a).__name__}")
     if a.dtype != np.int32:
         raise TypeError(f"{what}: expected dtype int32, got {a.dtype}")
@@ -387,7 +387,7 @@ def _i32(a, what, ndim=1):
 
 def _check_cache(k_cache, v_cache):
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(c, np.ndarray):
+        if not is_array(c):
             raise TypeError(f"{name}: expected a numpy array, got {type(c).__name__}")
         if c.ndim != 4:
             raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim], got shape {c.shape}")
@@ -402,7 +402,7 @@ def _check_cache(k_cache, v_cache):
 
 def _heads_view(a, what, heads, head_dim, dtype=np.float32):
     """(token stride, head stride) in elements of a [T, heads, head_dim] array (or [T, heads*head_dim])."""
-    if not isinstance(a, np.ndarray):
+    if not is_array(a):
         raise TypeError(f"{what}: expected a numpy array, got {type(a).__name__}")
     if a.dtype != dtype:
         raise TypeError(f"{what}: expected dtype {np.dtype(dtype)}, got {a.dtype}")
@@ -418,6 +418,7 @@ def _heads_view(a, what, heads, head_dim, dtype=np.float32):
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, target=None) -> None:
     """Writes k, v [num_tokens, num_kv_heads, head_dim] (f32, strided rows ok) into the paged caches at
     slot_mapping[i] (int32; -1 skips the token). f16 caches get the values rounded to nearest even."""
+    target = resolve_target(target, k_cache)
     bs, kvh, dim = _check_cache(k_cache, v_cache)
     slot_mapping = _i32(slot_mapping, "slot_mapping")
     T = slot_mapping.shape[0]
@@ -447,7 +448,7 @@ class _Step:
     """The checked arguments of one attention call (shapes, strides, step arrays)."""
 
     def __init__(self, q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window,
-                 softcap, validate):
+                 softcap, validate, host_step=None):
         self.bs, self.kvh, self.dim = _check_cache(k_cache, v_cache)
         if self.bs & (self.bs - 1):
             raise ValueError(f"k_cache: block_size {self.bs} must be a power of two")
@@ -455,6 +456,11 @@ class _Step:
         self.seq_lens = _i32(seq_lens, "seq_lens")
         self.block_table = _i32(block_table, "block_table", 2)
         self.num_seqs = self.seq_lens.shape[0]
+        # host values of query_start / seq_lens for the host-side reads (device arrays: the caller's host
+        # copies in host_step, else a download)
+        hq, hs = host_step if host_step is not None else (None, None)
+        self.qs_host = host_copy(self.query_start, hq)
+        self.sl_host = host_copy(self.seq_lens, hs)
         if self.query_start.shape[0] != self.num_seqs + 1:
             raise ValueError(f"query_start: expected {self.num_seqs + 1} entries (num_seqs + 1), "
                              f"got {self.query_start.shape[0]}")
@@ -463,7 +469,7 @@ class _Step:
         if self.block_table.shape[1] > 1 and self.block_table.strides[1] != 4:
             raise ValueError("block_table: rows must be contiguous")
         self.bt_stride = self.block_table.strides[0] // 4
-        if not isinstance(q, np.ndarray) or q.ndim not in (2, 3):
+        if not is_array(q) or q.ndim not in (2, 3):
             raise ValueError("q: expected a [num_tokens, num_heads, head_dim] float32 array")
         self.T = q.shape[0]
         self.heads = q.shape[1] if q.ndim == 3 else q.shape[1] // self.dim
@@ -471,7 +477,7 @@ class _Step:
             raise ValueError(f"num_heads {self.heads} is not a multiple of num_kv_heads {self.kvh}")
         self.G = self.heads // self.kvh
         self.q_ts, self.q_hs = _heads_view(q, "q", self.heads, self.dim)
-        self.out = np.empty((self.T, self.heads, self.dim), np.float32) if out is None else out
+        self.out = empty_like_dev(q, (self.T, self.heads, self.dim), np.float32) if out is None else out
         self.o_ts, self.o_hs = _heads_view(self.out, "out", self.heads, self.dim)
         if self.out.shape[0] != self.T:
             raise ValueError(f"out: expected {self.T} tokens, got {self.out.shape[0]}")
@@ -482,20 +488,21 @@ class _Step:
         self.cap = softcap if self.use_cap else 1.0
         self.empty = self.num_seqs == 0 or self.T == 0
         if validate and not self.empty:
-            _validate_step(self.query_start, self.seq_lens, self.block_table, self.T, self.bs)
+            _validate_step(self.qs_host, self.sl_host, self.block_table, self.T, self.bs)
 
 
-def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int):
-    """Softmax-state scratch (m, l, acc) for `rows` (query head x program) rows, kept in ws across calls."""
+def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None):
+    """Softmax-state scratch (m, l, acc) for `rows` (query head x program) rows, kept in ws across calls
+    (on the device `like` lives on)."""
     if ws.get(key) is None or ws[key][0] != (rows, bs, dim):
-        ws[key] = ((rows, bs, dim), np.empty(rows, np.float32), np.empty(rows * bs, np.float32),
-                   np.empty(rows * dim, np.float32))
+        ws[key] = ((rows, bs, dim), empty_like_dev(like, rows, np.float32), empty_like_dev(like, rows * bs, np.float32),
+                   empty_like_dev(like, rows * dim, np.float32))
     return ws[key][1:]
 
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
-    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads, st.bs, st.dim)
+    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads, st.bs, st.dim, like=q)
     run(prefill_kernel, (programs, st.kvh),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
          int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
@@ -507,7 +514,7 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                     num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
-                    validate: bool = True, target=None):
+                    validate: bool = True, host_step=None, target=None):
     """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
 
     max_query_len: the largest q_len of the step, when the caller knows it (else read from query_start).
@@ -523,16 +530,19 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     prefetch: software-prefetch the next cache block in the decode kernel.
     validate: check query_start / seq_lens / block-table width (and num_partitions) on the host
     (O(num_seqs) numpy work); block ids themselves are trusted (an id >= num_blocks reads outside the cache).
+    host_step: (query_start, seq_lens) host copies for the host-side reads when those arrays are GPU
+    DeviceArrays (else they are downloaded each call).
     """
+    target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
-               validate)
+               validate, host_step)
     if st.empty:
         return st.out
     if max_query_len is None:
-        max_query_len = int(np.diff(st.query_start).max())
+        max_query_len = int(np.diff(st.qs_host).max())
     if num_partitions is None or validate:
-        decodes = np.diff(st.query_start) == 1
-        need = int(decode_partitions(st.seq_lens[decodes], st.bs, st.window).max()) if decodes.any() else 1
+        decodes = np.diff(st.qs_host) == 1
+        need = int(decode_partitions(st.sl_host[decodes], st.bs, st.window).max()) if decodes.any() else 1
         if num_partitions is None:
             num_partitions = 1 << max(need - 1, 0).bit_length()
         elif int(num_partitions) < need:
@@ -542,7 +552,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     if P < 1 or P > MAX_PARTITIONS:
         raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got {P}")
     ws = workspace if workspace is not None else {}
-    m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim)
+    m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
     run(decode_kernel, (st.num_seqs, P),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap),
@@ -573,11 +583,12 @@ def _validate_step(query_start, seq_lens, block_table, num_tokens, block_size):
 
 def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                             sliding_window: int = 0, softcap: float = 0.0, out=None, block_q: int | None = None,
-                            workspace: dict | None = None, validate: bool = True, target=None):
+                            workspace: dict | None = None, validate: bool = True, host_step=None, target=None):
     """The general (prefill) kernel alone over every sequence, decodes included; arguments as for
     paged_attention. block_q: query tokens per program (default PREFILL_BLOCK_Q)."""
+    target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
-               validate)
+               validate, host_step)
     if not st.empty:
         _launch_prefill(st, q, k_cache, v_cache, workspace if workspace is not None else {},
                         int(block_q or PREFILL_BLOCK_Q), False, target)

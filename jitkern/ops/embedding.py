@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import block_for, check_dtype, check_shape, fptr, has_half, row_stride, run
+from ._hostargs import (block_for, check_dtype, check_shape, empty_like_dev, fptr, has_half, is_array, is_device,
+                        resolve_target, row_stride, run)
 
 _BLOCK = 256
 
@@ -36,19 +37,20 @@ def embedding(ids: np.ndarray, table: np.ndarray, out: np.ndarray | None = None,
     `out` [T, hidden] (row-strided views accepted) defaults to `out_dtype` (float32). Ids outside
     [0, vocab) raise ValueError when `check_ids` (host check); the kernel writes zero rows for them anyway.
     """
+    target = resolve_target(target, table, ids)
     check_dtype(ids, np.int32, "embedding: ids")
     if ids.ndim != 1 or not ids.flags.c_contiguous:
         raise ValueError(f"embedding: ids must be a contiguous 1-D int32 array, got shape {ids.shape}")
-    if not isinstance(table, np.ndarray) or table.ndim != 2 or not table.flags.c_contiguous:
+    if not is_array(table) or table.ndim != 2 or not table.flags.c_contiguous:
         raise ValueError(f"embedding: table must be a contiguous 2-D array [vocab, hidden], got "
                          f"{getattr(table, 'shape', type(table).__name__)}")
     V, Hd = table.shape
     T = ids.shape[0]
-    if check_ids and T and (int(ids.min()) < 0 or int(ids.max()) >= V):
+    if check_ids and T and not is_device(ids) and (int(ids.min()) < 0 or int(ids.max()) >= V):
         bad = ids[(ids < 0) | (ids >= V)]
         raise ValueError(f"embedding: token id {int(bad[0])} is outside the vocabulary [0, {V})")
     if out is None:
-        out = np.empty((T, Hd), out_dtype)
+        out = empty_like_dev(table, (T, Hd), out_dtype)
     check_shape(out, (T, Hd), "embedding: out")
     os_ = row_stride(out, "embedding: out")
     B = block_for(Hd, _BLOCK, target, has_half(table, out))

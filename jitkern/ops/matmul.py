@@ -39,7 +39,8 @@ import numpy as np
 
 import jitkern as jk
 from jitkern.ir import bf16 as _BF16
-from jitkern.jit import Pointer
+from jitkern.jit import Pointer, as_pointer
+from jitkern.ops._hostargs import empty_like_dev, is_array, is_device, resolve_target
 from jitkern.runtime.cpu import runtime_target
 from jitkern.runtime.launch import launch
 from targets import get_target
@@ -242,7 +243,7 @@ def _as_weight(w, w_dtype, name="w"):
         if not arr.flags.c_contiguous or w.address != arr.ctypes.data:
             raise ValueError(f"{name}: the pointer must address a C-contiguous array from its start")
         return arr, dt, w
-    if not isinstance(w, np.ndarray) or w.ndim != 2:
+    if not is_array(w) or w.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D numpy array, got {type(w).__name__}"
                          f"{'' if not isinstance(w, np.ndarray) else f' of shape {w.shape}'}")
     if w_dtype is None:
@@ -256,16 +257,20 @@ def _as_weight(w, w_dtype, name="w"):
         raise ValueError(f"{name}: w_dtype={w_dtype!r} needs {np.dtype(_WEIGHT_DTYPES[w_dtype])} storage, "
                          f"got {w.dtype}")
     if not w.flags.c_contiguous:
+        if is_device(w):
+            raise ValueError(f"{name}: a device weight must be C-contiguous")
         w = np.ascontiguousarray(w)
     return w, w_dtype, (_bf16_pointer(w) if w_dtype == "bf16" else w)
 
 
 def _bf16_pointer(arr: np.ndarray) -> Pointer:
+    if is_device(arr):
+        return as_pointer(arr, _BF16)
     return Pointer(arr.__array_interface__["data"][0], _BF16, arr)
 
 
 def _as_x(x, K, name="x"):
-    if not isinstance(x, np.ndarray):
+    if not is_array(x):
         raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
     if x.dtype != np.float32:
         raise ValueError(f"{name}: expected float32, got {x.dtype}")
@@ -276,16 +281,18 @@ def _as_x(x, K, name="x"):
     if x2.shape[1] != K:
         raise ValueError(f"{name}: has {x2.shape[1]} columns but the weight has K={K}")
     if x2.strides[1] != 4 or x2.strides[0] % 4 or x2.strides[0] < 4 * K:
+        if is_device(x2):
+            raise ValueError(f"{name}: a device array needs contiguous rows (strides {x2.strides})")
         x2 = np.ascontiguousarray(x2)
     return x2, squeeze
 
 
-def _out(out, M, N, squeeze, name="out"):
+def _out(out, M, N, squeeze, name="out", like=None):
     """The [M, N] float32 view the kernels write (rows contiguous, any row stride)."""
     if out is None:
-        return np.empty((M, N), np.float32)
+        return empty_like_dev(like, (M, N), np.float32)
     shape = (N,) if squeeze else (M, N)
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape:
+    if not is_array(out) or out.dtype != np.float32 or out.shape != shape:
         raise ValueError(f"{name}: expected a float32 array of shape {shape}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     if out.strides[-1] != 4 or (not squeeze and (out.strides[0] % 4 or out.strides[0] < 4 * N)):
@@ -296,8 +303,12 @@ def _out(out, M, N, squeeze, name="out"):
 def _as_bias(bias, N):
     if bias is None:
         return None
-    if not isinstance(bias, np.ndarray) or bias.shape != (N,):
+    if not is_array(bias) or bias.shape != (N,):
         raise ValueError(f"bias: expected an array of shape ({N},), got {getattr(bias, 'shape', type(bias).__name__)}")
+    if is_device(bias):
+        if bias.dtype != np.float32 or not bias.flags.c_contiguous:
+            raise ValueError("bias: a device bias must be a contiguous float32 array")
+        return bias
     if bias.dtype != np.float32:
         bias = bias.astype(np.float32)
     return np.ascontiguousarray(bias)
@@ -443,12 +454,12 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
     large M (prefill), `pack_weight` once + `linear_packed` is faster. `out`: an optional float32 array of the
     result's shape (rows may be strided).
     """
-    T = _target(target)
+    T = _target(resolve_target(target, x, w))
     arr, dt, warg = _as_weight(w, w_dtype)
     N, K = arr.shape
     x2, squeeze = _as_x(x, K)
     M = x2.shape[0]
-    o2 = _out(out, M, N, squeeze)
+    o2 = _out(out, M, N, squeeze, like=x2)
     b = _as_bias(bias, N)
     if M and N:
         if K == 0:

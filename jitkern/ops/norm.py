@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import block_for, check_shape, elem_strides, fptr, has_half, row_stride, run
+from ._hostargs import (block_for, check_shape, elem_strides, empty_like_dev, fptr, has_half, is_array, resolve_target,
+                        row_stride, run)
 
 _MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measured slower)
 
@@ -78,7 +79,7 @@ def layer_norm_kernel(x, x_s, w, b, out, o_s, n, eps, HAS_BIAS: jk.constexpr, BL
 
 
 def _check_weight(weight, n, what):
-    if not isinstance(weight, np.ndarray) or weight.ndim != 1 or weight.shape[0] != n:
+    if not is_array(weight) or weight.ndim != 1 or weight.shape[0] != n:
         raise ValueError(f"{what}: expected a 1-D array of {n} elements, got "
                          f"{getattr(weight, 'shape', type(weight).__name__)}")
     if not weight.flags.c_contiguous:
@@ -96,14 +97,15 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     contiguous); `out` may be `x` itself. Dtypes: float32, float16, uint16 (= bf16) for each array
     independently. Returns `out` (allocated like `x` when not given).
     """
-    if not isinstance(x, np.ndarray) or x.ndim != 2:
+    target = resolve_target(target, x)
+    if not is_array(x) or x.ndim != 2:
         raise ValueError(f"rms_norm: x must be a 2-D array [tokens, hidden], got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     T, n = x.shape
     xs = row_stride(x, "rms_norm: x")
     wp = _check_weight(weight, n, "rms_norm: weight")
     if out is None:
-        out = np.empty((T, n), x.dtype)
+        out = empty_like_dev(x, (T, n), x.dtype)
     check_shape(out, (T, n), "rms_norm: out")
     os_ = row_stride(out, "rms_norm: out")
     if residual is not None:
@@ -125,7 +127,8 @@ def rms_norm_heads(x: np.ndarray, weight: np.ndarray, eps: float, *, weight_offs
     `weight` [D] shared by all heads. `x` may be a strided view (e.g. the q or k part of a fused qkv output
     reshaped to [T, H, D]) as long as D is contiguous. Returns `x`.
     """
-    if not isinstance(x, np.ndarray) or x.ndim != 3:
+    target = resolve_target(target, x)
+    if not is_array(x) or x.ndim != 3:
         raise ValueError(f"rms_norm_heads: x must be a 3-D array [tokens, heads, head_dim], got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     T, H, D = x.shape
@@ -143,7 +146,8 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: 
     with the biased variance (as torch). Statistics in f32 (two passes: mean, then centred variance).
     `bias=None` skips the bias. Row-strided views accepted; `out` may be `x`. Returns `out`.
     """
-    if not isinstance(x, np.ndarray) or x.ndim != 2:
+    target = resolve_target(target, x)
+    if not is_array(x) or x.ndim != 2:
         raise ValueError(f"layer_norm: x must be a 2-D array [tokens, hidden], got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     T, n = x.shape
@@ -151,7 +155,7 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: 
     wp = _check_weight(weight, n, "layer_norm: weight")
     bp = _check_weight(bias, n, "layer_norm: bias") if bias is not None else wp
     if out is None:
-        out = np.empty((T, n), x.dtype)
+        out = empty_like_dev(x, (T, n), x.dtype)
     check_shape(out, (T, n), "layer_norm: out")
     os_ = row_stride(out, "layer_norm: out")
     run(layer_norm_kernel, (T,), (fptr(x, "layer_norm: x"), xs, wp, bp, fptr(out, "layer_norm: out"), os_, n,

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import jitkern as jk
-from jitkern.ops._hostargs import resolve_target, run
+from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target, run
 
 __all__ = ["QTYPES", "QType", "Q8Activations", "LAYOUTS", "act_layout", "quantize_q8", "matmul_q", "matmul_q8",
            "dequantize_rows", "row_bytes", "qmm_tiles", "qmm_step"]
@@ -222,32 +222,40 @@ class Q8Activations(tuple):
         return obj
 
 
-def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural", rep4: bool = False) -> Q8Activations:
+def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural", rep4: bool = False,
+                out4=None) -> Q8Activations:
     """Quantises float32 activations (M, K) or (K,) (K a multiple of 32) into 32-element int8 blocks.
 
     Returns (qx int8 [..., K], scales f32 [..., K/32], sums f32 [..., K/32]) with, per block,
     d = max|x| / 127, q = round_half_even(x * (1/d)) clipped to [-127, 127] (q = 0 where d = 0), and
     sum = d * sum(q); qx in `layout` ('natural', or 'q4' for q4_0 / q4_1 weights: see Q8Activations and
     act_layout). `out` may give the three arrays to fill. rep4: also the scales and sums with every block's value
-    repeated 4 times (`.scales4`, `.sums4`; what matmul_q8 uses for M > 1, else it repeats them on the host).
+    repeated 4 times (`.scales4`, `.sums4`; what matmul_q8 uses for M > 1, else it repeats them on the host);
+    `out4` may give those two arrays.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"quantize_q8: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    x = np.asarray(x)
+    target = resolve_target(target, x)
+    if not is_device(x):
+        x = np.asarray(x)
     if x.dtype != np.float32:
         raise TypeError(f"quantize_q8: x must be float32, got {x.dtype}")
     if x.ndim not in (1, 2):
         raise ValueError(f"quantize_q8: x must be (K,) or (M, K), got shape {x.shape}")
-    x = np.ascontiguousarray(x)
+    if is_device(x):
+        if not x.flags.c_contiguous:
+            raise ValueError("quantize_q8: a device x must be contiguous")
+    else:
+        x = np.ascontiguousarray(x)
     K = x.shape[-1]
     if K % 32 or K == 0:
         raise ValueError(f"quantize_q8: K={K} (x's last axis) must be a positive multiple of 32")
     lead = x.shape[:-1]
     nblk = K // 32
     if out is None:
-        qx = np.empty(lead + (K,), np.int8)
-        xd = np.empty(lead + (nblk,), np.float32)
-        xs = np.empty(lead + (nblk,), np.float32)
+        qx = empty_like_dev(x, lead + (K,), np.int8)
+        xd = empty_like_dev(x, lead + (nblk,), np.float32)
+        xs = empty_like_dev(x, lead + (nblk,), np.float32)
     else:
         qx, xd, xs = out
         for a, shp, dt, nm in ((qx, lead + (K,), np.int8, "qx"), (xd, lead + (nblk,), np.float32, "scales"),
@@ -262,9 +270,13 @@ def quantize_q8(x: np.ndarray, out=None, target=None, layout: str = "natural", r
     while bb * 2 <= min(span, 8):
         bb *= 2
     xd4 = xs4 = None
-    if rep4:
-        xd4 = np.empty(lead + (nblk * 4,), np.float32)
-        xs4 = np.empty(lead + (nblk * 4,), np.float32)
+    if rep4 and out4 is not None:
+        xd4, xs4 = out4
+        if xd4.shape != lead + (nblk * 4,) or xs4.shape != xd4.shape:
+            raise ValueError(f"quantize_q8: out4 arrays must have shape {lead + (nblk * 4,)}")
+    elif rep4:
+        xd4 = empty_like_dev(x, lead + (nblk * 4,), np.float32)
+        xs4 = empty_like_dev(x, lead + (nblk * 4,), np.float32)
     if M:
         run(_quantize_q8_kernel, (-(-span // bb), M), (x, qx, xd, xs, xd if xd4 is None else xd4,
                                                        xs if xs4 is None else xs4, K, nblk),
@@ -691,7 +703,7 @@ def _pow2_le(n: int, cap: int) -> int:
 
 
 def _weight_arg(raw, q: QType, N: int, K: int, what: str):
-    if not isinstance(raw, np.ndarray):
+    if not is_array(raw):
         raise TypeError(f"{what}: the weight must be a numpy uint8 array of raw GGUF bytes, got {type(raw).__name__}")
     if raw.dtype != np.uint8:
         raise TypeError(f"{what}: the weight must hold raw GGUF bytes as uint8, got dtype {raw.dtype}")
@@ -710,7 +722,9 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
     The activations are quantised on the way (`quantize_q8`); to share one quantisation between several
     weights with the same input (q/k/v, gate/up), call `quantize_q8` once and `matmul_q8` per weight."""
     q = _qtype(qtype)
-    x = np.asarray(x)
+    target = resolve_target(target, x, weight_raw)
+    if not is_device(x):
+        x = np.asarray(x)
     if x.ndim not in (1, 2) or x.shape[-1] != int(K):
         raise ValueError(f"matmul_q: x must be (K,) or (M, K) with K={K}, got shape {x.shape}")
     if x.size == 0:
@@ -718,7 +732,18 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
         xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q, 0, target))
         return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
     M = 1 if x.ndim == 1 else x.shape[0]
-    xq = quantize_q8(x, target=target, layout=act_layout(q, M, target), rep4=M > 1 and _qmm_kernel_for(q))
+    rep4 = (M > 1 or is_device(x)) and _qmm_kernel_for(q)
+    out8 = out4 = None
+    if is_device(x):
+        # device arrays: reused scratch (no allocation per call, stable addresses for CUDA graphs), and always
+        # the repeated scales (the host np.repeat fallback cannot run on device arrays)
+        lead, nb = x.shape[:-1], int(K) // 32
+        out8 = (device_scratch(x, "q8.qx", x.shape, np.int8), device_scratch(x, "q8.d", lead + (nb,), np.float32),
+                device_scratch(x, "q8.s", lead + (nb,), np.float32))
+        if rep4:
+            out4 = (device_scratch(x, "q8.d4", lead + (4 * nb,), np.float32),
+                    device_scratch(x, "q8.s4", lead + (4 * nb,), np.float32))
+    xq = quantize_q8(x, out=out8, target=target, layout=act_layout(q, M, target), rep4=rep4, out4=out4)
     return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
 
 
@@ -733,6 +758,7 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     """(out, the CompiledKernel that ran or None)."""
     q = _qtype(qtype)
     N, K = int(N), int(K)
+    target = resolve_target(target, weight_raw)
     w, wh = _weight_arg(weight_raw, q, N, K, f"matmul_q({q.name})")
     layout = getattr(xq, "layout", "natural")
     qx, xd, xs = xq
@@ -744,7 +770,7 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
                          f"and {xs.shape}")
     oshape = (N,) if qx.ndim == 1 else (M, N)
     if out is None:
-        out = np.empty(oshape, np.float32)
+        out = empty_like_dev(qx, oshape, np.float32)
     elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"matmul_q: out must be a contiguous float32 array of shape {oshape}, got {out.dtype} "
                          f"{out.shape}")
@@ -763,6 +789,8 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
         if RI == 4:
             xd4, xs4 = getattr(xq, "scales4", None), getattr(xq, "sums4", None)
             if xd4 is None or xs4 is None:
+                if is_device(xd):
+                    raise ValueError("matmul_q8: device activations need quantize_q8(..., rep4=True) here")
                 xd4, xs4 = np.repeat(xd, 4, axis=-1), np.repeat(xs, 4, axis=-1)
             xd, xs = xd4, xs4
         for m0, mn, bm in _token_launches(M, BM):
@@ -807,17 +835,24 @@ def dequantize_rows(raw: np.ndarray, qtype: str, rows_idx: np.ndarray, K: int, o
     q = _qtype(qtype)
     K = int(K)
     rb = row_bytes(q, K)
-    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or not raw.flags.c_contiguous:
+    target = resolve_target(target, raw)
+    if not is_array(raw) or raw.dtype != np.uint8 or not raw.flags.c_contiguous:
         raise TypeError("dequantize_rows: raw must be a contiguous uint8 array of GGUF bytes")
     if raw.nbytes % rb:
         raise ValueError(f"dequantize_rows: {raw.nbytes} bytes is not a whole number of {q.name} rows of K={K} "
                          f"({rb} bytes each)")
     nrows = raw.nbytes // rb
-    idx = np.ascontiguousarray(rows_idx, dtype=np.int32).reshape(-1)
-    if idx.size and (idx.min() < 0 or idx.max() >= nrows):
+    if is_device(rows_idx):
+        # device indices: not range-checked on the host (the engine checks token ids when it takes them)
+        if rows_idx.dtype != np.int32 or not rows_idx.flags.c_contiguous:
+            raise TypeError("dequantize_rows: device rows_idx must be a contiguous int32 array")
+        idx = rows_idx.reshape(-1)
+    else:
+        idx = np.ascontiguousarray(rows_idx, dtype=np.int32).reshape(-1)
+    if idx.size and not is_device(idx) and (idx.min() < 0 or idx.max() >= nrows):
         raise IndexError(f"dequantize_rows: row index out of range [0, {nrows}): min {idx.min()}, max {idx.max()}")
     if out is None:
-        out = np.empty((idx.size, K), np.float32)
+        out = empty_like_dev(raw, (idx.size, K), np.float32)
     elif out.shape != (idx.size, K) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"dequantize_rows: out must be a contiguous float32 array of shape {(idx.size, K)}, got "
                          f"{out.dtype} {out.shape}")

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import check_dtype, elem_strides, fptr, pow2_at_least, run
+from ._hostargs import check_dtype, elem_strides, fptr, is_array, is_device, pow2_at_least, resolve_target, run
 
 
 @jk.jit
@@ -67,7 +67,7 @@ def rope_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, n_k, positions, cache, max_po
 
 
 def _heads_view(a, T, D, what):
-    if not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[0] != T or a.shape[2] != D:
+    if not is_array(a) or a.ndim != 3 or a.shape[0] != T or a.shape[2] != D:
         raise ValueError(f"{what}: expected an array [{T}, heads, {D}], got {getattr(a, 'shape', type(a).__name__)}")
     s0, s1, _ = elem_strides(a, what)
     return s0, s1
@@ -84,7 +84,8 @@ def rope(q: np.ndarray, k: np.ndarray | None, positions: np.ndarray, cos_sin_cac
     [0, max_pos) raise ValueError when `check_positions` (a cheap host check; the kernel clamps them
     regardless, for memory safety). q/k dtypes: float32, float16, uint16 (= bf16); math in f32.
     """
-    if not isinstance(q, np.ndarray) or q.ndim != 3:
+    target = resolve_target(target, q)
+    if not is_array(q) or q.ndim != 3:
         raise ValueError(f"rope: q must be [tokens, heads, head_dim], got {getattr(q, 'shape', type(q).__name__)}")
     T = q.shape[0]
     if q.shape[2] != head_dim:
@@ -105,7 +106,7 @@ def rope(q: np.ndarray, k: np.ndarray | None, positions: np.ndarray, cos_sin_cac
         raise ValueError(f"rope: cos_sin_cache must be a contiguous [max_pos, {rotary_dim}] array, "
                          f"got {cos_sin_cache.shape}")
     max_pos = cos_sin_cache.shape[0]
-    if check_positions and T and (int(positions.min()) < 0 or int(positions.max()) >= max_pos):
+    if check_positions and T and not is_device(positions) and (int(positions.min()) < 0 or int(positions.max()) >= max_pos):
         raise ValueError(f"rope: positions must lie in [0, {max_pos}) (the cos/sin cache length); got "
                          f"[{int(positions.min())}, {int(positions.max())}]")
     half = rotary_dim // 2

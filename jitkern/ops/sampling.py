@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import check_dtype, check_shape, narrow_tier, row_stride, run
+from ._hostargs import check_dtype, check_shape, empty_like_dev, narrow_tier, resolve_target, row_stride, run
 from .softmax import row_max_sumexp
 
 _BLOCK = 64           # streaming width over the vocabulary
@@ -60,10 +60,11 @@ def argmax_kernel(x, x_s, n, out, BLOCK: jk.constexpr):
 
 def argmax_rows(logits: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
     """Index of the first maximum of each row of logits f32 [B, V] (as np.argmax(axis=1)) -> int32 [B]."""
+    target = resolve_target(target, logits)
     xs = _check_logits(logits, "argmax_rows: logits")
     B, V = logits.shape
     if out is None:
-        out = np.empty(B, np.int32)
+        out = empty_like_dev(logits, B, np.int32)
     _check_rows(out, B, np.int32, "argmax_rows: out")
     run(argmax_kernel, (B,), (logits, xs, V, out), target, BLOCK=_BLOCK)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import block_for, check_shape, fptr, has_half, row_stride, run
+from ._hostargs import block_for, check_shape, empty_like_dev, fptr, has_half, is_array, resolve_target, row_stride, run
 
 _BLOCK = 128
 
@@ -60,12 +60,13 @@ def softmax_kernel(x, x_s, out, o_s, n, LOG: jk.constexpr, BLOCK: jk.constexpr):
 
 
 def _softmax(name, log, x, out, target):
-    if not isinstance(x, np.ndarray) or x.ndim != 2:
+    target = resolve_target(target, x)
+    if not is_array(x) or x.ndim != 2:
         raise ValueError(f"{name}: x must be a 2-D array [rows, n], got {getattr(x, 'shape', type(x).__name__)}")
     R, n = x.shape
     xs = row_stride(x, f"{name}: x")
     if out is None:
-        out = np.empty((R, n), np.float32)
+        out = empty_like_dev(x, (R, n), np.float32)
     check_shape(out, (R, n), f"{name}: out")
     os_ = row_stride(out, f"{name}: out")
     run(softmax_kernel, (R,), (fptr(x, f"{name}: x"), xs, fptr(out, f"{name}: out"), os_, n),

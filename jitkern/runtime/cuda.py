@@ -4,8 +4,9 @@ Imported lazily: `import jitkern` and every CPU path work without cuda-python or
 - `CudaDevice`: the primary context of one GPU, one stream that every jitkern launch and copy goes to,
   and the driver's default memory pool kept warm (release threshold at its maximum), so `cuMemAllocAsync` /
   `cuMemFreeAsync` on that stream act as a caching allocator;
-- `DeviceArray`: pointer, shape, dtype (any jitkern dtype, bf16 included) and device; C-contiguous; the type
-  every op accepts on a GPU (`from_numpy`, `numpy()`, `empty`, `view`, first-axis slices);
+- `DeviceArray`: pointer, shape, byte strides, numpy dtype (uint16 = bf16 storage, as the engine) plus the
+  jitkern element type kernels see, and device; the type every op accepts on a GPU (`from_numpy`, `numpy()`,
+  `empty`, `zeros`, `view`, `reshape`, int/slice indexing on any axis giving strided views);
 - module loading (cubin, or PTX through the driver's JIT when no ptxas made a cubin) and launches with the
   parameters packed once per launch into 8-byte slots (the same slots as the CPU ABI);
 - `CudaGraph`: `jk.capture()` on a GPU is stream capture; `replay()` is one `cuGraphLaunch`.
@@ -218,36 +219,71 @@ class _Allocation:
             self.ptr = 0
 
 
+class _Flags:
+    __slots__ = ("c_contiguous", "writeable")
+
+    def __init__(self, c_contiguous: bool):
+        self.c_contiguous = c_contiguous
+        self.writeable = True
+
+
+def _c_strides(shape, itemsize: int) -> tuple:
+    st, acc = [], itemsize
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(st))
+
+
 class DeviceArray:
-    """A C-contiguous array in GPU memory. `dtype` is a jitkern dtype (bf16 arrays download as uint16 bits)."""
+    """An array in GPU memory, numpy-like enough for the op wrappers.
 
-    __slots__ = ("ptr", "shape", "dtype", "device", "_alloc", "__weakref__")
+    `dtype` is a numpy dtype with the engine's convention (float32, float16, uint16 = bf16 storage, int32 ...);
+    `elem` is the jitkern element type a kernel sees (bf16 for arrays made with dtype="bf16", else the numpy
+    dtype's); `strides` are in bytes as numpy's. Integer indices and slices on any axis (step > 0) give views
+    sharing memory (e.g. `qkv[:, :q_size]`); `reshape` needs a C-contiguous array; `as_strided` builds any
+    view (stride 0 broadcasts included). Views keep the allocation alive.
+    """
 
-    def __init__(self, ptr: int, shape, dtype: ir.DType, device: CudaDevice, alloc=None):
+    __slots__ = ("ptr", "shape", "strides", "dtype", "elem", "device", "_alloc", "__weakref__")
+
+    def __init__(self, ptr: int, shape, dtype, device: CudaDevice, alloc=None, strides=None):
         self.ptr = int(ptr)
         self.shape = tuple(int(s) for s in shape)
-        self.dtype = dtype
+        if isinstance(dtype, ir.DType):
+            self.elem = dtype
+            self.dtype = np_dtype_of(dtype)
+        else:
+            self.dtype = np.dtype(dtype)
+            self.elem = _as_dtype(self.dtype)
+        self.strides = _c_strides(self.shape, self.dtype.itemsize) if strides is None else \
+            tuple(int(s) for s in strides)
         self.device = device
         self._alloc = alloc
 
     # construction
     @classmethod
     def empty(cls, shape, dtype, device: CudaDevice | None = None) -> "DeviceArray":
+        """`dtype`: a numpy dtype, a jitkern dtype or its name ("bf16": uint16 storage, bf16 to kernels)."""
         device = device or get_device()
-        dtype = _as_dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        d = _as_dtype(dtype) if isinstance(dtype, (str, ir.DType)) else np.dtype(dtype)
+        itemsize = d.itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         a = _Allocation(device, nbytes)
-        return cls(a.ptr, shape, dtype, device, a)
+        return cls(a.ptr, shape, d, device, a)
 
     @classmethod
     def from_numpy(cls, host: np.ndarray, dtype=None, device: CudaDevice | None = None) -> "DeviceArray":
         """Uploads `host`; `dtype` reinterprets its bytes (e.g. uint16 storage as bf16)."""
         from ..jit import _NP_TO_DTYPE
         host = np.ascontiguousarray(host)
-        d = _as_dtype(dtype) if dtype is not None else _NP_TO_DTYPE.get(host.dtype)
-        if d is None:
-            raise TypeError(f"arrays of dtype {host.dtype} cannot go to the GPU")
+        if dtype is not None:
+            d = _as_dtype(dtype)
+        else:
+            if host.dtype not in _NP_TO_DTYPE:
+                raise TypeError(f"arrays of dtype {host.dtype} cannot go to the GPU")
+            d = host.dtype
         if d.itemsize != host.dtype.itemsize:
             raise TypeError(f"cannot view {host.dtype} data as {d}")
         out = cls.empty(host.shape, d, device)
@@ -272,70 +308,179 @@ class DeviceArray:
         return len(self.shape)
 
     @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        return all(st == c for s, st, c in zip(self.shape, self.strides, _c_strides(self.shape, self.itemsize))
+                   if s > 1)
+
+    @property
+    def flags(self) -> _Flags:
+        return _Flags(self.is_contiguous)
+
+    @property
+    def T(self):
+        raise TypeError("device arrays have no transpose view; transpose on the host before uploading")
 
     def __len__(self) -> int:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device=cuda:{self.device.ordinal})"
+        el = f", elem={self.elem}" if self.elem.name != _as_dtype(self.dtype).name else ""
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}{el}, device=cuda:{self.device.ordinal})"
 
-    # transfers and views
-    def numpy(self) -> np.ndarray:
-        out = np.empty(self.shape, np_dtype_of(self.dtype))
-        if out.nbytes:
-            self.device.download(out, self.ptr)
+    def __array__(self, *a, **k):
+        # an implicit host copy would hide writes that never reach the device: make it explicit
+        raise TypeError("a DeviceArray is not a numpy array: call .numpy() for a host copy")
+
+    def _view(self, ptr, shape, strides, elem=None) -> "DeviceArray":
+        out = DeviceArray(ptr, shape, self.dtype, self.device, self._alloc or self, strides)
+        out.elem = elem or self.elem
         return out
 
-    def copy_from_numpy(self, host: np.ndarray) -> None:
-        host = np.ascontiguousarray(host)
-        if host.nbytes != self.nbytes:
-            raise ValueError(f"copy of {host.nbytes} bytes into a device array of {self.nbytes}")
-        self.device.upload(self.ptr, host)
+    def _span(self) -> tuple:
+        """(lowest byte offset, byte count) this view touches (strides >= 0)."""
+        if self.size == 0:
+            return 0, 0
+        return 0, sum((s - 1) * st for s, st in zip(self.shape, self.strides)) + self.itemsize
 
+    # transfers
+    def numpy(self) -> np.ndarray:
+        """A host copy (bf16 arrays come back as uint16 bits)."""
+        if self.is_contiguous:
+            out = np.empty(self.shape, self.dtype)
+            if out.nbytes:
+                self.device.download(out, self.ptr)
+            return out
+        _, n = self._span()
+        raw = np.empty(n, np.uint8)
+        self.device.download(raw, self.ptr)
+        return np.ndarray(self.shape, self.dtype, buffer=raw, strides=self.strides).copy()
+
+    def copy_from_numpy(self, host) -> None:
+        """Writes `host` (same shape, cast to this dtype when it differs) into this array or view."""
+        host = np.asarray(host)
+        if host.shape != self.shape and host.size == self.size and self.is_contiguous:
+            host = host.reshape(self.shape)
+        if host.shape != self.shape:
+            raise ValueError(f"copy of shape {host.shape} into a device array of shape {self.shape}")
+        if host.dtype != self.dtype:
+            host = host.astype(self.dtype)
+        if not self.size:
+            return
+        if self.is_contiguous:
+            self.device.upload(self.ptr, np.ascontiguousarray(host))
+            return
+        # a strided view: read its span, patch the view's elements, write the span back (in stream order)
+        _, n = self._span()
+        raw = np.empty(n, np.uint8)
+        self.device.download(raw, self.ptr)
+        np.ndarray(self.shape, self.dtype, buffer=raw, strides=self.strides)[...] = host
+        self.device.upload(self.ptr, raw)
+
+    def fill_zero(self) -> "DeviceArray":
+        if not self.is_contiguous:
+            raise ValueError("fill_zero needs a contiguous device array")
+        if self.nbytes:
+            self.device.memset8(self.ptr, 0, self.nbytes)
+        return self
+
+    # views
     def view(self, dtype) -> "DeviceArray":
-        """The same bytes as another dtype of the same size (e.g. uint16 as bf16)."""
-        d = _as_dtype(dtype)
-        if d.itemsize != self.dtype.itemsize:
-            raise TypeError(f"cannot view {self.dtype} as {d}")
-        return DeviceArray(self.ptr, self.shape, d, self.device, self._alloc or self)
+        """The same bytes as another dtype: numpy dtypes change `dtype` (and `elem`); a jitkern dtype or its
+        name ("bf16") changes the kernel element type over the same storage. Item sizes may differ on a
+        contiguous last axis (as numpy)."""
+        if isinstance(dtype, (str, ir.DType)):
+            d = _as_dtype(dtype)
+            nd, el = np_dtype_of(d), d
+        else:
+            nd = np.dtype(dtype)
+            el = _as_dtype(nd)
+        if nd.itemsize == self.itemsize:
+            return self._view(self.ptr, self.shape, self.strides, el)._with_dtype(nd)
+        if not self.ndim or (self.shape[-1] > 1 and self.strides[-1] != self.itemsize) or \
+                (self.shape[-1] * self.itemsize) % nd.itemsize:
+            raise TypeError(f"cannot view {self.dtype} {self.shape} as {nd}")
+        last = self.shape[-1] * self.itemsize // nd.itemsize
+        return self._view(self.ptr, self.shape[:-1] + (last,), self.strides[:-1] + (nd.itemsize,), el)._with_dtype(nd)
+
+    def _with_dtype(self, nd) -> "DeviceArray":
+        self.dtype = np.dtype(nd)
+        return self
+
+    def with_elem(self, elem) -> "DeviceArray":
+        """The same array with another kernel element type (what `jk.as_pointer(a, "bf16")` gives)."""
+        return self._view(self.ptr, self.shape, self.strides, _as_dtype(elem))
 
     def reshape(self, *shape) -> "DeviceArray":
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        shape = tuple(shape)
+        shape = tuple(int(s) for s in shape)
         if -1 in shape:
             known = int(np.prod([s for s in shape if s != -1]))
-            shape = tuple(self.size // known if s == -1 else s for s in shape)
+            shape = tuple(self.size // max(known, 1) if s == -1 else s for s in shape)
         if int(np.prod(shape)) != self.size:
             raise ValueError(f"cannot reshape {self.shape} to {shape}")
-        return DeviceArray(self.ptr, shape, self.dtype, self.device, self._alloc or self)
+        if not self.is_contiguous:
+            raise ValueError(f"reshape of a non-contiguous device array {self.shape} (strides {self.strides})")
+        return self._view(self.ptr, shape, None)
+
+    def as_strided(self, shape, strides) -> "DeviceArray":
+        """A view with any shape and byte strides over this array's memory (as numpy's as_strided: unchecked)."""
+        return self._view(self.ptr, tuple(shape), tuple(strides))
 
     def __getitem__(self, key) -> "DeviceArray":
-        """First-axis integer or contiguous slice views (enough for rows, tokens and layers)."""
-        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        if isinstance(key, (int, np.integer)):
-            k = int(key) + (self.shape[0] if key < 0 else 0)
-            if not 0 <= k < self.shape[0]:
-                raise IndexError(f"index {key} out of range for {self.shape[0]} rows")
-            return DeviceArray(self.ptr + k * row, self.shape[1:], self.dtype, self.device, self._alloc or self)
-        if isinstance(key, slice):
-            start, stop, step = key.indices(self.shape[0])
-            if step != 1:
-                raise IndexError("device arrays take contiguous slices only")
-            n = max(0, stop - start)
-            return DeviceArray(self.ptr + start * row, (n,) + self.shape[1:], self.dtype, self.device,
-                               self._alloc or self)
-        raise IndexError(f"device arrays take an int or a slice on the first axis, got {key!r}")
+        """Integer and slice (step > 0) indices on any axis, Ellipsis: views sharing memory."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = next(j for j, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > self.ndim:
+            raise IndexError(f"{len(key)} indices for a {self.ndim}-D device array")
+        ptr, shape, strides = self.ptr, [], []
+        for ax, k in enumerate(key):
+            n, st = self.shape[ax], self.strides[ax]
+            if isinstance(k, (int, np.integer)):
+                i = int(k) + (n if k < 0 else 0)
+                if not 0 <= i < n:
+                    raise IndexError(f"index {k} out of range for axis {ax} of size {n}")
+                ptr += i * st
+            elif isinstance(k, slice):
+                start, stop, step = k.indices(n)
+                if step <= 0:
+                    raise IndexError("device arrays take slices with a positive step only")
+                cnt = max(0, -(-(stop - start) // step))
+                ptr += start * st if cnt else 0
+                shape.append(cnt)
+                strides.append(st * step)
+            else:
+                raise IndexError(f"device arrays take ints and slices as indices, got {k!r}")
+        shape += self.shape[len(key):]
+        strides += self.strides[len(key):]
+        return self._view(ptr, shape, strides)
 
 
 def _as_dtype(d) -> ir.DType:
     if isinstance(d, ir.DType):
         return d
-    if isinstance(d, str):
+    if isinstance(d, str) and d in ir.DTYPES:
         return ir.DTYPES[d]
     from ..jit import _NP_TO_DTYPE
-    return _NP_TO_DTYPE[np.dtype(d)]
+    try:
+        return _NP_TO_DTYPE[np.dtype(d)]
+    except (KeyError, TypeError):
+        raise TypeError(f"dtype {d!r} has no jitkern element type") from None
+
+
+def is_device_array(x) -> bool:
+    return isinstance(x, DeviceArray)
 
 
 def to_device(x, dtype=None, device=None) -> DeviceArray:

@@ -1,0 +1,71 @@
+"""A host-memory stand-in for a CUDA device, so the DeviceArray plumbing (views, strides, op wrappers taking
+device arrays, the engine's device path: uploads, staging, device buffers, logits copied back) is tested on
+machines without a GPU. Its "device memory" is host memory and its target is the CPU runtime tier, so the
+launches run the CPU kernels on the arrays' addresses. What it cannot test (PTX, the driver, CUDA graphs)
+the gpu-marked tests cover on a real GPU."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+
+class FakeDevice:
+    ordinal = 0
+    name = "fake (host memory)"
+
+    def __init__(self):
+        self._bufs: dict = {}
+        self.allocated = 0
+
+    def target(self):
+        from jitkern.runtime.cpu import runtime_target
+        return runtime_target()
+
+    def alloc(self, nbytes: int) -> int:
+        # 64-byte aligned like the driver's allocations (256 there); poisoned, as real memory is not zeroed
+        buf = np.full(max(int(nbytes), 1) + 64, 0xA5, np.uint8)
+        addr = buf.ctypes.data
+        ptr = addr + (-addr % 64)
+        self._bufs[ptr] = buf
+        self.allocated += int(nbytes)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self._bufs.pop(ptr, None)
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        ctypes.memmove(dst, host.ctypes.data, host.nbytes)
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        ctypes.memmove(host.ctypes.data, src, host.nbytes)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def memset8(self, dst: int, value: int, nbytes: int) -> None:
+        ctypes.memset(dst, value & 0xFF, nbytes)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def install(monkeypatch) -> FakeDevice:
+    """Makes jitkern.runtime.cuda answer with a FakeDevice for the rest of the test."""
+    from jitkern.runtime import cuda
+    from jitkern.runtime import launch as launch_mod
+    dev = FakeDevice()
+    monkeypatch.setattr(cuda, "get_device", lambda ordinal=0: dev)
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    pack = launch_mod.pack_args
+
+    def pack_args(grid3, values):
+        devs = tuple(v for v in values if isinstance(v, cuda.DeviceArray))
+        graph = getattr(launch_mod._capture, "graph", None)
+        if graph is not None and devs:
+            graph._keep.append(devs)        # as CudaGraph.keep: recorded device arrays live as long as the graph
+        return pack(grid3, [v.ptr if isinstance(v, cuda.DeviceArray) else v for v in values])
+
+    monkeypatch.setattr(launch_mod, "pack_args", pack_args)
+    return dev

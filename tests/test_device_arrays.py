@@ -1,0 +1,185 @@
+"""DeviceArray semantics (numpy dtypes, byte strides, views on any axis, reshape, dtype views) and op
+wrappers taking DeviceArrays (outputs allocated on the inputs' device), against numpy references on fresh
+random data.
+
+Each test runs twice: on `fake` (tests/fake_cuda.py: host memory standing in for the device, CPU kernels;
+runs everywhere) and on `cuda` (a real GPU, marked `gpu`: run with `-m gpu` on the H200)."""
+import numpy as np
+import pytest
+
+from tests.ops.ref_basic import as_f64, gelu_tanh_ref, layer_norm_ref, rms_norm_ref, rope_ref, silu_ref, stored, to_bf16
+from tests.ops.test_attention import BS, make_step, ref_paged_attention
+
+BACKENDS = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=BACKENDS)
+def cuda(request, monkeypatch):
+    from jitkern.runtime import cuda as cuda_mod
+    if request.param == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    elif not cuda_mod.is_available():
+        pytest.skip("no CUDA device here")
+    return cuda_mod
+
+
+def test_device_array_is_numpy_like(cuda):
+    rng = np.random.default_rng(10)
+    a = rng.standard_normal((7, 5, 9)).astype(np.float32)
+    d = cuda.DeviceArray.from_numpy(a)
+    assert d.dtype == np.float32 and d.elem.name == "f32"
+    assert (d.shape, d.strides, d.itemsize, d.ndim, d.nbytes) == (a.shape, a.strides, 4, 3, a.nbytes)
+    for key in [(slice(None), slice(1, 4)), (2, slice(None), slice(3, 8)), (slice(1, 6, 2), 3),
+                (Ellipsis, slice(2, 7)), (-1,), (slice(None), slice(None), 4)]:
+        v = d[key]
+        assert v.shape == a[key].shape and v.strides == a[key].strides, key
+        np.testing.assert_array_equal(v.numpy(), a[key])
+    # writes into a strided view land in the parent's memory only there
+    new = rng.standard_normal((7, 3, 9)).astype(np.float32)
+    d[:, 1:4].copy_from_numpy(new)
+    a[:, 1:4] = new
+    np.testing.assert_array_equal(d.numpy(), a)
+    r = d.reshape(35, 9)
+    assert r.ptr == d.ptr and r.shape == (35, 9)
+    np.testing.assert_array_equal(r[3:5].numpy(), a.reshape(35, 9)[3:5])
+    with pytest.raises(ValueError, match="non-contiguous"):
+        d[:, 1:4].reshape(-1)
+    bits = to_bf16(rng.standard_normal(33))
+    b = cuda.DeviceArray.from_numpy(bits, dtype="bf16")
+    assert b.dtype == np.uint16 and b.elem.name == "bf16"
+    np.testing.assert_array_equal(b.numpy(), bits)
+    u = cuda.DeviceArray.from_numpy(bits)
+    assert u.elem.name == "u16" and u.view("bf16").elem.name == "bf16" and u.view(np.float16).dtype == np.float16
+    i8 = cuda.DeviceArray.from_numpy(rng.integers(-100, 100, (3, 8)).astype(np.int8))
+    assert i8.view(np.int32).shape == (3, 2)
+    import jitkern as jk
+    assert jk.as_pointer(u, "bf16").elem.name == "bf16" and jk.as_pointer(u, "bf16").ptr == u.ptr
+    with pytest.raises(TypeError, match="numpy"):
+        np.asarray(d) + 1
+
+
+def _dev(cuda, a):
+    return cuda.DeviceArray.from_numpy(a)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_basic_ops_on_device_arrays(cuda, dtype):
+    from jitkern.ops.activation import add, gelu_tanh, silu_and_mul
+    from jitkern.ops.embedding import embedding
+    from jitkern.ops.norm import layer_norm, rms_norm
+    from jitkern.ops.softmax import softmax
+    rng = np.random.default_rng(11)
+    T, n = 13, 197
+    x = stored(rng.standard_normal((T, n + 50)), dtype)
+    w = rng.standard_normal(n).astype(np.float32)
+    dx = _dev(cuda, x)[:, 7:7 + n]                     # a row-strided view
+    y = rms_norm(dx, _dev(cuda, w), 1e-5)
+    assert isinstance(y, cuda.DeviceArray) and y.dtype == x.dtype and y.shape == (T, n)
+    np.testing.assert_allclose(as_f64(y.numpy()), rms_norm_ref(as_f64(x[:, 7:7 + n]), w, 1e-5),
+                               rtol={"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}[dtype], atol=1e-2)
+    b = rng.standard_normal(n).astype(np.float32)
+    z = layer_norm(dx, _dev(cuda, w), _dev(cuda, b), 1e-5)
+    np.testing.assert_allclose(as_f64(z.numpy()), layer_norm_ref(as_f64(x[:, 7:7 + n]), w, b, 1e-5),
+                               rtol={"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}[dtype], atol=2e-2)
+    gu = stored(rng.standard_normal((T, 2 * n)), dtype)
+    act = silu_and_mul(_dev(cuda, gu))
+    want = silu_ref(as_f64(gu[:, :n])) * as_f64(gu[:, n:])
+    np.testing.assert_allclose(as_f64(act.numpy()), want, rtol=2e-2 if dtype == "bf16" else 3e-3, atol=2e-2)
+    s = add(dx, dx)
+    np.testing.assert_allclose(as_f64(s.numpy()), 2 * as_f64(x[:, 7:7 + n]), rtol=1e-2)
+    g = gelu_tanh(_dev(cuda, x))
+    np.testing.assert_allclose(as_f64(g.numpy()), gelu_tanh_ref(as_f64(x)), rtol=2e-2 if dtype == "bf16" else 3e-3,
+                               atol=2e-2)
+    table = stored(rng.standard_normal((300, n)), dtype)
+    ids = rng.integers(0, 300, T).astype(np.int32)
+    e = embedding(_dev(cuda, ids), _dev(cuda, table))
+    np.testing.assert_array_equal(e.numpy(), as_f64(table[ids]).astype(np.float32))
+    p = softmax(_dev(cuda, x))
+    r = np.exp(as_f64(x) - as_f64(x).max(1, keepdims=True))
+    np.testing.assert_allclose(p.numpy(), r / r.sum(1, keepdims=True), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("M", [1, 5, 19])
+def test_linear_on_device_arrays(cuda, wdt, M):
+    from jitkern.ops.matmul import linear
+    rng = np.random.default_rng(12)
+    N, K = 37, 131
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = stored(rng.standard_normal((N, K)) / 8, wdt)
+    bias = rng.standard_normal(N).astype(np.float32)
+    out = linear(_dev(cuda, x), _dev(cuda, w), bias=_dev(cuda, bias), **({"w_dtype": "bf16"} if wdt == "bf16" else {}))
+    assert isinstance(out, cuda.DeviceArray)
+    np.testing.assert_allclose(out.numpy(), x.astype(np.float64) @ as_f64(w).T + bias, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_K", "q6_K"])
+def test_quantised_matmul_and_rows_on_device_arrays(cuda, qtype):
+    pytest.importorskip("gguf")
+    from jitkern.ops.quant import dequantize_rows, matmul_q
+    from tests.ops.test_quant import make_weight
+    rng = np.random.default_rng(13)
+    N, K = 24, 512
+    raw, wd = make_weight(qtype, N, K, rng)
+    wd = wd.astype(np.float64)
+    draw = _dev(cuda, raw)
+    for M in (1, 6):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        y = matmul_q(_dev(cuda, x), draw, qtype, N, K)
+        assert isinstance(y, cuda.DeviceArray)
+        want = x.astype(np.float64) @ wd.T
+        np.testing.assert_allclose(y.numpy(), want, rtol=0, atol=0.02 * np.abs(want).max())
+        np.testing.assert_array_equal(y.numpy(), matmul_q(x, raw, qtype, N, K, target=draw.device.target()))
+    idx = rng.integers(0, N, 9).astype(np.int32)
+    rows = dequantize_rows(draw, qtype, _dev(cuda, idx), K)
+    np.testing.assert_allclose(rows.numpy(), wd[idx], rtol=1e-6, atol=1e-6)
+
+
+def test_rope_and_attention_on_device_arrays(cuda):
+    from jitkern.ops.attention import paged_attention, reshape_and_cache
+    from jitkern.ops.rope import rope, rope_cos_sin_cache
+    rng = np.random.default_rng(14)
+    H, KVH, D = 4, 2, 64
+    seqs = [(1, 1), (17, 1), (40, 23), (300, 1), (33, 33)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, np.float32)
+    T = q.shape[0]
+    # q, k, v as strided views of one fused buffer, as the engine has them
+    qkv = rng.standard_normal((T, (H + 2 * KVH) * D)).astype(np.float32)
+    qkv[:, :H * D] = q.reshape(T, -1)
+    dqkv = _dev(cuda, qkv)
+    dq = dqkv[:, :H * D].as_strided((T, H, D), (dqkv.strides[0], D * 4, 4))
+    dk = dqkv[:, H * D:].as_strided((T, KVH, D), (dqkv.strides[0], D * 4, 4))
+    dv = dqkv[:, (H + KVH) * D:].as_strided((T, KVH, D), (dqkv.strides[0], D * 4, 4))
+    pos = np.concatenate([np.arange(L - ql, L) for L, ql in seqs]).astype(np.int32)
+    cache = rope_cos_sin_cache(D, D, 1024, 10000.0, None)
+    rope(dq, dk, _dev(cuda, pos), _dev(cuda, cache), D, D, True)
+    qr = rope_ref(q.astype(np.float64), pos, cache, D, True)
+    kr = rope_ref(qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D).astype(np.float64), pos, cache, D, True)
+    np.testing.assert_allclose(dq.numpy(), qr, rtol=1e-5, atol=1e-5)
+    # the new tokens' k/v go to fresh slots of the caches
+    slots = np.concatenate([[int(bt[i, p // BS]) * BS + p % BS for p in range(L - ql, L)]
+                            for i, (L, ql) in enumerate(seqs)]).astype(np.int32)
+    dkc, dvc = _dev(cuda, kc), _dev(cuda, vc)
+    reshape_and_cache(dk, dv, dkc, dvc, _dev(cuda, slots))
+    kc2, vc2 = kc.copy(), vc.copy()
+    kc2.reshape(-1, KVH, D)[slots] = dk.numpy()
+    vc2.reshape(-1, KVH, D)[slots] = qkv[:, (H + KVH) * D:].reshape(T, KVH, D)
+    np.testing.assert_array_equal(dkc.numpy(), kc2)
+    np.testing.assert_array_equal(dvc.numpy(), vc2)
+    out = paged_attention(dq, dkc, dvc, _dev(cuda, qs), _dev(cuda, sl), _dev(cuda, bt), scale=D ** -0.5,
+                          host_step=(qs, sl))
+    assert isinstance(out, cuda.DeviceArray)
+    want = ref_paged_attention(dq.numpy(), kc2, vc2, qs, sl, bt, D ** -0.5)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=2e-5)
+    # without host copies the lengths are downloaded: same result
+    out2 = paged_attention(dq, dkc, dvc, _dev(cuda, qs), _dev(cuda, sl), _dev(cuda, bt), scale=D ** -0.5)
+    np.testing.assert_array_equal(out2.numpy(), out.numpy())
+
+
+def test_argmax_on_device_arrays(cuda):
+    from jitkern.ops.sampling import argmax_rows
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((6, 1001)).astype(np.float32)
+    got = argmax_rows(_dev(cuda, x))
+    np.testing.assert_array_equal(got.numpy(), x.argmax(1))
