@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=positive_int, default=1, help="load once, run N blocking completions and print warm "
                    "decode tok/s (not with --stream)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs: auto (a CUDA GPU when present, else the CPU), cpu or cuda")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -94,7 +96,8 @@ def _main(argv) -> int:
         return _fail(f"{flag}{e}")
     try:
         from engine.llm import LLM
-        llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs)
+        llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
+                  device=args.device)
     except ModelLoadError as e:
         return _fail(str(e))
     try:

@@ -53,6 +53,7 @@ class EngineArgs:
     max_logprobs: int = 20
     seed: int = 0
     use_graphs: bool = True                     # replay decode steps as recorded jitkern graphs
+    device: str = "auto"                        # "auto" | "cpu" | "cuda" (engine.device)
 
 
 _DEFAULT_KV_MEMORY = 1 << 30
@@ -119,7 +120,7 @@ class LLMEngine:
         self.checkpoint = ckpt = load_checkpoint(path, tokenizer_config=args.tokenizer_config)
         self.config = cfg = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype)
+        self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device)
         dsize = 2 if args.kv_cache_dtype == "f16" else 4
         per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize)
         num_blocks = args.num_blocks or num_blocks_for_memory(args.kv_cache_memory or _DEFAULT_KV_MEMORY, per_block)

@@ -51,6 +51,8 @@ class Batch:
     num_tokens: int = 0
     num_seqs: int = 0
     logits_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    host: "Batch | None" = None            # a device batch: its host twin (for host-side reads of lengths)
+    device_rows: object = None              # a device batch: logits_rows staged on the device
 
 
 @dataclass
@@ -68,20 +70,35 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
         model.allocate_kv(num_blocks, block_size)
         maxT = max(max_num_batched_tokens, max_num_seqs)
-        self.batch = Batch(
-            input_ids=np.zeros(maxT, np.int32), positions=np.zeros(maxT, np.int32),
-            slot_mapping=np.full(maxT, -1, np.int32), query_start=np.zeros(max_num_seqs + 1, np.int32),
-            seq_lens=np.zeros(max_num_seqs, np.int32),
-            block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
+        self.device = getattr(model, "device", "cpu")
+        self.staging = None
+        if self.device == "cuda":
+            # step inputs: filled on the host as on the CPU (views of one staging array), sent in one copy
+            from engine.device import DeviceBufferPool, StepStaging
+            self.staging = st = StepStaging(maxT, max_num_seqs, self.max_blocks_per_seq)
+            h, d = st.host_views, st.dev_views
+            h["slot_mapping"][:] = -1
+            names = ("input_ids", "positions", "slot_mapping", "query_start", "seq_lens", "block_table")
+            self.batch = Batch(**{k: h[k] for k in names}, buffers=BufferPool())
+            self.fwd_batch = Batch(**{k: d[k] for k in names}, buffers=DeviceBufferPool(), host=self.batch,
+                                   device_rows=d["logits_rows"])
+        else:
+            self.batch = Batch(
+                input_ids=np.zeros(maxT, np.int32), positions=np.zeros(maxT, np.int32),
+                slot_mapping=np.full(maxT, -1, np.int32), query_start=np.zeros(max_num_seqs + 1, np.int32),
+                seq_lens=np.zeros(max_num_seqs, np.int32),
+                block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
+            self.fwd_batch = self.batch          # the batch the forward pass reads
         self.use_graphs = use_graphs
         from engine.limits import MAX_DECODE_GRAPHS
         self.max_graphs = MAX_DECODE_GRAPHS
         self._graphs: OrderedDict = OrderedDict()   # decode batch size -> (graph, logits), LRU order
-        self._graphs_generation = self.batch.buffers.generation
+        self._graphs_generation = self.fwd_batch.buffers.generation
 
     def close(self) -> None:
         self.model.free_kv()
         self.batch.buffers.clear()
+        self.fwd_batch.buffers.clear()
         self._graphs.clear()
 
     def prepare(self, sched) -> StepResult:
@@ -120,24 +137,38 @@ class ModelRunner:
         res = self.prepare(sched)
         b = self.batch
         pure_decode = b.num_tokens == b.num_seqs and len(b.logits_rows) == b.num_tokens and not res.prompt_rows
+        if self.staging is not None:
+            self._send_step()
         if self.use_graphs and pure_decode:
             res.logits = self._replay_decode()
         else:
-            res.logits = self.model.forward(b)
+            res.logits = self.model.forward(self.fwd_batch)
+        if self.staging is not None and not isinstance(res.logits, np.ndarray):
+            res.logits = res.logits.numpy()          # only the rows that need logits come back
         return res
+
+    def _send_step(self) -> None:
+        """CUDA: the step's host inputs to the device batch (one copy; the host sampler gets the logits back)."""
+        b, d = self.batch, self.fwd_batch
+        R = len(b.logits_rows)
+        self.staging.host_views["logits_rows"][:R] = b.logits_rows
+        self.staging.send()
+        d.num_tokens, d.num_seqs, d.logits_rows = b.num_tokens, b.num_seqs, b.logits_rows
 
     def _replay_decode(self) -> np.ndarray:
         """Decode steps of the same batch size replay one recorded graph (launch cost ~1 us per kernel
         instead of ~10 us through Python). Everything that changes between steps (ids, positions, slots,
         lengths, block tables) lives in the batch's fixed arrays, which the kernels read when they run."""
         import jitkern as jk
-        b = self.batch
+        b = self.fwd_batch
         if b.buffers.generation != self._graphs_generation:
             # a buffer moved: every graph points at (and keeps alive) the old ones
             self._graphs.clear()
             self._graphs_generation = b.buffers.generation
         key = b.num_tokens
         ent = self._graphs.get(key)
+        if ent is None and self.device == "cuda":
+            return self._capture_cuda(key)
         if ent is None:
             with jk.capture() as g:
                 logits = self.model.forward(b)
@@ -154,6 +185,33 @@ class ModelRunner:
             self._graphs.move_to_end(key)
         g, logits = ent
         g.replay()
+        return logits
+
+    def _capture_cuda(self, key):
+        """CUDA: this step runs eagerly (so buffers, attention scratch and kernel modules are all in place:
+        stream capture must not allocate, load modules or synchronise), then is recorded as a CUDA graph
+        for the next steps of this batch size. A capture the driver refuses turns graphs off (eager runs)."""
+        import logging
+
+        import jitkern as jk
+        b = self.fwd_batch
+        logits = self.model.forward(b)
+        gen = b.buffers.generation
+        try:
+            with jk.capture() as g:
+                self.model.forward(b)
+        except Exception as e:      # noqa: BLE001 - eager steps stay correct; say why once
+            logging.getLogger("engine").warning("CUDA graph capture failed (%s): decode runs eagerly", e)
+            self.use_graphs = False
+            self._graphs.clear()
+            return logits
+        if b.buffers.generation != gen or b.buffers.generation != self._graphs_generation:
+            self._graphs.clear()                   # a buffer moved while recording: record next time
+            self._graphs_generation = b.buffers.generation
+            return logits
+        self._graphs[key] = (g, logits)
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
         return logits
 
     @property

@@ -21,11 +21,14 @@ KNOWN_UNIMPLEMENTED = {
 }
 
 
-def build_model(ckpt, kv_dtype: str = "f32"):
+def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
+    """The model for `ckpt` on `device` ("auto" | "cpu" | "cuda"; see engine.device)."""
+    from engine.device import resolve_device
+    device = resolve_device(device)
     arch = ckpt.config.architecture
     if arch in SUPPORTED:
         from engine.models.decoder import DecoderLM
-        return DecoderLM(ckpt, kv_dtype=kv_dtype)
+        return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
     if arch in KNOWN_UNIMPLEMENTED:
         raise ModelLoadError(f"architecture '{arch}' is recognised but not implemented yet: missing "
                              f"{KNOWN_UNIMPLEMENTED[arch]}", path=ckpt.path, key="architecture")

@@ -84,8 +84,9 @@ class Layer:
 
 
 class DecoderLM:
-    def __init__(self, ckpt, kv_dtype: str = "f32"):
+    def __init__(self, ckpt, kv_dtype: str = "f32", device: str = "cpu"):
         self.ckpt = ckpt
+        self.device = device                   # "cpu" or "cuda" (engine.device.resolve_device)
         cfg = self.cfg = ckpt.config
         arch = cfg.architecture
         self.arch = arch
@@ -143,6 +144,38 @@ class DecoderLM:
         self.k_caches = []
         self.v_caches = []
         self._attn_ws = [{} for _ in self.layers]     # attention scratch with stable addresses (graphs)
+        self.embed_raw = self.embed.raw if self.embed_table is None else None
+        self.device_bytes = 0
+        if device == "cuda":
+            self._to_device()
+
+    def _to_device(self) -> None:
+        """Uploads every weight once (from the memory map; GGUF blocks stay compressed) and drops the host
+        references, so the forward pass runs on device arrays only."""
+        from engine.device import Uploader
+        up = Uploader()
+        try:
+            from tqdm import tqdm
+            layers = tqdm(self.layers, desc="uploading weights", unit="layer", leave=False,
+                          disable=len(self.layers) < 8)
+        except ImportError:
+            layers = self.layers
+        for L in layers:
+            for f in ("attn_norm", "attn_norm_b", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "ffn_norm_b",
+                      "post_ffn_norm", "rope_cache"):
+                setattr(L, f, up(getattr(L, f)))
+            for lin in (L.qkv, L.o, L.gate_up, L.up, L.down):
+                if lin is not None:
+                    lin.to_device(up)
+        self.lm_head.to_device(up)
+        self.embed_table = up(self.embed_table)
+        self.embed_raw = up(self.embed_raw)
+        self.pos_embed = up(self.pos_embed)
+        self.final_norm = up(self.final_norm)
+        self.final_norm_b = up(self.final_norm_b)
+        self.rope_global = up(self.rope_global)
+        self.rope_local = up(self.rope_local)
+        self.device_bytes = up.nbytes
 
     # ------------------------------------------------------------------------------------ loading
     def _t(self, key, i=None, required=True):
@@ -218,6 +251,11 @@ class DecoderLM:
     # ---------------------------------------------------------------------------------- KV cache
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.KVH, self.D)
+        if self.device == "cuda":
+            from jitkern.runtime.cuda import DeviceArray
+            self.k_caches = [DeviceArray.zeros(shape, self.kv_dtype) for _ in self.layers]
+            self.v_caches = [DeviceArray.zeros(shape, self.kv_dtype) for _ in self.layers]
+            return
         self.k_caches = [np.zeros(shape, self.kv_dtype) for _ in self.layers]
         self.v_caches = [np.zeros(shape, self.kv_dtype) for _ in self.layers]
 
@@ -252,7 +290,7 @@ class DecoderLM:
             embedding(ids, self.embed_table, out=h, scale=self.embed_scale)
         else:
             from jitkern.ops.quant import dequantize_rows
-            dequantize_rows(self.embed.raw, self.embed.dtype, ids, self.hidden, out=h)
+            dequantize_rows(self.embed_raw, self.embed.dtype, ids, self.hidden, out=h)
             if self.embed_scale is not None:
                 from jitkern.ops.activation import scale_inplace
                 scale_inplace(h, self.embed_scale)
@@ -265,6 +303,9 @@ class DecoderLM:
         qkv_out = buf.get("qkv", (T, (H + 2 * KVH) * D))
         attn = buf.get("attn", (T, H * D))
         o = buf.get("o", (T, self.hidden))
+        # a device batch: attention's host-side reads (lengths) come from the host twin, not a download
+        host_step = (b.host.query_start[: b.num_seqs + 1], b.host.seq_lens[: b.num_seqs]) \
+            if b.host is not None else None
         first = True
         for li, L in enumerate(self.layers):
             # attention block (pre-norm; the residual add is fused into the norm)
@@ -291,7 +332,7 @@ class DecoderLM:
                             out=attn.reshape(T, H, D), workspace=self._attn_ws[li],
                             # the full partition axis: a recorded decode graph stays valid as contexts grow
                             # (each sequence uses only the partitions its own length needs)
-                            num_partitions=MAX_PARTITIONS)
+                            num_partitions=MAX_PARTITIONS, host_step=host_step)
             L.o(attn, out=o)
             if L.post_attn_norm is not None:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
@@ -320,7 +361,8 @@ class DecoderLM:
         else:
             from jitkern.ops.embedding import embedding as gather_rows
             xs = buf.get("xs", (R, self.hidden))
-            gather_rows(rows.astype(np.int32), x, out=xs)
+            idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
+            gather_rows(idx, x, out=xs)
         logits = buf.get("logits", (R, self.vocab))
         self.lm_head(xs, out=logits)
         if self.final_softcap:
@@ -331,5 +373,7 @@ class DecoderLM:
 
 def _heads(a: np.ndarray, col0: int, nheads: int, d: int) -> np.ndarray:
     """A [T, nheads, d] strided view of columns col0.. of a [T, C] row-major buffer."""
+    if not isinstance(a, np.ndarray):          # a GPU DeviceArray
+        return a[:, col0:].as_strided((a.shape[0], nheads, d), (a.strides[0], d * a.itemsize, a.itemsize))
     return np.lib.stride_tricks.as_strided(a[:, col0:], shape=(a.shape[0], nheads, d),
                                            strides=(a.strides[0], d * a.itemsize, a.itemsize))

@@ -46,6 +46,12 @@ class Linear:
         self.bias = bias
         self.name = name
 
+    def to_device(self, upload) -> None:
+        """Weight (raw GGUF blocks as they are, or f32/f16/bf16 rows) and bias onto the GPU (`upload`:
+        engine.device.Uploader)."""
+        self.weight = upload(self.weight)
+        self.bias = upload(self.bias)
+
     @property
     def quantized(self) -> bool:
         return self.kind in QUANT_TYPES
@@ -68,6 +74,8 @@ class Linear:
 
 def _bias_rows(b: np.ndarray, rows: int) -> np.ndarray:
     """A (rows, N) broadcast view of a bias (stride 0) for the add kernel."""
+    if not isinstance(b, np.ndarray):          # a GPU DeviceArray
+        return b.as_strided((rows, b.shape[0]), (0, b.strides[0]))
     return np.lib.stride_tricks.as_strided(b, shape=(rows, b.shape[0]), strides=(0, b.strides[0]))
 
 

