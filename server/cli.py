@@ -61,19 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_non_negative, help="per-step token budget (0: default)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (--no-enable-prefix-caching turns it off)")
-    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs (default), or priority: honour the request field `priority`")
     p.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs a request may ask for")
     p.add_argument("--seed", type=int, help="engine random seed")
     logs = p.add_mutually_exclusive_group()
     logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
                       help="log each request (default)")
-    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                      help="no per-request log line")
     p.add_argument("--enable-log-outputs", action="store_true", help="also log generated outputs")
     p.add_argument("--max-log-len", type=_non_negative, default=256, help="truncate logged prompts/outputs to N "
                    "characters (default 256)")
     metrics = p.add_mutually_exclusive_group()
-    metrics.add_argument("--enable-metrics", dest="enable_metrics", action="store_true", default=True)
-    metrics.add_argument("--disable-metrics", dest="enable_metrics", action="store_false")
+    metrics.add_argument("--enable-metrics", dest="enable_metrics", action="store_true", default=True,
+                         help="serve Prometheus metrics on /metrics (default)")
+    metrics.add_argument("--disable-metrics", dest="enable_metrics", action="store_false",
+                         help="no /metrics endpoint")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set JITKERN_API_KEY)")
     p.add_argument("--max-body-bytes", type=_positive, help="larger request bodies are answered 413 (default 32 MiB)")
     p.add_argument("--threads", type=_positive, help="HTTP threads of the worker (default max-num-seqs + 32)")
@@ -132,6 +136,13 @@ def main(argv: list | None = None) -> int:
     if args.tokenizer_config is not None and not Path(args.tokenizer_config).is_file():
         parser.error(f"--tokenizer-config {args.tokenizer_config}: no such file")
     command, env = gunicorn_command(args)
+    # JITKERN_* settings (from the environment and the flags above) are checked here, before gunicorn and
+    # the model load: one line naming the setting, exit 2
+    from jitkern.env import SettingError, check_environment
+    try:
+        check_environment(environ=env)
+    except SettingError as e:
+        parser.exit(2, f"python -m server: error: {e}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, env)
