@@ -239,3 +239,10 @@ def test_help_runs(tmp_path, argv):
     r = _run([sys.executable, *argv], _env(tmp_path))
     assert r.returncode == 0 and r.stdout.startswith(b"usage:") and not r.stderr, r.stderr
     assert len(r.stdout.splitlines()) > 4
+
+
+def test_server_checks_settings_before_gunicorn(tmp_path):
+    r = _run([sys.executable, "-m", "server", "--port", "1"], _env(tmp_path, JITKERN_CPU_TIER="bogus"))
+    _assert_one_line_error(r, "JITKERN_CPU_TIER", "bogus")
+    r = _run([sys.executable, "-m", "server", "--port", "1"], _env(tmp_path, JITKERN_NUM_THREADS="abc"))
+    _assert_one_line_error(r, "JITKERN_NUM_THREADS")
