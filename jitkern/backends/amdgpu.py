@@ -41,6 +41,9 @@ CODE_OBJECT_VERSION = 500
 class AmdgpuHooks(GpuHooks):
     smem_as = 3
     smem_index = "i32"
+    # 16-byte chunk accesses go through addrspace(1) pointers: a chunk pointer extracted from a pointer vector
+    # is beyond LLVM's address-space inference, and a flat pointer there would make flat_load / flat_store
+    global_as = 1
 
     def __init__(self, target):
         self.target = target
