@@ -252,13 +252,19 @@ def cmd_build(args) -> int:
     except ImportError as e:
         bar.close()
         return _fail(f"the engine's kernel list is not available ({e})")
+    co = compile_only(t, on_compile)
     try:
-        with compile_only(t, on_compile):
+        with co:
             build_specializations(args.model)
     except ModelLoadError as e:
         return _fail(f"--model: {e}", "jitkern build")
     finally:
         bar.close()
+    if co.errors:
+        name, err = co.errors[0]
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return _fail(f"{len(co.errors)} kernel specialisation(s) failed to compile for {t.name}; first: "
+                     f"{name}: {first[:500]}")
     from .compiler import kernel_cache
     print(f"{len(seen)} kernel specialisations for {args.target} are in the cache ({len(cached)} were already there) "
           f"at {kernel_cache().path}")

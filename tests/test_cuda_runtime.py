@@ -174,3 +174,19 @@ def test_ptx_is_accepted_by_ptxas(arch, tmp_path, monkeypatch):
             assert f".target {arch}" in ck.ptx()
     finally:
         reset_kernel_cache()
+
+
+def test_build_fails_when_a_kernel_does_not_compile(tmp_path):
+    """`jitkern build` exits 2 naming the kernel when a compile fails (the engine driving the build must not
+    swallow it), here through a ptxas that rejects everything."""
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'fake ptxas 0.0'; exit 0; fi\n"
+                    "echo 'ptxas fatal: rejected on purpose' >&2; exit 1\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, JITKERN_CACHE_DIR=str(tmp_path / "cache"), JITKERN_PTXAS=str(fake),
+               PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "jitkern", "build", "--target", "sm_90a", "--quiet"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 2, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert "failed to compile for sm_90a" in last and "rejected on purpose" in last, last

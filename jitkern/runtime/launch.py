@@ -204,6 +204,7 @@ class compile_only:
         self.target = target
         self.on_compile = on_compile
         self.compiled = []
+        self.errors = []          # (kernel name, exception) of compiles that failed
 
     def __enter__(self):
         self.prev = getattr(_capture, "compile_only", None)
@@ -218,7 +219,13 @@ class compile_only:
 def _compile_only_launch(co, kernel, args, kwargs):
     from ..compiler import compile_kernel
     params, consts, _ = kernel.specialize(args, kwargs, co.target)
-    ck = compile_kernel(kernel, params, consts, co.target, load=False)
+    try:
+        ck = compile_kernel(kernel, params, consts, co.target, load=False)
+    except Exception as e:
+        # kept here too: the engine driving the build fails just the request whose step raised, so the
+        # error would otherwise never reach `jitkern build`
+        co.errors.append((kernel.__name__, e))
+        raise
     co.compiled.append(ck)
     if co.on_compile is not None:
         co.on_compile(ck)
