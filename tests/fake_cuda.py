@@ -52,10 +52,36 @@ class FakeDevice:
 
 
 def install(monkeypatch) -> FakeDevice:
-    """Makes jitkern.runtime.cuda answer with a FakeDevice for the rest of the test."""
+    """Makes jitkern.runtime.cuda answer with a FakeDevice for the rest of the test.
+
+    JITKERN_FAKE_CUDA_TARGET=sm_90a (say) makes the fake device claim that GPU target: the op wrappers then
+    pick that GPU's tiles and every launch compiles that GPU specialisation into the kernel cache (load=False,
+    ptxas included) before running the same specialisation on the CPU. It fills a cache with exactly what
+    the gpu-marked tests need, so a run on the real GPU compiles nothing."""
+    import os
+
     from jitkern.runtime import cuda
     from jitkern.runtime import launch as launch_mod
     dev = FakeDevice()
+    gpu_name = os.environ.get("JITKERN_FAKE_CUDA_TARGET")
+    if gpu_name:
+        from targets import get_target
+        gpu = get_target(gpu_name)
+        monkeypatch.setattr(dev, "target", lambda: gpu)
+        launch = launch_mod.launch
+
+        def dual_launch(kernel, grid, args, kwargs, target=None):
+            if target is None or target is gpu or getattr(target, "is_gpu", False):
+                co = launch_mod.compile_only(target=gpu)
+                launch_mod._compile_only_launch(co, kernel, args, kwargs)
+                from jitkern.runtime.cpu import runtime_target
+                target = runtime_target()       # then run it on the CPU runtime tier
+            return launch(kernel, grid, args, kwargs, target=target)
+
+        monkeypatch.setattr(launch_mod, "launch", dual_launch)
+        for mod in ("jitkern.ops._hostargs", "jitkern.ops.matmul"):
+            import importlib
+            monkeypatch.setattr(importlib.import_module(mod), "launch", dual_launch)
     monkeypatch.setattr(cuda, "get_device", lambda ordinal=0: dev)
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     pack = launch_mod.pack_args

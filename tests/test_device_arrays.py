@@ -157,6 +157,7 @@ def test_rope_and_attention_on_device_arrays(cuda):
     qr = rope_ref(q.astype(np.float64), pos, cache, D, True)
     kr = rope_ref(qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D).astype(np.float64), pos, cache, D, True)
     np.testing.assert_allclose(dq.numpy(), qr, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk.numpy(), kr, rtol=1e-5, atol=1e-5)
     # the new tokens' k/v go to fresh slots of the caches
     slots = np.concatenate([[int(bt[i, p // BS]) * BS + p % BS for p in range(L - ql, L)]
                             for i, (L, ql) in enumerate(seqs)]).astype(np.int32)

@@ -19,7 +19,9 @@ import pytest
 from engine.sampling_params import SamplingParams
 
 BACKENDS = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
-ARCHS = ["llama", "qwen3", "gemma3", "gpt2"]
+# arch[@weight dtype]: f32 checkpoints are also checked against transformers; bf16 / f16 ones (the weights the
+# kernels read as stored: uint16 = bf16) against the CPU engine only
+ARCHS = ["llama", "qwen3", "gemma3", "gpt2", "llama@bf16", "qwen2@f16"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -48,10 +50,16 @@ def _greedy(llm, prompts, n):
 def tiny(request, tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    import torch
     from engine.llm import LLM
     from tests.model_fixtures import make_model_dir
-    path = str(tmp_path_factory.mktemp(request.param))
-    hf = make_model_dir(request.param, path, seed=3)
+    arch, _, wdt = request.param.partition("@")
+    path = str(tmp_path_factory.mktemp(arch))
+    hf = make_model_dir(arch, path, seed=3)
+    if wdt:
+        hf = hf.to({"bf16": torch.bfloat16, "f16": torch.float16}[wdt])
+        hf.save_pretrained(path, safe_serialization=True)
+        hf = None
     prompts = _prompts(5, seed=4)
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cpu")
     try:
@@ -70,17 +78,40 @@ def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, devic
         assert llm.engine.model.device == "cuda"
         from jitkern.runtime.cuda import DeviceArray
         assert isinstance(llm.engine.model.k_caches[0], DeviceArray)
+        assert isinstance(llm.engine.model.lm_head.weight, DeviceArray)
         alone = [_greedy(llm, [p], 24)[0] for p in prompts[:2]]
         batch = _greedy(llm, prompts, 24)
+        # decode steps were recorded and replayed as graphs (CUDA graphs on a GPU), not refused
+        assert llm.engine.runner.use_graphs and llm.engine.runner.num_graphs > 0
     finally:
         llm.close()
     assert alone == cpu[:2]
     assert batch == cpu
+    if hf is None:
+        return
     with torch.no_grad():
         for p, got in zip(prompts[:2], alone):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                               pad_token_id=0, min_new_tokens=24)[0, len(p):].tolist()
             assert got == ref, arch
+
+
+def test_f16_kv_cache_and_eager_decode_on_the_device(device, tmp_path):
+    from engine.llm import LLM
+    from tests.model_fixtures import make_model_dir
+    pytest.importorskip("transformers")
+    make_model_dir("llama", str(tmp_path), seed=6)
+    prompts = _prompts(4, seed=7)
+    got = {}
+    for dev, graphs in (("cpu", True), ("cuda", False), ("cuda", True)):
+        llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, kv_cache_dtype="f16",
+                  device=dev, use_graphs=graphs)
+        try:
+            got[dev, graphs] = _greedy(llm, prompts, 20)
+        finally:
+            llm.close()
+    assert got["cuda", False] == got["cpu", True]
+    assert got["cuda", True] == got["cpu", True]
 
 
 def _smollm2_path():
@@ -122,5 +153,25 @@ def test_smollm2_on_the_device_matches_the_cpu(device):
             llm.close()
     assert res["cuda"][0] == res["cpu"][0]
     cpu_nll, dev_nll = res["cpu"][1], res["cuda"][1]
-    assert np.isfinite(cpu_nll) and 0.5 < cpu_nll < 10
+    assert np.isfinite(cpu_nll) and cpu_nll > 0.5
     assert abs(dev_nll - cpu_nll) <= 0.01 * cpu_nll, (dev_nll, cpu_nll)
+
+
+def test_asking_for_cuda_without_a_device_fails_at_start_naming_the_setting(tmp_path):
+    import subprocess
+    import sys
+    from jitkern.runtime import cuda
+    if cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    from engine.device import DeviceUnavailableError, resolve_device
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(DeviceUnavailableError, match="--device cuda"):
+        resolve_device("cuda")
+    with pytest.raises(DeviceUnavailableError, match="device='gpu'"):
+        resolve_device("gpu")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "--device", "cuda", "--prompt", "hi"], cwd=repo,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--device cuda" in lines[0], r.stderr
