@@ -1,6 +1,7 @@
 """The Python API: `from engine import LLM, SamplingParams`.
 
-    llm = LLM()                                   # the embedded SmolLM2
+    llm = LLM()                                   # the embedded SmolLM2 (device="auto": a CUDA GPU when present)
+    llm = LLM("model.gguf", device="cuda")        # or "cpu"; "cuda" without a GPU fails naming the setting
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     print(out[0].outputs[0].text)
     for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=32)):
