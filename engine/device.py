@@ -26,11 +26,11 @@ def resolve_device(setting: str | None) -> str:
     if setting == "cpu":
         return "cpu"
     from jitkern.runtime import cuda
-    if setting == "auto":
-        return "cuda" if cuda.is_available() else "cpu"
     try:
-        cuda.get_device(0).target()
+        cuda.get_device(0).target()          # a device that answers and that jitkern has a target for
     except Exception as e:          # noqa: BLE001 - the reason goes into the one-line message
+        if setting == "auto":
+            return "cpu"
         raise DeviceUnavailableError(f"device='cuda' (--device cuda) but no usable CUDA device here: {e}; "
                                      f"use --device cpu or auto") from None
     return "cuda"

@@ -184,3 +184,42 @@ def test_argmax_on_device_arrays(cuda):
     x = rng.standard_normal((6, 1001)).astype(np.float32)
     got = argmax_rows(_dev(cuda, x))
     np.testing.assert_array_equal(got.numpy(), x.argmax(1))
+
+
+def test_frees_wait_for_the_end_of_a_stream_capture(monkeypatch):
+    # a cuMemFreeAsync issued while the stream is being captured would be recorded into the graph and repeated
+    # at every replay: frees of arrays dropped during a capture wait for its end (driver calls faked here)
+    from jitkern.runtime import cuda
+    from tests.fake_cuda import install
+    dev = install(monkeypatch)
+    dev.stream = object()
+
+    class FakeDriver:
+        class CUstreamCaptureMode:
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+
+        def cuStreamBeginCapture(self, stream, mode):
+            return (0,)
+
+        def cuStreamEndCapture(self, stream):
+            return (0, "graph")
+
+        def cuGraphInstantiate(self, graph, flags):
+            return (0, "exec")
+
+    monkeypatch.setattr(cuda, "driver", lambda: FakeDriver())
+    freed = []
+    real_free = dev.free
+    monkeypatch.setattr(dev, "free", lambda ptr: (freed.append(ptr), real_free(ptr)))
+    a = cuda.DeviceArray.empty(100, np.float32)
+    g = cuda.CudaGraph(dev)
+    g.begin()
+    ptr = a.ptr
+    del a
+    assert freed == []
+    g.end()
+    assert freed == [ptr] and g.exec == "exec"
+    b = cuda.DeviceArray.empty(10, np.int32)
+    ptr = b.ptr
+    del b
+    assert freed[-1] == ptr

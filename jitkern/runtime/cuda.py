@@ -215,8 +215,23 @@ class _Allocation:
 
     def __del__(self):
         if self.ptr:
-            self.device.free(self.ptr)
+            if _capturing[0]:
+                # a free issued into a stream capture would be recorded into the graph (and repeated at every
+                # replay): hold it until the capture ends
+                _deferred_frees.append((self.device, self.ptr))
+            else:
+                self.device.free(self.ptr)
             self.ptr = 0
+
+
+_capturing = [0]          # stream captures in progress (frees wait for their end)
+_deferred_frees: list = []
+
+
+def _flush_deferred_frees() -> None:
+    while _deferred_frees and not _capturing[0]:
+        dev, ptr = _deferred_frees.pop()
+        dev.free(ptr)
 
 
 class _Flags:
@@ -542,12 +557,17 @@ class CudaGraph:
                                       cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
               "cuStreamBeginCapture")
         self.capturing = True
+        _capturing[0] += 1
 
     def end(self) -> None:
         cu = driver()
         self.capturing = False
-        self.graph = check(cu.cuStreamEndCapture(self.device.stream), "cuStreamEndCapture")
-        self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+        _capturing[0] = max(_capturing[0] - 1, 0)
+        try:
+            self.graph = check(cu.cuStreamEndCapture(self.device.stream), "cuStreamEndCapture")
+            self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+        finally:
+            _flush_deferred_frees()
 
     def keep(self, values) -> None:
         self._keep.append(tuple(v for v in values if isinstance(v, DeviceArray)))
