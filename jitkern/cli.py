@@ -105,6 +105,11 @@ def cmd_targets(args) -> int:
             run = "on its GPU; build anywhere" if t.is_cuda else "build only (runtime untested)"
             width = f"warp {t.warp_size}"
             notes = t.description
+        elif t.is_vulkan:
+            lowering = "yes"
+            run = "on a Vulkan device (lavapipe counts)"
+            width = f"warp {t.warp_size}"
+            notes = t.description
         else:
             lowering = "not yet"
             run = "no (no lowering yet)"
@@ -225,9 +230,9 @@ def cmd_build(args) -> int:
         return _fail(f"--model {args.model}: no such file or directory; pass a model directory or .gguf file "
                      f"(or leave --model out for the embedded SmolLM2)", "jitkern build")
     t = get_target(args.target)
-    if not (t.is_cpu or t.is_cuda or t.is_hip):
+    if not (t.is_cpu or t.is_cuda or t.is_hip or t.is_vulkan):
         return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers, CUDA targets "
-                     f"(sm_80 ... sm_120a) and AMD targets (gfx90a, gfx942, gfx1100) can be built now")
+                     f"(sm_80 ... sm_120a), AMD targets (gfx90a, gfx942, gfx1100) and vulkan can be built now")
     if t.is_hip:
         from .backends.amdgpu import find_lld
         if find_lld() is None:
@@ -254,8 +259,15 @@ def cmd_build(args) -> int:
         return _fail(f"the engine's kernel list is not available ({e})")
     co = compile_only(t, on_compile)
     try:
-        with co:
-            build_specializations(args.model)
+        if t.is_cuda:
+            # the engine's CUDA path (its tiles, device buffers and their alignment) on a host-memory stand-in
+            # for the GPU: the cache gets what an engine on that GPU will ask for, so it loads with no compile
+            from .runtime.cuda import HostMemoryDevice, standing_in
+            with co, standing_in(HostMemoryDevice(t)):
+                build_specializations(args.model, device="cuda")
+        else:
+            with co:
+                build_specializations(args.model)
     except ModelLoadError as e:
         return _fail(f"--model: {e}", "jitkern build")
     finally:

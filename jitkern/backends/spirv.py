@@ -418,9 +418,39 @@ def fix_barrier_semantics(spv: bytes) -> bytes:
     return struct.pack(f"<{len(words)}I", *words)
 
 
+_FLOAT_ARITH = {127, 129, 131, 133, 136, 140, 141}      # OpFNegate, OpFAdd, OpFSub, OpFMul, OpFDiv, OpFRem, OpFMod
+
+
+def decorate_no_contraction(spv: bytes) -> bytes:
+    """Decorates every float arithmetic result NoContraction.
+
+    Vulkan drivers may otherwise treat float math as reassociable (Mesa's NIR rewrites (t + c) - c to t unless
+    the instruction is exact: the round-half-even trick of the quantisers then stops rounding) and fuse
+    multiplies into adds. The DSL's arithmetic is IEEE operation by operation on every target (batch
+    invariance relies on it), so each operation stays as written; `fma` is an explicit Fma."""
+    import struct
+    words = list(struct.unpack(f"<{len(spv) // 4}I", spv))
+    i, first_type, ids = 5, None, []
+    while i < len(words):
+        n, op = words[i] >> 16, words[i] & 0xFFFF
+        if first_type is None and 19 <= op <= 39:
+            first_type = i
+        elif op in _FLOAT_ARITH:
+            ids.append(words[i + 2])
+        i += max(n, 1)
+    if not ids or first_type is None:
+        return spv
+    deco = []
+    for rid in ids:
+        deco += [(3 << 16) | 71, rid, 42]                  # OpDecorate %rid NoContraction
+    words[first_type:first_type] = deco
+    return struct.pack(f"<{len(words)}I", *words)
+
+
 def finish_module(spv: bytes) -> bytes:
-    """The backend's SPIR-V with the fix-ups above (barrier semantics, the stray Int8 capability)."""
-    return strip_int8_capability(fix_barrier_semantics(spv))
+    """The backend's SPIR-V with the fix-ups above (barrier semantics, exact float arithmetic, the stray Int8
+    capability)."""
+    return strip_int8_capability(decorate_no_contraction(fix_barrier_semantics(spv)))
 
 
 def find_spirv_val():

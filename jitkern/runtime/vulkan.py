@@ -73,7 +73,7 @@ class _Alloc:
 
 
 class _Pipeline:
-    __slots__ = ("module", "dsl", "layout", "pipeline", "bindings", "num_threads", "slots", "keep")
+    __slots__ = ("module", "dsl", "layout", "pipeline", "bindings", "num_threads", "slots", "keep", "entry")
 
 
 class VulkanDevice:
@@ -296,6 +296,7 @@ class VulkanDevice:
             p.bindings = [tuple(b) for b in meta["bindings"]]
             p.num_threads = meta["num_threads"]
             p.slots = meta["slots"]
+            p.entry = meta["entry"]
             self.pipelines[key] = p
             return p
 
@@ -350,7 +351,12 @@ class VulkanDevice:
             v.vkCmdDispatch(cb, g[0], g[1], g[2])
             v.vkEndCommandBuffer(cb)
             v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(commandBufferCount=1, pCommandBuffers=[cb])], self.fence)
-            v.vkWaitForFences(self.device, 1, [self.fence], v.VK_TRUE, 600 * 10**9)
+            limit = float(os.environ.get("JITKERN_VULKAN_TIMEOUT", "120"))
+            try:
+                v.vkWaitForFences(self.device, 1, [self.fence], v.VK_TRUE, int(limit * 1e9))
+            except v.VkTimeout:
+                raise VulkanError(f"a dispatch of {p.entry} on {self.name} did not finish within {limit:g} s "
+                                  f"(JITKERN_VULKAN_TIMEOUT); the device is unusable now") from None
             v.vkResetFences(self.device, 1, [self.fence])
 
 
