@@ -52,7 +52,8 @@ class SpirvHooks(GpuHooks):
     def __init__(self, target):
         self.target = target
         self.max_smem_bytes = target.shared_mem_bytes or 16 * 1024
-        self.smem_len: dict = {}          # element type -> elements of its Workgroup array
+        self.smem_len: dict = {}          # element type -> end (in elements, from byte 0) of its Workgroup array
+        self.smem_base: dict = {}         # element type -> lowest byte offset it serves
         self.names: list = []             # module-level resource-name strings
         self.handles: dict = {}           # param index -> (handle ref, storage type)
         self.bases: dict = {}             # param index -> i32 ref of its element offset
@@ -234,43 +235,65 @@ class SpirvHooks(GpuHooks):
         if off % es:
             raise CompilationError(f"vulkan: shared region at byte {off} is not aligned for {et}")
         self.smem_len.setdefault(et, 1)
+        self.smem_base[et] = min(self.smem_base.get(et, off), off)
         arr = f"[{_PLACEHOLDER.format(et)} x {et}]"
-        i = low.val(f"add i32 {idx}, {off // es}", "i32", 0).ref if off else idx
+        # the element offset is relative to the lowest byte offset this array serves (known at the end)
+        i = low.val(f"add i32 {idx}, __JK_SMEM_OFF_{et}_{off}__", "i32", 0).ref
         return low.val(f"getelementptr {arr}, ptr addrspace(3) @__jk_smem_{et}, i32 0, i32 {i}", "ptr", 0).ref
+
+    # floats live in the integer array of their size (bitcast values): one array per element *size* keeps the
+    # workgroup memory of kernels that mix f32 and i32 regions (top-k) within the byte layout's footprint
+    _SMEM_ST = {"float": "i32", "double": "i64"}
 
     def smem_store(self, low, et, off, idx, v) -> bool:
         R = v.n
-        self.smem_len[et] = max(self.smem_len.get(et, 1), off // _ES[et] + low.T * R)
+        st = self._SMEM_ST.get(et, et)
+        self.smem_len[st] = max(self.smem_len.get(st, 1), off // _ES[st] + low.T * R)
         for j in range(R):
-            p = self._smem_ptr(low, et, off, low.extract(idx, j).ref)
-            low.emit(f"store {et} {low.extract(v, j).ref}, ptr addrspace(3) {p}, align {_ES[et]}")
+            p = self._smem_ptr(low, st, off, low.extract(idx, j).ref)
+            x = low.extract(v, j).ref
+            if st != et:
+                x = low.val(f"bitcast {et} {x} to {st}", st, 0).ref
+            low.emit(f"store {st} {x}, ptr addrspace(3) {p}, align {_ES[st]}")
         return True
+
+    def _smem_load1(self, low, et, off, i: str) -> LV:
+        st = self._SMEM_ST.get(et, et)
+        p = self._smem_ptr(low, st, off, i)
+        x = low.val(f"load {st}, ptr addrspace(3) {p}, align {_ES[st]}", st, 0)
+        return x if st == et else low.val(f"bitcast {st} {x.ref} to {et}", et, 0)
 
     def smem_load(self, low, et, off, idx):
         R = idx.n
         if R == 0:
-            p = self._smem_ptr(low, et, off, idx.ref)
-            return low.val(f"load {et}, ptr addrspace(3) {p}, align {_ES[et]}", et, 0)
+            return self._smem_load1(low, et, off, idx.ref)
         parts = []
         for j in range(R):
-            p = self._smem_ptr(low, et, off, low.extract(idx, j).ref)
-            parts.append(low.val(f"load {et}, ptr addrspace(3) {p}, align {_ES[et]}", et, 0))
+            parts.append(self._smem_load1(low, et, off, low.extract(idx, j).ref))
         if R == 1:
             return self._one(low, parts[0], ())
         return low.build_vector(parts, et, ())
 
     def smem_decl(self, low) -> list:
+        # each array covers [its lowest region's byte offset, its end): regions of other sizes below it cost nothing
+        self.smem_len = {et: n - self.smem_base.get(et, 0) // _ES[et] for et, n in self.smem_len.items()}
+        offs = re.compile(r"__JK_SMEM_OFF_(\w+?)_(\d+)__")
+
+        def rel(m):
+            et, off = m.group(1), int(m.group(2))
+            return str((off - self.smem_base[et]) // _ES[et])
         total = sum(n * _ES[et] for et, n in self.smem_len.items())
         if total > self.max_smem_bytes:
             raise CompilationError(
                 f"kernel {low.fn.name} needs {total} bytes of workgroup memory on vulkan (one array per element "
-                f"type), more than {self.max_smem_bytes}: use smaller tiles")
+                f"size: {', '.join(f'{et} x {n}' for et, n in sorted(self.smem_len.items()))}), more than "
+                f"{self.max_smem_bytes}: use smaller tiles")
         self.smem_total = total
         for i, line in enumerate(low.lines):
-            if "__JK_SMEM_LEN_" in line:
+            if "__JK_SMEM_" in line:
                 for et, n in self.smem_len.items():
                     line = line.replace(_PLACEHOLDER.format(et), str(n))
-                low.lines[i] = line
+                low.lines[i] = offs.sub(rel, line)
         out = [f"@__jk_smem_{et} = internal addrspace(3) global [{n} x {et}] poison, align 16"
                for et, n in sorted(self.smem_len.items())]
         return out + self.names
