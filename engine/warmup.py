@@ -8,11 +8,14 @@ kernel the forward pass and the sampler launch is specialised the way that model
 from __future__ import annotations
 
 
-def build_specializations(model: str | None = None, *, max_num_seqs: int = 8) -> int:
+def build_specializations(model: str | None = None, *, max_num_seqs: int = 8, device: str = "cpu") -> int:
+    """Drives a short engine warm-up (prefills of several lengths, decodes, the sampler) so that every kernel
+    specialisation the engine uses is launched; under `compile_only` that fills the kernel cache. `device`
+    is the engine's device path to drive ("cuda" on a stand-in device for GPU targets)."""
     from engine.llm_engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
     eng = LLMEngine(EngineArgs(model=model, num_blocks=256, block_size=16, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=256, use_graphs=False, max_model_len=2048))
+                               max_num_batched_tokens=256, use_graphs=False, max_model_len=2048, device=device))
     # Under compile-only launches no kernel runs, so sampled ids and logprobs are garbage: keep the
     # engine's bookkeeping valid by replacing them with a fixed in-vocabulary token.
     real_sample = eng.sampler.sample
@@ -35,6 +38,12 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8) ->
                                                                     detokenize=False))
         steps = 0
         while eng.has_unfinished_requests() and steps < 64:
+            eng.step()
+            steps += 1
+        # and one request alone: single-token decode steps (M = 1) take the GEMV tiles
+        eng.add_request("warm-alone", [21, 22, 23, 24, 25, 26], SamplingParams(max_tokens=3, temperature=0,
+                                                                                ignore_eos=True, detokenize=False))
+        while eng.has_unfinished_requests() and steps < 96:
             eng.step()
             steps += 1
         return steps

@@ -127,13 +127,15 @@ def hash_key(*parts: Any) -> str:
     return hashlib.sha256(b"".join(out)).hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
-def compiler_source_hash() -> str:
+@functools.lru_cache(maxsize=2)
+def compiler_source_hash(python: bool = True) -> str:
     """sha256 over everything that decides what the compiler emits (memoised per process).
 
     Covers the source files (.py, .c, .h, .ll) of the ``jitkern`` and ``targets`` packages (sorted
-    relative paths + contents), the llvmlite version, ``llvmlite.binding.llvm_version_info`` and
-    the Python major.minor (pickled artifacts depend on it).
+    relative paths + contents), the llvmlite version, ``llvmlite.binding.llvm_version_info`` and,
+    unless ``python=False``, the Python major.minor. GPU artifacts (PTX, cubins, code objects) do not
+    depend on the Python that made them, so a cache filled by `jitkern build` on one machine loads on a
+    GPU machine with another Python.
     """
     import importlib.util
     import sys
@@ -162,7 +164,8 @@ def compiler_source_hash() -> str:
                 h.update(struct.pack("!Q", len(rel)) + rel + struct.pack("!Q", len(data)) + data)
     h.update(f"llvmlite={llvmlite.__version__}\0".encode())
     h.update(f"llvm={tuple(llvm.llvm_version_info)}\0".encode())
-    h.update(f"python={sys.version_info[0]}.{sys.version_info[1]}\0".encode())
+    if python:
+        h.update(f"python={sys.version_info[0]}.{sys.version_info[1]}\0".encode())
     return h.hexdigest()
 
 

@@ -259,8 +259,15 @@ def cmd_build(args) -> int:
         return _fail(f"the engine's kernel list is not available ({e})")
     co = compile_only(t, on_compile)
     try:
-        with co:
-            build_specializations(args.model)
+        if t.is_cuda:
+            # the engine's CUDA path (its tiles, device buffers and their alignment) on a host-memory stand-in
+            # for the GPU: the cache gets what an engine on that GPU will ask for, so it loads with no compile
+            from .runtime.cuda import HostMemoryDevice, standing_in
+            with co, standing_in(HostMemoryDevice(t)):
+                build_specializations(args.model, device="cuda")
+        else:
+            with co:
+                build_specializations(args.model)
     except ModelLoadError as e:
         return _fail(f"--model: {e}", "jitkern build")
     finally:

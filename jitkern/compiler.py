@@ -110,12 +110,12 @@ def lower_with_meta(fn: ir.Function, target) -> tuple:
 
 
 def _toolchain_key(target) -> tuple:
-    """Tools outside LLVM that shape the artifacts (ptxas makes the cubins of CUDA targets)."""
+    """Tools outside LLVM that shape the artifacts and belong in the key. CUDA entries leave ptxas out: the
+    PTX (from our LLVM, in the key) is the artifact of record and the cubin ptxas made from it is recorded in
+    the entry's meta; a cubin any driver refuses falls back to that PTX (runtime/cuda.py), so a cache filled
+    by `jitkern build` with one ptxas loads with no compile where another ptxas (or none) is installed."""
     if target.is_cuda:
-        from .backends.nvptx import find_ptxas, ptxas_version
-        if os.environ.get("JITKERN_NO_PTXAS"):
-            return ("ptxas", "none")
-        return ("ptxas", ptxas_version(find_ptxas()))
+        return ()
     if target.is_hip:
         from .backends.amdgpu import find_lld, lld_version
         return ("ld.lld", lld_version(find_lld()))
@@ -187,7 +187,7 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
         t0 = time.perf_counter()
         if target.is_gpu:
             emit = ("gpu",)
-        key = hash_key("jitkern-kernel", compiler_source_hash(), kernel.__qualname__, kernel.cache_key, spec,
+        key = hash_key("jitkern-kernel", compiler_source_hash(python=not target.is_gpu), kernel.__qualname__, kernel.cache_key, spec,
                        target.key(), sorted(emit), _toolchain_key(target))
         cache = kernel_cache()
         entry = None if os.environ.get("JITKERN_ALWAYS_COMPILE") else cache.get(target.device_tag, key)
@@ -202,9 +202,12 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
             symbol = fn.name
             describe = f"kernel {kernel.__name__} {spec} for target {target.name}"
             artifacts, launch_meta = _compile_gpu(fn, target, describe, kernel.__name__, spec)
-            cache.put(target.device_tag, key, artifacts,
-                      {"kernel": kernel.__qualname__, "symbol": symbol, "target": target.name, "spec": spec,
-                       "launch": launch_meta})
+            meta = {"kernel": kernel.__qualname__, "symbol": symbol, "target": target.name, "spec": spec,
+                    "launch": launch_meta}
+            if target.is_cuda:
+                from .backends.nvptx import find_ptxas, ptxas_version
+                meta["ptxas"] = "none" if "kernel.cubin" not in artifacts else ptxas_version(find_ptxas())
+            cache.put(target.device_tag, key, artifacts, meta)
             from_cache = False
         else:
             fn = build_ir(kernel, params, consts, target)

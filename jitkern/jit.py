@@ -43,9 +43,11 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")
 SPEC_HINTS = "__spec_hints"
 
 
-def spec_hints(params, values) -> tuple:
+def spec_hints(params, values, skip=frozenset()) -> tuple:
     out = []
     for (name, t), v in zip(params, values):
+        if name in skip:
+            continue
         if t.is_ptr:
             # device arrays; host arrays and Pointers too (`jitkern build` traces the engine on numpy arrays:
             # their views sit at the same offsets as the device buffers', which the allocator aligns)
@@ -183,10 +185,16 @@ class JitFunction:
 class Kernel(JitFunction):
     """A launchable kernel: `kernel[grid](*args, **constexprs)`."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, do_not_specialize=()):
         super().__init__(fn)
         self._plans: dict = {}
         self._cx_positions = frozenset(i for i, p in enumerate(self.params) if p.name in self.constexpr_names)
+        unknown = set(do_not_specialize) - {p.name for p in self.params}
+        if unknown:
+            raise CompilationError(f"{self.__name__}: do_not_specialize names no parameter: {sorted(unknown)}")
+        # integers that change every engine step (token counts, offsets): never specialised on divisibility,
+        # so one compiled kernel serves every step and `jitkern build` covers what a run will ask for
+        self.do_not_specialize = frozenset(do_not_specialize)
 
     def __getitem__(self, grid):
         return _Launcher(self, grid)
@@ -211,7 +219,7 @@ class Kernel(JitFunction):
                 params.append((p.name, arg_type(p.name, v)))
                 values.append(v)
         if target is not None and getattr(target, "is_gpu", False):
-            hints = spec_hints(params, values)
+            hints = spec_hints(params, values, self.do_not_specialize)
             if hints:
                 consts[SPEC_HINTS] = hints
         return params, consts, values
@@ -238,11 +246,12 @@ class _Launcher:
         return launch(self.kernel, self.grid, args, kwargs)
 
 
-def kernel(fn=None):
-    """Decorator: a launchable jitkern kernel."""
+def kernel(fn=None, *, do_not_specialize=()):
+    """Decorator: a launchable jitkern kernel. `@jk.kernel(do_not_specialize=("M",))` keeps integer
+    arguments that change from launch to launch out of the GPU argument specialisation."""
     if fn is None:
-        return kernel
-    return Kernel(fn)
+        return lambda f: Kernel(f, do_not_specialize)
+    return Kernel(fn, do_not_specialize)
 
 
 def jit(fn=None):

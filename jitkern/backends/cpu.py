@@ -78,7 +78,9 @@ class CpuLowering(LlvmEmitter):
         self.start_block("exit")
         self.emit("ret void")
         body = "\n".join(self.lines)
-        attrs = [f'"target-cpu"="{self.target.cpu}"']
+        # no-builtins: LLVM must not turn loops into memset/memcpy calls; a kernel object references no
+        # symbol outside itself, so linking it into the process can never depend on what else is loaded
+        attrs = [f'"target-cpu"="{self.target.cpu}"', '"no-builtins"']
         if self.target.features:
             attrs.append(f'"target-features"="{self.target.feature_string}"')
         for k, v in self.target.extra:

@@ -310,7 +310,7 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, win
     jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + jk.arange(0, D), o, mask=parts > 1)
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
 def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
                    num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,

@@ -57,7 +57,7 @@ def _panel_step(a, panel, rows, k, lda, cols, acc, BN: jk.constexpr):
     return jk.fma(av, bv, acc)
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('M',))
 def _gemm_kernel(a, bp, bias, c, M, N, K, lda, ldc, HAS_BIAS: jk.constexpr, BM1: jk.constexpr,
                  BM2: jk.constexpr, BN: jk.constexpr, BK: jk.constexpr):
     # c[M, N] = a[M, K] @ B (+ bias); B given as packed panels `bp` (see module docs). Grid (row blocks,
@@ -132,7 +132,7 @@ def _pack_kernel(src, dst, N, K, ld, TRANS: jk.constexpr, BN: jk.constexpr, KB: 
         jk.store(out, t, mask=jk.broadcast_to(ks[:, None] < K, (KB, BN)))
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('M',))
 def _gemv_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr, R: jk.constexpr,
                  V: jk.constexpr, U: jk.constexpr):
     # y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for few tokens (M <= ~4: decode): a program takes R weight rows
@@ -168,7 +168,7 @@ def _gemv_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: j
         jk.store(y + toks * ldy64 + n, s)
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('M',))
 def _rows_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                  BN: jk.constexpr, V: jk.constexpr):
     # y[M, N] = x[M, K] @ w[N, K]^T (+ bias), dot-product form; grid (row blocks, column blocks).

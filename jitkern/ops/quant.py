@@ -441,7 +441,7 @@ def _kq_step(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.cons
     return acc, accc
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('M',))
 def _kq_kernel(w, wh, xq, xd, xs, y, M, N, K, NSTEP, RB, RS, DEC: jk.constexpr, BM: jk.constexpr,
                R: jk.constexpr):
     # y[m, n] for BM tokens x RS * R weight rows: RS tiles of R rows one after the other (so a GEMV program
@@ -558,7 +558,7 @@ def _block_sum(v, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.co
     return jk.reshape(v, (BM, RQ, RI))
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('M0', 'M'))
 def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constexpr, RB: jk.constexpr,
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
                 LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False):

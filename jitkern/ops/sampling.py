@@ -81,7 +81,7 @@ def _key_to_f32(key):
     return jk.where(key <= _KEY_NEG_INF, -float("inf"), f)
 
 
-@jk.kernel
+@jk.kernel(do_not_specialize=('k',))
 def topk_kernel(x, x_s, n, k, ws_v, ws_i, out_v, out_i, BLOCK: jk.constexpr, SCAN: jk.constexpr,
                 SORT: jk.constexpr):
     row = jk.program_id(0)
@@ -197,7 +197,7 @@ def topk_rows(logits: np.ndarray, k: int, out_values: np.ndarray | None = None,
 
 
 # -------------------------------------------------------------------------------- penalties, temperature
-@jk.kernel
+@jk.kernel(do_not_specialize=('S',))
 def penalties_kernel(x, x_s, n, ids, cnts, S, rep, pres, freq, BLOCK: jk.constexpr):
     row = jk.program_id(0)
     r = jk.load(rep + row)

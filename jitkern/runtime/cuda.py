@@ -187,6 +187,70 @@ def get_device(ordinal: int = 0) -> CudaDevice:
     return d
 
 
+class HostMemoryDevice:
+    """A stand-in CUDA device whose memory is host memory and whose target is `target`: `jitkern build
+    --target sm_XX` runs the engine's CUDA path on it under compile-only launches, so the cache gets exactly
+    the specialisations (tiles, argument alignment) a real GPU's engine asks for. Nothing runs on it."""
+    ordinal = 0
+
+    def __init__(self, target):
+        self._target = target
+        self.name = f"host memory standing in for {target.name}"
+        self._bufs: dict = {}
+
+    def target(self):
+        return self._target
+
+    def alloc(self, nbytes: int) -> int:
+        # aligned like the driver's allocations (256 bytes), so pointer-alignment specialisations match
+        buf = np.zeros(max(int(nbytes), 1) + 256, np.uint8)
+        addr = buf.ctypes.data
+        ptr = addr + (-addr % 256)
+        self._bufs[ptr] = buf
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self._bufs.pop(ptr, None)
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        ctypes.memmove(dst, host.ctypes.data, host.nbytes)
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        ctypes.memmove(host.ctypes.data, src, host.nbytes)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def memset8(self, dst: int, value: int, nbytes: int) -> None:
+        ctypes.memset(dst, value & 0xFF, nbytes)
+
+    def synchronize(self) -> None:
+        pass
+
+    def activate(self) -> None:
+        pass
+
+
+class standing_in:
+    """Context manager: `get_device(0)` answers with `device` (a HostMemoryDevice) until exit."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        self.prev = _devices.get(0)
+        _devices[0] = self.device
+        return self.device
+
+    def __exit__(self, *exc):
+        if self.prev is None:
+            _devices.pop(0, None)
+        else:
+            _devices[0] = self.prev
+        return False
+
+
 def is_available() -> bool:
     """True when cuda-python is installed and a CUDA device answers (never raises)."""
     try:
@@ -513,8 +577,14 @@ class LoadedKernel:
 
 def load_kernel(artifacts: dict, symbol: str, meta: dict, device: CudaDevice | None = None) -> LoadedKernel:
     device = device or get_device()
-    image = artifacts.get("kernel.cubin") or artifacts["kernel.ptx"]
-    mod, fn = device.load_function(image, symbol, meta.get("shared_bytes", 0))
+    cubin = artifacts.get("kernel.cubin")
+    try:
+        if cubin is None:
+            raise CudaError("no cubin")
+        mod, fn = device.load_function(cubin, symbol, meta.get("shared_bytes", 0))
+    except CudaError:
+        # no cubin, or one this driver refuses (made by a newer ptxas): the driver JITs the PTX
+        mod, fn = device.load_function(artifacts["kernel.ptx"], symbol, meta.get("shared_bytes", 0))
     return LoadedKernel(mod, fn, meta["num_threads"], meta.get("shared_bytes", 0))
 
 
