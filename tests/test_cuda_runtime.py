@@ -190,3 +190,20 @@ def test_build_fails_when_a_kernel_does_not_compile(tmp_path):
     assert r.returncode == 2, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
     last = r.stderr.strip().splitlines()[-1]
     assert "failed to compile for sm_90a" in last and "rejected on purpose" in last, last
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_jitkern_build_compiles_every_engine_kernel(arch, tmp_path):
+    """CI has no GPU: every engine kernel specialisation compiles for sm_80 and sm_90a and ptxas accepts it
+    (each cache entry holds a cubin)."""
+    from jitkern.backends.nvptx import find_ptxas
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine (install the [cuda] extra)")
+    env = dict(os.environ, JITKERN_CACHE_DIR=str(tmp_path), PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "jitkern", "build", "--target", arch, "--quiet"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n = int(r.stdout.split(" kernel specialisations")[0].split()[-1])
+    assert n >= 30, r.stdout
+    metas = list(tmp_path.glob(f"v1/cuda-nvptx64-{arch}/*/*/kernel.cubin"))
+    assert len(metas) == n, (len(metas), n)
