@@ -199,6 +199,35 @@ def _rows_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: j
     jk.store(y + rows[:, None] * ldy.to(jk.i64) + wrows[None, :], out)
 
 
+@jk.kernel(do_not_specialize=("M",))
+def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BN: jk.constexpr,
+                       BK: jk.constexpr):
+    # GPUs: y[t, n0:n0+BN] for one token t per program row, grid (M, N / BN). The BN weight rows stream in
+    # (BN, BK) tiles, contiguous along K (16-byte accesses), FMAs into a (BN, BK) f32 accumulator, one fixed
+    # reduction at the end: a token's arithmetic is the same whatever M is (batch invariant, one kernel for
+    # decode and prefill).
+    t = jk.program_id(0).to(jk.i64)
+    rows = jk.program_id(1) * BN + jk.arange(0, BN)
+    rm = rows < N
+    kk = jk.arange(0, BK)
+    xrow = x + t * ldx.to(jk.i64)
+    wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
+    acc = jk.zeros((BN, BK), jk.f32)
+    for k in range(0, K, BK):
+        km = (k + kk) < K
+        xv = jk.load(xrow + k + kk, mask=km, other=0.0)
+        wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(jk.f32)
+        acc = jk.fma(wv, xv[None, :], acc)
+    s = jk.sum(acc, axis=1)
+    if HAS_BIAS:
+        s = s + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)
+    jk.store(y + t * ldy.to(jk.i64) + rows, s, mask=rm)
+
+
+# GPU tiles of the dense linear: weight rows per program, K elements per step
+GPU_LINEAR_TILE = (16, 256)
+
+
 # --------------------------------------------------------------------------------------------- helpers
 _WEIGHT_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -223,7 +252,7 @@ def _launch(kernel, grid, args, consts, target):
 def last_compiled(kernel_name: str):
     """The CompiledKernel of the latest launch of `kernel_name` from this module (its `.target` is the tier
     that ran): "_gemm_kernel" (matmul, linear_packed), "_gemv_kernel" (linear, M <= GEMV_MAX_M), "_rows_kernel"
-    (linear, larger M), "_pack_kernel"."""
+    (linear, larger M), "_gpu_linear_kernel" (linear on a GPU, every M), "_pack_kernel"."""
     return _LAST.get(kernel_name)
 
 
@@ -450,7 +479,8 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
     w_dtype='bf16', or a jk.Pointer over such an array (jk.as_pointer(w_u16, 'bf16')). Reads w as stored:
     up to GEMV_MAX_M tokens with the sequential-row kernel (M = 1 streams the weights once, as one monotonic
-    stream per thread), more with the dot-product tile kernel (the weights once per 2 tokens). For GEMMs with
+    stream per thread), more with the dot-product tile kernel (the weights once per 2 tokens); on a GPU one
+    kernel for every M (a token per program row, 16-byte weight reads: batch invariant). For GEMMs with
     large M (prefill), `pack_weight` once + `linear_packed` is faster. `out`: an optional float32 array of the
     result's shape (rows may be strided).
     """
@@ -466,7 +496,10 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
             o2[...] = 0.0 if b is None else b[None, :]
         else:
             args = (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4)
-            if M <= GEMV_MAX_M:
+            if T.is_gpu:
+                BN, BK = GPU_LINEAR_TILE
+                _launch(_gpu_linear_kernel, (M, -(-N // BN)), args, dict(HAS_BIAS=b is not None, BN=BN, BK=BK), T)
+            elif M <= GEMV_MAX_M:
                 BM, R, V, U = _gemv_tiles(M, N, T)
                 _launch(_gemv_kernel, (-(-M // BM), -(-N // R)), args,
                         dict(HAS_BIAS=b is not None, BM=BM, R=R, V=V, U=U), T)

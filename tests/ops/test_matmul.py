@@ -66,7 +66,8 @@ def test_linear(tier, wdt):
         w, w64 = _weights(rng, N, K, wdt)
         bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
         y = mm.linear(x, w, bias, target=tier, w_dtype=wdt)
-        ran = mm.last_compiled("_gemv_kernel" if M <= mm.GEMV_MAX_M else "_rows_kernel")
+        ran = mm.last_compiled("_gpu_linear_kernel" if tier.is_gpu else
+                               "_gemv_kernel" if M <= mm.GEMV_MAX_M else "_rows_kernel")
         assert ran is not None and ran.target.name == tier.name
         assert ran.constexprs["HAS_BIAS"] == with_bias
         _check(y, x, w64, bias)
