@@ -5,50 +5,20 @@ launches run the CPU kernels on the arrays' addresses. What it cannot test (PTX,
 the gpu-marked tests cover on a real GPU."""
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
+from jitkern.runtime.cuda import HostMemoryDevice
 
 
-class FakeDevice:
-    ordinal = 0
+class FakeDevice(HostMemoryDevice):
+    """The runtime's host-memory device, targeting the CPU runtime tier so launches run the CPU kernels on
+    the arrays' addresses; new allocations are poisoned (0xA5), as real device memory is not zeroed."""
     name = "fake (host memory)"
 
     def __init__(self):
-        self._bufs: dict = {}
-        self.allocated = 0
+        super().__init__(None, poison=0xA5)
 
     def target(self):
         from jitkern.runtime.cpu import runtime_target
         return runtime_target()
-
-    def alloc(self, nbytes: int) -> int:
-        # 64-byte aligned like the driver's allocations (256 there); poisoned, as real memory is not zeroed
-        buf = np.full(max(int(nbytes), 1) + 64, 0xA5, np.uint8)
-        addr = buf.ctypes.data
-        ptr = addr + (-addr % 64)
-        self._bufs[ptr] = buf
-        self.allocated += int(nbytes)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        self._bufs.pop(ptr, None)
-
-    def upload(self, dst: int, host: np.ndarray) -> None:
-        host = np.ascontiguousarray(host)
-        ctypes.memmove(dst, host.ctypes.data, host.nbytes)
-
-    def download(self, host: np.ndarray, src: int) -> None:
-        ctypes.memmove(host.ctypes.data, src, host.nbytes)
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        ctypes.memmove(dst, src, nbytes)
-
-    def memset8(self, dst: int, value: int, nbytes: int) -> None:
-        ctypes.memset(dst, value & 0xFF, nbytes)
-
-    def synchronize(self) -> None:
-        pass
 
 
 def install(monkeypatch) -> FakeDevice:

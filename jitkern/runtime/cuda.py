@@ -193,20 +193,24 @@ class HostMemoryDevice:
     the specialisations (tiles, argument alignment) a real GPU's engine asks for. Nothing runs on it."""
     ordinal = 0
 
-    def __init__(self, target):
+    def __init__(self, target, poison: int = 0):
         self._target = target
-        self.name = f"host memory standing in for {target.name}"
+        if target is not None:
+            self.name = f"host memory standing in for {target.name}"
         self._bufs: dict = {}
+        self._poison = poison          # fill of new allocations (tests poison them: device memory is not zeroed)
+        self.allocated = 0
 
     def target(self):
         return self._target
 
     def alloc(self, nbytes: int) -> int:
         # aligned like the driver's allocations (256 bytes), so pointer-alignment specialisations match
-        buf = np.zeros(max(int(nbytes), 1) + 256, np.uint8)
+        buf = np.full(max(int(nbytes), 1) + 256, self._poison, np.uint8)
         addr = buf.ctypes.data
         ptr = addr + (-addr % 256)
         self._bufs[ptr] = buf
+        self.allocated += int(nbytes)
         return ptr
 
     def free(self, ptr: int) -> None:
