@@ -726,16 +726,31 @@ class LlvmEmitter:
         self.start_block(ex)
         return [self._unphi(v, LV(ph, r.et, r.n, r.shape)) for v, (ph, r) in zip(inits, carried)]
 
+    # Lowering state that flows through the branches of an `if` (the GPU's pending memory accesses): each
+    # branch starts from the state before the `if`; the merge gets the states both branches ended with.
+    def _branch_state(self):
+        return None
+
+    def _enter_branch(self, state) -> None:
+        pass
+
+    def _merge_branches(self, states: list) -> None:
+        pass
+
     def op_if(self, op):
         c = self.get(op.operands[0])
         tb, eb, mb = self.label("then"), self.label("else"), self.label("endif")
         self.emit(f"br i1 {c.ref}, label %{tb}, label %{eb}")
-        outs = []
+        outs, ends = [], []
+        before = self._branch_state()
         for name, region in ((tb, op.regions[0]), (eb, op.regions[1])):
+            self._enter_branch(before)
             self.start_block(name)
             ys = self.lower_block(region)
             outs.append(([self._phi_repr(y) for y in ys], ys, self.block))
+            ends.append(self._branch_state())
             self.emit(f"br label %{mb}")
+        self._merge_branches(ends)
         self.start_block(mb)
         res = []
         (tr, tys, tend), (er, eys, eend) = outs

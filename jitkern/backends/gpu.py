@@ -623,31 +623,16 @@ class GpuLowering(LlvmEmitter):
         self.pending_read |= loads or before[1]
         return res
 
-    def op_if(self, op):
-        c = self.get(op.operands[0])
-        tb, eb, mb = self.label("then"), self.label("else"), self.label("endif")
-        self.emit(f"br i1 {c.ref}, label %{tb}, label %{eb}")
-        before = (self.pending_write, self.pending_read)
-        outs, ends = [], []
-        for name, region in ((tb, op.regions[0]), (eb, op.regions[1])):
-            # each branch starts from the state before the `if`; the merge keeps what either left pending
-            self.pending_write, self.pending_read = before
-            self.start_block(name)
-            ys = self.lower_block(region)
-            outs.append(([self._phi_repr(y) for y in ys], ys, self.block))
-            ends.append((self.pending_write, self.pending_read))
-            self.emit(f"br label %{mb}")
-        self.pending_write = any(w for w, _ in ends)
-        self.pending_read = any(r for _, r in ends)
-        self.start_block(mb)
-        res = []
-        (tr, tys, tend), (er, eys, eend) = outs
-        for a, b, ya, yb in zip(tr, er, tys, eys):
-            if isinstance(ya, PT) and (not isinstance(yb, PT) or ya.base != yb.base):
-                raise CompilationError("both branches must give pointer tiles with the same base", op.loc)
-            ph = self.val(f"phi {a.ty} [ {a.ref}, %{tend} ], [ {b.ref}, %{eend} ]", a.et, a.n, a.shape)
-            res.append(self._unphi(ya, ph))
-        return res
+    def _branch_state(self):
+        return (self.pending_write, self.pending_read)
+
+    def _enter_branch(self, state) -> None:
+        self.pending_write, self.pending_read = state
+
+    def _merge_branches(self, states: list) -> None:
+        # after the `if`, whatever either branch left pending stays pending
+        self.pending_write = any(w for w, _ in states)
+        self.pending_read = any(r for _, r in states)
 
     def _phi_repr(self, v):
         if isinstance(v, PT):
