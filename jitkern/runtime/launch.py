@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import sys
 import threading
 import weakref
 
@@ -233,9 +234,14 @@ def _compile_only_launch(co, kernel, args, kwargs):
 
 
 def _device_target(args):
-    """The GPU target of the first device array among the arguments (as Triton does), else None."""
+    """The GPU target of the first device array among the arguments (as Triton does), else None. Until the
+    device-array module is imported no argument can be one, so CPU launches skip the scan."""
+    mod = sys.modules.get("jitkern.runtime.cuda")
+    if mod is None:
+        return None
+    device_array = mod.DeviceArray
     for a in args:
-        if type(a).__name__ == "DeviceArray":
+        if type(a) is device_array:
             return a.device.target()
     return None
 
