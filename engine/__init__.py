@@ -2,7 +2,7 @@
 
 Imports are lazy so that `import engine.tokenizer` (or the server's argument parsing) stays light.
 """
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "AsyncEngine", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs", "AsyncEngine", "RequestOutput"]
 
 
 def __getattr__(name):
@@ -12,6 +12,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from engine.structured_outputs import StructuredOutputsParams
+        return StructuredOutputsParams
     if name in ("LLMEngine", "EngineArgs"):
         from engine import llm_engine
         return getattr(llm_engine, name)

@@ -76,8 +76,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Constrained decoding (engine/structured_outputs.py): a StructuredOutputsParams, or a dict of its fields
+    # (json / json_object / regex / choice / grammar); compiled and checked here, at construction.
+    structured_outputs: object = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            from engine.structured_outputs import StructuredOutputsParams
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.stop = self._as_list("stop", self.stop, limits.MAX_STOP_STRINGS, allow_str=True)
         # Duplicates are harmless but dedupe keeps order stable for the sampler (ints/strings only:
         # anything else is named by the checks below).
@@ -278,6 +284,12 @@ class SamplingParams:
                     raise InvalidRequestError(
                         f"logit_bias value for token {token} must be a finite number, got {value!r}.",
                         "logit_bias", value)
+        if self.structured_outputs is not None:
+            from engine.structured_outputs import StructuredOutputsParams
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams (or a dict of its "
+                                          f"fields), got {type(self.structured_outputs).__name__}.",
+                                          "structured_outputs")
         # Greedy sampling gives n identical answers; vLLM refuses it.
         if self.is_greedy and self.n > 1:
             raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {self.n}.", "n", self.n)
