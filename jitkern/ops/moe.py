@@ -1,0 +1,337 @@
+"""Mixture-of-experts ops: top-k routing, the routed-experts MLP over tokens grouped by expert, and the
+weighted combine. Entry point for model code: `moe_mlp` (or the pieces: `route_topk`, `group_by_expert`,
+`expert_gate_up`, `expert_down`, `combine_experts`).
+
+Pipeline for T tokens, E experts, top-k K (every step but the grouping is a DSL kernel):
+
+1. `route_topk(logits)` -> (ids [T, K] int32, weights [T, K] f32): one program per token; the model's
+   normalisation: SOFTMAX_TOPK (softmax over all E, then the K largest; Qwen2/3-MoE, OLMoE), with NORM the K
+   weights divided by their sum (Mixtral, Qwen3-MoE with norm_topk_prob); TOPK_SOFTMAX (the K largest
+   logits, then a softmax over those K: gpt-oss). Ties pick the lower expert id (as torch.topk on CPU).
+2. `group_by_expert(ids, E, BM)` (host, numpy, vectorised: no per-token loop): the T*K (token, slot) pairs
+   stably sorted by expert (within an expert by token, then slot), per-expert segments cut into tiles of at
+   most BM pairs: (pair token [P], position of pair (t, j) in that order [T, K], tile expert/start/length).
+3. the pairs' input rows gathered (`embedding` over the activations), then `expert_gate_up`: one launch over
+   (tile, column block): act[p] = silu(x[p] @ Wg[e]^T) * (x[p] @ Wu[e]^T) for the pairs p of the tile, and
+   `expert_down`: y[p] = act[p] @ Wd[e]^T (one launch likewise).
+4. `combine_experts`: out[t] = sum_j w[t, j] * y[pos[t, j]] in the token's own top-k order (j = 0, 1, ...),
+   plus an optional gated shared expert sigmoid(g[t]) * s[t] (Qwen2-MoE) added last.
+
+Batch invariance: every output element of the expert kernels is one V-lane FMA chain over K (the tail
+masked into the same chain) and one lane-sum tree, whatever tile or batch the pair sits in; rows of a tile
+past its length are masked (their loads read zeros, their stores are dropped), never shifted onto other
+rows. The combine order is the token's own top-k order. So a token's output bits do not depend on which
+other tokens share the step.
+
+Weights: an expert tensor is [E, N, K] (f32, f16, or uint16 holding bf16), experts contiguous; the gate/up
+form is [E, 2*I, H] (gate rows first, as HF's fused gate_up_proj and as vLLM's w13) or two [E, I, H] arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jitkern as jk
+from ._hostargs import check_dtype, fptr, launch_target, resolve_target, run
+
+SOFTMAX_TOPK = 0
+TOPK_SOFTMAX = 1
+
+
+# ---------------------------------------------------------------------------------------------- routing
+@jk.kernel(do_not_specialize=("T",))
+def _route_kernel(logits, ld, E, T, ids, wts, K: jk.constexpr, KB: jk.constexpr, EB: jk.constexpr, MODE: jk.constexpr,
+                  NORM: jk.constexpr):
+    t = jk.program_id(0)
+    offs = jk.arange(0, EB)
+    valid = offs < E
+    v = jk.load(logits + t.to(jk.i64) * ld + offs, mask=valid, other=-float("inf")).to(jk.f32)
+    if MODE == 0:
+        m = jk.max(v, axis=0)
+        e = jk.where(valid, jk.exp(v - m), 0.0)
+        p = e / jk.sum(e, axis=0)
+        cur = jk.where(valid, p, -1.0)
+    else:
+        cur = v
+    kk = jk.arange(0, KB)
+    selw = jk.zeros((KB,), jk.f32)
+    seli = jk.zeros((KB,), jk.i32)
+    for j in jk.static_range(K):
+        best = jk.max(cur, axis=0)
+        i = jk.min(jk.where(cur == best, offs, 2147483647), axis=0)
+        selw = jk.where(kk == j, best, selw)
+        seli = jk.where(kk == j, i, seli)
+        cur = jk.where(offs == i, -float("inf"), cur)
+    km = kk < K
+    if MODE == 1:
+        # softmax over the K selected logits (slot 0 holds their maximum)
+        top = jk.max(jk.where(km, selw, -float("inf")), axis=0)
+        selw = jk.where(km, jk.exp(selw - top), 0.0)
+    if NORM or MODE == 1:
+        selw = selw / jk.sum(jk.where(km, selw, 0.0), axis=0)
+    jk.store(ids + t * K + kk, seli, mask=km)
+    jk.store(wts + t * K + kk, selw, mask=km)
+
+
+def route_topk(logits: np.ndarray, num_experts: int, top_k: int, *, norm: bool = False, mode: int = SOFTMAX_TOPK,
+               ids: np.ndarray | None = None, weights: np.ndarray | None = None, target=None):
+    """Top-k routing of router logits f32 [T, >= num_experts] (the first num_experts columns; rows may be
+    strided) -> (ids int32 [T, K], weights f32 [T, K]); see the module docs for `mode` and `norm`."""
+    target = resolve_target(target, logits)
+    check_dtype(logits, np.float32, "route_topk: logits")
+    if logits.ndim != 2 or logits.shape[1] < num_experts or logits.strides[1] != 4:
+        raise ValueError(f"route_topk: logits must be [T, >= {num_experts}] with contiguous rows, got "
+                         f"{logits.shape}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"route_topk: top_k must be in [1, {num_experts}], got {top_k}")
+    T = logits.shape[0]
+    ids = np.empty((T, top_k), np.int32) if ids is None else ids
+    weights = np.empty((T, top_k), np.float32) if weights is None else weights
+    EB = 16
+    while EB < num_experts:
+        EB *= 2
+    run(_route_kernel, (T,), (logits, logits.strides[0] // 4, int(num_experts), T, ids, weights), target,
+        K=int(top_k), KB=max(2, 1 << (int(top_k) - 1).bit_length()), EB=EB, MODE=int(mode), NORM=bool(norm))
+    return ids, weights
+
+
+# --------------------------------------------------------------------------------------------- grouping
+def group_by_expert(ids: np.ndarray, num_experts: int, block_m: int):
+    """Host-side grouping of the (token, slot) pairs of ids int32 [T, K] by expert (numpy, no per-token loop).
+
+    Returns (pair_token int32 [P], pair_pos int32 [T, K], tile_expert, tile_start, tile_len int32 [n_tiles]):
+    pair p (in expert order) belongs to token pair_token[p]; pair (t, j) sits at pair_pos[t, j]; tile i
+    covers pairs [tile_start[i], tile_start[i] + tile_len[i]) of expert tile_expert[i], tile_len <= block_m.
+    """
+    T, K = ids.shape
+    flat = ids.reshape(-1)
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"group_by_expert: expert id outside [0, {num_experts})")
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    pair_token = order // K
+    pair_pos = np.empty(flat.size, np.int32)
+    pair_pos[order] = np.arange(flat.size, dtype=np.int32)
+    counts = np.bincount(flat, minlength=num_experts)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    ntiles = -(-counts // block_m)
+    tile_expert = np.repeat(np.arange(num_experts, dtype=np.int32), ntiles)
+    first_tile = np.concatenate(([0], np.cumsum(ntiles)[:-1]))
+    within = np.arange(tile_expert.size) - first_tile[tile_expert]
+    tile_start = (starts[tile_expert] + within * block_m).astype(np.int32)
+    tile_end = starts[tile_expert] + counts[tile_expert]
+    tile_len = np.minimum(block_m, tile_end - tile_start).astype(np.int32)
+    return pair_token.astype(np.int32), pair_pos.reshape(T, K), tile_expert, tile_start, tile_len
+
+
+# ------------------------------------------------------------------------------------- expert matmuls
+@jk.jit
+def _silu(x):
+    return x / (1.0 + jk.exp(-x))
+
+
+@jk.kernel
+def _expert_linear_kernel(x, ldx, w, w_es, out, ldo, tile_expert, tile_start, tile_len, N, K,
+                          GATED: jk.constexpr, BM: jk.constexpr, BN: jk.constexpr, V: jk.constexpr):
+    # Grid (tiles, cdiv(N, BN)). Tile i: pairs rows [s, s + L) (L <= BM) of x, expert e = tile_expert[i].
+    # GATED: out[p, n] = silu(x[p] . w[e, n]) * (x[p] . w[e, N + n]) (w is [E, 2N, K]); else out[p, n] = x[p] . w[e, n].
+    tile = jk.program_id(0)
+    e = jk.load(tile_expert + tile).to(jk.i64)
+    s = jk.load(tile_start + tile).to(jk.i64)
+    L = jk.load(tile_len + tile)
+    ri = jk.arange(0, BM)
+    rm = ri < L
+    n0 = jk.minimum(jk.program_id(1) * BN, N - BN).to(jk.i64)     # the last block overlaps its neighbour
+    K64 = K.to(jk.i64)
+    rows = s + ri.to(jk.i64)
+    wrows = n0 + jk.arange(0, BN).to(jk.i64)
+    kv = jk.arange(0, V)
+    xrow = x + rows[:, None] * ldx.to(jk.i64)
+    wbase = w + e * w_es
+    wrow = wbase + wrows[:, None] * K64
+    acc = jk.zeros((BM, BN, V), jk.f32)
+    if GATED:
+        urow = wbase + (wrows + N)[:, None] * K64
+        accu = jk.zeros((BM, BN, V), jk.f32)
+    xmask = jk.broadcast_to(rm[:, None], (BM, V))
+    kmain = K - K % V
+    for k in range(0, kmain, V):
+        xv = jk.load(xrow + (k + kv)[None, :], mask=xmask, other=0.0)
+        wv = jk.load(wrow + (k + kv)[None, :]).to(jk.f32)
+        acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
+        if GATED:
+            uv = jk.load(urow + (k + kv)[None, :]).to(jk.f32)
+            accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
+    if kmain < K:
+        km = (kmain + kv) < K
+        xv = jk.load(xrow + (kmain + kv)[None, :], mask=xmask & km[None, :], other=0.0)
+        wm = jk.broadcast_to(km[None, :], (BN, V))
+        wv = jk.load(wrow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
+        acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
+        if GATED:
+            uv = jk.load(urow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
+            accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
+    res = jk.sum(acc, axis=2)
+    if GATED:
+        res = _silu(res) * jk.sum(accu, axis=2)
+    jk.store(out + rows[:, None] * ldo.to(jk.i64) + wrows[None, :], res,
+             mask=jk.broadcast_to(rm[:, None], (BM, BN)))
+
+
+def _lanes(target) -> int:
+    return max(4, launch_target(target).vector_bits // 32)
+
+
+def _tiles(target, gated: bool, n: int):
+    """(BN, V): weight rows per program; BM (pairs per tile) is the caller's (group_by_expert's block_m)."""
+    V = _lanes(target)
+    BN = 4 if launch_target(target).has("avx512f") else (2 if gated else 4)
+    while BN > n:
+        BN //= 2
+    return BN, V
+
+
+def _weight(w, what):
+    if not isinstance(w, np.ndarray) or w.ndim != 3 or not w.flags.c_contiguous:
+        raise ValueError(f"{what}: expected a C-contiguous [experts, N, K] array, got "
+                         f"{getattr(w, 'shape', type(w).__name__)}")
+    return fptr(w, what)
+
+
+def _expert_linear(xs, w, out, tiles, gated, block_m, target, what):
+    tile_expert, tile_start, tile_len = tiles
+    E, N2, K = w.shape
+    N = N2 // 2 if gated else N2
+    if gated and N2 % 2:
+        raise ValueError(f"{what}: a gate/up weight needs an even row count, got {N2}")
+    check_dtype(xs, np.float32, f"{what}: x")
+    if xs.ndim != 2 or xs.shape[1] != K or xs.strides[1] != 4:
+        raise ValueError(f"{what}: x must be [pairs, {K}] float32 with contiguous rows, got {xs.shape}")
+    P = xs.shape[0]
+    if out is None:
+        out = np.empty((P, N), np.float32)
+    if out.shape != (P, N) or out.dtype != np.float32 or out.strides[1] != 4:
+        raise ValueError(f"{what}: out must be float32 [{P}, {N}] with contiguous rows, got {out.dtype} {out.shape}")
+    BN, V = _tiles(target, gated, N)
+    run(_expert_linear_kernel, (len(tile_expert), jk.cdiv(N, BN)),
+        (xs, xs.strides[0] // 4 if P > 1 else K, _weight(w, what), N2 * K, out, out.strides[0] // 4 if P > 1 else N,
+         tile_expert, tile_start, tile_len, N, K),
+        target, GATED=bool(gated), BM=int(block_m), BN=BN, V=V)
+    return out
+
+
+def expert_gate_up(xs, w_gate_up, tiles, block_m, out=None, *, target=None):
+    """act[p] = silu(xs[p] @ Wg[e]^T) * (xs[p] @ Wu[e]^T) for each pair p of each tile (e = the tile's expert);
+    w_gate_up [E, 2*I, H] (gate rows first). `tiles` = (tile_expert, tile_start, tile_len) from
+    group_by_expert with the same block_m. Returns act f32 [P, I]."""
+    target = resolve_target(target, xs)
+    return _expert_linear(xs, w_gate_up, out, tiles, True, block_m, launch_target(target), "expert_gate_up")
+
+
+def expert_down(act, w_down, tiles, block_m, out=None, *, target=None):
+    """y[p] = act[p] @ Wd[e]^T per pair (w_down [E, H, I]); returns y f32 [P, H]."""
+    target = resolve_target(target, act)
+    return _expert_linear(act, w_down, out, tiles, False, block_m, launch_target(target), "expert_down")
+
+
+# ---------------------------------------------------------------------------------------------- combine
+@jk.kernel
+def _combine_kernel(y, ldy, pos, wts, shared, lds, sgate, ldg, out, ldo, N, K: jk.constexpr,
+                    SHARED: jk.constexpr, GATE: jk.constexpr, BLOCK: jk.constexpr):
+    t = jk.program_id(0)
+    cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
+    m = cols < N
+    acc = jk.zeros((BLOCK,), jk.f32)
+    for j in jk.static_range(K):
+        p = jk.load(pos + t * K + j).to(jk.i64)
+        wj = jk.load(wts + t * K + j)
+        acc = acc + wj * jk.load(y + p * ldy + cols, mask=m, other=0.0)
+    if SHARED:
+        sv = jk.load(shared + t.to(jk.i64) * lds + cols, mask=m, other=0.0)
+        if GATE:
+            g = jk.load(sgate + t.to(jk.i64) * ldg)
+            sv = jk.sigmoid(g) * sv
+        acc = acc + sv
+    jk.store(out + t.to(jk.i64) * ldo + cols, acc, mask=m)
+
+
+def combine_experts(y, pair_pos, weights, out=None, *, shared=None, shared_gate=None, target=None):
+    """out[t] = sum_j weights[t, j] * y[pair_pos[t, j]] (j in order), + sigmoid(shared_gate[t, 0]) * shared[t]
+    when given (shared_gate None: + shared[t]). y f32 [P, H]; returns out f32 [T, H] (rows may be strided)."""
+    target = resolve_target(target, y)
+    T, K = pair_pos.shape
+    H = y.shape[1]
+    if out is None:
+        out = np.empty((T, H), np.float32)
+    for a, what in ((y, "y"), (out, "out")):
+        if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != H or a.strides[1] != 4:
+            raise ValueError(f"combine_experts: {what} must be float32 [*, {H}] with contiguous rows")
+    if out.shape[0] != T:
+        raise ValueError(f"combine_experts: out has {out.shape[0]} rows, expected {T}")
+    check_dtype(pair_pos, np.int32, "combine_experts: pair_pos")
+    check_dtype(weights, np.float32, "combine_experts: weights")
+    if shared is not None and (shared.shape != (T, H) or shared.dtype != np.float32 or shared.strides[1] != 4):
+        raise ValueError(f"combine_experts: shared must be float32 [{T}, {H}] with contiguous rows")
+    if shared_gate is not None and (shared_gate.ndim != 2 or shared_gate.shape[0] != T
+                                    or shared_gate.dtype != np.float32):
+        raise ValueError(f"combine_experts: shared_gate must be float32 [{T}, >= 1]")
+    BLOCK = 64
+    ld = lambda a: a.strides[0] // 4 if a.shape[0] > 1 else a.shape[1]  # noqa: E731
+    run(_combine_kernel, (T, jk.cdiv(H, BLOCK)),
+        (y, ld(y), np.ascontiguousarray(pair_pos), np.ascontiguousarray(weights),
+         shared if shared is not None else y, ld(shared) if shared is not None else 0,
+         shared_gate if shared_gate is not None else y, ld(shared_gate) if shared_gate is not None else 0,
+         out, ld(out), H),
+        target, K=int(K), SHARED=shared is not None, GATE=shared_gate is not None, BLOCK=BLOCK)
+    return out
+
+
+def moe_mlp(x, router_logits, w_gate_up, w_down, top_k, *, norm=False, mode=SOFTMAX_TOPK, out=None, shared=None,
+            shared_gate=None, scratch=None, target=None):
+    """The routed-experts MLP (steps 1-4 of the module docs) for x f32 [T, H] and its router logits f32
+    [T, >= E]: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the token's top-k experts
+    e = ids[t, j] (+ the shared term, see `combine_experts`). w_gate_up [E, 2*I, H], w_down [E, H, I].
+    `scratch(name, shape, dtype)` supplies reusable buffers (default: fresh arrays). Returns out f32 [T, H]."""
+    target = resolve_target(target, x)
+    E = w_gate_up.shape[0]
+    if w_down.ndim != 3 or w_down.shape[0] != E or w_down.shape[2] * 2 != w_gate_up.shape[1]:
+        raise ValueError(f"moe_mlp: w_down {getattr(w_down, 'shape', None)} does not match w_gate_up "
+                         f"{w_gate_up.shape} (expected [{E}, H, {w_gate_up.shape[1] // 2}])")
+    T, H = x.shape
+    I = w_down.shape[2]
+    get = scratch or (lambda name, shape, dtype=np.float32: np.empty(shape, dtype))
+    ids, wts = route_topk(router_logits, E, top_k, norm=norm, mode=mode, ids=get("moe.ids", (T, top_k), np.int32),
+                          weights=get("moe.w", (T, top_k), np.float32), target=target)
+    return routed_experts(x, ids, wts, lambda xs, tiles, bm, o: expert_gate_up(xs, w_gate_up, tiles, bm, o,
+                                                                                   target=target),
+                          lambda a, tiles, bm, o: expert_down(a, w_down, tiles, bm, o, target=target),
+                          E, I, out=out, shared=shared, shared_gate=shared_gate, scratch=get, target=target)
+
+
+def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=None, shared=None, shared_gate=None,
+                   scratch=None, target=None):
+    """Steps 2-4 with the expert matmuls given as callables (dense: expert_gate_up / expert_down; quantised
+    experts: see engine.models.moe): gate_up_fn(xs [P, H], tiles, block_m, out [P, I]) and
+    down_fn(act [P, I], tiles, block_m, out [P, H]) over the pairs grouped by `group_by_expert`."""
+    from .embedding import embedding
+    T, H = x.shape
+    K = ids.shape[1]
+    P = T * K
+    get = scratch or (lambda name, shape, dtype=np.float32: np.empty(shape, dtype))
+    if out is None:
+        out = np.empty((T, H), np.float32)
+    if T == 0:
+        return out
+    counts_max = int(np.bincount(ids.reshape(-1), minlength=num_experts).max())
+    # pairs per tile: the per-row arithmetic is the same for every block_m (rows are independent FMA chains),
+    # so this choice may follow the batch without breaking batch invariance
+    block_m = 1 if counts_max == 1 else 2
+    pair_token, pair_pos, *tiles = group_by_expert(ids, num_experts, block_m)
+    xs = get("moe.xs", (P, H))
+    embedding(pair_token, x if x.flags.c_contiguous else np.ascontiguousarray(x), out=xs, check_ids=False,
+              target=target)
+    act = gate_up_fn(xs, tiles, block_m, get("moe.act", (P, inter)))
+    y = down_fn(act, tiles, block_m, get("moe.y", (P, H)))
+    return combine_experts(y, pair_pos, wts, out=out, shared=shared, shared_gate=shared_gate, target=target)
+
+
+__all__ = ["routed_experts", "route_topk", "group_by_expert", "expert_gate_up", "expert_down", "combine_experts", "moe_mlp",
+           "SOFTMAX_TOPK", "TOPK_SOFTMAX"]

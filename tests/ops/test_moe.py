@@ -1,0 +1,124 @@
+"""Mixture-of-experts ops (jitkern/ops/moe.py) against float64 numpy on every runnable tier: top-k routing in
+each normalisation, the host grouping, the routed-experts MLP (f32/f16/bf16 expert weights, odd sizes, masked
+tails) and the weighted combine with a gated shared expert; batch invariance (each token alone vs in batches
+of several sizes: bit-identical). Tolerances: 2e-5 relative (f32 accumulation over K <= 133) of the
+output's scale."""
+import zlib
+
+import numpy as np
+import pytest
+
+from jitkern.ops.moe import (SOFTMAX_TOPK, TOPK_SOFTMAX, combine_experts, group_by_expert, moe_mlp, route_topk)
+
+from .ref_basic import stored, as_f64
+
+
+def _rng(tier, *salt):
+    return np.random.default_rng(zlib.crc32("/".join(map(str, (tier.name,) + salt)).encode()))
+
+
+def _route_ref(logits, E, K, norm, mode):
+    lg = logits[:, :E].astype(np.float64)
+    if mode == SOFTMAX_TOPK:
+        p = np.exp(lg - lg.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        ids = np.argsort(-p, axis=1, kind="stable")[:, :K]
+        w = np.take_along_axis(p, ids, 1)
+        if norm:
+            w = w / w.sum(1, keepdims=True)
+    else:
+        ids = np.argsort(-lg, axis=1, kind="stable")[:, :K]
+        v = np.take_along_axis(lg, ids, 1)
+        w = np.exp(v - v[:, :1])
+        w /= w.sum(1, keepdims=True)
+    return ids, w
+
+
+@pytest.mark.parametrize("E,K,norm,mode", [(8, 2, True, SOFTMAX_TOPK), (5, 3, False, SOFTMAX_TOPK),
+                                           (60, 4, False, SOFTMAX_TOPK), (7, 1, True, SOFTMAX_TOPK),
+                                           (32, 4, False, TOPK_SOFTMAX)])
+def test_route_topk(tier, E, K, norm, mode):
+    rng = _rng(tier, E, K, norm, mode)
+    T = 13
+    buf = rng.standard_normal((T, E + 3)).astype(np.float32) * 2
+    logits = buf[:, :E + 1]                      # row-strided view, one extra column (a shared-expert gate)
+    ids, w = route_topk(logits, E, K, norm=norm, mode=mode, target=tier)
+    want_ids, want_w = _route_ref(logits, E, K, norm, mode)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=1e-7)
+
+
+def test_group_by_expert_covers_every_pair_once():
+    rng = np.random.default_rng(0)
+    E, K, T = 6, 2, 11
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    for bm in (1, 2, 3):
+        tok, pos, te, ts, tl = group_by_expert(ids, E, bm)
+        assert (tl >= 1).all() and (tl <= bm).all()
+        seen = np.zeros(T * K, int)
+        for e, s, n in zip(te, ts, tl):
+            for p in range(s, s + n):
+                seen[p] += 1
+                assert ids.reshape(-1)[np.flatnonzero(pos.reshape(-1) == p)[0]] == e
+        assert (seen == 1).all()
+        # the pair of (t, j) belongs to token t
+        assert (tok[pos] == np.arange(T)[:, None]).all()
+
+
+def _moe_ref(x, ids, w, wgu, wd, shared=None, sgate=None):
+    x = x.astype(np.float64)
+    I = wd.shape[2]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            g = wgu[e, :I] @ x[t]
+            u = wgu[e, I:] @ x[t]
+            out[t] += w[t, j] * (wd[e] @ (g / (1 + np.exp(-g)) * u))
+        if shared is not None:
+            out[t] += (1 / (1 + np.exp(-sgate[t, 0])) if sgate is not None else 1.0) * shared[t]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_moe_mlp_matches_numpy_and_is_batch_invariant(tier, dtype):
+    rng = _rng(tier, "moe", dtype)
+    E, K, H, I, T = 6, 2, 37, 21, 9              # odd sizes: masked K tails, overlapping column blocks
+    wgu = stored(rng.standard_normal((E, 2 * I, H)) / np.sqrt(H), dtype)
+    wd = stored(rng.standard_normal((E, H, I)) / np.sqrt(I), dtype)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    logits = rng.standard_normal((T, E + 1)).astype(np.float32)
+    shared = rng.standard_normal((T, H)).astype(np.float32)
+    out = moe_mlp(x, logits, wgu, wd, K, norm=True, shared=shared, shared_gate=logits[:, E:], target=tier)
+    ids, w = route_topk(logits, E, K, norm=True, target=tier)
+    want = _moe_ref(x, ids, as_f64(w), as_f64(wgu), as_f64(wd), shared, logits[:, E:].astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    # batch invariance: each token alone, and in batches of other sizes and compositions, gives the same bits
+    for t in range(T):
+        one = moe_mlp(x[t:t + 1], logits[t:t + 1], wgu, wd, K, norm=True, shared=shared[t:t + 1],
+                      shared_gate=logits[t:t + 1, E:], target=tier)
+        np.testing.assert_array_equal(one[0], out[t])
+    perm = rng.permutation(T)[:5]
+    part = moe_mlp(x[perm], logits[perm], wgu, wd, K, norm=True, shared=shared[perm],
+                   shared_gate=np.ascontiguousarray(logits[perm, E:]), target=tier)
+    np.testing.assert_array_equal(part, out[perm])
+
+
+def test_combine_without_shared_and_ungated(tier):
+    rng = _rng(tier, "combine")
+    T, K, P, H = 4, 3, 12, 70
+    y = rng.standard_normal((P, H)).astype(np.float32)
+    pos = rng.permutation(P).astype(np.int32).reshape(T, K)
+    w = rng.random((T, K)).astype(np.float32)
+    sh = rng.standard_normal((T, H)).astype(np.float32)
+    want = np.einsum("tk,tkh->th", w.astype(np.float64), y[pos].astype(np.float64))
+    np.testing.assert_allclose(combine_experts(y, pos, w, target=tier), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(combine_experts(y, pos, w, shared=sh, target=tier), want + sh, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_are_named():
+    w = np.zeros((4, 6, 5), np.float32)
+    with pytest.raises(ValueError, match="w_down"):
+        moe_mlp(np.ones((2, 5), np.float32), np.ones((2, 4), np.float32), w, np.zeros((4, 5, 2), np.float32), 2)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(np.ones((2, 4), np.float32), 4, 5)
