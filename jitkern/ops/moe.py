@@ -129,10 +129,11 @@ def _silu(x):
 
 
 @jk.kernel
-def _expert_linear_kernel(x, ldx, w, w_es, out, ldo, tile_expert, tile_start, tile_len, N, K,
+def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, out, ldo, tile_expert, tile_start, tile_len, N, K,
                           GATED: jk.constexpr, BM: jk.constexpr, BN: jk.constexpr, V: jk.constexpr):
     # Grid (tiles, cdiv(N, BN)). Tile i: pairs rows [s, s + L) (L <= BM) of x, expert e = tile_expert[i].
-    # GATED: out[p, n] = silu(x[p] . w[e, n]) * (x[p] . w[e, N + n]) (w is [E, 2N, K]); else out[p, n] = x[p] . w[e, n].
+    # GATED: out[p, n] = silu(x[p] . w[e, n]) * (x[p] . u[e, n]) (u's expert e starts at u + e*u_es + u_off:
+    # the second half of a fused [E, 2N, K] gate/up or its own array); else out[p, n] = x[p] . w[e, n].
     tile = jk.program_id(0)
     e = jk.load(tile_expert + tile).to(jk.i64)
     s = jk.load(tile_start + tile).to(jk.i64)
@@ -149,7 +150,7 @@ def _expert_linear_kernel(x, ldx, w, w_es, out, ldo, tile_expert, tile_start, ti
     wrow = wbase + wrows[:, None] * K64
     acc = jk.zeros((BM, BN, V), jk.f32)
     if GATED:
-        urow = wbase + (wrows + N)[:, None] * K64
+        urow = u + e * u_es + u_off + wrows[:, None] * K64
         accu = jk.zeros((BM, BN, V), jk.f32)
     xmask = jk.broadcast_to(rm[:, None], (BM, V))
     kmain = K - K % V
@@ -196,12 +197,23 @@ def _weight(w, what):
     return fptr(w, what)
 
 
-def _expert_linear(xs, w, out, tiles, gated, block_m, target, what):
+def _expert_linear(xs, w, w_up, out, tiles, gated, block_m, target, what):
     tile_expert, tile_start, tile_len = tiles
     E, N2, K = w.shape
-    N = N2 // 2 if gated else N2
-    if gated and N2 % 2:
-        raise ValueError(f"{what}: a gate/up weight needs an even row count, got {N2}")
+    if gated and w_up is None:          # fused [E, 2N, K]
+        if N2 % 2:
+            raise ValueError(f"{what}: a fused gate/up weight needs an even row count, got {N2}")
+        N = N2 // 2
+        u, u_es, u_off = w, N2 * K, N * K
+    elif gated:
+        if w_up.shape != w.shape or w_up.dtype != w.dtype:
+            raise ValueError(f"{what}: up weight {w_up.dtype} {w_up.shape} differs from the gate weight "
+                             f"{w.dtype} {w.shape}")
+        N = N2
+        u, u_es, u_off = w_up, N2 * K, 0
+    else:
+        N = N2
+        u, u_es, u_off = w, 0, 0
     check_dtype(xs, np.float32, f"{what}: x")
     if xs.ndim != 2 or xs.shape[1] != K or xs.strides[1] != 4:
         raise ValueError(f"{what}: x must be [pairs, {K}] float32 with contiguous rows, got {xs.shape}")
@@ -212,24 +224,24 @@ def _expert_linear(xs, w, out, tiles, gated, block_m, target, what):
         raise ValueError(f"{what}: out must be float32 [{P}, {N}] with contiguous rows, got {out.dtype} {out.shape}")
     BN, V = _tiles(target, gated, N)
     run(_expert_linear_kernel, (len(tile_expert), jk.cdiv(N, BN)),
-        (xs, xs.strides[0] // 4 if P > 1 else K, _weight(w, what), N2 * K, out, out.strides[0] // 4 if P > 1 else N,
-         tile_expert, tile_start, tile_len, N, K),
+        (xs, xs.strides[0] // 4 if P > 1 else K, _weight(w, what), N2 * K, _weight(u, what), u_es, u_off,
+         out, out.strides[0] // 4 if P > 1 else N, tile_expert, tile_start, tile_len, N, K),
         target, GATED=bool(gated), BM=int(block_m), BN=BN, V=V)
     return out
 
 
-def expert_gate_up(xs, w_gate_up, tiles, block_m, out=None, *, target=None):
-    """act[p] = silu(xs[p] @ Wg[e]^T) * (xs[p] @ Wu[e]^T) for each pair p of each tile (e = the tile's expert);
-    w_gate_up [E, 2*I, H] (gate rows first). `tiles` = (tile_expert, tile_start, tile_len) from
-    group_by_expert with the same block_m. Returns act f32 [P, I]."""
+def expert_gate_up(xs, w_gate_up, tiles, block_m, out=None, *, w_up=None, target=None):
+    """act[p] = silu(xs[p] @ Wg[e]^T) * (xs[p] @ Wu[e]^T) for each pair p of each tile (e = the tile's expert).
+    Weights: w_gate_up [E, 2*I, H] (gate rows first), or the gate [E, I, H] with `w_up` [E, I, H]. `tiles` =
+    (tile_expert, tile_start, tile_len) from group_by_expert with the same block_m. Returns act f32 [P, I]."""
     target = resolve_target(target, xs)
-    return _expert_linear(xs, w_gate_up, out, tiles, True, block_m, launch_target(target), "expert_gate_up")
+    return _expert_linear(xs, w_gate_up, w_up, out, tiles, True, block_m, launch_target(target), "expert_gate_up")
 
 
 def expert_down(act, w_down, tiles, block_m, out=None, *, target=None):
     """y[p] = act[p] @ Wd[e]^T per pair (w_down [E, H, I]); returns y f32 [P, H]."""
     target = resolve_target(target, act)
-    return _expert_linear(act, w_down, out, tiles, False, block_m, launch_target(target), "expert_down")
+    return _expert_linear(act, w_down, None, out, tiles, False, block_m, launch_target(target), "expert_down")
 
 
 # ---------------------------------------------------------------------------------------------- combine
@@ -284,24 +296,25 @@ def combine_experts(y, pair_pos, weights, out=None, *, shared=None, shared_gate=
     return out
 
 
-def moe_mlp(x, router_logits, w_gate_up, w_down, top_k, *, norm=False, mode=SOFTMAX_TOPK, out=None, shared=None,
-            shared_gate=None, scratch=None, target=None):
+def moe_mlp(x, router_logits, w_gate_up, w_down, top_k, *, w_up=None, norm=False, mode=SOFTMAX_TOPK, out=None,
+            shared=None, shared_gate=None, scratch=None, target=None):
     """The routed-experts MLP (steps 1-4 of the module docs) for x f32 [T, H] and its router logits f32
     [T, >= E]: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the token's top-k experts
-    e = ids[t, j] (+ the shared term, see `combine_experts`). w_gate_up [E, 2*I, H], w_down [E, H, I].
+    e = ids[t, j] (+ the shared term, see `combine_experts`). w_gate_up [E, 2*I, H] (or the gate [E, I, H]
+    with `w_up` [E, I, H]), w_down [E, H, I].
     `scratch(name, shape, dtype)` supplies reusable buffers (default: fresh arrays). Returns out f32 [T, H]."""
     target = resolve_target(target, x)
     E = w_gate_up.shape[0]
-    if w_down.ndim != 3 or w_down.shape[0] != E or w_down.shape[2] * 2 != w_gate_up.shape[1]:
-        raise ValueError(f"moe_mlp: w_down {getattr(w_down, 'shape', None)} does not match w_gate_up "
-                         f"{w_gate_up.shape} (expected [{E}, H, {w_gate_up.shape[1] // 2}])")
+    I = w_gate_up.shape[1] if w_up is not None else w_gate_up.shape[1] // 2
+    if w_down.ndim != 3 or w_down.shape[0] != E or w_down.shape[2] != I:
+        raise ValueError(f"moe_mlp: w_down {getattr(w_down, 'shape', None)} does not match the gate/up weights "
+                         f"{w_gate_up.shape} (expected [{E}, H, {I}])")
     T, H = x.shape
-    I = w_down.shape[2]
     get = scratch or (lambda name, shape, dtype=np.float32: np.empty(shape, dtype))
     ids, wts = route_topk(router_logits, E, top_k, norm=norm, mode=mode, ids=get("moe.ids", (T, top_k), np.int32),
                           weights=get("moe.w", (T, top_k), np.float32), target=target)
     return routed_experts(x, ids, wts, lambda xs, tiles, bm, o: expert_gate_up(xs, w_gate_up, tiles, bm, o,
-                                                                                   target=target),
+                                                                                   w_up=w_up, target=target),
                           lambda a, tiles, bm, o: expert_down(a, w_down, tiles, bm, o, target=target),
                           E, I, out=out, shared=shared, shared_gate=shared_gate, scratch=get, target=target)
 

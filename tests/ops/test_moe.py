@@ -122,3 +122,17 @@ def test_bad_shapes_are_named():
         moe_mlp(np.ones((2, 5), np.float32), np.ones((2, 4), np.float32), w, np.zeros((4, 5, 2), np.float32), 2)
     with pytest.raises(ValueError, match="top_k"):
         route_topk(np.ones((2, 4), np.float32), 4, 5)
+
+
+def test_separate_gate_and_up_arrays_equal_the_fused_form(tier):
+    """GGUF keeps ffn_gate_exps and ffn_up_exps apart: the same bits as the fused [E, 2I, H] weight."""
+    rng = _rng(tier, "split")
+    E, K, H, I, T = 5, 2, 19, 11, 6
+    wgu = rng.standard_normal((E, 2 * I, H)).astype(np.float16)
+    wd = rng.standard_normal((E, H, I)).astype(np.float16)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    fused = moe_mlp(x, logits, wgu, wd, K, target=tier)
+    split = moe_mlp(x, logits, np.ascontiguousarray(wgu[:, :I]), wd, K, w_up=np.ascontiguousarray(wgu[:, I:]),
+                    target=tier)
+    np.testing.assert_array_equal(fused, split)
