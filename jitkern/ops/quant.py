@@ -82,7 +82,9 @@ class QType:
 
 
 QTYPES = {q.name: q for q in (QType("q8_0", 32, 34), QType("q4_0", 32, 18), QType("q4_1", 32, 20),
-                              QType("q4_K", 256, 144), QType("q5_K", 256, 176), QType("q6_K", 256, 210))}
+                              QType("q4_K", 256, 144), QType("q5_K", 256, 176), QType("q6_K", 256, 210),
+                              QType("q5_0", 32, 22), QType("q5_1", 32, 24), QType("iq4_nl", 32, 18),
+                              QType("q2_K", 256, 84), QType("q3_K", 256, 110), QType("iq4_xs", 256, 136))}
 
 
 def _qtype(qtype) -> QType:
@@ -418,6 +420,147 @@ def _dec_q6_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     return q, sc, None, None
 
 
+# ---- Q5_0, Q5_1, IQ4_NL (32-element blocks, natural element order) and Q2_K, Q3_K, IQ4_XS (256-element
+# super-blocks); layouts as in ggml-common.h, checked against gguf.quants.dequantize in tests/ops/test_quant.py
+@jk.jit
+def _nib32(w, offs, R: jk.constexpr, S: jk.constexpr):
+    """The 32 nibbles of the 16 bytes at byte offsets offs (R, S) in element order (byte j: element j in its low
+    nibble, j + 16 in its high nibble), (R, S, 32) u8."""
+    return jk.reshape(_nibbles(w, offs, R, S, 16), (R, S, 32))
+
+
+@jk.jit
+def _bit4_32(w, offs, R: jk.constexpr, S: jk.constexpr):
+    """Bit i of the little-endian 32-bit mask at byte offsets offs (R, S) moved to bit 4 (16 or 0), (R, S, 32)
+    u8 (q5_0 / q5_1's fifth bits)."""
+    b = jk.reshape(jk.load(w + offs[:, :, None] + jk.arange(0, 4)[None, None, :]), (R, S, 4, 1))
+    b = jk.broadcast_to(b, (R, S, 4, 8))
+    bit = jk.full((1, 1, 1, 1), 1, jk.u8) << jk.arange(0, 8)[None, None, None, :].to(jk.u8)
+    v = jk.where((b & bit) != 0, jk.full((1, 1, 1, 1), 16, jk.u8), jk.full((1, 1, 1, 1), 0, jk.u8))
+    return jk.reshape(v, (R, S, 32))
+
+
+@jk.jit
+def _dec_q5_0(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 22 B: f16 d, 4 B fifth bits qh, 16 B nibbles; w = d * (q - 16)
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 22
+    q = _nib32(w, base + 6, R, S) | _bit4_32(w, base + 2, R, S)
+    sc = jk.load((wh + rows[:, None] * (rb // 2) + blk[None, :] * 11)[:, :, None]).to(jk.f32)
+    return q, sc, jk.reshape(sc, (R, S)) * -16.0, 16
+
+
+@jk.jit
+def _dec_q5_1(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 24 B: f16 d, f16 m, 4 B fifth bits qh, 16 B nibbles; w = d * q + m
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 24
+    q = _nib32(w, base + 8, R, S) | _bit4_32(w, base + 4, R, S)
+    hoff = rows[:, None] * (rb // 2) + blk[None, :] * 12
+    sc = jk.load((wh + hoff)[:, :, None]).to(jk.f32)
+    m = jk.load(wh + hoff + 1).to(jk.f32)
+    return q, sc, m, None
+
+
+@jk.jit
+def _c8(v: jk.constexpr):
+    return jk.full((1, 1, 1), v, jk.i8)
+
+
+@jk.jit
+def _iq4_values(n):
+    """kvalues_iq4nl[n] (ggml's non-linear 4-bit grid) of a 3-D u8 tile of nibbles, as i8: a tree of selects on
+    the four bits (no table gathers; the same on every target)."""
+    b0 = (n & 1) != 0
+    b1 = (n & 2) != 0
+    b2 = (n & 4) != 0
+    v0 = jk.where(b1, jk.where(b0, _c8(-65), _c8(-83)), jk.where(b0, _c8(-104), _c8(-127)))
+    v1 = jk.where(b1, jk.where(b0, _c8(-10), _c8(-22)), jk.where(b0, _c8(-35), _c8(-49)))
+    v2 = jk.where(b1, jk.where(b0, _c8(38), _c8(25)), jk.where(b0, _c8(13), _c8(1)))
+    v3 = jk.where(b1, jk.where(b0, _c8(113), _c8(89)), jk.where(b0, _c8(69), _c8(53)))
+    return jk.where((n & 8) != 0, jk.where(b2, v3, v2), jk.where(b2, v1, v0))
+
+
+@jk.jit
+def _dec_iq4_nl(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 18 B: f16 d, 16 B nibbles (q4_0's order) indexing kvalues_iq4nl; w = d * kvalues[q]
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 18
+    q = _iq4_values(_nib32(w, base + 2, R, S))
+    sc = jk.load((wh + rows[:, None] * (rb // 2) + blk[None, :] * 9)[:, :, None]).to(jk.f32)
+    return q, sc, None, None
+
+
+@jk.jit
+def _crumbs(w, offs, R: jk.constexpr):
+    """The 2-bit fields of the 64 bytes at offs (R,) in q2_K / q3_K order, (R, 8, 32) u8: group s = 4 h + j (32
+    elements) holds (b[32 h + i] >> 2 j) & 3 (constant shifts: x86 has no per-lane byte shifts)."""
+    b = jk.load(w + offs[:, None, None, None] + jk.arange(0, 2)[None, :, None, None] * 32
+                + jk.arange(0, 32)[None, None, None, :])
+    b = jk.broadcast_to(b, (R, 2, 4, 32))
+    j = jk.arange(0, 4)[None, None, :, None]
+    v = jk.where(j == 0, b, jk.where(j == 1, b >> 2, jk.where(j == 2, b >> 4, b >> 6))) & 3
+    return jk.reshape(v, (R, 8, 32))
+
+
+@jk.jit
+def _per16(v, R: jk.constexpr):
+    """(R, 16) values of 16-element sub-blocks -> (R, 8, 8): one per group of 4 elements (dot4's lanes)."""
+    return jk.reshape(jk.broadcast_to(jk.reshape(v, (R, 8, 2, 1)), (R, 8, 2, 4)), (R, 8, 8))
+
+
+@jk.jit
+def _dec_q2_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 84 B: 16 B scales (low nibble scale, high nibble min, per 16 elements), 64 B 2-bit quants, f16 d, f16 dmin;
+    # w = d * (sc & 15) * q - dmin * (sc >> 4); the min rides on the activations' 16-element sums (c (R, 8, 2))
+    base = rows * rb + st * 84
+    q = _crumbs(w, base + 16, R)
+    s16 = jk.load(w + base[:, None] + jk.arange(0, 16)[None, :])
+    hb = rows * (rb // 2) + st * 42
+    d = jk.load((wh + hb + 40)[:, None]).to(jk.f32)
+    dmin = jk.load((wh + hb + 41)[:, None]).to(jk.f32)
+    dl = d * (s16 & 15).to(jk.f32)
+    ml = dmin * (s16 >> 4).to(jk.f32)
+    return q, _per16(dl, R), jk.reshape(-ml, (R, 8, 2)), None
+
+
+@jk.jit
+def _dec_q3_K(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 110 B: 32 B high-bit mask, 64 B 2-bit quants, 12 B 6-bit scales (16 of them, bias 32), f16 d;
+    # q = low 2 bits - 4 where the mask bit is clear; w = d * (scale - 32) * q
+    base = rows * rb + st * 110
+    ql = _crumbs(w, base + 32, R)
+    hm = jk.broadcast_to(jk.reshape(jk.load(w + base[:, None] + jk.arange(0, 32)[None, :]), (R, 1, 32)), (R, 8, 32))
+    bit = jk.full((1, 1, 1), 1, jk.u8) << jk.arange(0, 8)[None, :, None].to(jk.u8)
+    q = jk.where((hm & bit) != 0, ql, ql - 4).to(jk.i8, bitcast=True)
+    # scale k: low 4 bits (b[k % 8] >> 4 (k // 8)) & 15, high 2 bits (b[8 + k % 4] >> 2 (k // 4)) & 3
+    a = jk.broadcast_to(jk.reshape(jk.load(w + base[:, None] + 96 + jk.arange(0, 8)[None, :]), (R, 1, 8)), (R, 2, 8))
+    lo = jk.reshape(jk.where(jk.arange(0, 2)[None, :, None] == 1, a >> 4, a & 15), (R, 16))
+    h = jk.broadcast_to(jk.reshape(jk.load(w + base[:, None] + 104 + jk.arange(0, 4)[None, :]), (R, 1, 4)), (R, 4, 4))
+    u = jk.arange(0, 4)[None, :, None]
+    hi = jk.reshape(jk.where(u == 0, h, jk.where(u == 1, h >> 2, jk.where(u == 2, h >> 4, h >> 6))) & 3, (R, 16))
+    sc = ((lo | (hi << 4)).to(jk.i8, bitcast=True) - 32).to(jk.f32)
+    d = jk.load((wh + rows * (rb // 2) + st * 55 + 54)[:, None]).to(jk.f32)
+    return q, _per16(d * sc, R), None, None
+
+
+@jk.jit
+def _dec_iq4_xs(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 136 B: f16 d, u16 scales_h, 4 B scales_l, 128 B nibbles (16 per 32-element sub-block, q4_0's order)
+    # indexing kvalues_iq4nl; sub-block s: w = d * (ls - 32) * kvalues[q], ls = 4 bits of scales_l[s // 2]
+    # (low nibble for even s) | 2 bits (scales_h >> 2 s) << 4
+    base = rows * rb + st * 136
+    q = _iq4_values(jk.reshape(_nibbles(w, base[:, None] + 8 + jk.arange(0, 8).to(jk.i64)[None, :] * 16, R, 8, 16),
+                               (R, 8, 32)))
+    sl = jk.broadcast_to(jk.reshape(jk.load(w + base[:, None] + 4 + jk.arange(0, 4)[None, :]), (R, 4, 1)), (R, 4, 2))
+    lo = jk.reshape(jk.where(jk.arange(0, 2)[None, None, :] == 1, sl >> 4, sl & 15), (R, 8))
+    sh = jk.broadcast_to(jk.reshape(jk.load(w + base[:, None] + 2 + jk.arange(0, 2)[None, :]), (R, 2, 1)), (R, 2, 4))
+    u = jk.arange(0, 4)[None, None, :]
+    hi = jk.reshape(jk.where(u == 0, sh, jk.where(u == 1, sh >> 2, jk.where(u == 2, sh >> 4, sh >> 6))) & 3, (R, 8))
+    sc = ((lo | (hi << 4)).to(jk.i8, bitcast=True) - 32).to(jk.f32)
+    d = jk.load((wh + rows * (rb // 2) + st * 68)[:, None]).to(jk.f32)
+    return q, (d * sc)[:, :, None], None, None
+
 # ------------------------------------------------------------------------------------- K-quants (256 blocks)
 @jk.jit
 def _kq_step(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.constexpr, BM: jk.constexpr,
@@ -437,7 +580,14 @@ def _kq_step(w, wh, xq, xd, xs, rows, toks, K64, rb, st, acc, accc, DEC: jk.cons
     scale = jk.broadcast_to(sc[None, :, :, :] * dx[:, None, :, :], (BM, R, 8, 8))
     acc += jk.sum(p.to(jk.f32) * scale, axis=2)
     if c is not None:
-        accc = jk.fma(c[None, :, :], jk.load(xs + srow)[:, None, :], accc)
+        if len(c.shape) == 3:
+            # q2_K: a min per 16 elements (c (R, 8, 2)) against the activations' 16-element integer sums (dot4
+            # with ones: exact), scaled by the block's dx; the two halves' products added in a fixed order
+            s16 = jk.sum(jk.reshape(jk.dot4(jk.full((BM, 8, 32), 1, jk.u8), xv), (BM, 8, 2, 4)), axis=3)
+            xs16 = s16.to(jk.f32) * dx                                                      # (BM, 8, 2)
+            accc += jk.sum(c[None, :, :, :] * xs16[:, None, :, :], axis=3)
+        else:
+            accc = jk.fma(c[None, :, :], jk.load(xs + srow)[:, None, :], accc)
     return acc, accc
 
 
@@ -604,7 +754,7 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
         jk.store(y + toks[:, None] * N + rows[None, :], jk.reshape(res, (BM, R)))
 
 
-_QMM_TYPES = ("q8_0", "q4_0", "q4_1")
+_QMM_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 
 
 def _qmm_kernel_for(q: QType) -> bool:
@@ -692,7 +842,8 @@ def _token_launches(M: int, BM: int) -> list:
 
 
 _DECODERS = {"q8_0": _dec_q8_0, "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q4_K": _dec_q4_K, "q5_K": _dec_q5_K,
-             "q6_K": _dec_q6_K}
+             "q6_K": _dec_q6_K, "q5_0": _dec_q5_0, "q5_1": _dec_q5_1, "iq4_nl": _dec_iq4_nl, "q2_K": _dec_q2_K,
+             "q3_K": _dec_q3_K, "iq4_xs": _dec_iq4_xs}
 
 
 def _pow2_le(n: int, cap: int) -> int:
@@ -823,7 +974,10 @@ def _dequant_rows_kernel(w, wh, idx, out, K, NSTEP, RB, DEC: jk.constexpr, S: jk
         else:
             val = v * scale
             if c is not None:
-                val = val + c[:, :, None]
+                if len(c.shape) == 3:        # one offset per 16 elements (q2_K's mins)
+                    val = val + jk.reshape(jk.broadcast_to(c[:, :, :, None], (1, S, 2, 16)), (1, S, 32))
+                else:
+                    val = val + c[:, :, None]
         jk.store(orow + st * (S * 32), val)
 
 

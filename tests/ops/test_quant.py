@@ -1,9 +1,10 @@
 """GGUF quantised matmul/GEMV ops (jitkern/ops/quant.py) against numpy + the `gguf` package, on every tier.
 
 References:
-- weights: `gguf.quants.dequantize` of the raw blocks. q8_0 / q4_0 / q4_1 blocks come from
-  `gguf.quants.quantize` of random normals; the gguf package cannot quantise the K-quants, so those blocks are
-  random bytes with sane f16 scales (every byte pattern of the other fields is a valid block).
+- weights: `gguf.quants.dequantize` of the raw blocks. q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks come from
+  `gguf.quants.quantize` of random normals; the gguf package cannot quantise the K-quants (q2_K..q6_K) nor
+  iq4_nl / iq4_xs, so those blocks are random bytes with sane f16 scales (every byte pattern of the other
+  fields is a valid block: quants, 4/6-bit scales and mins, high-bit masks, scales_h / scales_l).
 - activations: `ref_quantize_q8` below, the same f32 arithmetic as the kernel: d = max|x| / 127,
   q = round-half-to-even(x * (1/d)) (ggml's AVX2 rounding), clipped to [-127, 127], sum = d * sum(q).
   quantize_q8 must match it exactly.
@@ -24,15 +25,25 @@ import gguf.quants as gq
 
 from jitkern.ops import quant as Q
 
-QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K"]
+QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K", "q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs"]
 _GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
          "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_K": gguf.GGMLQuantizationType.Q4_K,
-         "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K}
+         "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K,
+         "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
+         "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL, "q2_K": gguf.GGMLQuantizationType.Q2_K,
+         "q3_K": gguf.GGMLQuantizationType.Q3_K, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}
+# types gguf.quants can quantise (the rest: random valid blocks) and the byte offsets of their f16 scales
+_GGUF_QUANTIZES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+_F16_SCALES = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,), "q2_K": (80, 82), "q3_K": (108,),
+               "iq4_xs": (0,)}
 # two K per type: a whole number of steps, and a remainder: 11 blocks (q4_0 / q4_1) leave a pair and a single
 # block after 4-block steps, 6 (q8_0) a pair after one 4-block step (AVX-512), 5 a single block; 2 blocks
 # (q4_1, K = 64) are fewer than one 4-block step
 KS = {"q8_0": (192, 160), "q4_0": (128, 352), "q4_1": (64, 352), "q4_K": (256, 768), "q5_K": (256, 768),
-      "q6_K": (256, 768)}
+      "q6_K": (256, 768), "q5_0": (224, 64), "q5_1": (160, 224), "iq4_nl": (224, 96), "q2_K": (256, 768),
+      "q3_K": (256, 768), "iq4_xs": (256, 768)}
+# (7 blocks: a pair and a single block after 4-block steps, one after 2-block steps; 2 or 3 blocks: less than
+# one 4-block step)
 
 
 # --------------------------------------------------------------------------------------------- references
@@ -53,13 +64,12 @@ def ref_quantize_q8(x: np.ndarray):
 def make_weight(qtype: str, N: int, K: int, rng):
     """(raw uint8 (N, row_bytes), dequantised float32 (N, K))."""
     q = Q.QTYPES[qtype]
-    if q.block_elems == 32:
+    if qtype in _GGUF_QUANTIZES:
         raw = gq.quantize(rng.standard_normal((N, K)).astype(np.float32), _GGUF[qtype])
     else:
-        nb = K // 256
+        nb = K // q.block_elems
         raw = rng.integers(0, 256, (N, nb, q.block_bytes), dtype=np.uint8)
-        offs = (0, 2) if qtype in ("q4_K", "q5_K") else (208,)
-        for off in offs:
+        for off in _F16_SCALES[qtype]:
             v = rng.uniform(0.002, 0.02, (N, nb)).astype(np.float16)
             v[rng.random((N, nb)) < 0.3] *= -1      # negative scales are legal (and occur with dmin)
             raw[:, :, off:off + 2] = v.view(np.uint8).reshape(N, nb, 2)
@@ -209,8 +219,8 @@ def test_prequantized_and_empty(tier):
 
 def test_errors_name_the_problem():
     raw = np.zeros(34 * 2, np.uint8)
-    with pytest.raises(ValueError, match="qtype 'q3_K'"):
-        Q.matmul_q(np.zeros(32, np.float32), raw, "q3_K", 2, 32)
+    with pytest.raises(ValueError, match="qtype 'iq2_xxs'"):
+        Q.matmul_q(np.zeros(32, np.float32), raw, "iq2_xxs", 2, 32)
     with pytest.raises(ValueError, match="K=48"):
         Q.row_bytes("q8_0", 48)
     with pytest.raises(ValueError, match="68 bytes"):
