@@ -30,6 +30,10 @@ _HF_MODEL_TYPES = {
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "gpt2": "gpt2",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
+    "granite": "granite",
+    "olmo2": "olmo2",
 }
 
 # Defaults of HF's config classes (LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig,
@@ -55,6 +59,18 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                    head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
     "gpt2": dict(n_positions=1024, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  activation_function="gelu_new", bos_token_id=50256, eos_token_id=50256),
+    "gemma2": dict(max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, attention_bias=False,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "phi3": dict(max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 hidden_act="silu", sliding_window=None, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+    "granite": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2,
+                    embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
+                    logits_scaling=1.0),
+    "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
 }
 _GENERIC_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
 
@@ -100,6 +116,12 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False                       # RMSNorm over each head of q and k (Qwen3, Gemma-3)
     position_embedding: str = "rope"            # "rope" | "learned"
+    # Granite's multipliers (HF embedding_multiplier / residual_multiplier / attention_multiplier /
+    # logits_scaling; GGUF {arch}.embedding_scale / residual_scale / attention.scale / logit_scale)
+    embedding_multiplier: float | None = None   # embeddings are multiplied by it
+    residual_multiplier: float | None = None    # each block's output is multiplied by it before the residual add
+    attention_multiplier: float | None = None   # replaces the 1/sqrt(head_dim) attention scale
+    logits_scaling: float | None = None         # final logits are divided by it
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -113,6 +135,8 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The factor q.k is multiplied by before the softmax."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
     @property
@@ -217,7 +241,14 @@ class ModelConfig:
             if params.get("rope_type", "default") != "default" and rope_scaling is None:
                 rope_scaling = params
         rope_scaling = _normalise_rope_scaling(rope_scaling)
+        if rope_scaling and rope_scaling["rope_type"] in ("longrope", "su"):   # "su": Phi-3's first name for it
+            rope_scaling["rope_type"] = "longrope"
+            if rope_scaling.get("original_max_position_embeddings") is None:
+                rope_scaling["original_max_position_embeddings"] = int(
+                    get("original_max_position_embeddings", default=max_pos))
         partial = get("partial_rotary_factor", default=None)
+        if partial is None and isinstance(params, dict):      # transformers v5 keeps it in rope_parameters
+            partial = params.get("partial_rotary_factor")
         rotary_dim = int(head_dim * partial) if (partial and rope_theta is not None) else (
             head_dim if rope_theta is not None else None)
 
@@ -231,8 +262,9 @@ class ModelConfig:
                 mwl = int(get("max_window_layers", default=num_layers))
                 layer_types = [SLIDING_ATTENTION if sliding_window is not None and i >= mwl else FULL_ATTENTION
                                for i in range(num_layers)]
-        elif arch == "gemma3" and layer_types is None:
-            pattern = int(get("sliding_window_pattern", default=6))
+        elif arch in ("gemma2", "gemma3") and layer_types is None:
+            # Gemma 2 alternates (even layers slide), Gemma 3 has one global layer in 6
+            pattern = 2 if arch == "gemma2" else int(get("sliding_window_pattern", default=6))
             layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
         if layer_types is None:
             kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
@@ -272,8 +304,12 @@ class ModelConfig:
             hidden_act=str(get("hidden_activation", "hidden_act", "activation_function", default="silu")),
             attention_bias=True if arch == "qwen2" else bool(get("attention_bias", default=False)),
             mlp_bias=bool(get("mlp_bias", default=False)),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "olmo2"),
             position_embedding="learned" if arch == "gpt2" else "rope",
+            embedding_multiplier=_opt_float(get("embedding_multiplier", default=None)),
+            residual_multiplier=_opt_float(get("residual_multiplier", default=None)),
+            attention_multiplier=_opt_float(get("attention_multiplier", default=None)),
+            logits_scaling=_opt_float(get("logits_scaling", default=None)),
             bos_token_id=_opt_int(get("bos_token_id", default=None)),
             eos_token_ids=_id_list(eos),
             pad_token_id=_opt_int(get("pad_token_id", default=None)),
@@ -370,6 +406,12 @@ class ModelConfig:
             layer_types = [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(num_layers)]
             rope_local = 10000.0
             query_pre_attn_scalar = float(hidden // num_heads) if num_layers == 62 else float(head_dim)
+        elif arch == "gemma2":
+            # llama.cpp: every other layer slides (even ones), window 4096 unless the file says; the query
+            # scale is 1/sqrt(head_dim) except for the 27B (46 layers): 1/sqrt(hidden/heads)
+            sliding_window = int(sliding_window) if sliding_window else 4096
+            layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
+            query_pre_attn_scalar = float(hidden // num_heads) if num_layers == 46 else float(head_dim)
         else:
             kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
             layer_types = [kind] * num_layers
@@ -398,9 +440,12 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             layer_types=layer_types,
             query_pre_attn_scalar=query_pre_attn_scalar,
-            final_logit_softcapping=_opt_float(get(p + "final_logit_softcapping", None)),
-            attn_logit_softcapping=_opt_float(get(p + "attn_logit_softcapping", None)),
-            hidden_act={"gemma3": "gelu_pytorch_tanh", "gpt2": "gelu_new"}.get(arch, "silu"),
+            # llama.cpp's Gemma 2 defaults when the file omits them: 30 (final) and 50 (attention)
+            final_logit_softcapping=_opt_float(get(p + "final_logit_softcapping",
+                                                   30.0 if arch == "gemma2" else None)),
+            attn_logit_softcapping=_opt_float(get(p + "attn_logit_softcapping", 50.0 if arch == "gemma2" else None)),
+            hidden_act={"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
+                        "gpt2": "gelu_new"}.get(arch, "silu"),
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
             mlp_bias="blk.0.ffn_up.bias" in names and arch != "gpt2",
             qk_norm="blk.0.attn_q_norm.weight" in names or arch in ("qwen3", "gemma3"),

@@ -557,7 +557,7 @@ def _load_safetensors_dir(directory: Path, stats: LoadStats, tokenizer_config, l
         path=directory, format="safetensors", files=list(shards), config=config, tensors=tensors,
         tokenizer=tokenizer, stop_token_ids=stops,
         rope_layout=None if config.rope_theta is None else ROPE_HALVES,
-        norm_weight_offset=1.0 if config.architecture == "gemma3" else 0.0,
+        norm_weight_offset=1.0 if config.architecture in ("gemma2", "gemma3") else 0.0,
         linear_layout="in_out" if config.architecture == "gpt2" else "out_in",
         metadata=metadata, stats=stats)
 
@@ -616,7 +616,7 @@ _REQUIRED_LAYER = {
                     "self_attn.o_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                     "input_layernorm.weight", "post_attention_layernorm.weight"),
 }
-_LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3"})
+_LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite"})
 
 
 def check_tensor_shapes(ckpt: Checkpoint) -> None:

@@ -41,6 +41,13 @@ def make_config(arch: str):
         return tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=24,
                                    query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
                                    final_logit_softcapping=30.0, rope_local_base_freq=10000.0)
+    if arch in ("gemma2", "gemma2-gguf"):
+        # small soft-caps and larger random weights: both caps change the logits by ~0.6 (vs 2e-4 tolerance).
+        # llama.cpp's Gemma 2 takes the query scale from head_dim (the file has no key for it): the GGUF
+        # variant uses query_pre_attn_scalar == head_dim, as the released 2B/9B do
+        return tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=24,
+                               query_pre_attn_scalar=24 if arch == "gemma2" else 16, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=5.0, initializer_range=0.1)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                              eos_token_id=1, bos_token_id=1, activation_function="gelu_new")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2")
 
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {
@@ -13,7 +13,6 @@ KNOWN_UNIMPLEMENTED = {
     "qwen3_moe": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",
     "deepseek_v3": "multi-head latent attention (MLA) and MoE",
-    "gemma2": "Gemma 2's alternating attention + logit soft-capping model code (Gemma 3 is supported)",
     "phi3": "Phi-3's fused qkv/gate_up naming and LongRoPE scaling",
     "falcon": "Falcon's parallel attention/MLP block and ALiBi",
     "mamba": "selective state-space (Mamba) layers",

@@ -90,7 +90,7 @@ class DecoderLM:
         cfg = self.cfg = ckpt.config
         arch = cfg.architecture
         self.arch = arch
-        self.gemma = arch == "gemma3"
+        self.gemma = arch in ("gemma2", "gemma3")
         self.gpt2 = arch == "gpt2"
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -1,0 +1,65 @@
+"""The newer architectures loaded from a GGUF written like llama.cpp's converter (tests/gguf_export.py:
+the gguf package's tensor names, llama.cpp's metadata keys and weight edits) against HF transformers on
+the same tiny random model: full-vocab prompt logprobs (chunked prefill) and 32 greedy tokens, alone
+and in a batch."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+from engine.llm import LLM  # noqa: E402
+from engine.loader import load_checkpoint  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.gguf_export import write_gguf  # noqa: E402
+from tests.model_fixtures import make_model_dir  # noqa: E402
+from tests.test_models import _hf_greedy, _prompts  # noqa: E402
+
+ARCHS = ["gemma2-gguf"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def gguf_model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    hf = make_model_dir(request.param, str(d / "hf"))
+    path = write_gguf(hf, str(d / "model.gguf"))
+    return request.param, path, hf
+
+
+def test_gguf_metadata_and_names(gguf_model):
+    arch, path, hf = gguf_model
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    assert ckpt.format == "gguf" and cfg.architecture == arch.split("-")[0]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
+        hf.config.num_hidden_layers, hf.config.hidden_size, hf.config.num_attention_heads,
+        hf.config.num_key_value_heads)
+    if arch.startswith("gemma2"):
+        assert cfg.attn_logit_softcapping == hf.config.attn_logit_softcapping
+        assert cfg.final_logit_softcapping == hf.config.final_logit_softcapping
+        assert cfg.layer_types == hf.config.layer_types and cfg.sliding_window == hf.config.sliding_window
+        assert cfg.attention_scale == pytest.approx(hf.config.query_pre_attn_scalar ** -0.5)
+        assert "blk.0.post_attention_norm.weight" in ckpt.tensors and "blk.0.post_ffw_norm.weight" in ckpt.tensors
+
+
+def test_gguf_logits_and_greedy_match_transformers(gguf_model):
+    arch, path, hf = gguf_model
+    prompt = _prompts(1, seed=1)[0] + list(range(5, 35))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    prompts = _prompts(5, seed=2)
+    want = [_hf_greedy(hf, p, 32) for p in prompts]
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16, max_logprobs=-1)  # chunked prefill
+    try:
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
+                                                    detokenize=False))[0]
+        sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
+        solo = llm.generate([prompts[0]], sp)[0].outputs[0].token_ids
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    finally:
+        llm.close()
+    plp = out.prompt_logprobs
+    got = np.array([[plp[i][t].logprob for t in range(256)] for i in range(1, len(prompt))])
+    np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
+    assert solo == want[0]
+    assert batch == want
