@@ -90,9 +90,13 @@ class AppState:
         self.token_strings = TokenStrings(self.tokenizer)
         self.policy = self.engine_args.get("scheduling_policy", settings.scheduling_policy) or "fcfs"
         max_logprobs = self.engine_args.get("max_logprobs", settings.max_logprobs)
+        from server.tool_request import resolve_parsers
+        tool_parser, reasoning_parser = resolve_parsers(settings.tool_call_parser, settings.reasoning_parser,
+                                                        self.tokenizer)
         self.ctx = ServingContext(self.tokenizer, self.max_model_len, self.vocab_size,
                                   max_logprobs=20 if max_logprobs is None else max_logprobs,
-                                  scheduling_policy=self.policy)
+                                  scheduling_policy=self.policy, tool_parser=tool_parser,
+                                  reasoning_parser=reasoning_parser, enable_thinking=settings.enable_thinking)
         self.start_time = int(time.time())
         self.metrics = None
         if settings.enable_metrics:

@@ -10,7 +10,9 @@ import os
 import sys
 from pathlib import Path
 
+from server.reasoning import REASONING_PARSER_CHOICES
 from server.settings import KV_CACHE_DTYPES, SCHEDULING_POLICIES, ServerSettings
+from server.tool_parsers import TOOL_PARSER_CHOICES
 
 # Flags of `vllm serve` recipes that are accepted and have no effect here (a notice is printed).
 INERT_FLAGS = ("--trust-remote-code", "--enable-auto-tool-choice", "--disable-frontend-multiprocessing")
@@ -83,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive, help="HTTP threads of the worker (default max-num-seqs + 32)")
     p.add_argument("--graceful-timeout", type=_positive, help="seconds in-flight requests get after SIGTERM "
                    "(default 30)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSER_CHOICES, default="auto",
+                   help="tool-call dialect for tool_choice auto (default auto: from the chat template, else hermes; "
+                   "none: no tool calls)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default="none",
+                   help="<think> blocks -> reasoning_content (default none)")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="the chat template's enable_thinking variable (default: the template's own default)")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -98,7 +107,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, seed=args.seed, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
-        enable_metrics=args.enable_metrics, verbose=args.verbose,
+        enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser, enable_thinking=args.enable_thinking,
         max_body_bytes=args.max_body_bytes or ServerSettings.max_body_bytes)
 
 

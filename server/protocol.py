@@ -38,6 +38,9 @@ _SAMPLING_FIELDS = {
     "prompt_logprobs", "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "priority",
     "request_id", "return_tokens_as_token_ids", "return_token_ids", "stream", "stream_options", "model",
     "max_tokens", "response_format", "use_beam_search", "length_penalty",
+    # structured outputs (engine/structured_outputs.py): vLLM's field, its older guided_* spellings, llama.cpp's
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "grammar", "json_schema",
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -49,11 +52,8 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "session_id", "stream_interval"}
 # Known, but this server cannot do what they ask: a non-null value is a 400 naming the field.
 UNSUPPORTED_FIELDS = {
-    "structured_outputs": "structured outputs are not supported",
-    "guided_json": "guided decoding is not supported", "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported", "guided_grammar": "guided decoding is not supported",
-    "guided_decoding_backend": "guided decoding is not supported",
-    "guided_whitespace_pattern": "guided decoding is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (set structured_outputs."
+                                 "disable_any_whitespace to forbid whitespace in JSON)",
     "prompt_embeds": "prompt embeddings are not supported",
     "kv_transfer_params": "KV transfer is not supported", "ec_transfer_params": "encoder-cache transfer is not supported",
     "vllm_xargs": "vllm_xargs is not supported", "logits_processors": "custom logits processors are not supported",
@@ -311,6 +311,7 @@ class GenerationRequest:
     priority: int = 0
     request_id: Optional[str] = None
     log_summary: dict = field(default_factory=dict)
+    chat_output: Any = None        # chat: a server.chat_output.ChatOutputSpec when the output is parsed
 
 
 @dataclass
@@ -321,6 +322,9 @@ class ServingContext:
     vocab_size: int
     max_logprobs: Optional[int] = 20
     scheduling_policy: str = "fcfs"
+    tool_parser: Optional[str] = None          # resolved --tool-call-parser (None: no tool calls)
+    reasoning_parser: Optional[str] = None     # resolved --reasoning-parser (None: off)
+    enable_thinking: Optional[bool] = None     # --enable-thinking: the template's default enable_thinking
 
 
 def _model(f: Fields) -> Optional[str]:
@@ -346,13 +350,73 @@ def _stream_options(f: Fields, stream: bool) -> tuple:
 
 
 def _response_format(f: Fields) -> None:
+    """Checked by _structured_outputs (it becomes a constraint there)."""
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+           "grammar": "grammar", "json_schema": "json"}
+
+
+def _structured_outputs(f: Fields):
+    """The request's output constraint as a StructuredOutputsParams (None: free text), from whichever of
+    response_format (json_object / json_schema), structured_outputs, guided_* or llama.cpp's grammar /
+    json_schema is set; two at once is a 400. Bad schemas, regexes and grammars are 400s naming the field
+    (the constraint is compiled here, before admission)."""
+    from engine.structured_outputs import StructuredOutputsParams
+    found = []
     fmt = f.dict("response_format")
-    if fmt is None:
-        return
-    kind = fmt.get("type")
-    if kind not in (None, "text"):
-        raise bad_request(f"'response_format' of type {kind!r} is not supported (structured outputs are not "
-                          "supported; only {\"type\": \"text\"})", param="response_format", code="unsupported_parameter")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", dict(json_object=True)))
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict):
+                raise _type_error("response_format.json_schema", "an object ({\"name\": ..., \"schema\": {...}})", js)
+            schema = js.get("schema")
+            if schema is None:
+                raise bad_request("'response_format.json_schema.schema' is required", code="missing_required_parameter",
+                                  param="response_format.json_schema.schema")
+            strict = js.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise _type_error("response_format.json_schema.strict", "a boolean", strict)
+            # strict or not, the schema is enforced token by token (OpenAI's strict mode is the only behaviour)
+            found.append(("response_format.json_schema.schema", dict(json=schema)))
+        elif kind not in (None, "text"):
+            raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                              param="response_format.type", code="unsupported_parameter")
+    so = f.body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _type_error("structured_outputs", "an object", so)
+        if any(v is not None and v is not False for v in so.values()):
+            found.append(("structured_outputs", so))
+    for name, kind in _GUIDED.items():
+        value = f.body.get(name)
+        if value is None:
+            continue
+        if kind in ("regex", "grammar") and not isinstance(value, str):
+            raise _type_error(name, "a string", value)
+        if kind == "choice" and not isinstance(value, list):
+            raise _type_error(name, "an array of strings", value)
+        found.append((name, {kind: value}))
+    backend = f.str("guided_decoding_backend")
+    if backend is not None and backend not in ("auto", "guidance", "llguidance"):
+        raise bad_request(f"'guided_decoding_backend' {backend!r} is not available; this server uses llguidance "
+                          "('auto', 'guidance' or 'llguidance')", param="guided_decoding_backend",
+                          code="unsupported_parameter")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one structured output constraint per request; got '{found[0][0]}' and "
+                          f"'{found[1][0]}'", param=found[1][0])
+    source, value = found[0]
+    try:
+        if source == "structured_outputs":
+            return StructuredOutputsParams.from_value(value, "structured_outputs")
+        return StructuredOutputsParams(**value, source=source)
+    except InvalidRequestError as e:
+        raise bad_request(e.message, param=e.param) from None
 
 
 def _max_tokens(f: Fields, default: Optional[int], names=("max_tokens",)) -> Optional[int]:
@@ -377,6 +441,7 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
         raise bad_request(f"'seed' must fit in 64 bits, got {seed}", param="seed")
     logit_bias = f.dict("logit_bias")
     bad_words = f.str_list("bad_words")
+    structured = _structured_outputs(f)
     kwargs = dict(
         n=f.int("n", 1), temperature=f.number("temperature", 1.0), top_p=f.number("top_p", 1.0),
         top_k=f.int("top_k", 0), min_p=f.number("min_p", 0.0),
@@ -389,6 +454,7 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
         logit_bias=logit_bias, allowed_token_ids=f.int_list("allowed_token_ids"), bad_words=bad_words or [],
         skip_special_tokens=f.bool("skip_special_tokens", True),
         spaces_between_special_tokens=f.bool("spaces_between_special_tokens", True),
+        structured_outputs=structured,
     )
     try:
         params = SamplingParams(**kwargs)
@@ -626,38 +692,21 @@ def _messages(f: Fields, max_chars: Optional[int] = None) -> list:
                               "in all)", param="messages", code="context_length_exceeded")
         if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
             raise _type_error(f"{where}.name", "a string", m["name"])
-        if "tool_calls" in m and m["tool_calls"] is not None and not isinstance(m["tool_calls"], list):
-            raise _type_error(f"{where}.tool_calls", "an array", m["tool_calls"])
+        if "tool_calls" in m and m["tool_calls"] is not None:
+            from server.tool_request import template_tool_calls
+            msg["tool_calls"] = template_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise _type_error(f"{where}.tool_call_id", "a string", m["tool_call_id"])
         out.append(msg)
     return out
-
-
-def _tools(f: Fields) -> Optional[list]:
-    tools = f.list("tools")
-    choice = f.body.get("tool_choice")
-    if tools is None:
-        if choice not in (None, "none"):
-            raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
-        return None
-    if not tools:
-        raise bad_request("'tools' must not be an empty array (leave it out instead)", param="tools")
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict) \
-                or not isinstance(t["function"].get("name"), str):
-            raise bad_request(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                              param=f"tools[{i}]")
-    if choice != "none":
-        raise bad_request("tool calling is not supported by this server (no tool-call parser): with 'tools', set "
-                          "'tool_choice' to \"none\" to only show the tools to the model", param="tool_choice",
-                          code="unsupported_parameter")
-    return tools
 
 
 def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     f = Fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = _model(f)
     messages = _messages(f, max_text_chars(ctx))
-    tools = _tools(f)
+    from server.tool_request import chat_output_spec, enforce_forced_call, parse_tools
+    tools, tool_choice, parallel_tool_calls = parse_tools(f.body)
     modalities = f.str_list("modalities")
     if modalities is not None and any(m != "text" for m in modalities):
         raise bad_request("only the 'text' modality is supported", param="modalities", code="unsupported_parameter")
@@ -691,8 +740,11 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     if reserved:
         raise bad_request(f"'chat_template_kwargs' may not set {reserved[0]!r} (use the request field instead)",
                           param="chat_template_kwargs")
-    f.bool("parallel_tool_calls")
     f.bool("include_reasoning")
+    if ctx.enable_thinking is not None:
+        kwargs = {"enable_thinking": ctx.enable_thinking, **kwargs}
+    if tool_choice in ("required",) or isinstance(tool_choice, tuple):
+        enforce_forced_call(params, tools, tool_choice, parallel_tool_calls)
     from engine.errors import ChatTemplateError
     try:
         text = ctx.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
@@ -714,6 +766,12 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     ids = _truncate(f, ctx, ids, "messages")
     req.prompts = [PromptInput(text, ids)]
     req.log_summary = {"prompt": text}
+    req.chat_output = chat_output_spec(f.body, ctx, tools, tool_choice, parallel_tool_calls, prompt_text=text,
+                                       template_kwargs=kwargs, skip_special_tokens=params.skip_special_tokens)
+    if req.chat_output is not None:
+        # The parsers must see framing tokens even when they are special tokens: the engine keeps them in
+        # the text, and the response strips what is left of them (server/chat_output.py).
+        params.skip_special_tokens = False
     return req
 
 
@@ -731,6 +789,8 @@ def parse_tokenize_request(body: dict, ctx: ServingContext) -> tuple:
         if reserved:
             raise bad_request(f"'chat_template_kwargs' may not set {reserved[0]!r}", param="chat_template_kwargs")
         tools = f.list("tools")
+        if ctx.enable_thinking is not None:
+            kwargs = {"enable_thinking": ctx.enable_thinking, **kwargs}
         from engine.errors import ChatTemplateError
         try:
             text = ctx.tokenizer.render_chat(msgs, add_generation_prompt=f.bool("add_generation_prompt", True),

@@ -163,6 +163,11 @@ class Generation:
         now = time.monotonic()
         self.prompts = [_PromptProgress(p.token_ids, p.text, now) for p in req.prompts]
         self.choices = [_ChoiceProgress() for _ in range(len(req.prompts) * self.n)]
+        # Chat output parsing (tool calls, reasoning): one processor per choice.
+        self.parsers = None
+        if self.chat and req.chat_output is not None:
+            from server.chat_output import ChatOutputProcessor
+            self.parsers = [ChatOutputProcessor(req.chat_output) for _ in self.choices]
         self.events = None               # StreamEvents or GroupEvents once submitted
         self.engine_ids: list = []
         self.closed = False
@@ -310,7 +315,11 @@ class Generation:
                 finish = (comp.finish_reason if comp is not None else None) or "abort"
                 stop_reason = comp.stop_reason if comp is not None else None
                 if self.chat:
-                    choice = {"index": ci, "message": {"role": "assistant", "content": req.echo_text + text},
+                    message = {"role": "assistant", "content": req.echo_text + text}
+                    if self.parsers is not None:
+                        message = self.parsers[ci].message(text, req.echo_text)
+                        finish = self.parsers[ci].finish_reason(finish)
+                    choice = {"index": ci, "message": message,
                               "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
                     if req.logprobs is not None:
                         choice["logprobs"] = chat_logprobs(token_ids, lps, req.logprobs, self.state.token_strings,
@@ -347,10 +356,16 @@ class Generation:
             body["usage"] = self.usage() if (usage_now or self.req.continuous_usage_stats) else None
         return sse_frame(body)
 
-    def _stream_choice(self, ci: int, text: str, token_ids: list, entries, finish, stop_reason) -> dict:
+    def _stream_choice(self, ci: int, text: str, token_ids: list, entries, finish, stop_reason,
+                       delta: Optional[dict] = None) -> dict:
         req = self.req
+        if self.chat and self.parsers is not None:
+            if delta is None:
+                delta = self.parsers[ci].delta(text, final=finish is not None)
+            finish = self.parsers[ci].finish_reason(finish)
         if self.chat:
-            delta = {"content": text} if (text or finish is None) else {}
+            if delta is None:
+                delta = {"content": text} if (text or finish is None) else {}
             choice = {"index": ci, "delta": delta, "logprobs": None, "finish_reason": finish}
             if req.logprobs is not None and token_ids:
                 choice["logprobs"] = chat_logprobs(token_ids, entries, req.logprobs, self.state.token_strings,
@@ -388,11 +403,17 @@ class Generation:
                         ids = list(self.prompts[pidx].token_ids) + ids
                         entries = list(plp) + entries
             finish = comp.finish_reason
-            if not text and finish is None and not (req.logprobs is not None and ids):
+            delta = None
+            if self.parsers is not None:
+                # Parsers may hold text back (a marker still arriving): an empty delta sends nothing.
+                delta = self.parsers[ci].delta(text, final=finish is not None)
+                if not delta and finish is None and not (req.logprobs is not None and ids):
+                    continue
+            elif not text and finish is None and not (req.logprobs is not None and ids):
                 continue
             if finish is not None:
                 ch.finished, ch.finish_reason = True, finish
-            yield self._chunk([self._stream_choice(ci, text, ids, entries, finish, comp.stop_reason)])
+            yield self._chunk([self._stream_choice(ci, text, ids, entries, finish, comp.stop_reason, delta)])
             ch.text_offset += len(text)
 
     def stream(self):

@@ -78,6 +78,9 @@ class ServerSettings:
     sse_ping_s: float = 15.0                     # SSE comment frame while a stream waits; 0: off
     drain_timeout_s: float = 25.0                # after SIGTERM, streams still running this long are ended
     warmup: bool = True                          # one short generation before the worker takes requests
+    tool_call_parser: str = "auto"               # hermes | llama3_json | mistral | pythonic | auto | none
+    reasoning_parser: str = "none"               # deepseek_r1 | qwen3 | think_auto | auto | none
+    enable_thinking: Optional[bool] = None       # the chat template's enable_thinking (None: the template's)
     # For tests: "module:callable" returning an AsyncEngine-like object, called with these settings.
     engine_factory: Optional[str] = None
 
@@ -90,6 +93,7 @@ class ServerSettings:
         "seed": "int", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
         "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
+        "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
     }
 
     @classmethod
@@ -152,6 +156,13 @@ def _parse(kind: str, name: str, text: str):
     if kind == "policy":
         if text not in SCHEDULING_POLICIES:
             raise SettingsError(f"{name}={text!r}: expected one of {', '.join(SCHEDULING_POLICIES)}")
+        return text
+    if kind in ("tool_parser", "reasoning_parser"):
+        from server.reasoning import REASONING_PARSER_CHOICES
+        from server.tool_parsers import TOOL_PARSER_CHOICES
+        choices = TOOL_PARSER_CHOICES if kind == "tool_parser" else REASONING_PARSER_CHOICES
+        if text not in choices:
+            raise SettingsError(f"{name}={text!r}: expected one of {', '.join(choices)}")
         return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:
