@@ -71,6 +71,18 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     logits_scaling=1.0),
     "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
+    "gemma2": dict(max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, attention_bias=False,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "phi3": dict(max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 hidden_act="silu", sliding_window=None, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+    "granite": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2,
+                    embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
+                    logits_scaling=1.0),
+    "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
 }
 _GENERIC_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
 
@@ -449,6 +461,11 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
             mlp_bias="blk.0.ffn_up.bias" in names and arch != "gpt2",
             qk_norm="blk.0.attn_q_norm.weight" in names or arch in ("qwen3", "gemma3"),
+            # Granite (llama.cpp: {arch}.embedding_scale, residual_scale, attention.scale, logit_scale)
+            embedding_multiplier=_opt_float(get(p + "embedding_scale", None)),
+            residual_multiplier=_opt_float(get(p + "residual_scale", None)),
+            attention_multiplier=_opt_float(get(p + "attention.scale", None)),
+            logits_scaling=_opt_float(get(p + "logit_scale", None)),
             position_embedding="learned" if arch == "gpt2" else "rope",
             bos_token_id=_opt_int(get("tokenizer.ggml.bos_token_id", None)),
             eos_token_ids=_id_list(eos),

@@ -4,6 +4,7 @@ the same tiny random model: full-vocab prompt logprobs (chunked prefill) and 32 
 and in a batch."""
 import numpy as np
 import pytest
+from pytest import approx
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
@@ -15,7 +16,7 @@ from tests.gguf_export import write_gguf  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 from tests.test_models import _hf_greedy, _prompts  # noqa: E402
 
-ARCHS = ["gemma2-gguf"]
+ARCHS = ["gemma2-gguf", "granite"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -40,6 +41,11 @@ def test_gguf_metadata_and_names(gguf_model):
         assert cfg.layer_types == hf.config.layer_types and cfg.sliding_window == hf.config.sliding_window
         assert cfg.attention_scale == pytest.approx(hf.config.query_pre_attn_scalar ** -0.5)
         assert "blk.0.post_attention_norm.weight" in ckpt.tensors and "blk.0.post_ffw_norm.weight" in ckpt.tensors
+    if arch == "granite":
+        c = hf.config
+        assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier, cfg.logits_scaling) == approx(
+            (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier, c.logits_scaling))  # f32 in GGUF
+        assert ckpt.rope_layout == "adjacent_pairs"      # llama.cpp permutes Granite's Q/K rows like llama's
 
 
 def test_gguf_logits_and_greedy_match_transformers(gguf_model):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite")
 
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {

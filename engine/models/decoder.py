@@ -106,7 +106,9 @@ class DecoderLM:
         self.final_softcap = cfg.final_logit_softcapping or 0.0
 
         self.embed = self._t("embed")
-        self.embed_scale = math.sqrt(self.hidden) if self.gemma else None
+        # Gemma: sqrt(hidden); Granite: embedding_multiplier
+        self.embed_scale = math.sqrt(self.hidden) if self.gemma else cfg.embedding_multiplier
+        self.residual_scale = cfg.residual_multiplier        # Granite: block outputs scaled before the residual add
         self.pos_embed = vector_f32(self._t("pos_embed")) if self.gpt2 else None
         self.final_norm = vector_f32(self._t("final_norm"))
         fb = self._t("final_norm_b", required=False)
@@ -275,7 +277,7 @@ class DecoderLM:
 
     def forward(self, b) -> np.ndarray:
         """One step over the flat batch `b` (engine.model_runner.Batch); returns logits [len(b.logits_rows), V]."""
-        from jitkern.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, silu_and_mul
+        from jitkern.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, scale_inplace, silu_and_mul
         from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
         from jitkern.ops.embedding import embedding
         from jitkern.ops.norm import rms_norm, rms_norm_heads
@@ -334,6 +336,8 @@ class DecoderLM:
                             # (each sequence uses only the partitions its own length needs)
                             num_partitions=MAX_PARTITIONS, host_step=host_step)
             L.o(attn, out=o)
+            if self.residual_scale is not None:
+                scale_inplace(o, self.residual_scale)
             if L.post_attn_norm is not None:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
             # MLP block
@@ -350,6 +354,8 @@ class DecoderLM:
             L.down(act, out=h)
             if L.post_ffn_norm is not None:
                 rms_norm(h, L.post_ffn_norm, self.eps, out=h, weight_offset=self.norm_offset)
+            if self.residual_scale is not None:
+                scale_inplace(h, self.residual_scale)
         # final norm on the rows we need logits for
         self._norm(h, self.final_norm, self.final_norm_b, x, residual=residual)
         rows = b.logits_rows
@@ -368,6 +374,8 @@ class DecoderLM:
         if self.final_softcap:
             from jitkern.ops.activation import softcap_inplace
             softcap_inplace(logits, self.final_softcap)
+        if self.cfg.logits_scaling is not None:        # Granite: logits / logits_scaling
+            scale_inplace(logits, 1.0 / self.cfg.logits_scaling)
         return logits
 
 
