@@ -71,18 +71,6 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     logits_scaling=1.0),
     "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
-    "gemma2": dict(max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                   hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, attention_bias=False,
-                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
-                   attn_logit_softcapping=50.0, head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
-    "phi3": dict(max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                 hidden_act="silu", sliding_window=None, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
-    "granite": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                    hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2,
-                    embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
-                    logits_scaling=1.0),
-    "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
 }
 _GENERIC_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
 

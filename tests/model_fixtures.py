@@ -48,13 +48,6 @@ def make_config(arch: str):
         return tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=24,
                                query_pre_attn_scalar=24 if arch == "gemma2" else 16, attn_logit_softcapping=2.0,
                                final_logit_softcapping=5.0, initializer_range=0.1)
-    if arch in ("gemma2", "gemma2-gguf"):
-        # small soft-caps and larger random weights: both caps change the logits by ~0.6 (vs 2e-4 tolerance).
-        # llama.cpp's Gemma 2 takes the query scale from head_dim (the file has no key for it): the GGUF
-        # variant uses query_pre_attn_scalar == head_dim, as the released 2B/9B do
-        return tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=24,
-                               query_pre_attn_scalar=24 if arch == "gemma2" else 16, attn_logit_softcapping=2.0,
-                               final_logit_softcapping=5.0, initializer_range=0.1)
     if arch == "granite":
         # multipliers far from 1 so that each one changes the logits
         return tf.GraniteConfig(**common, embedding_multiplier=6.0, residual_multiplier=0.4,
