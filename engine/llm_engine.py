@@ -54,6 +54,8 @@ class EngineArgs:
     seed: int = 0
     use_graphs: bool = True                     # replay decode steps as recorded jitkern graphs
     device: str = "auto"                        # "auto" | "cpu" | "cuda" (engine.device)
+    # structured outputs: tokens a request's grammar forces are appended without a forward step each
+    enable_jump_forward: bool = False
 
 
 _DEFAULT_KV_MEMORY = 1 << 30
@@ -140,6 +142,9 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, use_graphs=args.use_graphs)
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed, tokenizer=self.tokenizer)
         self.stop_ids = tuple(ckpt.stop_token_ids or cfg.eos_token_ids or ())
+        from engine.structured_outputs import GrammarCompiler
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.stop_ids)
+        self.sampler.grammar_compiler = self.grammar_compiler
         self._reqs: dict[str, _ReqState] = {}
         self._seq_of: dict[str, tuple] = {}          # scheduler id -> (request id, seq index)
         self._counter = itertools.count()
@@ -190,6 +195,9 @@ class LLMEngine:
                 f"tokens (the prompt must be shorter to leave room for output)", param="prompt")
         edits = LogitEdits.build(params, vocab_size=self.config.vocab_size, eos_token_ids=self.stop_ids,
                                  tokenizer=self.tokenizer)
+        so = params.structured_outputs
+        grammars = [self.grammar_compiler.matcher(so, self.args.enable_jump_forward) for _ in range(params.n)] \
+            if so is not None else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(params.n):
@@ -201,6 +209,7 @@ class LLMEngine:
             sid = request_id if params.n == 1 else f"{request_id}#{i}"
             r = Request(sid, ids, p, arrival_time=arrival, priority=priority, eos_token_ids=self.stop_ids)
             r.logit_edits = edits
+            r.grammar = grammars[i] if grammars else None
             detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens, prompt_ids=ids) \
                 if p.detokenize else None
             st = _SeqState(i, r, detok, p, logprobs=[] if p.logprobs is not None else None,
@@ -288,7 +297,7 @@ class LLMEngine:
                         rs.prompt_logprobs.extend(plps)
                     changed[rs.request_id] = rs
         updates = self.scheduler.update_from_output(
-            sched, {rid: [t.token_id] for rid, t in sampled.items()
+            sched, {rid: getattr(t, "token_ids", None) or [t.token_id] for rid, t in sampled.items()
                     if t.token_id >= 0 and not getattr(t, "error", None)})
         now = time.monotonic()
         for u in updates:

@@ -76,6 +76,8 @@ class Request:
     num_preemptions: int = 0
     # engine.logit_edits.LogitEdits prepared at admission (None: the sampler builds them when needed)
     logit_edits: object = None
+    # engine.structured_outputs.GrammarState when sampling_params.structured_outputs is set (own per sequence)
+    grammar: object = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -3,6 +3,7 @@
     raw logits -> (logprobs are taken here, vLLM's default "raw_logprobs" mode)
     -> logit_bias, allowed_token_ids, bad_words, min_tokens (stop ids masked until reached)
     -> repetition / presence / frequency penalties
+    -> structured outputs: tokens the request's grammar forbids -> -inf (engine/structured_outputs.py)
     -> greedy (temperature 0)  |  temperature -> top-k -> top-p -> min-p -> sample
 
 Seeded requests draw their uniform from their own generator (`Request.rng()`), so the same seed gives the
@@ -10,6 +11,11 @@ same tokens whatever else is in the batch. The full-vocabulary work runs as jitk
 log-softmax, penalties, temperature, top-k selection, inverse-CDF sampling); the sparse per-request edits
 (logit_bias, allowed ids, bad words, min_tokens) and top-p/min-p over the <= k surviving candidates are
 numpy glue. Top-p without top-k (or top-k > 1024) sorts the row on the host.
+
+Constrained requests (`request.grammar`, a GrammarState) get their token bitmasks from llguidance in one
+parallel call per step; unconstrained rows are never touched by it. After sampling, each grammar consumes
+its token; with jump-forward, the tokens the grammar then forces are consumed too and returned in
+`SampleResult.token_ids` (the sampled token first), to be appended in one go.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class SampleResult:
     top_logprobs: tuple = ()               # ((token id, logprob, rank), ...)
     prompt_logprobs: Optional[list] = None  # [(token id, logprob, rank, top), ...] for this chunk's prompt tokens
     error: Optional[str] = None            # this request could not be sampled (the engine fails it alone)
+    token_ids: Optional[list] = None       # several tokens this step: [token_id, forced...] (jump-forward)
 
 
 _TOPK_KERNEL_MAX = 1024      # top-k beyond this falls back to a host sort
@@ -44,6 +51,7 @@ class Sampler:
         self.vocab = vocab_size
         self.rng = np.random.default_rng(seed)
         self.tokenizer = tokenizer
+        self.grammar_compiler = None   # engine.structured_outputs.GrammarCompiler (its thread pool for masks)
 
     # --------------------------------------------------------------------------------- batch entry
     def sample(self, sched, result) -> dict:
@@ -85,7 +93,27 @@ class Sampler:
             except Exception:  # noqa: BLE001
                 log.exception("prompt logprobs of request %s failed", rid)
                 res.token_id, res.error = -1, INTERNAL_ERROR
+        self._advance_grammars(by_id, out)
         return out
+
+    def _advance_grammars(self, by_id: dict, out: dict) -> None:
+        """Each constrained request's grammar consumes its sampled token (and, with jump-forward, the tokens
+        the grammar forces after it, unless the request wants logprobs, which forced tokens do not have)."""
+        for rid, res in out.items():
+            grammar = getattr(by_id[rid].request, "grammar", None)
+            if grammar is None or res.error is not None or res.token_id < 0:
+                continue
+            try:
+                if not grammar.accept(res.token_id):
+                    res.token_id, res.error = -1, f"structured outputs: the sampled token was refused ({grammar.error})"
+                    continue
+                if grammar.jump_forward and by_id[rid].request.sampling_params.logprobs is None:
+                    forced = grammar.forced_tokens()
+                    if forced:
+                        res.token_ids = [res.token_id] + forced
+            except Exception:  # noqa: BLE001 - this request alone fails
+                log.exception("advancing the grammar of request %s failed", rid)
+                res.token_id, res.error = -1, INTERNAL_ERROR
 
     def _sample_rows(self, by_id: dict, result, rids: list, uniforms: dict) -> dict:
         from jitkern.ops.sampling import argmax_rows
@@ -134,6 +162,9 @@ class Sampler:
     def _no_token_message(req, row: np.ndarray) -> str:
         if np.isnan(row).any():
             return "internal error: the model produced invalid (NaN) logits for this request"
+        if getattr(req, "grammar", None) is not None:
+            return (f"no token can be generated at output position {len(req.output_token_ids)}: the structured "
+                    f"output constraint, allowed_token_ids, bad_words and min_tokens together mask every token")
         return (f"no token can be generated at output position {len(req.output_token_ids)}: allowed_token_ids, "
                 f"bad_words and min_tokens together mask every token")
 
@@ -168,6 +199,12 @@ class Sampler:
                             f32([reqs[i].sampling_params.presence_penalty for i in pen]),
                             f32([reqs[i].sampling_params.frequency_penalty for i in pen]))
             x[pen] = sub
+        constrained = [i for i, req in enumerate(reqs) if i not in failed and getattr(req, "grammar", None) is not None]
+        if constrained:
+            from engine.structured_outputs import apply_bitmask, fill_masks
+            masks = fill_masks(self.grammar_compiler, [reqs[i].grammar for i in constrained])
+            for j, i in enumerate(constrained):
+                apply_bitmask(x[i], masks[j])
         return failed
 
     def _edits(self, req) -> LogitEdits:
@@ -239,7 +276,8 @@ class Sampler:
     @staticmethod
     def _has_processors(req) -> bool:
         p = req.sampling_params
-        return bool(p.logit_bias or p.allowed_token_ids or p.bad_words or
+        return bool(getattr(req, "grammar", None) is not None or
+                    p.logit_bias or p.allowed_token_ids or p.bad_words or
                     (p.min_tokens and len(req.output_token_ids) < p.min_tokens) or
                     p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
 

@@ -486,6 +486,8 @@ class Scheduler:
         """
         last = request.output_token_ids[-1]
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.finished_at(request.num_output_tokens):
+            return RequestStatus.FINISHED_STOPPED   # structured outputs: nothing more may follow
         if request.num_output_tokens >= params.min_tokens:
             if last in params.stop_token_ids:
                 request.stop_reason = last  # vLLM reports the stop token id; eos gives None

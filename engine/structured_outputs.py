@@ -39,12 +39,13 @@ import numpy as np
 from engine.errors import InvalidRequestError
 
 # Bounds on what a request may send (characters of the schema's JSON text / regex / grammar; choices).
-MAX_SPEC_CHARS = 100_000
+MAX_SPEC_CHARS = 64_000
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
-# Whitespace a JSON output may put between tokens (as llama.cpp's schema grammars do, bounded: an
-# unbounded whitespace run lets a small model loop on newlines until max_tokens).
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,8}"
+# Whitespace a JSON output may put between tokens: nothing, one space, or one newline and up to 20 spaces or
+# tabs of indentation (llama.cpp's json-schema-to-grammar `space` rule). Unbounded whitespace lets a small
+# model loop on newlines until max_tokens.
+JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -59,6 +60,36 @@ def _limits():
 
 
 _limits_cache = None
+
+# llguidance's grammar compiler recurses with the depth of the grammar (a chain of 1300 `$ref`s or Lark
+# rules overflows an 8 MiB thread stack: a segfault, not an exception). Every compile therefore runs on
+# one of these threads, whose stack is large enough for anything MAX_SPEC_CHARS lets through (pages are
+# only committed when touched).
+COMPILE_STACK_BYTES = 1 << 30
+_stack_size_lock = threading.Lock()
+
+
+def run_compile(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a fresh thread with a COMPILE_STACK_BYTES stack; its result or its exception.
+    (A thread costs ~0.1 ms, a compile ~1 ms; the stack size is process-wide, so it is set just for the start.)"""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+    with _stack_size_lock:
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            th = threading.Thread(target=target, name="grammar-compile", daemon=True)
+            th.start()
+        finally:
+            threading.stack_size(old)
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def parser_limits():
@@ -118,9 +149,9 @@ class StructuredOutputsParams:
             raise InvalidRequestError(
                 f"structured outputs need exactly one of json, json_object, regex, choice, grammar (got {what})",
                 self.source or "structured_outputs")
-        self.llg_grammar = self._to_llguidance(kinds[0])
+        self.llg_grammar = run_compile(self._to_llguidance, kinds[0])
         import llguidance as llg
-        err = llg.LLMatcher.validate_grammar(self.llg_grammar, None, limits=parser_limits())
+        err = run_compile(llg.LLMatcher.validate_grammar, self.llg_grammar, None, limits=parser_limits())
         if err and not err.startswith("WARNING"):
             raise self._error(f"invalid {self._what()}: {_first_lines(err)}")
 
@@ -251,10 +282,10 @@ class GrammarCompiler:
     def matcher(self, so: StructuredOutputsParams, jump_forward: bool = False) -> "GrammarState":
         import llguidance as llg
         tok = self.ll_tokenizer(so.param)
-        m = llg.LLMatcher(tok, so.llg_grammar, log_level=0, limits=parser_limits())
+        m = run_compile(llg.LLMatcher, tok, so.llg_grammar, log_level=0, limits=parser_limits())
         if m.is_error():
             raise InvalidRequestError(f"{so.param}: invalid {so._what()}: {_first_lines(m.get_error())}", so.param)
-        return GrammarState(m, self.vocab_size, jump_forward=jump_forward)
+        return GrammarState(m, tok.vocab_size, jump_forward=jump_forward)
 
     @property
     def executor(self):
@@ -283,7 +314,7 @@ class GrammarState:
 
     def __init__(self, matcher, vocab_size: int, jump_forward: bool = False):
         self.matcher = matcher
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size            # the llguidance tokenizer's (>= the model's logits row)
         self.jump_forward = jump_forward
         self.num_accepted = 0
 
@@ -291,6 +322,11 @@ class GrammarState:
     def terminated(self) -> bool:
         """Nothing but end-of-sequence can follow (or the matcher failed): the request stops."""
         return self.matcher.is_stopped()
+
+    def finished_at(self, num_output_tokens: int) -> bool:
+        """Whether the request stops after its first num_output_tokens outputs: the grammar is finished and
+        every token it consumed (forced ones included) has been appended."""
+        return num_output_tokens >= self.num_accepted and self.matcher.is_stopped()
 
     @property
     def error(self) -> str:
@@ -317,10 +353,10 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_masks(compiler: Optional[GrammarCompiler], states: list, vocab_size: int) -> np.ndarray:
+def fill_masks(compiler: Optional[GrammarCompiler], states: list) -> np.ndarray:
     """int32 bitmasks (len(states), ceil(V/32)) for the next token of every state, in one parallel call."""
     import llguidance.numpy as lln
-    bitmask = np.empty((len(states), mask_words(vocab_size)), np.int32)
+    bitmask = np.empty((len(states), mask_words(states[0].vocab_size)), np.int32)
     if len(states) == 1 or compiler is None:
         for j, s in enumerate(states):
             lln.fill_next_token_bitmask(s.matcher, bitmask, j)
