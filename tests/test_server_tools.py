@@ -462,6 +462,13 @@ def test_tools_and_tool_history_are_rendered_through_the_template(served):
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
+def test_auto_parsers_are_resolved_from_the_served_template(served):
+    ctx = served(tool_call_parser="auto", reasoning_parser="auto").app.state.ctx
+    assert (ctx.tool_parser, ctx.reasoning_parser) == ("hermes", "think_auto")
+    ctx = served(tool_call_parser="none", reasoning_parser="none").app.state.ctx
+    assert (ctx.tool_parser, ctx.reasoning_parser) == (None, None)
+
+
 def test_settings_and_cli_flags():
     from server.cli import build_parser, settings_from_args
     from server.settings import ServerSettings, SettingsError
@@ -527,3 +534,4 @@ def test_required_and_named_tool_choice_are_constrained_and_parsed(served):
         s.client.chat.completions.create(model="fake-model", messages=ASK, tools=bad_tools, max_tokens=5,
                                          tool_choice={"type": "function", "function": {"name": "f"}})
     assert e.value.body["param"] == "tools[0].function.parameters"
+
