@@ -255,7 +255,7 @@ class ModelConfig:
         # Which layers slide.
         sliding_window = get("sliding_window", default=None)
         layer_types = text.get("layer_types")
-        if arch in ("qwen2", "qwen3"):
+        if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             if not get("use_sliding_window", default=False):
                 sliding_window = None
             if layer_types is None:

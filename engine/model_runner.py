@@ -139,7 +139,7 @@ class ModelRunner:
         pure_decode = b.num_tokens == b.num_seqs and len(b.logits_rows) == b.num_tokens and not res.prompt_rows
         if self.staging is not None:
             self._send_step()
-        if self.use_graphs and pure_decode:
+        if self.use_graphs and pure_decode and getattr(self.model, "supports_graphs", True):
             res.logits = self._replay_decode()
         else:
             res.logits = self.model.forward(self.fwd_batch)

@@ -6,11 +6,12 @@ from engine.errors import ModelLoadError
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite")
 
+# Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
+# (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
+
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {
-    "mixtral": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
-    "qwen2_moe": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
-    "qwen3_moe": "mixture-of-experts routing (MoE router + grouped expert GEMM kernels)",
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",
     "deepseek_v3": "multi-head latent attention (MLA) and MoE",
     "phi3": "Phi-3's fused qkv/gate_up naming and LongRoPE scaling",
@@ -25,7 +26,7 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
     from engine.device import resolve_device
     device = resolve_device(device)
     arch = ckpt.config.architecture
-    if arch in SUPPORTED:
+    if arch in SUPPORTED or arch in MOE:
         from engine.models.decoder import DecoderLM
         return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
     if arch in KNOWN_UNIMPLEMENTED:

@@ -17,6 +17,7 @@ import numpy as np
 from engine.config import SLIDING_ATTENTION
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
+from engine.models.moe import load_moe_block, moe_spec
 from engine.models.weights import Linear, linear_from, vector_f32
 
 
@@ -81,6 +82,7 @@ class Layer:
     down: Linear
     sliding: bool
     rope_cache: np.ndarray | None
+    moe: object = None                 # engine.models.moe.MoEBlock for a sparse MLP layer (then no gate_up/up/down)
 
 
 class DecoderLM:
@@ -105,6 +107,12 @@ class DecoderLM:
         self.softcap = cfg.attn_logit_softcapping or 0.0
         self.final_softcap = cfg.final_logit_softcapping or 0.0
 
+        self.moe_spec = moe_spec(ckpt)          # None: a dense model
+        if self.moe_spec is not None and device == "cuda":
+            raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
+                                 "host-side): use --device cpu", path=ckpt.path, key="device")
+        # the MoE expert grouping happens on the host between kernels: decode steps cannot be replayed as a graph
+        self.supports_graphs = self.moe_spec is None
         self.embed = self._t("embed")
         # Gemma: sqrt(hidden); Granite: embedding_multiplier
         self.embed_scale = math.sqrt(self.hidden) if self.gemma else cfg.embedding_multiplier
@@ -230,6 +238,7 @@ class DecoderLM:
                                      tensor=_HF_POST_ATTN.format(i=i))
             ffn_norm = self._norm_w(t)
         post_ffn = self._norm_w(get("post_ffn_norm")) if self.gemma else None
+        moe = None
         if self.gpt2:
             ub, db = get("up_b", False), get("down_b", False)
             up = linear_from([get("up")], f"blk.{i}.up", transpose=self.transpose_linear,
@@ -238,8 +247,9 @@ class DecoderLM:
                                biases=[db] if db is not None else None)
             gate_up = None
         else:
-            gate_up = linear_from([get("gate"), get("up")], f"blk.{i}.gate_up")
-            down = linear_from([get("down")], f"blk.{i}.down")
+            moe = load_moe_block(self.ckpt, i, self.moe_spec, self.hidden)
+            gate_up = None if moe is not None else linear_from([get("gate"), get("up")], f"blk.{i}.gate_up")
+            down = None if moe is not None else linear_from([get("down")], f"blk.{i}.down")
             up = None
         sliding = bool(cfg.layer_types) and cfg.layer_types[i] == SLIDING_ATTENTION and bool(cfg.sliding_window)
         rope = self.rope_global
@@ -248,7 +258,8 @@ class DecoderLM:
         return Layer(attn_norm=attn_norm, attn_norm_b=self._vec(get("attn_norm_b", False)), qkv=qkv,
                      q_norm=self._vec(get("q_norm", False)), k_norm=self._vec(get("k_norm", False)), o=o,
                      post_attn_norm=post_attn, ffn_norm=ffn_norm, ffn_norm_b=self._vec(get("ffn_norm_b", False)),
-                     post_ffn_norm=post_ffn, gate_up=gate_up, up=up, down=down, sliding=sliding, rope_cache=rope)
+                     post_ffn_norm=post_ffn, gate_up=gate_up, up=up, down=down, sliding=sliding, rope_cache=rope,
+                     moe=moe)
 
     # ---------------------------------------------------------------------------------- KV cache
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
@@ -322,7 +333,12 @@ class DecoderLM:
             q = _heads(qkv_out, 0, H, D)
             k = _heads(qkv_out, H * D, KVH, D)
             v = _heads(qkv_out, (H + KVH) * D, KVH, D)
-            if L.q_norm is not None:
+            if L.q_norm is not None and L.q_norm.shape[0] != D:
+                # OLMoE: one RMSNorm over all of q (and of k), not per head
+                rms_norm(qkv_out[:, :H * D], L.q_norm, self.cfg.rms_norm_eps, out=qkv_out[:, :H * D])
+                rms_norm(qkv_out[:, H * D:(H + KVH) * D], L.k_norm, self.cfg.rms_norm_eps,
+                         out=qkv_out[:, H * D:(H + KVH) * D])
+            elif L.q_norm is not None:
                 rms_norm_heads(q, L.q_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
                 rms_norm_heads(k, L.k_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
             if L.rope_cache is not None:
@@ -342,7 +358,9 @@ class DecoderLM:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
             # MLP block
             self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
-            if L.gate_up is not None:
+            if L.moe is not None:
+                L.moe(x, h, buf)
+            elif L.gate_up is not None:
                 gu = buf.get("gu", (T, L.gate_up.n))
                 L.gate_up(x, out=gu)
                 act = buf.get("act", (T, L.gate_up.n // 2))
@@ -351,7 +369,8 @@ class DecoderLM:
                 act = buf.get("act", (T, L.up.n))
                 L.up(x, out=act)
                 gelu_tanh(act, out=act)
-            L.down(act, out=h)
+            if L.moe is None:
+                L.down(act, out=h)
             if L.post_ffn_norm is not None:
                 rms_norm(h, L.post_ffn_norm, self.eps, out=h, weight_offset=self.norm_offset)
             if self.residual_scale is not None:

@@ -1,0 +1,285 @@
+"""Mixture-of-experts MLP blocks for the decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; gpt-oss can reuse it).
+
+Entry points: `moe_spec(ckpt)` reads the routing hyper-parameters (HF config.json keys or llama.cpp GGUF
+metadata), `load_moe_block(ckpt, layer, spec)` builds a layer's `MoEBlock` (None for a dense layer: a layer
+is sparse when its router tensor is present, which covers Qwen2-MoE's decoder_sparse_step / mlp_only_layers),
+and `MoEBlock(x, out, buffers)` runs it. The kernels are jitkern.ops.moe (routing, grouped expert matmuls,
+combine); see there for the batch-invariance argument.
+
+Tensor names:
+- HF per-expert: Mixtral `model.layers.N.block_sparse_moe.{gate, experts.E.w1 (gate), w3 (up), w2 (down)}`;
+  Qwen2/3-MoE, OLMoE `model.layers.N.mlp.{gate, experts.E.{gate,up,down}_proj}`; HF fused (transformers v5
+  layout) `mlp.experts.gate_up_proj` [E, 2I, H] + `mlp.experts.down_proj` [E, H, I]; Qwen2-MoE's shared expert
+  `mlp.shared_expert.{gate,up,down}_proj` + `mlp.shared_expert_gate` [1, H].
+- GGUF (llama.cpp): `blk.N.ffn_gate_inp` [E, H], `ffn_gate_exps` / `ffn_up_exps` [E, I, H], `ffn_down_exps`
+  [E, H, I], `ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp` [H].
+
+Weights: f32 / f16 / bf16 experts run in the grouped DSL kernels (GGUF's are used in place; HF per-expert
+tensors are stacked once at load, counted by JITKERN_LOAD_STATS). GGUF-quantised experts run the quantised
+matmul kernels (jitkern.ops.quant) once per expert that has tokens, on that expert's contiguous segment of
+grouped rows. The router (and Qwen2-MoE's shared-expert gate, fused in as one extra output) is kept in f32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+from engine.loader import QUANT_TYPES, note_host_copy
+from engine.models.weights import Linear, linear_from, vector_f32
+
+# llama.cpp's build_moe_ffn weight normalisation per GGUF architecture (norm_w), when the file has no
+# {arch}.expert_weights_norm key
+_GGUF_NORM_DEFAULT = {"llama": True, "mixtral": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+
+
+@dataclass
+class MoESpec:
+    num_experts: int
+    top_k: int
+    norm_topk: bool          # divide the top-k weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+
+
+def moe_spec(ckpt) -> MoESpec | None:
+    """The checkpoint's routing parameters, or None for a dense model."""
+    cfg = ckpt.config
+    arch = cfg.architecture
+    if ckpt.format == "gguf":
+        fields = ckpt.gguf_reader.fields if ckpt.gguf_reader is not None else {}
+        from engine.config import gguf_field_value
+
+        def get(key, default=None):
+            f = fields.get(f"{arch}.{key}")
+            return default if f is None else gguf_field_value(f)
+        E = int(get("expert_count", 0) or 0)
+        if E == 0:
+            return None
+        K = get("expert_used_count")
+        if K is None:
+            raise ModelLoadError("a mixture-of-experts GGUF needs the number of experts per token",
+                                 path=ckpt.path, key=f"{arch}.expert_used_count")
+        gating = get("expert_gating_func", 1)
+        if int(gating) != 1:
+            raise ModelLoadError(f"expert gating function {gating} is not supported (only softmax, 1)",
+                                 path=ckpt.path, key=f"{arch}.expert_gating_func")
+        norm = get("expert_weights_norm", _GGUF_NORM_DEFAULT.get(arch, False))
+        return _checked(ckpt, E, int(K), bool(norm), f"{arch}.expert_used_count")
+    extra = cfg.extra or {}
+    E = extra.get("num_local_experts") or extra.get("num_experts") or 0
+    if not E:
+        return None
+    K = extra.get("num_experts_per_tok")
+    if K is None:
+        raise ModelLoadError("a mixture-of-experts config needs num_experts_per_tok", path=cfg.source,
+                             key="num_experts_per_tok")
+    norm = True if arch == "mixtral" else bool(extra.get("norm_topk_prob", False))
+    return _checked(ckpt, int(E), int(K), norm, "num_experts_per_tok")
+
+
+def _checked(ckpt, E, K, norm, key) -> MoESpec:
+    if not 1 <= K <= E:
+        raise ModelLoadError(f"experts per token ({K}) must be between 1 and the expert count ({E})",
+                             path=ckpt.path, key=key)
+    return MoESpec(E, K, norm)
+
+
+_ROUTER = ["blk.{i}.ffn_gate_inp.weight", "model.layers.{i}.block_sparse_moe.gate.weight",
+           "model.layers.{i}.mlp.gate.weight"]
+_HF_EXPERT = {  # prefix, (gate, up, down) names
+    "mixtral": ("model.layers.{i}.block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+    "default": ("model.layers.{i}.mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+}
+_SHARED = {"gate": ["blk.{i}.ffn_gate_shexp.weight", "model.layers.{i}.mlp.shared_expert.gate_proj.weight"],
+           "up": ["blk.{i}.ffn_up_shexp.weight", "model.layers.{i}.mlp.shared_expert.up_proj.weight"],
+           "down": ["blk.{i}.ffn_down_shexp.weight", "model.layers.{i}.mlp.shared_expert.down_proj.weight"],
+           "gate_inp": ["blk.{i}.ffn_gate_inp_shexp.weight", "model.layers.{i}.mlp.shared_expert_gate.weight"]}
+
+
+def _first(ckpt, names, i):
+    for n in names:
+        t = ckpt.get(n.format(i=i))
+        if t is not None:
+            return t
+    return None
+
+
+class MoEBlock:
+    """One sparse MLP: router -> top-k -> grouped experts -> weighted combine (+ gated shared expert)."""
+
+    def __init__(self, spec: MoESpec, router: Linear, hidden: int, inter: int, kind: str, gate, up, down,
+                 shared_gate_up: Linear | None = None, shared_down: Linear | None = None,
+                 shared_gated: bool = False, name: str = ""):
+        self.spec = spec
+        self.router = router            # [E (+1 shared-expert gate), H] f32
+        self.hidden, self.inter = hidden, inter
+        self.kind = kind                # "f32" | "f16" | "bf16" | a GGUF quant type
+        self.gate, self.up, self.down = gate, up, down    # up None: gate is the fused [E, 2I, H]
+        self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
+        self.shared_gated = shared_gated
+        self.name = name
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind in QUANT_TYPES
+
+    def __call__(self, x: np.ndarray, out: np.ndarray, buffers) -> np.ndarray:
+        from jitkern.ops.activation import silu_and_mul
+        from jitkern.ops.moe import route_topk, routed_experts
+        T = x.shape[0]
+        E, K = self.spec.num_experts, self.spec.top_k
+        get = buffers.get
+        logits = get("moe.logits", (T, self.router.n))
+        self.router(x, out=logits)
+        shared = None
+        if self.shared_gate_up is not None:
+            gu = get("moe.sh_gu", (T, self.shared_gate_up.n))
+            self.shared_gate_up(x, out=gu)
+            sact = get("moe.sh_act", (T, self.shared_gate_up.n // 2))
+            silu_and_mul(gu, out=sact)
+            shared = get("moe.sh", (T, self.hidden))
+            self.shared_down(sact, out=shared)
+        ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, ids=get("moe.ids", (T, K), np.int32),
+                              weights=get("moe.w", (T, K), np.float32))
+        if self.quantized:
+            gate_up_fn, down_fn = self._q_gate_up, self._q_down
+        else:
+            from jitkern.ops.moe import expert_down, expert_gate_up
+            gate_up_fn = lambda xs, tiles, bm, o: expert_gate_up(xs, self.gate, tiles, bm, o, w_up=self.up)  # noqa
+            down_fn = lambda a, tiles, bm, o: expert_down(a, self.down, tiles, bm, o)  # noqa: E731
+        return routed_experts(x, ids, wts, gate_up_fn, down_fn, E, self.inter, out=out, shared=shared,
+                              shared_gate=logits[:, E:] if self.shared_gated else None, scratch=get)
+
+    # GGUF-quantised experts: the quantised matmul kernels per expert with tokens, on its segment of pairs
+    # (segments are contiguous in the grouped order; the per-row arithmetic of matmul_q does not depend on
+    # the row count, so this stays batch invariant)
+    @staticmethod
+    def _segments(tiles):
+        te, ts, tl = tiles
+        if len(te) == 0:
+            return []
+        change = np.flatnonzero(np.diff(te)) + 1
+        firsts = np.concatenate(([0], change))
+        lasts = np.concatenate((change - 1, [len(te) - 1]))
+        return list(zip(te[firsts].tolist(), ts[firsts].tolist(), (ts[lasts] + tl[lasts]).tolist()))
+
+    def _q_gate_up(self, xs, tiles, bm, out):
+        from jitkern.ops.activation import silu_and_mul
+        from jitkern.ops.quant import matmul_q
+        I, H = self.inter, self.hidden
+        from jitkern.ops.activation import copy
+        P = xs.shape[0]
+        g, u = np.empty((P, I), np.float32), np.empty((P, I), np.float32)     # matmul_q wants contiguous rows
+        for e, s, t in self._segments(tiles):
+            matmul_q(xs[s:t], self.gate[e], self.kind, I, H, out=g[s:t])
+            matmul_q(xs[s:t], self.up[e], self.kind, I, H, out=u[s:t])
+        gu = np.empty((P, 2 * I), np.float32)
+        copy(g, out=gu[:, :I])
+        copy(u, out=gu[:, I:])
+        return silu_and_mul(gu, out=out)
+
+    def _q_down(self, act, tiles, bm, out):
+        from jitkern.ops.quant import matmul_q
+        for e, s, t in self._segments(tiles):
+            matmul_q(act[s:t], self.down[e], self.kind, self.hidden, self.inter, out=out[s:t])
+        return out
+
+
+def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock | None:
+    """Layer i's MoE block, or None when the layer has no router (a dense layer)."""
+    if spec is None:
+        return None
+    router_t = _first(ckpt, _ROUTER, i)
+    if router_t is None:
+        return None
+    E = spec.num_experts
+    path = ckpt.path
+    router = vector_f32(router_t).reshape(-1, hidden)
+    if router.shape[0] != E:
+        raise ModelLoadError(f"router has {router.shape[0]} rows but the config says {E} experts", path=path,
+                             tensor=router_t.name)
+    gate = up = down = None
+    if ckpt.get(f"blk.{i}.ffn_gate_exps.weight") is not None:                       # GGUF: [E, I, H] in place
+        ts = [ckpt[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")]
+        kinds = {t.dtype for t in ts}
+        if len(kinds) != 1:
+            raise ModelLoadError(f"expert tensors of different types {sorted(kinds)} in one layer are not "
+                                 "supported", path=path, tensor=ts[0].name)
+        kind = kinds.pop()
+        for t in ts:
+            if len(t.shape) != 3 or t.shape[0] != E:
+                raise ModelLoadError(f"expected an [experts={E}, rows, cols] tensor, found {list(t.shape)}",
+                                     path=path, tensor=t.name)
+        inter = ts[0].shape[1]
+        if ts[0].shape[2] != hidden or ts[1].shape != ts[0].shape or tuple(ts[2].shape) != (E, hidden, inter):
+            raise ModelLoadError(f"expert shapes {[list(t.shape) for t in ts]} disagree with hidden size {hidden}",
+                                 path=path, tensor=ts[2].name)
+        gate, up, down = (t.raw for t in ts)
+    elif ckpt.get(f"model.layers.{i}.mlp.experts.gate_up_proj") is not None:           # HF fused 3-D
+        gu_t = ckpt[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        d_t = ckpt[f"model.layers.{i}.mlp.experts.down_proj"]
+        kind = gu_t.dtype
+        inter = gu_t.shape[1] // 2
+        if tuple(gu_t.shape) != (E, 2 * inter, hidden) or tuple(d_t.shape) != (E, hidden, inter) \
+                or d_t.dtype != kind:
+            raise ModelLoadError(f"fused expert tensors {list(gu_t.shape)} / {list(d_t.shape)} are not "
+                                 f"[{E}, 2*I, {hidden}] / [{E}, {hidden}, I] of one dtype", path=path,
+                                 tensor=gu_t.name)
+        gate, down = gu_t.raw, d_t.raw
+    else:                                                                                # HF per expert: stack
+        prefix, (gn, un, dn) = _HF_EXPERT.get(ckpt.config.architecture, _HF_EXPERT["default"])
+        gus, ds = [], []
+        kind = None
+        for e in range(E):
+            p = prefix.format(i=i, e=e)
+            ts = []
+            for n in (gn, un, dn):
+                t = ckpt.get(p + n + ".weight")
+                if t is None:
+                    raise ModelLoadError(f"layer {i} has a router but lacks expert {e}'s weight", path=path,
+                                         tensor=p + n + ".weight")
+                ts.append(t)
+            for t in ts:
+                if kind is None:
+                    kind = t.dtype
+                if t.dtype != kind:
+                    raise ModelLoadError(f"expert weights of different types ({t.dtype} vs {kind})", path=path,
+                                         tensor=t.name)
+            gus.append(np.concatenate([ts[0].raw.reshape(ts[0].shape), ts[1].raw.reshape(ts[1].shape)]))
+            ds.append(ts[2].raw.reshape(ts[2].shape))
+        if kind not in ("f32", "f16", "bf16"):
+            raise ModelLoadError(f"unsupported expert weight dtype {kind}", path=path, tensor=prefix.format(i=i, e=0))
+        gate, down = np.stack(gus), np.stack(ds)
+        inter = gate.shape[1] // 2
+        if gate.shape != (E, 2 * inter, hidden) or down.shape != (E, hidden, inter):
+            raise ModelLoadError(f"expert shapes {gate.shape} / {down.shape} disagree with hidden size {hidden}",
+                                 path=path, tensor=prefix.format(i=i, e=0) + dn + ".weight")
+        note_host_copy(gate.nbytes + down.nbytes)
+    if kind not in ("f32", "f16", "bf16") and kind not in QUANT_TYPES:
+        raise ModelLoadError(f"unsupported expert weight dtype {kind}", path=path, tensor=f"layer {i} experts")
+    if kind in QUANT_TYPES and up is None:
+        raise ModelLoadError("quantised experts are only read from GGUF's ffn_*_exps tensors", path=path,
+                             tensor=f"layer {i} experts")
+
+    shared_gate_up = shared_down = None
+    sg = _first(ckpt, _SHARED["gate"], i)
+    shared_gated = False
+    if sg is not None:
+        su, sd = _first(ckpt, _SHARED["up"], i), _first(ckpt, _SHARED["down"], i)
+        if su is None or sd is None:
+            raise ModelLoadError(f"layer {i} has a shared-expert gate projection but not its up/down", path=path,
+                                 tensor=sg.name)
+        shared_gate_up = linear_from([sg, su], f"blk.{i}.shared_gate_up")
+        shared_down = linear_from([sd], f"blk.{i}.shared_down")
+        gi = _first(ckpt, _SHARED["gate_inp"], i)
+        if gi is not None:
+            row = vector_f32(gi).reshape(-1)
+            if row.shape[0] != hidden:
+                raise ModelLoadError(f"shared-expert gate has {row.shape[0]} values, expected {hidden}", path=path,
+                                     tensor=gi.name)
+            router = np.concatenate([router, row[None, :]])
+            shared_gated = True
+    router = np.ascontiguousarray(router, np.float32)
+    router_lin = Linear(router, "f32", router.shape[0], hidden, None, f"blk.{i}.router")
+    return MoEBlock(spec, router_lin, hidden, inter, kind, gate, up, down, shared_gate_up, shared_down,
+                    shared_gated, name=f"blk.{i}.moe")
