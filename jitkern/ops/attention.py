@@ -372,6 +372,66 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
                 jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS))
 
 
+@jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
+def token_attention_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, search_steps,
+                           q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
+                           KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
+                           SOFTCAP: jk.constexpr):
+    """Program (query token, KV head): the token's G query heads over its whole key range, one cache block
+    per loop step (scores and P @ V as `dot`s), the softmax state (G maxima, G sums, (G, D) accumulator)
+    carried through the loop; decodes and prefill tokens alike, no partitions, no workspace. The Vulkan
+    path (see `_vulkan_attention`): the decode/prefill kernels' 150+ barriers make Mesa's lavapipe (which
+    compiles a compute shader into an LLVM coroutine, one suspend point per barrier) spend minutes
+    compiling them; this one has a couple of dozen. A token's arithmetic depends only on its own position,
+    window and the cache (batch invariant)."""
+    tok = jk.program_id(0)
+    kvh = jk.program_id(1)
+    # the sequence owning token tok: the last i with query_start[i] <= tok
+    lo_s = tok * 0
+    hi_s = num_seqs
+    for _ in range(0, search_steps):
+        mid = (lo_s + hi_s) // 2
+        go = jk.load(query_start + mid) <= tok
+        lo_s = jk.where(go, mid, lo_s)
+        hi_s = jk.where(go, hi_s, mid)
+    seq = lo_s
+    q0 = jk.load(query_start + seq)
+    q_len = jk.load(query_start + seq + 1) - q0
+    seq_len = jk.load(seq_lens + seq)
+    active = (tok >= q0) & (tok < q0 + q_len)
+    qpos = seq_len - q_len + (tok - q0)
+    lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
+    b_lo = lo // BS
+    b_hi = jk.where(active, qpos // BS + 1, b_lo)
+
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    gi = jk.arange(0, G)
+    qrows = tok.to(jk.i64) * q_ts + (kvh * G + gi[:, None]) * q_hs + d[None, :]
+    qt = jk.load(q + qrows)
+    kv_off = n[:, None] * (KVH * D) + d[None, :]
+    bt_row = block_table + seq.to(jk.i64) * bt_stride
+    m = jk.full((G,), NEG, jk.f32)
+    l = jk.zeros((G,), jk.f32)
+    acc = jk.zeros((G, D), jk.f32)
+    for b in range(b_lo, b_hi):
+        base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + kvh * D
+        pos = b * BS + n
+        valid = ((pos <= qpos) & (pos >= lo))[None, :]
+        s = jk.dot(qt, jk.trans(jk.load(k_cache + base + kv_off).to(jk.f32))) * scale
+        if SOFTCAP:
+            s = softcap * jk.tanh(s / softcap)
+        s = jk.where(valid, s, NEG)
+        m_new = jk.maximum(m, jk.max(s, axis=1))
+        alpha = jk.exp(m - m_new)
+        p = jk.where(valid, jk.exp(s - m_new[:, None]), 0.0)
+        l = l * alpha + jk.sum(p, axis=1)
+        acc = jk.dot(p, jk.load(v_cache + base + kv_off).to(jk.f32), acc * alpha[:, None])
+        m = m_new
+    orows = tok.to(jk.i64) * o_ts + (kvh * G + gi[:, None]) * o_hs + d[None, :]
+    jk.store(out + orows, acc / l[:, None], mask=active)
+
+
 # ------------------------------------------------------------------------------------- host wrappers
 def _i32(a, what, ndim=1):
     if not is_array(a):
@@ -511,6 +571,18 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode)
 
 
+def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
+    """Every token of the step through token_attention_kernel (grid: tokens x query heads). Vulkan runs this
+    instead of the decode/merge/prefill kernels: those compile for minutes on lavapipe (see the kernel).
+    Partition counts and workspaces do not apply; results are bit-identical whatever the batch."""
+    run(token_attention_kernel, (st.T, st.kvh),
+        (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
+         int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
+         st.cap),
+        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, SOFTCAP=st.use_cap)
+    return st.out
+
+
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                     num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
@@ -551,6 +623,8 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     P = int(num_partitions)
     if P < 1 or P > MAX_PARTITIONS:
         raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got {P}")
+    if target is not None and target.is_vulkan:
+        return _vulkan_attention(st, q, k_cache, v_cache, target)
     ws = workspace if workspace is not None else {}
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
     run(decode_kernel, (st.num_seqs, P),
@@ -589,6 +663,8 @@ def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_ta
     target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
                validate, host_step)
+    if not st.empty and target is not None and target.is_vulkan:
+        return _vulkan_attention(st, q, k_cache, v_cache, target)
     if not st.empty:
         _launch_prefill(st, q, k_cache, v_cache, workspace if workspace is not None else {},
                         int(block_q or PREFILL_BLOCK_Q), False, target)
