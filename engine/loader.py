@@ -67,8 +67,11 @@ from engine.errors import ModelLoadError
 
 # GGUF tensor types this engine accepts, by ggml type name -> our dtype name.
 GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
-              "Q4_1": "q4_1", "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K"}
-QUANT_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K"})
+              "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_K", "Q3_K": "q3_K", "Q4_K": "q4_K",
+              "Q5_K": "q5_K", "Q6_K": "q6_K", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
+# the quantised ones are computed on their compressed blocks (jitkern/ops/quant.py)
+QUANT_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl",
+                         "iq4_xs"})
 
 # safetensors dtype -> (our dtype name, numpy dtype of the raw view).
 SAFETENSORS_DTYPES = {
@@ -111,7 +114,7 @@ class TensorRef:
     """One tensor of a checkpoint, its bytes borrowed from the file mapping.
 
     ``shape``: logical element shape (row-major, Linear weights (out, in)).
-    ``dtype``: "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | "q4_1" | "q4_K" | "q5_K" | "q6_K"
+    ``dtype``: "f32" | "f16" | "bf16" | one of QUANT_TYPES ("q8_0", "q4_K", "iq4_xs", ...)
     (safetensors may also give "f64", "i64", "i32", "i16", "i8", "u8", "bool").
     ``raw``: read-only numpy view of the stored bytes (see module doc). ``file``/``offset``: where.
     """
@@ -638,12 +641,6 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
             want = per_layer.get(suffix)
         else:
             want = glob.get(core)
-        if want is not None and m and "q_norm" in suffix and len(ref.shape) == 1 and \
-                ref.shape[0] == cfg.num_heads * cfg.head_dim:
-            want = None        # OLMoE: q_norm over all heads at once (k_norm likewise, checked below)
-        if want is not None and m and "k_norm" in suffix and len(ref.shape) == 1 and \
-                ref.shape[0] == cfg.num_kv_heads * cfg.head_dim:
-            want = None
         if want is not None and tuple(ref.shape) != tuple(want):
             raise ModelLoadError(f"shape disagrees with the config: expected {list(want)}, found "
                                  f"{list(ref.shape)}", path=ref.file, tensor=name)
@@ -651,10 +648,8 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
         required = _REQUIRED_LAYER[ckpt.format]
         for layer in range(cfg.num_layers):
             have = seen_layers.get(layer, set())
-            # a mixture-of-experts layer (Mixtral GGUFs are arch "llama") has expert tensors, not ffn_up/down
-            moe_layer = "ffn_gate_inp.weight" in have
             for suffix in required:
-                if suffix not in have and not (moe_layer and suffix.startswith("ffn_")):
+                if suffix not in have:
                     name = f"blk.{layer}.{suffix}" if ckpt.format == "gguf" else f"model.layers.{layer}.{suffix}"
                     raise ModelLoadError(f"missing tensor for layer {layer} (config: {cfg.num_layers} layers)",
                                          path=ckpt.files[0] if len(ckpt.files) == 1 else ckpt.path, tensor=name)

@@ -294,9 +294,10 @@ def test_not_a_gguf_and_missing_file(tmp_path):
 
 
 def test_unsupported_quant_type_is_named(tmp_path):
-    src = RNG.standard_normal((4, 64), dtype=np.float32)
-    path = write_tiny_gguf(tmp_path / "q50.gguf", raw={"odd.weight": (gguf.quants.quantize(src, QT.Q5_0), QT.Q5_0)})
-    err = _expect_load_error(path, "Q5_0", "not supported", "'odd.weight'")
+    # IQ2_XXS: a llama.cpp type the engine does not compute (any bytes are a valid block for the refusal)
+    src = RNG.integers(0, 256, (4, gguf.GGML_QUANT_SIZES[QT.IQ2_XXS][1]), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "iq2.gguf", raw={"odd.weight": (src, QT.IQ2_XXS)})
+    err = _expect_load_error(path, "IQ2_XXS", "not supported", "'odd.weight'")
     assert err.tensor == "odd.weight"
 
 

@@ -72,6 +72,40 @@ class Linear:
         return linear(x, self.weight, bias=self.bias, out=out, **({"w_dtype": "bf16"} if self.kind == "bf16" else {}))
 
 
+class StackedLinear(Linear):
+    """Linears of different weight types stacked along N (a fused q/k/v or gate/up whose tensors differ in type):
+    each part runs on its own weight, its output written into its columns of `out`."""
+
+    def __init__(self, parts: list, name: str = ""):
+        super().__init__(None, "mixed:" + "+".join(p.kind for p in parts), sum(p.n for p in parts), parts[0].k,
+                         None, name)
+        self.parts = parts
+
+    def to_device(self, upload) -> None:
+        for p in self.parts:
+            p.to_device(upload)
+
+    @property
+    def quantized(self) -> bool:
+        return any(p.quantized for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty(x.shape[:-1] + (self.n,), np.float32)
+        if not isinstance(out, np.ndarray):
+            raise NotImplementedError(f"{self.name}: fused weights of different types ({self.kind}) run on the CPU "
+                                      f"only for now")
+        col = 0
+        for p in self.parts:
+            out[..., col:col + p.n] = p(x)
+            col += p.n
+        return out
+
+
 def _bias_rows(b: np.ndarray, rows: int) -> np.ndarray:
     """A (rows, N) broadcast view of a bias (stride 0) for the add kernel."""
     if not isinstance(b, np.ndarray):          # a GPU DeviceArray
@@ -83,8 +117,19 @@ def linear_from(tensors: list, name: str, transpose: bool = False, biases: list 
     """One Linear from one or more (N_i, K) tensors stacked along N (fused qkv / gate_up)."""
     kinds = {t.dtype for t in tensors}
     if len(kinds) != 1:
-        raise ModelLoadError(f"cannot fuse tensors of different types {sorted(kinds)}", path=tensors[0].file,
-                             tensor=", ".join(t.name for t in tensors))
+        # llama.cpp's presets mix types inside one fused group (Q4_K_M: attn_q/k Q4_K, attn_v Q6_K): one Linear
+        # per run of equal types, outputs side by side
+        groups, bgroups = [], []
+        for j, t in enumerate(tensors):
+            if groups and groups[-1][-1].dtype == t.dtype:
+                groups[-1].append(t)
+                if biases:
+                    bgroups[-1].append(biases[j])
+            else:
+                groups.append([t])
+                bgroups.append([biases[j]] if biases else None)
+        return StackedLinear([linear_from(g, f"{name}[{g[0].name}]", transpose, bg) for g, bg in
+                              zip(groups, bgroups)], name)
     kind = kinds.pop()
     bias = None
     if biases:
