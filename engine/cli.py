@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs: auto (a CUDA GPU when present, else the CPU), cpu or cuda")
+    p.add_argument("--enable-jump-forward", action="store_true",
+                   help="structured outputs: append the tokens a grammar forces without a forward step each")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -97,6 +99,7 @@ def _main(argv) -> int:
     try:
         from engine.llm import LLM
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
+                  enable_jump_forward=args.enable_jump_forward,
                   device=args.device)
     except ModelLoadError as e:
         return _fail(str(e))

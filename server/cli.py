@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="<think> blocks -> reasoning_content (default none)")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="the chat template's enable_thinking variable (default: the template's own default)")
+    p.add_argument("--enable-jump-forward", action="store_true", default=None,
+                   help="structured outputs: append the tokens a grammar forces without a forward step each")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -105,7 +107,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens or None,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-        max_logprobs=args.max_logprobs, seed=args.seed, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
+        max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
+        api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_thinking=args.enable_thinking,

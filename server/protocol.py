@@ -38,6 +38,9 @@ _SAMPLING_FIELDS = {
     "prompt_logprobs", "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "priority",
     "request_id", "return_tokens_as_token_ids", "return_token_ids", "stream", "stream_options", "model",
     "max_tokens", "response_format", "use_beam_search", "length_penalty",
+    # structured outputs (engine/structured_outputs.py): vLLM's field, its older guided_* spellings, llama.cpp's
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "grammar", "json_schema",
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -49,11 +52,8 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "session_id", "stream_interval"}
 # Known, but this server cannot do what they ask: a non-null value is a 400 naming the field.
 UNSUPPORTED_FIELDS = {
-    "structured_outputs": "structured outputs are not supported",
-    "guided_json": "guided decoding is not supported", "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported", "guided_grammar": "guided decoding is not supported",
-    "guided_decoding_backend": "guided decoding is not supported",
-    "guided_whitespace_pattern": "guided decoding is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (set structured_outputs."
+                                 "disable_any_whitespace to forbid whitespace in JSON)",
     "prompt_embeds": "prompt embeddings are not supported",
     "kv_transfer_params": "KV transfer is not supported", "ec_transfer_params": "encoder-cache transfer is not supported",
     "vllm_xargs": "vllm_xargs is not supported", "logits_processors": "custom logits processors are not supported",
@@ -350,13 +350,73 @@ def _stream_options(f: Fields, stream: bool) -> tuple:
 
 
 def _response_format(f: Fields) -> None:
+    """Checked by _structured_outputs (it becomes a constraint there)."""
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+           "grammar": "grammar", "json_schema": "json"}
+
+
+def _structured_outputs(f: Fields):
+    """The request's output constraint as a StructuredOutputsParams (None: free text), from whichever of
+    response_format (json_object / json_schema), structured_outputs, guided_* or llama.cpp's grammar /
+    json_schema is set; two at once is a 400. Bad schemas, regexes and grammars are 400s naming the field
+    (the constraint is compiled here, before admission)."""
+    from engine.structured_outputs import StructuredOutputsParams
+    found = []
     fmt = f.dict("response_format")
-    if fmt is None:
-        return
-    kind = fmt.get("type")
-    if kind not in (None, "text"):
-        raise bad_request(f"'response_format' of type {kind!r} is not supported (structured outputs are not "
-                          "supported; only {\"type\": \"text\"})", param="response_format", code="unsupported_parameter")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", dict(json_object=True)))
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict):
+                raise _type_error("response_format.json_schema", "an object ({\"name\": ..., \"schema\": {...}})", js)
+            schema = js.get("schema")
+            if schema is None:
+                raise bad_request("'response_format.json_schema.schema' is required", code="missing_required_parameter",
+                                  param="response_format.json_schema.schema")
+            strict = js.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise _type_error("response_format.json_schema.strict", "a boolean", strict)
+            # strict or not, the schema is enforced token by token (OpenAI's strict mode is the only behaviour)
+            found.append(("response_format.json_schema.schema", dict(json=schema)))
+        elif kind not in (None, "text"):
+            raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                              param="response_format.type", code="unsupported_parameter")
+    so = f.body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _type_error("structured_outputs", "an object", so)
+        if any(v is not None and v is not False for v in so.values()):
+            found.append(("structured_outputs", so))
+    for name, kind in _GUIDED.items():
+        value = f.body.get(name)
+        if value is None:
+            continue
+        if kind in ("regex", "grammar") and not isinstance(value, str):
+            raise _type_error(name, "a string", value)
+        if kind == "choice" and not isinstance(value, list):
+            raise _type_error(name, "an array of strings", value)
+        found.append((name, {kind: value}))
+    backend = f.str("guided_decoding_backend")
+    if backend is not None and backend not in ("auto", "guidance", "llguidance"):
+        raise bad_request(f"'guided_decoding_backend' {backend!r} is not available; this server uses llguidance "
+                          "('auto', 'guidance' or 'llguidance')", param="guided_decoding_backend",
+                          code="unsupported_parameter")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one structured output constraint per request; got '{found[0][0]}' and "
+                          f"'{found[1][0]}'", param=found[1][0])
+    source, value = found[0]
+    try:
+        if source == "structured_outputs":
+            return StructuredOutputsParams.from_value(value, "structured_outputs")
+        return StructuredOutputsParams(**value, source=source)
+    except InvalidRequestError as e:
+        raise bad_request(e.message, param=e.param) from None
 
 
 def _max_tokens(f: Fields, default: Optional[int], names=("max_tokens",)) -> Optional[int]:
@@ -381,6 +441,7 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
         raise bad_request(f"'seed' must fit in 64 bits, got {seed}", param="seed")
     logit_bias = f.dict("logit_bias")
     bad_words = f.str_list("bad_words")
+    structured = _structured_outputs(f)
     kwargs = dict(
         n=f.int("n", 1), temperature=f.number("temperature", 1.0), top_p=f.number("top_p", 1.0),
         top_k=f.int("top_k", 0), min_p=f.number("min_p", 0.0),
@@ -393,6 +454,7 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
         logit_bias=logit_bias, allowed_token_ids=f.int_list("allowed_token_ids"), bad_words=bad_words or [],
         skip_special_tokens=f.bool("skip_special_tokens", True),
         spaces_between_special_tokens=f.bool("spaces_between_special_tokens", True),
+        structured_outputs=structured,
     )
     try:
         params = SamplingParams(**kwargs)

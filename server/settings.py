@@ -67,6 +67,7 @@ class ServerSettings:
     scheduling_policy: str = "fcfs"
     max_logprobs: Optional[int] = None
     seed: Optional[int] = None
+    enable_jump_forward: Optional[bool] = None   # JITKERN_ENABLE_JUMP_FORWARD: structured outputs' forced tokens
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -90,7 +91,7 @@ class ServerSettings:
         "num_blocks": "pos_int", "kv_cache_memory": "pos_int", "kv_cache_dtype": "kv_dtype",
         "max_model_len": "len_int", "max_num_seqs": "pos_int", "max_num_batched_tokens": "len_int",
         "enable_prefix_caching": "bool", "scheduling_policy": "policy", "max_logprobs": "logprobs_int",
-        "seed": "int", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
+        "seed": "int", "enable_jump_forward": "bool", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
         "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
         "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
@@ -131,7 +132,7 @@ class ServerSettings:
         """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                 "scheduling_policy", "max_logprobs", "seed")
+                 "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
