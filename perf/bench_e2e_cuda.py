@@ -1,0 +1,308 @@
+"""End-to-end greedy generation on one model folder: transformers eager vs the gpt-fast-style peer vs our engine,
+same prompts, same run, printing tok/s, TTFT and same-run ratios, and whether our greedy tokens equal
+transformers' on the first prompt.
+
+    python perf/bench_e2e_cuda.py --model DIR            # a transformers folder (perf/peers/make_random_model.py)
+    python perf/bench_e2e_cuda.py --make llama3-8b --layers 8 [--keep DIR]   # writes a random one first
+    python perf/bench_e2e_cuda.py --smoke --device cpu   # tiny model, every code path, on a CPU
+
+Options: --concurrency 1 64 (prompts per batch; each batch is timed as one generate call), --input-len 128,
+--output-len 128, --systems hf gpt_fast ours, --json FILE, --no-f32-check, --no-compile (peer eager),
+--kv-cache-dtype f32|f16 (ours).
+
+Each system runs in its own subprocess (one model in GPU memory at a time; a crash or an LLVM abort in one does
+not take the others down), loads the model, warms up on other prompts of the same shapes (compiles, CUDA graphs,
+cuBLAS heuristics), then times one generate call per concurrency: `c` random prompts of exactly input-len ids
+(equal lengths, no padding: the torch peers run them as one batch), output-len new tokens each, greedy, EOS
+ignored. tok/s = c * output_len / wall time of the call (prefill included); TTFT = time to the batch's first
+tokens; decode tok/s = c * (output_len - 1) / (wall - TTFT).
+
+Token check: each system records its greedy tokens for prompt 0 (the first row of every batch). Ours is compared
+with transformers bf16 and, by default, with transformers in float32 (the same weights upcast: our kernels keep
+bf16 weights and compute in f32, so f32 is the oracle that should match; bf16 activations round differently
+and random-weight logits are close together, so a bf16 mismatch after some tokens is expected). Ours at
+concurrency 1 vs its own row 0 at the largest concurrency checks batch invariance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SYSTEMS = ("hf", "gpt_fast", "ours")
+LABEL = {"hf": "transformers eager", "gpt_fast": "gpt-fast-style peer", "ours": "jitkern engine"}
+
+
+# ------------------------------------------------------------------------------------------------- prompts
+def make_prompts(vocab: int, concurrency: list[int], input_len: int, seed: int) -> dict:
+    """{c: [c prompts of input_len ids]} for the timed runs and the warm-ups (other ids). Row 0 is the same
+    prompt at every concurrency. Ids avoid 0 and 1 (unk / eos of the random tokenizer)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    top = max(concurrency)
+    timed = rng.integers(2, vocab, (top, input_len)).tolist()
+    warm = rng.integers(2, vocab, (top, input_len)).tolist()
+    return {"timed": {str(c): timed[:c] for c in concurrency}, "warm": {str(c): warm[:c] for c in concurrency}}
+
+
+# ------------------------------------------------------------------------------------------------- workers
+def _sync(device):
+    import torch
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def worker_hf(a, prompts) -> dict:
+    import torch
+    import transformers as tf
+    t0 = time.perf_counter()
+    model = tf.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(a.device).eval()
+    res = {"load_s": time.perf_counter() - t0, "runs": {}}
+
+    def gen(rows, n):
+        ids = torch.tensor(rows, dtype=torch.long, device=a.device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0)
+        return out[:, ids.shape[1]:].cpu()
+
+    for c, rows in prompts["timed"].items():
+        gen(prompts["warm"][c], 4)                                  # warm-up: cuBLAS handles, allocator
+        _sync(a.device)
+        t0 = time.perf_counter()
+        gen(rows, 1)
+        _sync(a.device)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        toks = gen(rows, a.output_len)
+        _sync(a.device)
+        wall = time.perf_counter() - t0
+        res["runs"][c] = {"wall_s": wall, "ttft_s": ttft, "tokens0": toks[0].tolist()}
+    if a.f32_check:
+        model = model.float()
+        first = prompts["timed"][str(min(a.concurrency))][:1]
+        res["tokens0_f32"] = gen(first, a.output_len)[0].tolist()
+    return res
+
+
+def worker_gpt_fast(a, prompts) -> dict:
+    import torch
+    from perf.peers import gpt_fast
+    t0 = time.perf_counter()
+    model = gpt_fast.load(a.model, device=a.device, dtype=torch.bfloat16)
+    res = {"load_s": time.perf_counter() - t0, "runs": {}}
+    compile_ = a.compile and str(a.device).startswith("cuda")
+    res["variant"] = "torch.compile reduce-overhead (CUDA graphs)" if compile_ else "eager"
+    for c, rows in prompts["timed"].items():
+        gen = gpt_fast.Generator(model, batch=int(c), max_len=a.input_len + a.output_len, compile=compile_)
+        t0 = time.perf_counter()
+        gen.generate(torch.tensor(prompts["warm"][c]), min(a.output_len, 8))      # compiles, records the graph
+        warm = time.perf_counter() - t0
+        toks, timing = gen.generate(torch.tensor(rows), a.output_len)
+        res["runs"][c] = {"wall_s": timing["total_s"], "ttft_s": timing["ttft_s"], "warmup_s": warm,
+                          "tokens0": toks[0].tolist()}
+        del gen
+    return res
+
+
+def worker_ours(a, prompts) -> dict:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    top = max(a.concurrency)
+    seq = a.input_len + a.output_len
+    blocks_per_seq = -(-seq // 16)
+    t0 = time.perf_counter()
+    llm = LLM(a.model, device=a.device, block_size=16, num_blocks=top * blocks_per_seq + 64, max_num_seqs=top,
+              max_model_len=seq + 16, enable_prefix_caching=False, kv_cache_dtype=a.kv_cache_dtype)
+    res = {"load_s": time.perf_counter() - t0, "runs": {}, "variant": f"LLM(device={a.device!r}), "
+           f"kv_cache_dtype={a.kv_cache_dtype}"}
+    try:
+        sp = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True, detokenize=False)
+        for c, rows in prompts["timed"].items():
+            t0 = time.perf_counter()
+            llm.generate(prompts["warm"][c], sp)                   # warm-up: kernels, graph buckets
+            warm = time.perf_counter() - t0
+            start = time.monotonic()
+            t0 = time.perf_counter()
+            outs = llm.generate(rows, sp)
+            wall = time.perf_counter() - t0
+            first = max(o.metrics.first_token_time for o in outs)
+            res["runs"][c] = {"wall_s": wall, "ttft_s": first - start, "warmup_s": warm,
+                              "tokens0": list(outs[0].outputs[0].token_ids)}
+    finally:
+        llm.close()
+    return res
+
+
+WORKERS = {"hf": worker_hf, "gpt_fast": worker_gpt_fast, "ours": worker_ours}
+
+
+# ------------------------------------------------------------------------------------------------- report
+def _agree(a, b) -> str:
+    if a is None or b is None:
+        return "n/a"
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return f"MISMATCH at token {i} (first {i} of {n} equal)"
+    return f"match ({n}/{n})" if len(a) == len(b) else f"prefix match ({n}), lengths {len(a)} vs {len(b)}"
+
+
+def report(results: dict, a) -> list[str]:
+    lines = [f"{'system':<22} {'conc':>4} {'tok/s':>9} {'decode tok/s':>12} {'TTFT ms':>9} {'wall s':>7} "
+             f"{'warm-up s':>9}"]
+    for s in a.systems:
+        r = results.get(s)
+        if not r or "error" in r:
+            lines.append(f"{LABEL[s]:<22} FAILED: {(r or {}).get('error', 'no result')}")
+            continue
+        for c in map(str, a.concurrency):
+            x = r["runs"].get(c)
+            if x is None:
+                continue
+            n = int(c) * a.output_len
+            dec = int(c) * (a.output_len - 1) / max(x["wall_s"] - x["ttft_s"], 1e-9)
+            x["tok_s"], x["decode_tok_s"] = n / x["wall_s"], dec
+            lines.append(f"{LABEL[s]:<22} {c:>4} {x['tok_s']:9.1f} {dec:12.1f} {1e3 * x['ttft_s']:9.1f} "
+                         f"{x['wall_s']:7.2f} {x.get('warmup_s', 0):9.1f}")
+    lines.append("same-run ratios (ours / peer, tok/s; TTFT as peer / ours: > 1 means ours is faster):")
+    ours = results.get("ours", {}).get("runs", {})
+    for peer in ("hf", "gpt_fast"):
+        pr = results.get(peer, {}).get("runs", {})
+        for c in map(str, a.concurrency):
+            if c in ours and c in pr and "tok_s" in ours[c] and "tok_s" in pr[c]:
+                lines.append(f"  vs {LABEL[peer]:<20} conc {c:>3}: tok/s {ours[c]['tok_s'] / pr[c]['tok_s']:6.3f}x"
+                             f"  decode {ours[c]['decode_tok_s'] / pr[c]['decode_tok_s']:6.3f}x"
+                             f"  TTFT {pr[c]['ttft_s'] / max(ours[c]['ttft_s'], 1e-9):6.3f}x")
+    c1, ctop = str(min(a.concurrency)), str(max(a.concurrency))
+
+    def toks(s, c=c1, key="tokens0"):
+        r = results.get(s, {})
+        return r.get(key) if key != "tokens0" else r.get("runs", {}).get(c, {}).get("tokens0")
+    lines.append(f"greedy tokens of prompt 0 (concurrency {c1}, {a.output_len} tokens):")
+    lines.append(f"  ours vs transformers f32:  {_agree(toks('ours'), toks('hf', key='tokens0_f32'))}")
+    lines.append(f"  ours vs transformers bf16: {_agree(toks('ours'), toks('hf'))}")
+    lines.append(f"  peer vs transformers bf16: {_agree(toks('gpt_fast'), toks('hf'))}")
+    if ctop != c1:
+        lines.append(f"  ours conc {c1} vs row 0 at conc {ctop} (batch invariance): "
+                     f"{_agree(toks('ours'), toks('ours', ctop))}")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------- main
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a transformers checkpoint folder")
+    src.add_argument("--make", help="write a random model of this shape first (llama3-8b, qwen3-8b, smollm2-135m)")
+    ap.add_argument("--layers", type=int, default=None, help="with --make: keep the first N decoder layers")
+    ap.add_argument("--keep", default=None, help="with --make: write the model here and keep it")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--kv-cache-dtype", default="f32", choices=("f32", "f16"))
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the peer eager")
+    ap.add_argument("--no-f32-check", dest="f32_check", action="store_false")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per system subprocess")
+    ap.add_argument("--smoke", action="store_true", help="tiny llama3-family model, 16 in / 8 out, conc 1 and 4")
+    ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.make = a.make or (None if a.model else "llama3-8b")
+        a.input_len, a.output_len = min(a.input_len, 16), min(a.output_len, 8)
+        if a.concurrency == [1, 64]:
+            a.concurrency = [1, 4]
+    a.concurrency = sorted(set(a.concurrency))
+    return a
+
+
+def run_worker(a) -> int:
+    with open(a.prompts) as f:
+        prompts = json.load(f)
+    if a.device == "cpu" and a.worker != "ours":
+        import torch
+        torch.set_num_threads(1)        # CPU smoke runs: tiny matrices, threads only contend
+    try:
+        res = WORKERS[a.worker](a, prompts)
+    except Exception as e:      # noqa: BLE001 - reported to the parent, which goes on with the other systems
+        import traceback
+        traceback.print_exc()
+        res = {"error": f"{type(e).__name__}: {e}"}
+    with open(a.result, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.worker:
+        return run_worker(a)
+    tmp = tempfile.mkdtemp(prefix="jk-e2e-")
+    try:
+        model = a.model
+        if a.make:
+            from perf.peers.make_random_model import write_model
+            model = a.keep or os.path.join(tmp, "model")
+            dev = "cpu" if a.device == "cpu" else a.device
+            write_model(model, a.make, a.layers, device=dev, seed=a.seed, smoke=a.smoke)
+        if not model:
+            raise SystemExit("give --model DIR or --make SHAPE (or --smoke)")
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+        prompts_file = os.path.join(tmp, "prompts.json")
+        with open(prompts_file, "w") as f:
+            json.dump(make_prompts(cfg["vocab_size"], a.concurrency, a.input_len, a.seed), f)
+        print(f"model {model}: {cfg.get('model_type')}, {cfg['num_hidden_layers']} layers, hidden "
+              f"{cfg['hidden_size']}, vocab {cfg['vocab_size']}; {a.input_len} in / {a.output_len} out, "
+              f"concurrency {a.concurrency}, device {a.device}", flush=True)
+        results = {}
+        for s in a.systems:
+            out = os.path.join(tmp, f"{s}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", s, "--model", model, "--prompts",
+                   prompts_file, "--result", out, "--device", a.device, "--input-len", str(a.input_len),
+                   "--output-len", str(a.output_len), "--kv-cache-dtype", a.kv_cache_dtype,
+                   "--concurrency", *map(str, a.concurrency)]
+            cmd += [] if a.compile else ["--no-compile"]
+            cmd += [] if a.f32_check else ["--no-f32-check"]
+            t0 = time.perf_counter()
+            print(f"--- {LABEL[s]} ...", flush=True)
+            try:
+                rc = subprocess.run(cmd, timeout=a.timeout, cwd=ROOT).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if os.path.isfile(out):
+                with open(out) as f:
+                    results[s] = json.load(f)
+            else:
+                results[s] = {"error": f"worker exited with {rc} and no result"}
+            r = results[s]
+            print(f"--- {LABEL[s]}: {'error: ' + r['error'] if 'error' in r else 'done'} in "
+                  f"{time.perf_counter() - t0:.1f} s (load {r.get('load_s', 0):.1f} s; {r.get('variant', '')})",
+                  flush=True)
+        lines = report(results, a)
+        print("\n".join(lines), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": {k: v for k, v in vars(a).items() if k not in ("worker", "prompts", "result")},
+                           "config": cfg, "results": results, "report": lines}, f, indent=1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The H200 benchmark peers, checked on the CPU: the gpt-fast-style torch decoder gives transformers' greedy
+tokens; the random-model writer produces folders that transformers, the peer and the engine's loader read."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+from perf.peers import gpt_fast  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # tiny matrices on a shared 2-core host: torch's intra-op threads only contend (40 ms per 64x112 linear)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny(arch: str):
+    common = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, rms_norm_eps=1e-5)
+    if arch == "llama":
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama3-rope":
+        return tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 32})
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=24)            # head_dim != hidden / heads, q/k norms
+    if arch == "qwen2-tied":
+        return tf.Qwen2Config(**{**common, "tie_word_embeddings": True})   # q/k/v biases, tied head
+    raise ValueError(arch)
+
+
+def _hf_model(arch, path, seed=0):
+    torch.manual_seed(seed)
+    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2-tied": tf.Qwen2ForCausalLM}.get(arch, tf.LlamaForCausalLM)
+    model = cls(_tiny(arch)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:                      # non-trivial norms (HF initialises them to ones)
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "qwen3", "qwen2-tied"])
+def test_gpt_fast_greedy_equals_transformers(arch, tmp_path):
+    hf = _hf_model(arch, tmp_path)
+    rng = np.random.default_rng(1)
+    B, T, N = 3, 11, 24
+    prompt = torch.from_numpy(rng.integers(0, 211, (B, T))).long()
+    with torch.no_grad():
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=N,
+                          min_new_tokens=N, pad_token_id=0)[:, T:]
+    peer = gpt_fast.load(str(tmp_path), device="cpu", dtype=torch.float32)
+    gen = gpt_fast.Generator(peer, batch=B, max_len=64)
+    out, timing = gen.generate(prompt, N)
+    assert out.shape == (B, N) and timing["total_s"] >= timing["ttft_s"] > 0
+    assert torch.equal(out, ref), (out, ref)
+    # the cache is reused: a second call with another batch of prompts gives that batch's tokens
+    prompt2 = torch.from_numpy(rng.integers(0, 211, (B, T))).long()
+    with torch.no_grad():
+        ref2 = hf.generate(prompt2, attention_mask=torch.ones_like(prompt2), do_sample=False, max_new_tokens=N,
+                           min_new_tokens=N, pad_token_id=0)[:, T:]
+    assert torch.equal(gen.generate(prompt2, N)[0], ref2)
+
+
+def test_gpt_fast_refuses_what_it_cannot_run(tmp_path):
+    _hf_model("llama", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma3"}))
+    with pytest.raises(ValueError, match="model_type 'gemma3'"):
+        gpt_fast.load(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    gen = gpt_fast.Generator(gpt_fast.load(str(tmp_path)), batch=2, max_len=16)
+    with pytest.raises(ValueError, match="exceed max_len"):
+        gen.generate(torch.zeros(2, 10, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="batch 2"):
+        gen.generate(torch.zeros(3, 4, dtype=torch.long), 2)
