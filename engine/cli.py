@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the model runs: auto (a CUDA GPU when present, else the CPU), cpu or cuda")
     p.add_argument("--enable-jump-forward", action="store_true",
                    help="structured outputs: append the tokens a grammar forces without a forward step each")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4} (a smaller model with the same tokenizer)')
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -88,6 +92,13 @@ def _main(argv) -> int:
         return _fail(f"argument --tokenizer-config: {args.tokenizer_config}: no such file")
     from engine.errors import InvalidRequestError, ModelLoadError
     from engine.sampling_params import SamplingParams
+    spec = None
+    if args.speculative_config is not None:
+        from engine.spec_decode import SpeculativeConfig, SpeculativeConfigError
+        try:
+            spec = SpeculativeConfig.parse(args.speculative_config)
+        except SpeculativeConfigError as e:
+            return _fail(f"argument --speculative-config: {e}")
     temp = 0.0 if args.temperature <= 0 else args.temperature     # NaN stays NaN and is refused below
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, top_p=args.top_p, top_k=args.top_k,
@@ -100,9 +111,13 @@ def _main(argv) -> int:
         from engine.llm import LLM
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
                   enable_jump_forward=args.enable_jump_forward,
-                  device=args.device)
+                  device=args.device, speculative_config=spec)
     except ModelLoadError as e:
         return _fail(str(e))
+    except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary
+        if spec is None or not hasattr(e, "field"):
+            raise
+        return _fail(f"argument --speculative-config: {e}")
     try:
         prompt = args.prompt
         if args.chat:

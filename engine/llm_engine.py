@@ -54,6 +54,8 @@ class EngineArgs:
     seed: int = 0
     use_graphs: bool = True                     # replay decode steps as recorded jitkern graphs
     device: str = "auto"                        # "auto" | "cpu" | "cuda" (engine.device)
+    # vLLM's --speculative-config: a JSON string or dict (engine.spec_decode.SpeculativeConfig); None: off
+    speculative_config: object = None
     # structured outputs: tokens a request's grammar forces are appended without a forward step each
     enable_jump_forward: bool = False
 
@@ -118,6 +120,10 @@ class LLMEngine:
         from engine.sampler import Sampler
         from engine.sizing import kv_block_bytes, num_blocks_for_memory, resolve_max_model_len
         path = args.model or str(default_model_path())
+        spec_cfg = None
+        if args.speculative_config is not None:
+            from engine.spec_decode import SpeculativeConfig
+            spec_cfg = SpeculativeConfig.parse(args.speculative_config)   # before the slow load
         t0 = time.perf_counter()
         self.checkpoint = ckpt = load_checkpoint(path, tokenizer_config=args.tokenizer_config)
         self.config = cfg = ckpt.config
@@ -142,6 +148,10 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, use_graphs=args.use_graphs)
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed, tokenizer=self.tokenizer)
         self.stop_ids = tuple(ckpt.stop_token_ids or cfg.eos_token_ids or ())
+        self.spec = None
+        if spec_cfg is not None:
+            from engine.spec_decode import SpecDecoder
+            self.spec = SpecDecoder(spec_cfg, self)
         from engine.structured_outputs import GrammarCompiler
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.stop_ids)
         self.sampler.grammar_compiler = self.grammar_compiler
@@ -257,7 +267,14 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list:
         """Runs one scheduler step; returns a RequestOutput for every request that made progress."""
-        sched = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler)          # draft tokens for decoding requests
+            try:
+                sched = self.scheduler.schedule()
+            finally:
+                self.spec.clear()
+        else:
+            sched = self.scheduler.schedule()
         changed: dict[str, _ReqState] = {}
         for r in sched.errored:
             ent = self._seq_of.get(r.request_id)
@@ -313,7 +330,7 @@ class LLMEngine:
         request(s) at fault get an error (`SampleResult(-1, error=...)`) and the others their tokens."""
         from engine.sampler import SampleResult
         try:
-            return self.sampler.sample(sched, self.runner.execute(sched))
+            return self._sample(sched, self.runner.execute(sched))
         except Exception:  # noqa: BLE001
             if len(sched.scheduled) == 1:
                 log.exception("the step of request %s failed", sched.scheduled[0].req_id)
@@ -324,10 +341,16 @@ class LLMEngine:
         for s in sched.scheduled:
             alone = SchedulerOutput(scheduled=[s], num_scheduled_tokens=s.num_tokens)
             try:
-                out.update(self.sampler.sample(alone, self.runner.execute(alone)))
+                out.update(self._sample(alone, self.runner.execute(alone)))
             except Exception:  # noqa: BLE001
                 log.exception("the step of request %s failed", s.req_id)
                 out[s.req_id] = SampleResult(-1, error=INTERNAL_ERROR)
+        return out
+
+    def _sample(self, sched, result) -> dict:
+        out = self.sampler.sample(sched, result)
+        if result.spec_rows:
+            out.update(self.spec.verify(sched, result))     # speculative decoding: accept/reject drafts
         return out
 
     def _apply_update(self, u, smp, now: float, changed: dict) -> None:
@@ -351,6 +374,11 @@ class LLMEngine:
                 st.cumulative_logprob += smp.logprob
             if st.detok is not None:
                 st.text += st.detok.add(tok)
+                if len(u.new_token_ids) > 1 and st.params.stop and not u.finished:
+                    # several tokens in one step (speculative decoding): stop where one token at a time would
+                    self._check_stop_strings(st)
+                    if st.finish_reason is not None:
+                        return
         if u.finished:
             st.finish_reason = u.finish_reason
             st.stop_reason = u.stop_reason
@@ -458,6 +486,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions_total,
             "prompt_tokens": self.stats["prompt_tokens"],
             "generation_tokens": self.stats["generation_tokens"],
+            **(self.spec.metrics() if self.spec is not None else {}),
         }
 
     def reset_prefix_cache(self) -> bool:
@@ -469,4 +498,6 @@ class LLMEngine:
             self.abort_request(rid)
         self.runner.close()
         self.runner = None
+        if self.spec is not None:
+            self.spec.close()
         self.model = None

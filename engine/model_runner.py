@@ -60,6 +60,8 @@ class StepResult:
     logits: np.ndarray                     # [R, V]
     sample_rows: dict                      # req_id -> row of `logits` for its next token
     prompt_rows: dict                      # req_id -> (first logits row, count, first position)
+    # speculative decoding: req_id -> (first logits row, count = drafts + 1), rows of the verified positions
+    spec_rows: dict = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -105,7 +107,7 @@ class ModelRunner:
         b = self.batch
         t = 0
         rows = []
-        sample_rows, prompt_rows = {}, {}
+        sample_rows, prompt_rows, spec_rows = {}, {}, {}
         b.block_table[: len(sched.scheduled)] = 0
         for i, s in enumerate(sched.scheduled):
             n = s.num_tokens
@@ -123,6 +125,10 @@ class ModelRunner:
                 rows.extend(range(t, t + n))
                 if s.sample:
                     sample_rows[s.req_id] = len(rows) - 1
+            elif s.sample and s.spec_token_ids:
+                ns = len(s.spec_token_ids)        # verified by engine.spec_decode, not the sampler
+                spec_rows[s.req_id] = (len(rows), ns + 1)
+                rows.extend(range(t + n - 1 - ns, t + n))
             elif s.sample:
                 sample_rows[s.req_id] = len(rows)
                 rows.append(t + n - 1)
@@ -131,7 +137,7 @@ class ModelRunner:
         b.num_tokens = t
         b.num_seqs = len(sched.scheduled)
         b.logits_rows = np.asarray(rows, np.int32)
-        return StepResult(None, sample_rows, prompt_rows)
+        return StepResult(None, sample_rows, prompt_rows, spec_rows)
 
     def execute(self, sched) -> StepResult:
         res = self.prepare(sched)
@@ -139,8 +145,14 @@ class ModelRunner:
         pure_decode = b.num_tokens == b.num_seqs and len(b.logits_rows) == b.num_tokens and not res.prompt_rows
         if self.staging is not None:
             self._send_step()
+        # speculative verification steps (1 + k tokens per request, logits for every token) replay graphs too,
+        # one per (tokens, sequences): every kernel reads the step's layout from the batch arrays
+        spec_step = bool(res.spec_rows) and not res.prompt_rows and len(b.logits_rows) == b.num_tokens \
+            and self.staging is None and getattr(self.model, "supports_graphs", True)
         if self.use_graphs and pure_decode and getattr(self.model, "supports_graphs", True):
             res.logits = self._replay_decode()
+        elif self.use_graphs and spec_step:
+            res.logits = self._replay_decode(("spec", b.num_tokens, b.num_seqs))
         else:
             res.logits = self.model.forward(self.fwd_batch)
         if self.staging is not None and not isinstance(res.logits, np.ndarray):
@@ -155,7 +167,7 @@ class ModelRunner:
         self.staging.send()
         d.num_tokens, d.num_seqs, d.logits_rows = b.num_tokens, b.num_seqs, b.logits_rows
 
-    def _replay_decode(self) -> np.ndarray:
+    def _replay_decode(self, key=None) -> np.ndarray:
         """Decode steps of the same batch size replay one recorded graph (launch cost ~1 us per kernel
         instead of ~10 us through Python). Everything that changes between steps (ids, positions, slots,
         lengths, block tables) lives in the batch's fixed arrays, which the kernels read when they run."""
@@ -165,7 +177,7 @@ class ModelRunner:
             # a buffer moved: every graph points at (and keeps alive) the old ones
             self._graphs.clear()
             self._graphs_generation = b.buffers.generation
-        key = b.num_tokens
+        key = b.num_tokens if key is None else key
         ent = self._graphs.get(key)
         if ent is None and self.device == "cuda":
             return self._capture_cuda(key)

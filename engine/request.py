@@ -76,6 +76,9 @@ class Request:
     num_preemptions: int = 0
     # engine.logit_edits.LogitEdits prepared at admission (None: the sampler builds them when needed)
     logit_edits: object = None
+    # Speculative decoding (engine.spec_decode): draft tokens to verify in the next step, set before
+    # schedule() and cleared after it; they are never part of all_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
     # engine.structured_outputs.GrammarState when sampling_params.structured_outputs is set (own per sequence)
     grammar: object = None
 

@@ -95,6 +95,8 @@ class ScheduledRequest:
     slot_mapping: list[int]  # global KV slot per computed token: block_id*block_size + offset
     sample: bool  # end reaches num_tokens: sample a new token from the last position
     is_prefill: bool  # False only for a plain decode (one token: the one sampled last step)
+    # Speculative decoding: the draft tokens at the end of token_ids (positions num_tokens..end-1), to verify.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def req_id(self) -> str:
@@ -343,7 +345,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            pending = request.num_tokens - request.num_computed_tokens
+            # (+ draft tokens to verify, when speculative decoding proposed some: engine.spec_decode)
+            pending = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
             num_new = self._chunk(pending, budget)
             if num_new <= 0:
                 index += 1
@@ -408,16 +411,19 @@ class Scheduler:
             num_new = entry[1]
             start = request.num_computed_tokens
             end = start + num_new
+            spec = request.spec_token_ids[: end - request.num_tokens] if end > request.num_tokens else []
             out.scheduled.append(ScheduledRequest(
                 request=request,
-                token_ids=request.all_token_ids[start:end],
+                token_ids=request.all_token_ids[start:end] + spec,
                 start=start,
                 block_table=list(request.block_ids),
                 slot_mapping=self.kv.slot_mapping(request, start, end),
-                sample=end == request.num_tokens,
-                # A decode computes exactly the one token sampled last step; anything else
-                # (prompt chunks, recomputing outputs after preemption) is a prefill.
-                is_prefill=not (start >= request.num_prompt_tokens and num_new == 1 and end == request.num_tokens),
+                sample=end >= request.num_tokens,
+                # A decode computes exactly the one token sampled last step (plus drafts to verify);
+                # anything else (prompt chunks, recomputing outputs after preemption) is a prefill.
+                is_prefill=not (start >= request.num_prompt_tokens and num_new == 1 + len(spec)
+                                and end == request.num_tokens + len(spec)),
+                spec_token_ids=spec,
             ))
             out.num_scheduled_tokens += num_new
             request.num_computed_tokens = end
@@ -458,8 +464,14 @@ class Scheduler:
             request = sched.request  # requests aborted while the step ran were filtered out
             if request.status != RequestStatus.RUNNING:
                 continue
-            # The step's KV is written now: register the newly full blocks.
-            self.kv.cache_computed_blocks(request)
+            if sched.spec_token_ids:
+                # Speculative decoding: the KV of rejected drafts is garbage; only the sequence length rolls
+                # back (their slots are overwritten next step). The runner returned accepted drafts + 1.
+                got = len(sampled_token_ids.get(request.request_id) or ())
+                request.num_computed_tokens -= len(sched.spec_token_ids) + 1 - got
+            else:
+                # The step's KV is written now: register the newly full blocks.
+                self.kv.cache_computed_blocks(request)
             if not sched.sample:
                 continue
             tokens = sampled_token_ids[request.request_id]
@@ -471,6 +483,8 @@ class Scheduler:
                 status = self._check_stop(request)
                 if status is not None:
                     break
+            if sched.spec_token_ids and status is None:
+                self.kv.cache_computed_blocks(request)   # the accepted drafts are in all_token_ids now
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

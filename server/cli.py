@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the chat template's enable_thinking variable (default: the template's own default)")
     p.add_argument("--enable-jump-forward", action="store_true", default=None,
                    help="structured outputs: append the tokens a grammar forces without a forward step each")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4}')
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -108,6 +112,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens or None,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
+        speculative_config=args.speculative_config,
         api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,
@@ -148,6 +153,12 @@ def main(argv: list | None = None) -> int:
         parser.error(f"--model {args.model}: no such file or directory")
     if args.tokenizer_config is not None and not Path(args.tokenizer_config).is_file():
         parser.error(f"--tokenizer-config {args.tokenizer_config}: no such file")
+    if args.speculative_config is not None:
+        from engine.spec_decode import SpeculativeConfig, SpeculativeConfigError
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except SpeculativeConfigError as e:
+            parser.error(f"--speculative-config: {e}")
     command, env = gunicorn_command(args)
     # JITKERN_* settings (from the environment and the flags above) are checked here, before gunicorn and
     # the model load: one line naming the setting, exit 2

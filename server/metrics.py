@@ -85,6 +85,18 @@ class _EngineCollector:
                       snap.get("prefix_cache_hits", 0))
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                       snap.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in snap:        # speculative decoding on (engine.spec_decode)
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                          snap["spec_decode_num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                          snap["spec_decode_num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          snap["spec_decode_num_accepted_tokens"])
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=labels + ["position"])
+            for pos, n in enumerate(snap.get("spec_decode_num_accepted_tokens_per_pos", ())):
+                c.add_metric(values + [str(pos)], float(n))
+            yield c
 
 
 class ServerMetrics:

@@ -67,6 +67,7 @@ class ServerSettings:
     scheduling_policy: str = "fcfs"
     max_logprobs: Optional[int] = None
     seed: Optional[int] = None
+    speculative_config: Optional[str] = None     # JITKERN_SPECULATIVE_CONFIG: vLLM's JSON (engine.spec_decode)
     enable_jump_forward: Optional[bool] = None   # JITKERN_ENABLE_JUMP_FORWARD: structured outputs' forced tokens
     # server
     api_key: Optional[str] = None
@@ -95,6 +96,7 @@ class ServerSettings:
         "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
         "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
+        "speculative_config": "spec_config",
     }
 
     @classmethod
@@ -132,7 +134,7 @@ class ServerSettings:
         """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                 "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward")
+                 "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -164,6 +166,13 @@ def _parse(kind: str, name: str, text: str):
         choices = TOOL_PARSER_CHOICES if kind == "tool_parser" else REASONING_PARSER_CHOICES
         if text not in choices:
             raise SettingsError(f"{name}={text!r}: expected one of {', '.join(choices)}")
+        return text
+    if kind == "spec_config":
+        from engine.spec_decode import SpeculativeConfig, SpeculativeConfigError
+        try:
+            SpeculativeConfig.parse(text)
+        except SpeculativeConfigError as e:
+            raise SettingsError(f"{name}: {e}") from None
         return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:
