@@ -248,3 +248,50 @@ def test_matmul_q_batch_invariant(tier, qtype):
         for M in (2, 3, 5, 16, 17, 37):
             np.testing.assert_array_equal(Q.matmul_q(x[:M], raw, qtype, N, K, target=tier), alone[:M],
                                           err_msg=f"{qtype} K={K} M={M}")
+
+
+NEW_QTYPES = ["q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs"]
+
+
+@pytest.mark.parametrize("qtype", NEW_QTYPES)
+def test_new_types_compile_for_the_gpu_lowering(qtype, tmp_path, monkeypatch):
+    """No GPU needed: every kernel specialisation a GEMV, a GEMM and a row dequantisation of this type launch
+    on the CPU also compiles for sm_90a (NVPTX lowering) and ptxas makes a cubin of it (the engine kernels of
+    the default model are covered by `jitkern build` in tests/test_cuda_runtime.py; these types are not in it)."""
+    from jitkern.backends.nvptx import find_ptxas
+    from jitkern.compiler import compile_kernel, reset_kernel_cache
+    from targets import get_target
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine (install the [cuda] extra)")
+    launches = []
+    real_run = Q.run
+
+    def recording_run(kernel, grid, args, target=None, **constexprs):
+        launches.append((kernel, args, constexprs))
+        return real_run(kernel, grid, args, target, **constexprs)
+
+    monkeypatch.setattr(Q, "run", recording_run)
+    rng = np.random.default_rng(30)
+    K = KS[qtype][0]
+    raw, _ = make_weight(qtype, 9, K, rng)
+    Q.matmul_q(rng.standard_normal(K).astype(np.float32), raw, qtype, 9, K)
+    Q.matmul_q(rng.standard_normal((5, K)).astype(np.float32), raw, qtype, 9, K)
+    Q.dequantize_rows(raw, qtype, np.array([1, 4], np.int32), K)
+    monkeypatch.setenv("JITKERN_CACHE_DIR", str(tmp_path))
+    reset_kernel_cache()
+    try:
+        t = get_target("sm_90a")
+        done = set()
+        for kernel, args, constexprs in launches:
+            params, consts, _ = kernel.specialize(args, constexprs)
+            key = (kernel.__name__, repr(params), repr(sorted(consts.items(), key=lambda kv: kv[0])))
+            if key in done:
+                continue
+            done.add(key)
+            ck = compile_kernel(kernel, params, consts, t, load=False)
+            assert ck.artifacts["kernel.cubin"][:4] == b"\x7fELF", kernel.__name__
+        names = {k[0] for k in done}
+        assert {"_quantize_q8_kernel", "_dequant_rows_kernel"} <= names
+        assert ("_qmm_kernel" in names) or ("_kq_kernel" in names)
+    finally:
+        reset_kernel_cache()
