@@ -230,7 +230,7 @@ def test_bad_request_table_then_healthy(srv, client, model):
         ({"model": model, "prompt": "x", "logprobs": 1000}, "/v1/completions", 400, "logprobs", "logprobs"),
         ({"model": model, "prompt": "x", "mystery_field": 1}, "/v1/completions", 400, "mystery_field", "unknown"),
         ({"model": model, "prompt": "x", "response_format": {"type": "json_schema"}}, "/v1/completions", 400,
-         "response_format", "not supported"),
+         "response_format.json_schema", "object"),
         ({"model": model, "prompt": long_prompt}, "/v1/completions", 400, "prompt", str(MAX_MODEL_LEN)),
         ({"model": model, "messages": [{"role": "user", "content": long_prompt}]}, "/v1/chat/completions", 400,
          "messages", str(MAX_MODEL_LEN)),
