@@ -94,14 +94,12 @@ class StackedLinear(Linear):
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        from jitkern.ops.activation import copy
         if out is None:
             out = np.empty(x.shape[:-1] + (self.n,), np.float32)
-        if not isinstance(out, np.ndarray):
-            raise NotImplementedError(f"{self.name}: fused weights of different types ({self.kind}) run on the CPU "
-                                      f"only for now")
         col = 0
         for p in self.parts:
-            out[..., col:col + p.n] = p(x)
+            copy(p(x), out[:, col:col + p.n] if len(out.shape) == 2 else out[col:col + p.n])
             col += p.n
         return out
 
