@@ -417,6 +417,13 @@ class ModelConfig:
             layer_types = [kind] * num_layers
 
         names = set(tensor_names or ())
+        if arch == "phi3" and "rope_factors_long.weight" in names:
+            # Phi-3 LongRoPE (the factors themselves are tensors, read by the model code)
+            attn_factor = get(p + "rope.scaling.attn_factor", None)
+            rope_scaling = {"rope_type": "longrope", "original_max_position_embeddings":
+                            int(get(p + "rope.scaling.original_context_length", max_pos))}
+            if attn_factor is not None:
+                rope_scaling["attention_factor"] = float(attn_factor)
         tie = bool(names) and "output.weight" not in names
         eos = get("tokenizer.ggml.eos_token_id", None)
         return cls(

@@ -134,6 +134,8 @@ class LLMEngine:
         num_blocks = args.num_blocks or num_blocks_for_memory(args.kv_cache_memory or _DEFAULT_KV_MEMORY, per_block)
         sizing = resolve_max_model_len(num_blocks, args.block_size, args.max_model_len, cfg.max_position_embeddings)
         self.max_model_len = sizing.max_model_len
+        if hasattr(self.model, "set_max_model_len"):        # Phi-3 LongRoPE picks its factors from it
+            self.model.set_max_model_len(self.max_model_len)
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         # Sampling params and prompt ids are validated by prepare_request, in the caller's thread; the

@@ -619,6 +619,21 @@ _REQUIRED_LAYER = {
                     "self_attn.o_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                     "input_layernorm.weight", "post_attention_layernorm.weight"),
 }
+def _arch_layer_shapes(cfg: ModelConfig, fmt: str) -> dict[str, tuple]:
+    """Per-layer shapes that differ from the llama layout: Phi-3's fused q/k/v and gate/up, OLMo 2's q/k
+    norms over all heads at once."""
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    gguf = fmt == "gguf"
+    if cfg.architecture == "phi3":
+        return {("attn_qkv.weight" if gguf else "self_attn.qkv_proj.weight"): (q + 2 * kv, H),
+                ("ffn_up.weight" if gguf else "mlp.gate_up_proj.weight"): (2 * F, H)}
+    if cfg.architecture == "olmo2":
+        return {("attn_q_norm.weight" if gguf else "self_attn.q_norm.weight"): (q,),
+                ("attn_k_norm.weight" if gguf else "self_attn.k_norm.weight"): (kv,)}
+    return {}
+
+
 _LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite"})
 
 
@@ -628,6 +643,7 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
     and for the llama-like families every layer's attention/MLP weights must be present."""
     cfg = ckpt.config
     glob, per_layer = expected_shapes(cfg, ckpt.format)
+    per_layer = {**per_layer, **_arch_layer_shapes(cfg, ckpt.format)}
     seen_layers: dict[int, set[str]] = {}
     for name, ref in ckpt.tensors.items():
         core = _core_name(name)

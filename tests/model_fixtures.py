@@ -52,6 +52,15 @@ def make_config(arch: str):
         # multipliers far from 1 so that each one changes the logits
         return tf.GraniteConfig(**common, embedding_multiplier=6.0, residual_multiplier=0.4,
                                 attention_multiplier=0.5, logits_scaling=0.25, rms_norm_eps=1e-5)
+    if arch == "phi3":
+        # LongRoPE over a partial rotary (Phi-4-mini style): pretrained context 128, extended to 512; the long
+        # factors differ enough from the short ones to change every logit
+        rot = 12
+        return tf.Phi3Config(**common, pad_token_id=0, initializer_range=0.1, original_max_position_embeddings=128,
+                             rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 128, "short_factor": [1.0 + 0.05 * i for i in range(rot // 2)],
+            "long_factor": [1.0 + 1.5 * i for i in range(rot // 2)]})
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                              eos_token_id=1, bos_token_id=1, activation_function="gelu_new")

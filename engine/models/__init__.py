@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3")
 
 # Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
@@ -14,7 +14,6 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 KNOWN_UNIMPLEMENTED = {
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",
     "deepseek_v3": "multi-head latent attention (MLA) and MoE",
-    "phi3": "Phi-3's fused qkv/gate_up naming and LongRoPE scaling",
     "falcon": "Falcon's parallel attention/MLP block and ALiBi",
     "mamba": "selective state-space (Mamba) layers",
     "qwen3_next": "gated delta-net (linear attention) layers",

@@ -39,7 +39,10 @@ _NAMES = {
     "q_b": ["blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"],
     "k_b": ["blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"],
     "v_b": ["blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"],
-    "qkv": ["blk.{i}.attn_qkv.weight", "transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.c_attn.weight"],
+    "qkv": ["blk.{i}.attn_qkv.weight", "transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.c_attn.weight",
+            "model.layers.{i}.self_attn.qkv_proj.weight"],
+    # Phi-3: gate and up in one matrix, gate rows first (GGUF: ffn_up with 2 x intermediate rows, no ffn_gate)
+    "gate_up": ["model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight"],
     "qkv_b": ["blk.{i}.attn_qkv.bias", "transformer.h.{i}.attn.c_attn.bias", "h.{i}.attn.c_attn.bias"],
     "q_norm": ["blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"],
     "k_norm": ["blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"],
@@ -141,10 +144,21 @@ class DecoderLM:
         from jitkern.ops.rope import rope_cos_sin_cache
         self.rope_global = None
         self.rope_local = None
+        self.longrope = None        # Phi-3 LongRoPE: {"short": cache, "long": cache, "orig": pretrained context}
         if cfg.position_embedding == "rope" and cfg.rope_theta:
+            scaling = self._rope_scaling()
             self.rope_global = rope_cos_sin_cache(self.D, rot, cfg.max_position_embeddings, cfg.rope_theta,
-                                                  cfg.rope_scaling,
+                                                  scaling,
                                                   max_position_embeddings=cfg.max_position_embeddings)
+            if scaling and scaling["rope_type"] == "longrope":
+                orig = int(scaling["original_max_position_embeddings"])
+                long_cache = rope_cos_sin_cache(self.D, rot, cfg.max_position_embeddings, cfg.rope_theta, scaling,
+                                                max_position_embeddings=cfg.max_position_embeddings, seq_len=orig + 1)
+                self.longrope = {"short": self.rope_global, "long": long_cache, "orig": orig}
+                # one set of factors for every sequence, picked from the context length the engine serves
+                # (set_max_model_len; vLLM and llama.cpp do the same), so cached keys never mix the two sets
+                if cfg.max_position_embeddings > orig:
+                    self.rope_global = long_cache
             if self.gemma and cfg.rope_local_theta:
                 self.rope_local = rope_cos_sin_cache(self.D, rot, cfg.max_position_embeddings, cfg.rope_local_theta,
                                                      None)
@@ -187,6 +201,36 @@ class DecoderLM:
         self.rope_local = up(self.rope_local)
         self.device_bytes = up.nbytes
 
+    def set_max_model_len(self, n: int) -> None:
+        """The engine's context limit, once sized: Phi-3's LongRoPE uses its long factors for every sequence
+        when it exceeds the pretrained context (original_max_position_embeddings), else its short ones.
+        (HF transformers switches per forward call by the longest position in it: the same as this for a
+        prompt prefilled at once and for decoding, except while a sequence is still shorter than the
+        pretrained context under a longer limit.)"""
+        if self.longrope is None:
+            return
+        pick = self.longrope["long"] if n > self.longrope["orig"] else self.longrope["short"]
+        if self.device == "cuda":
+            from engine.device import Uploader
+            pick = Uploader()(pick)
+        for L in self.layers:
+            if L.rope_cache is self.rope_global:
+                L.rope_cache = pick
+        self.rope_global = pick
+
+    def _rope_scaling(self):
+        """The config's rope scaling; a GGUF's LongRoPE factors are tensors (rope_factors_short/long)."""
+        scaling = self.cfg.rope_scaling
+        if not scaling or scaling.get("rope_type") != "longrope" or "long_factor" in scaling:
+            return scaling
+        fac = {k: self.ckpt.get(f"rope_factors_{k}.weight") for k in ("short", "long")}
+        for k, t in fac.items():
+            if t is None:
+                raise ModelLoadError(f"LongRoPE scaling needs the rope_factors_{k}.weight tensor, which the "
+                                     "checkpoint lacks", path=self.ckpt.path, tensor=f"rope_factors_{k}.weight")
+        return {**scaling, "short_factor": vector_f32(fac["short"]).tolist(),
+                "long_factor": vector_f32(fac["long"]).tolist()}
+
     # ------------------------------------------------------------------------------------ loading
     def _t(self, key, i=None, required=True):
         for pat in _NAMES[key]:
@@ -213,6 +257,8 @@ class DecoderLM:
         if self.gpt2:
             qkv = linear_from([get("qkv")], f"blk.{i}.qkv", transpose=self.transpose_linear,
                               biases=[get("qkv_b")] if get("qkv_b", False) is not None else None)
+        elif get("q", False) is None and get("qkv", False) is not None:     # Phi-3's fused qkv_proj / attn_qkv
+            qkv = linear_from([get("qkv")], f"blk.{i}.qkv")
         else:
             bs = [get("q_b", False), get("k_b", False), get("v_b", False)]
             qkv = linear_from([get("q"), get("k"), get("v")], f"blk.{i}.qkv",
@@ -246,6 +292,11 @@ class DecoderLM:
             down = linear_from([get("down")], f"blk.{i}.down", transpose=self.transpose_linear,
                                biases=[db] if db is not None else None)
             gate_up = None
+        elif get("gate", False) is None and get("gate_up", False) is not None and \
+                get("gate_up").shape[0] == 2 * cfg.intermediate_size:        # Phi-3's fused gate_up_proj
+            gate_up = linear_from([get("gate_up")], f"blk.{i}.gate_up")
+            down = linear_from([get("down")], f"blk.{i}.down")
+            up = None
         else:
             moe = load_moe_block(self.ckpt, i, self.moe_spec, self.hidden)
             gate_up = None if moe is not None else linear_from([get("gate"), get("up")], f"blk.{i}.gate_up")

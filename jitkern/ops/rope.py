@@ -138,11 +138,14 @@ def _get(scaling: dict, key: str, what: str):
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None,
-                  max_position_embeddings: int | None = None) -> tuple[np.ndarray, float]:
+                  max_position_embeddings: int | None = None, *, seq_len: int | None = None
+                  ) -> tuple[np.ndarray, float]:
     """(inv_freq f32 [rotary_dim // 2], attention_scaling) for a rope scaling config, as HF transformers'
     rope init functions compute them. `scaling` is the config's rope_scaling / rope_parameters dict (type
     under "rope_type" or "type"); None or type "default" means plain RoPE. Supported: default, linear,
-    llama3, yarn. `max_position_embeddings` is used only by yarn configs without a `factor`.
+    llama3, yarn, longrope (Phi-3; "su" is its older name). `max_position_embeddings` is used by yarn and
+    longrope configs without a `factor`. LongRoPE uses its long factors when `seq_len` >
+    original_max_position_embeddings, else its short ones (HF's `seq_len` argument).
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rope: rotary_dim must be a positive even number, got {rotary_dim}")
@@ -205,11 +208,30 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None,
         ramp = np.clip((np.arange(dim // 2, dtype=_F32) - _F32(low)) / _F32(high - low), 0, 1).astype(_F32)
         ef = (_F32(1) - ramp).astype(_F32)
         return (inter * (_F32(1) - ef) + extra * ef).astype(_F32), float(attn)
-    raise ValueError(f"rope scaling type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
+    if kind in ("longrope", "su"):
+        short = np.asarray(_get(scaling, "short_factor", kind), dtype=_F32).reshape(-1)
+        long_ = np.asarray(_get(scaling, "long_factor", kind), dtype=_F32).reshape(-1)
+        orig = int(_get(scaling, "original_max_position_embeddings", kind))
+        for name, f in (("short_factor", short), ("long_factor", long_)):
+            if f.shape != (dim // 2,):
+                raise ValueError(f"rope scaling 'longrope': '{name}' has {f.shape[0]} entries, expected rotary_dim/2 "
+                                 f"= {dim // 2}")
+        factor = scaling.get("factor")
+        if factor is None:       # Phi-3: the ratio of the extended to the pretrained context
+            factor = (max_position_embeddings or orig) / orig
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        ext = long_ if (seq_len and seq_len > orig) else short
+        exps = np.arange(0, dim, 2, dtype=np.int64).astype(_F32) / _F32(dim)
+        return (_F32(1.0) / (ext * _pow_f32(base, exps))).astype(_F32), float(attn)
+    raise ValueError(f"rope scaling type '{kind}' is not supported (supported: default, linear, llama3, yarn, "
+                     f"longrope)")
 
 
 def rope_cos_sin_cache(head_dim: int, rotary_dim: int, max_pos: int, base: float,
-                       scaling: dict | None = None, *, max_position_embeddings: int | None = None) -> np.ndarray:
+                       scaling: dict | None = None, *, max_position_embeddings: int | None = None,
+                       seq_len: int | None = None) -> np.ndarray:
     """The f32 [max_pos, rotary_dim] cos/sin cache for `rope` (host-side, at model init).
 
     Row p is [cos(p * inv_freq) * s, sin(p * inv_freq) * s] with inv_freq and the attention scaling s from
@@ -218,7 +240,7 @@ def rope_cos_sin_cache(head_dim: int, rotary_dim: int, max_pos: int, base: float
     """
     if not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rope: rotary_dim {rotary_dim} must be in (0, head_dim={head_dim}]")
-    inv, attn = rope_inv_freq(rotary_dim, base, scaling, max_position_embeddings)
+    inv, attn = rope_inv_freq(rotary_dim, base, scaling, max_position_embeddings, seq_len=seq_len)
     ang = (np.arange(max_pos, dtype=_F32)[:, None] * inv[None, :]).astype(_F32).astype(np.float64)
     cache = np.empty((max_pos, rotary_dim), _F32)
     half = rotary_dim // 2

@@ -75,6 +75,37 @@ def test_cos_sin_cache_matches_transformers(head_dim, params):
     assert (np.abs(cache[:, half:] - sin_hf) <= tol_same).all()
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_matches_transformers_short_and_long(partial):
+    # Phi-3's LongRoPE: short factors up to original_max_position_embeddings, long ones past it (HF's seq_len)
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    head_dim, orig, max_pos = 64, 256, 4096
+    rot = int(head_dim * partial)
+    rng = np.random.default_rng(7)
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+              "original_max_position_embeddings": orig,
+              "short_factor": (1 + rng.random(rot // 2)).tolist(), "long_factor": (1 + 8 * rng.random(rot // 2)).tolist()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.logging.set_verbosity_error()
+        cfg = tr.Phi3Config(hidden_size=2 * head_dim, num_attention_heads=2, max_position_embeddings=max_pos,
+                            original_max_position_embeddings=orig, rope_parameters=dict(params))
+        for seq_len in (None, orig, orig + 1):
+            inv_hf, attn_hf = ROPE_INIT_FUNCTIONS["longrope"](cfg, seq_len=seq_len)
+            inv, attn = rope_inv_freq(rot, 10000.0, params, max_position_embeddings=max_pos, seq_len=seq_len)
+            assert np.allclose(inv, inv_hf.numpy(), rtol=2.5e-7, atol=0)
+            assert attn == pytest.approx(attn_hf, rel=1e-12) and attn > 1.0
+    short, _ = rope_inv_freq(rot, 10000.0, params, max_position_embeddings=max_pos)
+    long_, _ = rope_inv_freq(rot, 10000.0, params, max_position_embeddings=max_pos, seq_len=orig + 1)
+    assert not np.allclose(short, long_)
+    cache = rope_cos_sin_cache(head_dim, rot, 8, 10000.0, params, max_position_embeddings=max_pos, seq_len=orig + 1)
+    assert np.allclose(cache[5, : rot // 2], np.cos(5 * long_.astype(np.float64)) * attn_hf, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="long_factor"):
+        rope_inv_freq(rot, 10000.0, {**params, "long_factor": [1.0] * 3})
+
+
 def test_rope_scaling_old_format_and_errors():
     # HF's legacy rope_scaling {"type": ...}; unknown types and missing fields are clear errors
     a, _ = rope_inv_freq(64, 10000.0, {"type": "linear", "factor": 4.0})

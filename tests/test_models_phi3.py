@@ -1,0 +1,89 @@
+"""Phi-3 (fused qkv_proj / gate_up_proj, LongRoPE over a partial rotary) against HF transformers, from
+safetensors and from a llama.cpp-style GGUF (tests/gguf_export.py: attn_qkv, ffn_up with 2 x intermediate
+rows, rope_factors_long/short tensors, phi3.rope.scaling.attn_factor / original_context_length).
+
+transformers picks LongRoPE's factors per forward call: short while the longest position is within the
+pretrained context (128 here), long past it. The engine picks one set for every sequence from its context
+limit (as vLLM and llama.cpp do, so cached keys never mix the sets). Both regimes are compared where
+transformers is consistent with that: max_model_len 128 with sequences that stay within 128 tokens (short
+factors), and the default limit (512) with prompts longer than 128 tokens (long factors from the first
+token on, in transformers' one-shot prefill and in every decode step).
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.llm import LLM  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.gguf_export import write_gguf  # noqa: E402
+from tests.model_fixtures import make_model_dir  # noqa: E402
+from tests.test_models import _hf_greedy  # noqa: E402
+
+ORIG = 128
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("phi3")
+    hf = make_model_dir("phi3", str(d / "hf"))
+    gguf_path = write_gguf(hf, str(d / "model.gguf"))
+    return hf, {"safetensors": str(d / "hf"), "gguf": gguf_path}
+
+
+def _prompts(k, lo, hi, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 256, int(rng.integers(lo, hi))).tolist() for _ in range(k)]
+
+
+def _run(path, max_model_len, logit_prompt, prompts):
+    llm = LLM(path, num_blocks=96, block_size=16, max_num_batched_tokens=48, max_logprobs=-1,
+              max_model_len=max_model_len)
+    try:
+        plp = llm.generate([logit_prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
+                                                          detokenize=False))[0].prompt_logprobs
+        sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
+        solo = llm.generate([prompts[0]], sp)[0].outputs[0].token_ids
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    finally:
+        llm.close()
+    got = np.array([[plp[i][t].logprob for t in range(256)] for i in range(1, len(logit_prompt))])
+    return got, solo, batch
+
+
+def _hf_logprobs(hf, prompt):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()[:-1]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("regime", ["short", "long"])
+def test_phi3_longrope_matches_transformers(phi3, fmt, regime):
+    hf, paths = phi3
+    if regime == "short":        # every sequence within the pretrained context: short factors
+        max_model_len, logit_prompt, prompts = ORIG, _prompts(1, 60, 90, 1)[0], _prompts(4, 3, 60, 2)
+        assert max(map(len, prompts)) + 32 <= ORIG
+    else:                        # prompts past the pretrained context: long factors throughout
+        max_model_len, logit_prompt, prompts = None, _prompts(1, 140, 170, 3)[0], _prompts(4, ORIG + 1, 170, 4)
+    want = [_hf_greedy(hf, p, 32) for p in prompts]
+    got, solo, batch = _run(paths[fmt], max_model_len, logit_prompt, prompts)
+    np.testing.assert_allclose(got, _hf_logprobs(hf, logit_prompt), atol=2e-4, rtol=1e-4)
+    assert solo == want[0]
+    assert batch == want
+
+
+def test_phi3_factor_sets_differ(phi3):
+    # the test above can fail: the long factors change transformers' logits for a prompt past 128 tokens
+    hf, _ = phi3
+    prompt = _prompts(1, 140, 170, 3)[0]
+    ref = _hf_logprobs(hf, prompt)
+    rp = hf.config.rope_parameters
+    saved = rp["long_factor"]
+    try:
+        rp["long_factor"] = rp["short_factor"]
+        hf.model.rotary_emb.long_inv_freq = None
+        other = _hf_logprobs(hf, prompt)
+    finally:
+        rp["long_factor"] = saved
+        hf.model.rotary_emb.long_inv_freq = None
+    assert np.abs(ref - other).max() > 1e-2
