@@ -12,7 +12,7 @@ Options: --concurrency 1 64 (prompts per batch; each batch is timed as one gener
 
 Each system runs in its own subprocess (one model in GPU memory at a time; a crash or an LLVM abort in one does
 not take the others down), loads the model, warms up on other prompts of the same shapes (compiles, CUDA graphs,
-cuBLAS heuristics), then times one generate call per concurrency: `c` random prompts of exactly input-len ids
+cuBLAS heuristics; 8 new tokens), then times one generate call per concurrency: `c` random prompts of exactly input-len ids
 (equal lengths, no padding: the torch peers run them as one batch), output-len new tokens each, greedy, EOS
 ignored. tok/s = c * output_len / wall time of the call (prefill included); TTFT = time to the batch's first
 tokens; decode tok/s = c * (output_len - 1) / (wall - TTFT).
@@ -75,7 +75,7 @@ def worker_hf(a, prompts) -> dict:
         return out[:, ids.shape[1]:].cpu()
 
     for c, rows in prompts["timed"].items():
-        gen(prompts["warm"][c], 4)                                  # warm-up: cuBLAS handles, allocator
+        gen(prompts["warm"][c], min(a.output_len, 8))              # warm-up: cuBLAS handles, allocator
         _sync(a.device)
         t0 = time.perf_counter()
         gen(rows, 1)
@@ -126,9 +126,10 @@ def worker_ours(a, prompts) -> dict:
            f"kv_cache_dtype={a.kv_cache_dtype}"}
     try:
         sp = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True, detokenize=False)
+        warm_sp = SamplingParams(max_tokens=min(a.output_len, 8), temperature=0, ignore_eos=True, detokenize=False)
         for c, rows in prompts["timed"].items():
             t0 = time.perf_counter()
-            llm.generate(prompts["warm"][c], sp)                   # warm-up: kernels, graph buckets
+            llm.generate(prompts["warm"][c], warm_sp)              # warm-up: kernels, decode graph of this batch
             warm = time.perf_counter() - t0
             start = time.monotonic()
             t0 = time.perf_counter()

@@ -3,7 +3,6 @@ tokens; the random-model writer produces folders that transformers, the peer and
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -88,3 +87,48 @@ def test_gpt_fast_refuses_what_it_cannot_run(tmp_path):
         gen.generate(torch.zeros(2, 10, dtype=torch.long), 8)
     with pytest.raises(ValueError, match="batch 2"):
         gen.generate(torch.zeros(3, 4, dtype=torch.long), 2)
+
+
+def test_random_model_folder_reads_everywhere(tmp_path):
+    """The random checkpoint (smoke dims) loads in transformers with the written values, in the peer with the
+    same greedy tokens as transformers, and in the engine's loader and tokenizer."""
+    from engine.loader import load_checkpoint
+    from perf.peers.make_random_model import write_model
+    cfg = write_model(str(tmp_path), "qwen3-8b", smoke=True, layers=1, quiet=True)
+    assert cfg.num_hidden_layers == 1 and cfg.model_type == "qwen3"
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    from safetensors.torch import load_file
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    assert set(sd) == set(hf.state_dict())
+    w = sd["model.layers.0.mlp.up_proj.weight"]
+    assert w.dtype == torch.bfloat16 and 0.015 < float(w.float().std()) < 0.025
+    assert torch.equal(hf.model.layers[0].mlp.up_proj.weight, w.float())
+    norm = sd["model.layers.0.self_attn.q_norm.weight"].float()
+    assert abs(float(norm.mean()) - 1.0) < 0.05 and float(norm.std()) > 0.01
+    prompt = torch.randint(2, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12,
+                          min_new_tokens=12, pad_token_id=0)[:, 9:]
+    gen = gpt_fast.Generator(gpt_fast.load(str(tmp_path), dtype=torch.float32), batch=2, max_len=32)
+    assert torch.equal(gen.generate(prompt, 12)[0], ref)
+    ck = load_checkpoint(str(tmp_path))
+    assert ck["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    assert ck.tokenizer.decode([5, 7]) == "t5 t7"
+    # a second shape and the --layers bound
+    with pytest.raises(ValueError, match="--layers must be in"):
+        write_model(str(tmp_path / "x"), "llama3-8b", layers=33, quiet=True)
+
+
+def test_bench_kernels_smoke_on_host_memory_device(capsys):
+    """The kernel harness's jitkern device-array paths (zero-copy views of torch memory, linear, its variant
+    name and error check) on the fake device: every row runs and jitkern's outputs match the f32 reference."""
+    from perf import bench_kernels_cuda
+    rc = bench_kernels_cuda.main(["--smoke", "--device", "cpu", "--only", "gemv", "elem", "--reps", "1",
+                                  "--budget", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0 and " 0 failed" in out, out
+    rows = [line for line in out.splitlines() if "jitkern" in line]
+    assert len(rows) == 4, out
+    for line in rows:
+        err = float(line.split()[-2])
+        assert err < 1e-5, line

@@ -1,0 +1,532 @@
+"""Kernel A/B harness on a CUDA GPU: jitkern's kernels against the best peer on the same shapes in the same run.
+
+    python perf/bench_kernels_cuda.py [--only gemm attn gemv elem] [--smoke] [--reps 20] [--json out.json]
+    python perf/bench_kernels_cuda.py --smoke --device cpu     # checks the script on a CPU (see below)
+
+Sections (each row says which variant ran, its median time, TFLOP/s or GB/s, the ratio to the peer, and the
+max error against an f32 reference where one is cheap):
+  gemm  bf16 GEMM at Llama-3-8B projection shapes, (N, K) in (4096, 4096) qkv-less o_proj, (6144, 4096) qkv,
+        (28672, 4096) gate|up, (4096, 14336) down, (128256, 4096) lm_head; M = 1, 16, 64, 256, 2048, 8192.
+        torch.matmul (cuBLAS; bf16 in/out), the Triton matmul of perf/peers/triton_matmul.py (autotuned;
+        bf16 in/out), jitkern's `linear` (what the engine's dense layers call on device arrays: f32
+        activations, bf16 weights, f32 out; the kernel it launched is printed) and, where the tiles divide
+        the shape, the jk.dot tensor-core tile kernel of perf/bench_cuda.py (bf16 in, f32 out).
+  attn  prefill: torch SDPA forced to the flash backend (bf16, causal; K/V repeated to 32 heads) vs jitkern's
+        paged prefill kernel (f32 q, f32 paged cache), 32 q heads / 8 KV heads / head_dim 128;
+        decode: jitkern's paged decode attention (the engine's call: num_partitions=MAX_PARTITIONS) with f32
+        and f16 caches, GB/s of KV read vs the copy bandwidth, and torch SDPA (bf16, enable_gqa) for reference.
+  gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
+        torch.matmul at M = 1.
+  elem  rms_norm and silu_and_mul (f32) as GB/s vs the copy bandwidth.
+The copy bandwidth (cuMemcpyDtoDAsync of 1 GiB, read + write bytes) is measured first in every run.
+
+Timing: CUDA events on jitkern's stream (torch and Triton are made to run on the same stream); before each
+timed batch of calls a torch.cuda._sleep kernel holds the GPU while the host enqueues the batch, so the
+figure is device time, not Python launch overhead; one warm-up call (compiles, autotunes), then the median
+of --reps batches. Weights are rotated over enough copies (>= 256 MB) that small ones are not served from
+the 50 MB L2. A call slower than 0.25 s is timed once (marked "1x").
+
+--device cpu: torch on the CPU and jitkern's device arrays on host memory (tests/fake_cuda: the op wrappers'
+device-array path with the CPU kernels), perf_counter timing, no Triton/flash (reported as skipped): for
+checking the script, not for numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GEMM_NK = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+GEMM_M = (1, 16, 64, 256, 2048, 8192)
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+PREFILL_CASES = ((1, 1024), (1, 4096), (8, 1024))          # (sequences, tokens each)
+DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (16, 4096), (64, 4096))   # (sequences, context)
+ROTATE_BYTES = 256 << 20
+
+
+class _Keep:
+    """Holds the torch tensor a zero-copy DeviceArray views (DeviceArray keeps its `alloc` alive)."""
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+
+class Bench:
+    def __init__(self, device: str, reps: int, budget_s: float):
+        import torch
+        from jitkern.runtime import cuda
+        self.torch = torch
+        self.is_cuda = device == "cuda"
+        self.device = device
+        self.reps = reps
+        self.budget_s = budget_s
+        self.jdev = cuda.get_device()
+        self.cuda_mod = cuda
+        self.stream = None
+        if self.is_cuda:
+            # jitkern launches on its own stream: run torch / Triton there too, so one event pair times both
+            self.stream = torch.cuda.ExternalStream(self.jdev.stream_handle)
+            torch.cuda.set_stream(self.stream)
+        self.rows: list[dict] = []
+
+    # --- arrays
+    def dev(self, t, dtype=None):
+        """A jitkern DeviceArray over a torch tensor's memory (no copy). dtype: numpy dtype or "bf16"."""
+        from jitkern import ir
+        t = t.contiguous()
+        if dtype == "bf16":
+            d = ir.DTYPES["bf16"]
+        else:
+            d = np.dtype(dtype) if dtype is not None else {
+                self.torch.float32: np.dtype(np.float32), self.torch.float16: np.dtype(np.float16),
+                self.torch.int32: np.dtype(np.int32), self.torch.bfloat16: np.dtype(np.uint16),
+                self.torch.uint8: np.dtype(np.uint8)}[t.dtype]
+        return self.cuda_mod.DeviceArray(t.data_ptr(), tuple(t.shape), d, self.jdev, _Keep(t))
+
+    # --- timing
+    def sync(self):
+        if self.is_cuda:
+            self.torch.cuda.synchronize()
+        self.jdev.synchronize()
+
+    def time(self, fns) -> tuple[float, str]:
+        """Median seconds per call of fns[i % len(fns)] (a rotation over argument sets), and a note."""
+        fns = fns if isinstance(fns, (list, tuple)) else [fns]
+        fns[0]()                                            # warm-up: compile, autotune, allocator
+        self.sync()
+        if not self.is_cuda:
+            t0 = time.perf_counter()
+            fns[0]()
+            one = time.perf_counter() - t0
+            inner = max(1, min(20, int(0.01 / max(one, 1e-9))))
+            reps = max(1, min(self.reps, int(self.budget_s / max(one * inner, 1e-9))))
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for i in range(inner):
+                    fns[i % len(fns)]()
+                ts.append((time.perf_counter() - t0) / inner)
+            return statistics.median(ts), f"{reps}x{inner}"
+        torch = self.torch
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        h0 = time.perf_counter()
+        ev[0].record()
+        fns[0]()
+        ev[1].record()
+        host = time.perf_counter() - h0
+        ev[1].synchronize()
+        one = ev[0].elapsed_time(ev[1]) / 1e3
+        if one > 0.25:
+            return one, "1x"
+        inner = max(len(fns), min(200, int(0.002 / max(one, 1e-7))))
+        reps = max(3, min(self.reps, int(self.budget_s / max(one * inner, 1e-7))))
+        # hold the GPU while the host enqueues `inner` calls (~2 GHz SM clock; a longer sleep is harmless)
+        sleep_cycles = int(2e9 * (1.5 * inner * host + 50e-6))
+        ts = []
+        for _ in range(reps):
+            torch.cuda._sleep(sleep_cycles)
+            ev[0].record()
+            for i in range(inner):
+                fns[i % len(fns)]()
+            ev[1].record()
+            ev[1].synchronize()
+            ts.append(ev[0].elapsed_time(ev[1]) / 1e3 / inner)
+        return statistics.median(ts), f"{reps}x{inner}"
+
+    def row(self, section, case, variant, t, note="", flops=None, nbytes=None, peer=None, err=None):
+        r = {"section": section, "case": case, "variant": variant, "ms": t * 1e3 if t else None, "note": note}
+        if t and flops:
+            r["tflops"] = flops / t / 1e12
+        if t and nbytes:
+            r["gbs"] = nbytes / t / 1e9
+        if peer and t:
+            r["ratio"] = peer / t                           # > 1: faster than the peer
+        if err is not None:
+            r["err"] = err
+        self.rows.append(r)
+        ms = f"{t * 1e3:9.3f}" if t else f"{'-':>9}"
+        tf = f"{r['tflops']:7.1f}" if "tflops" in r else f"{'':>7}"
+        gb = f"{r['gbs']:7.0f}" if "gbs" in r else f"{'':>7}"
+        ra = f"{r['ratio']:6.3f}" if "ratio" in r else f"{'':>6}"
+        er = f"{err:8.1e}" if err is not None else f"{'':>8}"
+        print(f"{case:<26} {variant:<44} {ms} {tf} {gb} {ra} {er}  {note}", flush=True)
+        return r
+
+    def fail(self, section, case, variant, exc):
+        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150] if str(exc) else ''}"
+        self.rows.append({"section": section, "case": case, "variant": variant, "error": msg})
+        print(f"{case:<26} {variant:<44} FAILED {msg}", flush=True)
+
+
+def _header(title):
+    print(f"\n== {title}")
+    print(f"{'case':<26} {'variant':<44} {'ms':>9} {'TFLOP/s':>7} {'GB/s':>7} {'ratio':>6} {'max err':>8}  reps")
+
+
+def _rel_err(y, ref) -> float:
+    y = y.float()
+    return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def copy_bandwidth(b: Bench, mib: int) -> float:
+    torch = b.torch
+    n = mib << 20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=b.device)
+    dst = torch.empty_like(src)
+    t, note = b.time(lambda: b.jdev.copy(dst.data_ptr(), src.data_ptr(), n))
+    _header("copy bandwidth (the ceiling for memory-bound rows)")
+    b.row("copy", f"{mib} MiB", "cuMemcpyDtoDAsync", t, note, nbytes=2 * n)
+    t2, note = b.time(lambda: dst.copy_(src))
+    b.row("copy", f"{mib} MiB", "torch copy_", t2, note, nbytes=2 * n)
+    assert torch.equal(dst[:4096], src[:4096])
+    return 2 * n / t / 1e9
+
+
+def _weights(b, N, K, copies):
+    torch = b.torch
+    return [(torch.randn(N, K, device=b.device) * 0.05).to(torch.bfloat16) for _ in range(copies)]
+
+
+def _linear_variant(b, x32, ws, y32):
+    """jitkern linear on device arrays (the engine's dense op): f32 x, bf16 w, f32 out. Returns (fns, name)."""
+    from jitkern.ops import matmul as jm
+    xd, yd = b.dev(x32), b.dev(y32)
+    wds = [b.dev(w) for w in ws]
+    fns = [lambda wd=wd: jm.linear(xd, wd, out=yd, w_dtype="bf16") for wd in wds]
+    jm._LAST.clear()
+    fns[0]()
+    b.sync()
+    ran = ",".join(sorted(jm._LAST)) or "?"
+    tgt = next(iter(jm._LAST.values())).target.name if jm._LAST else "?"
+    return fns, f"jitkern linear [{ran} @{tgt}]"
+
+
+def gemm(b: Bench, Ms, NKs, check_rows=64):
+    torch = b.torch
+    triton_mm = _triton(b)
+    _header("bf16 GEMM y[M,N] = x[M,K] @ w[N,K]^T  (ratio: cuBLAS time / variant time)")
+    for N, K in NKs:
+        copies = max(1, min(8, math.ceil(ROTATE_BYTES / (2 * N * K))))
+        ws = _weights(b, N, K, copies)
+        for M in Ms:
+            case = f"M={M} N={N} K={K}"
+            flops, nb = 2 * M * N * K, 2 * (N * K + M * K + M * N)
+            x = (torch.randn(M, K, device=b.device)).to(torch.bfloat16)
+            x32 = x.float()
+            m = min(M, check_rows)
+            ref = x32[:m] @ ws[0].float().T
+            y = torch.empty(M, N, dtype=torch.bfloat16, device=b.device)
+            y32 = torch.empty(M, N, dtype=torch.float32, device=b.device)
+            t_cublas = None
+            try:
+                t_cublas, note = b.time([lambda w=w: torch.matmul(x, w.T, out=y) for w in ws])
+                torch.matmul(x, ws[0].T, out=y)
+                b.row("gemm", case, "cuBLAS torch.matmul (bf16 out)", t_cublas, note, flops, nb,
+                      err=_rel_err(y[:m], ref))
+            except Exception as e:      # noqa: BLE001 - a failed variant is reported, the run goes on
+                b.fail("gemm", case, "cuBLAS torch.matmul", e)
+            if triton_mm is not None:
+                try:
+                    t, note = b.time([lambda w=w: triton_mm.matmul(x, w, out=y) for w in ws])
+                    triton_mm.matmul(x, ws[0], out=y)
+                    b.row("gemm", case, f"Triton [{triton_mm.best_config(M, N, K)}]", t, note, flops, nb,
+                          t_cublas, _rel_err(y[:m], ref))
+                except Exception as e:  # noqa: BLE001
+                    b.fail("gemm", case, "Triton matmul", e)
+            try:
+                fns, name = _linear_variant(b, x32, ws, y32)
+                t, note = b.time(fns)
+                fns[0]()
+                b.sync()
+                b.row("gemm", case, name, t, note, flops, 2 * N * K + 4 * (M * K + M * N), t_cublas,
+                      _rel_err(y32[:m], ref))
+            except Exception as e:      # noqa: BLE001
+                b.fail("gemm", case, "jitkern linear", e)
+            BM, BN, BK = 64, 64, 32
+            if M % BM == 0 and N % BN == 0 and K % BK == 0:
+                try:
+                    from perf.bench_cuda import _gemm_bf16
+                    xd, yd = b.dev(x, "bf16"), b.dev(y32)
+                    wds = [b.dev(w, "bf16") for w in ws]
+                    grid = (M // BM, N // BN)
+                    fns = [lambda wd=wd: _gemm_bf16[grid](xd, wd, yd, M, N, K, BM=BM, BN=BN, BK=BK, num_warps=4)
+                           for wd in wds]
+                    t, note = b.time(fns)
+                    fns[0]()
+                    b.sync()
+                    b.row("gemm", case, "jitkern jk.dot tiles 64x64x32 (bench_cuda)", t, note, flops, nb, t_cublas,
+                          _rel_err(y32[:m], ref))
+                except Exception as e:  # noqa: BLE001
+                    b.fail("gemm", case, "jitkern jk.dot tiles", e)
+        del ws
+        if b.is_cuda:
+            torch.cuda.empty_cache()
+
+
+def gemv(b: Bench, copy_gbs: float, NKs, Ms=(1,)):
+    torch = b.torch
+    _header(f"decode GEMV (GB/s of weights + activations; ratio: of the {copy_gbs:.0f} GB/s copy bandwidth)")
+    for N, K in NKs:
+        copies = max(1, min(8, math.ceil(ROTATE_BYTES / (2 * N * K))))
+        ws = _weights(b, N, K, copies)
+        for M in Ms:
+            case = f"M={M} N={N} K={K}"
+            x = torch.randn(M, K, device=b.device).to(torch.bfloat16)
+            x32 = x.float()
+            ref = x32 @ ws[0].float().T
+            y = torch.empty(M, N, dtype=torch.bfloat16, device=b.device)
+            y32 = torch.empty(M, N, dtype=torch.float32, device=b.device)
+            try:
+                t, note = b.time([lambda w=w: torch.matmul(x, w.T, out=y) for w in ws])
+                nb = 2 * (N * K + M * K + M * N)
+                torch.matmul(x, ws[0].T, out=y)
+                b.row("gemv", case, "cuBLAS torch.matmul", t, note, nbytes=nb, peer=nb / copy_gbs / 1e9,
+                      err=_rel_err(y, ref))
+            except Exception as e:      # noqa: BLE001
+                b.fail("gemv", case, "cuBLAS torch.matmul", e)
+            try:
+                fns, name = _linear_variant(b, x32, ws, y32)
+                t, note = b.time(fns)
+                nb = 2 * N * K + 4 * (M * K + M * N)
+                fns[0]()
+                b.sync()
+                b.row("gemv", case, name, t, note, nbytes=nb, peer=nb / copy_gbs / 1e9, err=_rel_err(y32, ref))
+            except Exception as e:      # noqa: BLE001
+                b.fail("gemv", case, "jitkern linear", e)
+        del ws
+
+
+def _paged_cache(b, B, S, dtype, block=16):
+    """A paged cache holding B sequences of S random tokens each (sequence i in blocks i*nb .. i*nb+nb-1)."""
+    torch = b.torch
+    nb = -(-S // block)
+    kc = (torch.randn(B * nb, block, KV_HEADS, HEAD_DIM, device=b.device) * 0.5).to(dtype)
+    vc = torch.randn(B * nb, block, KV_HEADS, HEAD_DIM, device=b.device).to(dtype)
+    bt = torch.arange(B * nb, dtype=torch.int32, device=b.device).reshape(B, nb)
+    return kc, vc, bt, nb
+
+
+def _dense_kv(kc, vc, B, S, nb):
+    """[B, KV_HEADS, S, D] views of the paged caches (for the torch reference / peer)."""
+    k = kc.reshape(B, nb * kc.shape[1], KV_HEADS, HEAD_DIM)[:, :S].transpose(1, 2)
+    v = vc.reshape(B, nb * vc.shape[1], KV_HEADS, HEAD_DIM)[:, :S].transpose(1, 2)
+    return k, v
+
+
+def _step_arrays(b, qlens, seqlens):
+    torch = b.torch
+    qs = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    sl = np.asarray(seqlens, np.int32)
+    return (b.dev(torch.from_numpy(qs).to(b.device)), b.dev(torch.from_numpy(sl).to(b.device)), qs, sl)
+
+
+def attention(b: Bench, prefill_cases, decode_cases, copy_gbs):
+    torch = b.torch
+    import torch.nn.functional as F
+    from jitkern.ops import attention as ja
+    scale = HEAD_DIM ** -0.5
+    _header("prefill attention, causal, 32 q / 8 KV heads, D=128 (ratio: SDPA time / variant time)")
+    for B, S in prefill_cases:
+        case = f"B={B} S={S}"
+        flops = 4 * B * HEADS * HEAD_DIM * S * (S + 1) // 2
+        kc, vc, bt, nb = _paged_cache(b, B, S, torch.float32)
+        q = torch.randn(B * S, HEADS, HEAD_DIM, device=b.device)
+        k, v = _dense_kv(kc, vc, B, S, nb)
+        qb = q.reshape(B, S, HEADS, HEAD_DIM).transpose(1, 2)
+        rep = HEADS // KV_HEADS
+        kb = k.repeat_interleave(rep, dim=1).to(torch.bfloat16).contiguous()
+        vb = v.repeat_interleave(rep, dim=1).to(torch.bfloat16).contiguous()
+        qbb = qb.to(torch.bfloat16).contiguous()
+        t_sdpa = None
+        try:
+            from contextlib import nullcontext
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            ctx = (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])) if b.is_cuda else nullcontext
+            with ctx():
+                t_sdpa, note = b.time(lambda: F.scaled_dot_product_attention(qbb, kb, vb, is_causal=True))
+                ref = F.scaled_dot_product_attention(qbb, kb, vb, is_causal=True).float()
+            b.row("attn", case, f"torch SDPA {'flash ' if b.is_cuda else ''}(bf16)", t_sdpa, note, flops)
+        except Exception as e:          # noqa: BLE001
+            b.fail("attn", case, "torch SDPA flash", e)
+            ref = None
+        try:
+            qs, sl, qs_h, sl_h = _step_arrays(b, [S] * B, [S] * B)
+            out = torch.empty_like(q)
+            qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kc), b.dev(vc), b.dev(bt)
+            ws = {}
+
+            def ours():
+                ja.paged_prefill_attention(qd, kd, vd, qs, sl, btd, scale=scale, out=od, workspace=ws,
+                                           validate=False, host_step=(qs_h, sl_h))
+            t, note = b.time(ours)
+            ours()
+            b.sync()
+            err = None
+            if ref is not None:
+                err = _rel_err(out.reshape(B, S, HEADS, HEAD_DIM).transpose(1, 2), ref)
+            b.row("attn", case, "jitkern paged prefill (f32 q, f32 cache)", t, note, flops, peer=t_sdpa, err=err)
+        except Exception as e:          # noqa: BLE001
+            b.fail("attn", case, "jitkern paged prefill", e)
+
+    _header(f"decode attention, one query per sequence (GB/s of KV read; ratio: of the {copy_gbs:.0f} GB/s copy)")
+    for B, L in decode_cases:
+        for cdt, name in ((torch.float32, "f32"), (torch.float16, "f16")):
+            case = f"B={B} ctx={L} {name} cache"
+            kc, vc, bt, nb = _paged_cache(b, B, L, cdt)
+            nbytes = 2 * B * L * KV_HEADS * HEAD_DIM * kc.element_size()
+            q = torch.randn(B, HEADS, HEAD_DIM, device=b.device)
+            k, v = _dense_kv(kc, vc, B, L, nb)
+            ref = F.scaled_dot_product_attention(q[:, :, None].float(), k.float().repeat_interleave(4, 1),
+                                                 v.float().repeat_interleave(4, 1))[:, :, 0] if B * L <= 65536 else None
+            if cdt == torch.float32:
+                try:
+                    qb = q[:, :, None].to(torch.bfloat16)
+                    kb, vb = k.to(torch.bfloat16).contiguous(), v.to(torch.bfloat16).contiguous()
+                    t, note = b.time(lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True))
+                    nbb = 2 * B * L * KV_HEADS * HEAD_DIM * 2
+                    b.row("attn", f"B={B} ctx={L} bf16 dense", "torch SDPA enable_gqa (bf16, auto backend)", t,
+                          note, nbytes=nbb, peer=nbb / copy_gbs / 1e9)
+                    del kb, vb
+                except Exception as e:  # noqa: BLE001
+                    b.fail("attn", f"B={B} ctx={L} bf16 dense", "torch SDPA enable_gqa", e)
+            try:
+                qs, sl, qs_h, sl_h = _step_arrays(b, [1] * B, [L] * B)
+                out = torch.empty_like(q)
+                qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kc), b.dev(vc), b.dev(bt)
+                ws = {}
+
+                def ours():
+                    ja.paged_attention(qd, kd, vd, qs, sl, btd, scale=scale, out=od, workspace=ws, max_query_len=1,
+                                       num_partitions=ja.MAX_PARTITIONS, validate=False, host_step=(qs_h, sl_h))
+                t, note = b.time(ours)
+                ours()
+                b.sync()
+                b.row("attn", case, "jitkern paged decode (engine's call)", t, note, nbytes=nbytes,
+                      peer=nbytes / copy_gbs / 1e9, err=None if ref is None else _rel_err(out, ref))
+            except Exception as e:      # noqa: BLE001
+                b.fail("attn", case, "jitkern paged decode", e)
+            del kc, vc, q, k, v
+
+
+def elementwise(b: Bench, copy_gbs, T, H, inter):
+    torch = b.torch
+    from jitkern.ops.activation import silu_and_mul
+    from jitkern.ops.norm import rms_norm
+    _header(f"elementwise (GB/s read + written; ratio: of the {copy_gbs:.0f} GB/s copy bandwidth)")
+    x = torch.randn(T, H, device=b.device)
+    w = torch.rand(H, device=b.device) + 0.5
+    out = torch.empty_like(x)
+    try:
+        xd, wd, od = b.dev(x), b.dev(w), b.dev(out)
+        t, note = b.time(lambda: rms_norm(xd, wd, 1e-5, out=od))
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        nb = 2 * x.numel() * 4
+        b.row("elem", f"rms_norm [{T}, {H}] f32", "jitkern rms_norm", t, note, nbytes=nb, peer=nb / copy_gbs / 1e9,
+              err=_rel_err(out, ref))
+    except Exception as e:              # noqa: BLE001
+        b.fail("elem", f"rms_norm [{T}, {H}]", "jitkern rms_norm", e)
+    gu = torch.randn(T, 2 * inter, device=b.device)
+    o2 = torch.empty(T, inter, device=b.device)
+    try:
+        gud, o2d = b.dev(gu), b.dev(o2)
+        t, note = b.time(lambda: silu_and_mul(gud, out=o2d))
+        ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        nb = (gu.numel() + o2.numel()) * 4
+        b.row("elem", f"silu_and_mul [{T}, {2 * inter}] f32", "jitkern silu_and_mul", t, note, nbytes=nb,
+              peer=nb / copy_gbs / 1e9, err=_rel_err(o2, ref))
+    except Exception as e:              # noqa: BLE001
+        b.fail("elem", f"silu_and_mul [{T}, {2 * inter}]", "jitkern silu_and_mul", e)
+
+
+def _triton(b: Bench):
+    if not b.is_cuda:
+        print("Triton matmul: skipped (needs a CUDA device)")
+        return None
+    try:
+        import triton  # noqa: F401
+
+        from perf.peers import triton_matmul
+        return triton_matmul
+    except ImportError as e:
+        print(f"Triton matmul: skipped ({e})")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=("gemm", "attn", "gemv", "elem"),
+                    default=["gemm", "attn", "gemv", "elem"])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (seconds)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--reps", type=int, default=20, help="timed batches per variant (median)")
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per variant")
+    ap.add_argument("--m", type=int, nargs="+", default=None, help="GEMM M values (default 1 16 64 256 2048 8192)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    mp = None
+    if a.device == "cpu":
+        import pytest
+        import torch
+
+        from tests import fake_cuda
+        mp = pytest.MonkeyPatch()
+        fake_cuda.install(mp)
+        n_threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # tiny CPU shapes: torch's threads only contend with the kernels'
+    try:
+        return _run(a)
+    finally:
+        if mp is not None:
+            import torch
+            torch.set_num_threads(n_threads)
+            mp.undo()
+
+
+def _run(a) -> int:
+    import torch
+    b = Bench(a.device, a.reps, a.budget)
+    if b.is_cuda:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, jitkern target "
+              f"{b.jdev.target_name}")
+    if a.smoke:
+        Ms, NKs = a.m or (1, 16, 64), ((128, 64), (96, 160))
+        pre, dec = ((1, 64), (2, 48)), ((1, 40), (3, 64))
+        copy_mib, elem = 4, (64, 256, 384)
+    else:
+        Ms, NKs = a.m or GEMM_M, GEMM_NK
+        pre, dec = PREFILL_CASES, DECODE_CASES
+        copy_mib, elem = 1024, (8192, 4096, 14336)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        copy_gbs = copy_bandwidth(b, copy_mib)
+        if "gemm" in a.only:
+            gemm(b, Ms, NKs)
+        if "gemv" in a.only:
+            gemv(b, copy_gbs, NKs)
+        if "attn" in a.only:
+            attention(b, pre, dec, copy_gbs)
+        if "elem" in a.only:
+            elementwise(b, copy_gbs, *elem)
+    b.sync()
+    failed = [r for r in b.rows if "error" in r]
+    print(f"\n{len(b.rows)} rows, {len(failed)} failed, {time.perf_counter() - t0:.1f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"copy_gbs": copy_gbs, "rows": b.rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
