@@ -295,3 +295,17 @@ def test_metrics_expose_spec_decode_counters():
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
     # speculation off: no spec series
     assert "spec_decode" not in ServerMetrics("m", lambda: {}, 128).render().decode()
+
+
+def test_preemption_and_prefix_cache_with_speculation(tiny_models):
+    """A pool too small for every request at once: requests with drafts get preempted and recomputed, and
+    shared prefixes hit the cache; greedy tokens still equal speculation off."""
+    path = tiny_models["llama"]
+    sp = SamplingParams(max_tokens=45, temperature=0, ignore_eos=True, detokenize=False)
+    prompts = PROMPTS + [PROMPTS[0] + [11, 12], PROMPTS[1] + [13]]
+    kw = dict(num_blocks=40)
+    base, _, snap0 = _run(path, prompts, sp, **kw)
+    spec, _, snap = _run(path, prompts, sp, spec={**NGRAM, "num_speculative_tokens": 4}, **kw)
+    assert spec == base
+    assert snap["num_preemptions"] > 0 and snap["prefix_cache_hits"] > 0
+    assert snap["spec_decode_num_accepted_tokens"] > 0
