@@ -657,6 +657,12 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
             want = per_layer.get(suffix)
         else:
             want = glob.get(core)
+        if want is not None and m and "q_norm" in suffix and len(ref.shape) == 1 and \
+                ref.shape[0] == cfg.num_heads * cfg.head_dim:
+            want = None        # OLMoE: q_norm over all heads at once (k_norm likewise, checked below)
+        if want is not None and m and "k_norm" in suffix and len(ref.shape) == 1 and \
+                ref.shape[0] == cfg.num_kv_heads * cfg.head_dim:
+            want = None
         if want is not None and tuple(ref.shape) != tuple(want):
             raise ModelLoadError(f"shape disagrees with the config: expected {list(want)}, found "
                                  f"{list(ref.shape)}", path=ref.file, tensor=name)
@@ -664,8 +670,10 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
         required = _REQUIRED_LAYER[ckpt.format]
         for layer in range(cfg.num_layers):
             have = seen_layers.get(layer, set())
+            # a mixture-of-experts layer (Mixtral GGUFs are arch "llama") has expert tensors, not ffn_up/down
+            moe_layer = "ffn_gate_inp.weight" in have
             for suffix in required:
-                if suffix not in have:
+                if suffix not in have and not (moe_layer and suffix.startswith("ffn_")):
                     name = f"blk.{layer}.{suffix}" if ckpt.format == "gguf" else f"model.layers.{layer}.{suffix}"
                     raise ModelLoadError(f"missing tensor for layer {layer} (config: {cfg.num_layers} layers)",
                                          path=ckpt.files[0] if len(ckpt.files) == 1 else ckpt.path, tensor=name)

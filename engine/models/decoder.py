@@ -18,6 +18,7 @@ from engine.config import SLIDING_ATTENTION
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
 from engine.models.moe import load_moe_block, moe_spec
+from engine.models.moe import load_moe_block, moe_spec
 from engine.models.weights import Linear, linear_from, vector_f32
 
 
@@ -86,6 +87,7 @@ class Layer:
     sliding: bool
     rope_cache: np.ndarray | None
     moe: object = None                 # engine.models.moe.MoEBlock for a sparse MLP layer (then no gate_up/up/down)
+    moe: object = None                 # engine.models.moe.MoEBlock for a sparse MLP layer (then no gate_up/up/down)
 
 
 class DecoderLM:
@@ -110,6 +112,12 @@ class DecoderLM:
         self.softcap = cfg.attn_logit_softcapping or 0.0
         self.final_softcap = cfg.final_logit_softcapping or 0.0
 
+        self.moe_spec = moe_spec(ckpt)          # None: a dense model
+        if self.moe_spec is not None and device == "cuda":
+            raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
+                                 "host-side): use --device cpu", path=ckpt.path, key="device")
+        # the MoE expert grouping happens on the host between kernels: decode steps cannot be replayed as a graph
+        self.supports_graphs = self.moe_spec is None
         self.moe_spec = moe_spec(ckpt)          # None: a dense model
         if self.moe_spec is not None and device == "cuda":
             raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
@@ -285,6 +293,7 @@ class DecoderLM:
             ffn_norm = self._norm_w(t)
         post_ffn = self._norm_w(get("post_ffn_norm")) if self.gemma else None
         moe = None
+        moe = None
         if self.gpt2:
             ub, db = get("up_b", False), get("down_b", False)
             up = linear_from([get("up")], f"blk.{i}.up", transpose=self.transpose_linear,
@@ -295,7 +304,7 @@ class DecoderLM:
         elif get("gate", False) is None and get("gate_up", False) is not None and \
                 get("gate_up").shape[0] == 2 * cfg.intermediate_size:        # Phi-3's fused gate_up_proj
             gate_up = linear_from([get("gate_up")], f"blk.{i}.gate_up")
-            down = linear_from([get("down")], f"blk.{i}.down")
+            down = None if moe is not None else linear_from([get("down")], f"blk.{i}.down")
             up = None
         else:
             moe = load_moe_block(self.ckpt, i, self.moe_spec, self.hidden)

@@ -39,6 +39,7 @@ class MoESpec:
     num_experts: int
     top_k: int
     norm_topk: bool          # divide the top-k weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    mode: int = 0            # jitkern.ops.moe.SOFTMAX_TOPK (these models) or TOPK_SOFTMAX (gpt-oss)
 
 
 def moe_spec(ckpt) -> MoESpec | None:
@@ -139,7 +140,7 @@ class MoEBlock:
             silu_and_mul(gu, out=sact)
             shared = get("moe.sh", (T, self.hidden))
             self.shared_down(sact, out=shared)
-        ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, ids=get("moe.ids", (T, K), np.int32),
+        ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode, ids=get("moe.ids", (T, K), np.int32),
                               weights=get("moe.w", (T, K), np.float32))
         if self.quantized:
             gate_up_fn, down_fn = self._q_gate_up, self._q_down

@@ -124,16 +124,32 @@ def group_by_expert(ids: np.ndarray, num_experts: int, block_m: int):
 
 # ------------------------------------------------------------------------------------- expert matmuls
 @jk.jit
-def _silu(x):
-    return x / (1.0 + jk.exp(-x))
+def silu_mul(g, u):
+    """SwiGLU (Mixtral, Qwen-MoE, OLMoE): silu(gate) * up."""
+    return g / (1.0 + jk.exp(-g)) * u
+
+
+@jk.jit
+def swiglu_oai(g, u):
+    """gpt-oss's clamped SwiGLU (alpha 1.702, limit 7): (clamp(u, -7, 7) + 1) * g' * sigmoid(1.702 g'),
+    g' = min(g, 7)."""
+    g = jk.minimum(g, 7.0)
+    u = jk.maximum(jk.minimum(u, 7.0), -7.0)
+    return (u + 1.0) * (g * jk.sigmoid(1.702 * g))
+
+
+ACTIVATIONS = {"silu": silu_mul, "swiglu_oai": swiglu_oai}
 
 
 @jk.kernel
-def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, out, ldo, tile_expert, tile_start, tile_len, N, K,
-                          GATED: jk.constexpr, BM: jk.constexpr, BN: jk.constexpr, V: jk.constexpr):
+def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, bias, b_es, b_uoff, out, ldo, tile_expert, tile_start,
+                          tile_len, N, K, GATED: jk.constexpr, ACT: jk.constexpr, RS: jk.constexpr,
+                          HAS_BIAS: jk.constexpr, BM: jk.constexpr, BN: jk.constexpr, V: jk.constexpr):
     # Grid (tiles, cdiv(N, BN)). Tile i: pairs rows [s, s + L) (L <= BM) of x, expert e = tile_expert[i].
     # GATED: out[p, n] = silu(x[p] . w[e, n]) * (x[p] . u[e, n]) (u's expert e starts at u + e*u_es + u_off:
     # the second half of a fused [E, 2N, K] gate/up or its own array); else out[p, n] = x[p] . w[e, n].
+    # RS: weight rows per output (2: gpt-oss's interleaved gate/up rows, u_off = one row); ACT(g, u) the gated
+    # activation; HAS_BIAS: + bias[e, n*RS] (+ bias[e, n*RS + b_uoff] for up) before the activation.
     tile = jk.program_id(0)
     e = jk.load(tile_expert + tile).to(jk.i64)
     s = jk.load(tile_start + tile).to(jk.i64)
@@ -147,10 +163,10 @@ def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, out, ldo, tile_expert
     kv = jk.arange(0, V)
     xrow = x + rows[:, None] * ldx.to(jk.i64)
     wbase = w + e * w_es
-    wrow = wbase + wrows[:, None] * K64
+    wrow = wbase + (wrows * RS)[:, None] * K64
     acc = jk.zeros((BM, BN, V), jk.f32)
     if GATED:
-        urow = u + e * u_es + u_off + wrows[:, None] * K64
+        urow = u + e * u_es + u_off + (wrows * RS)[:, None] * K64
         accu = jk.zeros((BM, BN, V), jk.f32)
     xmask = jk.broadcast_to(rm[:, None], (BM, V))
     kmain = K - K % V
@@ -171,8 +187,13 @@ def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, out, ldo, tile_expert
             uv = jk.load(urow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
             accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
     res = jk.sum(acc, axis=2)
+    if HAS_BIAS:
+        res = res + jk.load(bias + e * b_es + wrows * RS).to(jk.f32)[None, :]
     if GATED:
-        res = _silu(res) * jk.sum(accu, axis=2)
+        resu = jk.sum(accu, axis=2)
+        if HAS_BIAS:
+            resu = resu + jk.load(bias + e * b_es + b_uoff + wrows * RS).to(jk.f32)[None, :]
+        res = ACT(res, resu)
     jk.store(out + rows[:, None] * ldo.to(jk.i64) + wrows[None, :], res,
              mask=jk.broadcast_to(rm[:, None], (BM, BN)))
 
@@ -197,14 +218,20 @@ def _weight(w, what):
     return fptr(w, what)
 
 
-def _expert_linear(xs, w, w_up, out, tiles, gated, block_m, target, what):
+def _expert_linear(xs, w, w_up, out, tiles, gated, block_m, target, what, bias=None, act="silu",
+                   interleaved=False):
     tile_expert, tile_start, tile_len = tiles
     E, N2, K = w.shape
-    if gated and w_up is None:          # fused [E, 2N, K]
+    RS = 1
+    if gated and w_up is None:          # fused [E, 2N, K]: gate rows then up rows, or interleaved (gpt-oss)
         if N2 % 2:
             raise ValueError(f"{what}: a fused gate/up weight needs an even row count, got {N2}")
         N = N2 // 2
         u, u_es, u_off = w, N2 * K, N * K
+        if interleaved:
+            RS, u_off = 2, K
+    elif interleaved:
+        raise ValueError(f"{what}: interleaved gate/up rows need the fused [E, 2I, H] weight")
     elif gated:
         if w_up.shape != w.shape or w_up.dtype != w.dtype:
             raise ValueError(f"{what}: up weight {w_up.dtype} {w_up.shape} differs from the gate weight "
@@ -222,26 +249,45 @@ def _expert_linear(xs, w, w_up, out, tiles, gated, block_m, target, what):
         out = np.empty((P, N), np.float32)
     if out.shape != (P, N) or out.dtype != np.float32 or out.strides[1] != 4:
         raise ValueError(f"{what}: out must be float32 [{P}, {N}] with contiguous rows, got {out.dtype} {out.shape}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{what}: act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    b_es = b_uoff = 0
+    if bias is not None:
+        nb = 2 * N if gated and w_up is None else N
+        if bias.shape != (E, nb) or bias.dtype != np.float32 or not bias.flags.c_contiguous:
+            raise ValueError(f"{what}: bias must be a contiguous float32 [{E}, {nb}] array, got {bias.dtype} "
+                             f"{bias.shape}")
+        if gated and w_up is not None:
+            raise ValueError(f"{what}: a bias needs the fused gate/up weight")
+        b_es = nb
+        b_uoff = (1 if interleaved else N) if gated else 0
     BN, V = _tiles(target, gated, N)
     run(_expert_linear_kernel, (len(tile_expert), jk.cdiv(N, BN)),
         (xs, xs.strides[0] // 4 if P > 1 else K, _weight(w, what), N2 * K, _weight(u, what), u_es, u_off,
+         bias if bias is not None else out, b_es, b_uoff,
          out, out.strides[0] // 4 if P > 1 else N, tile_expert, tile_start, tile_len, N, K),
-        target, GATED=bool(gated), BM=int(block_m), BN=BN, V=V)
+        target, GATED=bool(gated), ACT=ACTIVATIONS[act], RS=RS, HAS_BIAS=bias is not None, BM=int(block_m), BN=BN,
+        V=V)
     return out
 
 
-def expert_gate_up(xs, w_gate_up, tiles, block_m, out=None, *, w_up=None, target=None):
-    """act[p] = silu(xs[p] @ Wg[e]^T) * (xs[p] @ Wu[e]^T) for each pair p of each tile (e = the tile's expert).
-    Weights: w_gate_up [E, 2*I, H] (gate rows first), or the gate [E, I, H] with `w_up` [E, I, H]. `tiles` =
-    (tile_expert, tile_start, tile_len) from group_by_expert with the same block_m. Returns act f32 [P, I]."""
+def expert_gate_up(xs, w_gate_up, tiles, block_m, out=None, *, w_up=None, bias=None, act="silu", interleaved=False,
+                   target=None):
+    """act[p] = ACT(xs[p] @ Wg[e]^T, xs[p] @ Wu[e]^T) for each pair p of each tile (e = the tile's expert);
+    ACT "silu": silu(g) * u, "swiglu_oai": gpt-oss's clamped form. Weights: w_gate_up [E, 2*I, H] (gate rows
+    first; `interleaved`: gate/up rows alternate, as gpt-oss stores them), or the gate [E, I, H] with `w_up`
+    [E, I, H]. `bias` f32 [E, 2*I] in the weight's row order (fused form only). `tiles` = (tile_expert,
+    tile_start, tile_len) from group_by_expert with the same block_m. Returns act f32 [P, I]."""
     target = resolve_target(target, xs)
-    return _expert_linear(xs, w_gate_up, w_up, out, tiles, True, block_m, launch_target(target), "expert_gate_up")
+    return _expert_linear(xs, w_gate_up, w_up, out, tiles, True, block_m, launch_target(target), "expert_gate_up",
+                          bias=bias, act=act, interleaved=interleaved)
 
 
-def expert_down(act, w_down, tiles, block_m, out=None, *, target=None):
-    """y[p] = act[p] @ Wd[e]^T per pair (w_down [E, H, I]); returns y f32 [P, H]."""
+def expert_down(act, w_down, tiles, block_m, out=None, *, bias=None, target=None):
+    """y[p] = act[p] @ Wd[e]^T (+ bias[e]) per pair (w_down [E, H, I], bias f32 [E, H]); returns y f32 [P, H]."""
     target = resolve_target(target, act)
-    return _expert_linear(act, w_down, None, out, tiles, False, block_m, launch_target(target), "expert_down")
+    return _expert_linear(act, w_down, None, out, tiles, False, block_m, launch_target(target), "expert_down",
+                          bias=bias)
 
 
 # ---------------------------------------------------------------------------------------------- combine
@@ -297,11 +343,13 @@ def combine_experts(y, pair_pos, weights, out=None, *, shared=None, shared_gate=
 
 
 def moe_mlp(x, router_logits, w_gate_up, w_down, top_k, *, w_up=None, norm=False, mode=SOFTMAX_TOPK, out=None,
-            shared=None, shared_gate=None, scratch=None, target=None):
+            shared=None, shared_gate=None, gate_up_bias=None, down_bias=None, act="silu", interleaved=False,
+            scratch=None, target=None):
     """The routed-experts MLP (steps 1-4 of the module docs) for x f32 [T, H] and its router logits f32
     [T, >= E]: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the token's top-k experts
     e = ids[t, j] (+ the shared term, see `combine_experts`). w_gate_up [E, 2*I, H] (or the gate [E, I, H]
-    with `w_up` [E, I, H]), w_down [E, H, I].
+    with `w_up` [E, I, H]), w_down [E, H, I]. gpt-oss: mode=TOPK_SOFTMAX, act="swiglu_oai", interleaved=True
+    and the expert biases gate_up_bias [E, 2*I] / down_bias [E, H].
     `scratch(name, shape, dtype)` supplies reusable buffers (default: fresh arrays). Returns out f32 [T, H]."""
     target = resolve_target(target, x)
     E = w_gate_up.shape[0]
@@ -314,8 +362,11 @@ def moe_mlp(x, router_logits, w_gate_up, w_down, top_k, *, w_up=None, norm=False
     ids, wts = route_topk(router_logits, E, top_k, norm=norm, mode=mode, ids=get("moe.ids", (T, top_k), np.int32),
                           weights=get("moe.w", (T, top_k), np.float32), target=target)
     return routed_experts(x, ids, wts, lambda xs, tiles, bm, o: expert_gate_up(xs, w_gate_up, tiles, bm, o,
-                                                                                   w_up=w_up, target=target),
-                          lambda a, tiles, bm, o: expert_down(a, w_down, tiles, bm, o, target=target),
+                                                                                   w_up=w_up, bias=gate_up_bias,
+                                                                                   act=act, interleaved=interleaved,
+                                                                                   target=target),
+                          lambda a, tiles, bm, o: expert_down(a, w_down, tiles, bm, o, bias=down_bias,
+                                                              target=target),
                           E, I, out=out, shared=shared, shared_gate=shared_gate, scratch=get, target=target)
 
 

@@ -136,3 +136,32 @@ def test_separate_gate_and_up_arrays_equal_the_fused_form(tier):
     split = moe_mlp(x, logits, np.ascontiguousarray(wgu[:, :I]), wd, K, w_up=np.ascontiguousarray(wgu[:, I:]),
                     target=tier)
     np.testing.assert_array_equal(fused, split)
+
+
+def test_gpt_oss_style_experts(tier):
+    """The options gpt-oss needs: top-k on logits then softmax over the k, interleaved gate/up rows with biases,
+    the clamped SwiGLU (alpha 1.702, limit 7), a down bias."""
+    rng = _rng(tier, "oss")
+    E, K, H, I, T = 8, 4, 24, 10, 7
+    wgu = rng.standard_normal((E, 2 * I, H)).astype(np.float32) * 0.6      # large enough to reach the clamps
+    wd = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    bgu = rng.standard_normal((E, 2 * I)).astype(np.float32)
+    bd = rng.standard_normal((E, H)).astype(np.float32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    out = moe_mlp(x, logits, wgu, wd, K, mode=TOPK_SOFTMAX, act="swiglu_oai", interleaved=True, gate_up_bias=bgu,
+                  down_bias=bd, target=tier)
+    ids, w = _route_ref(logits, E, K, False, TOPK_SOFTMAX)
+    want = np.zeros((T, H))
+    saw_clamp = False
+    for t in range(T):
+        for j in range(K):
+            e = ids[t, j]
+            gu = wgu[e].astype(np.float64) @ x[t] + bgu[e]
+            g, u = gu[0::2], gu[1::2]
+            saw_clamp |= bool((g > 7).any() or (np.abs(u) > 7).any())
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+            a = (u + 1) * g / (1 + np.exp(-1.702 * g))
+            want[t] += w[t, j] * (wd[e] @ a + bd[e])
+    assert saw_clamp
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
