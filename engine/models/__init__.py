@@ -10,10 +10,6 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 
-# Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
-# (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
-
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",

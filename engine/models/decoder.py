@@ -18,7 +18,6 @@ from engine.config import SLIDING_ATTENTION
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
 from engine.models.moe import load_moe_block, moe_spec
-from engine.models.moe import load_moe_block, moe_spec
 from engine.models.weights import Linear, linear_from, vector_f32
 
 
@@ -87,7 +86,6 @@ class Layer:
     sliding: bool
     rope_cache: np.ndarray | None
     moe: object = None                 # engine.models.moe.MoEBlock for a sparse MLP layer (then no gate_up/up/down)
-    moe: object = None                 # engine.models.moe.MoEBlock for a sparse MLP layer (then no gate_up/up/down)
 
 
 class DecoderLM:
@@ -112,12 +110,6 @@ class DecoderLM:
         self.softcap = cfg.attn_logit_softcapping or 0.0
         self.final_softcap = cfg.final_logit_softcapping or 0.0
 
-        self.moe_spec = moe_spec(ckpt)          # None: a dense model
-        if self.moe_spec is not None and device == "cuda":
-            raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
-                                 "host-side): use --device cpu", path=ckpt.path, key="device")
-        # the MoE expert grouping happens on the host between kernels: decode steps cannot be replayed as a graph
-        self.supports_graphs = self.moe_spec is None
         self.moe_spec = moe_spec(ckpt)          # None: a dense model
         if self.moe_spec is not None and device == "cuda":
             raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
@@ -292,7 +284,6 @@ class DecoderLM:
                                      tensor=_HF_POST_ATTN.format(i=i))
             ffn_norm = self._norm_w(t)
         post_ffn = self._norm_w(get("post_ffn_norm")) if self.gemma else None
-        moe = None
         moe = None
         if self.gpt2:
             ub, db = get("up_b", False), get("down_b", False)
