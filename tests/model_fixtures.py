@@ -61,6 +61,8 @@ def make_config(arch: str):
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "original_max_position_embeddings": 128, "short_factor": [1.0 + 0.05 * i for i in range(rot // 2)],
             "long_factor": [1.0 + 1.5 * i for i in range(rot // 2)]})
+    if arch == "olmo2":
+        return tf.Olmo2Config(**common, pad_token_id=0, rms_norm_eps=1e-6)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                              eos_token_id=1, bos_token_id=1, activation_function="gelu_new")

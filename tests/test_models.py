@@ -14,7 +14,7 @@ from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 
-ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gemma2", "granite"]
+ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gemma2", "granite", "olmo2"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

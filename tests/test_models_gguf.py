@@ -16,7 +16,7 @@ from tests.gguf_export import write_gguf  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 from tests.test_models import _hf_greedy, _prompts  # noqa: E402
 
-ARCHS = ["gemma2-gguf", "granite"]
+ARCHS = ["gemma2-gguf", "granite", "olmo2"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -46,6 +46,12 @@ def test_gguf_metadata_and_names(gguf_model):
         assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier, cfg.logits_scaling) == approx(
             (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier, c.logits_scaling))  # f32 in GGUF
         assert ckpt.rope_layout == "adjacent_pairs"      # llama.cpp permutes Granite's Q/K rows like llama's
+    if arch == "olmo2":
+        # post-norms only, q/k norms over the whole projections
+        assert "blk.0.attn_norm.weight" not in ckpt.tensors and "blk.0.ffn_norm.weight" not in ckpt.tensors
+        assert ckpt["blk.0.attn_q_norm.weight"].shape == (cfg.num_heads * cfg.head_dim,)
+        assert ckpt["blk.0.attn_k_norm.weight"].shape == (cfg.num_kv_heads * cfg.head_dim,)
+        assert "blk.0.post_attention_norm.weight" in ckpt.tensors and "blk.0.post_ffw_norm.weight" in ckpt.tensors
 
 
 def test_gguf_logits_and_greedy_match_transformers(gguf_model):

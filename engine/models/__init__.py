@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3", "olmo2")
 
 # Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).

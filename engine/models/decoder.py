@@ -97,6 +97,7 @@ class DecoderLM:
         self.arch = arch
         self.gemma = arch in ("gemma2", "gemma3")
         self.gpt2 = arch == "gpt2"
+        self.olmo2 = arch == "olmo2"        # norms after attention and MLP only (none before them)
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden = cfg.hidden_size
@@ -210,9 +211,9 @@ class DecoderLM:
         if self.longrope is None:
             return
         pick = self.longrope["long"] if n > self.longrope["orig"] else self.longrope["short"]
-        if self.device == "cuda":
+        if self.device != "cpu":
             from engine.device import Uploader
-            pick = Uploader()(pick)
+            pick = Uploader(self.device)(pick)
         for L in self.layers:
             if L.rope_cache is self.rope_global:
                 L.rope_cache = pick
@@ -271,9 +272,15 @@ class DecoderLM:
         ob = get("o_b", False)
         o = linear_from([get("o")], f"blk.{i}.o", transpose=self.transpose_linear,
                         biases=[ob] if ob is not None else None)
-        attn_norm = self._norm_w(get("attn_norm"))
+        attn_norm = None if self.olmo2 else self._norm_w(get("attn_norm"))
         post_attn = ffn_norm = None
-        if self.gemma:
+        if self.olmo2:          # HF post_attention_layernorm is a post-norm here, and there is no pre-MLP norm
+            t = get("post_attn_norm", False) or self.ckpt.get(_HF_POST_ATTN.format(i=i))
+            if t is None:
+                raise ModelLoadError("missing the post-attention norm weight", path=self.ckpt.path,
+                                     tensor=_HF_POST_ATTN.format(i=i))
+            post_attn = self._norm_w(t)
+        elif self.gemma:
             hp = self.ckpt.get(_HF_POST_ATTN.format(i=i))
             post_attn = self._norm_w(get("post_attn_norm", False) or hp)
             ffn_norm = self._norm_w(self.ckpt.get(_HF_PRE_FFN.format(i=i)) or get("ffn_norm"))
@@ -283,7 +290,7 @@ class DecoderLM:
                 raise ModelLoadError("missing the pre-MLP norm weight", path=self.ckpt.path,
                                      tensor=_HF_POST_ATTN.format(i=i))
             ffn_norm = self._norm_w(t)
-        post_ffn = self._norm_w(get("post_ffn_norm")) if self.gemma else None
+        post_ffn = self._norm_w(get("post_ffn_norm")) if (self.gemma or self.olmo2) else None
         moe = None
         if self.gpt2:
             ub, db = get("up_b", False), get("down_b", False)
@@ -329,6 +336,12 @@ class DecoderLM:
     # ----------------------------------------------------------------------------------- forward
     def _norm(self, x, w, b, out, residual=None):
         from jitkern.ops.norm import layer_norm, rms_norm
+        if w is None:          # OLMo 2: no pre-norm; the block reads the residual stream itself
+            from jitkern.ops.activation import add, copy
+            if residual is not None:
+                add(residual, x, out=residual)
+                x = residual
+            return copy(x, out=out)
         if self.layernorm:
             if residual is not None:
                 from jitkern.ops.activation import add
