@@ -129,9 +129,10 @@ class Bench:
         if one > 0.25:
             return one, "1x"
         inner = max(len(fns), min(200, int(0.002 / max(one, 1e-7))))
-        reps = max(3, min(self.reps, int(self.budget_s / max(one * inner, 1e-7))))
         # hold the GPU while the host enqueues `inner` calls (~2 GHz SM clock; a longer sleep is harmless)
-        sleep_cycles = int(2e9 * (1.5 * inner * host + 50e-6))
+        sleep_s = 1.5 * inner * host + 50e-6
+        reps = max(3, min(self.reps, int(self.budget_s / (one * inner + sleep_s))))
+        sleep_cycles = int(2e9 * sleep_s)
         ts = []
         for _ in range(reps):
             torch.cuda._sleep(sleep_cycles)

@@ -128,6 +128,8 @@ def write_model(folder: str, shape: str, layers: int | None = None, device: str 
                       flush=True)
                 last = now
     os.replace(path + ".partial", path)
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()            # the caller may go on to load models on this GPU
     cfg.save_pretrained(folder)
     write_tokenizer(folder, cfg.vocab_size)
     if not quiet:
