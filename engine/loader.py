@@ -78,6 +78,7 @@ SAFETENSORS_DTYPES = {
     "F32": ("f32", np.float32), "F16": ("f16", np.float16), "BF16": ("bf16", np.uint16),
     "F64": ("f64", np.float64), "I64": ("i64", np.int64), "I32": ("i32", np.int32),
     "I16": ("i16", np.int16), "I8": ("i8", np.int8), "U8": ("u8", np.uint8), "BOOL": ("bool", np.bool_),
+    "F8_E4M3": ("f8_e4m3", np.uint8),     # FP8 weights: bytes, scales in a sibling tensor (see attach_fp8_scales)
 }
 _RAW_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -127,6 +128,7 @@ class TensorRef:
     offset: int
     block_size: int = 1          # elements per quant block (1 for plain dtypes)
     block_bytes: int = 0         # bytes per quant block (itemsize for plain dtypes)
+    scale: "TensorRef | None" = None   # f8_e4m3: the sibling scale tensor (`<name>_scale` or `<name>_scale_inv`)
 
     @property
     def nbytes(self) -> int:
@@ -553,6 +555,7 @@ def _load_safetensors_dir(directory: Path, stats: LoadStats, tokenizer_config, l
             tensors.update(refs)
             metadata.update(meta)
 
+    attach_fp8_scales(tensors)
     stops = stop_token_ids(directory / "config.json", directory / "generation_config.json")
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
         stops.append(tokenizer.eos_token_id)
@@ -563,6 +566,20 @@ def _load_safetensors_dir(directory: Path, stats: LoadStats, tokenizer_config, l
         norm_weight_offset=1.0 if config.architecture in ("gemma2", "gemma3") else 0.0,
         linear_layout="in_out" if config.architecture == "gpt2" else "out_in",
         metadata=metadata, stats=stats)
+
+
+def attach_fp8_scales(tensors: dict) -> None:
+    """FP8 (F8_E4M3) weights get their scale tensor: compressed-tensors' `<name>_scale` (per-tensor or
+    per-channel) or DeepSeek/Qwen FP8's `<name>_scale_inv` (128 x 128 blocks; a multiplier despite the name).
+    A FP8 weight without either fails naming it."""
+    for name, ref in tensors.items():
+        if ref.dtype != "f8_e4m3":
+            continue
+        scale = tensors.get(name + "_scale") or tensors.get(name + "_scale_inv")
+        if scale is None:
+            raise ModelLoadError(f"FP8 weight without a scale tensor (looked for '{name}_scale' and "
+                                 f"'{name}_scale_inv')", path=ref.file, tensor=name)
+        ref.scale = scale
 
 
 # ----------------------------------------------------------------------------------- shape checks

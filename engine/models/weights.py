@@ -104,6 +104,58 @@ class StackedLinear(Linear):
         return out
 
 
+class Fp8Linear(Linear):
+    """y = x @ (W * scales)^T (+ b) with W the FP8 e4m3 bytes as stored (jitkern/ops/fp8.py: per-tensor,
+    per-channel or 128 x 128 block scales)."""
+
+    def __init__(self, weight, scale, n: int, k: int, bias=None, name: str = ""):
+        super().__init__(weight, "f8_e4m3", n, k, bias, name)
+        self.scale = scale
+
+    def to_device(self, upload) -> None:
+        super().to_device(upload)
+        self.scale = upload(self.scale)
+
+    @property
+    def quantized(self) -> bool:
+        return True
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        from jitkern.ops.fp8 import matmul_fp8
+        y = matmul_fp8(x, self.weight, self.scale, out=out)
+        if self.bias is not None:
+            from jitkern.ops.activation import add
+            add(y, _bias_rows(self.bias, y.shape[0]), out=y)
+        return y
+
+
+def _fp8_linear(tensors: list, name: str, transpose: bool, biases) -> Linear:
+    """FP8 weights: one Fp8Linear per tensor (their scales differ; fused groups run as a StackedLinear)."""
+    from jitkern.ops.fp8 import scale_kind
+    if len(tensors) > 1:
+        return StackedLinear([_fp8_linear([t], f"{name}[{t.name}]", transpose, [biases[j]] if biases else None)
+                              for j, t in enumerate(tensors)], name)
+    t = tensors[0]
+    if transpose:
+        raise ModelLoadError("a transposed (in, out) FP8 weight is not supported", path=t.file, tensor=t.name)
+    if t.scale is None or len(t.shape) != 2:
+        raise ModelLoadError("an FP8 weight needs a 2-D shape and a scale tensor", path=t.file, tensor=t.name)
+    n, k = t.shape
+    s = t.scale
+    if s.dtype not in ("f32", "bf16", "f16"):
+        raise ModelLoadError(f"FP8 scale of dtype {s.dtype} (f32, bf16 or f16 expected)", path=s.file, tensor=s.name)
+    scale = vector_f32(s).reshape(s.shape) if s.shape else vector_f32(s).reshape(1)
+    try:
+        scale_kind(scale, n, k)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc), path=s.file, tensor=s.name) from None
+    if k % 32:
+        raise ModelLoadError(f"FP8 weight rows of {k} elements (a multiple of 32 is needed)", path=t.file,
+                             tensor=t.name)
+    bias = vector_f32(biases[0]) if biases else None
+    return Fp8Linear(_aligned(t.raw.reshape(n, k), 1), np.ascontiguousarray(scale, np.float32), n, k, bias, t.name)
+
+
 def _bias_rows(b: np.ndarray, rows: int) -> np.ndarray:
     """A (rows, N) broadcast view of a bias (stride 0) for the add kernel."""
     if not isinstance(b, np.ndarray):          # a GPU DeviceArray
@@ -129,6 +181,8 @@ def linear_from(tensors: list, name: str, transpose: bool = False, biases: list 
         return StackedLinear([linear_from(g, f"{name}[{g[0].name}]", transpose, bg) for g, bg in
                               zip(groups, bgroups)], name)
     kind = kinds.pop()
+    if kind == "f8_e4m3":
+        return _fp8_linear(tensors, name, transpose, biases)
     bias = None
     if biases:
         bias = np.concatenate([vector_f32(b) for b in biases]).astype(np.float32) if len(biases) > 1 \
