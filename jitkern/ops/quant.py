@@ -2,8 +2,9 @@
 
 API: `matmul_q(x, weight_raw, qtype, N, K)`; `quantize_q8(x, layout=act_layout(qtype))` once + `matmul_q8(xq, ...)`
 per weight when several weights share an input; `dequantize_rows(raw, qtype, rows_idx, K)` (embedding lookup);
-`row_bytes`, `QTYPES`, `qmm_tiles` / `qmm_step` (the 32-element formats' tiles). qtypes: q8_0 q4_0 q4_1 q4_K
-q5_K q6_K.
+`row_bytes`, `QTYPES`, `qmm_tiles` / `qmm_step` (the 32-element formats' tiles). qtypes: q8_0 q4_0 q4_1 q5_0
+q5_1 iq4_nl (32-element blocks, `_qmm_kernel`), q2_K q3_K q4_K q5_K q6_K iq4_xs (256-element super-blocks,
+`_kq_kernel`).
 
 Decode is a bandwidth-bound GEMV over the weights, prefill and batched decode a compute-bound GEMM; both
 follow ggml's plan for the arithmetic:
@@ -56,6 +57,17 @@ for q6_K's 16-element scales) and, where the format has one, the coefficient c o
   q6_K  (210 B / 256): 128 B low nibbles ql, 64 B high 2-bit pairs qh, 16 x int8 scales, f16 d;
         element e of half h (128 elements): low 4 bits from ql[64h + e % 64] >> 4*(e // 64), high 2 bits
         from qh[32h + e % 32] >> 2*(e // 32); w = d * scale[e // 16] * (q - 32)
+  q5_0  (22 B / 32):  f16 d, 32-bit mask qh (bit i: element i's 5th bit), 16 B nibbles (q4_0's order);
+        w = d * (q - 16)     c = -16 d      (q5_1, 24 B: f16 d, f16 m, qh, nibbles; w = d * q + m, c = m)
+  iq4_nl (18 B / 32): f16 d, 16 B nibbles (q4_0's order) indexing ggml's kvalues_iq4nl grid (int8, -127..113):
+        w = d * kvalues[q]   (the lookup is a tree of selects on the nibble's bits)
+  q2_K  (84 B / 256): 16 B scales (per 16 elements: low nibble scale, high nibble min), 64 B 2-bit quants
+        (32-element group 4h + j: (qs[32h + i] >> 2j) & 3), f16 d, f16 dmin; w = d * sc * q - dmin * m, the
+        min per 16 elements against the activations' 16-element sums (dot4 with ones; c has shape (R, 8, 2))
+  q3_K  (110 B / 256): 32 B high-bit mask (group s: bit s of hmask[i]), 64 B 2-bit quants (as q2_K), 12 B of
+        16 6-bit scales (bias 32), f16 d; q = low 2 bits - 4 where the mask bit is clear; w = d * (sc - 32) * q
+  iq4_xs (136 B / 256): f16 d, u16 scales_h, 4 B scales_l, 128 B nibbles (16 per 32-element sub-block);
+        sub-block s: w = d * (ls - 32) * kvalues[q], ls = 4 bits of scales_l[s // 2] | 2 bits of scales_h >> 2s
 (all checked against gguf.quants.dequantize in tests/ops/test_quant.py; dequantize_rows is bit-exact)
 
 Edges without masks in the hot loops: the last tile of weight rows (tokens) is shifted back to end at N (M),
