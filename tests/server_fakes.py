@@ -71,7 +71,8 @@ class FakeRunner:
             delay += o.prefill_delay
         if delay:
             time.sleep(delay)
-        return sched
+        # What LLMEngine._sample reads from a step result besides the sampler: no speculative rows.
+        return SimpleNamespace(sched=sched, spec_rows={})
 
     def close(self):
         pass
@@ -105,6 +106,14 @@ class FakeSampler:
         return out
 
 
+class _NoGrammars:
+    """The scripted model plays its script whatever a request's structured-output constraint says (a test
+    scripts the constrained output itself): admission builds no matcher."""
+
+    def matcher(self, *args, **kwargs):
+        return None
+
+
 class FakeLLMEngine(LLMEngine):
     """The real LLMEngine with a scripted model (see the module docstring)."""
 
@@ -128,6 +137,8 @@ class FakeLLMEngine(LLMEngine):
             policy=scheduling_policy, vocab_size=FAKE_VOCAB, max_logprobs=max_logprobs), self.kv)
         self.runner = FakeRunner(self)
         self.sampler = FakeSampler(self)
+        self.spec = None              # no speculative decoding (LLMEngine.step looks at it)
+        self.grammar_compiler = _NoGrammars()
         self.stop_ids = (2,)
         self._reqs = {}
         self._seq_of = {}
