@@ -535,3 +535,41 @@ def test_required_and_named_tool_choice_are_constrained_and_parsed(served):
                                          tool_choice={"type": "function", "function": {"name": "f"}})
     assert e.value.body["param"] == "tools[0].function.parameters"
 
+
+@pytest.mark.slow
+def test_named_tool_choice_end_to_end_on_the_embedded_model():
+    """The embedded SmolLM2 (135M, no tool training, a template without tools) still produces a valid call
+    when the tool is named: the output is held to the function's parameters schema token by token."""
+    import httpx2
+    import jsonschema
+    import openai
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import EngineArgs
+    from server.app import create_app
+    from server.settings import ServerSettings
+    schema = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 16},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                               "parameters": schema}}]
+    app = create_app(engine=AsyncEngine(EngineArgs(max_model_len=512, num_blocks=64, block_size=16)),
+                     settings=ServerSettings(log_requests=False))
+    try:
+        http = httpx2.Client(transport=httpx2.WSGITransport(app=app), base_url="http://testserver")
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http, max_retries=0)
+        model = client.models.list().data[0].id
+        kwargs = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                      tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                      temperature=0, max_tokens=64)
+        r = client.chat.completions.create(**kwargs)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls", r
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, schema)
+        _, _, calls, finish, _ = _stream(client, **kwargs)
+        assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
+        assert json.loads(calls[0]["arguments"]) == args          # greedy: the same call streamed
+    finally:
+        app.close()
