@@ -101,6 +101,8 @@ def worker_gpt_fast(a, prompts) -> dict:
     res = {"load_s": time.perf_counter() - t0, "runs": {}}
     compile_ = a.compile and str(a.device).startswith("cuda")
     res["variant"] = "torch.compile reduce-overhead (CUDA graphs)" if compile_ else "eager"
+    if compile_:
+        torch._logging.set_logs(perf_hints=True)      # prints it if Inductor skips the CUDA graphs (and why)
     for c, rows in prompts["timed"].items():
         gen = gpt_fast.Generator(model, batch=int(c), max_len=a.input_len + a.output_len, compile=compile_)
         t0 = time.perf_counter()

@@ -132,3 +132,25 @@ def test_bench_kernels_smoke_on_host_memory_device(capsys):
     for line in rows:
         err = float(line.split()[-2])
         assert err < 1e-5, line
+
+
+def test_bench_e2e_report_ratios_and_token_checks():
+    from perf import bench_e2e_cuda as be
+    a = be.parse(["--model", "x", "--concurrency", "1", "4", "--output-len", "5"])
+    res = {"hf": {"runs": {"1": {"wall_s": 2.0, "ttft_s": 0.4, "tokens0": [3, 4, 5, 6, 7]},
+                           "4": {"wall_s": 4.0, "ttft_s": 0.8, "tokens0": [3, 4, 5, 6, 7]}},
+                  "tokens0_f32": [3, 4, 5, 9, 9]},
+           "gpt_fast": {"error": "RuntimeError: boom"},
+           "ours": {"runs": {"1": {"wall_s": 0.5, "ttft_s": 0.1, "tokens0": [3, 4, 5, 9, 9]},
+                             "4": {"wall_s": 1.0, "ttft_s": 0.2, "tokens0": [3, 4, 5, 9, 8]}}}}
+    text = "\n".join(be.report(res, a))
+    assert res["ours"]["runs"]["4"]["tok_s"] == pytest.approx(4 * 5 / 1.0)
+    assert res["ours"]["runs"]["1"]["decode_tok_s"] == pytest.approx(4 / 0.4)
+    assert "gpt-fast-style peer    FAILED: RuntimeError: boom" in text
+    assert "conc   1: tok/s  4.000x  decode  4.000x  TTFT  4.000x" in text
+    assert "ours vs transformers f32:  match (5/5)" in text
+    assert "ours vs transformers bf16: MISMATCH at token 3" in text
+    assert "(batch invariance): MISMATCH at token 4" in text
+    prompts = be.make_prompts(50, [1, 4], 7, seed=3)
+    assert prompts["timed"]["1"][0] == prompts["timed"]["4"][0] != prompts["warm"]["1"][0]
+    assert all(2 <= t < 50 and len(p) == 7 for p in prompts["timed"]["4"] for t in p)
