@@ -92,7 +92,7 @@ class ModelRunner:
                 block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
             self.fwd_batch = self.batch          # the batch the forward pass reads
         self.use_graphs = use_graphs
-        # MoE models group tokens by expert on the host between kernels: no step of theirs replays as a graph
+        # models whose steps need host work between kernels (GGUF-quantised MoE experts) opt out of graphs
         self.use_graphs = self.use_graphs and getattr(model, "supports_graphs", True)
         from engine.limits import MAX_DECODE_GRAPHS
         self.max_graphs = MAX_DECODE_GRAPHS

@@ -115,8 +115,6 @@ class DecoderLM:
         if self.moe_spec is not None and device == "cuda":
             raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
                                  "host-side): use --device cpu", path=ckpt.path, key="device")
-        # the MoE expert grouping happens on the host between kernels: decode steps cannot be replayed as a graph
-        self.supports_graphs = self.moe_spec is None
         self.embed = self._t("embed")
         # Gemma: sqrt(hidden); Granite: embedding_multiplier
         self.embed_scale = math.sqrt(self.hidden) if self.gemma else cfg.embedding_multiplier
@@ -165,6 +163,9 @@ class DecoderLM:
                                                      None)
         for i in range(cfg.num_layers):
             self.layers.append(self._layer(i))
+        # decode graphs: MoE layers run all-kernel while a graph records (jitkern.ops.moe.routed_experts), except
+        # GGUF-quantised experts (a host loop over the experts that have tokens)
+        self.supports_graphs = not any(L.moe is not None and L.moe.quantized for L in self.layers)
         self.num_kv_layers = cfg.num_layers
         self.k_caches = []
         self.v_caches = []

@@ -8,7 +8,8 @@ Pipeline for T tokens, E experts, top-k K (every step but the grouping is a DSL 
    normalisation: SOFTMAX_TOPK (softmax over all E, then the K largest; Qwen2/3-MoE, OLMoE), with NORM the K
    weights divided by their sum (Mixtral, Qwen3-MoE with norm_topk_prob); TOPK_SOFTMAX (the K largest
    logits, then a softmax over those K: gpt-oss). Ties pick the lower expert id (as torch.topk on CPU).
-2. `group_by_expert(ids, E, BM)` (host, numpy, vectorised: no per-token loop): the T*K (token, slot) pairs
+2. `group_by_expert(ids, E, BM)` (host, numpy, vectorised: no per-token loop; skipped for decode-sized steps
+   and inside recorded graphs, where each pair is its own tile: see `routed_experts`): the T*K (token, slot) pairs
    stably sorted by expert (within an expert by token, then slot), per-expert segments cut into tiles of at
    most BM pairs: (pair token [P], position of pair (t, j) in that order [T, K], tile expert/start/length).
 3. the pairs' input rows gathered (`embedding` over the activations), then `expert_gate_up`: one launch over
@@ -370,11 +371,40 @@ def moe_mlp(x, router_logits, w_gate_up, w_down, top_k, *, w_up=None, norm=False
                           E, I, out=out, shared=shared, shared_gate=shared_gate, scratch=get, target=target)
 
 
+DIRECT_MAX_TOKENS = 2      # up to here the pairs run ungrouped (see routed_experts)
+_direct_tables: dict = {}
+
+
+def capturing() -> bool:
+    """Whether launches are being recorded into a jk.capture() graph (they do not run: no host work may read
+    their results)."""
+    from ..runtime import launch as _launch_mod
+    return getattr(_launch_mod._capture, "graph", None) is not None
+
+
+def direct_pairs(T: int, K: int):
+    """The ungrouped pair tables for T tokens and top-k K: pair p = (t, j) = (p // K, p % K) is its own tile of
+    one row. Cached per (T, K): stable addresses, as recorded graphs need."""
+    key = (int(T), int(K))
+    tab = _direct_tables.get(key)
+    if tab is None:
+        P = T * K
+        ar = np.arange(P, dtype=np.int32)
+        tab = _direct_tables[key] = (ar // K, ar.reshape(T, K), ar, np.ones(P, np.int32))
+    return tab
+
+
 def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=None, shared=None, shared_gate=None,
-                   scratch=None, target=None):
+                   scratch=None, direct=None, target=None):
     """Steps 2-4 with the expert matmuls given as callables (dense: expert_gate_up / expert_down; quantised
     experts: see engine.models.moe): gate_up_fn(xs [P, H], tiles, block_m, out [P, I]) and
-    down_fn(act [P, I], tiles, block_m, out [P, H]) over the pairs grouped by `group_by_expert`."""
+    down_fn(act [P, I], tiles, block_m, out [P, H]) over the pairs grouped by `group_by_expert`.
+
+    `direct` (default: while a jk.capture() graph records, or for at most DIRECT_MAX_TOKENS tokens): no host
+    grouping: every pair is its own one-row tile whose expert the kernels read from `ids` itself, so the step is
+    all kernels with grids fixed by T (a recorded decode graph replays it with new routing). Grouping only adds
+    weight reuse between tokens that share an expert; each output row's arithmetic is the same either way, so
+    both give the same bits."""
     from .embedding import embedding
     T, H = x.shape
     K = ids.shape[1]
@@ -384,11 +414,20 @@ def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=
         out = np.empty((T, H), np.float32)
     if T == 0:
         return out
-    counts_max = int(np.bincount(ids.reshape(-1), minlength=num_experts).max())
-    # pairs per tile: the per-row arithmetic is the same for every block_m (rows are independent FMA chains),
-    # so this choice may follow the batch without breaking batch invariance
-    block_m = 1 if counts_max == 1 else 2
-    pair_token, pair_pos, *tiles = group_by_expert(ids, num_experts, block_m)
+    if direct is None:
+        direct = T <= DIRECT_MAX_TOKENS or capturing()
+    if direct:
+        if not ids.flags.c_contiguous:
+            raise ValueError("routed_experts: ids must be contiguous for the direct path")
+        pair_token, pair_pos, ar, ones = direct_pairs(T, K)
+        block_m = 1
+        tiles = [ids.reshape(-1), ar, ones]
+    else:
+        counts_max = int(np.bincount(ids.reshape(-1), minlength=num_experts).max())
+        # pairs per tile: the per-row arithmetic is the same for every block_m (rows are independent FMA
+        # chains), so this choice may follow the batch without breaking batch invariance
+        block_m = 1 if counts_max == 1 else 2
+        pair_token, pair_pos, *tiles = group_by_expert(ids, num_experts, block_m)
     xs = get("moe.xs", (P, H))
     embedding(pair_token, x if x.flags.c_contiguous else np.ascontiguousarray(x), out=xs, check_ids=False,
               target=target)
