@@ -165,3 +165,43 @@ def test_gpt_oss_style_experts(tier):
             want[t] += w[t, j] * (wd[e] @ a + bd[e])
     assert saw_clamp
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_direct_path_equals_grouped_and_replays_in_a_graph(tier):
+    """The ungrouped path (decode, recorded graphs) gives the grouped path's bits; recorded once into a
+    jk.capture() graph, it replays with new activations and new routing written into the same arrays."""
+    import jitkern as jk
+    from jitkern.ops.moe import route_topk, routed_experts, expert_gate_up, expert_down
+    if tier.is_gpu or getattr(tier, "is_vulkan", False):
+        pytest.skip("CPU graphs")
+    rng = _rng(tier, "direct")
+    E, K, H, I, T = 6, 2, 29, 13, 5
+    wgu = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(np.float32)
+    wd = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    grouped = moe_mlp(x, logits, wgu, wd, K, target=tier)
+    ids = np.empty((T, K), np.int32)
+    w = np.empty((T, K), np.float32)
+    out = np.empty((T, H), np.float32)
+    bufs = {}
+
+    def get(name, shape, dtype=np.float32):
+        if name not in bufs:
+            bufs[name] = np.empty(shape, dtype)
+        return bufs[name]
+
+    def step():
+        route_topk(logits, E, K, ids=ids, weights=w, target=tier)
+        routed_experts(x, ids, w, lambda a, t, bm, o: expert_gate_up(a, wgu, t, bm, o, target=tier),
+                       lambda a, t, bm, o: expert_down(a, wd, t, bm, o, target=tier), E, I, out=out, scratch=get,
+                       direct=True, target=tier)
+    step()
+    np.testing.assert_array_equal(out, grouped)
+    with jk.capture() as g:
+        step()
+    x[...] = rng.standard_normal((T, H))
+    logits[...] = rng.standard_normal((T, E))
+    out[...] = np.nan
+    g.replay()
+    np.testing.assert_array_equal(out, moe_mlp(x, logits, wgu, wd, K, target=tier))
