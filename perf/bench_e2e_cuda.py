@@ -218,7 +218,7 @@ def parse(argv=None):
     ap.add_argument("--no-f32-check", dest="f32_check", action="store_false")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per system subprocess")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per system subprocess (default 300)")
     ap.add_argument("--smoke", action="store_true", help="tiny llama3-family model, 16 in / 8 out, conc 1 and 4")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -296,6 +296,9 @@ def main(argv=None) -> int:
             print(f"--- {LABEL[s]}: {'error: ' + r['error'] if 'error' in r else 'done'} in "
                   f"{time.perf_counter() - t0:.1f} s (load {r.get('load_s', 0):.1f} s; {r.get('variant', '')})",
                   flush=True)
+            for c, x in r.get("runs", {}).items():        # at once, in case a later system runs out of time
+                print(f"    conc {c}: {int(c) * a.output_len / x['wall_s']:.1f} tok/s, TTFT "
+                      f"{1e3 * x['ttft_s']:.1f} ms, wall {x['wall_s']:.2f} s", flush=True)
         lines = report(results, a)
         print("\n".join(lines), flush=True)
         if a.json:
