@@ -106,7 +106,17 @@ def worker_gpt_fast(a, prompts) -> dict:
     for c, rows in prompts["timed"].items():
         gen = gpt_fast.Generator(model, batch=int(c), max_len=a.input_len + a.output_len, compile=compile_)
         t0 = time.perf_counter()
-        gen.generate(torch.tensor(prompts["warm"][c]), min(a.output_len, 8))      # compiles, records the graph
+        try:
+            gen.generate(torch.tensor(prompts["warm"][c]), min(a.output_len, 8))  # compiles, records the graph
+        except Exception as e:      # noqa: BLE001 - a compile failure still leaves the eager peer to measure
+            if not compile_:
+                raise
+            import traceback
+            traceback.print_exc()
+            compile_ = False
+            res["variant"] = f"eager (torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            gen = gpt_fast.Generator(model, batch=int(c), max_len=a.input_len + a.output_len)
+            gen.generate(torch.tensor(prompts["warm"][c]), min(a.output_len, 8))
         warm = time.perf_counter() - t0
         toks, timing = gen.generate(torch.tensor(rows), a.output_len)
         res["runs"][c] = {"wall_s": timing["total_s"], "ttft_s": timing["ttft_s"], "warmup_s": warm,
