@@ -8,7 +8,8 @@ transformers' on the first prompt.
 
 Options: --concurrency 1 64 (prompts per batch; each batch is timed as one generate call), --input-len 128,
 --output-len 128, --systems hf gpt_fast ours, --json FILE, --no-f32-check, --no-compile (peer eager),
---kv-cache-dtype f32|f16 (ours).
+--kv-cache-dtype f32|f16 (ours), --compile-prefill (peer; e.g. for a TTFT run: --input-len 1024
+--output-len 1 --concurrency 1).
 
 Each system runs in its own subprocess (one model in GPU memory at a time; a crash or an LLVM abort in one does
 not take the others down), loads the model, warms up on other prompts of the same shapes (compiles, CUDA graphs,
@@ -104,7 +105,8 @@ def worker_gpt_fast(a, prompts) -> dict:
     if compile_:
         torch._logging.set_logs(perf_hints=True)      # prints it if Inductor skips the CUDA graphs (and why)
     for c, rows in prompts["timed"].items():
-        gen = gpt_fast.Generator(model, batch=int(c), max_len=a.input_len + a.output_len, compile=compile_)
+        gen = gpt_fast.Generator(model, batch=int(c), max_len=a.input_len + a.output_len, compile=compile_,
+                                 compile_prefill=compile_ and a.compile_prefill)
         t0 = time.perf_counter()
         try:
             gen.generate(torch.tensor(prompts["warm"][c]), min(a.output_len, 8))  # compiles, records the graph
@@ -192,8 +194,9 @@ def report(results: dict, a) -> list[str]:
         pr = results.get(peer, {}).get("runs", {})
         for c in map(str, a.concurrency):
             if c in ours and c in pr and "tok_s" in ours[c] and "tok_s" in pr[c]:
+                dec = ours[c]["decode_tok_s"] / pr[c]["decode_tok_s"] if pr[c]["decode_tok_s"] else float("nan")
                 lines.append(f"  vs {LABEL[peer]:<20} conc {c:>3}: tok/s {ours[c]['tok_s'] / pr[c]['tok_s']:6.3f}x"
-                             f"  decode {ours[c]['decode_tok_s'] / pr[c]['decode_tok_s']:6.3f}x"
+                             f"  decode {dec:6.3f}x"
                              f"  TTFT {pr[c]['ttft_s'] / max(ours[c]['ttft_s'], 1e-9):6.3f}x")
     c1, ctop = str(min(a.concurrency)), str(max(a.concurrency))
 
@@ -225,6 +228,8 @@ def parse(argv=None):
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--kv-cache-dtype", default="f32", choices=("f32", "f16"))
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the peer eager")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="also torch.compile the peer's prefill (dynamic shapes; for TTFT runs)")
     ap.add_argument("--no-f32-check", dest="f32_check", action="store_false")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -290,6 +295,7 @@ def main(argv=None) -> int:
                    "--output-len", str(a.output_len), "--kv-cache-dtype", a.kv_cache_dtype,
                    "--concurrency", *map(str, a.concurrency)]
             cmd += [] if a.compile else ["--no-compile"]
+            cmd += ["--compile-prefill"] if a.compile_prefill else []
             cmd += [] if a.f32_check else ["--no-f32-check"]
             t0 = time.perf_counter()
             print(f"--- {LABEL[s]} ...", flush=True)

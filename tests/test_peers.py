@@ -154,3 +154,13 @@ def test_bench_e2e_report_ratios_and_token_checks():
     prompts = be.make_prompts(50, [1, 4], 7, seed=3)
     assert prompts["timed"]["1"][0] == prompts["timed"]["4"][0] != prompts["warm"]["1"][0]
     assert all(2 <= t < 50 and len(p) == 7 for p in prompts["timed"]["4"] for t in p)
+
+
+def test_bench_e2e_report_one_output_token():
+    """--output-len 1 (a TTFT run): no decode steps, the report says nan instead of dividing by zero."""
+    from perf import bench_e2e_cuda as be
+    a = be.parse(["--model", "x", "--concurrency", "1", "--output-len", "1"])
+    run = {"wall_s": 0.2, "ttft_s": 0.2, "tokens0": [5]}
+    res = {"hf": {"runs": {"1": dict(run)}}, "ours": {"runs": {"1": {**run, "ttft_s": 0.1, "wall_s": 0.1}}}}
+    text = "\n".join(be.report(res, a))
+    assert "decode    nanx  TTFT  2.000x" in text, text
