@@ -108,7 +108,7 @@ class ChatOutputProcessor:
     def called_tools(self) -> bool:
         return bool(self.tool_calls)
 
-    def _events(self, text: str, final: bool) -> list:
+    def _events(self, text: str, final: bool, whole: bool = False) -> list:
         """Events of the next text piece: ("reasoning", s), ("content", s), ("call", ...), ("args", ...)."""
         if self._strip_forced is not None:
             text = self._strip_forced.feed(text, final)
@@ -120,6 +120,9 @@ class ChatOutputProcessor:
             stage = [("content", text)] if text else []
         if self.tools is None:
             return stage
+        if whole:
+            text = "".join(ev[1] for ev in stage if ev[0] == "content")
+            return [ev for ev in stage if ev[0] != "content"] + self.tools.parse_whole(text)
         out = []
         for ev in stage:
             if ev[0] == "content":
@@ -130,13 +133,14 @@ class ChatOutputProcessor:
             out += self.tools.finish()
         return out
 
-    def delta(self, text: str, final: bool = False) -> dict:
-        """The OpenAI delta for the next text piece (empty dict: nothing to send yet). `final` flushes."""
+    def delta(self, text: str, final: bool = False, whole: bool = False) -> dict:
+        """The OpenAI delta for the next text piece (empty dict: nothing to send yet). `final` flushes;
+        `whole`: `text` is the complete output (a non-streamed response)."""
         if self.finished:
             return {}
         self.finished = final
         reasoning, content, calls = [], [], []
-        for ev in self._events(text, final):
+        for ev in self._events(text, final, whole):
             if ev[0] == "reasoning":
                 reasoning.append(ev[1])
             elif ev[0] == "content":
@@ -169,7 +173,7 @@ class ChatOutputProcessor:
 
     def message(self, text: str, echo_text: str = "") -> dict:
         """The complete assistant message for the whole generated `text`."""
-        self.delta(text, final=True)
+        self.delta(text, final=True, whole=True)
         content = echo_text + self.content
         msg = {"role": "assistant", "content": content}
         if self.tool_calls:

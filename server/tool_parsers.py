@@ -155,6 +155,13 @@ class ToolParser:
         self._step(final=True)
         return self._take()
 
+    def parse_whole(self, text: str) -> list:
+        """Events of a complete output seen at once (a non-streamed response): nothing was announced early,
+        so a call that does not parse (one cut by max_tokens included) stays content, as in vLLM."""
+        self.buf += text
+        self._step(final=True)
+        return self._take()
+
     def _step(self, final: bool) -> None:
         raise NotImplementedError
 

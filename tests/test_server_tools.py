@@ -20,7 +20,13 @@ from server.tool_parsers import collect, detect_tool_parser, make_tool_parser
 
 def _feed_whole(parser_name, text, max_calls=None):
     p = make_tool_parser(parser_name, max_calls)
-    return collect(p.feed(text) + p.finish())
+    whole = collect(p.parse_whole(text))
+    p = make_tool_parser(parser_name, max_calls)
+    streamed = collect(p.feed(text) + p.finish())
+    # Fed as a stream, a call announced early stays a call; seen whole, only valid calls are calls.
+    assert (streamed[0], [c["function"] for c in streamed[1]]) == (whole[0], [c["function"] for c in whole[1]]) \
+        or not whole[1]
+    return whole
 
 
 def _feed_pieces(parser_name, text, sizes, max_calls=None):
@@ -361,6 +367,37 @@ def test_tool_calls_through_the_openai_client(served, parser):
     assert [(scalls[i]["name"], json.loads(scalls[i]["arguments"])) for i in sorted(scalls)] == EXPECTED_CALLS
     if parser != "pythonic":          # JSON dialects stream the arguments as they are generated
         assert scalls[0]["fragments"] > 2
+
+
+def test_each_choice_has_its_own_parser_and_a_cut_call_keeps_length(served):
+    s = served(tool_call_parser="hermes")
+    s.script(SCRIPTS["hermes"])
+    r = s.client.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS, n=3, temperature=0.8,
+                                         max_tokens=200)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == EXPECTED_CALLS
+    by_choice = {}
+    for chunk in s.client.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS, n=3,
+                                                  temperature=0.8, max_tokens=200, stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                by_choice.setdefault(ch.index, []).append((tc.index, tc.function.name, tc.function.arguments))
+    for j in range(3):
+        names = [name for _, name, _ in by_choice[j] if name]
+        assert names == ["get_weather", "search"], by_choice[j]
+    # max_tokens ends the output inside the first call: no 500, finish_reason "length", the call as far as it got.
+    tok = s.fake.tokenizer
+    head = SCRIPTS["hermes"].split('"days"')[0]
+    cut = len(tok.encode(head, add_special_tokens=False))
+    r = s.client.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS, max_tokens=cut)
+    # Not streamed: a call that does not parse stays content (vLLM's behaviour); streamed, it was announced.
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == tok.decode(s.fake.script[:cut], skip_special_tokens=True)
+    assert '"name": "get_weather"' in r.choices[0].message.content
+    content, _, calls, finish, _ = _stream(s.client, model="fake-model", messages=ASK, tools=TOOLS, max_tokens=cut)
+    assert finish == "length" and calls[0]["name"] == "get_weather"
+    assert calls[0]["arguments"].startswith('{"city": "Paris"')
 
 
 def test_tool_choice_none_and_parser_none_leave_the_text_alone(served):
