@@ -153,10 +153,15 @@ def load_kernel(spec: str):
 def parse_sig(kernel, sig: str, consts: list) -> tuple:
     from . import ir
     types = {}
+    hinted = set()
     for part in filter(None, (p.strip() for p in (sig or "").split(","))):
         if "=" not in part:
             raise ValueError(f"--sig entries look like name=*f32 or name=i32, got {part!r}")
         n, t = (x.strip() for x in part.split("=", 1))
+        if t.endswith(":16"):
+            # GPU argument specialisation, as a launch would find it: a 16-byte aligned pointer, an int % 16 == 0
+            t = t[:-3]
+            hinted.add(n)
         ptr = t.startswith("*")
         d = ir.DTYPES.get(t.lstrip("*"))
         if d is None:
@@ -187,6 +192,9 @@ def parse_sig(kernel, sig: str, consts: list) -> tuple:
     extra = set(types) - {n for n, _ in params}
     if extra:
         raise ValueError(f"--sig names unknown parameters: {', '.join(sorted(extra))}")
+    if hinted:
+        from .jit import SPEC_HINTS
+        cx[SPEC_HINTS] = tuple((n, 16) for n, _ in params if n in hinted)
     return params, cx
 
 
@@ -265,6 +273,13 @@ def cmd_build(args) -> int:
             from .runtime.cuda import HostMemoryDevice, standing_in
             with co, standing_in(HostMemoryDevice(t)):
                 build_specializations(args.model, device="cuda")
+        elif t.is_vulkan:
+            # the engine's Vulkan path (device arrays; attention through its token kernel) on the same kind of
+            # stand-in: no Vulkan device needed to build
+            from .runtime.cuda import HostMemoryDevice
+            from .runtime.vulkan import standing_in as vulkan_standing_in
+            with co, vulkan_standing_in(HostMemoryDevice(t)):
+                build_specializations(args.model, device="vulkan")
         else:
             with co:
                 build_specializations(args.model)
@@ -332,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                           ("asm", cmd_asm, "print a kernel's assembly for a target")):
         s = add(name, hlp)
         s.add_argument("kernel", help="module:name or file.py:name of a @jitkern.kernel")
-        s.add_argument("--sig", default="", help="run-time parameter types, e.g. 'x=*f32,y=*f16,n=i32'")
+        s.add_argument("--sig", default="", help="run-time parameter types, e.g. 'x=*f32,y=*f16,n=i32'; a ':16' suffix "
+                       "('x=*f32:16', 'n=i32:16') specialises as a GPU launch would for a 16-byte aligned pointer "
+                       "or an int divisible by 16")
         s.add_argument("--const", action="append", default=[], metavar="NAME=VALUE", help="constexpr value "
                        "(repeatable)")
         s.add_argument("--target", default=None, help="target name (default: this host's selected CPU tier)")

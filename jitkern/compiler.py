@@ -55,7 +55,8 @@ class CompiledKernel:
         return self.artifacts.get("kernel.ptx", b"").decode()
 
     def asm(self) -> str:
-        return self.artifacts.get("kernel.s", b"").decode()
+        """The target's assembly: x86/arm64 assembly on CPUs, PTX on CUDA targets."""
+        return self.artifacts.get("kernel.s", self.artifacts.get("kernel.ptx", b"")).decode()
 
 
 def _constexpr_repr(v) -> str:

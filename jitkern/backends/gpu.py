@@ -99,6 +99,15 @@ class GpuHooks:
         """Stores v through p (scalar stores come already guarded); False for the lowering's own code."""
         return False
 
+    def masked_chunk_load(self, low, pty: str, ptr: str, mask: str, other: LV, vt: str, nbytes: int):
+        """One masked vector load of a chunk without a branch (a predicated instruction): the loaded <V x et>
+        ref, or None for the lowering's branch around a plain load. `other` is the value where mask is 0."""
+        return None
+
+    def masked_chunk_store(self, low, pty: str, ptr: str, mask: str, v: LV, vt: str, nbytes: int) -> bool:
+        """One masked vector store of a chunk without a branch; False for the lowering's branch."""
+        return False
+
     def smem_store(self, low, et: str, off: int, idx, v) -> bool:
         """Stores the lanes of v at shared element indices idx of the region at byte offset off."""
         return False
@@ -106,6 +115,9 @@ class GpuHooks:
     def smem_load(self, low, et: str, off: int, idx):
         """Loads shared elements at indices idx (an LV) of the region at byte offset off, or None."""
         return None
+
+
+_LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
 
 
 def _ops_of(block: ir.Block):
@@ -284,6 +296,21 @@ class GpuLowering(LlvmEmitter):
         from ..analysis import AxisAnalysis
         from ..jit import SPEC_HINTS
         self.axes = AxisAnalysis(fn, dict(fn.constexprs.get(SPEC_HINTS, ())))
+        self.defs = {r.id: op for op in _ops_of(fn.body) for r in op.results}
+        self.uses = {}
+        for op in _ops_of(fn.body):
+            for o in op.operands:
+                if o is not None:
+                    self.uses[o.id] = self.uses.get(o.id, 0) + 1
+        self.lazy = set()           # values lowered by the dot that consumes them (see _mma_plan)
+        self.mma_plans = {}
+        if h.mma_shape:
+            for op in _ops_of(fn.body):
+                if op.name == "dot":
+                    plan = self._mma_plan(op)
+                    if plan is not None:
+                        self.mma_plans[id(op)] = plan
+                        self.lazy.update(plan["lazy"])
         self.start_block("entry")
         h.entry(self)
         self.tid = h.thread_id(self)
@@ -367,6 +394,14 @@ class GpuLowering(LlvmEmitter):
             return self.splat(x, self.lanes(dst_shape), dst_shape)
         return self._relayout(x, src_shape, dst_shape, src_index)
 
+    def _broadcast_index(self, sshape, shape):
+        src = (1,) * (len(shape) - len(sshape)) + tuple(sshape)
+
+        def index(e):
+            cs = self._coords(e, shape)
+            return self._flat_of([c if s != 1 else None for c, s in zip(cs, src)], src, e)
+        return index
+
     def op_broadcast(self, op):
         x = self.get(op.operands[0])
         sshape = op.operands[0].type.shape
@@ -374,11 +409,95 @@ class GpuLowering(LlvmEmitter):
         src = (1,) * (len(shape) - len(sshape)) + tuple(sshape)
         if _prod(src) == _prod(shape):
             return self._retag(x, shape)
+        index = self._broadcast_index(sshape, shape)
+        r = self._remat_move(op.operands[0], shape, index)
+        return r if r is not None else self._move(x, sshape, shape, index)
 
-        def index(e):
-            cs = self._coords(e, shape)
-            return self._flat_of([c if s != 1 else None for c, s in zip(cs, src)], src, e)
-        return self._move(x, sshape, shape, index)
+    # Rematerialisation: a tile computed only from aranges, constants and uniform scalars through integer /
+    # boolean / pointer arithmetic (index and mask math: `(k + offs)[None, :]`, `rows[:, None] < n`) is
+    # recomputed in the destination layout instead of moved through shared memory: each lane evaluates the
+    # chain at the source coordinates of the element it holds. Exact (integer ops), and it saves two
+    # barriers and a shared-memory round trip per broadcast, which in a loop is most of a GEMV's time.
+    _REMAT_ELEMENTWISE = ("binary", "cmp", "cast", "select", "addptr")
+    _REMAT_BUDGET = 48
+
+    def _remat_ok(self, v, seen) -> bool:
+        if not v.type.shape or v.id in seen:
+            return True
+        op = self.defs.get(v.id)
+        if op is None or len(seen) >= self._REMAT_BUDGET:
+            return False
+        seen.add(v.id)
+        if op.name in ("arange", "const"):
+            return True
+        if op.name in ("splat", "reshape", "broadcast", "trans") + self._REMAT_ELEMENTWISE:
+            if op.name in ("binary", "cmp", "select", "cast"):
+                d = op.results[0].type.elem
+                if d.is_float or any(o.type.elem.is_float for o in op.operands if not o.type.is_ptr):
+                    return False
+            return all(self._remat_ok(o, seen) for o in op.operands)
+        return False
+
+    def _remat_move(self, v, dst_shape, index):
+        """v's tile in dst_shape's layout (element e = v's element index(e)) by recomputation, or None."""
+        if not self._remat_ok(v, set()):
+            return None
+        return self._remat(v, dst_shape, index)
+
+    def _remat(self, v, dst_shape, index):
+        R = self.lanes(dst_shape)
+        shape = v.type.shape
+        if not shape:
+            x = self.get(v)
+            if isinstance(x, PT):
+                return PT(x.base, x.elem, self.splat(x.offs, R, dst_shape) if x.offs is not None else None,
+                          dst_shape)
+            return self.splat(x, R, dst_shape) if x.n == 0 else x
+        op = self.defs[v.id]
+        if op.name == "arange":
+            e = index(self.flat_index(dst_shape))
+            s = op.attrs["start"]
+            r = e if s == 0 else self.ibin("add", e, s)
+            return LV(r.ref, "i32", R, tuple(dst_shape))
+        if op.name == "const":
+            d = v.type.elem
+            if d in (ir.f16, ir.bf16):
+                return self.from_f32(self.const(float(op.attrs["value"]), "float", R, dst_shape), d)
+            return self.const(op.attrs["value"], elem_ty(d), R, dst_shape)
+        if op.name == "splat":
+            return self._remat(op.operands[0], dst_shape, index)
+        if op.name == "reshape":
+            return self._remat(op.operands[0], dst_shape, index)      # same flat order
+        if op.name == "broadcast":
+            inner = self._broadcast_index(op.operands[0].type.shape, shape)
+            return self._remat(op.operands[0], dst_shape, lambda e: inner(index(e)))
+        if op.name == "trans":
+            perm = op.attrs.get("perm", (1, 0))
+            src_shape = op.operands[0].type.shape
+
+            def tindex(e):
+                cs = self._coords(e, shape)
+                inc = [None] * len(src_shape)
+                for i, p_ in enumerate(perm):
+                    inc[p_] = cs[i]
+                return self._flat_of(inc, src_shape, e)
+            return self._remat(op.operands[0], dst_shape, lambda e: tindex(index(e)))
+        # elementwise: evaluate the op on its operands rematerialised in the destination layout
+        subs = {o.id: self._remat(o, dst_shape, index) for o in op.operands}
+        saved = {k: self.vals.get(k) for k in subs}
+        self.vals.update(subs)
+        try:
+            res = getattr(self, "op_" + op.name)(op)
+        finally:
+            for k, old in saved.items():
+                if old is None:
+                    self.vals.pop(k, None)
+                else:
+                    self.vals[k] = old
+        if isinstance(res, PT):
+            return PT(res.base, res.elem, LV(res.offs.ref, res.offs.et, res.offs.n, tuple(dst_shape))
+                      if res.offs is not None else None, dst_shape)
+        return LV(res.ref, res.et, res.n, tuple(dst_shape))
 
     def _retag(self, x, shape):
         """Same flat order and element count: the layout is unchanged, only the shape."""
@@ -394,7 +513,14 @@ class GpuLowering(LlvmEmitter):
     def op_reshape(self, op):
         return self._retag(self.get(op.operands[0]), op.result.type.shape)
 
+    def op_cast(self, op):
+        if op.results[0].id in self.lazy:
+            return _LAZY
+        return super().op_cast(op)
+
     def op_trans(self, op):
+        if op.results[0].id in self.lazy:
+            return _LAZY
         x = self.get(op.operands[0])
         shape = op.operands[0].type.shape
         perm = op.attrs.get("perm", (1, 0))
@@ -406,7 +532,8 @@ class GpuLowering(LlvmEmitter):
             for i, p in enumerate(perm):
                 inc[p] = cs[i]
             return self._flat_of(inc, shape, e)
-        return self._move(x, shape, oshape, index)
+        r = self._remat_move(op.operands[0], oshape, index)
+        return r if r is not None else self._move(x, shape, oshape, index)
 
     # -------------------------------------------------------------------------------------- memory
     def _gpu_mask(self, shape, mask):
@@ -545,6 +672,10 @@ class GpuLowering(LlvmEmitter):
             mc = self.extract(m, c * V)
             oc = self.shuffle(other, list(range(c * V, c * V + V))) if other.ref != "zeroinitializer" else \
                 LV("zeroinitializer", et, V)
+            hooked = self.hooks.masked_chunk_load(self, pty, pc.ref, mc.ref, oc, vt, V * esize)
+            if hooked is not None:
+                parts.append(LV(hooked, et, V))
+                continue
             pred = self.block
             yes, done = self.label("vld"), self.label("vld_done")
             self.emit(f"br i1 {mc.ref}, label %{yes}, label %{done}")
@@ -566,6 +697,8 @@ class GpuLowering(LlvmEmitter):
                 self.emit(f"store {vt} {part.ref}, {pty} {pc.ref}, align {V * esize}")
                 continue
             mc = self.extract(m, c * V)
+            if self.hooks.masked_chunk_store(self, pty, pc.ref, mc.ref, part, vt, V * esize):
+                continue
             yes, done = self.label("vst"), self.label("vst_done")
             self.emit(f"br i1 {mc.ref}, label %{yes}, label %{done}")
             self.start_block(yes)
@@ -781,6 +914,9 @@ class GpuLowering(LlvmEmitter):
         return self.convert(v, d, acc_d) if d != acc_d else v
 
     def op_dot(self, op):
+        plan = self.mma_plans.get(id(op))
+        if plan is not None:
+            return self._dot_mma_plan(op, plan)
         a, b = self.get(op.operands[0]), self.get(op.operands[1])
         acc_in = self.get(op.operands[2]) if len(op.operands) > 2 and op.operands[2] is not None else None
         ad, bd = op.operands[0].type.elem, op.operands[1].type.elem
@@ -789,15 +925,6 @@ class GpuLowering(LlvmEmitter):
         n = op.operands[1].type.shape[1]
         oshape = (m, n)
         R = self.lanes(oshape)
-        ms = self.hooks.mma_shape
-        if ms and ad == bd and ad in (ir.bf16, ir.f16) and rd == ir.f32 and m % ms[0] == 0 and n % ms[1] == 0 \
-                and k % ms[2] == 0:
-            out = self._dot_mma(a, b, m, n, k, "bf16" if ad == ir.bf16 else "f16")
-            if acc_in is not None:
-                init = acc_in if acc_in.n else self.splat(acc_in, R, oshape)
-                init = self._to_acc(init, op.operands[2].type.elem, rd)
-                out = self.val(f"fadd {out.ty} {out.ref}, {init.ref}", "float", R, oshape)
-            return out
         self.barrier()
         offb = self.smem_write(a, 0)
         self.smem_write(b, offb)
@@ -827,19 +954,134 @@ class GpuLowering(LlvmEmitter):
         out = self.emit_loop(k, [LV(init.ref, init.et, R)], body)[0]
         return LV(out.ref, out.et, R, oshape)
 
-    def _dot_mma(self, a: LV, b: LV, m: int, n: int, k: int, kind: str) -> LV:
-        """(m, k) x (k, n) 16-bit floats -> f32 on the matrix units: operands staged row-major in shared memory,
-        each warp taking 16x8 output tiles round-robin and running the K loop as m16n8k16 MMAs (fragments
-        loaded per the PTX fragment layout), results written to shared memory and read back in the tile
-        layout. Per output element the K steps are the same whatever m is, so results stay batch invariant."""
+    # ---------------------------------------------------------------------- dot on the matrix units
+    def _single_use_cast_from(self, v, kinds):
+        """The 16-bit source of v when v is a single-use widening cast from one of `kinds`, else None."""
+        d = self.defs.get(v.id)
+        if d is not None and d.name == "cast" and not d.attrs.get("bitcast", False) \
+                and d.operands[0].type.elem in kinds and self.uses.get(v.id, 0) == 1:
+            return d.operands[0]
+        return None
+
+    def _mma_plan(self, op):
+        """How a dot runs on the matrix units, or None for the FMA path. B must be 16-bit (f16/bf16), maybe
+        behind a single-use widening cast (the language widens mixed-dtype operands to f32) and a single-use
+        transpose (`dot(x, trans(w))`: w's (n, k) rows are written to shared memory as they are, so no layout
+        change is spent on the transpose). A is the same 16-bit type, or f32 split into two 16-bit parts
+        hi + lo (two MMAs per step: ~16 significant bits of the activations rather than 8)."""
+        ms = self.hooks.mma_shape
+        if op.results[0].type.elem != ir.f32:
+            return None
+        av, bv = op.operands[0], op.operands[1]
+        m, k = av.type.shape
+        n = bv.type.shape[1]
+        if m % ms[0] or n % ms[1] or k % ms[2] or k % 8:
+            return None
+        lazy = []
+        b16 = bv if bv.type.elem in (ir.bf16, ir.f16) else None
+        if b16 is None and bv.type.elem == ir.f32:
+            b16 = self._single_use_cast_from(bv, (ir.bf16, ir.f16))
+            if b16 is not None:
+                lazy.append(bv.id)
+        if b16 is None:
+            return None
+        kind = b16.type.elem
+        nk, b_src = False, b16
+        t = self.defs.get(b16.id)
+        if t is not None and t.name == "trans" and tuple(t.attrs.get("perm", (1, 0))) == (1, 0) \
+                and self.uses.get(b16.id, 0) == 1:
+            nk, b_src = True, t.operands[0]
+            lazy.append(b16.id)
+        if av.type.elem == kind:
+            a_src, split = av, False
+        elif av.type.elem == ir.f32:
+            a_src = self._single_use_cast_from(av, (kind,))
+            if a_src is not None:
+                lazy.append(av.id)
+                split = False
+            else:
+                a_src, split = av, True
+        else:
+            return None
+        return dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy)
+
+    def _smem_write_rows(self, x: LV, off: int, shape, KP: int, transpose: bool) -> int:
+        """Writes a 2-D 16-bit tile to shared memory as rows of KP elements: element (r, c) at r * KP + c, or
+        at c * KP + r with `transpose`. The padding (KP = row length + 8) shifts consecutive rows by 16 bytes,
+        so the MMA fragment loads (8 rows x 4 pairs per warp) hit 32 different banks."""
+        R0, C0 = shape
+        numel = R0 * C0
+        rows_out = C0 if transpose else R0
+        scratch = rows_out * KP                           # padding lanes write here
+        V = self.vec(shape)
+        flat = self.flat_index(shape)
+        a = self.hooks.smem_as
+        base = self.smem_ptr(off)
+        pad_lanes = _prod(shape) % (self.T * V) != 0
+        if not transpose and C0 % V == 0 and V > 1:
+            # chunks of V consecutive elements stay within one row: one vector store each
+            vt = vty(x.et, V)
+            for c in range(x.n // V):
+                e = self.extract(flat, c * V)
+                r = self.val(f"udiv i32 {e.ref}, {C0}", "i32", 0)
+                col = self.val(f"urem i32 {e.ref}, {C0}", "i32", 0)
+                d = self.val(f"mul i32 {r.ref}, {KP}", "i32", 0)
+                d = self.val(f"add i32 {d.ref}, {col.ref}", "i32", 0)
+                if pad_lanes:
+                    ok = self.val(f"icmp ult i32 {e.ref}, {numel}", "i1", 0)
+                    d = self.val(f"select i1 {ok.ref}, i32 {d.ref}, i32 {scratch}", "i32", 0)
+                part = self.shuffle(x, list(range(c * V, c * V + V)))
+                ptr = self.val(f"getelementptr {x.et}, ptr addrspace({a}) {base}, i32 {d.ref}", "ptr", 0)
+                self.emit(f"store {vt} {part.ref}, ptr addrspace({a}) {ptr.ref}, align {V * _ES[x.et]}")
+        else:
+            r = self.ibin("udiv", flat, C0)
+            col = self.ibin("urem", flat, C0)
+            d = self.ibin("add", self.ibin("mul", col, KP), r) if transpose else \
+                self.ibin("add", self.ibin("mul", r, KP), col)
+            if pad_lanes:
+                ok = self.val(f"icmp ult {flat.ty} {flat.ref}, {self.iconst(numel, flat.n).ref}", "i1", flat.n)
+                d = self.val(f"select {ok.ty} {ok.ref}, {d.ty} {d.ref}, {d.ty} {self.iconst(scratch, d.n).ref}",
+                             "i32", d.n)
+            for j in range(x.n):
+                dj = self.extract(d, j)
+                ptr = self.val(f"getelementptr {x.et}, ptr addrspace({a}) {base}, i32 {dj.ref}", "ptr", 0)
+                self.emit(f"store {x.et} {self.extract(x, j).ref}, ptr addrspace({a}) {ptr.ref}, "
+                          f"align {_ES[x.et]}")
+        return self._claim(off, (scratch + V) * _ES[x.et])
+
+    def _dot_mma_plan(self, op, plan) -> LV:
+        """(m, k) x (k, n) -> f32 on the matrix units: operands staged in shared memory as padded rows along
+        k (A as (m, k), B as (n, k)), each warp taking 16x8 output tiles round-robin and running the K loop
+        as m16n8k16 MMAs whose fragments are single 32-bit loads (k pairs are adjacent), results written to
+        shared memory and read back in the tile layout, then `acc` added. Per output element the K steps
+        and the hi/lo order are the same whatever m is, so results stay batch invariant."""
         MS, NS, KS = self.hooks.mma_shape
-        ws = self.target.warp_size
+        m, n, k, d16 = plan["m"], plan["n"], plan["k"], plan["kind"]
+        kind = "bf16" if d16 == ir.bf16 else "f16"
+        oshape = (m, n)
+        R = self.lanes(oshape)
+        a = self.get(plan["a"])
+        if plan["split"]:
+            hi = self.from_f32(a, d16)
+            rest = self.val(f"fsub {a.ty} {a.ref}, {self.to_f32(hi, d16).ref}", "float", a.n, a.shape)
+            parts = [hi, self.from_f32(rest, d16)]
+        else:
+            parts = [a]
+        b = self.get(plan["b"])
+        KP = k + 8
         self.barrier()
-        offb = self.smem_write(a, 0)
-        offc = self.smem_write(b, offb)
+        off, offs_a = 0, []
+        for p in parts:
+            offs_a.append(off)
+            off = self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
+        offb = off
+        off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
+                                   (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
+        offc = off
         self._claim(offc, m * n * 4)
         self.barrier()
         a3 = self.hooks.smem_as
+        ws = self.target.warp_size
         warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0)
         lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0)
         g = self.val(f"lshr i32 {lane.ref}, 2", "i32", 0)
@@ -847,17 +1089,18 @@ class GpuLowering(LlvmEmitter):
         t2 = self.val(f"shl i32 {t4.ref}, 1", "i32", 0)
         ntiles = (m // MS) * (n // NS)
         per_warp = -(-ntiles // self.num_warps)
-        base_a, base_b, base_c = self.smem_ptr(0), self.smem_ptr(offb), self.smem_ptr(offc)
-
-        def sld(base, et, idx_ref):
-            ptr = self.val(f"getelementptr {et}, ptr addrspace({a3}) {base}, i32 {idx_ref}", "ptr", 0)
-            return self.val(f"load {et}, ptr addrspace({a3}) {ptr.ref}, align {_ES[et]}", et, 0).ref
+        base_c = self.smem_ptr(offc)
 
         def add(x, y):
             return self.val(f"add i32 {x}, {y}", "i32", 0).ref
 
         def mul(x, c):
             return self.val(f"mul i32 {x}, {c}", "i32", 0).ref
+
+        def ld32(byte_off_region, elem_idx):
+            eb = add(mul(elem_idx, 2), byte_off_region)
+            p = self.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0)
+            return self.val(f"load i32, ptr addrspace({a3}) {p.ref}, align 4", "i32", 0).ref
 
         for i in range(per_warp):
             q = self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0)
@@ -868,29 +1111,20 @@ class GpuLowering(LlvmEmitter):
             mi = self.val(f"udiv i32 {q.ref}, {n // NS}", "i32", 0)
             ni = self.val(f"urem i32 {q.ref}, {n // NS}", "i32", 0)
             r0 = add(mul(mi.ref, MS), g.ref)                 # rows r0 and r0 + 8 of A and C
-            c0 = add(mul(ni.ref, NS), g.ref)                 # column of B this lane feeds
+            c0 = add(mul(ni.ref, NS), g.ref)                 # column of B (row of the (n, k) layout)
             cc = add(mul(ni.ref, NS), t2.ref)                # columns cc, cc + 1 of C this lane holds
+            arow0, arow8, brow = mul(r0, KP), mul(add(r0, 8), KP), mul(c0, KP)
             zero = LV("0.0", "float", 0)
 
             def kstep(iv, cur):
-                kb = mul(iv, KS)
-                ka = add(kb, t2.ref)                         # A columns ka, ka + 1 (and + 8)
-                regs_a = []
-                for dr, dc in ((0, 0), (8, 0), (0, 8), (8, 8)):
-                    e = add(mul(add(r0, dr), k), add(ka, dc))         # element index of the pair's first half
-                    eb = mul(e, 2)                                    # bytes: the pair is one aligned i32
-                    p = self.val(f"getelementptr i8, ptr addrspace({a3}) {base_a}, i32 {eb}", "ptr", 0)
-                    regs_a.append(self.val(f"load i32, ptr addrspace({a3}) {p.ref}, align 4", "i32", 0).ref)
-                regs_b = []
-                for dk in (0, 8):
-                    lo_i = add(mul(add(ka, dk), n), c0)                # B[ka + dk][c0], B[ka + dk + 1][c0]
-                    hi_i = add(lo_i, n)
-                    lo = self.val(f"zext i16 {sld(base_b, 'i16', lo_i)} to i32", "i32", 0).ref
-                    hi = self.val(f"zext i16 {sld(base_b, 'i16', hi_i)} to i32", "i32", 0).ref
-                    hs = self.val(f"shl i32 {hi}, 16", "i32", 0).ref
-                    regs_b.append(self.val(f"or i32 {lo}, {hs}", "i32", 0).ref)
-                outs = self.hooks.mma(self, kind, regs_a, regs_b, [c.ref for c in cur])
-                return [LV(o, "float", 0) for o in outs]
+                ka = add(mul(iv, KS), t2.ref)                # k pairs ka, ka + 1 (and + 8)
+                regs_b = [ld32(offb, add(brow, ka)), ld32(offb, add(brow, add(ka, 8)))]
+                accs = [c.ref for c in cur]
+                for pa in offs_a:
+                    regs_a = [ld32(pa, add(arow0, ka)), ld32(pa, add(arow8, ka)),
+                              ld32(pa, add(arow0, add(ka, 8))), ld32(pa, add(arow8, add(ka, 8)))]
+                    accs = self.hooks.mma(self, kind, regs_a, regs_b, accs)
+                return [LV(o, "float", 0) for o in accs]
             acc = self.emit_loop(k // KS, [zero, zero, zero, zero], kstep)
             for j, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
                 e = add(mul(add(r0, dr), n), add(cc, dc))
@@ -899,8 +1133,14 @@ class GpuLowering(LlvmEmitter):
             self.emit(f"br label %{done}")
             self.start_block(done)
         self.barrier()
-        idx = self.umin(self.flat_index((m, n)), m * n - 1)
-        return self.smem_read("float", offc, idx, (m, n))
+        idx = self.umin(self.flat_index(oshape), m * n - 1)
+        out = self.smem_read("float", offc, idx, oshape)
+        if len(op.operands) > 2 and op.operands[2] is not None:
+            acc_in = self.get(op.operands[2])
+            init = acc_in if acc_in.n else self.splat(acc_in, R, oshape)
+            init = self._to_acc(init, op.operands[2].type.elem, ir.f32)
+            out = self.val(f"fadd {out.ty} {out.ref}, {init.ref}", "float", R, oshape)
+        return out
 
     def _int_products(self, a_et_signed: bool, av: LV, bv: LV, b_signed=True, wide="i32") -> LV:
         wa = self.val(f"{'sext' if a_et_signed else 'zext'} {av.ty} {av.ref} to {vty(wide, av.n)}", wide, av.n)

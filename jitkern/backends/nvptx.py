@@ -89,6 +89,51 @@ class NvptxHooks(GpuHooks):
     def function_attrs(self, low) -> list:
         return [f'"nvvm.maxntid"="{low.T}"']
 
+    # Masked 16/8/4-byte chunk accesses as predicated PTX instructions (`@p ld.global.v4.b32`): a branch
+    # around each load would keep ptxas from issuing a tile's loads back to back, and memory-bound kernels
+    # need every load of a step in flight at once. The words go through i32 registers; `other` is tied to
+    # the outputs so lanes whose mask is 0 keep it. A "memory" clobber keeps LLVM from moving the asm across
+    # stores and barriers (it cannot see that the asm reads memory).
+    @staticmethod
+    def _words(low, v: LV, vt: str, nbytes: int):
+        w = nbytes // 4
+        iv = low.val(f"bitcast {vt} {v.ref} to <{w} x i32>", "i32", w)
+        return w, [low.extract(iv, j).ref for j in range(w)]
+
+    def masked_chunk_load(self, low, pty, ptr, mask, other, vt, nbytes):
+        if nbytes not in (4, 8, 16):
+            return None
+        w = nbytes // 4
+        _, others = self._words(low, other, vt, nbytes)
+        addr = low.val(f"ptrtoint {pty} {ptr} to i64", "i64", 0)
+        pm = low.val(f"zext i1 {mask} to i32", "i32", 0)
+        outs = ", ".join(f"${j}" for j in range(w))
+        vec = "" if w == 1 else f".v{w}"
+        regs = outs if w == 1 else "{" + outs + "}"
+        asm = (f"{{ .reg .pred p; setp.ne.b32 p, ${w + 1}, 0; @p ld.global{vec}.b32 {regs}, [${w}]; }}")
+        cons = ",".join(["=r"] * w + ["l", "r"] + [str(j) for j in range(w)] + ["~{memory}"])
+        sty = "i32" if w == 1 else "{ " + ", ".join(["i32"] * w) + " }"     # one output: a plain value
+        args = ", ".join([f"i64 {addr.ref}", f"i32 {pm.ref}"] + [f"i32 {o}" for o in others])
+        res = low.val(f'call {sty} asm sideeffect "{asm}", "{cons}"({args})', "i32" if w == 1 else "{w}", 0)
+        words = [res] if w == 1 else [low.val(f"extractvalue {sty} {res.ref}, {j}", "i32", 0) for j in range(w)]
+        iv = low.build_vector(words, "i32", ())
+        return low.val(f"bitcast <{w} x i32> {iv.ref} to {vt}", "?", 0).ref
+
+    def masked_chunk_store(self, low, pty, ptr, mask, v, vt, nbytes):
+        if nbytes not in (4, 8, 16):
+            return False
+        w, words = self._words(low, v, vt, nbytes)
+        addr = low.val(f"ptrtoint {pty} {ptr} to i64", "i64", 0)
+        pm = low.val(f"zext i1 {mask} to i32", "i32", 0)
+        ins = ", ".join(f"${j + 2}" for j in range(w))
+        vec = "" if w == 1 else f".v{w}"
+        regs = ins if w == 1 else "{" + ins + "}"
+        asm = f"{{ .reg .pred p; setp.ne.b32 p, $1, 0; @p st.global{vec}.b32 [$0], {regs}; }}"
+        cons = ",".join(["l", "r"] + ["r"] * w + ["~{memory}"])
+        args = ", ".join([f"i64 {addr.ref}", f"i32 {pm.ref}"] + [f"i32 {o}" for o in words])
+        low.emit(f'call void asm sideeffect "{asm}", "{cons}"({args})')
+        return True
+
 
 def lower_to_nvptx(fn, target) -> tuple[str, dict]:
     """(LLVM IR text, launch metadata) for one kernel."""

@@ -201,11 +201,12 @@ def _rows_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: j
 
 @jk.kernel(do_not_specialize=("M",))
 def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BN: jk.constexpr,
-                       BK: jk.constexpr):
+                       BK: jk.constexpr, EVEN: jk.constexpr = False):
     # GPUs: y[t, n0:n0+BN] for one token t per program row, grid (M, N / BN). The BN weight rows stream in
     # (BN, BK) tiles, contiguous along K (16-byte accesses), FMAs into a (BN, BK) f32 accumulator, one fixed
     # reduction at the end: a token's arithmetic is the same whatever M is (batch invariant, one kernel for
-    # decode and prefill).
+    # decode and prefill). EVEN (N % BN == 0 and K % BK == 0) drops the masks: plain loads that LLVM may
+    # schedule and deduplicate freely.
     t = jk.program_id(0).to(jk.i64)
     rows = jk.program_id(1) * BN + jk.arange(0, BN)
     rm = rows < N
@@ -214,18 +215,69 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
     wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
     acc = jk.zeros((BN, BK), jk.f32)
     for k in range(0, K, BK):
-        km = (k + kk) < K
-        xv = jk.load(xrow + k + kk, mask=km, other=0.0)
-        wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(jk.f32)
-        acc = jk.fma(wv, xv[None, :], acc)
+        # x is loaded straight into the (BN, BK) tile's layout (every row's lanes read the same addresses,
+        # served by L1) rather than loaded once and broadcast: a broadcast of loaded data is a layout change
+        # through shared memory, two barriers per step
+        xp = xrow + (k + kk)[None, :] + (rows * 0)[:, None]
+        if EVEN:
+            xv = jk.load(xp)
+            wv = jk.load(wrows + (k + kk)[None, :]).to(jk.f32)
+        else:
+            km = (k + kk) < K
+            xv = jk.load(xp, mask=km[None, :] & (rows >= 0)[:, None], other=0.0)
+            wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(jk.f32)
+        acc = jk.fma(wv, xv, acc)
     s = jk.sum(acc, axis=1)
     if HAS_BIAS:
         s = s + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)
     jk.store(y + t * ldy.to(jk.i64) + rows, s, mask=rm)
 
 
-# GPU tiles of the dense linear: weight rows per program, K elements per step
-GPU_LINEAR_TILE = (16, 256)
+@jk.kernel(do_not_specialize=("M",))
+def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
+                           BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False):
+    # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN). `dot(x, trans(w))`
+    # runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds the transpose),
+    # f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and the K order do
+    # not depend on the other rows, so a token's result is the same whatever M is (batch invariant; M = 1
+    # pads the tile with masked rows).
+    tok = jk.program_id(0) * BM + jk.arange(0, BM)
+    rows = jk.program_id(1) * BN + jk.arange(0, BN)
+    tm = tok < M
+    rm = rows < N
+    kk = jk.arange(0, BK)
+    xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
+    wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
+    acc = jk.zeros((BM, BN), jk.f32)
+    for k in range(0, K, BK):
+        if EVEN:
+            xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & (kk >= 0)[None, :], other=0.0)
+            wv = jk.load(wrows + (k + kk)[None, :])
+        else:
+            km = (k + kk) < K
+            xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        acc = jk.dot(xv, jk.trans(wv), acc)
+    if HAS_BIAS:
+        acc = acc + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)[None, :]
+    jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
+
+
+# GPU tiles of the dense linear: weight rows per program, K elements per step, warps per program
+GPU_LINEAR_TILE = (16, 256, 4)
+# with matrix units (16-bit weights, K % 16 == 0): tokens, weight rows, K per step, warps per program, chosen
+# from (N, K) only (never M: batch invariance) by gpu_linear_mma_tile; a fixed tuple overrides (perf/ tuning),
+# None keeps the FMA kernel above on every GPU. H200 sweep (perf/tune_gemv_cuda.py, docs/BENCHMARKS.md):
+# long K (the MLP down projection) needs narrow tiles to keep enough programs in flight at M = 1.
+GPU_LINEAR_MMA_TILE = "auto"
+
+
+def gpu_linear_mma_tile(N: int, K: int) -> tuple:
+    if GPU_LINEAR_MMA_TILE != "auto":
+        return GPU_LINEAR_MMA_TILE
+    if K >= 8192:
+        return (16, 32, 128, 4)
+    return (16, 128, 64, 4) if N >= 16384 else (16, 64, 128, 8)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -496,9 +548,17 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
             o2[...] = 0.0 if b is None else b[None, :]
         else:
             args = (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4)
-            if T.is_gpu:
-                BN, BK = GPU_LINEAR_TILE
-                _launch(_gpu_linear_kernel, (M, -(-N // BN)), args, dict(HAS_BIAS=b is not None, BN=BN, BK=BK), T)
+            if T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in ("mma.sync", "wgmma", "tcgen05") \
+                    and dt in ("bf16", "f16") and K % 16 == 0:
+                BM, BN, BK, NW = gpu_linear_mma_tile(N, K)
+                _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
+                        dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=N % BN == 0 and K % BK == 0,
+                             num_warps=NW), T)
+            elif T.is_gpu:
+                BN, BK, NW = GPU_LINEAR_TILE
+                _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
+                        dict(HAS_BIAS=b is not None, BN=BN, BK=BK, EVEN=N % BN == 0 and K % BK == 0,
+                             num_warps=NW), T)
             elif M <= GEMV_MAX_M:
                 BM, R, V, U = _gemv_tiles(M, N, T)
                 _launch(_gemv_kernel, (-(-M // BM), -(-N // R)), args,

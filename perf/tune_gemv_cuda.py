@@ -1,0 +1,131 @@
+"""Tile sweep of the GPU dense linear (`_gpu_linear_kernel`) at decode shapes, against the device-to-device
+copy bandwidth and torch's bf16 linear (cuBLAS) measured in the same run.
+
+    python3 perf/tune_gemv_cuda.py [--configs 16,256,4 8,512,4 ...] [--m 1,16,64] [--smoke]
+
+Every row is timed as a CUDA graph of R launches that cycle through enough weight copies (>= 256 MiB) that
+no launch finds its weights in L2, as in a real decode step. GB/s counts the weight bytes (plus x and y).
+Each config's result is checked against numpy on the first shape.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import jitkern as jk
+
+SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+# ("fma", BN, BK, warps): _gpu_linear_kernel; ("mma", BM, BN, BK, warps): _gpu_linear_mma_kernel
+CONFIGS = [("fma", 8, 256, 2), ("fma", 4, 512, 4), ("mma", 16, 64, 64, 4), ("mma", 16, 32, 128, 4),
+           ("mma", 16, 16, 256, 4), ("mma", 16, 128, 64, 4), ("mma", 32, 64, 64, 4), ("mma", 64, 64, 32, 4),
+           ("mma", 16, 64, 128, 8)]
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16(u: np.ndarray) -> np.ndarray:
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+def _best(fn, sync, reps=5):
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="*", default=None, help="fma,BN,BK,warps or mma,BM,BN,BK,warps")
+    ap.add_argument("--m", default="1", help="comma-separated token counts (default 1)")
+    ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
+    ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")
+    ap.add_argument("--smoke", action="store_true", help="one small shape, two configs")
+    args = ap.parse_args(argv)
+    from jitkern.ops import matmul
+    from jitkern.runtime import cuda
+    import torch
+    dev = cuda.get_device()
+    configs = [(c.split(",")[0],) + tuple(int(v) for v in c.split(",")[1:]) for c in args.configs] \
+        if args.configs else CONFIGS
+    shapes = SHAPES
+    if args.smoke:
+        shapes, configs = [(4096, 4096)], configs[:2]
+    ms = [int(v) for v in args.m.split(",")]
+    rng = np.random.default_rng(0)
+
+    nb = 1 << 30
+    a, b = cuda.DeviceArray.empty(nb // 4, np.float32), cuda.DeviceArray.empty(nb // 4, np.float32)
+    t = _best(lambda: [dev.copy(b.ptr, a.ptr, nb) for _ in range(5)], dev.synchronize) / 5
+    copy_gbs = 2 * nb / t / 1e9
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write) -- the ceiling")
+    del a, b
+
+    for (N, K) in shapes:
+        wbytes = N * K * 2
+        copies = max(1, -(-(256 << 20) // wbytes))
+        host_w = _bf16(rng.standard_normal((N, K), dtype=np.float32) * 0.05)
+        ws = [cuda.to_device(host_w) for _ in range(copies)]
+        tws = [torch.from_numpy(host_w.view(np.int16)).cuda().view(torch.bfloat16) for _ in range(copies)]
+        for M in ms:
+            if M > 256 and N * K > 6144 * 4096 and not args.all_shapes:
+                continue
+            host_x = rng.standard_normal((M, K), dtype=np.float32)
+            x = cuda.to_device(host_x)
+            y = cuda.DeviceArray.empty((M, N), np.float32)
+            L = args.launches if M <= 64 else max(3, args.launches // 4) if M <= 256 else 3
+            rows = []
+            ref = None
+            if (N, K) == shapes[0]:
+                ref = host_x.astype(np.float64) @ _from_bf16(host_w).astype(np.float64).T
+            for cfg in configs:
+                if cfg[0] == "fma" and M > 64:
+                    continue                  # re-reads the weights per token: minutes at prefill sizes
+                if cfg[0] == "mma":
+                    matmul.GPU_LINEAR_MMA_TILE = cfg[1:]
+                else:
+                    matmul.GPU_LINEAR_MMA_TILE, matmul.GPU_LINEAR_TILE = None, cfg[1:]
+                matmul.linear(x, ws[0], out=y, w_dtype="bf16")      # compile + load outside the capture
+                dev.synchronize()
+                if ref is not None:
+                    err = float(np.max(np.abs(y.numpy() - ref)) / (np.max(np.abs(ref)) + 1e-30))
+                    if err > (1e-4 if cfg[0] == "fma" else 3e-4):
+                        print(f"  WRONG RESULT for config {cfg}: max rel err {err:.2e}")
+                with jk.capture() as g:
+                    for i in range(L):
+                        matmul.linear(x, ws[i % copies], out=y, w_dtype="bf16")
+                t = _best(g.replay, dev.synchronize) / L
+                gbs = (wbytes + M * K * 4 + M * N * 4) / t / 1e9
+                rows.append((cfg, t, gbs))
+            tx = torch.from_numpy(host_x).cuda().to(torch.bfloat16)
+            ty = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
+            torch.nn.functional.linear(tx, tws[0], out=ty) if False else torch.matmul(tx, tws[0].T, out=ty)
+            torch.cuda.synchronize()
+            tg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(tg):
+                for i in range(L):
+                    torch.matmul(tx, tws[i % copies].T, out=ty)
+            tt = _best(tg.replay, torch.cuda.synchronize) / L
+            tgbs = (wbytes + M * K * 2 + M * N * 2) / tt / 1e9
+            print(f"N={N} K={K} M={M}: cuBLAS (torch bf16) {tt * 1e6:.1f} us {tgbs:.0f} GB/s "
+                  f"({tgbs / copy_gbs:.2f} of copy), {2.0 * M * N * K / tt / 1e12:.1f} TFLOP/s")
+            flops = 2.0 * M * N * K
+            for cfg, t, gbs in sorted(rows, key=lambda r: r[1]):
+                print(f"  {cfg}: {t * 1e6:.1f} us {gbs:.0f} GB/s = {gbs / copy_gbs:.2f} of copy, "
+                      f"{flops / t / 1e12:.1f} TFLOP/s, {tt / t:.2f}x cuBLAS")
+        del ws, tws
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
