@@ -52,6 +52,7 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self.tokenizer = tokenizer
         self.grammar_compiler = None   # engine.structured_outputs.GrammarCompiler (its thread pool for masks)
+        self.prefetch_masks = True     # compute the next step's masks in the background (see GrammarState)
 
     # --------------------------------------------------------------------------------- batch entry
     def sample(self, sched, result) -> dict:
@@ -111,6 +112,8 @@ class Sampler:
                     forced = grammar.forced_tokens()
                     if forced:
                         res.token_ids = [res.token_id] + forced
+                if self.prefetch_masks:
+                    grammar.prefetch()      # the next mask, computed while the next forward pass runs
             except Exception:  # noqa: BLE001 - this request alone fails
                 log.exception("advancing the grammar of request %s failed", rid)
                 res.token_id, res.error = -1, INTERNAL_ERROR

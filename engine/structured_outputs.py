@@ -310,43 +310,88 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids=()):
 
 
 class GrammarState:
-    """One sequence's matcher: its mask for the next token, the tokens it accepts, whether it is done."""
+    """One sequence's matcher: its mask for the next token, the tokens it accepts, whether it is done.
+
+    Overlap: after a token is accepted, `prefetch` starts computing the next mask on a background thread
+    (llguidance releases the GIL), so it runs while the engine does the next forward pass; `fill_masks`
+    takes the finished mask. While a prefetch runs nothing else touches the matcher: every method that
+    does waits for it first, and `finished_at` reads a flag cached when the token was accepted."""
 
     def __init__(self, matcher, vocab_size: int, jump_forward: bool = False):
         self.matcher = matcher
         self.vocab_size = vocab_size            # the llguidance tokenizer's (>= the model's logits row)
         self.jump_forward = jump_forward
         self.num_accepted = 0
+        self._stopped = matcher.is_stopped()
+        self._prefetch = None                   # Future of the next mask (an int32 row), or None
+
+    def _wait(self):
+        fut, self._prefetch = self._prefetch, None
+        return fut.result() if fut is not None else None
 
     @property
     def terminated(self) -> bool:
         """Nothing but end-of-sequence can follow (or the matcher failed): the request stops."""
-        return self.matcher.is_stopped()
+        return self._stopped
 
     def finished_at(self, num_output_tokens: int) -> bool:
         """Whether the request stops after its first num_output_tokens outputs: the grammar is finished and
         every token it consumed (forced ones included) has been appended."""
-        return num_output_tokens >= self.num_accepted and self.matcher.is_stopped()
+        return num_output_tokens >= self.num_accepted and self._stopped
 
     @property
     def error(self) -> str:
+        self._wait()
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
     def accept(self, token_id: int) -> bool:
+        self._wait()
         ok = self.matcher.consume_token(int(token_id))
         if ok:
             self.num_accepted += 1
+        self._stopped = self.matcher.is_stopped()
         return ok
 
     def forced_tokens(self) -> list:
         """Tokens the grammar forces next (consumed here); empty when there is a choice."""
-        if self.matcher.is_stopped():
+        self._wait()
+        if self._stopped:
             return []
         toks = list(self.matcher.compute_ff_tokens())
         if toks and not self.matcher.consume_tokens(toks):
+            self._stopped = self.matcher.is_stopped()
             return []
         self.num_accepted += len(toks)
+        self._stopped = self.matcher.is_stopped()
         return toks
+
+    def prefetch(self) -> None:
+        """Start computing the next token's mask in the background (nothing when the grammar is done)."""
+        if self._stopped or self._prefetch is not None:
+            return
+        self._prefetch = _prefetch_pool().submit(self._compute_row)
+
+    def _compute_row(self) -> np.ndarray:
+        row = np.empty(mask_words(self.vocab_size), np.int32)
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return row
+
+    def take_prefetched(self):
+        """The prefetched mask row (waiting for it if still running), or None when none was started."""
+        return self._wait()
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _prefetch_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return _pool
 
 
 def mask_words(vocab_size: int) -> int:
@@ -354,14 +399,22 @@ def mask_words(vocab_size: int) -> int:
 
 
 def fill_masks(compiler: Optional[GrammarCompiler], states: list) -> np.ndarray:
-    """int32 bitmasks (len(states), ceil(V/32)) for the next token of every state, in one parallel call."""
+    """int32 bitmasks (len(states), ceil(V/32)) for the next token of every state: the prefetched ones as they
+    are, the rest in one parallel llguidance call."""
     import llguidance.numpy as lln
     bitmask = np.empty((len(states), mask_words(states[0].vocab_size)), np.int32)
-    if len(states) == 1 or compiler is None:
-        for j, s in enumerate(states):
-            lln.fill_next_token_bitmask(s.matcher, bitmask, j)
-    else:
-        lln.fill_next_token_bitmask_par(compiler.executor, [(s.matcher, j) for j, s in enumerate(states)], bitmask)
+    todo = []
+    for j, s in enumerate(states):
+        row = s.take_prefetched()
+        if row is not None:
+            bitmask[j] = row
+        else:
+            todo.append(j)
+    if len(todo) == 1 or (todo and compiler is None):
+        for j in todo:
+            lln.fill_next_token_bitmask(states[j].matcher, bitmask, j)
+    elif todo:
+        lln.fill_next_token_bitmask_par(compiler.executor, [(states[j].matcher, j) for j in todo], bitmask)
     return bitmask
 
 

@@ -300,3 +300,22 @@ def test_bad_tokenizer_or_impossible_request_is_an_error_not_a_crash(llm):
                                      SamplingParams(max_tokens=5, temperature=0)])
     assert outs[0].outputs[0].finish_reason == "error"
     assert outs[1].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_prefetched_masks_give_the_same_tokens_as_masks_computed_in_the_step(llm):
+    """The next mask is computed in the background while the forward pass runs; turning that off must not
+    change a single token (greedy and seeded sampling, several constrained requests at once)."""
+    def run():
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [f"Q{i}:" for i in range(4)],
+            [SamplingParams(max_tokens=120, temperature=t, seed=21, structured_outputs=constraint(k))
+             for t, k in ((0.0, "json"), (1.0, "json"), (1.0, "grammar"), (0.0, "regex"))])]
+    assert llm.engine.sampler.prefetch_masks
+    with_prefetch = run()
+    llm.engine.sampler.prefetch_masks = False
+    try:
+        without = run()
+    finally:
+        llm.engine.sampler.prefetch_masks = True
+    assert with_prefetch == without
+    assert all(len(t) > 3 for t in with_prefetch)
