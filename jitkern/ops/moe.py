@@ -1,15 +1,16 @@
 """Mixture-of-experts ops: top-k routing, the routed-experts MLP over tokens grouped by expert, and the
-weighted combine. Entry point for model code: `moe_mlp` (or the pieces: `route_topk`, `group_by_expert`,
-`expert_gate_up`, `expert_down`, `combine_experts`).
+weighted combine. Entry point for model code: `moe_mlp` (or the pieces: `route_topk`, `routed_experts`,
+`group_by_expert_dev`, `expert_gate_up`, `expert_down`, `combine_experts`).
 
-Pipeline for T tokens, E experts, top-k K (every step but the grouping is a DSL kernel):
+Pipeline for T tokens, E experts, top-k K (every step a DSL kernel, no host work: a step replays from a
+recorded graph; grids depend on T only):
 
 1. `route_topk(logits)` -> (ids [T, K] int32, weights [T, K] f32): one program per token; the model's
    normalisation: SOFTMAX_TOPK (softmax over all E, then the K largest; Qwen2/3-MoE, OLMoE), with NORM the K
    weights divided by their sum (Mixtral, Qwen3-MoE with norm_topk_prob); TOPK_SOFTMAX (the K largest
    logits, then a softmax over those K: gpt-oss). Ties pick the lower expert id (as torch.topk on CPU).
-2. `group_by_expert(ids, E, BM)` (host, numpy, vectorised: no per-token loop; skipped for decode-sized steps
-   and inside recorded graphs, where each pair is its own tile: see `routed_experts`): the T*K (token, slot) pairs
+2. `group_by_expert_dev(ids, E, BM)` (one kernel; `group_by_expert` is the same in numpy, for host-side
+   callers; decode-sized steps skip grouping, each pair its own tile: see `routed_experts`): the T*K pairs
    stably sorted by expert (within an expert by token, then slot), per-expert segments cut into tiles of at
    most BM pairs: (pair token [P], position of pair (t, j) in that order [T, K], tile expert/start/length).
 3. the pairs' input rows gathered (`embedding` over the activations), then `expert_gate_up`: one launch over
@@ -123,6 +124,63 @@ def group_by_expert(ids: np.ndarray, num_experts: int, block_m: int):
     return pair_token.astype(np.int32), pair_pos.reshape(T, K), tile_expert, tile_start, tile_len
 
 
+@jk.kernel(do_not_specialize=("P", "max_tiles"))
+def _group_kernel(ids, P, E, max_tiles, counts, starts, pair_token, pair_pos, tile_expert, tile_start, tile_len,
+                  K: jk.constexpr, BM: jk.constexpr):
+    # One program: a stable counting sort of the P = T*K (token, slot) pairs by expert, then per-expert tiles
+    # of at most BM pairs; tiles past the last are written with length 0 (the expert kernels skip them).
+    for e in range(0, E, 1):
+        jk.store(counts + e, 0)
+    for p in range(0, P, 1):
+        e = jk.load(ids + p)
+        c = jk.load(counts + e)
+        jk.store(pair_pos + p, c)              # rank within the expert, made absolute below
+        jk.store(counts + e, c + 1)
+    run = 0
+    nt = 0
+    for e in range(0, E, 1):
+        c = jk.load(counts + e)
+        jk.store(starts + e, run)
+        n = (c + BM - 1) // BM
+        for i in range(0, n, 1):
+            jk.store(tile_expert + nt + i, e)
+            jk.store(tile_start + nt + i, run + i * BM)
+            jk.store(tile_len + nt + i, jk.minimum(c - i * BM, BM))
+        nt = nt + n
+        run = run + c
+    for i in range(nt, max_tiles, 1):
+        jk.store(tile_expert + i, 0)
+        jk.store(tile_start + i, 0)
+        jk.store(tile_len + i, 0)
+    for p in range(0, P, 1):
+        e = jk.load(ids + p)
+        q = jk.load(starts + e) + jk.load(pair_pos + p)
+        jk.store(pair_pos + p, q)
+        jk.store(pair_token + q, p // K)
+
+
+def max_tiles(P: int, E: int, block_m: int) -> int:
+    """An upper bound on the tiles of P pairs over E experts: sum ceil(c_e / BM) <= P / BM + min(E, P)."""
+    return -(-P // block_m) + min(E, P)
+
+
+def group_by_expert_dev(ids, num_experts, block_m, scratch=None, target=None):
+    """`group_by_expert` as one kernel (no host work: graph-capturable): the same pair order and tiles, plus
+    empty (length 0) tiles up to `max_tiles` so the expert kernels' grid depends only on T. Returns
+    (pair_token, pair_pos [T, K], tile_expert, tile_start, tile_len), int32."""
+    T, K = ids.shape
+    P = T * K
+    E = int(num_experts)
+    MT = max_tiles(P, E, block_m)
+    get = scratch or (lambda name, shape, dtype=np.int32: np.empty(shape, dtype))
+    counts, starts = get("moe.g.counts", (E,), np.int32), get("moe.g.starts", (E,), np.int32)
+    pair_token, pair_pos = get("moe.g.tok", (P,), np.int32), get("moe.g.pos", (T, K), np.int32)
+    te, ts, tl = (get(f"moe.g.{n}", (MT,), np.int32) for n in ("te", "ts", "tl"))
+    run(_group_kernel, (1,), (ids, P, E, MT, counts, starts, pair_token, pair_pos, te, ts, tl), target,
+        K=int(K), BM=int(block_m))
+    return pair_token, pair_pos, te, ts, tl
+
+
 # ------------------------------------------------------------------------------------- expert matmuls
 @jk.jit
 def silu_mul(g, u):
@@ -155,48 +213,49 @@ def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, bias, b_es, b_uoff, o
     e = jk.load(tile_expert + tile).to(jk.i64)
     s = jk.load(tile_start + tile).to(jk.i64)
     L = jk.load(tile_len + tile)
-    ri = jk.arange(0, BM)
-    rm = ri < L
-    n0 = jk.minimum(jk.program_id(1) * BN, N - BN).to(jk.i64)     # the last block overlaps its neighbour
-    K64 = K.to(jk.i64)
-    rows = s + ri.to(jk.i64)
-    wrows = n0 + jk.arange(0, BN).to(jk.i64)
-    kv = jk.arange(0, V)
-    xrow = x + rows[:, None] * ldx.to(jk.i64)
-    wbase = w + e * w_es
-    wrow = wbase + (wrows * RS)[:, None] * K64
-    acc = jk.zeros((BM, BN, V), jk.f32)
-    if GATED:
-        urow = u + e * u_es + u_off + (wrows * RS)[:, None] * K64
-        accu = jk.zeros((BM, BN, V), jk.f32)
-    xmask = jk.broadcast_to(rm[:, None], (BM, V))
-    kmain = K - K % V
-    for k in range(0, kmain, V):
-        xv = jk.load(xrow + (k + kv)[None, :], mask=xmask, other=0.0)
-        wv = jk.load(wrow + (k + kv)[None, :]).to(jk.f32)
-        acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
+    if L > 0:                                   # tiles past the last (group_by_expert_dev) are empty
+        ri = jk.arange(0, BM)
+        rm = ri < L
+        n0 = jk.minimum(jk.program_id(1) * BN, N - BN).to(jk.i64)     # the last block overlaps its neighbour
+        K64 = K.to(jk.i64)
+        rows = s + ri.to(jk.i64)
+        wrows = n0 + jk.arange(0, BN).to(jk.i64)
+        kv = jk.arange(0, V)
+        xrow = x + rows[:, None] * ldx.to(jk.i64)
+        wbase = w + e * w_es
+        wrow = wbase + (wrows * RS)[:, None] * K64
+        acc = jk.zeros((BM, BN, V), jk.f32)
         if GATED:
-            uv = jk.load(urow + (k + kv)[None, :]).to(jk.f32)
-            accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
-    if kmain < K:
-        km = (kmain + kv) < K
-        xv = jk.load(xrow + (kmain + kv)[None, :], mask=xmask & km[None, :], other=0.0)
-        wm = jk.broadcast_to(km[None, :], (BN, V))
-        wv = jk.load(wrow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
-        acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
-        if GATED:
-            uv = jk.load(urow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
-            accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
-    res = jk.sum(acc, axis=2)
-    if HAS_BIAS:
-        res = res + jk.load(bias + e * b_es + wrows * RS).to(jk.f32)[None, :]
-    if GATED:
-        resu = jk.sum(accu, axis=2)
+            urow = u + e * u_es + u_off + (wrows * RS)[:, None] * K64
+            accu = jk.zeros((BM, BN, V), jk.f32)
+        xmask = jk.broadcast_to(rm[:, None], (BM, V))
+        kmain = K - K % V
+        for k in range(0, kmain, V):
+            xv = jk.load(xrow + (k + kv)[None, :], mask=xmask, other=0.0)
+            wv = jk.load(wrow + (k + kv)[None, :]).to(jk.f32)
+            acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
+            if GATED:
+                uv = jk.load(urow + (k + kv)[None, :]).to(jk.f32)
+                accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
+        if kmain < K:
+            km = (kmain + kv) < K
+            xv = jk.load(xrow + (kmain + kv)[None, :], mask=xmask & km[None, :], other=0.0)
+            wm = jk.broadcast_to(km[None, :], (BN, V))
+            wv = jk.load(wrow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
+            acc = jk.fma(xv[:, None, :], wv[None, :, :], acc)
+            if GATED:
+                uv = jk.load(urow + (kmain + kv)[None, :], mask=wm, other=0.0).to(jk.f32)
+                accu = jk.fma(xv[:, None, :], uv[None, :, :], accu)
+        res = jk.sum(acc, axis=2)
         if HAS_BIAS:
-            resu = resu + jk.load(bias + e * b_es + b_uoff + wrows * RS).to(jk.f32)[None, :]
-        res = ACT(res, resu)
-    jk.store(out + rows[:, None] * ldo.to(jk.i64) + wrows[None, :], res,
-             mask=jk.broadcast_to(rm[:, None], (BM, BN)))
+            res = res + jk.load(bias + e * b_es + wrows * RS).to(jk.f32)[None, :]
+        if GATED:
+            resu = jk.sum(accu, axis=2)
+            if HAS_BIAS:
+                resu = resu + jk.load(bias + e * b_es + b_uoff + wrows * RS).to(jk.f32)[None, :]
+            res = ACT(res, resu)
+        jk.store(out + rows[:, None] * ldo.to(jk.i64) + wrows[None, :], res,
+                 mask=jk.broadcast_to(rm[:, None], (BM, BN)))
 
 
 def _lanes(target) -> int:
@@ -395,16 +454,17 @@ def direct_pairs(T: int, K: int):
 
 
 def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=None, shared=None, shared_gate=None,
-                   scratch=None, direct=None, target=None):
+                   scratch=None, direct=None, host_tiles=False, target=None):
     """Steps 2-4 with the expert matmuls given as callables (dense: expert_gate_up / expert_down; quantised
     experts: see engine.models.moe): gate_up_fn(xs [P, H], tiles, block_m, out [P, I]) and
-    down_fn(act [P, I], tiles, block_m, out [P, H]) over the pairs grouped by `group_by_expert`.
+    down_fn(act [P, I], tiles, block_m, out [P, H]) over the pairs grouped by expert.
 
-    `direct` (default: while a jk.capture() graph records, or for at most DIRECT_MAX_TOKENS tokens): no host
-    grouping: every pair is its own one-row tile whose expert the kernels read from `ids` itself, so the step is
-    all kernels with grids fixed by T (a recorded decode graph replays it with new routing). Grouping only adds
-    weight reuse between tokens that share an expert; each output row's arithmetic is the same either way, so
-    both give the same bits."""
+    Grouping: `group_by_expert_dev` (one kernel; tiles padded with empty ones to a count fixed by T), so a step
+    is all kernels with grids fixed by T and replays from a recorded graph with new routing. `host_tiles`:
+    numpy's `group_by_expert` instead (callables that read the tiles on the host, e.g. the quantised experts'
+    per-expert loop). `direct` (default: T <= DIRECT_MAX_TOKENS): no grouping at all, every pair is its own
+    one-row tile whose expert the kernels read from `ids`. Grouping only adds weight reuse between tokens that
+    share an expert; each output row's arithmetic is the same every way, so all give the same bits."""
     from .embedding import embedding
     T, H = x.shape
     K = ids.shape[1]
@@ -415,19 +475,22 @@ def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=
     if T == 0:
         return out
     if direct is None:
-        direct = T <= DIRECT_MAX_TOKENS or capturing()
+        direct = T <= DIRECT_MAX_TOKENS
+    if not ids.flags.c_contiguous:
+        raise ValueError("routed_experts: ids must be a contiguous [T, K] int32 array")
     if direct:
-        if not ids.flags.c_contiguous:
-            raise ValueError("routed_experts: ids must be contiguous for the direct path")
         pair_token, pair_pos, ar, ones = direct_pairs(T, K)
         block_m = 1
         tiles = [ids.reshape(-1), ar, ones]
-    else:
+    elif host_tiles:
+        if capturing():
+            raise RuntimeError("routed_experts: host-side tiles cannot be recorded into a graph")
         counts_max = int(np.bincount(ids.reshape(-1), minlength=num_experts).max())
-        # pairs per tile: the per-row arithmetic is the same for every block_m (rows are independent FMA
-        # chains), so this choice may follow the batch without breaking batch invariance
         block_m = 1 if counts_max == 1 else 2
         pair_token, pair_pos, *tiles = group_by_expert(ids, num_experts, block_m)
+    else:
+        block_m = 2      # fixed (a graph's grids may not follow the routing)
+        pair_token, pair_pos, *tiles = group_by_expert_dev(ids, num_experts, block_m, scratch=get, target=target)
     xs = get("moe.xs", (P, H))
     embedding(pair_token, x if x.flags.c_contiguous else np.ascontiguousarray(x), out=xs, check_ids=False,
               target=target)
@@ -436,5 +499,5 @@ def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=
     return combine_experts(y, pair_pos, wts, out=out, shared=shared, shared_gate=shared_gate, target=target)
 
 
-__all__ = ["routed_experts", "route_topk", "group_by_expert", "expert_gate_up", "expert_down", "combine_experts", "moe_mlp",
+__all__ = ["routed_experts", "route_topk", "group_by_expert", "group_by_expert_dev", "max_tiles", "expert_gate_up", "expert_down", "combine_experts", "moe_mlp",
            "SOFTMAX_TOPK", "TOPK_SOFTMAX"]

@@ -167,9 +167,10 @@ def test_gpt_oss_style_experts(tier):
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-def test_direct_path_equals_grouped_and_replays_in_a_graph(tier):
-    """The ungrouped path (decode, recorded graphs) gives the grouped path's bits; recorded once into a
-    jk.capture() graph, it replays with new activations and new routing written into the same arrays."""
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_path_equals_grouped_and_replays_in_a_graph(tier, direct):
+    """The ungrouped path (decode) and the kernel-grouped path give the host-grouped path's bits; recorded once
+    into a jk.capture() graph, each replays with new activations and new routing written into the same arrays."""
     import jitkern as jk
     from jitkern.ops.moe import route_topk, routed_experts, expert_gate_up, expert_down
     if tier.is_gpu or getattr(tier, "is_vulkan", False):
@@ -180,7 +181,10 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier):
     wd = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
     x = rng.standard_normal((T, H)).astype(np.float32)
     logits = rng.standard_normal((T, E)).astype(np.float32)
-    grouped = moe_mlp(x, logits, wgu, wd, K, target=tier)
+    ids0, w0 = route_topk(logits, E, K, target=tier)
+    grouped = routed_experts(x, ids0, w0, lambda a, t, bm, o: expert_gate_up(a, wgu, t, bm, o, target=tier),
+                             lambda a, t, bm, o: expert_down(a, wd, t, bm, o, target=tier), E, I, host_tiles=True,
+                             direct=False, target=tier)
     ids = np.empty((T, K), np.int32)
     w = np.empty((T, K), np.float32)
     out = np.empty((T, H), np.float32)
@@ -195,7 +199,7 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier):
         route_topk(logits, E, K, ids=ids, weights=w, target=tier)
         routed_experts(x, ids, w, lambda a, t, bm, o: expert_gate_up(a, wgu, t, bm, o, target=tier),
                        lambda a, t, bm, o: expert_down(a, wd, t, bm, o, target=tier), E, I, out=out, scratch=get,
-                       direct=True, target=tier)
+                       direct=direct, target=tier)
     step()
     np.testing.assert_array_equal(out, grouped)
     with jk.capture() as g:
@@ -205,3 +209,20 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier):
     out[...] = np.nan
     g.replay()
     np.testing.assert_array_equal(out, moe_mlp(x, logits, wgu, wd, K, target=tier))
+
+
+def test_group_kernel_equals_numpy_grouping(tier):
+    from jitkern.ops.moe import group_by_expert_dev
+    if tier.is_gpu or getattr(tier, "is_vulkan", False):
+        pytest.skip("host-memory scalar loop check on CPU tiers")
+    rng = _rng(tier, "group")
+    for T, K, E, bm in [(1, 2, 8, 1), (7, 2, 5, 2), (33, 4, 16, 2), (5, 3, 3, 3), (40, 2, 2, 2)]:
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+        want = group_by_expert(ids, E, bm)
+        got = group_by_expert_dev(ids, E, bm, target=tier)
+        n = len(want[2])
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        for w, g in zip(want[2:], got[2:]):
+            np.testing.assert_array_equal(g[:n], w)
+        assert (got[4][n:] == 0).all()
