@@ -26,7 +26,9 @@ import time
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--threads", type=int, default=int(os.environ.get("JITKERN_NUM_THREADS", "2")))
-ap.add_argument("--qtypes", default="q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_K,q3_K,q4_K,q5_K,q6_K,iq4_xs")
+ap.add_argument("--qtypes", default="q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_K,q3_K,q4_K,q5_K,q6_K,iq4_xs,fp8-channel,"
+                                    "fp8-block", help="GGUF types, and fp8-tensor / fp8-channel / fp8-block "
+                                                      "(jitkern/ops/fp8.py: e4m3 bytes, f32 activations)")
 ap.add_argument("--gemm-m", type=int, default=64)
 ap.add_argument("--reps", type=int, default=7)
 ARGS = ap.parse_args()
@@ -83,7 +85,33 @@ def bandwidth_gbs(reps) -> float:
     return x.nbytes / timeit(lambda: _stream_sum[(64,)](x, out, x.size // 64, BLOCK=256), reps) / 1e9
 
 
+def fp8_row(qtype, N, K, rng):
+    from jitkern.ops.fp8 import matmul_fp8
+    kind = qtype.split("-")[1]
+    w = rng.integers(0, 256, (N, K), dtype=np.uint8)
+    w[(w & 0x7F) == 0x7F] = 0
+    s = {"tensor": np.ones(1, np.float32), "channel": np.ones(N, np.float32),
+         "block": np.ones((-(-N // 128), -(-K // 128)), np.float32)}[kind]
+    x1 = rng.standard_normal(K).astype(np.float32)
+    out1 = np.empty(N, np.float32)
+    copies = [w] + [w.copy() for _ in range(max(1, int(COLD_BYTES // w.nbytes)))]
+    with jk.capture() as g:
+        for c in copies:
+            matmul_fp8(x1, c, s, out=out1)
+    t1 = timeit(g.replay, ARGS.reps) / len(copies)
+    M = ARGS.gemm_m
+    xm = rng.standard_normal((M, K)).astype(np.float32)
+    outm = np.empty((M, N), np.float32)
+    with jk.capture() as gm:
+        matmul_fp8(xm, w, s, out=outm)
+    tm = timeit(lambda: [gm.replay() for _ in range(10)], ARGS.reps) / 10
+    print(f"| {qtype} | {N} x {K} | 8 | {default_target().name} | {t1 * 1e6:.1f} | {w.nbytes / t1 / 1e9:.1f} | "
+          f"{2 * N * K / t1 / 1e9:.1f} | {2 * M * N * K / tm / 1e9:.1f} |", flush=True)
+
+
 def row(qtype, N, K, rng):
+    if qtype.startswith("fp8"):
+        return fp8_row(qtype, N, K, rng)
     raw = make_weight(qtype, N, K, rng)
     T = default_target()
     x1 = rng.standard_normal(K).astype(np.float32)
@@ -114,7 +142,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for qt in [q for q in ARGS.qtypes.split(",") if q]:
         row(qt, 576, 1536, rng)
-        if Q.QTYPES[qt].block_elems == 32:
+        if not qt.startswith("fp8") and Q.QTYPES[qt].block_elems == 32:
             row(qt, 1536, 576, rng)
     print(f"load average after {os.getloadavg()[0]:.2f}")
 
