@@ -815,7 +815,11 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     if M == 1:
         return 1, 1, max(1, min(8, N)), S
     BM = 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4
-    R = 4 if N >= 4 else 1
+    # q8_0 on 256-bit tiers: one weight row per tile. With 4 rows the tile's 32-byte blocks and the token
+    # accumulators overflow the 16 ymm registers (SmolLM2's 49152 x 576 head, 1 thread: M = 2 / 4 / 64 took
+    # 14.7 / 17.8 / 204 ms with R = 4, 5.3 / 9.8 / 175 ms with R = 1; GEMV 3.9 ms). Small-M GEMMs are what
+    # speculative decoding's verification steps run on the head.
+    R = 1 if N < 4 or (q.name == "q8_0" and vbytes == 32) else 4
     if QMM_TILE_OVERRIDE is not None:
         BM, R = QMM_TILE_OVERRIDE
     return min(BM, M), R, 1, S
