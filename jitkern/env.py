@@ -21,6 +21,8 @@ Settings (all optional):
     JITKERN_COMPILE_INPROCESS   1: compile in this process (no crash isolation).
     JITKERN_ALWAYS_COMPILE      1: ignore the kernel cache when looking kernels up (still writes it).
     JITKERN_LOAD_STATS          1: print model-load byte counts.
+    JITKERN_GPU_PROFILE         1: time every GPU launch outside graph capture (synchronising around it) and
+                                print device ms per kernel at exit (jitkern/runtime/gpu_profile.py).
     JITKERN_PREFIX_CACHING_HASH_SEED   seed of the prefix-cache block hashes (any text).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
@@ -37,7 +39,8 @@ from .errors import JitkernError
 SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREADS", "JITKERN_SPIN_US",
             "JITKERN_POLLS_PER_YIELD", "JITKERN_CACHE_DIR",
             "JITKERN_COMPILE_WORKERS", "JITKERN_COMPILE_TIMEOUT", "JITKERN_COMPILE_INPROCESS",
-            "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS", "JITKERN_PREFIX_CACHING_HASH_SEED")
+            "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS", "JITKERN_PREFIX_CACHING_HASH_SEED",
+            "JITKERN_GPU_PROFILE")
 
 
 class SettingError(JitkernError, ValueError):

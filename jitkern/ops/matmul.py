@@ -304,7 +304,8 @@ def _launch(kernel, grid, args, consts, target):
 def last_compiled(kernel_name: str):
     """The CompiledKernel of the latest launch of `kernel_name` from this module (its `.target` is the tier
     that ran): "_gemm_kernel" (matmul, linear_packed), "_gemv_kernel" (linear, M <= GEMV_MAX_M), "_rows_kernel"
-    (linear, larger M), "_gpu_linear_kernel" (linear on a GPU, every M), "_pack_kernel"."""
+    (linear, larger M), "_gpu_linear_kernel" (linear on a GPU, every M), "_gpu_linear_mma_kernel" (linear on a GPU
+    with matrix units, 16-bit weights, every M), "_pack_kernel"."""
     return _LAST.get(kernel_name)
 
 

@@ -260,6 +260,9 @@ def _launch_vulkan(kernel, grid, args, kwargs, target):
     return ck
 
 
+from . import gpu_profile as _gpu_profile  # noqa: E402
+
+
 def _launch_gpu(kernel, grid, args, kwargs, target):
     if target.is_vulkan:
         return _launch_vulkan(kernel, grid, args, kwargs, target)
@@ -281,6 +284,10 @@ def _launch_gpu(kernel, grid, args, kwargs, target):
         graph.cuda.nodes += 1
         graph.cuda.keep(values)
     lk = ck.loaded
+    if _gpu_profile.ENABLED and graph is None:
+        _gpu_profile.timed(dev, kernel.__name__, lambda: dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes,
+                                                                   slots))
+        return ck
     dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes, slots)
     return ck
 

@@ -66,7 +66,10 @@ def test_linear(tier, wdt):
         w, w64 = _weights(rng, N, K, wdt)
         bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
         y = mm.linear(x, w, bias, target=tier, w_dtype=wdt)
-        ran = mm.last_compiled("_gpu_linear_kernel" if tier.is_gpu else
+        mm._LAST.clear()
+        gpu_name = "_gpu_linear_mma_kernel" if tier.mma in ("mma.sync", "wgmma", "tcgen05") and \
+            wdt in ("f16", "bf16") and K % 16 == 0 else "_gpu_linear_kernel"
+        ran = mm.last_compiled(gpu_name if tier.is_gpu else
                                "_gemv_kernel" if M <= mm.GEMV_MAX_M else "_rows_kernel")
         assert ran is not None and ran.target.name == tier.name
         assert ran.constexprs["HAS_BIAS"] == with_bias

@@ -1,0 +1,61 @@
+"""Where a decode step's GPU time goes: the engine on a random Llama-3-8B-shape model with decode graphs off
+and JITKERN_GPU_PROFILE=1 (each launch timed between synchronisations), per kernel, at concurrency 1 and 64.
+
+    JITKERN_GPU_PROFILE=1 python3 perf/profile_engine_cuda.py [--layers 4] [--tokens 16]
+
+Also prints the wall time per step with graphs on for the same batch, so host overhead shows as the difference
+between that and the sum of the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    args = ap.parse_args(argv)
+    os.environ.setdefault("JITKERN_GPU_PROFILE", "1")
+    from jitkern.runtime import gpu_profile
+    gpu_profile.ENABLED = True
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from perf.peers.make_random_model import write_model
+    import numpy as np
+    with tempfile.TemporaryDirectory(prefix="jk-prof-") as d:
+        write_model(d, "llama3-8b", layers=args.layers, device="cuda", quiet=True)
+        rng = np.random.default_rng(0)
+        for graphs in (False, True):
+            llm = LLM(model=d, device="cuda", use_graphs=graphs)
+            for c in args.concurrency:
+                prompts = [rng.integers(10, 1000, 128).tolist() for _ in range(c)]
+                sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+                llm.generate(prompts, sp)                       # warm-up: compiles, graphs
+                gpu_profile.reset()
+                sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                llm.generate(prompts, sp1)
+                t_prefill = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                llm.generate(prompts, sp)
+                wall = time.perf_counter() - t0
+                step = (wall - t_prefill) / max(1, args.tokens - 1)
+                print(f"\n=== graphs={'on' if graphs else 'off'} concurrency {c}: {args.layers} layers, prefill "
+                      f"{t_prefill * 1e3:.1f} ms, decode step {step * 1e3:.2f} ms "
+                      f"({c / step:.0f} tok/s)", flush=True)
+                if not graphs:
+                    print(gpu_profile.report(), flush=True)
+            del llm
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
