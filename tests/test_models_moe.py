@@ -238,3 +238,41 @@ def test_moe_config_errors_are_named(tmp_path):
         build_model(load_checkpoint(tmp_path))
     assert ei.value.key == "num_experts_per_tok"
     del hf
+
+
+def test_moe_gguf_problems_are_named(tmp_path):
+    """A GGUF whose layer has a router but a mis-shaped expert tensor, or sigmoid expert gating (DeepSeek-V3
+    style, not supported), fails at load naming the tensor / key."""
+    import gguf
+    from engine.errors import ModelLoadError
+    from engine.loader import load_checkpoint
+    from engine.models import build_model
+    hf = make_moe_model_dir("qwen3_moe", str(tmp_path / "hf"))
+    good = write_moe_gguf("qwen3_moe", hf, tmp_path / "good.gguf")
+    reader = gguf.GGUFReader(good)
+    E, I, H = 6, 40, 64
+    bad = {"blk.1.ffn_down_exps.weight": np.zeros((E, H, I - 8), np.float32)}
+    with pytest.raises(ModelLoadError, match="blk.1.ffn_down_exps.weight"):
+        build_model(load_checkpoint(write_moe_gguf("qwen3_moe", hf, tmp_path / "bad.gguf", replace=bad),
+                                    load_tokenizer=False))
+    del reader
+    # sigmoid gating: the same file with qwen3moe.expert_gating_func = 2
+    path = tmp_path / "sig.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    r = gguf.GGUFReader(good)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        v = field.contents()
+        vt = field.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, v)
+        else:
+            w.add_key_value(key, v, vt)
+    w.add_uint32("qwen3moe.expert_gating_func", 2)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape.tolist())]))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelLoadError, match="gating") as ei:
+        build_model(load_checkpoint(path, load_tokenizer=False))
+    assert ei.value.key == "qwen3moe.expert_gating_func"
