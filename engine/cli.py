@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=positive_int, default=1, help="load once, run N blocking completions and print warm "
                    "decode tok/s (not with --stream)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the model runs: auto (a CUDA GPU when present, else the CPU), cpu or cuda")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "vulkan"), default="auto",
+                   help="where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or vulkan")
     p.add_argument("--enable-jump-forward", action="store_true",
                    help="structured outputs: append the tokens a grammar forces without a forward step each")
     p.add_argument("--speculative-config", default=None, metavar="JSON",

@@ -1,9 +1,11 @@
-"""Where the engine runs: `--device auto|cpu|cuda` (EngineArgs.device, LLM(device=...)).
+"""Where the engine runs: `--device auto|cpu|cuda|vulkan` (EngineArgs.device, LLM(device=...)).
 
 auto picks CUDA when cuda-python is installed and a CUDA device answers, else the CPU; asking for cuda
 where there is none fails at start with one line naming the setting. On CUDA the model's weights are
 uploaded once (GGUF quantised blocks stay compressed: the raw bytes go over as they are), the KV cache
 and the activations live on the device, and the step inputs go over in one copy per step (StepStaging).
+Vulkan (never picked by auto; Mesa's lavapipe counts as a device) takes the same path: its device arrays are
+`jitkern.runtime.cuda.DeviceArray`s on a `jitkern.runtime.vulkan.VulkanDevice`, launches dispatch SPIR-V.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import numpy as np
 
 from engine.errors import ModelLoadError
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "vulkan")
+GPU_DEVICES = ("cuda", "vulkan")        # device kinds whose forward pass runs on device arrays
 
 
 class DeviceUnavailableError(ModelLoadError):
@@ -19,12 +22,20 @@ class DeviceUnavailableError(ModelLoadError):
 
 
 def resolve_device(setting: str | None) -> str:
-    """'cpu' or 'cuda' for a device setting (None means auto)."""
+    """'cpu', 'cuda' or 'vulkan' for a device setting (None means auto: CUDA where it answers, else the CPU)."""
     setting = (setting or "auto").strip().lower()
     if setting not in DEVICES:
         raise DeviceUnavailableError(f"device={setting!r} is not one of {', '.join(DEVICES)} (--device)")
     if setting == "cpu":
         return "cpu"
+    if setting == "vulkan":
+        from jitkern.runtime import vulkan
+        try:
+            vulkan.get_device()
+        except Exception as e:      # noqa: BLE001 - the reason goes into the one-line message
+            raise DeviceUnavailableError(f"device='vulkan' (--device vulkan) but no usable Vulkan device here: "
+                                         f"{e}; use --device cpu or auto") from None
+        return "vulkan"
     from jitkern.runtime import cuda
     try:
         cuda.get_device(0).target()          # a device that answers and that jitkern has a target for
@@ -36,14 +47,23 @@ def resolve_device(setting: str | None) -> str:
     return "cuda"
 
 
+def runtime_device(kind: str = "cuda"):
+    """The jitkern runtime device of a device kind: CUDA device 0, or the Vulkan device."""
+    if kind == "vulkan":
+        from jitkern.runtime import vulkan
+        return vulkan.get_device()
+    from jitkern.runtime import cuda
+    return cuda.get_device(0)
+
+
 class Uploader:
     """Host arrays -> device arrays, each host array uploaded once (shared tables such as a tied
     embedding / lm_head or one RoPE cache for all layers stay shared on the device)."""
 
-    def __init__(self):
+    def __init__(self, kind: str = "cuda"):
         from jitkern.runtime import cuda
         self.cuda = cuda
-        self.device = cuda.get_device(0)
+        self.device = runtime_device(kind)
         self._done: dict = {}
         self.nbytes = 0
 
@@ -63,9 +83,10 @@ class Uploader:
 class DeviceBufferPool:
     """engine.model_runner.BufferPool on the device: named activation buffers with stable addresses."""
 
-    def __init__(self):
+    def __init__(self, kind: str = "cuda"):
         from jitkern.runtime import cuda
         self.cuda = cuda
+        self.device = runtime_device(kind)
         self._bufs: dict = {}
         self.generation = 0
 
@@ -74,7 +95,7 @@ class DeviceBufferPool:
         buf = self._bufs.get(name)
         if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
             cap = max(n, 2 * buf.size if buf is not None else n)
-            buf = self.cuda.DeviceArray.zeros(cap, dtype)
+            buf = self.cuda.DeviceArray.zeros(cap, dtype, self.device)
             self._bufs[name] = buf
             self.generation += 1
         return buf[:n].reshape(shape)
@@ -89,14 +110,14 @@ class StepStaging:
     as views of one host array mirrored by one device array: the host side is filled as on the CPU, then one
     copy per step sends it over. The device views have fixed addresses (what recorded CUDA graphs read)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, kind: str = "cuda"):
         from jitkern.runtime import cuda
         sizes = [("input_ids", (max_tokens,)), ("positions", (max_tokens,)), ("slot_mapping", (max_tokens,)),
                  ("query_start", (max_seqs + 1,)), ("seq_lens", (max_seqs,)),
                  ("block_table", (max_seqs, max_blocks)), ("logits_rows", (max_tokens,))]
         total = sum(int(np.prod(s)) for _, s in sizes)
         self.host = np.zeros(total, np.int32)
-        self.dev = cuda.DeviceArray.zeros(total, np.int32)
+        self.dev = cuda.DeviceArray.zeros(total, np.int32, runtime_device(kind))
         self.host_views, self.dev_views = {}, {}
         off = 0
         for name, shape in sizes:

@@ -74,15 +74,15 @@ class ModelRunner:
         maxT = max(max_num_batched_tokens, max_num_seqs)
         self.device = getattr(model, "device", "cpu")
         self.staging = None
-        if self.device == "cuda":
+        if self.device in ("cuda", "vulkan"):
             # step inputs: filled on the host as on the CPU (views of one staging array), sent in one copy
             from engine.device import DeviceBufferPool, StepStaging
-            self.staging = st = StepStaging(maxT, max_num_seqs, self.max_blocks_per_seq)
+            self.staging = st = StepStaging(maxT, max_num_seqs, self.max_blocks_per_seq, self.device)
             h, d = st.host_views, st.dev_views
             h["slot_mapping"][:] = -1
             names = ("input_ids", "positions", "slot_mapping", "query_start", "seq_lens", "block_table")
             self.batch = Batch(**{k: h[k] for k in names}, buffers=BufferPool())
-            self.fwd_batch = Batch(**{k: d[k] for k in names}, buffers=DeviceBufferPool(), host=self.batch,
+            self.fwd_batch = Batch(**{k: d[k] for k in names}, buffers=DeviceBufferPool(self.device), host=self.batch,
                                    device_rows=d["logits_rows"])
         else:
             self.batch = Batch(
@@ -91,7 +91,7 @@ class ModelRunner:
                 seq_lens=np.zeros(max_num_seqs, np.int32),
                 block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
             self.fwd_batch = self.batch          # the batch the forward pass reads
-        self.use_graphs = use_graphs
+        self.use_graphs = use_graphs and self.device != "vulkan"     # no jk.capture() on Vulkan yet
         # models whose steps need host work between kernels (GGUF-quantised MoE experts) opt out of graphs
         self.use_graphs = self.use_graphs and getattr(model, "supports_graphs", True)
         from engine.limits import MAX_DECODE_GRAPHS

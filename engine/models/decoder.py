@@ -112,7 +112,7 @@ class DecoderLM:
         self.final_softcap = cfg.final_logit_softcapping or 0.0
 
         self.moe_spec = moe_spec(ckpt)          # None: a dense model
-        if self.moe_spec is not None and device == "cuda":
+        if self.moe_spec is not None and device in ("cuda", "vulkan"):
             raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
                                  "host-side): use --device cpu", path=ckpt.path, key="device")
         self.embed = self._t("embed")
@@ -172,14 +172,14 @@ class DecoderLM:
         self._attn_ws = [{} for _ in self.layers]     # attention scratch with stable addresses (graphs)
         self.embed_raw = self.embed.raw if self.embed_table is None else None
         self.device_bytes = 0
-        if device == "cuda":
+        if device in ("cuda", "vulkan"):
             self._to_device()
 
     def _to_device(self) -> None:
         """Uploads every weight once (from the memory map; GGUF blocks stay compressed) and drops the host
         references, so the forward pass runs on device arrays only."""
         from engine.device import Uploader
-        up = Uploader()
+        up = Uploader(self.device)
         try:
             from tqdm import tqdm
             layers = tqdm(self.layers, desc="uploading weights", unit="layer", leave=False,
@@ -323,10 +323,12 @@ class DecoderLM:
     # ---------------------------------------------------------------------------------- KV cache
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.KVH, self.D)
-        if self.device == "cuda":
+        if self.device in ("cuda", "vulkan"):
+            from engine.device import runtime_device
             from jitkern.runtime.cuda import DeviceArray
-            self.k_caches = [DeviceArray.zeros(shape, self.kv_dtype) for _ in self.layers]
-            self.v_caches = [DeviceArray.zeros(shape, self.kv_dtype) for _ in self.layers]
+            dev = runtime_device(self.device)
+            self.k_caches = [DeviceArray.zeros(shape, self.kv_dtype, dev) for _ in self.layers]
+            self.v_caches = [DeviceArray.zeros(shape, self.kv_dtype, dev) for _ in self.layers]
             return
         self.k_caches = [np.zeros(shape, self.kv_dtype) for _ in self.layers]
         self.v_caches = [np.zeros(shape, self.kv_dtype) for _ in self.layers]

@@ -380,6 +380,26 @@ def get_device() -> VulkanDevice:
     return _device
 
 
+class standing_in:
+    """Context manager: `get_device()` answers with `device` until exit. `jitkern build --target vulkan` runs
+    the engine's Vulkan path on a host-memory stand-in (runtime.cuda.HostMemoryDevice with the vulkan target)
+    under compile-only launches, so the cache gets the specialisations a Vulkan engine asks for, with or
+    without a Vulkan device on the build machine."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        global _device
+        self.prev, _device = _device, self.device
+        return self.device
+
+    def __exit__(self, *exc):
+        global _device
+        _device = self.prev
+        return False
+
+
 def is_available() -> bool:
     try:
         get_device()
@@ -422,5 +442,5 @@ def load_kernel(artifacts: dict, symbol: str, meta: dict, device: VulkanDevice |
     return LoadedKernel(device, device.pipeline(artifacts["kernel.spv"], meta))
 
 
-__all__ = ["VulkanDevice", "VulkanError", "VulkanUnavailable", "get_device", "is_available", "empty", "zeros",
+__all__ = ["VulkanDevice", "VulkanError", "VulkanUnavailable", "get_device", "is_available", "standing_in", "empty", "zeros",
            "from_numpy", "to_device", "load_kernel"]
