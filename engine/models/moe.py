@@ -140,8 +140,8 @@ class MoEBlock:
             silu_and_mul(gu, out=sact)
             shared = get("moe.sh", (T, self.hidden))
             self.shared_down(sact, out=shared)
-        ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode, ids=get("moe.ids", (T, K), np.int32),
-                              weights=get("moe.w", (T, K), np.float32))
+        ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode,
+                              ids=get("moe.ids", (T, K), np.int32), weights=get("moe.w", (T, K), np.float32))
         if self.quantized:
             gate_up_fn, down_fn = self._q_gate_up, self._q_down
         else:

@@ -499,5 +499,6 @@ def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=
     return combine_experts(y, pair_pos, wts, out=out, shared=shared, shared_gate=shared_gate, target=target)
 
 
-__all__ = ["routed_experts", "route_topk", "group_by_expert", "group_by_expert_dev", "max_tiles", "expert_gate_up", "expert_down", "combine_experts", "moe_mlp",
-           "SOFTMAX_TOPK", "TOPK_SOFTMAX"]
+__all__ = ["routed_experts", "route_topk", "group_by_expert", "group_by_expert_dev", "max_tiles", "expert_gate_up",
+           "expert_down", "combine_experts", "moe_mlp", "direct_pairs", "capturing", "silu_mul", "swiglu_oai",
+           "SOFTMAX_TOPK", "TOPK_SOFTMAX", "ACTIVATIONS", "DIRECT_MAX_TOKENS"]
