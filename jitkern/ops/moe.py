@@ -197,7 +197,7 @@ def swiglu_oai(g, u):
     return (u + 1.0) * (g * jk.sigmoid(1.702 * g))
 
 
-ACTIVATIONS = {"silu": silu_mul, "swiglu_oai": swiglu_oai}
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}      # the ACT constexpr of _expert_linear_kernel
 
 
 @jk.kernel
@@ -207,8 +207,9 @@ def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, bias, b_es, b_uoff, o
     # Grid (tiles, cdiv(N, BN)). Tile i: pairs rows [s, s + L) (L <= BM) of x, expert e = tile_expert[i].
     # GATED: out[p, n] = silu(x[p] . w[e, n]) * (x[p] . u[e, n]) (u's expert e starts at u + e*u_es + u_off:
     # the second half of a fused [E, 2N, K] gate/up or its own array); else out[p, n] = x[p] . w[e, n].
-    # RS: weight rows per output (2: gpt-oss's interleaved gate/up rows, u_off = one row); ACT(g, u) the gated
-    # activation; HAS_BIAS: + bias[e, n*RS] (+ bias[e, n*RS + b_uoff] for up) before the activation.
+    # RS: weight rows per output (2: gpt-oss's interleaved gate/up rows, u_off = one row); ACT the gated
+    # activation (ACTIVATIONS: 0 silu_mul, 1 swiglu_oai); HAS_BIAS: + bias[e, n*RS] (+ bias[e, n*RS + b_uoff]
+    # for up) before the activation.
     tile = jk.program_id(0)
     e = jk.load(tile_expert + tile).to(jk.i64)
     s = jk.load(tile_start + tile).to(jk.i64)
@@ -253,7 +254,10 @@ def _expert_linear_kernel(x, ldx, w, w_es, u, u_es, u_off, bias, b_es, b_uoff, o
             resu = jk.sum(accu, axis=2)
             if HAS_BIAS:
                 resu = resu + jk.load(bias + e * b_es + b_uoff + wrows * RS).to(jk.f32)[None, :]
-            res = ACT(res, resu)
+            if ACT == 0:
+                res = silu_mul(res, resu)
+            else:
+                res = swiglu_oai(res, resu)
         jk.store(out + rows[:, None] * ldo.to(jk.i64) + wrows[None, :], res,
                  mask=jk.broadcast_to(rm[:, None], (BM, BN)))
 
