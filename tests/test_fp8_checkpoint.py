@@ -119,3 +119,29 @@ def test_fp8_weight_without_scale_is_named(tmp_path):
     with pytest.raises(ModelLoadError, match="without a scale tensor") as info:
         load_checkpoint(fp8_dir, load_tokenizer=False)
     assert info.value.tensor == "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_checkpoint_on_the_device_equals_the_cpu(tmp_path, monkeypatch, backend):
+    """FP8 bytes and scales uploaded as they are; the same greedy tokens on the device (`fake`:
+    tests/fake_cuda.py, host memory standing in; `cuda`: a GPU) as on the CPU, alone and batched."""
+    if backend == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    fp8_dir, _ = _write_pair(tmp_path, "block")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 256, n).tolist() for n in (12, 6)]
+    greedy = SamplingParams(max_tokens=10, temperature=0, detokenize=False, ignore_eos=True)
+    got = {}
+    for dev in ("cpu", "cuda"):
+        llm = LLM(fp8_dir, num_blocks=64, block_size=16, max_num_batched_tokens=64, device=dev)
+        try:
+            got[dev] = ([llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts],
+                        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        finally:
+            llm.close()
+    assert got["cuda"] == got["cpu"]

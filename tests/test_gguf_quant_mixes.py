@@ -251,3 +251,31 @@ def test_unsupported_type_in_a_mix_names_tensor_and_type(tmp_path):
     with pytest.raises(ModelLoadError, match="IQ2_XXS.*not supported") as info:
         load_checkpoint(path, load_tokenizer=False)
     assert info.value.tensor == "blk.1.ffn_up.weight"
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mixed_fused_groups_on_the_device_equal_the_cpu(tmp_path, monkeypatch, backend):
+    """Q4_K_M's fused q/k/v holds Q4_K and Q6_K tensors (one matmul per part, each written into its columns):
+    the same greedy tokens on the device (`fake`: tests/fake_cuda.py, host memory standing in; `cuda`: a GPU)
+    as on the CPU, alone and batched, with decode graphs recorded and replayed."""
+    if backend == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    qpath = _model_pair(tmp_path, "Q4_K_M", seed=5)[0]
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (13, 4, 9)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, detokenize=False, ignore_eos=True)
+    got = {}
+    for dev in ("cpu", "cuda"):
+        llm = LLM(qpath, num_blocks=32, block_size=16, max_num_batched_tokens=64, device=dev)
+        try:
+            got[dev] = ([llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts],
+                        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        finally:
+            llm.close()
+    assert got["cuda"] == got["cpu"]
+    assert got["cpu"][0] == got["cpu"][1]

@@ -80,6 +80,9 @@ class StackedLinear(Linear):
         super().__init__(None, "mixed:" + "+".join(p.kind for p in parts), sum(p.n for p in parts), parts[0].k,
                          None, name)
         self.parts = parts
+        # per part: every output buffer made so far (kept alive: recorded decode graphs point into them) and the
+        # largest; a call uses the first M rows of the largest
+        self._bufs: list = [[] for _ in parts]
 
     def to_device(self, upload) -> None:
         for p in self.parts:
@@ -97,9 +100,16 @@ class StackedLinear(Linear):
         from jitkern.ops.activation import copy
         if out is None:
             out = np.empty(x.shape[:-1] + (self.n,), np.float32)
+        from jitkern.ops._hostargs import empty_like_dev
+        rows = x.shape[0] if len(x.shape) == 2 else 1
         col = 0
-        for p in self.parts:
-            copy(p(x), out[:, col:col + p.n] if len(out.shape) == 2 else out[col:col + p.n])
+        for j, p in enumerate(self.parts):
+            bufs = self._bufs[j]
+            if not bufs or bufs[-1].shape[0] < rows:
+                bufs.append(empty_like_dev(x, (max(rows, 16), p.n), np.float32))
+            y = bufs[-1][:rows] if len(x.shape) == 2 else bufs[-1][0]
+            p(x, out=y)
+            copy(y, out[:, col:col + p.n] if len(out.shape) == 2 else out[col:col + p.n])
             col += p.n
         return out
 
