@@ -43,6 +43,15 @@ METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 
 
+def verify_friendly(n: int) -> int:
+    """Drafts to keep of n: 4..6 -> 3, 8..14 -> 7, ... so that a request's verification step (1 + drafts
+    tokens) is a power of two. The CPU GEMMs tile tokens in powers of two: on AVX2 a 5..7-token step costs
+    more than an 8-token one (SmolLM2 c=1 ngram k=4: 0.8x of speculation off on an editing task, k=3: 1.3x)."""
+    if n < 4:
+        return n
+    return (1 << ((n + 1).bit_length() - 1)) - 1
+
+
 class SpeculativeConfigError(ValueError):
     """A bad --speculative-config; `field` names the offending field (None: the JSON itself)."""
 
@@ -284,6 +293,7 @@ class SpecDecoder:
                 continue
             # drafts never run past the context or past max_tokens (the step emits at most k + 1 tokens)
             k = min(self.k, self.max_model_len - r.num_tokens, (r.max_tokens or 0) - r.num_output_tokens - 1)
+            k = verify_friendly(k)
             if k > 0:
                 reqs.append(r)
                 ks.append(k)
@@ -302,6 +312,7 @@ class SpecDecoder:
         for r, k in zip(reqs, ks):
             toks = ngram_propose(np.asarray(r.all_token_ids, np.int64), cfg.prompt_lookup_min,
                                  cfg.prompt_lookup_max, k)
+            toks = toks[:verify_friendly(toks.size)]
             if toks.size:
                 r.spec_token_ids = toks.tolist()
                 self._proposed.append(r)

@@ -159,7 +159,7 @@ def test_greedy_is_token_identical_with_mixed_requests(tiny_models):
            SamplingParams(max_tokens=25, temperature=0, ignore_eos=True, repetition_penalty=1.3),
            SamplingParams(max_tokens=37, temperature=0, ignore_eos=True, stop_token_ids=[1, 2])]
     base, _, _ = _run(path, PROMPTS, sps)
-    spec, _, snap = _run(path, PROMPTS, sps, spec={**NGRAM, "num_speculative_tokens": 5})
+    spec, _, snap = _run(path, PROMPTS, sps, spec={**NGRAM, "num_speculative_tokens": 7})
     assert spec == base
     assert snap["spec_decode_num_drafts"] > 0
     # stop strings / stop token ids found inside an accepted run of drafts end the output at the same token
@@ -309,3 +309,8 @@ def test_preemption_and_prefix_cache_with_speculation(tiny_models):
     assert spec == base
     assert snap["num_preemptions"] > 0 and snap["prefix_cache_hits"] > 0
     assert snap["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_verify_friendly_draft_lengths():
+    from engine.spec_decode import verify_friendly
+    assert [verify_friendly(n) for n in range(0, 17)] == [0, 1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 7, 7, 7, 7, 15, 15]
