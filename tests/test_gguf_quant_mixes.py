@@ -12,7 +12,7 @@ greedy decode: GEMV), against
 2. the same model stored as float32 through the engine (the dense path): the int8 activation error
    compounded over 2 layers and the head stays below 3% of the logprob spread (measured 0.6-1.2%).
 
-Blocks: `gguf.quants.quantize` where the package can (q8_0, q4_0, q4_1, q5_0, q5_1, bf16, f16), else random valid
+Blocks: `gguf.quants.quantize` where the package can (q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4, bf16, f16), else random valid
 blocks (random bytes with the f16 scale fields set so the weights have a chosen spread: every type here is linear
 in its d / dmin).
 """
@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.ops.test_quant import dequant_acts, ref_quantize_q8  # noqa: E402
 
 HIDDEN, HEADS, KV, HD, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256, 2
-_QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1)
+_QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4)
 _F16_FIELDS = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
                QT.IQ4_NL: (0,), QT.IQ4_XS: (0,)}
 
@@ -51,7 +51,8 @@ MIXES = {
                                   _layer(QT.Q5_K, ffn_down=QT.Q5_1)]),
     "Q2_K": (QT.Q2_K, QT.Q6_K, [_layer(QT.Q2_K, attn_v=QT.Q4_K, attn_output=QT.Q3_K, ffn_down=QT.Q3_K),
                                 _layer(QT.Q2_K, attn_v=QT.Q3_K, ffn_down=QT.Q3_K)]),
-    "IQ4_XS": (QT.IQ4_XS, QT.Q6_K, [_layer(QT.IQ4_XS, attn_v=QT.IQ4_NL), _layer(QT.IQ4_XS, ffn_down=QT.IQ4_NL)]),
+    "IQ4_XS": (QT.IQ4_XS, QT.Q6_K, [_layer(QT.IQ4_XS, attn_v=QT.IQ4_NL),
+                                    _layer(QT.IQ4_XS, ffn_down=QT.IQ4_NL, attn_output=QT.MXFP4)]),   # gpt-oss-style
     "legacy": (QT.Q8_0, QT.BF16, [_layer(QT.Q4_0, attn_v=QT.Q8_0, ffn_down=QT.Q5_1),
                                   _layer(QT.Q4_1, attn_k=QT.Q5_0, ffn_up=QT.Q8_0)]),
     "float": (QT.F16, QT.BF16, [_layer(QT.F16, attn_k=QT.BF16, ffn_up=QT.F32), _layer(QT.BF16, attn_q=QT.F32)]),

@@ -3,7 +3,7 @@
 API: `matmul_q(x, weight_raw, qtype, N, K)`; `quantize_q8(x, layout=act_layout(qtype))` once + `matmul_q8(xq, ...)`
 per weight when several weights share an input; `dequantize_rows(raw, qtype, rows_idx, K)` (embedding lookup);
 `row_bytes`, `QTYPES`, `qmm_tiles` / `qmm_step` (the 32-element formats' tiles). qtypes: q8_0 q4_0 q4_1 q5_0
-q5_1 iq4_nl (32-element blocks, `_qmm_kernel`), q2_K q3_K q4_K q5_K q6_K iq4_xs (256-element super-blocks,
+q5_1 iq4_nl mxfp4 (32-element blocks, `_qmm_kernel`), q2_K q3_K q4_K q5_K q6_K iq4_xs (256-element super-blocks,
 `_kq_kernel`).
 
 Decode is a bandwidth-bound GEMV over the weights, prefill and batched decode a compute-bound GEMM; both
@@ -61,6 +61,8 @@ for q6_K's 16-element scales) and, where the format has one, the coefficient c o
         w = d * (q - 16)     c = -16 d      (q5_1, 24 B: f16 d, f16 m, qh, nibbles; w = d * q + m, c = m)
   iq4_nl (18 B / 32): f16 d, 16 B nibbles (q4_0's order) indexing ggml's kvalues_iq4nl grid (int8, -127..113):
         w = d * kvalues[q]   (the lookup is a tree of selects on the nibble's bits)
+  mxfp4 (17 B / 32):  e8m0 exponent e, 16 B nibbles (q4_0's order) indexing the doubled e2m1 grid (0..12, bit 3
+        the sign); w = 2^(e - 128) * kvalues[q]
   q2_K  (84 B / 256): 16 B scales (per 16 elements: low nibble scale, high nibble min), 64 B 2-bit quants
         (32-element group 4h + j: (qs[32h + i] >> 2j) & 3), f16 d, f16 dmin; w = d * sc * q - dmin * m, the
         min per 16 elements against the activations' 16-element sums (dot4 with ones; c has shape (R, 8, 2))
@@ -96,7 +98,8 @@ class QType:
 QTYPES = {q.name: q for q in (QType("q8_0", 32, 34), QType("q4_0", 32, 18), QType("q4_1", 32, 20),
                               QType("q4_K", 256, 144), QType("q5_K", 256, 176), QType("q6_K", 256, 210),
                               QType("q5_0", 32, 22), QType("q5_1", 32, 24), QType("iq4_nl", 32, 18),
-                              QType("q2_K", 256, 84), QType("q3_K", 256, 110), QType("iq4_xs", 256, 136))}
+                              QType("q2_K", 256, 84), QType("q3_K", 256, 110), QType("iq4_xs", 256, 136),
+                              QType("mxfp4", 32, 17))}
 
 
 def _qtype(qtype) -> QType:
@@ -504,6 +507,30 @@ def _dec_iq4_nl(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
 
 
 @jk.jit
+def _mxfp4_values(n):
+    """ggml's kvalues_mxfp4 (e2m1 values doubled: 0 1 2 3 4 6 8 12, bit 3 the sign) of a 3-D u8 tile of
+    nibbles, as i8 (selects on the bits, as _iq4_values)."""
+    b0 = (n & 1) != 0
+    b1 = (n & 2) != 0
+    lo = jk.where(b1, jk.where(b0, _c8(3), _c8(2)), jk.where(b0, _c8(1), _c8(0)))
+    hi = jk.where(b1, jk.where(b0, _c8(12), _c8(8)), jk.where(b0, _c8(6), _c8(4)))
+    m = jk.where((n & 4) != 0, hi, lo)
+    return jk.where((n & 8) != 0, -m, m)
+
+
+@jk.jit
+def _dec_mxfp4(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # 17 B: e8m0 exponent e, 16 B nibbles (q4_0's order) indexing kvalues_mxfp4; w = d * kvalues[q] with
+    # d = ggml_e8m0_to_fp32_half(e) = 2^(e - 128) (f32 bits 0x00200000 << e for e < 2, else (e - 1) << 23)
+    blk = st * S + jk.arange(0, S).to(jk.i64)
+    base = rows[:, None] * rb + blk[None, :] * 17
+    q = _mxfp4_values(_nib32(w, base + 1, R, S))
+    e = jk.load(w + base).to(jk.i32)
+    bits = jk.where(e < 2, jk.where(e == 0, 2097152, 4194304), (e - 1) << 23)
+    return q, bits.to(jk.f32, bitcast=True)[:, :, None], None, None
+
+
+@jk.jit
 def _crumbs(w, offs, R: jk.constexpr):
     """The 2-bit fields of the 64 bytes at offs (R,) in q2_K / q3_K order, (R, 8, 32) u8: group s = 4 h + j (32
     elements) holds (b[32 h + i] >> 2 j) & 3 (constant shifts: x86 has no per-lane byte shifts)."""
@@ -766,7 +793,7 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
         jk.store(y + toks[:, None] * N + rows[None, :], jk.reshape(res, (BM, R)))
 
 
-_QMM_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+_QMM_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4")
 
 
 def _qmm_kernel_for(q: QType) -> bool:
@@ -859,7 +886,7 @@ def _token_launches(M: int, BM: int) -> list:
 
 _DECODERS = {"q8_0": _dec_q8_0, "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q4_K": _dec_q4_K, "q5_K": _dec_q5_K,
              "q6_K": _dec_q6_K, "q5_0": _dec_q5_0, "q5_1": _dec_q5_1, "iq4_nl": _dec_iq4_nl, "q2_K": _dec_q2_K,
-             "q3_K": _dec_q3_K, "iq4_xs": _dec_iq4_xs}
+             "q3_K": _dec_q3_K, "iq4_xs": _dec_iq4_xs, "mxfp4": _dec_mxfp4}
 
 
 def _pow2_le(n: int, cap: int) -> int:

@@ -25,15 +25,17 @@ import gguf.quants as gq
 
 from jitkern.ops import quant as Q
 
-QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K", "q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs"]
+QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K", "q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs",
+          "mxfp4"]
 _GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
          "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_K": gguf.GGMLQuantizationType.Q4_K,
          "q5_K": gguf.GGMLQuantizationType.Q5_K, "q6_K": gguf.GGMLQuantizationType.Q6_K,
          "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
          "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL, "q2_K": gguf.GGMLQuantizationType.Q2_K,
-         "q3_K": gguf.GGMLQuantizationType.Q3_K, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}
+         "q3_K": gguf.GGMLQuantizationType.Q3_K, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS,
+         "mxfp4": gguf.GGMLQuantizationType.MXFP4}
 # types gguf.quants can quantise (the rest: random valid blocks) and the byte offsets of their f16 scales
-_GGUF_QUANTIZES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+_GGUF_QUANTIZES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4")
 _F16_SCALES = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,), "q2_K": (80, 82), "q3_K": (108,),
                "iq4_xs": (0,)}
 # two K per type: a whole number of steps, and a remainder: 11 blocks (q4_0 / q4_1) leave a pair and a single
@@ -41,7 +43,7 @@ _F16_SCALES = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,), "
 # (q4_1, K = 64) are fewer than one 4-block step
 KS = {"q8_0": (192, 160), "q4_0": (128, 352), "q4_1": (64, 352), "q4_K": (256, 768), "q5_K": (256, 768),
       "q6_K": (256, 768), "q5_0": (224, 64), "q5_1": (160, 224), "iq4_nl": (224, 96), "q2_K": (256, 768),
-      "q3_K": (256, 768), "iq4_xs": (256, 768)}
+      "q3_K": (256, 768), "iq4_xs": (256, 768), "mxfp4": (224, 96)}
 # (7 blocks: a pair and a single block after 4-block steps, one after 2-block steps; 2 or 3 blocks: less than
 # one 4-block step)
 
@@ -250,7 +252,7 @@ def test_matmul_q_batch_invariant(tier, qtype):
                                           err_msg=f"{qtype} K={K} M={M}")
 
 
-NEW_QTYPES = ["q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs"]
+NEW_QTYPES = ["q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs", "mxfp4"]
 
 
 @pytest.mark.parametrize("qtype", NEW_QTYPES)
