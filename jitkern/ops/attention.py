@@ -173,16 +173,19 @@ def _init_state(st_m, st_l, st_acc, r, G, D, BS, mask):
 
 
 @jk.jit
-def _finish_state(st_l, st_acc, r, G, D, BS):
-    """(G, D) attention output of a single-partition state: acc / sum of the per-lane exp sums."""
+def _finish_state(st_m, st_l, st_acc, r, G, D, BS, sink, SINKS):
+    """(G, D) attention output of a single-partition state: acc / sum of the per-lane exp sums (plus, with
+    SINKS, exp(sink - max): gpt-oss's per-head sink logit, which joins the softmax but has no value)."""
     n = jk.arange(0, BS)
     d = jk.arange(0, D)
     l_tot = jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1)
+    if SINKS:
+        l_tot = l_tot + jk.exp(sink - jk.load(st_m + r))
     return jk.load(st_acc + r[:, None] * D + d[None, :]) / l_tot[:, None]
 
 
 @jk.jit
-def _merge_parts(st_m, st_l, st_acc, row0, stride, parts, NP, D, BS):
+def _merge_parts(st_m, st_l, st_acc, row0, stride, parts, NP, D, BS, sink, SINKS):
     """(D,) output of one query head from its partial states in rows row0 + p * stride, p < parts (rows
     up to NP must exist).
 
@@ -203,6 +206,8 @@ def _merge_parts(st_m, st_l, st_acc, row0, stride, parts, NP, D, BS):
     wgt = jk.where(ok, jk.exp(m - jk.max(m, axis=0)), 0.0)
     num = jk.sum(jk.where(ok[:, None], wgt[:, None] * acc, -0.0), axis=0)
     den = jk.sum(jk.where(ok, wgt * l, -0.0), axis=0)
+    if SINKS:
+        den = den + jk.exp(sink - jk.max(m, axis=0))
     return num / den
 
 
@@ -236,10 +241,10 @@ def reshape_and_cache_kernel(k, v, k_cache, v_cache, slot_mapping, k_ts, k_hs, v
 
 @jk.kernel
 def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
-                  q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
+                  q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                   KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                   NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
-                  PREFETCH: jk.constexpr):
+                  PREFETCH: jk.constexpr, SINKS: jk.constexpr):
     """Program (sequence, partition): every head of a q_len == 1 sequence over one partition of its blocks.
 
     The sequence's own key range decides its partitions (_split); programs past them do nothing, so
@@ -289,14 +294,14 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
                           valid, st_m, st_l, st_acc, slot + h * G, scale, softcap, G, D, BS, w, SOFTCAP)
     orow = out + q0.to(jk.i64) * o_ts
     for h in range(0, KVH):
-        o = _finish_state(st_l, st_acc, slot + h * G + gi, G, D, BS)
+        o = _finish_state(st_m, st_l, st_acc, slot + h * G + gi, G, D, BS, jk.load(sinks + h * G + gi), SINKS)
         jk.store(orow + (h * G + gi[:, None]) * o_hs + d[None, :], o, mask=mine & (parts == 1))
 
 
 @jk.kernel
-def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, window,
+def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, window, sinks,
                  H: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, NUM_PARTS: jk.constexpr,
-                 PB: jk.constexpr, MAXP: jk.constexpr):
+                 PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr):
     """Program (sequence, query head): combines the partial states of a decode sequence split in 2+."""
     seq = jk.program_id(0)
     hq = jk.program_id(1)
@@ -306,15 +311,17 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, win
     lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
     nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
     parts, per = _split(nb, PB, MAXP)
-    o = _merge_parts(st_m, st_l, st_acc, seq.to(jk.i64) * NUM_PARTS * H + hq, H, parts, NUM_PARTS, D, BS)
+    o = _merge_parts(st_m, st_l, st_acc, seq.to(jk.i64) * NUM_PARTS * H + hq, H, parts, NUM_PARTS, D, BS,
+                     jk.load(sinks + hq), SINKS)
     jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + jk.arange(0, D), o, mask=parts > 1)
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
 def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
-                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
+                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
-                   PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr):
+                   PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr,
+                   SINKS: jk.constexpr):
     """Program (query tile of BQ tokens of one sequence, KV head): each token of the tile attends, for the
     G query heads of the KV head, to the blocks of its causal (and window) range, split into partitions
     and merged exactly as a decode of the same position would be (bit-identical results whichever kernel
@@ -366,17 +373,19 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
                               st_m, st_l, st_acc, rp, scale, softcap, G, D, BS, w, SOFTCAP)
         orow = out + tok * o_ts + h * G * o_hs
         if parts == 1:
-            jk.store(orow + gi[:, None] * o_hs + d[None, :], _finish_state(st_l, st_acc, r0 + gi, G, D, BS))
+            jk.store(orow + gi[:, None] * o_hs + d[None, :], _finish_state(st_m, st_l, st_acc, r0 + gi, G, D, BS,
+                                                                           jk.load(sinks + h * G + gi), SINKS))
         else:
             for g in range(0, G):      # a run-time loop: one copy of the (MAXP, D) merge code
-                jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS))
+                jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS,
+                                                           jk.load(sinks + h * G + g), SINKS))
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
 def token_attention_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, search_steps,
-                           q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap,
+                           q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                            KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
-                           SOFTCAP: jk.constexpr):
+                           SOFTCAP: jk.constexpr, SINKS: jk.constexpr):
     """Program (query token, KV head): the token's G query heads over its whole key range, one cache block
     per loop step (scores and P @ V as `dot`s), the softmax state (G maxima, G sums, (G, D) accumulator)
     carried through the loop; decodes and prefill tokens alike, no partitions, no workspace. The Vulkan
@@ -429,6 +438,8 @@ def token_attention_kernel(q, k_cache, v_cache, out, query_start, seq_lens, bloc
         acc = jk.dot(p, jk.load(v_cache + base + kv_off).to(jk.f32), acc * alpha[:, None])
         m = m_new
     orows = tok.to(jk.i64) * o_ts + (kvh * G + gi[:, None]) * o_hs + d[None, :]
+    if SINKS:
+        l = l + jk.exp(jk.load(sinks + kvh * G + gi) - m)
     jk.store(out + orows, acc / l[:, None], mask=active)
 
 
@@ -508,7 +519,7 @@ class _Step:
     """The checked arguments of one attention call (shapes, strides, step arrays)."""
 
     def __init__(self, q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window,
-                 softcap, validate, host_step=None):
+                 softcap, validate, host_step=None, sinks=None):
         self.bs, self.kvh, self.dim = _check_cache(k_cache, v_cache)
         if self.bs & (self.bs - 1):
             raise ValueError(f"k_cache: block_size {self.bs} must be a power of two")
@@ -546,6 +557,14 @@ class _Step:
             raise ValueError(f"softcap ({softcap}) and sliding_window ({self.window}) must be >= 0")
         self.use_cap = softcap > 0.0
         self.cap = softcap if self.use_cap else 1.0
+        # attention sinks: f32 [num_heads] (the kernels read a dummy row of `out` when there are none)
+        self.use_sinks = sinks is not None
+        if self.use_sinks and (not is_array(sinks) or sinks.dtype != np.float32 or sinks.shape != (self.heads,)
+                               or (self.heads > 1 and sinks.strides[0] != 4)):
+            raise ValueError(f"sinks: expected a contiguous float32 array of shape ({self.heads},) (one per query "
+                             f"head), got {getattr(sinks, 'dtype', type(sinks).__name__)} "
+                             f"{getattr(sinks, 'shape', '')}")
+        self.sinks = sinks if self.use_sinks else self.out
         self.empty = self.num_seqs == 0 or self.T == 0
         if validate and not self.empty:
             _validate_step(self.qs_host, self.sl_host, self.block_table, self.T, self.bs)
@@ -566,9 +585,9 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
     run(prefill_kernel, (programs, st.kvh),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
          int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
-         st.cap),
+         st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
-        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode)
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks)
 
 
 def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
@@ -578,16 +597,19 @@ def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
     run(token_attention_kernel, (st.T, st.kvh),
         (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
          int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
-         st.cap),
-        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, SOFTCAP=st.use_cap)
+         st.cap, st.sinks),
+        target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, SOFTCAP=st.use_cap, SINKS=st.use_sinks)
     return st.out
 
 
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                     num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
-                    validate: bool = True, host_step=None, target=None):
+                    validate: bool = True, host_step=None, sinks=None, target=None):
     """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
+
+    sinks: f32 [num_heads] attention-sink logits (gpt-oss), or None: each head's softmax gets one more
+    logit, sinks[h], that attends to nothing (out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h]))).
 
     max_query_len: the largest q_len of the step, when the caller knows it (else read from query_start).
     1 runs only the decode kernel; anything else runs the decode kernel for the q_len == 1 sequences and
@@ -607,7 +629,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     """
     target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
-               validate, host_step)
+               validate, host_step, sinks)
     if st.empty:
         return st.out
     if max_query_len is None:
@@ -629,13 +651,14 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
     run(decode_kernel, (st.num_seqs, P),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
-         st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap),
+         st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
-        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch))
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch), SINKS=st.use_sinks)
     if P > 1:
         run(merge_kernel, (st.num_seqs, st.heads),
-            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window),
-            target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS, MAXP=MAX_PARTITIONS)
+            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
+            target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS, MAXP=MAX_PARTITIONS,
+            SINKS=st.use_sinks)
     if max_query_len > 1:
         _launch_prefill(st, q, k_cache, v_cache, ws, PREFILL_BLOCK_Q, True, target)
     return st.out
@@ -657,12 +680,13 @@ def _validate_step(query_start, seq_lens, block_table, num_tokens, block_size):
 
 def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                             sliding_window: int = 0, softcap: float = 0.0, out=None, block_q: int | None = None,
-                            workspace: dict | None = None, validate: bool = True, host_step=None, target=None):
+                            workspace: dict | None = None, validate: bool = True, host_step=None, sinks=None,
+                            target=None):
     """The general (prefill) kernel alone over every sequence, decodes included; arguments as for
     paged_attention. block_q: query tokens per program (default PREFILL_BLOCK_Q)."""
     target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
-               validate, host_step)
+               validate, host_step, sinks)
     if not st.empty and target is not None and target.is_vulkan:
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     if not st.empty:

@@ -23,7 +23,8 @@ MIXED = [(1, 1), (15, 1), (300, 1), (15, 15), (16, 1), (16, 16), (0, 0), (17, 1)
 DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (0, 0), (33, 1), (600, 1)]
 
 
-def ref_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, scale, window=0, softcap=0.0):
+def ref_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, scale, window=0, softcap=0.0,
+                        sinks=None):
     T, H, D = q.shape
     KVH = k_cache.shape[2]
     G = H // KVH
@@ -47,8 +48,13 @@ def ref_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table,
                 if softcap:
                     s = softcap * np.tanh(s / softcap)
                 s = np.where(ok, s, -np.inf)
-                e = np.exp(s - s.max())
-                out[q0 + j, h] = (e / e.sum()) @ V[:, h // G]
+                if sinks is None:
+                    e = np.exp(s - s.max())
+                    out[q0 + j, h] = (e / e.sum()) @ V[:, h // G]
+                else:       # the sink logit joins the softmax (HF gpt-oss: concatenated, then dropped)
+                    m = max(s.max(), float(sinks[h]))
+                    e = np.exp(s - m)
+                    out[q0 + j, h] = (e / (e.sum() + np.exp(float(sinks[h]) - m))) @ V[:, h // G]
     return out
 
 
@@ -112,6 +118,36 @@ def test_softcap(tier):
         out = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, softcap=5.0,
                                 target=tier)
         check(out, want)
+
+
+def test_attention_sinks(tier):
+    """gpt-oss attention sinks on every path (single- and multi-partition decode, prefill chunks, the general
+    kernel alone), with and without a window; sinks from well below to well above the logits (a sink that
+    dominates shrinks the output towards 0). The decode path and the general kernel agree bit for bit, and a
+    sequence alone gives the same bits as in the batch."""
+    rng = np.random.default_rng(11)
+    H, KVH = 8, 2
+    q, kc, vc, qs, sl, bt = make_step(rng, MIXED, H, KVH, 64, np.float32)
+    sinks = (np.linspace(-4.0, 8.0, H) + rng.standard_normal(H)).astype(np.float32)
+    for window in (0, 17):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window, sinks=sinks)
+        assert np.abs(want - ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125, window=window)).max() > 0.05
+        outs = []
+        for parts in (None, A.MAX_PARTITIONS):
+            outs.append(A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, sinks=sinks,
+                                          num_partitions=parts, target=tier))
+            check(outs[-1], want)
+        np.testing.assert_array_equal(outs[0], outs[1])
+        gen = A.paged_prefill_attention(q, kc, vc, qs, sl, bt, scale=0.125, sliding_window=window, sinks=sinks,
+                                        target=tier)
+        np.testing.assert_array_equal(gen, outs[0])
+        for i in (11, 12, 8):      # a 3-partition decode, a chunk after 600 cached, a 17-token chunk: alone
+            alone = A.paged_attention(q[qs[i]:qs[i + 1]], kc, vc, np.array([0, qs[i + 1] - qs[i]], np.int32),
+                                      sl[i:i + 1], np.ascontiguousarray(bt[i:i + 1]), scale=0.125,
+                                      sliding_window=window, sinks=sinks, target=tier)
+            np.testing.assert_array_equal(alone, outs[0][qs[i]:qs[i + 1]])
+    with pytest.raises(ValueError, match="sinks"):
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, sinks=sinks[:3], target=tier)
 
 
 def test_decode_partition_axis(tier):
