@@ -26,7 +26,7 @@ import time
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--threads", type=int, default=int(os.environ.get("JITKERN_NUM_THREADS", "2")))
-ap.add_argument("--qtypes", default="q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_K,q3_K,q4_K,q5_K,q6_K,iq4_xs,fp8-channel,"
+ap.add_argument("--qtypes", default="q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,mxfp4,q2_K,q3_K,q4_K,q5_K,q6_K,iq4_xs,fp8-channel,"
                                     "fp8-block", help="GGUF types, and fp8-tensor / fp8-channel / fp8-block "
                                                       "(jitkern/ops/fp8.py: e4m3 bytes, f32 activations)")
 ap.add_argument("--gemm-m", type=int, default=64)
@@ -50,7 +50,7 @@ def make_weight(qtype, N, K, rng):
     import gguf
     import gguf.quants as gq
     gt = gguf.GGMLQuantizationType[qtype.upper()]
-    if qtype in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
+    if qtype in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"):
         return np.ascontiguousarray(gq.quantize(rng.standard_normal((N, K), dtype=np.float32), gt))
     q = Q.QTYPES[qtype]
     raw = rng.integers(0, 256, (N, K // q.block_elems, q.block_bytes), dtype=np.uint8)
