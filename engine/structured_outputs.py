@@ -47,6 +47,10 @@ MAX_CHOICE_CHARS = 4096
 # model loop on newlines until max_tokens.
 JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 
+# Jump-forward only for forced runs at least this long: the step that computes appended tokens is a
+# multi-token (eager, prefill-path) step, which on the CPU costs more than a replayed one-token decode step.
+JUMP_FORWARD_MIN_TOKENS = 4
+
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -358,7 +362,9 @@ class GrammarState:
         if self._stopped:
             return []
         toks = list(self.matcher.compute_ff_tokens())
-        if toks and not self.matcher.consume_tokens(toks):
+        if len(toks) < JUMP_FORWARD_MIN_TOKENS:
+            return []          # a short run: ordinary decode steps are cheaper than one eager multi-token step
+        if not self.matcher.consume_tokens(toks):
             self._stopped = self.matcher.is_stopped()
             return []
         self.num_accepted += len(toks)

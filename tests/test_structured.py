@@ -310,12 +310,11 @@ def test_prefetched_masks_give_the_same_tokens_as_masks_computed_in_the_step(llm
             [f"Q{i}:" for i in range(4)],
             [SamplingParams(max_tokens=120, temperature=t, seed=21, structured_outputs=constraint(k))
              for t, k in ((0.0, "json"), (1.0, "json"), (1.0, "grammar"), (0.0, "regex"))])]
-    assert llm.engine.sampler.prefetch_masks
-    with_prefetch = run()
-    llm.engine.sampler.prefetch_masks = False
+    llm.engine.sampler.prefetch_masks = True
     try:
-        without = run()
+        with_prefetch = run()
     finally:
-        llm.engine.sampler.prefetch_masks = True
+        llm.engine.sampler.prefetch_masks = False
+    without = run()
     assert with_prefetch == without
     assert all(len(t) > 3 for t in with_prefetch)

@@ -154,6 +154,7 @@ class Graph:
         self._tasks = None
         self._keep = []
         self.cuda = None          # a CudaGraph when the captured launches ran on a GPU
+        self.vulkan = None        # a runtime.vulkan.VulkanGraph when they were Vulkan dispatches
 
     def add(self, address: int, block: np.ndarray, n: int, keep=()) -> None:
         self.entries.append((address, block, n))
@@ -166,6 +167,10 @@ class Graph:
             self.cuda.replay()
             if not self.entries:
                 return
+        if self.vulkan is not None:
+            self.vulkan.replay()
+            if not self.entries:
+                return
         if _pool is None or _pool.closed:
             from .cpu_pool import get_pool
             _pool = get_pool()
@@ -176,7 +181,7 @@ class Graph:
             _pool.launch_tasks(self._tasks)
 
     def __len__(self):
-        return len(self.entries)
+        return len(self.entries) + (len(self.vulkan) if self.vulkan is not None else 0)
 
 
 class capture:
@@ -247,14 +252,20 @@ def _device_target(args):
 
 
 def _launch_vulkan(kernel, grid, args, kwargs, target):
-    """A Vulkan dispatch (runtime/vulkan.py): synchronous; no jk.capture() graphs yet."""
-    if getattr(_capture, "graph", None) is not None:
-        raise NotImplementedError("jk.capture() is not supported on Vulkan yet: launch without capture")
+    """A Vulkan dispatch (runtime/vulkan.py): synchronous; under jk.capture() recorded into the graph's
+    VulkanGraph instead (replayed as one command buffer)."""
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
         grid = grid(consts if consts is not None else dict(kwargs))
     g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
     if g[0] * g[1] * g[2] == 0:
+        return ck
+    graph = getattr(_capture, "graph", None)
+    if graph is not None:
+        if graph.vulkan is None:
+            from .vulkan import VulkanGraph
+            graph.vulkan = VulkanGraph(ck.loaded.device)
+        graph.vulkan.add(ck.loaded.pipeline, g, values)
         return ck
     ck.loaded.device.launch(ck.loaded.pipeline, g, values)
     return ck
@@ -298,6 +309,9 @@ def _launch_gpu_staged(kernel, grid, args, kwargs, target):
     for tests and one-off calls that keeps the op wrappers' numpy interface; the engine passes DeviceArrays."""
     from .cuda import DeviceArray, get_device
     if target.is_vulkan:
+        if getattr(_capture, "graph", None) is not None:
+            raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
+                                      "arguments (a staged copy per launch) cannot be replayed")
         from .vulkan import get_device as vulkan_device
         dev = vulkan_device()
     else:
