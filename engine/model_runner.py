@@ -91,7 +91,7 @@ class ModelRunner:
                 seq_lens=np.zeros(max_num_seqs, np.int32),
                 block_table=np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32), buffers=BufferPool())
             self.fwd_batch = self.batch          # the batch the forward pass reads
-        self.use_graphs = use_graphs and self.device != "vulkan"     # no jk.capture() on Vulkan yet
+        self.use_graphs = use_graphs          # Vulkan: jk.capture() records a command buffer per batch size
         # models whose steps need host work between kernels (GGUF-quantised MoE experts) opt out of graphs
         self.use_graphs = self.use_graphs and getattr(model, "supports_graphs", True)
         from engine.limits import MAX_DECODE_GRAPHS

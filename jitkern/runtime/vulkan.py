@@ -14,7 +14,8 @@ point turns that into `VulkanUnavailable`. What lives here:
   descriptor set (slots at binding 0, pointer parameter k at binding 1 + k over its whole buffer, its element
   offset in its slot) and submits one dispatch, waiting for it (launches are synchronous).
 
-Not here yet: `jk.capture()` graphs (a launch inside capture raises), the pipeline cache on disk.
+`jk.capture()` records dispatches into a `VulkanGraph` (one command buffer, replayed with one submit). Not here
+yet: the pipeline cache on disk, device-local memory + staging copies.
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class VulkanDevice:
         self.max_threads = int(lim.maxComputeWorkGroupInvocations)
         self.max_shared = int(lim.maxComputeSharedMemorySize)
         self.max_range = int(lim.maxStorageBufferRange)
+        self.min_offset_align = int(lim.minStorageBufferOffsetAlignment)
         fams = v.vkGetPhysicalDeviceQueueFamilyProperties(self.physical)
         self.family = next((i for i, f in enumerate(fams) if f.queueFlags & v.VK_QUEUE_COMPUTE_BIT), None)
         if self.family is None:
@@ -301,9 +303,8 @@ class VulkanDevice:
             return p
 
     # ------------------------------------------------------------------------------------ launch
-    def launch(self, p: _Pipeline, grid, values) -> None:
-        """One dispatch of `grid` workgroups with run-time argument `values` (DeviceArrays, ints, floats)."""
-        v = vk()
+    def _resolve(self, p: _Pipeline, grid, values) -> tuple:
+        """(grid, packed argument slots, [(binding, allocation)]) of one dispatch."""
         g = tuple(int(x) for x in grid)
         for ax in range(3):
             if g[ax] > self.max_groups[ax]:
@@ -312,6 +313,7 @@ class VulkanDevice:
         slots = np.zeros(3 + len(values), np.uint64)
         slots[:3] = g
         infos = []
+        values = list(values)
         for k, b, st in p.bindings:
             a = values[k]
             if not isinstance(a, DeviceArray) or a.device is not self:
@@ -320,11 +322,36 @@ class VulkanDevice:
             alloc, off = self.find(a.ptr)
             if off % _ES[st]:
                 raise VulkanError(f"argument {k}: a view at byte offset {off} is not aligned to its {st} elements")
-            values = list(values)
             values[k] = off // _ES[st]
             infos.append((b, alloc))
         if len(values):
             slots[3:] = pack_slots(values)
+        return g, slots, infos
+
+    def _write_set(self, ds, slots_alloc, slots_off: int, slots_bytes: int, infos) -> None:
+        v = vk()
+        binfos = [(0, v.VkDescriptorBufferInfo(buffer=slots_alloc.buffer, offset=slots_off, range=slots_bytes))]
+        binfos += [(b, v.VkDescriptorBufferInfo(buffer=al.buffer, offset=0, range=al.nbytes)) for b, al in infos]
+        writes = [v.VkWriteDescriptorSet(dstSet=ds, dstBinding=b, dstArrayElement=0, descriptorCount=1,
+                                         descriptorType=v.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[bi])
+                  for b, bi in binfos]
+        v.vkUpdateDescriptorSets(self.device, len(writes), writes, 0, None)
+
+    def _submit_wait(self, cb, what: str) -> None:
+        v = vk()
+        v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(commandBufferCount=1, pCommandBuffers=[cb])], self.fence)
+        limit = float(os.environ.get("JITKERN_VULKAN_TIMEOUT", "120"))
+        try:
+            v.vkWaitForFences(self.device, 1, [self.fence], v.VK_TRUE, int(limit * 1e9))
+        except v.VkTimeout:
+            raise VulkanError(f"{what} on {self.name} did not finish within {limit:g} s "
+                              f"(JITKERN_VULKAN_TIMEOUT); the device is unusable now") from None
+        v.vkResetFences(self.device, 1, [self.fence])
+
+    def launch(self, p: _Pipeline, grid, values) -> None:
+        """One dispatch of `grid` workgroups with run-time argument `values` (DeviceArrays, ints, floats)."""
+        v = vk()
+        g, slots, infos = self._resolve(p, grid, values)
         with self.lock:
             if self._slots is None or self.allocs.get(self._slots) is None or \
                     self.allocs[self._slots].nbytes < slots.nbytes:
@@ -336,12 +363,7 @@ class VulkanDevice:
             v.vkResetDescriptorPool(self.device, self.desc_pool, 0)
             ds = v.vkAllocateDescriptorSets(self.device, v.VkDescriptorSetAllocateInfo(
                 descriptorPool=self.desc_pool, descriptorSetCount=1, pSetLayouts=[p.dsl]))[0]
-            binfos = [(0, v.VkDescriptorBufferInfo(buffer=sa.buffer, offset=0, range=sa.nbytes))]
-            binfos += [(b, v.VkDescriptorBufferInfo(buffer=al.buffer, offset=0, range=al.nbytes)) for b, al in infos]
-            writes = [v.VkWriteDescriptorSet(dstSet=ds, dstBinding=b, dstArrayElement=0, descriptorCount=1,
-                                             descriptorType=v.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[bi])
-                      for b, bi in binfos]
-            v.vkUpdateDescriptorSets(self.device, len(writes), writes, 0, None)
+            self._write_set(ds, sa, 0, sa.nbytes, infos)
             cb = self.cmd
             v.vkResetCommandBuffer(cb, 0)
             v.vkBeginCommandBuffer(cb, v.VkCommandBufferBeginInfo(
@@ -350,14 +372,92 @@ class VulkanDevice:
             v.vkCmdBindDescriptorSets(cb, v.VK_PIPELINE_BIND_POINT_COMPUTE, p.layout, 0, 1, [ds], 0, None)
             v.vkCmdDispatch(cb, g[0], g[1], g[2])
             v.vkEndCommandBuffer(cb)
-            v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(commandBufferCount=1, pCommandBuffers=[cb])], self.fence)
-            limit = float(os.environ.get("JITKERN_VULKAN_TIMEOUT", "120"))
-            try:
-                v.vkWaitForFences(self.device, 1, [self.fence], v.VK_TRUE, int(limit * 1e9))
-            except v.VkTimeout:
-                raise VulkanError(f"a dispatch of {p.entry} on {self.name} did not finish within {limit:g} s "
-                                  f"(JITKERN_VULKAN_TIMEOUT); the device is unusable now") from None
-            v.vkResetFences(self.device, 1, [self.fence])
+            self._submit_wait(cb, f"a dispatch of {p.entry}")
+
+
+class VulkanGraph:
+    """Dispatches recorded under `jk.capture()` and replayed as one command buffer (the Vulkan side of a
+    `runtime.launch.Graph`). Recording runs nothing: each launch's argument slots (device addresses turned
+    into element offsets, scalars as they were) are kept; the first `replay()` writes them into one buffer,
+    gives every dispatch its own descriptor set and records a command buffer with a compute-to-compute memory
+    barrier between consecutive dispatches; every replay submits it once and waits. Anything that changes
+    between replays must live in the device arrays the kernels read (as for CUDA graphs)."""
+
+    def __init__(self, device: VulkanDevice):
+        self.device = device
+        self.items: list = []           # (pipeline, grid, slots, infos, values kept alive)
+        self.cmd = None
+        self.pool = None
+        self.slots_va = None
+
+    def add(self, p: _Pipeline, grid, values) -> None:
+        if self.cmd is not None:
+            raise VulkanError("a Vulkan graph cannot be extended after its first replay")
+        g, slots, infos = self.device._resolve(p, grid, values)
+        self.items.append((p, g, slots, infos, tuple(values)))
+
+    def __len__(self):
+        return len(self.items)
+
+    def _build(self) -> None:
+        v = vk()
+        dev = self.device
+        align = max(int(dev.min_offset_align), 16)
+        offs, total = [], 0
+        for it in self.items:
+            offs.append(total)
+            total += -(-it[2].nbytes // align) * align
+        with dev.lock:
+            self.slots_va = dev.alloc(max(total, 16))
+            sa = dev.allocs[self.slots_va]
+            nsets = max(len(self.items), 1)
+            nbind = sum(1 + len(it[3]) for it in self.items) or 1
+            self.pool = v.vkCreateDescriptorPool(dev.device, v.VkDescriptorPoolCreateInfo(
+                maxSets=nsets, poolSizeCount=1,
+                pPoolSizes=[v.VkDescriptorPoolSize(type=v.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=nbind)]),
+                None)
+            self.cmd = v.vkAllocateCommandBuffers(dev.device, v.VkCommandBufferAllocateInfo(
+                commandPool=dev.cmd_pool, level=v.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+            cb = self.cmd
+            v.vkBeginCommandBuffer(cb, v.VkCommandBufferBeginInfo())
+            between = v.VkMemoryBarrier(srcAccessMask=v.VK_ACCESS_SHADER_WRITE_BIT,
+                                        dstAccessMask=v.VK_ACCESS_SHADER_READ_BIT | v.VK_ACCESS_SHADER_WRITE_BIT)
+            for i, ((p, g, slots, infos, _), off) in enumerate(zip(self.items, offs)):
+                sa.host[off:off + slots.nbytes] = slots.view(np.uint8)
+                ds = v.vkAllocateDescriptorSets(dev.device, v.VkDescriptorSetAllocateInfo(
+                    descriptorPool=self.pool, descriptorSetCount=1, pSetLayouts=[p.dsl]))[0]
+                dev._write_set(ds, sa, off, slots.nbytes, infos)
+                if i:
+                    v.vkCmdPipelineBarrier(cb, v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                                           v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1, [between], 0, None, 0, None)
+                v.vkCmdBindPipeline(cb, v.VK_PIPELINE_BIND_POINT_COMPUTE, p.pipeline)
+                v.vkCmdBindDescriptorSets(cb, v.VK_PIPELINE_BIND_POINT_COMPUTE, p.layout, 0, 1, [ds], 0, None)
+                v.vkCmdDispatch(cb, g[0], g[1], g[2])
+            to_host = v.VkMemoryBarrier(srcAccessMask=v.VK_ACCESS_SHADER_WRITE_BIT, dstAccessMask=v.VK_ACCESS_HOST_READ_BIT)
+            v.vkCmdPipelineBarrier(cb, v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, v.VK_PIPELINE_STAGE_HOST_BIT, 0, 1,
+                                   [to_host], 0, None, 0, None)
+            v.vkEndCommandBuffer(cb)
+
+    def replay(self) -> None:
+        if not self.items:
+            return
+        if self.cmd is None:
+            self._build()
+        with self.device.lock:
+            self.device._submit_wait(self.cmd, f"a replay of {len(self.items)} recorded dispatches")
+
+    def __del__(self):
+        try:
+            v = vk()
+            dev = self.device
+            if self.cmd is not None:
+                v.vkFreeCommandBuffers(dev.device, dev.cmd_pool, 1, [self.cmd])
+            if self.pool is not None:
+                v.vkDestroyDescriptorPool(dev.device, self.pool, None)
+            if self.slots_va is not None:
+                dev.free(self.slots_va)
+        except Exception:               # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 _device = None
@@ -442,5 +542,5 @@ def load_kernel(artifacts: dict, symbol: str, meta: dict, device: VulkanDevice |
     return LoadedKernel(device, device.pipeline(artifacts["kernel.spv"], meta))
 
 
-__all__ = ["VulkanDevice", "VulkanError", "VulkanUnavailable", "get_device", "is_available", "standing_in", "empty", "zeros",
+__all__ = ["VulkanDevice", "VulkanGraph", "VulkanError", "VulkanUnavailable", "get_device", "is_available", "standing_in", "empty", "zeros",
            "from_numpy", "to_device", "load_kernel"]
