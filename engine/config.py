@@ -34,6 +34,7 @@ _HF_MODEL_TYPES = {
     "phi3": "phi3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "gpt_oss": "gpt_oss",
 }
 
 # Defaults of HF's config classes (LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig,
@@ -71,6 +72,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     logits_scaling=1.0),
     "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
+    "gpt_oss": dict(max_position_embeddings=131072, rope_theta=150000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    hidden_act="silu", attention_bias=True, sliding_window=128, head_dim=64, num_key_value_heads=8),
 }
 _GENERIC_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
 
@@ -262,9 +265,9 @@ class ModelConfig:
                 mwl = int(get("max_window_layers", default=num_layers))
                 layer_types = [SLIDING_ATTENTION if sliding_window is not None and i >= mwl else FULL_ATTENTION
                                for i in range(num_layers)]
-        elif arch in ("gemma2", "gemma3") and layer_types is None:
-            # Gemma 2 alternates (even layers slide), Gemma 3 has one global layer in 6
-            pattern = 2 if arch == "gemma2" else int(get("sliding_window_pattern", default=6))
+        elif arch in ("gemma2", "gemma3", "gpt_oss") and layer_types is None:
+            # Gemma 2 and gpt-oss alternate (even layers slide), Gemma 3 has one global layer in 6
+            pattern = 2 if arch in ("gemma2", "gpt_oss") else int(get("sliding_window_pattern", default=6))
             layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
         if layer_types is None:
             kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION

@@ -4,7 +4,8 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3", "olmo2",
+             "gpt_oss")
 
 # Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
@@ -14,6 +15,8 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 KNOWN_UNIMPLEMENTED = {
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",
     "deepseek_v3": "multi-head latent attention (MLA) and MoE",
+    "gpt-oss": "gpt-oss from GGUF (llama.cpp's split, biased expert tensors and MXFP4 expert blocks); gpt-oss "
+               "safetensors checkpoints with float experts load",
     "falcon": "Falcon's parallel attention/MLP block and ALiBi",
     "mamba": "selective state-space (Mamba) layers",
     "qwen3_next": "gated delta-net (linear attention) layers",

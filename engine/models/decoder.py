@@ -50,6 +50,7 @@ _NAMES = {
           "transformer.h.{i}.attn.c_proj.weight", "h.{i}.attn.c_proj.weight"],
     "o_b": ["blk.{i}.attn_output.bias", "model.layers.{i}.self_attn.o_proj.bias", "transformer.h.{i}.attn.c_proj.bias",
             "h.{i}.attn.c_proj.bias"],
+    "sinks": ["blk.{i}.attn_sinks.weight", "model.layers.{i}.self_attn.sinks"],
     "post_attn_norm": ["blk.{i}.post_attention_norm.weight"],          # gemma3 (HF: post_attention_layernorm)
     "ffn_norm": ["blk.{i}.ffn_norm.weight", "transformer.h.{i}.ln_2.weight", "h.{i}.ln_2.weight"],
     "ffn_norm_b": ["blk.{i}.ffn_norm.bias", "transformer.h.{i}.ln_2.bias", "h.{i}.ln_2.bias"],
@@ -86,6 +87,7 @@ class Layer:
     sliding: bool
     rope_cache: np.ndarray | None
     moe: object = None                 # engine.models.moe.MoEBlock for a sparse MLP layer (then no gate_up/up/down)
+    sinks: np.ndarray | None = None    # gpt-oss attention sinks, f32 [num_heads]
 
 
 class DecoderLM:
@@ -318,7 +320,7 @@ class DecoderLM:
                      q_norm=self._vec(get("q_norm", False)), k_norm=self._vec(get("k_norm", False)), o=o,
                      post_attn_norm=post_attn, ffn_norm=ffn_norm, ffn_norm_b=self._vec(get("ffn_norm_b", False)),
                      post_ffn_norm=post_ffn, gate_up=gate_up, up=up, down=down, sliding=sliding, rope_cache=rope,
-                     moe=moe)
+                     moe=moe, sinks=self._vec(get("sinks", False)))
 
     # ---------------------------------------------------------------------------------- KV cache
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
@@ -414,6 +416,7 @@ class DecoderLM:
             paged_attention(q, self.k_caches[li], self.v_caches[li], b.query_start[: b.num_seqs + 1],
                             b.seq_lens[: b.num_seqs], b.block_table[: b.num_seqs], scale=self.scale,
                             sliding_window=self.cfg.sliding_window if L.sliding else 0, softcap=self.softcap,
+                            sinks=L.sinks,
                             out=attn.reshape(T, H, D), workspace=self._attn_ws[li],
                             # the full partition axis: a recorded decode graph stays valid as contexts grow
                             # (each sequence uses only the partitions its own length needs)

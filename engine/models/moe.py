@@ -75,7 +75,15 @@ def moe_spec(ckpt) -> MoESpec | None:
         raise ModelLoadError("a mixture-of-experts config needs num_experts_per_tok", path=cfg.source,
                              key="num_experts_per_tok")
     norm = True if arch == "mixtral" else bool(extra.get("norm_topk_prob", False))
-    return _checked(ckpt, int(E), int(K), norm, "num_experts_per_tok")
+    spec = _checked(ckpt, int(E), int(K), norm, "num_experts_per_tok")
+    if arch == "gpt_oss":        # softmax over the top-k router logits; the kernels' clamped SwiGLU constants
+        from jitkern.ops.moe import TOPK_SOFTMAX
+        for key, want in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            if float(extra.get(key, want)) != want:
+                raise ModelLoadError(f"gpt-oss {key} = {extra[key]} is not supported (the kernel uses {want})",
+                                     path=cfg.source, key=key)
+        spec.mode = TOPK_SOFTMAX
+    return spec
 
 
 def _checked(ckpt, E, K, norm, key) -> MoESpec:
@@ -86,7 +94,7 @@ def _checked(ckpt, E, K, norm, key) -> MoESpec:
 
 
 _ROUTER = ["blk.{i}.ffn_gate_inp.weight", "model.layers.{i}.block_sparse_moe.gate.weight",
-           "model.layers.{i}.mlp.gate.weight"]
+           "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.router.weight"]
 _HF_EXPERT = {  # prefix, (gate, up, down) names
     "mixtral": ("model.layers.{i}.block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
     "default": ("model.layers.{i}.mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
@@ -119,6 +127,9 @@ class MoEBlock:
         self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
         self.shared_gated = shared_gated
         self.name = name
+        # gpt-oss: expert biases (f32 [E, 2I] / [E, H]), interleaved gate/up rows, clamped SwiGLU
+        self.gate_up_bias = self.down_bias = None
+        self.act, self.interleaved = "silu", False
 
     @property
     def quantized(self) -> bool:
@@ -146,8 +157,10 @@ class MoEBlock:
             gate_up_fn, down_fn = self._q_gate_up, self._q_down
         else:
             from jitkern.ops.moe import expert_down, expert_gate_up
-            gate_up_fn = lambda xs, tiles, bm, o: expert_gate_up(xs, self.gate, tiles, bm, o, w_up=self.up)  # noqa
-            down_fn = lambda a, tiles, bm, o: expert_down(a, self.down, tiles, bm, o)  # noqa: E731
+            gate_up_fn = lambda xs, tiles, bm, o: expert_gate_up(xs, self.gate, tiles, bm, o, w_up=self.up,  # noqa
+                                                                 bias=self.gate_up_bias, act=self.act,
+                                                                 interleaved=self.interleaved)
+            down_fn = lambda a, tiles, bm, o: expert_down(a, self.down, tiles, bm, o, bias=self.down_bias)  # noqa
         return routed_experts(x, ids, wts, gate_up_fn, down_fn, E, self.inter, out=out, shared=shared,
                               shared_gate=logits[:, E:] if self.shared_gated else None, scratch=get,
                               host_tiles=self.quantized)
@@ -201,7 +214,10 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
         raise ModelLoadError(f"router has {router.shape[0]} rows but the config says {E} experts", path=path,
                              tensor=router_t.name)
     gate = up = down = None
-    if ckpt.get(f"blk.{i}.ffn_gate_exps.weight") is not None:                       # GGUF: [E, I, H] in place
+    oai = None
+    if ckpt.config.architecture == "gpt_oss":
+        gate, down, inter, kind, oai = _gpt_oss_experts(ckpt, i, E, hidden)
+    elif ckpt.get(f"blk.{i}.ffn_gate_exps.weight") is not None:                       # GGUF: [E, I, H] in place
         ts = [ckpt[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")]
         kinds = {t.dtype for t in ts}
         if len(kinds) != 1:
@@ -282,6 +298,43 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
             router = np.concatenate([router, row[None, :]])
             shared_gated = True
     router = np.ascontiguousarray(router, np.float32)
-    router_lin = Linear(router, "f32", router.shape[0], hidden, None, f"blk.{i}.router")
-    return MoEBlock(spec, router_lin, hidden, inter, kind, gate, up, down, shared_gate_up, shared_down,
-                    shared_gated, name=f"blk.{i}.moe")
+    rb = ckpt.get(f"model.layers.{i}.mlp.router.bias")          # gpt-oss
+    router_lin = Linear(router, "f32", router.shape[0], hidden, vector_f32(rb) if rb is not None else None,
+                        f"blk.{i}.router")
+    block = MoEBlock(spec, router_lin, hidden, inter, kind, gate, up, down, shared_gate_up, shared_down,
+                     shared_gated, name=f"blk.{i}.moe")
+    if oai is not None:
+        block.gate_up_bias, block.down_bias = oai
+        block.act, block.interleaved = "swiglu_oai", True
+    return block
+
+
+def _gpt_oss_experts(ckpt, i, E, hidden):
+    """HF gpt-oss experts: gate_up_proj [E, H, 2I] (gate/up columns interleaved) and down_proj [E, I, H] as
+    x @ W, with biases; returned as the kernels' [E, 2I, H] / [E, H, I] rows (one transposing copy)."""
+    p = f"model.layers.{i}.mlp.experts."
+    if ckpt.get(p + "gate_up_proj_blocks") is not None:
+        raise ModelLoadError("MXFP4 expert weights (gate_up_proj_blocks / _scales) are not supported yet: use a "
+                             "checkpoint with dequantised (bf16/f16/f32) experts", path=ckpt.path,
+                             tensor=p + "gate_up_proj_blocks")
+    gu_t, d_t = ckpt.get(p + "gate_up_proj"), ckpt.get(p + "down_proj")
+    gb_t, db_t = ckpt.get(p + "gate_up_proj_bias"), ckpt.get(p + "down_proj_bias")
+    for name, t in (("gate_up_proj", gu_t), ("down_proj", d_t), ("gate_up_proj_bias", gb_t),
+                    ("down_proj_bias", db_t)):
+        if t is None:
+            raise ModelLoadError(f"layer {i} has a router but lacks its experts' {name}", path=ckpt.path,
+                                 tensor=p + name)
+    kind = gu_t.dtype
+    if kind not in ("f32", "f16", "bf16") or d_t.dtype != kind:
+        raise ModelLoadError(f"expert weights must be one of f32/f16/bf16, found {gu_t.dtype} / {d_t.dtype}",
+                             path=ckpt.path, tensor=gu_t.name)
+    inter = gu_t.shape[2] // 2
+    if tuple(gu_t.shape) != (E, hidden, 2 * inter) or tuple(d_t.shape) != (E, inter, hidden):
+        raise ModelLoadError(f"gpt-oss expert tensors {list(gu_t.shape)} / {list(d_t.shape)} are not "
+                             f"[{E}, {hidden}, 2*I] / [{E}, I, {hidden}]", path=ckpt.path, tensor=gu_t.name)
+    gate = np.ascontiguousarray(np.swapaxes(gu_t.raw.reshape(gu_t.shape), 1, 2))
+    down = np.ascontiguousarray(np.swapaxes(d_t.raw.reshape(d_t.shape), 1, 2))
+    note_host_copy(gate.nbytes + down.nbytes)
+    gb = np.ascontiguousarray(vector_f32(gb_t).reshape(E, 2 * inter))
+    db = np.ascontiguousarray(vector_f32(db_t).reshape(E, hidden))
+    return gate, down, inter, kind, (gb, db)
