@@ -276,3 +276,26 @@ def test_moe_gguf_problems_are_named(tmp_path):
     with pytest.raises(ModelLoadError, match="gating") as ei:
         build_model(load_checkpoint(path, load_tokenizer=False))
     assert ei.value.key == "qwen3moe.expert_gating_func"
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_moe_on_a_device_matches_transformers(moe_model, backend, monkeypatch):
+    """device="cuda": router, grouping, experts and combine on device arrays (weights uploaded once), decode
+    from recorded graphs; `fake` runs that plumbing on host memory with CPU kernels (tests/fake_cuda.py)."""
+    arch, path, hf = moe_model
+    if backend == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    prompts = tm._prompts(5, seed=7)
+    want = [tm._hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(path, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+        assert llm.generate([prompts[0]], sp)[0].outputs[0].token_ids == want[0]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    finally:
+        llm.close()

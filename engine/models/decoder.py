@@ -114,9 +114,9 @@ class DecoderLM:
         self.final_softcap = cfg.final_logit_softcapping or 0.0
 
         self.moe_spec = moe_spec(ckpt)          # None: a dense model
-        if self.moe_spec is not None and device in ("cuda", "vulkan"):
-            raise ModelLoadError("mixture-of-experts layers run on the CPU only so far (their expert grouping is "
-                                 "host-side): use --device cpu", path=ckpt.path, key="device")
+        if self.moe_spec is not None and device == "vulkan":
+            raise ModelLoadError("mixture-of-experts layers are not wired for Vulkan yet: use --device cpu or cuda",
+                                 path=ckpt.path, key="device")
         self.embed = self._t("embed")
         # Gemma: sqrt(hidden); Granite: embedding_multiplier
         self.embed_scale = math.sqrt(self.hidden) if self.gemma else cfg.embedding_multiplier
@@ -168,6 +168,9 @@ class DecoderLM:
         # decode graphs: MoE layers run all-kernel while a graph records (jitkern.ops.moe.routed_experts), except
         # GGUF-quantised experts (a host loop over the experts that have tokens)
         self.supports_graphs = not any(L.moe is not None and L.moe.quantized for L in self.layers)
+        if device != "cpu" and not self.supports_graphs:
+            raise ModelLoadError("GGUF-quantised MoE experts run on the CPU only so far (a host loop over the "
+                                 "experts): use --device cpu", path=ckpt.path, key="device")
         self.num_kv_layers = cfg.num_layers
         self.k_caches = []
         self.v_caches = []
@@ -195,6 +198,8 @@ class DecoderLM:
             for lin in (L.qkv, L.o, L.gate_up, L.up, L.down):
                 if lin is not None:
                     lin.to_device(up)
+            if L.moe is not None:
+                L.moe.to_device(up)
         self.lm_head.to_device(up)
         self.embed_table = up(self.embed_table)
         self.embed_raw = up(self.embed_raw)

@@ -135,6 +135,15 @@ class MoEBlock:
     def quantized(self) -> bool:
         return self.kind in QUANT_TYPES
 
+    def to_device(self, upload) -> None:
+        """Router, expert and shared-expert weights onto the GPU (`upload`: engine.device.Uploader; the expert
+        arrays straight from the memory map)."""
+        self.router.to_device(upload)
+        self.gate, self.up, self.down = upload(self.gate), upload(self.up), upload(self.down)
+        for lin in (self.shared_gate_up, self.shared_down):
+            if lin is not None:
+                lin.to_device(upload)
+
     def __call__(self, x: np.ndarray, out: np.ndarray, buffers) -> np.ndarray:
         from jitkern.ops.activation import silu_and_mul
         from jitkern.ops.moe import route_topk, routed_experts

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import check_dtype, fptr, launch_target, resolve_target, run
+from ._hostargs import check_dtype, fptr, is_array, is_device, launch_target, resolve_target, run
 
 SOFTMAX_TOPK = 0
 TOPK_SOFTMAX = 1
@@ -276,7 +276,7 @@ def _tiles(target, gated: bool, n: int):
 
 
 def _weight(w, what):
-    if not isinstance(w, np.ndarray) or w.ndim != 3 or not w.flags.c_contiguous:
+    if not is_array(w) or w.ndim != 3 or not w.flags.c_contiguous:
         raise ValueError(f"{what}: expected a C-contiguous [experts, N, K] array, got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
     return fptr(w, what)
@@ -310,7 +310,8 @@ def _expert_linear(xs, w, w_up, out, tiles, gated, block_m, target, what, bias=N
         raise ValueError(f"{what}: x must be [pairs, {K}] float32 with contiguous rows, got {xs.shape}")
     P = xs.shape[0]
     if out is None:
-        out = np.empty((P, N), np.float32)
+        from ._hostargs import empty_like_dev
+        out = empty_like_dev(xs, (P, N), np.float32)
     if out.shape != (P, N) or out.dtype != np.float32 or out.strides[1] != 4:
         raise ValueError(f"{what}: out must be float32 [{P}, {N}] with contiguous rows, got {out.dtype} {out.shape}")
     if act not in ACTIVATIONS:
@@ -382,7 +383,8 @@ def combine_experts(y, pair_pos, weights, out=None, *, shared=None, shared_gate=
     T, K = pair_pos.shape
     H = y.shape[1]
     if out is None:
-        out = np.empty((T, H), np.float32)
+        from ._hostargs import empty_like_dev
+        out = empty_like_dev(y, (T, H), np.float32)
     for a, what in ((y, "y"), (out, "out")):
         if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != H or a.strides[1] != 4:
             raise ValueError(f"combine_experts: {what} must be float32 [*, {H}] with contiguous rows")
@@ -398,7 +400,8 @@ def combine_experts(y, pair_pos, weights, out=None, *, shared=None, shared_gate=
     BLOCK = 64
     ld = lambda a: a.strides[0] // 4 if a.shape[0] > 1 else a.shape[1]  # noqa: E731
     run(_combine_kernel, (T, jk.cdiv(H, BLOCK)),
-        (y, ld(y), np.ascontiguousarray(pair_pos), np.ascontiguousarray(weights),
+        (y, ld(y), pair_pos if is_device(pair_pos) else np.ascontiguousarray(pair_pos),
+         weights if is_device(weights) else np.ascontiguousarray(weights),
          shared if shared is not None else y, ld(shared) if shared is not None else 0,
          shared_gate if shared_gate is not None else y, ld(shared_gate) if shared_gate is not None else 0,
          out, ld(out), H),
@@ -445,16 +448,23 @@ def capturing() -> bool:
     return getattr(_launch_mod._capture, "graph", None) is not None
 
 
-def direct_pairs(T: int, K: int):
+def direct_pairs(T: int, K: int, like=None):
     """The ungrouped pair tables for T tokens and top-k K: pair p = (t, j) = (p // K, p % K) is its own tile of
-    one row. Cached per (T, K): stable addresses, as recorded graphs need."""
-    key = (int(T), int(K))
+    one row. Cached per (T, K) (and device, when `like` is a device array): stable addresses, as recorded
+    graphs need."""
+    dev = like.device if is_device(like) else None
+    key = (int(T), int(K), id(dev))
     tab = _direct_tables.get(key)
     if tab is None:
         P = T * K
         ar = np.arange(P, dtype=np.int32)
-        tab = _direct_tables[key] = (ar // K, ar.reshape(T, K), ar, np.ones(P, np.int32))
-    return tab
+        tab = (ar // K, ar.reshape(T, K), ar, np.ones(P, np.int32))
+        if dev is not None:
+            from ..runtime.cuda import DeviceArray
+            tab = tuple(DeviceArray.from_numpy(a, device=dev) for a in tab)
+        _direct_tables[key] = (tab, dev)
+        return tab
+    return tab[0]
 
 
 def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=None, shared=None, shared_gate=None,
@@ -483,10 +493,12 @@ def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=
     if not ids.flags.c_contiguous:
         raise ValueError("routed_experts: ids must be a contiguous [T, K] int32 array")
     if direct:
-        pair_token, pair_pos, ar, ones = direct_pairs(T, K)
+        pair_token, pair_pos, ar, ones = direct_pairs(T, K, like=ids)
         block_m = 1
         tiles = [ids.reshape(-1), ar, ones]
     elif host_tiles:
+        if is_device(ids):
+            raise ValueError("routed_experts: host-side tiles need host arrays")
         if capturing():
             raise RuntimeError("routed_experts: host-side tiles cannot be recorded into a graph")
         counts_max = int(np.bincount(ids.reshape(-1), minlength=num_experts).max())
