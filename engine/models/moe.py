@@ -140,6 +140,7 @@ class MoEBlock:
         arrays straight from the memory map)."""
         self.router.to_device(upload)
         self.gate, self.up, self.down = upload(self.gate), upload(self.up), upload(self.down)
+        self.gate_up_bias, self.down_bias = upload(self.gate_up_bias), upload(self.down_bias)      # gpt-oss
         for lin in (self.shared_gate_up, self.shared_down):
             if lin is not None:
                 lin.to_device(upload)
