@@ -22,9 +22,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--attention", choices=("token", "decode"), default=None,
+                    help="GPU attention kernels: per-(token, KV head) or the decode/prefill pair (default: the op's)")
     args = ap.parse_args(argv)
     os.environ.setdefault("JITKERN_GPU_PROFILE", "1")
     from jitkern.runtime import gpu_profile
+    from jitkern.ops import attention
+    if args.attention:
+        attention.GPU_TOKEN_ATTENTION = args.attention == "token"
     gpu_profile.ENABLED = True
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams

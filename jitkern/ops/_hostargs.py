@@ -153,9 +153,17 @@ def block_for(n: int, cap: int, target=None, half: bool = False) -> int:
     Capped at 64 lanes on narrow tiers, and for tiles touching 16-bit data (`half`) below AVX-512 (no
     16-bit masked loads there either: a masked f16 row load of 1024 lanes took ~90 s to compile on avx2,
     64 lanes 0.07 s)."""
-    if narrow_tier(target) or (half and not launch_target(target).has("avx512bw")):
+    t = launch_target(target)
+    if t.is_gpu and not t.is_vulkan:
+        # a GPU program is a CTA of 128+ threads: a 128-wide chunk keeps most of them idle and loops (the
+        # engine's 4096-wide rms_norm took 69 us on an H200); whole rows up to 4096 are 32 lanes a thread
+        return min(pow2_at_least(max(int(n), 1), 16), max(cap, GPU_BLOCK_CAP))
+    if narrow_tier(target) or (half and not t.has("avx512bw")):
         cap = min(cap, 64)
     return min(pow2_at_least(max(int(n), 1), 16), cap)
+
+
+GPU_BLOCK_CAP = 4096
 
 
 def run(kernel, grid, args, target=None, **constexprs):

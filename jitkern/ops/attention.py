@@ -590,6 +590,17 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks)
 
 
+# CUDA GPUs take the token kernel too: the decode kernel's CPU-shaped loop (one program per sequence walking
+# every KV head with its softmax state in a workspace, a barrier per access) took ~830 us per layer for one
+# 128-token sequence on an H200; a program per (token, KV head) with the state in registers parallelises
+# over heads and tokens. (A flash-decoding GPU kernel split over the key range is the next step.)
+GPU_TOKEN_ATTENTION = True
+
+
+def _token_path(target) -> bool:
+    return target is not None and (target.is_vulkan or (target.is_gpu and GPU_TOKEN_ATTENTION))
+
+
 def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
     """Every token of the step through token_attention_kernel (grid: tokens x query heads). Vulkan runs this
     instead of the decode/merge/prefill kernels: those compile for minutes on lavapipe (see the kernel).
@@ -645,7 +656,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     P = int(num_partitions)
     if P < 1 or P > MAX_PARTITIONS:
         raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got {P}")
-    if target is not None and target.is_vulkan:
+    if _token_path(target):
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     ws = workspace if workspace is not None else {}
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
@@ -687,7 +698,7 @@ def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_ta
     target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
                validate, host_step, sinks)
-    if not st.empty and target is not None and target.is_vulkan:
+    if not st.empty and _token_path(target):
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     if not st.empty:
         _launch_prefill(st, q, k_cache, v_cache, workspace if workspace is not None else {},
