@@ -318,3 +318,28 @@ def test_prefetched_masks_give_the_same_tokens_as_masks_computed_in_the_step(llm
     without = run()
     assert with_prefetch == without
     assert all(len(t) > 3 for t in with_prefetch)
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_gguf_follows_schema_regex_and_choice():
+    """The real embedded model (GGUF vocabulary, Q4_1 weights) under each kind of constraint, greedy and
+    sampled, with a free request alongside that must keep its solo text."""
+    from engine.llm import LLM
+    llm = LLM(None, num_blocks=256, block_size=16, max_num_seqs=8)
+    try:
+        tok = llm.tokenizer
+        chat = tok.render_chat([{"role": "user", "content": "Describe a person as JSON."}], add_generation_prompt=True)
+        free = SamplingParams(max_tokens=16, temperature=0)
+        solo = llm.generate([chat], free)[0].outputs[0].token_ids
+        outs = llm.generate([chat, chat, "Code:", "The sky is", chat], [
+            SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": SCHEMA}),
+            SamplingParams(max_tokens=200, temperature=1.0, seed=1, structured_outputs={"json": SCHEMA}),
+            SamplingParams(max_tokens=40, temperature=0.8, seed=2, structured_outputs={"regex": REGEX}),
+            SamplingParams(max_tokens=20, temperature=0, structured_outputs={"choice": CHOICES}),
+            free])
+        for kind, o in zip(("json", "json", "regex", "choice"), outs):
+            assert o.outputs[0].finish_reason == "stop", (kind, o.outputs[0].text)
+            check_output(kind, o.outputs[0].text)
+        assert outs[4].outputs[0].token_ids == solo
+    finally:
+        llm.engine.close()
