@@ -9,7 +9,10 @@ and the converter's per-architecture weight edits:
 - granite: {arch}.embedding_scale / residual_scale / attention.scale / logit_scale;
 - gemma2: {arch}.attn_logit_softcapping / final_logit_softcapping / attention.sliding_window.
 
-Tensors are written in float32 (the comparison is then exact up to the kernels' rounding).
+Tensors are written in float32 (the comparison is then exact up to the kernels' rounding), or with every
+2-D weight quantised by the gguf package (`qtype`, e.g. "Q8_0"; `roundtrip_hf` gives the HF model the same
+quantised-then-dequantised weights, the oracle for such a file: the quantisation blocks run along rows,
+so the converter's row permutation commutes with it).
 """
 from __future__ import annotations
 
@@ -28,7 +31,21 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model, path: str, vocab: int = 256) -> str:
+def roundtrip_hf(hf_model, qtype: str) -> None:
+    """Replace every 2-D weight of the HF model by its quantised-then-dequantised value (in place)."""
+    import gguf
+    import torch
+    from gguf.quants import dequantize, quantize
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if p.ndim == 2 and name.endswith("weight"):
+                a = p.detach().float().numpy()
+                p.copy_(torch.from_numpy(np.asarray(dequantize(quantize(a, qt), qt), np.float32).reshape(a.shape)))
+
+
+def write_gguf(hf_model, path: str, vocab: int = 256, qtype: str | None = None) -> str:
     import gguf
 
     cfg = hf_model.config
@@ -99,7 +116,13 @@ def write_gguf(hf_model, path: str, vocab: int = 256) -> str:
             a = _permute(a, KVH)
         if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             a = a + 1.0
-        w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+        a = np.ascontiguousarray(a, np.float32)
+        if qtype is not None and a.ndim == 2:
+            from gguf.quants import quantize
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, a)
     for name, a in extra.items():
         w.add_tensor(name, a)
     w.write_header_to_file()
