@@ -83,14 +83,22 @@ def run_compile(fn, *args, **kwargs):
             box["result"] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box["error"] = e
+    th = None
     with _stack_size_lock:
-        old = threading.stack_size(COMPILE_STACK_BYTES)
-        try:
-            th = threading.Thread(target=target, name="grammar-compile", daemon=True)
-            th.start()
-        finally:
-            threading.stack_size(old)
-    th.join()
+        for size in (COMPILE_STACK_BYTES, COMPILE_STACK_BYTES // 4):
+            old = threading.stack_size(size)
+            try:
+                th = threading.Thread(target=target, name="grammar-compile", daemon=True)
+                th.start()
+                break
+            except (RuntimeError, MemoryError, ValueError):   # address space limited (ulimit -v): smaller
+                th = None
+            finally:
+                threading.stack_size(old)
+    if th is None:
+        target()        # no big stack to be had: compile here (the size caps still apply)
+    else:
+        th.join()
     if "error" in box:
         raise box["error"]
     return box["result"]
