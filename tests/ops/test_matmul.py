@@ -65,8 +65,8 @@ def test_linear(tier, wdt):
         x = rng.standard_normal((M, K)).astype(np.float32)
         w, w64 = _weights(rng, N, K, wdt)
         bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
-        y = mm.linear(x, w, bias, target=tier, w_dtype=wdt)
         mm._LAST.clear()
+        y = mm.linear(x, w, bias, target=tier, w_dtype=wdt)
         gpu_name = "_gpu_linear_mma_kernel" if tier.mma in ("mma.sync", "wgmma", "tcgen05") and \
             wdt in ("f16", "bf16") and K % 16 == 0 else "_gpu_linear_kernel"
         ran = mm.last_compiled(gpu_name if tier.is_gpu else
