@@ -193,7 +193,7 @@ class DecoderLM:
             layers = self.layers
         for L in layers:
             for f in ("attn_norm", "attn_norm_b", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "ffn_norm_b",
-                      "post_ffn_norm", "rope_cache"):
+                      "post_ffn_norm", "rope_cache", "sinks"):
                 setattr(L, f, up(getattr(L, f)))
             for lin in (L.qkv, L.o, L.gate_up, L.up, L.down):
                 if lin is not None:
