@@ -119,6 +119,48 @@ class AmdgpuHooks(GpuHooks):
     def function_attrs(self, low) -> list:
         return [f'"amdgpu-flat-work-group-size"="1,{low.T}"']
 
+    # ------------------------------------------------------------------------------ matrix units
+    # Both are 16x16x16 with f32 accumulators, 16-bit A/B (bf16 or f16), one wavefront per instruction.
+    @property
+    def mma_shape(self):
+        return (16, 16, 16) if self.target.mma in ("mfma", "wmma") else None
+
+    def mma_layout(self, lane, kind):
+        i16 = "i16" if kind == "bf16" else "half"
+        r = lane & 15
+        if self.target.mma == "mfma":
+            # v_mfma_f32_16x16x16{bf16_1k,f16}, wave64 (CDNA2/CDNA3 ISA, "Dependent arithmetic" matrix layouts;
+            # AMD's matrix instruction calculator): lane l holds A[l % 16][4 (l / 16) + 0..3], B[4 (l / 16) +
+            # 0..3][l % 16] (one 64-bit register pair each) and D[4 (l / 16) + i][l % 16] in accumulator i
+            kq = (lane >> 4) << 2
+            return dict(a_ty=f"<4 x {i16}>", a_elems=4, b_ty=f"<4 x {i16}>", b_elems=4,
+                        a=[(r, kq)], b=[(r, kq)], c=[(kq + i, r) for i in range(4)])
+        # v_wmma_f32_16x16x16_{bf16,f16}, wave32 (RDNA3 ISA "Wave Matrix Multiply Accumulate"): lane l holds
+        # row l % 16 of A and column l % 16 of B, all 16 k (8 VGPRs; lanes 16..31 repeat lanes 0..15), and
+        # D[2 i + l / 16][l % 16] in accumulator i (the even rows in lanes 0..15, the odd ones in 16..31)
+        h = lane >> 4
+        return dict(a_ty=f"<16 x {i16}>", a_elems=16, b_ty=f"<16 x {i16}>", b_elems=16,
+                    a=[(r, 0)], b=[(r, 0)], c=[(h + 2 * i, r) for i in range(8)])
+
+    def mma(self, low, kind, a_regs, b_regs, c_regs):
+        i16 = "i16" if kind == "bf16" else "half"
+        nc = len(c_regs)
+        vc = f"<{nc} x float>"
+        c = low.build_vector([LV(x, "float", 0) for x in c_regs], "float", ())
+        if self.target.mma == "mfma":
+            # the bf16 form with 4 k per lane is the `_1k` one (gfx90a+); cbsz / abid / blgp = 0: no broadcast
+            fn = "llvm.amdgcn.mfma.f32.16x16x16" + ("bf16.1k" if kind == "bf16" else "f16")
+            vt = f"<4 x {i16}>"
+            low.declare(fn, vc, [vt, vt, vc, "i32", "i32", "i32"])
+            res = low.val(f"call {vc} @{fn}({vt} {a_regs[0]}, {vt} {b_regs[0]}, {vc} {c.ref}, i32 0, i32 0, "
+                          f"i32 0)", "float", nc)
+        else:
+            vt = f"<16 x {i16}>"
+            fn = f"llvm.amdgcn.wmma.f32.16x16x16.{kind}.v8f32.v16{'i16' if kind == 'bf16' else 'f16'}"
+            low.declare(fn, vc, [vt, vt, vc])
+            res = low.val(f"call {vc} @{fn}({vt} {a_regs[0]}, {vt} {b_regs[0]}, {vc} {c.ref})", "float", nc)
+        return [low.extract(res, j).ref for j in range(nc)]
+
 
 def _f32(v: float) -> str:
     """An LLVM float literal: the f32 value written as the hex of its double."""

@@ -78,7 +78,21 @@ class GpuHooks:
     mma_shape = None            # (m, n, k) of one warp-level MMA, e.g. (16, 8, 16)
 
     def mma(self, low, kind: str, a_regs: list, b_regs: list, c_regs: list) -> list:
-        """One warp-level MMA: A/B fragments as packed i32 refs, C as f32 refs; returns the 4 new C refs."""
+        """One warp-level MMA: A/B fragments as refs of mma_layout's a_ty / b_ty, C as f32 refs (one per
+        accumulator register); returns the new C refs."""
+        raise NotImplementedError
+
+    def mma_layout(self, lane, kind: str) -> dict:
+        """Which tile elements each lane's MMA registers hold, for mma_shape (m, n, k) and 16-bit `kind`:
+          a_ty, b_ty: the LLVM type of one A / B register, loaded from shared memory as a_elems / b_elems
+                      16-bit elements consecutive along k;
+          a: per A register, (row, k) of its first element in the (m, k) tile;
+          b: per B register, (col, k) of its first element in the (n, k) tile (B as its columns);
+          c: per accumulator register, the (row, col) of the (m, n) output it holds.
+        `lane` is the lane id within the warp: an int or numpy array (tests model the layout with it), or the
+        lowering's _LaneExpr, whose Python operators emit IR; so one function gives both the index maps the
+        code uses and the ones the tests check. Coordinates are built with >>, &, <<, //, %, * on the lane
+        and + with integer constants (kept symbolic, folded into each register's address)."""
         raise NotImplementedError
 
     # Targets without pointer kernel parameters (Vulkan's logical addressing) override these; the defaults
@@ -118,6 +132,55 @@ class GpuHooks:
 
 
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
+
+
+class _LaneExpr:
+    """An i32 of the lowering plus a constant (what GpuHooks.mma_layout computes with): shifts, masks,
+    products and quotients emit IR; adding a constant stays symbolic, so registers whose coordinates differ
+    by a constant share one base value."""
+
+    def __init__(self, low, ref: str, off: int = 0):
+        self.low, self.ref, self.off = low, ref, off
+
+    def value(self) -> str:
+        if not self.off:
+            return self.ref
+        return self.low.val(f"add i32 {self.ref}, {self.off}", "i32", 0).ref
+
+    def __add__(self, c):
+        if not isinstance(c, int):
+            return NotImplemented
+        return _LaneExpr(self.low, self.ref, self.off + c)
+
+    __radd__ = __add__
+
+    def _op(self, instr, c):
+        if not isinstance(c, int):
+            return NotImplemented
+        return _LaneExpr(self.low, self.low.val(f"{instr} i32 {self.value()}, {c}", "i32", 0).ref)
+
+    def __rshift__(self, c):
+        return self._op("lshr", c)
+
+    def __lshift__(self, c):
+        return self._op("shl", c)
+
+    def __and__(self, c):
+        return self._op("and", c)
+
+    def __mul__(self, c):
+        return self._op("mul", c)
+
+    def __floordiv__(self, c):
+        return self._op("udiv", c)
+
+    def __mod__(self, c):
+        return self._op("urem", c)
+
+
+def _sym(x):
+    """(symbolic ref or None, constant) of a layout coordinate (a _LaneExpr or an int)."""
+    return (x.ref, x.off) if isinstance(x, _LaneExpr) else (None, int(x))
 
 
 def _ops_of(block: ir.Block):
@@ -1084,9 +1147,13 @@ class GpuLowering(LlvmEmitter):
         ws = self.target.warp_size
         warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0)
         lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0)
-        g = self.val(f"lshr i32 {lane.ref}, 2", "i32", 0)
-        t4 = self.val(f"and i32 {lane.ref}, 3", "i32", 0)
-        t2 = self.val(f"shl i32 {t4.ref}, 1", "i32", 0)
+        lay = self.hooks.mma_layout(_LaneExpr(self, lane.ref), kind)
+
+        def coords(regs):        # per register: (symbolic ref or None, constant) of each coordinate
+            return [_sym(x) for x, _ in regs], [_sym(y) for _, y in regs]
+        a_rows, a_ks = coords(lay["a"])
+        b_cols, b_ks = coords(lay["b"])
+        c_rows, c_cols = coords(lay["c"])
         ntiles = (m // MS) * (n // NS)
         per_warp = -(-ntiles // self.num_warps)
         base_c = self.smem_ptr(offc)
@@ -1097,10 +1164,20 @@ class GpuLowering(LlvmEmitter):
         def mul(x, c):
             return self.val(f"mul i32 {x}, {c}", "i32", 0).ref
 
-        def ld32(byte_off_region, elem_idx):
+        def ld(byte_off_region, elem_idx, ty, elems):
             eb = add(mul(elem_idx, 2), byte_off_region)
             p = self.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0)
-            return self.val(f"load i32, ptr addrspace({a3}) {p.ref}, align 4", "i32", 0).ref
+            return self.val(f"load {ty}, ptr addrspace({a3}) {p.ref}, align {min(16, 2 * elems)}", ty, 0).ref
+
+        def bases(coords, origin, cache):
+            """tile origin + each distinct symbolic part (one add each; constants are added per register)."""
+            for ref, _ in coords:
+                if ref not in cache:
+                    cache[ref] = origin() if ref is None else add(origin(), ref)
+            return cache
+
+        def plus(base, c):
+            return add(base, c) if c else base
 
         for i in range(per_warp):
             q = self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0)
@@ -1110,24 +1187,36 @@ class GpuLowering(LlvmEmitter):
             self.start_block(yes)
             mi = self.val(f"udiv i32 {q.ref}, {n // NS}", "i32", 0)
             ni = self.val(f"urem i32 {q.ref}, {n // NS}", "i32", 0)
-            r0 = add(mul(mi.ref, MS), g.ref)                 # rows r0 and r0 + 8 of A and C
-            c0 = add(mul(ni.ref, NS), g.ref)                 # column of B (row of the (n, k) layout)
-            cc = add(mul(ni.ref, NS), t2.ref)                # columns cc, cc + 1 of C this lane holds
-            arow0, arow8, brow = mul(r0, KP), mul(add(r0, 8), KP), mul(c0, KP)
+            rows, cols = {}, {}                             # tile row / column bases per symbolic part
+            bases(a_rows, lambda: mul(mi.ref, MS), rows)
+            bases(b_cols, lambda: mul(ni.ref, NS), cols)
+            bases(c_cols, lambda: mul(ni.ref, NS), cols)
+            bases(c_rows, lambda: mul(mi.ref, MS), rows)
+            roff = {}                                       # element offset of each register's row (x KP)
+            for (ref, c) in a_rows:
+                if ("a", ref, c) not in roff:
+                    roff[("a", ref, c)] = mul(plus(rows[ref], c), KP)
+            for (ref, c) in b_cols:
+                if ("b", ref, c) not in roff:
+                    roff[("b", ref, c)] = mul(plus(cols[ref], c), KP)
             zero = LV("0.0", "float", 0)
 
             def kstep(iv, cur):
-                ka = add(mul(iv, KS), t2.ref)                # k pairs ka, ka + 1 (and + 8)
-                regs_b = [ld32(offb, add(brow, ka)), ld32(offb, add(brow, add(ka, 8)))]
+                kb = {}
+                for ref, _ in b_ks + a_ks:                  # k of each register: step * KS + its lane part
+                    if ref not in kb:
+                        kb[ref] = mul(iv, KS) if ref is None else add(mul(iv, KS), ref)
+                regs_b = [ld(offb, add(roff[("b",) + bc], plus(kb[kr], kc)), lay["b_ty"], lay["b_elems"])
+                          for bc, (kr, kc) in zip(b_cols, b_ks)]
                 accs = [c.ref for c in cur]
                 for pa in offs_a:
-                    regs_a = [ld32(pa, add(arow0, ka)), ld32(pa, add(arow8, ka)),
-                              ld32(pa, add(arow0, add(ka, 8))), ld32(pa, add(arow8, add(ka, 8)))]
+                    regs_a = [ld(pa, add(roff[("a",) + ar], plus(kb[kr], kc)), lay["a_ty"], lay["a_elems"])
+                              for ar, (kr, kc) in zip(a_rows, a_ks)]
                     accs = self.hooks.mma(self, kind, regs_a, regs_b, accs)
                 return [LV(o, "float", 0) for o in accs]
-            acc = self.emit_loop(k // KS, [zero, zero, zero, zero], kstep)
-            for j, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
-                e = add(mul(add(r0, dr), n), add(cc, dc))
+            acc = self.emit_loop(k // KS, [zero] * len(c_rows), kstep)
+            for j, ((rr, rc), (cr, cc)) in enumerate(zip(c_rows, c_cols)):
+                e = add(mul(add(rows[rr], rc), n), add(cols[cr], cc))
                 ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e}", "ptr", 0)
                 self.emit(f"store float {acc[j].ref}, ptr addrspace({a3}) {ptr.ref}, align 4")
             self.emit(f"br label %{done}")

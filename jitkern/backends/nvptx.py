@@ -86,6 +86,16 @@ class NvptxHooks(GpuHooks):
         return [low.val(f"extractvalue {{ float, float, float, float }} {res.ref}, {j}", "float", 0).ref
                 for j in range(4)]
 
+    def mma_layout(self, lane, kind):
+        # mma.m16n8k16 .bf16/.f16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): groupID = lane / 4,
+        # threadID_in_group = lane % 4; a0..a7 in 4 registers of 2 (k pairs adjacent), b0..b3 in 2, c0..c3
+        g = lane >> 2
+        t2 = (lane & 3) << 1
+        return dict(a_ty="i32", a_elems=2, b_ty="i32", b_elems=2,
+                    a=[(g, t2), (g + 8, t2), (g, t2 + 8), (g + 8, t2 + 8)],
+                    b=[(g, t2), (g, t2 + 8)],
+                    c=[(g, t2), (g, t2 + 1), (g + 8, t2), (g + 8, t2 + 1)])
+
     def function_attrs(self, low) -> list:
         return [f'"nvvm.maxntid"="{low.T}"']
 
