@@ -249,15 +249,25 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
     wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
     acc = jk.zeros((BM, BN), jk.f32)
-    for k in range(0, K, BK):
-        if EVEN:
-            xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & (kk >= 0)[None, :], other=0.0)
-            wv = jk.load(wrows + (k + kk)[None, :])
-        else:
+    if EVEN:
+        # software pipelining: the next step's tiles are loaded before this step's dot, so their global
+        # loads are in flight while the dot stages shared memory and runs its MMAs (same arithmetic order)
+        xm = tm[:, None] & (kk >= 0)[None, :]
+        xv = jk.load(xrows + kk[None, :], mask=xm, other=0.0)
+        wv = jk.load(wrows + kk[None, :])
+        for k in range(BK, K, BK):
+            xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
+            wn = jk.load(wrows + (k + kk)[None, :])
+            acc = jk.dot(xv, jk.trans(wv), acc)
+            xv = xn
+            wv = wn
+        acc = jk.dot(xv, jk.trans(wv), acc)
+    else:
+        for k in range(0, K, BK):
             km = (k + kk) < K
             xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
             wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        acc = jk.dot(xv, jk.trans(wv), acc)
+            acc = jk.dot(xv, jk.trans(wv), acc)
     if HAS_BIAS:
         acc = acc + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)[None, :]
     jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
@@ -267,17 +277,16 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
 GPU_LINEAR_TILE = (16, 256, 4)
 # with matrix units (16-bit weights, K % 16 == 0): tokens, weight rows, K per step, warps per program, chosen
 # from (N, K) only (never M: batch invariance) by gpu_linear_mma_tile; a fixed tuple overrides (perf/ tuning),
-# None keeps the FMA kernel above on every GPU. H200 sweep (perf/tune_gemv_cuda.py, docs/BENCHMARKS.md):
-# long K (the MLP down projection) needs narrow tiles to keep enough programs in flight at M = 1.
+# None keeps the FMA kernel above on every GPU. H200 sweep: perf/tune_gemv_cuda.py, docs/BENCHMARKS.md.
 GPU_LINEAR_MMA_TILE = "auto"
 
 
 def gpu_linear_mma_tile(N: int, K: int) -> tuple:
     if GPU_LINEAR_MMA_TILE != "auto":
         return GPU_LINEAR_MMA_TILE
-    if K >= 8192:
-        return (16, 32, 128, 4)
-    return (16, 128, 64, 4) if N >= 16384 else (16, 64, 128, 8)
+    # narrow tiles keep enough programs in flight at decode sizes; within ~10% of the best swept tile at
+    # M = 1 and 16 on every Llama-3-8B projection shape, wide N takes wider tiles (better at M = 64)
+    return (16, 64, 128, 4) if N >= 16384 else (16, 32, 128, 4)
 
 
 # --------------------------------------------------------------------------------------------- helpers
