@@ -21,7 +21,8 @@ from engine.sampling_params import SamplingParams
 BACKENDS = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
 # arch[@weight dtype]: f32 checkpoints are also checked against transformers; bf16 / f16 ones (the weights the
 # kernels read as stored: uint16 = bf16) against the CPU engine only
-ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "llama@bf16", "qwen2@f16"]
+ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "llama@bf16", "qwen2@f16", "gemma2",
+         "granite", "olmo2"]
 
 
 @pytest.fixture(params=BACKENDS)
