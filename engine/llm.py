@@ -6,7 +6,10 @@
     print(out[0].outputs[0].text)
     for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=32)):
         print(delta, end="", flush=True)
-    llm.chat([{"role": "user", "content": "Hi!"}])
+    llm.chat([{"role": "user", "content": "Hi!"}])[0]          # a list, one output per conversation
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "Hi"}])   # vLLM's prompt forms
+    llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=16))   # engine.beam_search
+    LLM("embedding-model-dir").embed(["a sentence"])[0].outputs.embedding     # engine.pooling
 """
 from __future__ import annotations
 
@@ -20,12 +23,31 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: Optional[str] = None, **engine_kwargs):
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        # vLLM's constructor spelling (dtype, tensor_parallel_size, enforce_eager, ...): engine.llm_args
+        from engine.llm_args import engine_kwargs_from_vllm
+        self.engine = LLMEngine(EngineArgs(**engine_kwargs_from_vllm({"model": model, **engine_kwargs})))
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults with generation_config.json's sampling settings on top (--generation-config auto)."""
+        return SamplingParams(**getattr(self.engine, "default_sampling", {}))
+
+    def _prompt(self, p):
+        """One vLLM prompt (str, token-id list, {"prompt": str} or {"prompt_token_ids": [...]}) -> str | ids."""
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                return list(p["prompt_token_ids"])
+            if "prompt" in p:
+                return p["prompt"]
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
+        return p
 
     def _next_id(self) -> str:
         return f"llm-{next(self._ids)}"
@@ -33,11 +55,13 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates for a batch of prompts (strings or token-id lists); returns outputs in prompt order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                                      isinstance(prompts[0], int))
         if single:
             prompts = [prompts]
+        prompts = [self._prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -85,12 +109,40 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, *, add_generation_prompt: bool = True,
-             tools=None, chat_template_kwargs: dict | None = None) -> RequestOutput:
-        """Renders `messages` with the model's chat template and generates a reply."""
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         **(chat_template_kwargs or {}))
-        return self.generate([ids], sampling_params)[0]
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, tools=None, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Renders one conversation (a list of messages) or a list of conversations with the model's chat
+        template and generates a reply to each; returns a list of outputs (one per conversation), as vLLM."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [self.tokenizer.encode_chat(m, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          **(chat_template_kwargs or {})) for m in convs]
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params, *, use_tqdm: bool = False) -> list:
+        """vLLM's LLM.beam_search (engine.beam_search): one BeamSearchOutput per prompt."""
+        from engine.beam_search import beam_search
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        if 0 <= self.engine.args.max_logprobs < 2 * params.beam_width:
+            raise ValueError(f"beam_width {params.beam_width} needs {2 * params.beam_width} logprobs per step; the "
+                             f"engine allows max_logprobs={self.engine.args.max_logprobs} (raise it in LLM(...))")
+        return beam_search(self._generate_ids, self.engine.tokenizer, [self._prompt(p) for p in prompts], params,
+                           eos_token_ids=self.engine.stop_ids, max_model_len=self.engine.max_model_len)
+
+    def _generate_ids(self, prompts: list, sp: SamplingParams) -> list:
+        return self.generate(prompts, sp)
+
+    def embed(self, prompts, pooling_params=None, *, use_tqdm: bool = False) -> list:
+        """vLLM's LLM.embed for an embedding model (engine.pooling): one EmbeddingRequestOutput per prompt."""
+        from engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, embedder_of
+        emb = embedder_of(self.engine)
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                                      isinstance(prompts[0], int))
+        prompts = [self._prompt(p) for p in ([prompts] if single else prompts)]
+        ids = [self.engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+               for p in prompts]
+        vecs = emb.embed(ids, pooling_params)
+        return [EmbeddingRequestOutput(self._next_id(), i, EmbeddingOutput(v.tolist())) for i, v in zip(ids, vecs)]
 
     def close(self) -> None:
         if self.engine is not None:

@@ -58,6 +58,10 @@ class EngineArgs:
     speculative_config: object = None
     # structured outputs: tokens a request's grammar forces are appended without a forward step each
     enable_jump_forward: bool = False
+    # vLLM's --task: "auto" (embed for a checkpoint without an LM head, see engine.pooling), "generate", "embed"
+    task: str = "auto"
+    # vLLM's --generation-config: "auto" (generation_config.json's sampling defaults), "vllm" (none), or a folder
+    generation_config: str = "auto"
 
 
 _DEFAULT_KV_MEMORY = 1 << 30
@@ -128,6 +132,12 @@ class LLMEngine:
         self.checkpoint = ckpt = load_checkpoint(path, tokenizer_config=args.tokenizer_config)
         self.config = cfg = ckpt.config
         self.tokenizer = ckpt.tokenizer
+        from engine.generation_defaults import load_generation_defaults
+        from engine.pooling import adapt_for_embedding, resolve_task
+        self.task = resolve_task(args.task, ckpt.path)
+        if self.task == "embed":
+            adapt_for_embedding(ckpt)
+        self.default_sampling = load_generation_defaults(ckpt.path, args.generation_config)
         self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device)
         dsize = 2 if args.kv_cache_dtype == "f16" else 4
         per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize)
@@ -194,6 +204,9 @@ class LLMEngine:
         """Everything admission needs that does not touch engine state: safe in any thread, linear in the
         request's size. Raises InvalidRequestError (param names the field) for anything the engine would
         refuse or could fail on."""
+        if getattr(self, "task", "generate") == "embed":
+            raise InvalidRequestError("this model is served for embeddings (--task embed): text generation is "
+                                      "not available; use /v1/embeddings or LLM.embed", param="model")
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request id must be a non-empty string", param="request_id")

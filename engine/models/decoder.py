@@ -127,7 +127,7 @@ class DecoderLM:
         self.final_norm_b = vector_f32(fb) if fb is not None else None
         head = self._t("lm_head", required=False)
         if head is None:
-            if not cfg.tie_word_embeddings and not self.gpt2:
+            if not cfg.tie_word_embeddings and not self.gpt2 and not getattr(ckpt, "pooling_only", False):
                 raise ModelLoadError("no output projection (lm_head / output.weight) and the config does not tie "
                                      "the word embeddings", path=ckpt.path, tensor="lm_head.weight")
             head = self.embed
@@ -463,6 +463,8 @@ class DecoderLM:
             xs = buf.get("xs", (R, self.hidden))
             idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
             gather_rows(idx, x, out=xs)
+        if getattr(self, "return_hidden", False):      # embeddings (engine.pooling): final hidden states
+            return xs
         logits = buf.get("logits", (R, self.vocab))
         self.lm_head(xs, out=logits)
         if self.final_softcap:

@@ -1,0 +1,93 @@
+"""vLLM's `LLM(...)` constructor arguments, mapped onto EngineArgs (or accepted and logged, or refused).
+
+    LLM(model, tokenizer=None, dtype="auto", tensor_parallel_size=1, gpu_memory_utilization=0.9,
+        max_model_len=None, seed=0, enforce_eager=False, trust_remote_code=False, ...)
+
+Mapped: max_model_len, seed, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, block_size,
+kv_cache_dtype ("auto" -> f32), enforce_eager (decode graphs off), task / runner, generation_config, device.
+Accepted and logged (no effect here): gpu_memory_utilization, swap_space, cpu_offload_gb=0,
+trust_remote_code (no checkpoint code is ever run), tokenizer_mode, revision, download_dir, load_format,
+max_seq_len_to_capture, disable_custom_all_reduce, disable_log_stats, ...; dtype "auto"/"float32"/"float"
+(the engine computes in float32; "float16"/"bfloat16"/"half" are accepted and logged: activations stay f32).
+Refused with the reason: tensor_parallel_size / pipeline_parallel_size > 1 (one device per engine),
+quantization other than None / "gguf" (read from the checkpoint), tokenizer pointing somewhere the model's own
+is not (a folder with tokenizer_config.json is taken as --tokenizer-config), unknown keywords.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger("engine")
+
+_ENGINE_FIELDS = None
+
+_IGNORED = ("gpu_memory_utilization", "swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode",
+            "revision", "tokenizer_revision", "code_revision", "download_dir", "load_format",
+            "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats", "disable_async_output_proc",
+            "hf_token", "hf_overrides", "compilation_config", "skip_tokenizer_init", "allowed_local_media_path",
+            "max_logprobs_mode", "enable_chunked_prefill", "distributed_executor_backend", "worker_cls",
+            "disable_log_requests", "use_v2_block_manager", "num_scheduler_steps", "kv_cache_memory_bytes")
+_DTYPES_F32 = ("auto", "float32", "float", "fp32")
+_DTYPES_LOGGED = ("float16", "half", "bfloat16", "fp16", "bf16")
+
+
+def engine_kwargs_from_vllm(kwargs: dict) -> dict:
+    """EngineArgs keyword arguments for `kwargs` (vLLM's LLM constructor spelling); raises ValueError naming
+    the argument for what cannot be honoured."""
+    from dataclasses import fields
+
+    from engine.llm_engine import EngineArgs
+    names = {f.name for f in fields(EngineArgs)}
+    out = {}
+    kw = dict(kwargs)
+
+    def take(name, default=None):
+        return kw.pop(name, default)
+
+    dtype = take("dtype", "auto")
+    dtype = str(dtype).replace("torch.", "") if dtype is not None else "auto"
+    if dtype in _DTYPES_LOGGED:
+        log.info("dtype=%s: the engine keeps the checkpoint's weight formats and computes in float32", dtype)
+    elif dtype not in _DTYPES_F32:
+        raise ValueError(f"dtype={dtype!r} is not supported (auto, float32, float16, bfloat16)")
+    for par in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        v = take(par, 1)
+        if v not in (None, 1):
+            raise ValueError(f"{par}={v}: this engine runs a model on one device (no tensor/pipeline/data "
+                             "parallelism); use 1")
+    q = take("quantization")
+    if q not in (None, "gguf"):
+        raise ValueError(f"quantization={q!r}: the weight formats are read from the checkpoint (GGUF blocks, FP8 "
+                         "safetensors); leave it unset")
+    if take("enforce_eager", False):
+        out["use_graphs"] = False
+    tok = take("tokenizer")
+    if tok is not None and kw.get("model") is not None and Path(str(tok)).resolve() == Path(str(kw["model"])).resolve():
+        tok = None
+    if tok is not None:
+        p = Path(str(tok))
+        cfg = p / "tokenizer_config.json" if p.is_dir() else p
+        if not (cfg.is_file() and cfg.name.endswith(".json")):
+            raise ValueError(f"tokenizer={tok!r}: the tokenizer comes from the model's own files; a folder with a "
+                             "tokenizer_config.json (or that file) may override its chat template and special tokens")
+        out["tokenizer_config"] = str(cfg)
+    runner = take("runner")
+    if runner is not None:
+        out["task"] = {"pooling": "embed", "generate": "generate", "auto": "auto"}.get(runner, runner)
+    kvd = take("kv_cache_dtype")
+    if kvd is not None:
+        out["kv_cache_dtype"] = "f32" if kvd == "auto" else {"float16": "f16", "fp16": "f16"}.get(kvd, kvd)
+    for name in _IGNORED:
+        if name in kw:
+            v = kw.pop(name)
+            log.info("LLM(%s=%r): accepted, no effect on this engine", name, v)
+    for name in list(kw):
+        if name in names:
+            out[name] = kw.pop(name)
+    if "task" in out and out["task"] == "embedding":
+        out["task"] = "embed"
+    if kw:
+        bad = sorted(kw)[0]
+        raise TypeError(f"LLM() got an unexpected keyword argument {bad!r}")
+    return out
