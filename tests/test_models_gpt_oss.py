@@ -88,3 +88,26 @@ def test_gpt_oss_sinks_matter(gpt_oss):
             for layer, s in zip(hf.model.layers, saved):
                 layer.self_attn.sinks.copy_(s)
     assert np.abs(ref - other).max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gpt_oss_on_a_device_matches_transformers(gpt_oss, backend, monkeypatch):
+    """device="cuda": sinks, expert biases and the rest on device arrays (`fake`: that plumbing on host
+    memory with CPU kernels, tests/fake_cuda.py)."""
+    path, hf = gpt_oss
+    if backend == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    prompts = _prompts(4, seed=7)
+    want = [_hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(path, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+        assert llm.generate([prompts[0]], sp)[0].outputs[0].token_ids == want[0]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    finally:
+        llm.close()
