@@ -6,10 +6,15 @@ No AMD GPU runs anything here. What is checked:
 - a simple kernel's machine code (the disassembler's, and LLVM's own assembly) has 16-byte global loads, LDS
   (ds_) writes and reads with s_barrier around the layout change, sin as v_sin_f32, and no scratch or flat
   memory; the IR has the launch bounds and reads the workgroup count from the dispatch packet;
+- the matrix units for `dot`: the MMA fragment layouts the lowering uses (GpuHooks.mma_layout) against a numpy
+  model of each ISA's register layout (PTX m16n8k16, CDNA MFMA 16x16x16, RDNA3 WMMA 16x16x16), and the
+  tensor-core linear kernel's code objects disassembling to v_mfma_* (gfx90a, gfx942) / v_wmma_* (gfx1100);
 - runtime/hip.py with a fake `hip` module standing in for hip-python's driver calls (memory is host memory
   the fake hands out): device properties -> target, upload/download round trips, module load of the
-  .hsaco, launches with the parameters packed into 8-byte slots, stream capture -> graph replay, errors that
-  name the call; and with no AMD GPU, `python -m jitkern.runtime.hip` fails with one line, no traceback.
+  .hsaco, launches with the parameters packed into 8-byte slots, stream capture -> graph replay (hip.capture()
+  and jk.capture()), frees held until a capture ends, the pool kept warm, the LDS limit, staged numpy
+  arguments, errors that name the call, and the fake's signatures against hip-python's; and with no AMD GPU,
+  `python -m jitkern.runtime.hip` fails with one line, no traceback.
 """
 import ctypes
 import os
@@ -25,6 +30,7 @@ import pytest
 
 import jitkern as jk
 from jitkern.backends.amdgpu import find_lld
+from jitkern.runtime.launch import launch
 from targets import get_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,11 +245,15 @@ class FakeHip:
     class hipStreamCaptureMode:
         hipStreamCaptureModeThreadLocal = 1
 
+    class hipMemPoolAttr:
+        hipMemPoolAttrReleaseThreshold = 4
+
     class Props:
         gcnArchName = b"gfx942:sramecc+:xnack-"
         name = b"AMD Instinct MI300X (fake)"
         warpSize = 64
         multiProcessorCount = 304
+        sharedMemPerBlock = 64 * 1024
 
     def __init__(self, arch=b"gfx942:sramecc+:xnack-"):
         self.calls = []
@@ -251,6 +261,7 @@ class FakeHip:
         self.modules = {}
         self.launches = []
         self.fail = {}
+        self.pool_attrs = {}
         self.Props = type("Props", (FakeHip.Props,), {"gcnArchName": arch})
 
     def _ok(self, name, *vals):
@@ -278,6 +289,15 @@ class FakeHip:
     def hipStreamCreateWithFlags(self, flags):
         assert flags == 1
         return self._ok("hipStreamCreateWithFlags", "stream0")
+
+    def hipDeviceGetDefaultMemPool(self, i):
+        return self._ok("hipDeviceGetDefaultMemPool", "pool0")
+
+    def hipMemPoolSetAttribute(self, pool, attr, value):
+        # value: the address of the attribute's value (a uint64 for the release threshold)
+        assert pool == "pool0"
+        self.pool_attrs[attr] = ctypes.c_uint64.from_address(value).value
+        return self._ok("hipMemPoolSetAttribute")
 
     def hipStreamSynchronize(self, s):
         assert s == "stream0"
@@ -446,19 +466,112 @@ def test_no_amd_gpu_fails_closed():
 
 @needs_lld
 def test_kernel_call_with_hip_arrays_goes_to_hip(fake_hip):
-    """`kernel[grid](...)` with DeviceArrays made by runtime/hip.py launches through HIP (not CUDA); host arrays
-    and jk.capture() are refused with errors that say what to use instead."""
+    """`kernel[grid](...)` with DeviceArrays made by runtime/hip.py launches through HIP (not CUDA)."""
     from jitkern.runtime import hip
     x = hip.to_device(np.random.default_rng(7).standard_normal(2048).astype(np.float32))
     out = hip.zeros((64,), np.float32)
     colsum_sin[(2,)](x, out, 31, B=32)
     (ln,) = fake_hip.launches
     assert ln["grid"] == (2, 1, 1) and ln["block"] == (256, 1, 1)
-    with pytest.raises(hip.HipError, match="host \\(numpy\\) arrays"):
-        colsum_sin[(1,)](x, np.zeros(32, np.float32), 31, B=32, target=get_target("gfx942"))
-    with pytest.raises(hip.HipError, match="use jitkern.runtime.hip.capture"):
-        with jk.capture():
-            colsum_sin[(1,)](x, out, 31, B=32)
+
+
+@needs_lld
+def test_jk_capture_records_hip_launches(fake_hip):
+    """jk.capture() around launches on AMD device arrays is HIP stream capture (begun at the first launch,
+    ended at the block's end); Graph.replay() is one hipGraphLaunch. Numpy arguments inside are refused."""
+    from jitkern.runtime import hip
+    x = hip.to_device(np.random.default_rng(8).standard_normal(1024).astype(np.float32))
+    out = hip.zeros((32,), np.float32)
+    with jk.capture() as g:
+        colsum_sin[(1,)](x, out, 32, B=32)
+        colsum_sin[(1,)](x, out, 7, B=32)
+        with pytest.raises(hip.HipError, match="numpy arguments cannot be captured"):
+            launch(colsum_sin, (1,), (x, np.zeros(32, np.float32), 7), {"B": 32}, target=get_target("gfx942"))
+    c = fake_hip.calls
+    assert c.count("hipStreamBeginCapture") == 1 and c.count("hipStreamEndCapture") == 1
+    assert c.index("hipStreamBeginCapture") < c.index("hipModuleLaunchKernel") < c.index("hipStreamEndCapture")
+    assert isinstance(g.cuda, hip.HipGraph) and len(g.cuda) == 2 and not g.cuda.capturing
+    g.replay()
+    g.replay()
+    assert c.count("hipGraphLaunch") == 2 and len(fake_hip.launches) == 2
+
+
+def test_frees_wait_for_the_end_of_a_capture(fake_hip):
+    """A DeviceArray dropped during stream capture is freed after the capture ends, not recorded into it."""
+    from jitkern.runtime import hip
+    dev = hip.get_device()
+    tmp = hip.empty((100,), np.float32)
+    ptr = tmp.ptr
+    with hip.capture(dev):
+        del tmp
+        assert "hipFreeAsync" not in fake_hip.calls and ptr in fake_hip.buffers
+    assert "hipFreeAsync" in fake_hip.calls and ptr not in fake_hip.buffers
+    assert fake_hip.calls.index("hipStreamEndCapture") < fake_hip.calls.index("hipFreeAsync")
+
+
+def test_pool_kept_warm_and_lds_limit(fake_hip):
+    """As the CUDA runtime: the default memory pool keeps freed blocks (release threshold at its maximum);
+    a kernel asking for more LDS than the device has is refused at load with the numbers, naming it."""
+    from jitkern.runtime import hip
+    dev = hip.get_device()
+    assert fake_hip.pool_attrs == {FakeHip.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold: 2 ** 64 - 1}
+    assert dev.max_shared_bytes == 64 * 1024
+    with pytest.raises(hip.HipError, match="kernel big_k needs 70000 bytes of LDS, .* has 65536"):
+        hip.load_kernel({"kernel.hsaco": b"\x7fELF"}, "big_k", {"num_threads": 256, "shared_bytes": 70000})
+    assert "hipModuleLoadData" not in fake_hip.calls
+    with pytest.raises(hip.HipError, match="no code object"):
+        hip.load_kernel({}, "k", {"num_threads": 64})
+
+
+@needs_lld
+def test_numpy_arguments_are_staged(fake_hip):
+    """numpy arguments with target=gfx942: each host buffer goes over whole (a view keeps its offset), the
+    kernel is launched with the device addresses, and every buffer comes back. The fake 'kernel' writes
+    known values through the pointer it was given, so the copy back and the view offset are both checked."""
+    from jitkern.runtime import hip
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(1024).astype(np.float32)
+    big = np.zeros(64 + 32, np.float32)
+    out = big[64:]                                  # a view: its device address must keep the offset
+    real = fake_hip.hipModuleLaunchKernel
+    want = rng.standard_normal(32).astype(np.float32)
+
+    def run(*a):
+        r = real(*a)
+        ptrs = (ctypes.c_void_p * 3).from_address(fake_hip.launches[-1]["params"])
+        xp, op = (ctypes.c_uint64.from_address(ptrs[i]).value for i in range(2))
+        got = np.empty(1024, np.float32)
+        ctypes.memmove(got.ctypes.data, xp, got.nbytes)
+        np.testing.assert_array_equal(got, x)          # x arrived before the launch
+        ctypes.memmove(op, want.ctypes.data, want.nbytes)
+        return r
+    fake_hip.hipModuleLaunchKernel = run
+    launch(colsum_sin, (1,), (x, out, 32), {"B": 32}, target=get_target("gfx942"))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(big[:64], 0)
+    assert fake_hip.calls.count("hipMemcpyHtoDAsync") == 2 and fake_hip.calls.count("hipMemcpyDtoHAsync") == 2
+
+
+def test_fake_hip_matches_hip_python():
+    """The fake's calls take the parameters hip-python's do (the first line of each function's docstring is
+    its signature), so the runtime calls real hip-python the way the tests call the fake."""
+    try:
+        from hip import hip as real
+    except (ImportError, OSError):
+        pytest.skip("hip-python is not installed")
+    import inspect
+    names = [n for n in vars(FakeHip) if n.startswith("hip") and callable(getattr(FakeHip, n))
+             and not isinstance(getattr(FakeHip, n), type)]
+    assert len(names) >= 20
+    for n in names:
+        sig = getattr(real, n).__doc__.splitlines()[0]
+        assert sig.startswith(n + "("), sig
+        inner = sig[len(n) + 1:-1].strip()
+        n_real = len(inner.split(",")) if inner else 0
+        n_fake = len(inspect.signature(getattr(FakeHip(), n)).parameters)
+        assert n_fake == n_real, f"{n}: fake takes {n_fake} arguments, hip-python {sig}"
+    assert hasattr(real.hipMemPoolAttr, "hipMemPoolAttrReleaseThreshold")
+    assert hasattr(real.hipStreamCaptureMode, "hipStreamCaptureModeThreadLocal")
 
 
 def test_build_without_linker_fails_with_one_line(tmp_path):
@@ -469,3 +582,165 @@ def test_build_without_linker_fails_with_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "jitkern build: error: target gfx942: no ld.lld that links AMDGPU code object v5 (install jitkern[hip], "
         "which brings the ziglang wheel's ld.lld, or ld.lld-17+; or set JITKERN_LLD)"]
+
+
+# ------------------------------------------------------------------------- matrix units for `dot`
+# A numpy model of each matrix instruction's register layout, written from the ISA documents (not from the
+# hooks): per lane, the (row, k) of A, (k, col) of B and (row, col) of D held in register element i.
+def _isa_model(target: str, lane: int) -> dict:
+    if target.startswith("sm_"):
+        # PTX ISA, "Matrix Fragments for mma.m16n8k16" (.bf16/.f16): groupID = laneid >> 2,
+        # threadID_in_group = laneid % 4; a0..a7 (pairs per .b32 register), b0..b3, c0..c3
+        g, t = lane >> 2, lane % 4
+        a = [(g + 8 * ((i // 2) % 2), t * 2 + (i % 2) + 8 * (i // 4)) for i in range(8)]
+        b = [(t * 2 + (i % 2) + 8 * (i // 2), g) for i in range(4)]
+        c = [(g + 8 * (i // 2), t * 2 + (i % 2)) for i in range(4)]
+    elif target in ("gfx90a", "gfx942"):
+        # CDNA2/CDNA3 ISA, v_mfma_f32_16x16x16{bf16_1k,f16} (one block, wave64): A[i][k] is in lane
+        # i + 16 * (k // 4), element k % 4; B[k][j] in lane j + 16 * (k // 4), element k % 4; D[i][j] in lane
+        # j + 16 * (i // 4), accumulator i % 4
+        a = [(lane % 16, 4 * (lane // 16) + i) for i in range(4)]
+        b = [(4 * (lane // 16) + i, lane % 16) for i in range(4)]
+        c = [(4 * (lane // 16) + i, lane % 16) for i in range(4)]
+    else:
+        # RDNA3 ISA, "Wave Matrix Multiply Accumulate", wave32: lanes 0-15 hold row (A) / column (B) lane % 16,
+        # all 16 k, lanes 16-31 the same again; D (f32): accumulator i of lane l is D[2 i + l // 16][l % 16]
+        a = [(lane % 16, i) for i in range(16)]
+        b = [(i, lane % 16) for i in range(16)]
+        c = [(2 * i + lane // 16, lane % 16) for i in range(8)]
+    return dict(a=a, b=b, c=c)
+
+
+def _hooks(target: str):
+    t = get_target(target)
+    if t.is_hip:
+        from jitkern.backends.amdgpu import AmdgpuHooks
+        return t, AmdgpuHooks(t)
+    from jitkern.backends.nvptx import NvptxHooks
+    return t, NvptxHooks(t)
+
+
+def _lowering_maps(target: str, kind: str):
+    """The index maps the lowering uses (hooks.mma_layout evaluated on numpy lanes): per lane, the (row, k)
+    of A, (k, col) of B in element order (registers in order, each one's elements consecutive along k) and
+    the (row, col) each accumulator register is stored to."""
+    t, h = _hooks(target)
+    lanes = np.arange(t.warp_size)
+    lay = h.mma_layout(lanes, kind)
+    bc = lambda v: np.broadcast_to(np.asarray(v), lanes.shape)    # noqa: E731 - constant coordinates
+    out = []
+    for ln in range(t.warp_size):
+        a = [(int(bc(r)[ln]), int(bc(k)[ln]) + j) for r, k in lay["a"] for j in range(lay["a_elems"])]
+        b = [(int(bc(k)[ln]) + j, int(bc(c)[ln])) for c, k in lay["b"] for j in range(lay["b_elems"])]
+        c = [(int(bc(r)[ln]), int(bc(c)[ln])) for r, c in lay["c"]]
+        out.append(dict(a=a, b=b, c=c))
+    return t, h, lay, out
+
+
+MMA_TARGETS = ["sm_90a", "gfx90a", "gfx942", "gfx1100"]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("target", MMA_TARGETS)
+def test_mma_layout_agrees_with_the_isa(target, kind):
+    t, h, lay, maps = _lowering_maps(target, kind)
+    MS, NS, KS = h.mma_shape
+    ws = t.warp_size
+    # every element of A (MS x KS), B (KS x NS) and D (MS x NS) is held exactly once per wavefront, or
+    # exactly twice where the ISA repeats A/B in both halves of a wave32 (WMMA: lanes 16-31 = lanes 0-15)
+    for key, shape in (("a", (MS, KS)), ("b", (KS, NS)), ("c", (MS, NS))):
+        cover = np.zeros(shape, int)
+        for m in maps:
+            for r, c in m[key]:
+                cover[r, c] += 1
+        reps = 2 if (t.mma == "wmma" and key != "c") else 1
+        assert (cover == reps).all(), f"{key}: {cover}"
+        if reps == 2:
+            assert all(maps[ln][key] == maps[ln - 16][key] for ln in range(16, 32))
+    # and the element each lane's register element i holds is the one the ISA puts there
+    for ln in range(ws):
+        model = _isa_model(target, ln)
+        assert maps[ln] == model, f"lane {ln}"
+    # end to end: registers filled by the lowering's maps, multiplied as the ISA defines, stored where the
+    # lowering stores the accumulators -> exactly A @ B (integer-valued inputs: exact in any order)
+    rng = np.random.default_rng(11)
+    A = rng.integers(-8, 8, (MS, KS)).astype(np.float64)
+    B = rng.integers(-8, 8, (KS, NS)).astype(np.float64)
+    hwA, hwB = np.full((MS, KS), np.nan), np.full((KS, NS), np.nan)
+    for ln in range(ws):
+        regs_a = [A[r, k] for r, k in maps[ln]["a"]]
+        regs_b = [B[k, c] for k, c in maps[ln]["b"]]
+        for i, (r, k) in enumerate(_isa_model(target, ln)["a"]):
+            hwA[r, k] = regs_a[i]
+        for i, (k, c) in enumerate(_isa_model(target, ln)["b"]):
+            hwB[k, c] = regs_b[i]
+    D = hwA @ hwB
+    out = np.full((MS, NS), np.nan)
+    for ln in range(ws):
+        for i, (r, c) in enumerate(maps[ln]["c"]):
+            mr, mc = _isa_model(target, ln)["c"][i]
+            out[r, c] = D[mr, mc]
+    np.testing.assert_array_equal(out, A @ B)
+    # the register types hold the elements the maps say
+    esz = {"i32": 2, "<4 x i16>": 4, "<4 x half>": 4, "<16 x i16>": 16, "<16 x half>": 16}
+    assert esz[lay["a_ty"]] == lay["a_elems"] and esz[lay["b_ty"]] == lay["b_elems"]
+
+
+def test_mma_layout_model_catches_a_wrong_layout(monkeypatch):
+    """The oracle can fail: a layout with the WMMA accumulator rows in halves (a plausible mistake) is caught."""
+    from jitkern.backends.amdgpu import AmdgpuHooks
+    real = AmdgpuHooks.mma_layout
+
+    def wrong(self, lane, kind):
+        lay = real(self, lane, kind)
+        if self.target.mma == "wmma":
+            lay["c"] = [((lane >> 4) * 8 + i, lane & 15) for i in range(8)]
+        return lay
+    monkeypatch.setattr(AmdgpuHooks, "mma_layout", wrong)
+    with pytest.raises(AssertionError):
+        test_mma_layout_agrees_with_the_isa("gfx1100", "bf16")
+
+
+def _compile_linear_mma(target: str, wdt: str):
+    from jitkern.cli import parse_sig
+    from jitkern.compiler import compile_kernel
+    from jitkern.ops.matmul import _gpu_linear_mma_kernel
+    params, consts = parse_sig(_gpu_linear_mma_kernel,
+                               f"x=*f32:16,w=*{wdt}:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,"
+                               f"ldy=i32:16", ["HAS_BIAS=1", "BM=16", "BN=64", "BK=64", "EVEN=1"])
+    return compile_kernel(_gpu_linear_mma_kernel, params, consts, get_target(target), load=False)
+
+
+# the MFMA / WMMA mnemonics llvm-objdump prints for a 16x16x16 bf16 / f16 step
+MMA_OPS = {("gfx90a", "bf16"): "v_mfma_f32_16x16x16bf16_1k", ("gfx90a", "f16"): "v_mfma_f32_16x16x16f16",
+           ("gfx942", "bf16"): "v_mfma_f32_16x16x16_bf16", ("gfx942", "f16"): "v_mfma_f32_16x16x16_f16",
+           ("gfx1100", "bf16"): "v_wmma_f32_16x16x16_bf16", ("gfx1100", "f16"): "v_wmma_f32_16x16x16_f16"}
+
+
+@needs_lld
+@pytest.mark.skipif(find_objdump() is None, reason="no llvm-objdump 17+ for AMDGPU (apt: llvm-19)")
+@pytest.mark.parametrize("wdt", ["bf16", "f16"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_linear_gemm_runs_on_the_matrix_units(target, wdt, tmp_path):
+    """The tensor-core linear / GEMM kernel (f32 activations split hi + lo, 16-bit weights) disassembles to
+    MFMA (gfx90a, gfx942) or WMMA (gfx1100) instructions, 16-byte global loads, LDS staging between barriers,
+    no scratch or flat access. (Not executed: no AMD GPU; the fragment layouts are checked above.)"""
+    ck = _compile_linear_mma(target, wdt)
+    ll = ck.artifacts["kernel.ll"].decode()
+    assert ("@llvm.amdgcn.mfma." if target != "gfx1100" else "@llvm.amdgcn.wmma.") in ll
+    p = tmp_path / "k.hsaco"
+    p.write_bytes(ck.artifacts["kernel.hsaco"])
+    check_code_object(p.read_bytes(), target, ck.symbol)
+    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    ops = _mnemonics(r.stdout)
+    op = MMA_OPS[(target, wdt)]
+    # BM=16, BN=64, BK=64 per K step: 4 output tiles x 4 k steps x 2 (hi + lo of the f32 activations)
+    n_mma = sum(v for k, v in ops.items() if k.startswith(op))
+    assert n_mma >= 4 * 2, (op, sorted(k for k in ops if "mfma" in k or "wmma" in k))
+    load16 = "global_load_b128" if target == "gfx1100" else "global_load_dwordx4"
+    assert ops.get(load16, 0) >= 1, sorted(ops)
+    assert any(k.startswith(("ds_write", "ds_store")) for k in ops)
+    assert not [k for k in ops if k.startswith(("scratch_", "flat_", "buffer_store"))]
+    assert ops.get("s_barrier", 0) >= 2

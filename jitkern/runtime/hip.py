@@ -5,14 +5,18 @@ Imported lazily: nothing on the CPU or CUDA paths imports this module. hip-pytho
 ROCm; the first driver call fails to dlopen libamdhip64.so, which `HipDevice` turns into one clear
 `HipUnavailable` error. The surface mirrors runtime/cuda.py:
 - `HipDevice`: one GPU (hipSetDevice), one non-blocking stream that every launch and copy goes to; memory
-  through hipMallocAsync / hipFreeAsync on that stream (the device's default pool caches freed blocks);
+  through hipMallocAsync / hipFreeAsync on that stream from the device's default pool, kept warm (release
+  threshold at its maximum, as runtime/cuda.py does): a caching allocator;
 - `DeviceArray` is runtime/cuda.py's class (it only calls its device's alloc/free/upload/download/copy/
   memset8), made here with a `HipDevice`: `to_device(x)`, `empty`, `zeros`;
 - module loading of the linked code object (`kernel.hsaco`, backends/amdgpu.py) with hipModuleLoadData and
   launches through hipModuleLaunchKernel with one 8-byte slot per kernel parameter (the CPU ABI's slots),
   workgroups of (num_threads, 1, 1) and the kernel's dynamic LDS bytes;
-- `HipGraph` / `capture()`: launches inside `with capture() as g:` are recorded by HIP stream capture and
-  `g.replay()` is one hipGraphLaunch.
+- `HipGraph`: `jk.capture()` (or `hip.capture()`) around launches on AMD device arrays is HIP stream
+  capture, and `replay()` is one hipGraphLaunch; frees of arrays dropped during a capture wait for its end
+  (a free issued into the capture would be recorded into the graph);
+- numpy arguments with `target=` an AMD target are staged: copied to the device, launched, copied back (for
+  tests and one-off calls, as the CUDA path does).
 `launch(kernel, grid, *args, **kwargs)` runs a `@jk.kernel` here (`python -m jitkern.runtime.hip` prints
 the device, or the one-line reason there is none).
 """
@@ -46,8 +50,9 @@ def hip_api():
     if _hip is None:
         try:
             from hip import hip as h
-        except ImportError as e:
-            raise HipUnavailable(f"hip-python is not installed ({e}); install jitkern[hip]") from None
+        except (ImportError, OSError) as e:
+            raise HipUnavailable(f"hip-python is not installed or not loadable ({_first_line(e)}); install "
+                                 f"jitkern[hip]") from None
         _hip = h
     return _hip
 
@@ -92,7 +97,13 @@ class HipDevice:
         self.name = _text(props.name)
         self.warp_size = int(props.warpSize)
         self.num_cus = int(props.multiProcessorCount)
+        self.max_shared_bytes = int(getattr(props, "sharedMemPerBlock", 64 * 1024))
         self.stream = check(h.hipStreamCreateWithFlags(_STREAM_NON_BLOCKING), "hipStreamCreateWithFlags")
+        pool = check(h.hipDeviceGetDefaultMemPool(ordinal), "hipDeviceGetDefaultMemPool")
+        # keep freed blocks in the pool (the default threshold 0 hands them back to the OS at every sync)
+        threshold = ctypes.c_uint64(0xFFFFFFFFFFFFFFFF)
+        check(h.hipMemPoolSetAttribute(pool, h.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold,
+                                       ctypes.addressof(threshold)), "hipMemPoolSetAttribute(release threshold)")
         self._modules = {}
         self._lock = threading.Lock()
 
@@ -146,8 +157,13 @@ class HipDevice:
         check(hip_api().hipMemsetD8Async(dst, value & 0xFF, nbytes, self.stream), "hipMemsetD8Async")
 
     # ----------------------------------------------------------------------------------- modules
-    def load_function(self, image: bytes, symbol: str):
-        """Loads a code object once per image and returns (module, hipFunction) of `symbol`."""
+    def load_function(self, image: bytes, symbol: str, shared_bytes: int = 0):
+        """Loads a code object once per image and returns (module, hipFunction) of `symbol`. LDS needs no
+        opt-in on AMD (a workgroup may use all of it), but more than the device has fails every launch:
+        refused here with the numbers."""
+        if shared_bytes > self.max_shared_bytes:
+            raise HipError(f"kernel {symbol} needs {shared_bytes} bytes of LDS, {self.name} has "
+                           f"{self.max_shared_bytes} per workgroup: use smaller tiles")
         h = hip_api()
         with self._lock:
             key = (hash(image), len(image), symbol)
@@ -229,7 +245,7 @@ def load_kernel(artifacts: dict, symbol: str, meta: dict, device: HipDevice | No
     image = artifacts.get("kernel.hsaco")
     if image is None:
         raise HipError(f"kernel {symbol}: the cache entry has no code object (kernel.hsaco)")
-    mod, fn = device.load_function(image, symbol)
+    mod, fn = device.load_function(image, symbol, meta.get("shared_bytes", 0))
     return LoadedKernel(mod, fn, meta["num_threads"], meta.get("shared_bytes", 0))
 
 
@@ -250,17 +266,24 @@ class HipGraph:
         self._keep = []
 
     def begin(self) -> None:
+        from . import cuda
         h = hip_api()
         check(h.hipStreamBeginCapture(self.device.stream, h.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal),
               "hipStreamBeginCapture")
         self.capturing = True
+        cuda._capturing[0] += 1            # DeviceArray frees wait for the end (runtime/cuda.py _Allocation)
 
     def end(self) -> None:
+        from . import cuda
         h = hip_api()
         self.capturing = False
-        self.graph = check(h.hipStreamEndCapture(self.device.stream), "hipStreamEndCapture")
-        out = check(h.hipGraphInstantiate(self.graph, 0), "hipGraphInstantiate")
-        self.exec = out[0] if isinstance(out, tuple) else out     # (exec, error node, log) in hip-python
+        cuda._capturing[0] = max(cuda._capturing[0] - 1, 0)
+        try:
+            self.graph = check(h.hipStreamEndCapture(self.device.stream), "hipStreamEndCapture")
+            out = check(h.hipGraphInstantiate(self.graph, 0), "hipGraphInstantiate")
+            self.exec = out[0] if isinstance(out, tuple) else out     # (exec, error node, log) in hip-python
+        finally:
+            cuda._flush_deferred_frees()
 
     def keep(self, values) -> None:
         from .cuda import DeviceArray
@@ -300,13 +323,58 @@ def launch(kernel, grid, *args, target=None, **kwargs):
     return launch_args(kernel, grid, args, kwargs, target or get_device().target())
 
 
+def _launch_staged(kernel, grid, args, kwargs, target, jk_graph):
+    """numpy arguments: each distinct host buffer goes to the device whole (views keep their offsets and
+    strides, aliasing between arguments stays), the kernel runs, every buffer comes back (a kernel may write
+    any of them). Not inside a capture: a replay would not copy anything."""
+    from .cuda import DeviceArray
+    from .launch import Pointer
+    from ..jit import _NP_TO_DTYPE
+    if jk_graph is not None or getattr(_capture, "graph", None) is not None:
+        raise HipError(f"{kernel.__name__}: numpy arguments cannot be captured (a staged copy per launch is "
+                       f"not replayable); upload them with jitkern.runtime.hip.to_device")
+    dev = get_device()
+    staged = {}
+
+    def stage(arr: np.ndarray, address: int, dtype, shape):
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not root.flags.c_contiguous:
+            root = arr = np.ascontiguousarray(arr)
+            address = arr.ctypes.data
+        if id(root) not in staged:
+            staged[id(root)] = (root, DeviceArray.from_numpy(root.reshape(-1).view(np.uint8), device=dev))
+        d = staged[id(root)][1]
+        return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
+
+    dargs = []
+    for a in args:
+        if isinstance(a, Pointer):
+            host = a.keepalive
+            if not isinstance(host, np.ndarray):
+                raise HipError(f"{kernel.__name__}: an AMD GPU launch cannot take a raw host Pointer; pass a "
+                               f"DeviceArray")
+            dargs.append(stage(host, a.address, a.dtype, (host.nbytes // a.dtype.itemsize,)))
+        elif isinstance(a, np.ndarray):
+            dargs.append(stage(a, a.ctypes.data, _NP_TO_DTYPE[a.dtype], a.shape))
+        else:
+            dargs.append(a)
+    ck = launch_args(kernel, grid, dargs, kwargs, target)
+    dev.synchronize()
+    for root, d in staged.values():
+        if root.flags.writeable:
+            root.reshape(-1).view(np.uint8)[...] = d.numpy()
+    return ck
+
+
 def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
+    """One launch on the AMD GPU. `jk_graph`: the `jk.capture()` graph active on this thread, if any: its
+    launches go into one HipGraph (stream capture starts at the first, capture's exit ends it; the graph's
+    `cuda` slot holds it, as for a CUDA graph, so `Graph.replay()` replays it)."""
     from .launch import Pointer, resolve
-    if jk_graph is not None:
-        raise HipError("jk.capture() does not record AMD GPU launches: use jitkern.runtime.hip.capture()")
     if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
-        raise HipError(f"{kernel.__name__}: host (numpy) arrays were passed to an AMD GPU launch; upload them "
-                       f"with jitkern.runtime.hip.to_device")
+        return _launch_staged(kernel, grid, args, kwargs, target, jk_graph)
     dev = get_device()
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
@@ -316,6 +384,13 @@ def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
         return ck
     slots = pack_slots(values)
     graph = getattr(_capture, "graph", None)
+    if graph is None and jk_graph is not None:
+        if jk_graph.cuda is None:
+            jk_graph.cuda = HipGraph(dev)
+            jk_graph.cuda.begin()
+        elif not isinstance(jk_graph.cuda, HipGraph):
+            raise HipError("one jk.capture() cannot record both CUDA and AMD GPU launches")
+        graph = jk_graph.cuda
     if graph is not None:
         graph.nodes += 1
         graph.keep(values)
