@@ -87,3 +87,27 @@ def test_phi3_factor_sets_differ(phi3):
         rp["long_factor"] = saved
         hf.model.rotary_emb.long_inv_freq = None
     assert np.abs(ref - other).max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("regime", ["short", "long"])
+def test_phi3_longrope_on_a_device(phi3, backend, regime, monkeypatch):
+    """The LongRoPE pick (set_max_model_len, after the weights went to the device: the short set is uploaded
+    then) on device arrays (`fake`: host memory with CPU kernels, tests/fake_cuda.py)."""
+    hf, paths = phi3
+    if backend == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    prompts = _prompts(3, 3, 60, 2) if regime == "short" else _prompts(3, ORIG + 1, 170, 4)
+    want = [_hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(paths["safetensors"], device="cuda", num_blocks=96, block_size=16, max_num_batched_tokens=64,
+              max_model_len=ORIG if regime == "short" else None)
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    finally:
+        llm.close()
