@@ -15,8 +15,9 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 KNOWN_UNIMPLEMENTED = {
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",
     "deepseek_v3": "multi-head latent attention (MLA) and MoE",
-    "gpt-oss": "gpt-oss from GGUF (llama.cpp's split, biased expert tensors and MXFP4 expert blocks); gpt-oss "
-               "safetensors checkpoints with float experts load",
+    "gpt-oss": "gpt-oss from GGUF (llama.cpp's split gate/up expert tensors with biases, and the clamped SwiGLU "
+               "on the quantised-expert path, e.g. its MXFP4 experts); gpt-oss safetensors checkpoints with "
+               "float experts load",
     "falcon": "Falcon's parallel attention/MLP block and ALiBi",
     "mamba": "selective state-space (Mamba) layers",
     "qwen3_next": "gated delta-net (linear attention) layers",
