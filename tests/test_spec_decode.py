@@ -199,6 +199,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_models, tmp_path):
     assert e.value.field == "model" and "vocab" in str(e.value)
 
 
+@pytest.mark.slow      # two engines on the embedded SmolLM2 (~15 s quiet, ~1 min on a loaded host)
 def test_embedded_smollm2_greedy_is_token_identical():
     text = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
             "the members agreed to increase funding for the public library.")
