@@ -66,6 +66,8 @@ def _engine_facts(llm_engine) -> dict:
         "args": dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {},
         "num_blocks": getattr(llm_engine, "num_blocks", None),
         "architecture": getattr(cfg, "architecture", None),
+        "task": getattr(llm_engine, "task", "generate"),                    # "embed": /v1/embeddings only
+        "default_sampling": dict(getattr(llm_engine, "default_sampling", None) or {}),   # generation_config.json
     }
 
 
@@ -83,6 +85,7 @@ class AppState:
         self.engine_args = facts["args"]
         self.num_blocks = facts["num_blocks"]
         self.architecture = facts["architecture"]
+        self.task = facts.get("task", "generate")
         self.served_model_name = _served_name(settings, self.model_path)
         self.model_names = {self.served_model_name}
         if settings.model:
@@ -96,7 +99,8 @@ class AppState:
         self.ctx = ServingContext(self.tokenizer, self.max_model_len, self.vocab_size,
                                   max_logprobs=20 if max_logprobs is None else max_logprobs,
                                   scheduling_policy=self.policy, tool_parser=tool_parser,
-                                  reasoning_parser=reasoning_parser, enable_thinking=settings.enable_thinking)
+                                  reasoning_parser=reasoning_parser, enable_thinking=settings.enable_thinking,
+                                  default_sampling=facts.get("default_sampling") or {})
         self.start_time = int(time.time())
         self.metrics = None
         if settings.enable_metrics:
@@ -392,6 +396,9 @@ class OpenAIServer:
         app.add_route("/detokenize", DetokenizeResource(state))
         app.add_route("/server_info", ServerInfoResource(state))
         app.add_route("/reset_prefix_cache", ResetPrefixCacheResource(state))
+        if state.task == "embed":          # an embedding model: /v1/embeddings (404 at the route table otherwise)
+            from server.embeddings import EmbeddingsResource
+            app.add_route("/v1/embeddings", EmbeddingsResource(state))
         self.falcon_app = app
 
     def __call__(self, environ, start_response):
@@ -483,6 +490,11 @@ def warm_up(state: AppState) -> None:
     ids = state.tokenizer.encode("Hello", add_special_tokens=True) or [0]
     stream = state.engine.submit(f"warmup-{os.getpid()}", ids, SamplingParams(max_tokens=2, temperature=0.0,
                                                                               ignore_eos=True))
+    if state.task == "embed":
+        from server.embeddings import warm_up_embeddings
+        warm_up_embeddings(state, ids)
+        log.info("warm-up embedding done in %.1fs", time.perf_counter() - t0)
+        return
     for _ in stream:
         pass
     log.info("warm-up generation done in %.1fs", time.perf_counter() - t0)

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4}')
+    p.add_argument("--task", choices=("auto", "generate", "embed"), default=None,
+                   help="embed: serve /v1/embeddings (default auto: embed for a checkpoint without an LM head or "
+                        "with a sentence-transformers modules.json)")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="default sampling settings for unset request fields: auto (the model's "
+                        "generation_config.json, default), vllm (none), or a folder holding one")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -112,7 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens or None,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
         api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,

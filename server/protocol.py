@@ -312,6 +312,7 @@ class GenerationRequest:
     request_id: Optional[str] = None
     log_summary: dict = field(default_factory=dict)
     chat_output: Any = None        # chat: a server.chat_output.ChatOutputSpec when the output is parsed
+    beam: Any = None               # completions with use_beam_search: engine.beam_search.BeamSearchParams
 
 
 @dataclass
@@ -325,6 +326,8 @@ class ServingContext:
     tool_parser: Optional[str] = None          # resolved --tool-call-parser (None: no tool calls)
     reasoning_parser: Optional[str] = None     # resolved --reasoning-parser (None: off)
     enable_thinking: Optional[bool] = None     # --enable-thinking: the template's default enable_thinking
+    # generation_config.json's sampling defaults for fields a request leaves unset (--generation-config auto)
+    default_sampling: dict = field(default_factory=dict)
 
 
 def _model(f: Fields) -> Optional[str]:
@@ -429,11 +432,11 @@ def _max_tokens(f: Fields, default: Optional[int], names=("max_tokens",)) -> Opt
 
 
 def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int], logprobs: Optional[int],
-                     prompt_logprobs: Optional[int]) -> SamplingParams:
-    if f.bool("use_beam_search", False):
+                     prompt_logprobs: Optional[int], beam_ok: bool = False) -> SamplingParams:
+    if f.bool("use_beam_search", False) and not beam_ok:
         raise bad_request("beam search is not supported", param="use_beam_search", code="unsupported_parameter")
     length_penalty = f.number("length_penalty")
-    if length_penalty is not None and length_penalty != 1.0:
+    if length_penalty is not None and length_penalty != 1.0 and not (beam_ok and f.bool("use_beam_search", False)):
         raise bad_request("'length_penalty' only applies to beam search, which is not supported",
                           param="length_penalty", code="unsupported_parameter")
     seed = f.int("seed")
@@ -442,10 +445,13 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
     logit_bias = f.dict("logit_bias")
     bad_words = f.str_list("bad_words")
     structured = _structured_outputs(f)
+    d = ctx.default_sampling          # user value -> generation_config.json -> vLLM's default
     kwargs = dict(
-        n=f.int("n", 1), temperature=f.number("temperature", 1.0), top_p=f.number("top_p", 1.0),
-        top_k=f.int("top_k", 0), min_p=f.number("min_p", 0.0),
-        repetition_penalty=f.number("repetition_penalty", 1.0),
+        # beam search: n choices of the beams (server.beam), each engine request is one sequence
+        n=1 if beam_ok and f.bool("use_beam_search", False) else f.int("n", 1), temperature=f.number("temperature", d.get("temperature", 1.0)),
+        top_p=f.number("top_p", d.get("top_p", 1.0)), top_k=f.int("top_k", d.get("top_k", 0)),
+        min_p=f.number("min_p", d.get("min_p", 0.0)),
+        repetition_penalty=f.number("repetition_penalty", d.get("repetition_penalty", 1.0)),
         presence_penalty=f.number("presence_penalty", 0.0), frequency_penalty=f.number("frequency_penalty", 0.0),
         seed=seed, max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=f.stop(),
         stop_token_ids=f.int_list("stop_token_ids") or [],
@@ -574,14 +580,19 @@ def parse_completion_request(body: dict, ctx: ServingContext) -> GenerationReque
     if echo and logprobs is not None:
         # Echoed prompt tokens carry logprobs too (OpenAI's legacy behaviour), so the engine scores the prompt.
         engine_prompt_logprobs = max(logprobs, prompt_logprobs or 0)
-    params = _sampling_params(f, ctx, max_tokens=_max_tokens(f, 16), logprobs=logprobs,
-                              prompt_logprobs=engine_prompt_logprobs)
+    params = _sampling_params(f, ctx, max_tokens=_max_tokens(f, ctx.default_sampling.get("max_tokens", 16)),
+                              logprobs=logprobs, prompt_logprobs=engine_prompt_logprobs, beam_ok=True)
     best_of = f.int("best_of")
-    if best_of is not None and best_of != params.n:
+    beam = None
+    if f.bool("use_beam_search", False):
+        from server.beam import beam_params
+        beam = beam_params(f, ctx, params, best_of, stream, echo)
+    elif best_of is not None and best_of != params.n:
         raise bad_request(f"'best_of' must equal n ({params.n}) or be unset; best_of > n is not supported",
                           param="best_of", code="unsupported_parameter")
     req = GenerationRequest("completion", model, [], params, echo=echo, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, echo_logprobs=echo and logprobs is not None)
+    req.beam = beam
     _common(f, ctx, req)
     add_special = f.bool("add_special_tokens", True)
     prompts = _split_prompts(body.get("prompt"))

@@ -180,7 +180,11 @@ class Generation:
         engine = self.state.engine
         prompts = self.req.prompts
         try:
-            if len(prompts) == 1:
+            if self.req.beam is not None:          # use_beam_search: server.beam runs the search
+                from server.beam import BeamEvents
+                self.events = BeamEvents(self.state, self.id, prompts, self.req.beam, n=self.req.params.n)
+                self.engine_ids = [self.id]
+            elif len(prompts) == 1:
                 stream = engine.submit(self.id, list(prompts[0].token_ids), self.req.params.clone(),
                                        priority=self.req.priority)
                 self.engine_ids = [self.id]

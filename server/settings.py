@@ -69,6 +69,8 @@ class ServerSettings:
     seed: Optional[int] = None
     speculative_config: Optional[str] = None     # JITKERN_SPECULATIVE_CONFIG: vLLM's JSON (engine.spec_decode)
     enable_jump_forward: Optional[bool] = None   # JITKERN_ENABLE_JUMP_FORWARD: structured outputs' forced tokens
+    task: Optional[str] = None                   # JITKERN_TASK: auto | generate | embed (vLLM's --task)
+    generation_config: Optional[str] = None      # JITKERN_GENERATION_CONFIG: auto | vllm | a folder
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -96,7 +98,7 @@ class ServerSettings:
         "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
         "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
-        "speculative_config": "spec_config",
+        "speculative_config": "spec_config", "task": "task", "generation_config": "generation_config",
     }
 
     @classmethod
@@ -134,7 +136,8 @@ class ServerSettings:
         """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                 "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config")
+                 "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config",
+                 "task", "generation_config")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -173,6 +176,15 @@ def _parse(kind: str, name: str, text: str):
             SpeculativeConfig.parse(text)
         except SpeculativeConfigError as e:
             raise SettingsError(f"{name}: {e}") from None
+        return text
+    if kind == "task":
+        from engine.pooling import TASKS
+        if text not in TASKS:
+            raise SettingsError(f"{name}={text!r}: expected one of {', '.join(TASKS)}")
+        return text
+    if kind == "generation_config":
+        if text not in ("auto", "vllm") and not os.path.isdir(text):
+            raise SettingsError(f"{name}={text!r}: expected auto, vllm or a folder holding generation_config.json")
         return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:
