@@ -488,13 +488,13 @@ def warm_up(state: AppState) -> None:
     from engine.sampling_params import SamplingParams
     t0 = time.perf_counter()
     ids = state.tokenizer.encode("Hello", add_special_tokens=True) or [0]
-    stream = state.engine.submit(f"warmup-{os.getpid()}", ids, SamplingParams(max_tokens=2, temperature=0.0,
-                                                                              ignore_eos=True))
     if state.task == "embed":
         from server.embeddings import warm_up_embeddings
         warm_up_embeddings(state, ids)
         log.info("warm-up embedding done in %.1fs", time.perf_counter() - t0)
         return
+    stream = state.engine.submit(f"warmup-{os.getpid()}", ids, SamplingParams(max_tokens=2, temperature=0.0,
+                                                                              ignore_eos=True))
     for _ in stream:
         pass
     log.info("warm-up generation done in %.1fs", time.perf_counter() - t0)
