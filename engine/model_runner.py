@@ -62,6 +62,10 @@ class StepResult:
     prompt_rows: dict                      # req_id -> (first logits row, count, first position)
     # speculative decoding: req_id -> (first logits row, count = drafts + 1), rows of the verified positions
     spec_rows: dict = field(default_factory=dict)
+    # device-side greedy (ModelRunner.device_greedy): each row's argmax token and its logit, computed where the
+    # logits are; `logits` is then None (the [R, V] rows never leave the device)
+    greedy_tokens: np.ndarray | None = None
+    greedy_values: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -69,6 +73,10 @@ class ModelRunner:
                  max_model_len: int, use_graphs: bool = True):
         self.model = model
         self.block_size = block_size
+        # greedy steps pick tokens on the device (set by LLMEngine for its own runner; draft-model runners of
+        # speculative decoding read the logits themselves)
+        self.device_greedy = False
+        self._greedy_bufs: dict = {}
         self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
         model.allocate_kv(num_blocks, block_size)
         maxT = max(max_num_batched_tokens, max_num_seqs)
@@ -98,6 +106,8 @@ class ModelRunner:
         self.max_graphs = MAX_DECODE_GRAPHS
         self._graphs: OrderedDict = OrderedDict()   # decode batch size -> (graph, logits), LRU order
         self._graphs_generation = self.fwd_batch.buffers.generation
+        from engine.prefill_graphs import PrefillGraphs
+        self.prefill_graphs = PrefillGraphs(self)   # prefill / mixed steps: graphs per padded token count
 
     def close(self) -> None:
         self.model.free_kv()
@@ -155,11 +165,46 @@ class ModelRunner:
             res.logits = self._replay_decode()
         elif self.use_graphs and spec_step:
             res.logits = self._replay_decode(("spec", b.num_tokens, b.num_seqs))
+        elif self.prefill_graphs.eligible(res):
+            res.logits = self.prefill_graphs.run(res)
         else:
             res.logits = self.model.forward(self.fwd_batch)
         if self.staging is not None and not isinstance(res.logits, np.ndarray):
-            res.logits = res.logits.numpy()          # only the rows that need logits come back
+            if self.device_greedy and self._plain_greedy(sched, res):
+                self._greedy_on_device(res)
+            else:
+                res.logits = res.logits.numpy()          # only the rows that need logits come back
         return res
+
+    def _plain_greedy(self, sched, res) -> bool:
+        """Every row of this step is a greedy pick that needs nothing but the argmax (no logprobs, no logit
+        edits, penalties or grammar, no prompt logprobs, no speculative verification)."""
+        if res.prompt_rows or res.spec_rows or not res.sample_rows:
+            return False
+        from engine.sampler import Sampler
+        by_id = {s.req_id: s.request for s in sched.scheduled}
+        for rid in res.sample_rows:
+            req = by_id.get(rid)
+            p = req.sampling_params if req is not None else None
+            if p is None or p.temperature != 0 or p.logprobs is not None or Sampler._has_processors(req):
+                return False
+        return True
+
+    def _greedy_on_device(self, res) -> None:
+        """The argmax of each logits row (and its value, for the sampler's NaN guard) on the device: R ints and
+        R floats come back instead of R x vocab floats (32 MB a step at batch 64 with a 128k vocabulary)."""
+        from jitkern.ops.sampling import argmax_rows, gather_rows
+        logits = res.logits
+        R = logits.shape[0]
+        bufs = self._greedy_bufs.get(R)
+        if bufs is None:
+            from jitkern.ops._hostargs import empty_like_dev
+            bufs = self._greedy_bufs[R] = (empty_like_dev(logits, R, np.int32), empty_like_dev(logits, R, np.float32))
+        ids, vals = bufs
+        argmax_rows(logits, out=ids)
+        gather_rows(logits, ids, out=vals)
+        res.greedy_tokens, res.greedy_values = ids.numpy(), vals.numpy()
+        res.logits = None
 
     def _send_step(self) -> None:
         """CUDA: the step's host inputs to the device batch (one copy; the host sampler gets the logits back)."""

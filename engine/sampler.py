@@ -123,6 +123,8 @@ class Sampler:
 
     def _sample_rows(self, by_id: dict, result, rids: list, uniforms: dict) -> dict:
         from jitkern.ops.sampling import argmax_rows
+        if getattr(result, "greedy_tokens", None) is not None:
+            return self._device_greedy_rows(result, rids)
         logits = result.logits
         out: dict = {}
         reqs = [by_id[r].request for r in rids]
@@ -162,6 +164,20 @@ class Sampler:
             if i in lp_rows:
                 self._fill_logprobs(res, reqs[i].sampling_params, lp_rows[i])
             out[rid] = res
+        return out
+
+    @staticmethod
+    def _device_greedy_rows(result, rids: list) -> dict:
+        """Tokens the runner picked on the device (ModelRunner._plain_greedy: greedy rows with nothing to edit);
+        a non-finite logit at the pick means the row had a NaN (argmax picks the first, as np.argmax)."""
+        out = {}
+        for rid in rids:
+            r = result.sample_rows[rid]
+            if not np.isfinite(result.greedy_values[r]):
+                out[rid] = SampleResult(-1, error="internal error: the model produced invalid (NaN) logits for this "
+                                                  "request")
+            else:
+                out[rid] = SampleResult(int(result.greedy_tokens[r]))
         return out
 
     @staticmethod

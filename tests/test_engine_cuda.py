@@ -210,3 +210,32 @@ def test_asking_for_cuda_without_a_device_fails_at_start_naming_the_setting(tmp_
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--device cuda" in lines[0], r.stderr
+
+
+def test_greedy_steps_pick_tokens_on_the_device_like_the_host_sampler(device, tmp_path, monkeypatch):
+    from engine.llm import LLM
+    from engine.model_runner import ModelRunner
+    from tests.model_fixtures import make_model_dir
+    pytest.importorskip("transformers")
+    make_model_dir("llama", str(tmp_path), seed=8)
+    prompts = _prompts(4, seed=9)
+    calls = []
+    real = ModelRunner._greedy_on_device
+    monkeypatch.setattr(ModelRunner, "_greedy_on_device", lambda self, res: (calls.append(1), real(self, res)))
+    got = {}
+    for on in (True, False):
+        calls.clear()
+        llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
+        llm.engine.runner.device_greedy = on
+        try:
+            got[on] = _greedy(llm, prompts, 12)
+            # a request with logprobs needs the logits rows on the host: the host sampler takes that step
+            n0 = len(calls)
+            sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, detokenize=False)
+            out = llm.generate([prompts[0]], sp)[0].outputs[0]
+            assert len(calls) == n0 and out.logprobs and len(out.logprobs) == 3
+            assert list(out.token_ids) == got[on][0][:3]
+        finally:
+            llm.close()
+        assert (len(calls) > 0) == on
+    assert got[True] == got[False]

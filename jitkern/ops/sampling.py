@@ -70,6 +70,27 @@ def argmax_rows(logits: np.ndarray, out: np.ndarray | None = None, *, target=Non
     return out
 
 
+@jk.kernel
+def gather_rows_kernel(x, x_s, idx, out):
+    # out[b] = x[b, idx[b]]: the value each row's chosen index holds (one program per row)
+    b = jk.program_id(0)
+    i = jk.load(idx + b)
+    jk.store(out + b, jk.load(x + b.to(jk.i64) * x_s + i.to(jk.i64)))
+
+
+def gather_rows(logits, idx, out=None, *, target=None):
+    """logits f32 [B, V], idx int32 [B] (each in [0, V)) -> f32 [B] with out[b] = logits[b, idx[b]]."""
+    target = resolve_target(target, logits)
+    xs = _check_logits(logits, "gather_rows: logits")
+    B, V = logits.shape
+    _check_rows(idx, B, np.int32, "gather_rows: idx")
+    if out is None:
+        out = empty_like_dev(logits, B, np.float32)
+    _check_rows(out, B, np.float32, "gather_rows: out")
+    run(gather_rows_kernel, (B,), (logits, xs, idx, out), target)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ top-k
 @jk.jit
 def _key_to_f32(key):
