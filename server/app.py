@@ -399,6 +399,8 @@ class OpenAIServer:
         if state.task == "embed":          # an embedding model: /v1/embeddings (404 at the route table otherwise)
             from server.embeddings import EmbeddingsResource
             app.add_route("/v1/embeddings", EmbeddingsResource(state))
+        from server import webui
+        webui.add_routes(app)          # GET /: the chat page (public; the /v1 routes it calls need the key)
         self.falcon_app = app
 
     def __call__(self, environ, start_response):
