@@ -32,6 +32,23 @@ def test_argmax_rows(tier):
     assert got[1] == 10 and got[2] == 0 and got[3] == 49152 and got[4] == 0
 
 
+
+def test_gather_rows(tier):
+    from jitkern.ops.sampling import gather_rows
+    rng = _rng(tier, "gather")
+    B, V = 7, 4099
+    buf = rng.standard_normal((B, V + 5)).astype(np.float32)
+    x = buf[:, 5:]                                     # row-strided view
+    idx = rng.integers(0, V, B).astype(np.int32)
+    idx[0], idx[1] = 0, V - 1
+    x[2, idx[2]] = np.nan
+    got = gather_rows(x, idx, target=tier)
+    ref = x[np.arange(B), idx]
+    np.testing.assert_array_equal(got, ref)            # NaN where the row holds one
+    with pytest.raises(ValueError, match="gather_rows: idx"):
+        gather_rows(x, idx[:3], target=tier)
+
+
 @pytest.mark.parametrize("V,k", [(49153, 1), (49153, 50), (49153, 1024), (300, 300), (37, 5)])
 def test_topk_rows(tier, V, k):
     rng = _rng(tier, "topk", V, k)
