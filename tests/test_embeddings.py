@@ -156,3 +156,59 @@ def test_generation_model_refuses_embed(tmp_path):
             m.embed([[1, 2, 3]])
     finally:
         m.close()
+
+
+def make_bert_dir(path: str, seed: int = 0, pooling: str | None = "cls", normalize: bool = True, act="gelu"):
+    import torch
+    import transformers as tf
+    torch.manual_seed(seed)
+    cfg = tf.BertConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, type_vocab_size=2, hidden_act=act,
+                        layer_norm_eps=1e-12)
+    model = tf.BertModel(cfg, add_pooling_layer=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer_json(path)
+    if pooling is not None:
+        mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        with open(os.path.join(path, "modules.json"), "w") as f:
+            json.dump(mods, f)
+        os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+        with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+            json.dump({"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+                       "pooling_mode_lasttoken": pooling == "last"}, f)
+    return model
+
+
+@pytest.mark.parametrize("pooling,normalize,act", [("cls", True, "gelu"), ("mean", False, "gelu"),
+                                                    (None, None, "gelu_new")])
+def test_bert_encoder_matches_transformers(tmp_path, pooling, normalize, act):
+    """Bidirectional attention (a token sees later tokens too), absolute positions, token type 0, post-norm
+    LayerNorms, exact GELU: a BertModel vs transformers, pooled as sentence-transformers would."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from engine.llm import LLM
+    hf = make_bert_dir(str(tmp_path), seed=9, pooling=pooling, normalize=bool(normalize), act=act)
+    m = LLM(str(tmp_path), num_blocks=32, block_size=16, max_num_batched_tokens=64)
+    try:
+        assert m.engine.task == "embed"
+        outs = m.embed(PROMPTS)
+        how, norm = (pooling, normalize) if pooling is not None else ("cls", True)     # vLLM's BERT default
+        for p, o in zip(PROMPTS, outs):
+            _close(o.outputs.embedding, st_embed(hf, p, how, norm))
+        # bidirectional: changing the last token changes the first token's (CLS) state
+        a = m.embed([[5, 6, 7, 8]])[0].outputs.embedding
+        b = m.embed([[5, 6, 7, 9]])[0].outputs.embedding
+        if how == "cls":
+            assert a != b
+        alone = [m.embed([p])[0].outputs.embedding for p in PROMPTS]
+        assert alone == [o.outputs.embedding for o in outs]
+    finally:
+        m.close()

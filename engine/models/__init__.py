@@ -11,6 +11,9 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 
+# Bidirectional encoders for embeddings (engine/models/encoder.py; engine.pooling)
+ENCODERS = ("bert",)
+
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {
     "deepseek_v2": "multi-head latent attention (MLA) and MoE",
@@ -32,6 +35,12 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
     if arch in SUPPORTED or arch in MOE:
         from engine.models.decoder import DecoderLM
         return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
+    if arch in ENCODERS:
+        if not getattr(ckpt, "pooling_only", False):
+            raise ModelLoadError(f"'{arch}' is an encoder: it serves embeddings only (--task embed)",
+                                 path=ckpt.path, key="architecture")
+        from engine.models.encoder import BertEncoder
+        return BertEncoder(ckpt, device=device)
     if arch in KNOWN_UNIMPLEMENTED:
         raise ModelLoadError(f"architecture '{arch}' is recognised but not implemented yet: missing "
                              f"{KNOWN_UNIMPLEMENTED[arch]}", path=ckpt.path, key="architecture")

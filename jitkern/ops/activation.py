@@ -44,6 +44,31 @@ def _gelu_tanh_a(x, alpha):
 
 
 @jk.jit
+def erf_f(x):
+    """erf for float32 as a rational function of x^2 on [-4, 4] (erf is +-1 to f32 precision beyond): the
+    coefficients of Eigen's/XLA's float erf (generic_fast_erf_float). The CPU backend has no erf intrinsic."""
+    x = jk.minimum(jk.maximum(x, -4.0), 4.0)
+    x2 = x * x
+    p = x2 * -2.72614225801306e-10 + 2.77068142495902e-08
+    p = p * x2 + -2.10102402082508e-06
+    p = p * x2 + -5.69250639462346e-05
+    p = p * x2 + -7.34990630326855e-04
+    p = p * x2 + -2.95459980854025e-03
+    p = p * x2 + -1.60960333262415e-02
+    q = x2 * -1.45660718464996e-05 + -2.13374055278905e-04
+    q = q * x2 + -1.68282697438203e-03
+    q = q * x2 + -7.37332916720468e-03
+    q = q * x2 + -1.42647390514189e-02
+    return x * p / q
+
+
+@jk.jit
+def _gelu_erf_a(x, alpha):
+    # exact GELU (BERT's "gelu", torch's default): 0.5 x (1 + erf(x / sqrt(2)))
+    return 0.5 * x * (1.0 + erf_f(x * 0.7071067811865476))
+
+
+@jk.jit
 def _copy_a(x, alpha):
     return x
 
@@ -135,6 +160,12 @@ def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None, *, target=None) -> n
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) elementwise (GPT-2's gelu_new) on a 1-D or 2-D array;
     `out` may be `x`."""
     return _unary("gelu_tanh", _gelu_tanh_a, x, out, 0.0, target)
+
+
+def gelu(x: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
+    """Exact GELU 0.5 x (1 + erf(x / sqrt(2))) elementwise (BERT's "gelu") on a 1-D or 2-D array; `out` may
+    be `x`."""
+    return _unary("gelu", _gelu_erf_a, x, out, 0.0, target)
 
 
 def copy(x: np.ndarray, out: np.ndarray, *, target=None) -> np.ndarray:

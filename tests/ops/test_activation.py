@@ -122,3 +122,17 @@ def test_shape_errors_name_the_argument():
         silu_and_mul(np.ones((3, 8), np.float32), out=np.ones((3, 3), np.float32))
     with pytest.raises(ValueError, match="add: b"):
         add(np.ones((3, 8), np.float32), np.ones((3, 7), np.float32))
+
+
+def test_gelu_erf_matches_float64(tier):
+    """Exact GELU (BERT's "gelu") vs 0.5 x (1 + erf(x / sqrt 2)) in float64, odd sizes, in place."""
+    import math
+    from jitkern.ops.activation import gelu
+    x = _rng(tier, "gelu-erf").standard_normal((3, 1003)).astype(np.float32) * 4
+    ref = 0.5 * x.astype(np.float64) * (1 + np.vectorize(math.erf)(x.astype(np.float64) / math.sqrt(2)))
+    y = gelu(x, target=tier)
+    assert np.allclose(y, ref, rtol=3e-6, atol=3e-6), np.max(np.abs(y - ref))
+    assert not np.allclose(y, gelu_tanh(x, target=tier), rtol=1e-7, atol=1e-7)   # not the tanh form
+    flat = x.reshape(-1).copy()
+    gelu(flat, out=flat, target=tier)
+    assert np.array_equal(flat, y.reshape(-1))
