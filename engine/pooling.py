@@ -100,7 +100,8 @@ def is_embedding_checkpoint(model_path) -> bool:
     if (folder / "modules.json").is_file():
         return True
     archs = _hf_config(model_path).get("architectures") or []
-    return any(isinstance(a, str) and a.endswith("Model") for a in archs)
+    # bare encoder/decoder classes (BertModel, Qwen3Model); GPT2LMHeadModel-style names have an LM head
+    return any(isinstance(a, str) and a.endswith("Model") and not a.endswith("LMHeadModel") for a in archs)
 
 
 def resolve_task(task: str, model_path) -> str:
