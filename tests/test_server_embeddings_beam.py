@@ -33,6 +33,8 @@ def emb_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("srv-emb")
     hf = make_embedding_dir("llama", str(path), seed=3, pooling="mean", normalize=True, matryoshka=[16, 32])
     app, client, http = _serve(str(path), num_blocks=64, max_num_batched_tokens=64)
+    from server.app import warm_up
+    warm_up(app.state)               # an embedding server warms up with an embedding, not a generation
     yield hf, client, http
     app.close()
 
