@@ -372,6 +372,9 @@ class DecoderLM:
         ids = b.input_ids[:T]
         pos = b.positions[:T]
         buf = b.buffers
+        tp = getattr(self, "tp", None)       # engine.parallel.tp.TPShard: this model is one tensor-parallel rank
+        if tp is not None:
+            ids = tp.local_ids(ids)          # rows of this rank's vocabulary slice (outside: a zero row)
         h = buf.get("h", (T, self.hidden))
         if self.embed_table is not None:
             embedding(ids, self.embed_table, out=h, scale=self.embed_scale)
@@ -381,6 +384,8 @@ class DecoderLM:
             if self.embed_scale is not None:
                 from jitkern.ops.activation import scale_inplace
                 scale_inplace(h, self.embed_scale)
+        if tp is not None:
+            tp.all_reduce(h)
         if self.pos_embed is not None:
             pe = buf.get("pe", (T, self.hidden))
             embedding(pos, self.pos_embed, out=pe)
@@ -427,6 +432,8 @@ class DecoderLM:
                             # (each sequence uses only the partitions its own length needs)
                             num_partitions=MAX_PARTITIONS, host_step=host_step)
             L.o(attn, out=o)
+            if tp is not None:               # row-parallel o: partial sums
+                tp.all_reduce(o)
             if self.residual_scale is not None:
                 scale_inplace(o, self.residual_scale)
             if L.post_attn_norm is not None:
@@ -446,6 +453,8 @@ class DecoderLM:
                 gelu_tanh(act, out=act)
             if L.moe is None:
                 L.down(act, out=h)
+                if tp is not None:           # row-parallel down: partial sums
+                    tp.all_reduce(h)
             if L.post_ffn_norm is not None:
                 rms_norm(h, L.post_ffn_norm, self.eps, out=h, weight_offset=self.norm_offset)
             if self.residual_scale is not None:
@@ -466,7 +475,7 @@ class DecoderLM:
         if getattr(self, "return_hidden", False):      # embeddings (engine.pooling): final hidden states
             return xs
         logits = buf.get("logits", (R, self.vocab))
-        self.lm_head(xs, out=logits)
+        (self.lm_head if tp is None else tp.lm_head)(xs, out=logits)     # tp: vocab slices, all-gathered
         if self.final_softcap:
             from jitkern.ops.activation import softcap_inplace
             softcap_inplace(logits, self.final_softcap)
