@@ -732,7 +732,8 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     if prompt_logprobs is not None and f.bool("stream", False):
         raise bad_request("'prompt_logprobs' is not available when streaming", param="prompt_logprobs")
     try:
-        params = _sampling_params(f, ctx, max_tokens=_max_tokens(f, None, ("max_completion_tokens", "max_tokens")),
+        params = _sampling_params(f, ctx, max_tokens=_max_tokens(f, ctx.default_sampling.get("max_tokens"),
+                                                                       ("max_completion_tokens", "max_tokens")),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except APIError as e:
         if e.param == "logprobs" and top is not None:

@@ -146,3 +146,12 @@ def test_generation_config_defaults_on_the_server(gen_server):
     # a request's own value wins: 6 tokens
     c = client.completions.create(model="srv-gen0", prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
     assert c.usage.completion_tokens == 6
+
+
+def test_generation_config_defaults_on_chat(gen_server):
+    _, client, _ = gen_server
+    msgs = [{"role": "user", "content": "t5 t6 t7"}]
+    a = client.chat.completions.create(model="srv-gen0", messages=msgs, extra_body={"ignore_eos": True})
+    b = client.chat.completions.create(model="srv-gen0", messages=msgs, max_completion_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert a.usage.completion_tokens == 3 and a.choices[0].message.content == b.choices[0].message.content
