@@ -734,7 +734,7 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     try:
         params = _sampling_params(f, ctx, max_tokens=_max_tokens(f, ctx.default_sampling.get("max_tokens"),
                                                                        ("max_completion_tokens", "max_tokens")),
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, beam_ok=True)
     except APIError as e:
         if e.param == "logprobs" and top is not None:
             e.param = "top_logprobs"
@@ -757,6 +757,9 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
         kwargs = {"enable_thinking": ctx.enable_thinking, **kwargs}
     if tool_choice in ("required",) or isinstance(tool_choice, tuple):
         enforce_forced_call(params, tools, tool_choice, parallel_tool_calls)
+    if f.bool("use_beam_search", False):
+        from server.beam import beam_params
+        req.beam = beam_params(f, ctx, params, None, req.stream, bool(f.bool("echo", False)))
     from engine.errors import ChatTemplateError
     try:
         text = ctx.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)

@@ -439,8 +439,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "suffix": "tail"}, 400, "suffix", "not supported"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, 400, "stream", "beam"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
-     "use_beam_search", "beam"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                              "stream": True}, 400, "stream", "beam"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage", "boolean"),
@@ -1101,7 +1101,7 @@ def test_cli_rejects_bad_flags(capsys):
     for argv, needle in [(["--port", "99999"], "--port"), (["--block-size", "0"], "--block-size"),
                          (["--scheduling-policy", "lifo"], "--scheduling-policy"),
                          (["--model", "/no/such/model"], "/no/such/model"), (["--tensor-parallel-size", "2"],
-                                                                             "unrecognized")]:
+                                                                             "tensor_parallel_size=2")]:
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

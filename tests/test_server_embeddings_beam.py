@@ -155,3 +155,15 @@ def test_generation_config_defaults_on_chat(gen_server):
     b = client.chat.completions.create(model="srv-gen0", messages=msgs, max_completion_tokens=3, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert a.usage.completion_tokens == 3 and a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_use_beam_search_on_chat(gen_server):
+    _, client, http = gen_server
+    msgs = [{"role": "user", "content": "t5 t6 t7"}]
+    ids = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    ref = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "n": 2, "use_beam_search": True,
+                                             "ignore_eos": True}).json()
+    r = client.chat.completions.create(model="srv-gen0", messages=msgs, max_completion_tokens=4, n=2,
+                                       extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.message.content for c in r.choices] == [c["text"] for c in ref["choices"]]
+    assert r.usage.completion_tokens == 8
