@@ -1,6 +1,8 @@
 """CPU ISA tiers and run-time tier selection.
 
-Tiers (x86-64): portable < sse2 < sse2-f16c < avx2 < avx512; (arm64): portable < neon < dotprod < i8mm.
+Tiers (x86-64): portable < sse2 < sse2-f16c < avx2 < avx-vnni < avx512 < avx512-vnni (the best runnable one,
+the last in this order, is selected: a host with AVX-VNNI but no AVX-512 gets avx-vnni, one with AVX-512 but
+no VNNI avx512); (arm64): portable < neon < dotprod < i8mm.
 `portable` is generic LLVM IR with no target intrinsics, compiled for the baseline CPU of the arch.
 Availability comes from `llvmlite.binding.get_host_cpu_features()`: LLVM's host detection checks
 CPUID *and* XGETBV, so AVX / AVX-512 are only reported when the OS saves their register state.
@@ -25,9 +27,17 @@ _X86_TIERS = [
     ("sse2-f16c", ("avx", "f16c", "sse2"), 128, ("sse2", "avx", "f16c"),
      "128-bit vectors with F16C half conversions (F16C is VEX-encoded, so AVX state is needed)"),
     ("avx2", ("avx", "avx2", "f16c", "fma", "sse2"), 256, ("avx", "avx2", "fma", "f16c"), "AVX2 + FMA + F16C"),
+    # AVX-VNNI (Alder Lake and later client cores, Zen 5): the VEX-encoded u8 x s8 -> i32 vpdpbusd on ymm
+    ("avx-vnni", ("avx", "avx2", "avxvnni", "f16c", "fma", "sse2"), 256, ("avx", "avx2", "fma", "f16c", "avxvnni"),
+     "AVX2 + FMA + F16C + AVX-VNNI (vpdpbusd on ymm, VEX)"),
     ("avx512", ("avx", "avx2", "avx512bw", "avx512dq", "avx512f", "avx512vl", "f16c", "fma", "sse2"), 512,
      ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),
      "AVX-512 F/BW/VL/DQ with 512-bit vectors preferred"),
+    # AVX512-VNNI (Cascade Lake / Ice Lake / Sapphire Rapids, Zen 4 and later): vpdpbusd on zmm
+    ("avx512-vnni", ("avx", "avx2", "avx512bw", "avx512dq", "avx512f", "avx512vl", "avx512vnni", "f16c", "fma",
+                     "sse2"), 512,
+     ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma", "f16c"),
+     "AVX-512 F/BW/VL/DQ + VNNI (vpdpbusd on zmm) with 512-bit vectors preferred"),
 ]
 _ARM_TIERS = [
     ("portable", (), 128, (), "generic IR, no target intrinsics"),
@@ -117,7 +127,8 @@ def select_cpu_tier(forced: str | None = None) -> tuple[Target, str]:
     tiers = cpu_tiers()
     if forced:
         by_name = {t.name: t for t in tiers}
-        aliases = {"sse2+f16c": "sse2-f16c", "avx-512": "avx512"}
+        aliases = {"sse2+f16c": "sse2-f16c", "avx-512": "avx512", "avxvnni": "avx-vnni", "avx512vnni": "avx512-vnni",
+                   "avx-512-vnni": "avx512-vnni"}
         t = by_name.get(aliases.get(forced, forced))
         if t is None:
             raise UnknownTargetError(

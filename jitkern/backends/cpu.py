@@ -625,6 +625,9 @@ class CpuLowering(LlvmEmitter):
         """Sum over the slices j of dot4(aa[j], bb[j]) (each n lanes). x86 adds the slices' pmaddubsw results
         in int16 and widens once (the caller's contract keeps those sums inside int16); elsewhere the i32
         results are added."""
+        vnni = self._vnni_chunk(n)
+        if vnni:
+            return self._dot4_vnni(aa, bb, ad, n, oshape, vnni)
         chunk = 0
         if self.x86:
             if self.target.has("avx512bw") and n % 64 == 0:
@@ -681,20 +684,32 @@ class CpuLowering(LlvmEmitter):
                 parts.append(self.val(f"call {dt} @{wd}({wt} {w.ref}, {wt} {ones})", "i32", chunk // 4))
             return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
         a, b = aa[0], bb[0]
-        arm_fn = None
+        arm_fn = u8_bias = None
         if self.target.arch == "aarch64" and n % 16 == 0:
             if ad.is_signed and self.target.has("dotprod"):
                 arm_fn = "llvm.aarch64.neon.sdot.v4i32.v16i8"      # SDOT: s8 x s8 groups of 4
             elif not ad.is_signed and self.target.has("i8mm"):
                 arm_fn = "llvm.aarch64.neon.usdot.v4i32.v16i8"     # USDOT: u8 x s8 groups of 4
+            elif not ad.is_signed and self.target.has("dotprod"):
+                # u8 x s8 without I8MM: SDOT on a - 128 (the s8 a ^ 0x80), plus 128 sum(b) taken back as
+                # SDOT(-128, b) subtracted: exact for every input (4-bit weights took the generic path before)
+                arm_fn = "llvm.aarch64.neon.sdot.v4i32.v16i8"
+                u8_bias = self.const(-128, "i8", 16).ref
         if arm_fn:
             self.declare(arm_fn, "<4 x i32>", ["<4 x i32>", "<16 x i8>", "<16 x i8>"])
             parts = []
             for c in range(n // 16):
                 ac = self.shuffle(a, list(range(c * 16, (c + 1) * 16))) if n > 16 else a
                 bc = self.shuffle(b, list(range(c * 16, (c + 1) * 16))) if n > 16 else b
-                parts.append(self.val(f"call <4 x i32> @{arm_fn}(<4 x i32> zeroinitializer, <16 x i8> {ac.ref}, "
-                                      f"<16 x i8> {bc.ref})", "i32", 4))
+                if u8_bias is not None:
+                    ac = self.val(f"xor <16 x i8> {ac.ref}, {u8_bias}", "i8", 16)
+                r = self.val(f"call <4 x i32> @{arm_fn}(<4 x i32> zeroinitializer, <16 x i8> {ac.ref}, "
+                             f"<16 x i8> {bc.ref})", "i32", 4)
+                if u8_bias is not None:
+                    corr = self.val(f"call <4 x i32> @{arm_fn}(<4 x i32> zeroinitializer, <16 x i8> {u8_bias}, "
+                                    f"<16 x i8> {bc.ref})", "i32", 4)
+                    r = self.val(f"sub <4 x i32> {r.ref}, {corr.ref}", "i32", 4)
+                parts.append(r)
             return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
         # generic: per 16-byte chunk (whole-tile widening makes huge vectors and shuffles that LLVM's
         # instruction selection handles very slowly), widen, multiply, add the four strided lanes; x86 tiers
@@ -733,6 +748,49 @@ class CpuLowering(LlvmEmitter):
             p0 = parts[0]
             return LV(p0.ref, "i32", p0.n, oshape) if p0.n else self.splat(p0, 1, oshape)
         return self.concat(parts, oshape)
+
+    def _vnni_chunk(self, n: int) -> int:
+        """Bytes per vpdpbusd for n lanes on this tier (0: no VNNI, or n fits no width): zmm with AVX512-VNNI,
+        ymm with AVX-VNNI (VEX) or AVX512-VNNI + VL, xmm likewise."""
+        if not self.x86:
+            return 0
+        zmm = self.target.has("avx512vnni") and self.target.has("avx512f")
+        ymm = self.target.has("avxvnni") or (zmm and self.target.has("avx512vl"))
+        for c, ok in ((64, zmm), (32, ymm), (16, ymm)):
+            if ok and n % c == 0:
+                return c
+        return 0
+
+    def _dot4_vnni(self, aa: list, bb: list, ad, n: int, oshape, chunk: int):
+        """dot4 on VNNI: one vpdpbusd (u8 x s8 groups of 4 added into i32 lanes) per chunk and slice, the
+        slices accumulated by the instruction itself. No int16 stage, so the sums are exact where pmaddubsw
+        saturates (its results equal these whenever the caller keeps dot4's int16 contract). Signed `a`:
+        a + 128 is the u8 a ^ 0x80, and dot(a, b) = dot(a ^ 0x80, b) - dot(128, b), exact for every input
+        (the abs/sign-transfer of the pmaddubsw path wraps at a = b = -128)."""
+        # LLVM 22 (IntrinsicsX86.td): <N x i32> @llvm.x86.avx512.vpdpbusd.{512,256,128}(<N x i32> acc,
+        # <4N x i8> u8, <4N x i8> s8); the 256/128-bit forms select the VEX encoding on AVX-VNNI tiers
+        fn = {64: "llvm.x86.avx512.vpdpbusd.512", 32: "llvm.x86.avx512.vpdpbusd.256",
+              16: "llvm.x86.avx512.vpdpbusd.128"}[chunk]
+        bt, dt = vty("i8", chunk), vty("i32", chunk // 4)
+        self.declare(fn, dt, [dt, bt, bt])
+        signed = ad.is_signed
+        bias = self.const(-128, "i8", chunk).ref if signed else None
+        parts = []
+        for c in range(n // chunk):
+            lanes = list(range(c * chunk, (c + 1) * chunk))
+            acc, corr = "zeroinitializer", "zeroinitializer"
+            for a, b in zip(aa, bb):
+                ac = self.shuffle(a, lanes) if n > chunk else a
+                bc = self.shuffle(b, lanes) if n > chunk else b
+                if signed:
+                    ac = self.val(f"xor {bt} {ac.ref}, {bias}", "i8", chunk)
+                    corr = self.val(f"call {dt} @{fn}({dt} {corr}, {bt} {bias}, {bt} {bc.ref})", "i32",
+                                    chunk // 4).ref
+                acc = self.val(f"call {dt} @{fn}({dt} {acc}, {bt} {ac.ref}, {bt} {bc.ref})", "i32", chunk // 4).ref
+            if signed:
+                acc = self.val(f"sub {dt} {acc}, {corr}", "i32", chunk // 4).ref
+            parts.append(LV(acc, "i32", chunk // 4))
+        return self.concat(parts, oshape) if len(parts) > 1 else LV(parts[0].ref, "i32", n // 4, oshape)
 
     def op_madd(self, op):
         """Pair sums of products: u8 x i8 -> i16 saturated (pmaddubsw), i16 x i16 -> i32 (pmaddwd)."""

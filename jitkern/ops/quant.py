@@ -671,7 +671,11 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
     where cross-lane permutes compete with them; for the 4-bit types the first of those steps runs on the
     int16 pair sums, before widening (`jk.madd`), so one pmaddwd widens two rows."""
     RQ = R // RI
-    if len(q.shape) == 4 and q.dtype == jk.u8 and RI == 4:
+    # VNNI tiers: dot4 is one vpdpbusd per vector that also adds the two halves (exact i32, no int16 stage to
+    # share), so the madd route below would only add instructions; the integer dots are the same exact values.
+    # Likewise on arm64 with SDOT/USDOT (madd has no arm64 instruction: it took the generic widening path)
+    vnni = jk.target.has("avx512vnni") or jk.target.has("avxvnni") or jk.target.has("dotprod")
+    if len(q.shape) == 4 and q.dtype == jk.u8 and RI == 4 and not vnni:
         # int16 pair sums of both halves added (4 products of 4-bit x int8 per lane), then lanes j and j + 4 of
         # 2 rows' registers interleaved by dwords and added (8 products, still inside int16: 15240 at most), so
         # one pmaddwd widens 2 rows (half the pmaddwd of dot4); the second level adds the rows' pairs of i32
