@@ -645,6 +645,13 @@ def _arch_layer_shapes(cfg: ModelConfig, fmt: str) -> dict[str, tuple]:
     if cfg.architecture == "phi3":
         return {("attn_qkv.weight" if gguf else "self_attn.qkv_proj.weight"): (q + 2 * kv, H),
                 ("ffn_up.weight" if gguf else "mlp.gate_up_proj.weight"): (2 * F, H)}
+    if cfg.architecture in ("deepseek_v2", "deepseek_v3", "deepseek2"):
+        # multi-head latent attention: q is heads x (qk_nope + qk_rope) wide, o reads heads x v_head_dim
+        # (engine/models/mla.py checks the MLA projections themselves)
+        ex = cfg.extra or {}
+        nope, rope, v = (int(ex.get(k) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        return {("attn_q.weight" if gguf else "self_attn.q_proj.weight"): (cfg.num_heads * (nope + rope), H),
+                ("attn_output.weight" if gguf else "self_attn.o_proj.weight"): (H, cfg.num_heads * v)}
     if cfg.architecture == "olmo2":
         return {("attn_q_norm.weight" if gguf else "self_attn.q_norm.weight"): (q,),
                 ("attn_k_norm.weight" if gguf else "self_attn.k_norm.weight"): (kv,)}

@@ -11,13 +11,14 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 
+# Multi-head latent attention (engine/models/mla.py): DeepSeek-V2 / V3, dense or MoE
+MLA = ("deepseek_v2", "deepseek_v3")
+
 # Bidirectional encoders for embeddings (engine/models/encoder.py; engine.pooling)
 ENCODERS = ("bert",)
 
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {
-    "deepseek_v2": "multi-head latent attention (MLA) and MoE",
-    "deepseek_v3": "multi-head latent attention (MLA) and MoE",
     "gpt-oss": "gpt-oss from GGUF (llama.cpp's split gate/up expert tensors with biases, and the clamped SwiGLU "
                "on the quantised-expert path, e.g. its MXFP4 experts); gpt-oss safetensors checkpoints with "
                "float experts load",
@@ -35,6 +36,9 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
     if arch in SUPPORTED or arch in MOE:
         from engine.models.decoder import DecoderLM
         return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
+    if arch in MLA:
+        from engine.models.mla import MLADecoderLM
+        return MLADecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
     if arch in ENCODERS:
         if not getattr(ckpt, "pooling_only", False):
             raise ModelLoadError(f"'{arch}' is an encoder: it serves embeddings only (--task embed)",

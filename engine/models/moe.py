@@ -130,6 +130,10 @@ class MoEBlock:
         # gpt-oss: expert biases (f32 [E, 2I] / [E, H]), interleaved gate/up rows, clamped SwiGLU
         self.gate_up_bias = self.down_bias = None
         self.act, self.interleaved = "silu", False
+        # DeepSeek: routing weights times routed_scaling_factor; V3's sigmoid router (mode SIGMOID_GROUP_TOPK)
+        # adds score_bias (e_score_correction_bias) for the choice and limits it to groups = (n_group, topk_group)
+        self.routed_scale = 1.0
+        self.score_bias, self.groups = None, (1, 1)
 
     @property
     def quantized(self) -> bool:
@@ -161,8 +165,18 @@ class MoEBlock:
             silu_and_mul(gu, out=sact)
             shared = get("moe.sh", (T, self.hidden))
             self.shared_down(sact, out=shared)
-        ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode,
-                              ids=get("moe.ids", (T, K), np.int32), weights=get("moe.w", (T, K), np.float32))
+        if self.score_bias is not None:
+            from jitkern.ops.moe import route_sigmoid_group
+            ids, wts = route_sigmoid_group(logits, self.score_bias, E, K, n_group=self.groups[0],
+                                           topk_group=self.groups[1], norm=self.spec.norm_topk,
+                                           scale=self.routed_scale, ids=get("moe.ids", (T, K), np.int32),
+                                           weights=get("moe.w", (T, K), np.float32))
+        else:
+            ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode,
+                                  ids=get("moe.ids", (T, K), np.int32), weights=get("moe.w", (T, K), np.float32))
+            if self.routed_scale != 1.0:
+                from jitkern.ops.activation import scale_inplace
+                scale_inplace(wts, self.routed_scale)
         if self.quantized:
             gate_up_fn, down_fn = self._q_gate_up, self._q_down
         else:

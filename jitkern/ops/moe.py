@@ -518,3 +518,88 @@ def routed_experts(x, ids, wts, gate_up_fn, down_fn, num_experts, inter, *, out=
 __all__ = ["routed_experts", "route_topk", "group_by_expert", "group_by_expert_dev", "max_tiles", "expert_gate_up",
            "expert_down", "combine_experts", "moe_mlp", "direct_pairs", "capturing", "silu_mul", "swiglu_oai",
            "SOFTMAX_TOPK", "TOPK_SOFTMAX", "ACTIVATIONS", "DIRECT_MAX_TOKENS"]
+
+
+# ------------------------------------------------------------------------- DeepSeek-V3 (sigmoid) routing
+SIGMOID_GROUP_TOPK = 2       # MoESpec.mode for route_sigmoid_group (DeepSeek-V3's noaux_tc router)
+
+
+@jk.kernel(do_not_specialize=("T",))
+def _route_sigmoid_kernel(logits, ld, bias, E, T, ids, wts, scale, K: jk.constexpr, KB: jk.constexpr,
+                          EB: jk.constexpr, NG: jk.constexpr, GB: jk.constexpr, GS: jk.constexpr, TG: jk.constexpr,
+                          NORM: jk.constexpr):
+    t = jk.program_id(0)
+    offs = jk.arange(0, EB)
+    valid = offs < E
+    v = jk.load(logits + t.to(jk.i64) * ld + offs, mask=valid, other=0.0).to(jk.f32)
+    sc = jk.sigmoid(v)
+    ch = jk.where(valid, sc + jk.load(bias + offs, mask=valid, other=0.0), -float("inf"))
+    if NG > 1:
+        # group score = the sum of its two best choice scores; only the TG best groups stay eligible
+        grp = offs // GS
+        ga = jk.arange(0, GB)
+        gsv = jk.where(ga < NG, 0.0, -float("inf"))
+        for g in jk.static_range(NG):
+            cg = jk.where(grp == g, ch, -float("inf"))
+            b1 = jk.max(cg, axis=0)
+            i1 = jk.min(jk.where(cg == b1, offs, 2147483647), axis=0)
+            b2 = jk.max(jk.where(offs == i1, -float("inf"), cg), axis=0)
+            gsv = jk.where(ga == g, b1 + b2, gsv)
+        keep = jk.zeros((EB,), jk.i32)
+        for j in jk.static_range(TG):
+            gb = jk.max(gsv, axis=0)
+            gi = jk.min(jk.where(gsv == gb, ga, 2147483647), axis=0)
+            keep = jk.where(grp == gi, 1, keep)
+            gsv = jk.where(ga == gi, -float("inf"), gsv)
+        ch = jk.where(keep == 1, ch, -float("inf"))
+    kk = jk.arange(0, KB)
+    selw = jk.zeros((KB,), jk.f32)
+    seli = jk.zeros((KB,), jk.i32)
+    for j in jk.static_range(K):
+        best = jk.max(ch, axis=0)
+        i = jk.min(jk.where(ch == best, offs, 2147483647), axis=0)
+        w = jk.sum(jk.where(offs == i, sc, 0.0), axis=0)
+        selw = jk.where(kk == j, w, selw)
+        seli = jk.where(kk == j, i, seli)
+        ch = jk.where(offs == i, -float("inf"), ch)
+    km = kk < K
+    if NORM:
+        selw = selw / (jk.sum(jk.where(km, selw, 0.0), axis=0) + 1e-20)
+    jk.store(ids + t * K + kk, seli, mask=km)
+    jk.store(wts + t * K + kk, selw * scale, mask=km)
+
+
+def route_sigmoid_group(logits: np.ndarray, bias: np.ndarray, num_experts: int, top_k: int, *, n_group: int = 1,
+                        topk_group: int = 1, norm: bool = True, scale: float = 1.0, ids: np.ndarray | None = None,
+                        weights: np.ndarray | None = None, target=None):
+    """DeepSeek-V3 routing of router logits f32 [T, >= E] (HF DeepseekV3TopkRouter): s = sigmoid(logits);
+    choice = s + bias (e_score_correction_bias, f32 [E]); with n_group > 1 the experts form n_group equal groups
+    scored by the sum of their two best choices and only the topk_group best groups stay eligible; the K best
+    eligible choices are picked, their weights are s (not s + bias), divided by their sum (+1e-20) when `norm`,
+    times `scale` (routed_scaling_factor). Ties pick the lower id. Returns (ids int32 [T, K], weights f32 [T, K])."""
+    target = resolve_target(target, logits)
+    check_dtype(logits, np.float32, "route_sigmoid_group: logits")
+    check_dtype(bias, np.float32, "route_sigmoid_group: bias")
+    E = int(num_experts)
+    if logits.ndim != 2 or logits.shape[1] < E or logits.strides[1] != 4:
+        raise ValueError(f"route_sigmoid_group: logits must be [T, >= {E}] with contiguous rows, got {logits.shape}")
+    if bias.shape != (E,):
+        raise ValueError(f"route_sigmoid_group: bias must be [{E}], got {bias.shape}")
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or (n_group > 1 and E // n_group < 2):
+        raise ValueError(f"route_sigmoid_group: n_group {n_group} / topk_group {topk_group} do not fit {E} experts "
+                         "(equal groups of at least 2)")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route_sigmoid_group: top_k must be in [1, {E}], got {top_k}")
+    T = logits.shape[0]
+    ids = np.empty((T, top_k), np.int32) if ids is None else ids
+    weights = np.empty((T, top_k), np.float32) if weights is None else weights
+    EB = 16
+    while EB < E:
+        EB *= 2
+    run(_route_sigmoid_kernel, (T,), (logits, logits.strides[0] // 4, bias, E, T, ids, weights, float(scale)), target,
+        K=int(top_k), KB=max(2, 1 << (int(top_k) - 1).bit_length()), EB=EB, NG=int(n_group),
+        GB=max(2, 1 << (int(n_group) - 1).bit_length()), GS=E // int(n_group), TG=int(topk_group), NORM=bool(norm))
+    return ids, weights
+
+
+__all__ += ["route_sigmoid_group", "SIGMOID_GROUP_TOPK"]
