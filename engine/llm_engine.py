@@ -140,7 +140,8 @@ class LLMEngine:
         self.default_sampling = load_generation_defaults(ckpt.path, args.generation_config)
         self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device)
         dsize = 2 if args.kv_cache_dtype == "f16" else 4
-        per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize)
+        per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize) \
+            if not hasattr(self.model, "kv_block_bytes") else self.model.kv_block_bytes(args.block_size, dsize)
         num_blocks = args.num_blocks or num_blocks_for_memory(args.kv_cache_memory or _DEFAULT_KV_MEMORY, per_block)
         sizing = resolve_max_model_len(num_blocks, args.block_size, args.max_model_len, cfg.max_position_embeddings)
         self.max_model_len = sizing.max_model_len
