@@ -87,6 +87,16 @@ def dequant_acts(qx, xd):
 
 
 # ---------------------------------------------------------------------------------------------- tests
+def _assert_div_exact(got, ref, tier):
+    """Float results of a division (block scales d = amax / 127, sums): bit-exact, except on Vulkan, whose
+    spec allows OpFDiv an error of 2.5 ULP (NVIDIA's driver on the H200 is 1 ULP off in a few places; lavapipe
+    is exact)."""
+    if getattr(tier, "is_vulkan", False):
+        np.testing.assert_array_max_ulp(got, ref, maxulp=3)
+    else:
+        np.testing.assert_array_equal(got, ref)
+
+
 def test_quantize_q8_exact(tier):
     rng = np.random.default_rng(1)
     for M, K in ((1, 32), (3, 96), (5, 576)):
@@ -99,9 +109,9 @@ def test_quantize_q8_exact(tier):
             x[-1, 64:69] = [127.0, 2.5, -3.5, 0.5, -0.5]
         qx, xd, xs = Q.quantize_q8(x, target=tier)
         rq, rd, rs = ref_quantize_q8(x)
-        np.testing.assert_array_equal(xd, rd)
+        _assert_div_exact(xd, rd, tier)
         np.testing.assert_array_equal(qx, rq)
-        np.testing.assert_array_equal(xs, rs)
+        _assert_div_exact(xs, rs, tier)
     # 1-D input keeps its rank; out= is filled in place
     x = rng.standard_normal(64).astype(np.float32)
     out = (np.empty(64, np.int8), np.empty(2, np.float32), np.empty(2, np.float32))
@@ -172,8 +182,8 @@ def test_quantize_q8_q4_layout(tier):
             p = want[:, :2 * npair].reshape(M, npair, 2, 2, 16)        # (pair, block in pair, half, 16)
             want[:, :2 * npair] = p.transpose(0, 1, 3, 2, 4).reshape(M, 2 * npair, 2, 16)
         np.testing.assert_array_equal(got[0], want.reshape(M, K))
-        np.testing.assert_array_equal(got[1], rd)
-        np.testing.assert_array_equal(got[2], rs)
+        _assert_div_exact(got[1], rd, tier)
+        _assert_div_exact(got[2], rs, tier)
 
 
 def test_quantize_q8_q4x4_layout(tier):
@@ -192,8 +202,8 @@ def test_quantize_q8_q4x4_layout(tier):
             parts.append(blocks[:, b:b + g].transpose(0, 2, 1, 3).reshape(M, -1))   # (half, block, 16)
             b += g
         np.testing.assert_array_equal(got[0], np.concatenate(parts, axis=1))
-        np.testing.assert_array_equal(got[1], rd)
-        np.testing.assert_array_equal(got[2], rs)
+        _assert_div_exact(got[1], rd, tier)
+        _assert_div_exact(got[2], rs, tier)
 
 
 def test_layout_mismatch_is_an_error():
