@@ -226,3 +226,43 @@ def test_group_kernel_equals_numpy_grouping(tier):
         for w, g in zip(want[2:], got[2:]):
             np.testing.assert_array_equal(g[:n], w)
         assert (got[4][n:] == 0).all()
+
+
+def _route_sigmoid_ref(logits, bias, E, K, ng, tg, norm, scale):
+    """DeepSeek-V3's router (HF DeepseekV3TopkRouter) in float64 numpy."""
+    s = 1.0 / (1.0 + np.exp(-logits[:, :E].astype(np.float64)))
+    ch = s + bias.astype(np.float64)
+    if ng > 1:
+        g = ch.reshape(len(ch), ng, E // ng)
+        gs = -np.sort(-g, axis=2)[:, :, :2].sum(2)
+        keep = np.argsort(-gs, axis=1, kind="stable")[:, :tg]
+        mask = np.zeros((len(ch), ng), bool)
+        np.put_along_axis(mask, keep, True, 1)
+        ch = np.where(np.repeat(mask, E // ng, axis=1), ch, -np.inf)
+    ids = np.argsort(-ch, axis=1, kind="stable")[:, :K]
+    w = np.take_along_axis(s, ids, 1)
+    if norm:
+        w = w / (w.sum(1, keepdims=True) + 1e-20)
+    return ids, w * scale
+
+
+@pytest.mark.parametrize("E,K,ng,tg,norm", [(8, 2, 4, 2, True), (12, 3, 3, 1, True), (16, 4, 1, 1, False),
+                                            (64, 8, 8, 4, True), (10, 1, 5, 5, False)])
+def test_route_sigmoid_group(tier, E, K, ng, tg, norm):
+    from jitkern.ops.moe import route_sigmoid_group
+    rng = _rng(tier, "sigmoid", E, K, ng, tg, norm)
+    T = 11
+    buf = rng.standard_normal((T, E + 2)).astype(np.float32) * 3
+    logits = buf[:, :E]                          # row-strided view
+    bias = (rng.standard_normal(E) * 0.5).astype(np.float32)
+    ids, w = route_sigmoid_group(logits, bias, E, K, n_group=ng, topk_group=tg, norm=norm, scale=2.5, target=tier)
+    want_ids, want_w = _route_sigmoid_ref(logits, bias, E, K, ng, tg, norm, 2.5)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=1e-7)
+    for t in range(T):                           # batch invariance: each token alone
+        i1, w1 = route_sigmoid_group(logits[t:t + 1], bias, E, K, n_group=ng, topk_group=tg, norm=norm, scale=2.5,
+                                     target=tier)
+        np.testing.assert_array_equal(i1, ids[t:t + 1])
+        np.testing.assert_array_equal(w1, w[t:t + 1])
+    with pytest.raises(ValueError, match="n_group"):
+        route_sigmoid_group(logits, bias, E, K, n_group=3 if E % 3 else 7, topk_group=1)
