@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4} (a smaller model with the same tokenizer)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split the model over N GPUs (one process each, NCCL); 1 (default) on the CPU")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -111,7 +113,7 @@ def _main(argv) -> int:
         from engine.llm import LLM
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
                   enable_jump_forward=args.enable_jump_forward,
-                  device=args.device, speculative_config=spec)
+                  device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size)
     except ModelLoadError as e:
         return _fail(str(e))
     except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary

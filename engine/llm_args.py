@@ -9,7 +9,9 @@ Accepted and logged (no effect here): gpu_memory_utilization, swap_space, cpu_of
 trust_remote_code (no checkpoint code is ever run), tokenizer_mode, revision, download_dir, load_format,
 max_seq_len_to_capture, disable_custom_all_reduce, disable_log_stats, ...; dtype "auto"/"float32"/"float"
 (the engine computes in float32; "float16"/"bfloat16"/"half" are accepted and logged: activations stay f32).
-Refused with the reason: tensor_parallel_size / pipeline_parallel_size > 1 (one device per engine),
+tensor_parallel_size: passed to the engine, where engine.parallel.config alone decides (1: normal; > 1: refused
+on the CPU, and beyond the GPUs present naming both numbers).
+Refused with the reason: pipeline_parallel_size / data_parallel_size > 1 (one device per engine),
 quantization other than None / "gguf" (read from the checkpoint), tokenizer pointing somewhere the model's own
 is not (a folder with tokenizer_config.json is taken as --tokenizer-config), unknown keywords.
 """
@@ -51,7 +53,10 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
         log.info("dtype=%s: the engine keeps the checkpoint's weight formats and computes in float32", dtype)
     elif dtype not in _DTYPES_F32:
         raise ValueError(f"dtype={dtype!r} is not supported (auto, float32, float16, bfloat16)")
-    for par in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    tp = take("tensor_parallel_size", 1)
+    if tp not in (None, 1):
+        out["tensor_parallel_size"] = tp            # checked by engine.parallel.config before the load
+    for par in ("pipeline_parallel_size", "data_parallel_size"):
         v = take(par, 1)
         if v not in (None, 1):
             raise ValueError(f"{par}={v}: this engine runs a model on one device (no tensor/pipeline/data "

@@ -54,6 +54,9 @@ class EngineArgs:
     seed: int = 0
     use_graphs: bool = True                     # replay decode steps as recorded jitkern graphs
     device: str = "auto"                        # "auto" | "cpu" | "cuda" (engine.device)
+    # vLLM's --tensor-parallel-size; engine.parallel.config decides whether it can run here
+    tensor_parallel_size: int = 1
+    tensor_parallel_backend: str = "auto"       # "cpu-pipes": CPU ranks over pipes (tests of the runtime only)
     # vLLM's --speculative-config: a JSON string or dict (engine.spec_decode.SpeculativeConfig); None: off
     speculative_config: object = None
     # structured outputs: tokens a request's grammar forces are appended without a forward step each
@@ -128,6 +131,9 @@ class LLMEngine:
         if args.speculative_config is not None:
             from engine.spec_decode import SpeculativeConfig
             spec_cfg = SpeculativeConfig.parse(args.speculative_config)   # before the slow load
+        from engine.parallel.config import check_tensor_parallel
+        self.tensor_parallel_size = check_tensor_parallel(args.tensor_parallel_size, args.device,
+                                                          backend=args.tensor_parallel_backend)   # before the load
         t0 = time.perf_counter()
         self.checkpoint = ckpt = load_checkpoint(path, tokenizer_config=args.tokenizer_config)
         self.config = cfg = ckpt.config
@@ -138,7 +144,12 @@ class LLMEngine:
         if self.task == "embed":
             adapt_for_embedding(ckpt)
         self.default_sampling = load_generation_defaults(ckpt.path, args.generation_config)
-        self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device)
+        if self.tensor_parallel_size > 1:         # rank 0 here, ranks 1.. in their own processes
+            from engine.parallel.runtime import start_ranks
+            self.model = start_ranks(path, world=self.tensor_parallel_size, kv_dtype=args.kv_cache_dtype,
+                                     backend=args.tensor_parallel_backend, ckpt=ckpt)
+        else:
+            self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device)
         dsize = 2 if args.kv_cache_dtype == "f16" else 4
         per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize) \
             if not hasattr(self.model, "kv_block_bytes") else self.model.kv_block_bytes(args.block_size, dsize)
@@ -348,7 +359,9 @@ class LLMEngine:
         from engine.sampler import SampleResult
         try:
             return self._sample(sched, self.runner.execute(sched))
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "fatal", False):        # a tensor-parallel rank died: no request can run
+                raise
             if len(sched.scheduled) == 1:
                 log.exception("the step of request %s failed", sched.scheduled[0].req_id)
                 return {sched.scheduled[0].req_id: SampleResult(-1, error=INTERNAL_ERROR)}

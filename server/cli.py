@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
                    help="default sampling settings for unset request fields: auto (the model's "
                         "generation_config.json, default), vllm (none), or a folder holding one")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=None,
+                   help="split the model over N GPUs (one process each, NCCL); default 1")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -119,7 +121,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
-        api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
+        tensor_parallel_size=args.tensor_parallel_size, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_thinking=args.enable_thinking,
@@ -165,6 +167,12 @@ def main(argv: list | None = None) -> int:
             SpeculativeConfig.parse(args.speculative_config)
         except SpeculativeConfigError as e:
             parser.error(f"--speculative-config: {e}")
+    if args.tensor_parallel_size not in (None, 1):      # the engine's one decision, before gunicorn starts
+        from engine.parallel.config import TensorParallelError, check_tensor_parallel
+        try:
+            check_tensor_parallel(args.tensor_parallel_size, "auto")
+        except TensorParallelError as e:
+            parser.error(f"--tensor-parallel-size: {e}")
     command, env = gunicorn_command(args)
     # JITKERN_* settings (from the environment and the flags above) are checked here, before gunicorn and
     # the model load: one line naming the setting, exit 2

@@ -71,6 +71,7 @@ class ServerSettings:
     enable_jump_forward: Optional[bool] = None   # JITKERN_ENABLE_JUMP_FORWARD: structured outputs' forced tokens
     task: Optional[str] = None                   # JITKERN_TASK: auto | generate | embed (vLLM's --task)
     generation_config: Optional[str] = None      # JITKERN_GENERATION_CONFIG: auto | vllm | a folder
+    tensor_parallel_size: Optional[int] = None   # JITKERN_TENSOR_PARALLEL_SIZE (engine.parallel.config decides)
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -99,6 +100,7 @@ class ServerSettings:
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
         "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
         "speculative_config": "spec_config", "task": "task", "generation_config": "generation_config",
+        "tensor_parallel_size": "pos_int",
     }
 
     @classmethod
@@ -137,7 +139,7 @@ class ServerSettings:
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config",
-                 "task", "generation_config")
+                 "task", "generation_config", "tensor_parallel_size")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 class RankFailure(RuntimeError):
     """Another rank died or failed: one line naming it, raised on every rank that is still alive."""
+    fatal = True            # LLMEngine re-raises it instead of retrying the step request by request
 
 
 class Communicator:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 
 
-class TensorParallelError(ModelLoadError):
+class TensorParallelError(ModelLoadError, ValueError):
     """A tensor_parallel_size that cannot run on this machine (one line, names the setting)."""
 
 
@@ -37,12 +37,26 @@ def cuda_device_count() -> int:
         return 0
 
 
-def check_tensor_parallel(size, device: str, *, gpu_count=None) -> int:
-    """The tensor-parallel size to run with, or TensorParallelError saying why not. `device` is the resolved
-    device ("cpu" | "cuda" | "vulkan"); `gpu_count` overrides the probe (tests)."""
+BACKENDS = ("auto", "cpu-pipes")
+
+
+def check_tensor_parallel(size, device: str | None, *, backend: str = "auto", gpu_count=None) -> int:
+    """The tensor-parallel size to run with, or TensorParallelError saying why not. `device` is the device
+    setting (auto | cpu | cuda | vulkan); `backend` "cpu-pipes" runs CPU ranks over pipes (tests of the
+    runtime only); `gpu_count` overrides the CUDA device probe (tests)."""
     n = parse_size(size)
+    if backend not in BACKENDS:
+        raise TensorParallelError(f"tensor_parallel_backend={backend!r} is not one of {', '.join(BACKENDS)}",
+                                  key="tensor_parallel_backend")
     if n == 1:
         return 1
+    from engine.device import resolve_device
+    device = resolve_device(device)
+    if backend == "cpu-pipes":
+        if device != "cpu":
+            raise TensorParallelError("tensor_parallel_backend='cpu-pipes' runs CPU ranks: use device='cpu'",
+                                      key="tensor_parallel_backend")
+        return n
     if device == "cpu":
         raise TensorParallelError(f"tensor_parallel_size={n} needs CUDA GPUs (tensor parallelism is a GPU "
                                   "feature: one process per GPU over NCCL); on the CPU use "
@@ -55,4 +69,8 @@ def check_tensor_parallel(size, device: str, *, gpu_count=None) -> int:
         raise TensorParallelError(f"tensor_parallel_size={n} but only {have} CUDA GPU"
                                   f"{'' if have == 1 else 's'} present: use at most {have}",
                                   key="tensor_parallel_size")
-    return n
+    raise TensorParallelError(f"tensor_parallel_size={n} on {have} GPUs: the multi-GPU runtime is designed "
+                              "(docs/ARCHITECTURE.md) and its CPU twin tested, but its device side (NCCL "
+                              "collectives in the CUDA graphs, the vocabulary-parallel kernels) is not finished "
+                              "and has never run on a multi-GPU machine; use --tensor-parallel-size 1",
+                              key="tensor_parallel_size")
