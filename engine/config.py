@@ -469,7 +469,7 @@ class ModelConfig:
             eos_token_ids=_id_list(eos),
             pad_token_id=_opt_int(get("tokenizer.ggml.padding_token_id", None)),
             source=str(source),
-            extra={},
+            extra=_deepseek2_extra(get, p, head_dim, rotary_dim) if arch == "deepseek2" else {},
         )
 
 
@@ -491,6 +491,35 @@ class _GGUFMeta:
     def array_len(self, key):
         f = self._fields.get(key)
         return None if f is None else len(f.data)
+
+
+def _deepseek2_extra(get, p: str, key_length: int, rope_dim: int | None) -> dict:
+    """llama.cpp's deepseek2 metadata as the HF DeepSeek-V2/V3 config keys engine/models/mla.py reads. Two
+    converter generations: the classic one writes key_length = qk_nope + qk_rope and value_length = v_head_dim;
+    the MLA-aware one writes key_length = kv_lora + rope (the compressed row) and the per-head sizes under
+    key_length_mla / value_length_mla."""
+    rope = int(rope_dim or 0)
+    qk = int(get(p + "attention.key_length_mla", key_length))
+    v = get(p + "attention.value_length_mla", None)
+    if v is None:
+        v = get(p + "attention.value_length", key_length)
+    gating = int(get(p + "expert_gating_func", 1))      # llama.cpp: 1 softmax, 2 sigmoid
+    ex = {"q_lora_rank": int(get(p + "attention.q_lora_rank", 0)) or None,
+          "kv_lora_rank": int(get(p + "attention.kv_lora_rank")),
+          "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope, "v_head_dim": int(v),
+          "first_k_dense_replace": int(get(p + "leading_dense_block_count", 0)),
+          "n_routed_experts": int(get(p + "expert_count", 0)),
+          "num_experts_per_tok": int(get(p + "expert_used_count", 0)),
+          "n_shared_experts": int(get(p + "expert_shared_count", 0)),
+          "moe_intermediate_size": int(get(p + "expert_feed_forward_length", 0)),
+          "routed_scaling_factor": float(get(p + "expert_weights_scale", 1.0)),
+          "norm_topk_prob": bool(get(p + "expert_weights_norm", False)),
+          "scoring_func": {1: "softmax", 2: "sigmoid"}.get(gating, f"gating function {gating}"),
+          "n_group": int(get(p + "expert_group_count", 1)), "topk_group": int(get(p + "expert_group_used_count", 1))}
+    log_mul = get(p + "rope.scaling.yarn_log_multiplier", None)
+    if log_mul:             # 0.1 * mscale_all_dim (llama.cpp applies it to the softmax scale only)
+        ex["yarn_mscale_all_dim"] = float(log_mul) / 0.1
+    return ex
 
 
 def gguf_field_value(field) -> Any:

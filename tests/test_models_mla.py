@@ -18,6 +18,9 @@ from tests import test_models as tm  # noqa: E402
 from tests.model_fixtures import VOCAB, _tokenizer_json  # noqa: E402
 
 ARCHS = ["deepseek_v2", "deepseek_v2-qlora", "deepseek_v3"]
+# yarn with mscale == mscale_all_dim: what a GGUF can say (rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim)
+_V3_GGUF_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                 "mscale": 1.3, "mscale_all_dim": 1.3, "beta_fast": 32, "beta_slow": 1}
 
 
 def make_mla_config(arch: str):
@@ -39,6 +42,10 @@ def make_mla_config(arch: str):
                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                     "original_max_position_embeddings": 128, "mscale": 0.8,
                                                     "mscale_all_dim": 1.2, "beta_fast": 32, "beta_slow": 1})
+    if arch == "deepseek_v3-gguf":
+        return tf.DeepseekV3Config(**common, q_lora_rank=20, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                   topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                   rope_parameters=dict(_V3_GGUF_YARN))
     raise ValueError(arch)
 
 
@@ -86,3 +93,113 @@ def test_mla_cache_is_compressed(mla_model):
         assert m.k_caches[0].shape == (8, 16, 1, 24 + 8)          # kv_lora_rank + qk_rope_head_dim per token
     finally:
         llm.close()
+
+
+# ------------------------------------------------------------------------------------------------- GGUF
+def write_deepseek2_gguf(hf, path, split_kv_b: bool):
+    """The HF model under llama.cpp's deepseek2 tensor names and metadata keys, as convert_hf_to_gguf.py writes
+    them: split_kv_b=True is the MLA-aware converter (attn_k_b [H, kv_lora, nope] = per-head kv_b rows
+    transposed, attn_v_b [H, v, kv_lora]; key_length = kv_lora + rope, key_length_mla / value_length_mla the
+    per-head sizes), False the classic one (attn_kv_b; key_length = qk_nope + qk_rope, value_length = v)."""
+    import gguf
+    c = hf.config
+    ga = "deepseek2"
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+    H, L, nh = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    nope, rope, vd, kvl = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    E = c.n_routed_experts
+    w = gguf.GGUFWriter(str(path), ga)
+    u32 = lambda k, v: w.add_uint32(f"{ga}.{k}", int(v))  # noqa: E731
+    for k, v in (("block_count", L), ("context_length", c.max_position_embeddings), ("embedding_length", H),
+                 ("feed_forward_length", c.intermediate_size), ("attention.head_count", nh),
+                 ("attention.head_count_kv", 1 if split_kv_b else nh), ("attention.kv_lora_rank", kvl),
+                 ("rope.dimension_count", rope), ("vocab_size", VOCAB), ("leading_dense_block_count",
+                                                                         c.first_k_dense_replace),
+                 ("expert_count", E), ("expert_used_count", c.num_experts_per_tok),
+                 ("expert_shared_count", c.n_shared_experts), ("expert_feed_forward_length", c.moe_intermediate_size)):
+        u32(k, v)
+    if c.q_lora_rank:
+        u32("attention.q_lora_rank", c.q_lora_rank)
+    if split_kv_b:
+        u32("attention.key_length", kvl + rope)
+        u32("attention.value_length", kvl)
+        u32("attention.key_length_mla", nope + rope)
+        u32("attention.value_length_mla", vd)
+    else:
+        u32("attention.key_length", nope + rope)
+        u32("attention.value_length", vd)
+    w.add_float32(f"{ga}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    w.add_float32(f"{ga}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{ga}.expert_weights_scale", float(c.routed_scaling_factor))
+    v3 = c.model_type == "deepseek_v3"
+    if v3:
+        w.add_bool(f"{ga}.expert_weights_norm", bool(c.norm_topk_prob))
+        u32("expert_gating_func", 2)
+        u32("expert_group_count", c.n_group)
+        u32("expert_group_used_count", c.topk_group)
+        rp = c.rope_parameters
+        w.add_string(f"{ga}.rope.scaling.type", "yarn")
+        w.add_float32(f"{ga}.rope.scaling.factor", float(rp["factor"]))
+        u32("rope.scaling.original_context_length", rp["original_max_position_embeddings"])
+        w.add_float32(f"{ga}.rope.scaling.yarn_log_multiplier", 0.1 * float(rp["mscale_all_dim"]))
+    else:
+        u32("expert_gating_func", 1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(1)
+    add = lambda n, a: w.add_tensor(n, np.ascontiguousarray(a, np.float32))  # noqa: E731
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    add("output.weight", sd["lm_head.weight"])
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        a = p + "self_attn."
+        if c.q_lora_rank:
+            add(b + "attn_q_a.weight", sd[a + "q_a_proj.weight"])
+            add(b + "attn_q_a_norm.weight", sd[a + "q_a_layernorm.weight"])
+            add(b + "attn_q_b.weight", sd[a + "q_b_proj.weight"])
+        else:
+            add(b + "attn_q.weight", sd[a + "q_proj.weight"])
+        add(b + "attn_kv_a_mqa.weight", sd[a + "kv_a_proj_with_mqa.weight"])
+        add(b + "attn_kv_a_norm.weight", sd[a + "kv_a_layernorm.weight"])
+        kv_b = sd[a + "kv_b_proj.weight"]
+        if split_kv_b:
+            kv3 = kv_b.reshape(nh, nope + vd, kvl)
+            add(b + "attn_k_b.weight", kv3[:, :nope].transpose(0, 2, 1))
+            add(b + "attn_v_b.weight", kv3[:, nope:])
+        else:
+            add(b + "attn_kv_b.weight", kv_b)
+        add(b + "attn_output.weight", sd[a + "o_proj.weight"])
+        add(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        m = p + "mlp."
+        if m + "gate.weight" not in sd:
+            for n in ("gate", "up", "down"):
+                add(b + f"ffn_{n}.weight", sd[m + f"{n}_proj.weight"])
+            continue
+        add(b + "ffn_gate_inp.weight", sd[m + "gate.weight"])
+        if m + "gate.e_score_correction_bias" in sd:
+            add(b + "exp_probs_b.bias", sd[m + "gate.e_score_correction_bias"])
+        gu, dn = sd[m + "experts.gate_up_proj"], sd[m + "experts.down_proj"]
+        inter = gu.shape[1] // 2
+        add(b + "ffn_gate_exps.weight", gu[:, :inter])
+        add(b + "ffn_up_exps.weight", gu[:, inter:])
+        add(b + "ffn_down_exps.weight", dn)
+        for n in ("gate", "up", "down"):
+            add(b + f"ffn_{n}_shexp.weight", sd[m + f"shared_experts.{n}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("arch,split_kv_b", [("deepseek_v2", False), ("deepseek_v2-qlora", True),
+                                             ("deepseek_v3-gguf", True)])
+def test_mla_gguf_matches_transformers(arch, split_kv_b, tmp_path):
+    hf = make_mla_model_dir(arch, str(tmp_path / "hf"))
+    path = write_deepseek2_gguf(hf, tmp_path / f"{arch}.gguf", split_kv_b)
+    tm.test_logits_match_transformers((arch, path, hf))

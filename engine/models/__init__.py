@@ -12,7 +12,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
 
 # Multi-head latent attention (engine/models/mla.py): DeepSeek-V2 / V3, dense or MoE
-MLA = ("deepseek_v2", "deepseek_v3")
+MLA = ("deepseek_v2", "deepseek_v3", "deepseek2")      # deepseek2: llama.cpp's GGUF name for both
 
 # Bidirectional encoders for embeddings (engine/models/encoder.py; engine.pooling)
 ENCODERS = ("bert",)

@@ -42,6 +42,9 @@ _MLA_NAMES = {
     "kv_a": ["blk.{i}.attn_kv_a_mqa.weight", "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"],
     "kv_a_norm": ["blk.{i}.attn_kv_a_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight"],
     "kv_b": ["blk.{i}.attn_kv_b.weight", "model.layers.{i}.self_attn.kv_b_proj.weight"],
+    # llama.cpp's MLA-aware converter splits kv_b per head: k_b [H, kv_lora, nope] (transposed), v_b [H, v, kv_lora]
+    "k_b": ["blk.{i}.attn_k_b.weight"],
+    "v_b": ["blk.{i}.attn_v_b.weight"],
     "o": ["blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight"],
     "attn_norm": ["blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"],
     "ffn_norm": ["blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"],
@@ -119,9 +122,16 @@ class MLADecoderLM(DecoderLM):
         self.eps = cfg.rms_norm_eps
         self.layernorm = False
         ex = cfg.extra or {}
-        # HF: DeepSeek-V2 rotates interleaved pairs (complex multiply); V3 too unless rope_interleave is false
+        # HF: DeepSeek-V2 rotates interleaved pairs (complex multiply); V3 too unless rope_interleave is false;
+        # llama.cpp's deepseek2 rotates adjacent pairs too
         self.is_neox = self.arch == "deepseek_v3" and ex.get("rope_interleave", True) is False
+        self.sigmoid_routing = self.arch == "deepseek_v3" or ex.get("scoring_func") == "sigmoid"
         scaling = cfg.rope_scaling
+        if scaling and ex.get("yarn_mscale_all_dim"):
+            # GGUF (rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim): llama.cpp takes mscale ==
+            # mscale_all_dim, i.e. unscaled cos/sin tables and mscale^2 on the softmax scale
+            m = ex["yarn_mscale_all_dim"]
+            scaling = {**scaling, "mscale": m, "mscale_all_dim": m}
         self.scale = s.qk ** -0.5
         if scaling and scaling.get("rope_type", "default") != "default":
             mall = scaling.get("mscale_all_dim") or 0
@@ -161,8 +171,10 @@ class MLADecoderLM(DecoderLM):
         if not 1 <= K <= E:
             raise ModelLoadError(f"num_experts_per_tok ({K}) must be between 1 and n_routed_experts ({E})",
                                  path=self.cfg.source, key="num_experts_per_tok")
-        if self.arch == "deepseek_v3":
-            self._v3_routing = ex
+        if ex.get("scoring_func", "softmax") not in ("softmax", "sigmoid"):
+            raise ModelLoadError(f"expert scoring {ex['scoring_func']!r} is not supported (softmax or sigmoid)",
+                                 path=self.cfg.source, key="expert_gating_func")
+        if self.sigmoid_routing:
             norm = bool(ex.get("norm_topk_prob", True))
         else:
             method = ex.get("topk_method", "greedy")
@@ -174,7 +186,8 @@ class MLADecoderLM(DecoderLM):
             if method not in ("greedy", "group_limited_greedy"):
                 raise ModelLoadError(f"topk_method {method!r} is not supported", path=self.cfg.source,
                                      key="topk_method")
-            norm = False        # HF's DeepseekV2TopkRouter never renormalises
+            # HF's DeepseekV2TopkRouter never renormalises; a GGUF says so in expert_weights_norm
+            norm = self.ckpt.format == "gguf" and bool(ex.get("norm_topk_prob"))
         return MoESpec(E, K, norm)
 
     def _g(self, key, i, required=True):
@@ -211,14 +224,27 @@ class MLADecoderLM(DecoderLM):
                                      f"{H * s.qk}", path=path, tensor=q.name)
             proj_a = linear_from([q, kv_a], f"blk.{i}.q+kv_a")
             q_a_norm = q_b = None
-        kv_b_t = self._g("kv_b", i)
-        if tuple(kv_b_t.shape) != (H * (s.nope + s.v), s.kv_lora):
-            raise ModelLoadError(f"kv_b_proj is {list(kv_b_t.shape)}, expected [heads x (qk_nope + v) = "
-                                 f"{H * (s.nope + s.v)}, kv_lora_rank = {s.kv_lora}]", path=path, tensor=kv_b_t.name)
-        kv_b = vector_f32(kv_b_t).reshape(H, s.nope + s.v, s.kv_lora)
-        w_uk = [Linear(np.ascontiguousarray(kv_b[h, :s.nope].T), "f32", s.kv_lora, s.nope, None,
-                       f"blk.{i}.w_uk[{h}]") for h in range(H)]
-        w_uv = [Linear(np.ascontiguousarray(kv_b[h, s.nope:]), "f32", s.v, s.kv_lora, None, f"blk.{i}.w_uv[{h}]")
+        kv_b_t = self._g("kv_b", i, required=False)
+        if kv_b_t is None and self._g("k_b", i, required=False) is not None:
+            k_b_t, v_b_t = self._g("k_b", i), self._g("v_b", i)
+            for t, want in ((k_b_t, (H, s.kv_lora, s.nope)), (v_b_t, (H, s.v, s.kv_lora))):
+                if tuple(t.shape) != want:
+                    raise ModelLoadError(f"{t.name} is {list(t.shape)}, expected {list(want)}", path=path,
+                                         tensor=t.name)
+            uk = vector_f32(k_b_t).reshape(H, s.kv_lora, s.nope)        # already W_UK_h^T per head
+            uv = vector_f32(v_b_t).reshape(H, s.v, s.kv_lora)
+        else:
+            kv_b_t = kv_b_t if kv_b_t is not None else self._g("kv_b", i)
+            if tuple(kv_b_t.shape) != (H * (s.nope + s.v), s.kv_lora):
+                raise ModelLoadError(f"kv_b_proj is {list(kv_b_t.shape)}, expected [heads x (qk_nope + v) = "
+                                     f"{H * (s.nope + s.v)}, kv_lora_rank = {s.kv_lora}]", path=path,
+                                     tensor=kv_b_t.name)
+            kv_b = vector_f32(kv_b_t).reshape(H, s.nope + s.v, s.kv_lora)
+            uk = np.swapaxes(kv_b[:, :s.nope], 1, 2)
+            uv = kv_b[:, s.nope:]
+        w_uk = [Linear(np.ascontiguousarray(uk[h], np.float32), "f32", s.kv_lora, s.nope, None, f"blk.{i}.w_uk[{h}]")
+                for h in range(H)]
+        w_uv = [Linear(np.ascontiguousarray(uv[h], np.float32), "f32", s.v, s.kv_lora, None, f"blk.{i}.w_uv[{h}]")
                 for h in range(H)]
         o = linear_from([self._g("o", i)], f"blk.{i}.o")
         moe = load_moe_block(self.ckpt, i, self.moe_spec, self.hidden)
@@ -249,7 +275,7 @@ class MLADecoderLM(DecoderLM):
             moe.shared_down = linear_from([d], f"blk.{i}.shared_down")
             moe.shared_gated = False
         moe.routed_scale = float(ex.get("routed_scaling_factor", 1.0) or 1.0)
-        if self.arch == "deepseek_v3":
+        if self.sigmoid_routing:
             from jitkern.ops.moe import SIGMOID_GROUP_TOPK
             bias = self.ckpt.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias") or \
                 self.ckpt.get(f"blk.{i}.exp_probs_b.bias")
