@@ -22,8 +22,6 @@ from pathlib import Path
 
 log = logging.getLogger("engine")
 
-_ENGINE_FIELDS = None
-
 _IGNORED = ("gpu_memory_utilization", "swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode",
             "revision", "tokenizer_revision", "code_revision", "download_dir", "load_format",
             "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats", "disable_async_output_proc",

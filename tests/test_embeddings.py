@@ -3,7 +3,6 @@
 optional Normalize module), computed from transformers' last_hidden_state."""
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -32,7 +31,8 @@ def make_embedding_dir(arch: str, path: str, seed: int = 0, pooling: str | None 
         mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                 {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
         if normalize:
-            mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+            mods.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                         "type": "sentence_transformers.models.Normalize"})
         with open(os.path.join(path, "modules.json"), "w") as f:
             json.dump(mods, f)
         os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
@@ -84,7 +84,6 @@ def _close(a, b, tol=2e-4):
 
 def test_detected_as_embedding_model(emb_llm, tiny_llama):
     assert emb_llm.engine.task == "embed"
-    pc = emb_llm.engine._embedder.pooling if getattr(emb_llm.engine, "_embedder", None) else None
     from engine.pooling import load_pooling_config
     pc = load_pooling_config(tiny_llama[0], "llama")
     assert (pc.pooling, pc.normalize, pc.matryoshka_dimensions) == ("last", True, [16, 32, 64])
@@ -177,7 +176,8 @@ def make_bert_dir(path: str, seed: int = 0, pooling: str | None = "cls", normali
         mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                 {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
         if normalize:
-            mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+            mods.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                         "type": "sentence_transformers.models.Normalize"})
         with open(os.path.join(path, "modules.json"), "w") as f:
             json.dump(mods, f)
         os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)

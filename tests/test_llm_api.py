@@ -4,7 +4,6 @@ import json
 import logging
 import math
 
-import numpy as np
 import pytest
 
 from engine.beam_search import BeamSearchParams, beam_search_score

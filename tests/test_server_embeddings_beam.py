@@ -3,7 +3,6 @@ official `openai` client over an in-process WSGI transport, on the real engine w
 generation_config.json defaults for unset request fields."""
 import base64
 import json
-import shutil
 
 import numpy as np
 import pytest
