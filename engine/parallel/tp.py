@@ -115,14 +115,17 @@ class TPShard:
         self.rank, self.world = comm.rank, comm.world
         self.v0, self.v1 = vocab_range(vocab, self.world, self.rank)
         self.lm_head = None
+        self._ids = None
 
-    def local_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Token ids as rows of this rank's embedding slice; ids outside it read the appended zero row."""
-        ids = np.asarray(ids)
-        loc = ids.astype(np.int32) - self.v0
-        outside = (ids < self.v0) | (ids >= self.v1)
-        loc[outside] = self.v1 - self.v0
-        return loc
+    def local_ids(self, ids):
+        """Token ids as rows of this rank's embedding slice; ids outside it read the appended zero row (a
+        kernel: runs on device ids; the output buffer keeps its address while it is large enough)."""
+        from jitkern.ops._hostargs import empty_like_dev
+        from jitkern.ops.parallel import vocab_local_ids
+        n = ids.shape[0]
+        if self._ids is None or self._ids.shape[0] < n or type(self._ids) is not type(ids):
+            self._ids = empty_like_dev(ids, (max(n, 256),), np.int32)
+        return vocab_local_ids(ids, self.v0, self.v1, out=self._ids[:n])
 
     def all_reduce(self, x) -> None:
         self.comm.all_reduce(x)
