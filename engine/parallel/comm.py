@@ -36,6 +36,19 @@ class Communicator:
         pass
 
 
+def to_host(x) -> np.ndarray:
+    """A host copy of a numpy array or a DeviceArray (the CPU communicators stage device data through the host;
+    NcclComm works on device pointers instead)."""
+    return x.numpy() if type(x).__name__ == "DeviceArray" else np.array(x, copy=True)
+
+
+def write_back(x, value: np.ndarray) -> None:
+    if type(x).__name__ == "DeviceArray":
+        x.copy_from_numpy(value)
+    else:
+        x[...] = value
+
+
 def reduce_in_rank_order(parts: list) -> np.ndarray:
     """The reference all-reduce: partials summed as ((p0 + p1) + p2) + ...  in float32."""
     total = np.array(parts[0], np.float32, copy=True)
@@ -73,7 +86,7 @@ class ThreadComm(Communicator):
     def _exchange(self, x) -> list:
         g = self.group
         try:
-            g.slots[self.rank] = np.array(x, copy=True)
+            g.slots[self.rank] = to_host(x)
             g.barrier.wait()
             parts = list(g.slots)
             g.barrier.wait()          # nobody overwrites a slot before every rank has read them all
@@ -82,10 +95,10 @@ class ThreadComm(Communicator):
         return parts
 
     def all_reduce(self, x) -> None:
-        x[...] = reduce_in_rank_order(self._exchange(x))
+        write_back(x, reduce_in_rank_order(self._exchange(x)))
 
     def all_gather(self, local, out) -> None:
-        gather_last_axis(self._exchange(local), out)
+        write_back(out, gather_last_axis(self._exchange(local), np.empty(out.shape, np.float32)))
 
     def abort(self) -> None:
         self.group.barrier.abort()
@@ -120,21 +133,21 @@ class PipeComm(Communicator):
             raise RankFailure(f"tensor-parallel rank {peer} exited during a collective") from None
 
     def _exchange(self, x, combine):
-        x = np.asarray(x)
+        x = to_host(x)
         if self.rank == 0:
-            parts = [np.array(x, copy=True)] + [self._recv(c, r + 1) for r, c in enumerate(self.conns)]
+            parts = [x] + [self._recv(c, r + 1) for r, c in enumerate(self.conns)]
             result = combine(parts)
             for r, c in enumerate(self.conns):
                 self._send(c, r + 1, result)
             return result
-        self._send(self.conns[0], 0, np.array(x, copy=True))
+        self._send(self.conns[0], 0, x)
         return self._recv(self.conns[0], 0)
 
     def all_reduce(self, x) -> None:
-        x[...] = self._exchange(x, reduce_in_rank_order)
+        write_back(x, self._exchange(x, reduce_in_rank_order))
 
     def all_gather(self, local, out) -> None:
-        out[...] = self._exchange(local, lambda parts: gather_last_axis(parts, np.empty(out.shape, np.float32)))
+        write_back(out, self._exchange(local, lambda parts: gather_last_axis(parts, np.empty(out.shape, np.float32))))
 
 
 # ------------------------------------------------------------------------------------------------ NCCL

@@ -99,8 +99,9 @@ class VocabParallelHead:
         rows = x.shape[0]
         if out is None:
             out = np.empty((rows, self.n), np.float32)
-        if self._buf is None or self._buf.shape[0] < rows:
-            self._buf = np.empty((max(rows, 16), self.lin.n), np.float32)
+        if self._buf is None or self._buf.shape[0] < rows or type(self._buf) is not type(x):
+            from jitkern.ops._hostargs import empty_like_dev
+            self._buf = empty_like_dev(x, (max(rows, 16), self.lin.n), np.float32)
         local = self._buf[:rows]
         self.lin(x, out=local)
         self.comm.all_gather(local, out)
@@ -131,11 +132,13 @@ class TPShard:
         self.comm.all_reduce(x)
 
 
-def shard_model(model, comm) -> object:
-    """Turns a freshly loaded host DecoderLM into rank `comm.rank`'s shard of `comm.world`, in place."""
+def shard_model(model, comm, device: str = "cpu") -> object:
+    """Turns a freshly loaded host DecoderLM (built with device="cpu") into rank `comm.rank`'s shard of
+    `comm.world`, in place; then uploads the shard's weights when `device` is a GPU kind (only the rank's
+    slices ever reach its device)."""
     rank, world = comm.rank, comm.world
-    if model.device != "cpu" and any(not isinstance(L.qkv.weight, np.ndarray) for L in model.layers[:1]):
-        raise ShardingError("shard the host weights before they are uploaded to a device")
+    if model.device != "cpu":
+        raise ShardingError("shard the host weights before they are uploaded to a device (build with device='cpu')")
     if model.moe_spec is not None:
         raise ShardingError("tensor parallelism for mixture-of-experts layers is not written yet",
                             key="tensor_parallel_size")
@@ -179,4 +182,8 @@ def shard_model(model, comm) -> object:
     model.tp = tp
     # a recorded graph would replay the kernels without the host-side collectives between them
     model.supports_graphs = False
+    model.lm_head = tp.lm_head.lin           # the rank's vocabulary slice (what gets uploaded)
+    if device != "cpu":
+        model.device = device
+        model._to_device()
     return model
