@@ -302,10 +302,56 @@ def test_more_ranks_than_gpus_fails_at_start_naming_both(llama_path, capsys, mon
             cfg.check_tensor_parallel(bad, "cpu")
 
 
+def _nccl_rank(rank, world, uid, q):
+    """One rank of the NCCL test, in its own process seeing one GPU."""
+    import os
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    try:
+        from engine.parallel.comm import NcclComm
+        from jitkern.runtime import cuda
+        dev = cuda.get_device(0)
+        rng = np.random.default_rng(rank)
+        x = cuda.DeviceArray.from_numpy(rng.standard_normal(4099).astype(np.float32))
+        part = cuda.DeviceArray.from_numpy(np.full((3, 5), rank, np.float32))
+        gathered = cuda.DeviceArray.zeros((world, 3, 5), np.float32)
+        comm = NcclComm(rank, world, uid, int(dev.stream))
+        comm.all_reduce(x)
+        comm.all_gather(part, gathered)
+        q.put((rank, x.numpy(), gathered.numpy(), None))
+        comm.close()
+    except BaseException as e:      # noqa: BLE001 - back to the test
+        q.put((rank, None, None, f"{type(e).__name__}: {e}"))
+
+
 @pytest.mark.gpu
-def test_nccl_all_reduce_two_gpus():
-    """NOT RUN (no multi-GPU machine lent): NCCL all-reduce over 2 GPUs in rank order, through NcclComm."""
-    pytest.skip("needs 2 CUDA GPUs and the nvidia-nccl-cu12 wheel: a multi-GPU machine was not lent")
+def test_nccl_all_reduce_and_all_gather_on_two_gpus():
+    """NOT RUN YET (no multi-GPU machine was lent): NcclComm over 2 GPUs, one process each, NVLS off:
+    all-reduce = the numpy sum (within 1e-6 relative: NCCL's ring order is not ours) and the same bits on both
+    ranks; all-gather = the ranks' chunks in rank order."""
+    import multiprocessing as mp
+
+    import engine.parallel.config as cfg
+    from engine.parallel.comm import NcclComm, RankFailure
+    world = 2
+    if cfg.cuda_device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, {cfg.cuda_device_count()} present")
+    try:
+        uid = NcclComm.unique_id()
+    except RankFailure as e:
+        pytest.skip(str(e))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, world, uid, q)) for r in range(world)]
+    [p.start() for p in procs]
+    res = sorted([q.get(timeout=120) for _ in procs], key=lambda t: t[0])
+    [p.join(30) for p in procs]
+    for r, _, _, err in res:
+        assert err is None, f"rank {r}: {err}"
+    want = sum(np.random.default_rng(r).standard_normal(4099).astype(np.float32) for r in range(world))
+    np.testing.assert_allclose(res[0][1], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(res[0][1], res[1][1])
+    for r in range(world):
+        np.testing.assert_array_equal(res[r][2], np.stack([np.full((3, 5), k, np.float32) for k in range(world)]))
 
 
 # -------------------------------------------------------------- the device-array path (host-memory fake CUDA)
@@ -374,3 +420,11 @@ def test_shards_on_the_fake_cuda_device_match_the_cpu(arch, world, tmp_path, mon
         assert np.abs(out[0] - want).max() <= TOL * scale + TOL, f"step {step}"
         np.testing.assert_array_equal(out[0].argmax(-1), want.argmax(-1))
         seqs.advance(want.argmax(-1))
+
+
+def test_a_rank_failing_to_start_fails_the_start_with_its_message(llama_path):
+    from engine.parallel.comm import RankFailure
+    from engine.parallel.runtime import start_ranks
+    with pytest.raises(RankFailure, match=r"^tensor-parallel rank 2 failed to start: RuntimeError: injected "
+                                          r"failure at start$"):
+        start_ranks(llama_path, world=4, fail_rank_at_step=(2, 0))

@@ -199,10 +199,12 @@ class NcclComm(Communicator):
         self.rank, self.world, self.stream = rank, world, int(stream or 0)
         self.lib = load_libnccl()
         self.comm = ctypes.c_void_p()
-        uid = (ctypes.c_char * _NCCL_UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+        class NcclUniqueId(ctypes.Structure):     # a struct, so ctypes passes it by value (an array would decay)
+            _fields_ = [("internal", ctypes.c_char * _NCCL_UNIQUE_ID_BYTES)]
+        uid = NcclUniqueId.from_buffer_copy(unique_id)
         # ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank): the id by value
-        self.lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                                              ctypes.c_char * _NCCL_UNIQUE_ID_BYTES, ctypes.c_int]
+        self.lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, NcclUniqueId,
+                                              ctypes.c_int]
         _nccl_check(self.lib, self.lib.ncclCommInitRank(ctypes.byref(self.comm), world, uid, rank),
                     "ncclCommInitRank")
         for fn in (self.lib.ncclAllReduce, self.lib.ncclAllGather):

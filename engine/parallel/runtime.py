@@ -147,6 +147,8 @@ def _rank_main(rank: int, world: int, path: str, kv_dtype: str, ctrl, coll, fail
         from engine.loader import load_checkpoint
         from engine.models import build_model
         from engine.parallel.tp import shard_model
+        if fail_at_step == 0:               # tests: a rank failing to start
+            raise RuntimeError("injected failure at start")
         model = build_model(load_checkpoint(path), kv_dtype=kv_dtype, device="cpu")
         shard_model(model, PipeComm(rank, world, [coll]))
         ctrl.send(("ready", rank))
@@ -184,7 +186,7 @@ def _rank_main(rank: int, world: int, path: str, kv_dtype: str, ctrl, coll, fail
 def start_ranks(path: str, *, world: int, kv_dtype: str = "f32", backend: str = "cpu-pipes", ckpt=None,
                 fail_rank_at_step: tuple | None = None):
     """Starts ranks 1..N-1, builds rank 0's shard here, and returns rank 0's TPModel. `fail_rank_at_step`
-    (tests): (rank, step) at which that rank raises."""
+    (tests): (rank, step) at which that rank raises (step 0: while starting)."""
     if backend != "cpu-pipes":
         raise RankFailure(f"tensor-parallel backend {backend!r} is not available")
     from engine.loader import load_checkpoint
