@@ -1,0 +1,107 @@
+"""Prefill and mixed (prefill + decode) steps replayed as recorded graphs, one per token-count bucket.
+
+A prefill step launches every kernel of the forward pass from Python (~600 launches for SmolLM2's 30 layers,
+~10 us each): for short prompts that launch cost is as large as the arithmetic. Decode steps already replay
+a `jk.capture()` graph per batch size (engine/model_runner.py); this module does the same for the other
+steps, on the CPU:
+
+- the step's token count T is padded up to a bucket (`token_bucket`: 8, 16, 24, 32, 40, 48, 56, 64, 80, ...,
+  four buckets per octave, so at most ~25% padding) and its sequence count S up to a power of two
+  (`seq_bucket`), so a handful of graphs serve every prompt length;
+- padding tokens have slot_mapping -1 (reshape_and_cache writes nothing for them), position 0, token id 0,
+  and belong to no sequence (they sit after query_start[S]); padding sequences have no tokens and length 0
+  (the attention kernels skip them). Their rows of the activations hold values nobody reads: every kernel on
+  the path computes a row from that row alone (batch invariance), so the real rows are bit-identical to the
+  eager step over T tokens (tests/test_prefill_graphs.py compares the logits with assert_array_equal);
+- the rows that need logits are gathered through a fixed int32 array (`rows`), padded with row 0, and the
+  logits of the real rows are returned (a view of the graph's logits buffer, overwritten by the next step,
+  as the decode graphs' are);
+- everything else that changes per step (ids, positions, slots, query_start, seq_lens, block tables) is
+  read by the kernels from the batch's fixed arrays, as for decode graphs; the padded T and S are the only
+  scalars baked into a recording, and they are its key.
+
+Steps that need logits for more rows than sequences (prompt logprobs, speculative verification mixed with
+a prefill) run eagerly; pure decode and speculative-verification steps keep their own graphs
+(`ModelRunner._replay_decode`, keyed by batch size / ("spec", tokens, sequences)); prefill graphs are keyed
+("prefill", padded tokens, padded sequences) in the same bounded LRU (engine.limits.MAX_DECODE_GRAPHS).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def token_bucket(n: int, cap: int) -> int:
+    """The padded token count of a step of n tokens: 8, 16, then four buckets per octave (multiples of 8 up
+    to 64, of 16 up to 128, ...), at most cap (the batch arrays' length)."""
+    if n <= 8:
+        b = 8
+    else:
+        p = 1 << (n - 1).bit_length()          # the next power of two >= n
+        step = max(8, p // 8)
+        b = -(-n // step) * step
+    return min(b, cap)
+
+
+def seq_bucket(s: int, cap: int) -> int:
+    """The padded sequence count: the next power of two, at most cap (max_num_seqs)."""
+    return min(1 << max(s - 1, 0).bit_length(), cap)
+
+
+def _gathers_rows_from_array(model) -> bool:
+    """Whether the model's forward is DecoderLM.forward, which gathers the logits rows through
+    `b.device_rows` (a fixed array) when set; other forwards (MLA, encoders) index with a temporary array
+    or on the host, which a recorded graph would bake in."""
+    from engine.models.decoder import DecoderLM
+    return getattr(type(model), "forward", None) is DecoderLM.forward
+
+
+class PrefillGraphs:
+    """Records and replays the prefill / mixed steps of one CPU ModelRunner (see the module docstring)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        b = runner.batch
+        self.rows = np.zeros(len(b.seq_lens), np.int32)      # the logits rows of a padded step (fixed address)
+        self.replays = 0                                     # steps served by a graph (tests, metrics)
+
+    def eligible(self, res) -> bool:
+        r = self.runner
+        b = r.batch
+        if not r.use_graphs or r.staging is not None or r.device != "cpu":
+            return False
+        if not getattr(r.model, "supports_graphs", True) or not _gathers_rows_from_array(r.model):
+            return False
+        if res.prompt_rows or res.spec_rows or b.num_tokens == 0:
+            return False
+        R, S = len(b.logits_rows), b.num_seqs
+        return R <= S and b.num_tokens > S           # one row per sampling sequence; some sequence prefills
+
+    def run(self, res) -> np.ndarray:
+        r = self.runner
+        b = r.batch
+        T, S, rows = b.num_tokens, b.num_seqs, b.logits_rows
+        R = len(rows)
+        maxT, maxS = len(b.input_ids), len(b.seq_lens)
+        S_pad = seq_bucket(S, maxS)
+        T_pad = token_bucket(max(T, S_pad + 1), maxT)
+        if T_pad <= S_pad or T_pad < T:
+            return r.model.forward(r.fwd_batch)             # no room to pad (tiny max_num_batched_tokens)
+        # padding tokens: no KV write (slot -1), a valid id and position, after every sequence's tokens
+        b.input_ids[T:T_pad] = 0
+        b.positions[T:T_pad] = 0
+        b.slot_mapping[T:T_pad] = -1
+        # padding sequences: no tokens, length 0 (the attention kernels skip them)
+        b.query_start[S + 1:S_pad + 1] = T
+        b.seq_lens[S:S_pad] = 0
+        b.block_table[S:S_pad] = 0
+        self.rows[:R] = rows
+        self.rows[R:S_pad] = 0
+        saved = (b.num_tokens, b.num_seqs, b.logits_rows, b.device_rows)
+        b.num_tokens, b.num_seqs, b.logits_rows = T_pad, S_pad, self.rows[:S_pad]
+        b.device_rows = self.rows               # the decoder gathers the logits rows from this fixed array
+        try:
+            logits = r._replay_decode(("prefill", T_pad, S_pad))
+        finally:
+            b.num_tokens, b.num_seqs, b.logits_rows, b.device_rows = saved
+        self.replays += 1
+        return logits[:R]

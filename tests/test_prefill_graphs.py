@@ -1,0 +1,87 @@
+"""Prefill / mixed steps replayed as graphs per token-count bucket (engine/prefill_graphs.py): the logits of
+every sampled row and the greedy tokens equal the eager engine's bit for bit, the padding tokens write nothing
+(the KV caches end up identical), and one recorded graph serves steps of different lengths and layouts."""
+import numpy as np
+import pytest
+
+from engine.llm import LLM
+from engine.prefill_graphs import seq_bucket, token_bucket
+from engine.sampling_params import SamplingParams
+
+
+def test_buckets():
+    assert [token_bucket(n, 4096) for n in (1, 8, 9, 16, 17, 24, 25, 33, 37, 64, 65, 100, 129, 300, 512)] == \
+        [8, 8, 16, 16, 24, 24, 32, 40, 40, 64, 80, 112, 160, 320, 512]
+    for n in range(1, 3000):
+        b = token_bucket(n, 4096)
+        assert n <= b and (b - n) * 4 <= max(n, 32), n                 # at most ~25% padding
+    assert token_bucket(300, 256) == 256 and token_bucket(70, 100) == 80
+    assert [seq_bucket(s, 16) for s in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert seq_bucket(9, 12) == 12
+
+
+def _logit_log(llm):
+    eng = llm.engine
+    log = {}
+    orig = eng.sampler.sample
+
+    def sample(sched, result):
+        by_id = sched.by_id()
+        for rid, row in result.sample_rows.items():
+            log[(rid, by_id[rid].end - 1)] = np.array(result.logits[row])
+        return orig(sched, result)
+    eng.sampler.sample = sample
+    return log
+
+
+def _run(model, prompts, sp, graphs, **kw):
+    with LLM(model, use_graphs=graphs, **kw) as llm:
+        log = _logit_log(llm)
+        # one wave of all prompts (chunked prefills beside decodes: mixed steps), then prompts alone (fresh
+        # ones: a prefix-cache hit would leave a single-token step)
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts[:-3], sp)]
+        toks += [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts[-3:]]
+        runner = llm.engine.runner
+        caches = [np.array(c) for c in runner.model.k_caches + runner.model.v_caches]
+        keys = [k for k in runner._graphs if isinstance(k, tuple) and k[0] == "prefill"]
+        return toks, log, caches, runner.prefill_graphs.replays, keys
+
+
+def _check(model, prompts, max_tokens=6, **kw):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+    t_e, log_e, c_e, rep_e, _ = _run(model, prompts, sp, False, **kw)
+    t_g, log_g, c_g, rep_g, keys = _run(model, prompts, sp, True, **kw)
+    assert rep_e == 0 and rep_g >= 5, (rep_e, rep_g)
+    # fewer recordings than replays: steps of other lengths replayed a graph of their bucket
+    assert 0 < len(keys) < rep_g, keys
+    assert t_g == t_e
+    assert log_g.keys() == log_e.keys() and len(log_g) >= 3 * len(prompts)
+    for k in log_e:
+        np.testing.assert_array_equal(log_g[k], log_e[k], err_msg=str(k))
+    # padding tokens have slot -1: nothing else was written into the paged KV cache
+    for a, b in zip(c_g, c_e):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.model_fixtures import make_model_dir
+    path = tmp_path_factory.mktemp("tiny-llama-pg")
+    make_model_dir("llama", str(path), seed=11)
+    return str(path)
+
+
+def test_tiny_llama_graphs_equal_eager(tiny_llama):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (37, 5, 70, 17, 9, 40, 33, 12, 70)]
+    _check(tiny_llama, prompts, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+def test_embedded_smollm2_graphs_equal_eager():
+    """SmolLM2 Q4_1 (the quantised GEMM tiles with padded token counts; chunked prefills of 64 tokens beside
+    decodes)."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (37, 5, 90, 12, 35, 7, 20)]
+    _check(None, prompts, max_num_batched_tokens=64, max_num_seqs=4, max_tokens=3)
