@@ -316,7 +316,7 @@ def _nccl_rank(rank, world, uid, q):
         gathered = cuda.DeviceArray.zeros((world, 3, 5), np.float32)
         comm = NcclComm(rank, world, uid, int(dev.stream))
         comm.all_reduce(x)
-        comm.all_gather(part, gathered)
+        comm._raw_all_gather(part, gathered)
         q.put((rank, x.numpy(), gathered.numpy(), None))
         comm.close()
     except BaseException as e:      # noqa: BLE001 - back to the test
@@ -428,3 +428,47 @@ def test_a_rank_failing_to_start_fails_the_start_with_its_message(llama_path):
     with pytest.raises(RankFailure, match=r"^tensor-parallel rank 2 failed to start: RuntimeError: injected "
                                           r"failure at start$"):
         start_ranks(llama_path, world=4, fail_rank_at_step=(2, 0))
+
+
+class _RawThreadGather(tpcomm.EqualChunkGather):
+    """NCCL's all-gather contract (equal rank-major chunks) over threads: exercises EqualChunkGather's staging
+    and un-padding layout, the part of NcclComm.all_gather that runs without NCCL."""
+
+    def __init__(self, group, rank):
+        self.inner = tpcomm.ThreadComm(group, rank)
+        self.rank, self.world = rank, group.world
+
+    def _raw_all_gather(self, send, recv):
+        parts = self.inner._exchange(send)
+        tpcomm.write_back(recv, np.stack(parts))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("V,world", [(1001, 4), (256, 2), (3, 4)])
+def test_equal_chunk_gather_layout(V, world, on_device, monkeypatch):
+    """The vocabulary split padded to ceil(V/N) columns for an equal-chunk gather and cut back into [R, V]:
+    every rank ends with exactly the concatenation of the ranks' slices (also V < N: empty slices)."""
+    from engine.parallel.tp import vocab_range
+    if on_device:
+        from tests import fake_cuda
+        fake_cuda.install(monkeypatch)
+    from jitkern.runtime.cuda import DeviceArray
+    rng = np.random.default_rng(V + world)
+    R = 3
+    full = rng.standard_normal((R, V)).astype(np.float32)
+    group = tpcomm.ThreadGroup(world)
+    outs = [None] * world
+
+    def work(r):
+        v0, v1 = vocab_range(V, world, r)
+        local, out = np.ascontiguousarray(full[:, v0:v1]), np.full((R, V), np.nan, np.float32)
+        if on_device:
+            local, out = DeviceArray.from_numpy(local), DeviceArray.from_numpy(out)
+        _RawThreadGather(group, r).all_gather(local, out)
+        outs[r] = out.numpy() if on_device else out
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    for r in range(world):
+        np.testing.assert_array_equal(outs[r], full)

@@ -150,6 +150,42 @@ class PipeComm(Communicator):
         write_back(out, self._exchange(local, lambda parts: gather_last_axis(parts, np.empty(out.shape, np.float32))))
 
 
+class EqualChunkGather(Communicator):
+    """all_gather for libraries that gather equal rank-major chunks (NCCL): the rank's [R, n_r] logits slice
+    (the vocabulary split of engine.parallel.tp.vocab_range: ceil(V/N) columns, the last rank fewer) is staged
+    into a [R, P] buffer (P = ceil(V/N); its pad columns are never read), gathered into [N, R, P], and each
+    rank's first n_r columns copied into out[:, v0_r:v1_r]. All copies are kernels on the arrays' device, into
+    buffers kept per shape (stable addresses for recorded graphs). Subclasses give `_raw_all_gather`."""
+
+    def _raw_all_gather(self, send, recv) -> None:       # recv[r] = rank r's send, all ranks
+        raise NotImplementedError
+
+    def _scratch(self, name, like, shape):
+        from jitkern.ops._hostargs import empty_like_dev
+        bufs = self.__dict__.setdefault("_gather_bufs", {})
+        key = (name, tuple(shape), type(like).__name__)
+        if key not in bufs:
+            bufs[key] = empty_like_dev(like, shape, np.float32)
+        return bufs[key]
+
+    def all_gather(self, local, out) -> None:
+        from jitkern.ops.activation import copy
+        R, V = out.shape
+        P = -(-V // self.world)
+        widths = [min((r + 1) * P, V) - min(r * P, V) for r in range(self.world)]
+        if tuple(local.shape) != (R, widths[self.rank]):
+            raise ValueError(f"all_gather: rank {self.rank}'s slice is {tuple(local.shape)}, expected "
+                             f"{(R, widths[self.rank])}")
+        send = self._scratch("send", local, (R, P))
+        recv = self._scratch("recv", local, (self.world, R, P))
+        if widths[self.rank]:
+            copy(local, send[:, :widths[self.rank]])
+        self._raw_all_gather(send, recv)
+        for r, n in enumerate(widths):
+            if n:
+                copy(recv[r][:, :n], out[:, r * P:r * P + n])
+
+
 # ------------------------------------------------------------------------------------------------ NCCL
 _NCCL_FLOAT32 = 7          # ncclDataType_t ncclFloat32 (nccl.h)
 _NCCL_SUM = 0              # ncclRedOp_t ncclSum
@@ -178,7 +214,7 @@ def load_libnccl():
     raise RankFailure(f"tensor parallelism needs NCCL: install the nvidia-nccl-cu12 wheel ({last})")
 
 
-class NcclComm(Communicator):
+class NcclComm(EqualChunkGather):
     """One NCCL communicator per rank process, on that rank's CUDA stream, so collectives are recorded into
     the rank's CUDA graphs like any kernel. The unique id comes from rank 0 (ncclGetUniqueId) through the
     runtime's control pipes. NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is set before init.
@@ -218,12 +254,11 @@ class NcclComm(Communicator):
                                                      _NCCL_SUM, self.comm, ctypes.c_void_p(self.stream)),
                     "ncclAllReduce")
 
-    def all_gather(self, local, out) -> None:
-        # NCCL gathers rank-major contiguous chunks of equal size into `out` ([world, R, n]): the GPU LM head
-        # must pad its slice to ceil(V/N) rows and transpose into [R, V] (not written yet; see ARCHITECTURE.md)
+    def _raw_all_gather(self, send, recv) -> None:
+        # ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream): rank-major equal chunks
         import ctypes
-        _nccl_check(self.lib, self.lib.ncclAllGather(ctypes.c_void_p(int(local.ptr)), ctypes.c_void_p(int(out.ptr)),
-                                                     ctypes.c_size_t(int(local.size)), _NCCL_FLOAT32, self.comm,
+        _nccl_check(self.lib, self.lib.ncclAllGather(ctypes.c_void_p(int(send.ptr)), ctypes.c_void_p(int(recv.ptr)),
+                                                     ctypes.c_size_t(int(send.size)), _NCCL_FLOAT32, self.comm,
                                                      ctypes.c_void_p(self.stream)), "ncclAllGather")
 
     def close(self) -> None:
