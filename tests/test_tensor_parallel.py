@@ -247,6 +247,26 @@ def test_a_dying_rank_gives_one_clear_error(llama_path):
         llm.close()
 
 
+def test_rank_0_failing_in_a_step_is_fatal_and_stops_the_workers(llama_path, capfd):
+    """Rank 0 raising mid-step leaves the workers inside that step's collectives: the engine must not run
+    another step with them (their partial sums would pair with the wrong step), so it is fatal."""
+    from engine.llm import LLM
+    from engine.parallel.comm import RankFailure
+    llm = LLM(llama_path, device="cpu", num_blocks=64, tensor_parallel_size=2, tensor_parallel_backend="cpu-pipes")
+    try:
+        def boom(x, out=None):
+            raise RuntimeError("boom")
+        llm.engine.model._shard.tp.lm_head = boom          # after every layer's collectives, before the gather
+        with pytest.raises(RankFailure, match=r"^tensor-parallel rank 0 failed during a step: RuntimeError: boom$"):
+            _greedy(llm, _prompts(2, seed=4), n=2)
+        proc = llm.engine.model._procs[0]
+        proc.join(20)
+        assert proc.exitcode == 1
+    finally:
+        llm.close()
+    assert "tensor-parallel rank 1: RankFailure: tensor-parallel rank 0 failed during a step" in capfd.readouterr().err
+
+
 def test_a_worker_failing_at_a_step_is_reported_on_rank_0(llama_path, capfd):
     from engine.model_runner import Batch, BufferPool
     from engine.parallel.comm import RankFailure

@@ -117,17 +117,25 @@ class TPModel:
                     break
                 time.sleep(0.1)
             self._fail(self._dead_message(dead[0]) if dead else str(e))
+        except Exception as e:  # noqa: BLE001
+            # the workers are inside this step's collectives: another step would pair their partial sums
+            # with the wrong step's, so a rank 0 failure is fatal too (the workers are told to exit)
+            self._abort_workers("tensor-parallel rank 0 failed during a step")
+            self._fail(f"tensor-parallel rank 0 failed during a step: {type(e).__name__}: {e}")
 
     def free_kv(self) -> None:
         self._shard.free_kv()
         self.shutdown()
 
-    def shutdown(self) -> None:
-        for k in self._comm.conns:            # a worker waiting in a collective hears that rank 0 stopped
+    def _abort_workers(self, why: str) -> None:
+        for k in self._comm.conns:            # a worker waiting in a collective raises RankFailure(why)
             try:
-                k.send(("abort", "tensor-parallel rank 0 stopped"))
+                k.send(("abort", why))
             except (BrokenPipeError, OSError):
                 pass
+
+    def shutdown(self) -> None:
+        self._abort_workers("tensor-parallel rank 0 stopped")
         for c in self._ctrls:
             try:
                 c.send(("stop",))
