@@ -18,8 +18,8 @@ What the engine stores and computes (the "absorbed" form, for every token, prefi
 Every step is per-token arithmetic (linear kernels, paged attention), so a token's result does not depend on
 the batch (batch invariance as in the dense decoder).
 
-Limits (see docs/STATUS.md): CPU only; the per-head absorption matmuls are one `linear` launch per head
-(no batched per-head kernel yet); W_UK / W_UV are kept in float32 (a GGUF-quantised kv_b is dequantised).
+The per-head absorption matmuls run as one launch over all heads (jitkern.ops.mla.head_linear).
+Limits (see docs/STATUS.md): CPU only; W_UK / W_UV are kept in float32 (a quantised kv_b is dequantised).
 """
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ class MLALayer:
     q_a_norm: np.ndarray | None
     q_b: Linear | None
     kv_a_norm: np.ndarray
-    w_uk: list                      # H Linears [kv_lora, nope]: q_nope_h -> its latent query
-    w_uv: list                      # H Linears [v, kv_lora]: latent output -> v_h
+    w_uk: np.ndarray                # f32 [H, kv_lora, nope]: q_nope_h -> its latent query
+    w_uv: np.ndarray                # f32 [H, v, kv_lora]: latent output -> v_h
     o: Linear
     ffn_norm: np.ndarray
     gate_up: Linear | None
@@ -155,7 +155,8 @@ class MLADecoderLM(DecoderLM):
             head = self.embed
         self.lm_head = linear_from([head], "lm_head")
         self.layers = [self._mla_layer(i) for i in range(cfg.num_layers)]
-        self.supports_graphs = False        # per-head absorption launches: not recorded into graphs yet
+        # decode steps replay from recorded graphs: every kernel reads the step from the batch's int32 arrays
+        self.supports_graphs = True
         self.num_kv_layers = cfg.num_layers
         self.k_caches, self.v_caches = [], []
         self._attn_ws = [{} for _ in self.layers]
@@ -242,10 +243,8 @@ class MLADecoderLM(DecoderLM):
             kv_b = vector_f32(kv_b_t).reshape(H, s.nope + s.v, s.kv_lora)
             uk = np.swapaxes(kv_b[:, :s.nope], 1, 2)
             uv = kv_b[:, s.nope:]
-        w_uk = [Linear(np.ascontiguousarray(uk[h], np.float32), "f32", s.kv_lora, s.nope, None, f"blk.{i}.w_uk[{h}]")
-                for h in range(H)]
-        w_uv = [Linear(np.ascontiguousarray(uv[h], np.float32), "f32", s.v, s.kv_lora, None, f"blk.{i}.w_uv[{h}]")
-                for h in range(H)]
+        w_uk = np.ascontiguousarray(uk, np.float32)       # [H, kv_lora, nope]
+        w_uv = np.ascontiguousarray(uv, np.float32)       # [H, v, kv_lora]
         o = linear_from([self._g("o", i)], f"blk.{i}.o")
         moe = load_moe_block(self.ckpt, i, self.moe_spec, self.hidden)
         gate_up = down = None
@@ -301,8 +300,8 @@ class MLADecoderLM(DecoderLM):
 
     # ----------------------------------------------------------------------------------- forward
     def _attention(self, li, L: MLALayer, x, b, buf, out, host_step):
-        from jitkern.ops.activation import copy
         from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
+        from jitkern.ops.mla import copy_heads, head_linear
         from jitkern.ops.norm import rms_norm
         from jitkern.ops.rope import rope
         s, H = self.shape, self.H
@@ -329,17 +328,15 @@ class MLADecoderLM(DecoderLM):
         reshape_and_cache(rows, rows, cache, cache, b.slot_mapping[:T])
         # absorbed queries [T, H, kv_lora + rope]: W_UK_h^T q_nope_h, then q_pe_h
         qabs = buf.get("mla.qabs", (T, H * s.row)).reshape(T, H, s.row)
-        for h in range(H):
-            c0 = h * s.qk
-            L.w_uk[h](q[:, c0:c0 + s.nope], out=qabs[:, h, :s.kv_lora])
-            copy(q[:, c0 + s.nope:c0 + s.qk], out=qabs[:, h, s.kv_lora:])
+        q_nope = np.lib.stride_tricks.as_strided(q, (T, H, s.nope), (q.strides[0], s.qk * item, item))
+        head_linear(q_nope, L.w_uk, out=qabs[:, :, :s.kv_lora])
+        copy_heads(q_pe, qabs[:, :, s.kv_lora:])
         lat = buf.get("mla.lat", (T, H * s.row)).reshape(T, H, s.row)
         paged_attention(qabs, cache, cache, b.query_start[: b.num_seqs + 1], b.seq_lens[: b.num_seqs],
                         b.block_table[: b.num_seqs], scale=self.scale, out=lat, workspace=self._attn_ws[li],
                         num_partitions=MAX_PARTITIONS, host_step=host_step)
         attn = buf.get("mla.attn", (T, H * s.v))
-        for h in range(H):
-            L.w_uv[h](lat[:, h, :s.kv_lora], out=attn[:, h * s.v:(h + 1) * s.v])
+        head_linear(lat[:, :, :s.kv_lora], L.w_uv, out=attn.reshape(T, H, s.v))
         L.o(attn, out=out)
 
     def forward(self, b) -> np.ndarray:
@@ -380,7 +377,8 @@ class MLADecoderLM(DecoderLM):
             xs = x
         else:
             xs = buf.get("xs", (R, self.hidden))
-            embedding(rows.astype(np.int32), x, out=xs)
+            idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
+            embedding(idx, x, out=xs)
         if getattr(self, "return_hidden", False):
             return xs
         logits = buf.get("logits", (R, self.vocab))
