@@ -231,7 +231,7 @@ class NcclComm(EqualChunkGather):
     def __init__(self, rank: int, world: int, unique_id: bytes, stream: int):
         import ctypes
         import os
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ["NCCL_NVLS_ENABLE"] = "0"          # NVLink multicast off (the lent machines require it)
         self.rank, self.world, self.stream = rank, world, int(stream or 0)
         self.lib = load_libnccl()
         self.comm = ctypes.c_void_p()
