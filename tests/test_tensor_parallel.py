@@ -267,6 +267,31 @@ def test_rank_0_failing_in_a_step_is_fatal_and_stops_the_workers(llama_path, cap
     assert "tensor-parallel rank 1: RankFailure: tensor-parallel rank 0 failed during a step" in capfd.readouterr().err
 
 
+def test_hidden_state_steps_stay_in_step_across_ranks(llama_path):
+    """An embedding step (model.return_hidden, engine.pooling) skips the LM head on every rank (else the
+    workers would wait in its all-gather): hidden states equal the unsharded ones, and a logits step after
+    it still matches."""
+    from engine.model_runner import Batch, BufferPool
+    from engine.parallel.runtime import start_ranks
+    ref = _load(llama_path)
+    ref.allocate_kv(16, BLOCK)
+    ref._pool = BufferPool()
+    m = start_ranks(llama_path, world=2)
+    try:
+        m.allocate_kv(16, BLOCK)
+        pool = BufferPool()
+        arrays = _Seqs(_prompts(2, seed=9)).batch()
+        ref.return_hidden = m.return_hidden = True
+        want, got = _run(ref, arrays), np.array(m.forward(Batch(buffers=pool, **arrays)), copy=True)
+        assert got.shape == (2, 64)
+        assert np.abs(got - want).max() <= TOL * np.abs(want).max() + TOL
+        ref.return_hidden = m.return_hidden = False
+        want, got = _run(ref, arrays), np.array(m.forward(Batch(buffers=pool, **arrays)), copy=True)
+        assert got.shape == (2, 256) and np.abs(got - want).max() <= TOL * np.abs(want).max() + TOL
+    finally:
+        m.free_kv()
+
+
 def test_a_worker_failing_at_a_step_is_reported_on_rank_0(llama_path, capfd):
     from engine.model_runner import Batch, BufferPool
     from engine.parallel.comm import RankFailure

@@ -35,18 +35,20 @@ _BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start", "seq_l
 START_TIMEOUT_S = 300.0
 
 
-def _batch_message(b) -> tuple:
-    """The step's batch as plain arrays (only the used prefix of each fixed-size array)."""
+def _batch_message(b, return_hidden: bool = False) -> tuple:
+    """The step's batch as plain arrays (only the used prefix of each fixed-size array), and whether the step
+    returns hidden states (embeddings, engine.pooling) instead of logits: every rank must skip the LM head
+    and its all-gather alike."""
     T, S = b.num_tokens, b.num_seqs
     arrays = {"input_ids": b.input_ids[:T], "positions": b.positions[:T], "slot_mapping": b.slot_mapping[:T],
               "query_start": b.query_start[:S + 1], "seq_lens": b.seq_lens[:S], "block_table": b.block_table[:S]}
     return ("step", {k: np.array(v, copy=True) for k, v in arrays.items()}, T, S,
-            np.array(b.logits_rows, np.int32, copy=True))
+            np.array(b.logits_rows, np.int32, copy=True), bool(return_hidden))
 
 
 def _batch_from(msg, pool):
     from engine.model_runner import Batch
-    _, arrays, T, S, rows = msg
+    _, arrays, T, S, rows, _ = msg
     return Batch(buffers=pool, num_tokens=T, num_seqs=S, logits_rows=rows, **arrays)
 
 
@@ -106,7 +108,7 @@ class TPModel:
         self._shard.set_max_model_len(n)
 
     def forward(self, b):
-        self._bcast(_batch_message(b))
+        self._bcast(_batch_message(b, getattr(self._shard, "return_hidden", False)))
         try:
             return self._shard.forward(b)
         except RankFailure as e:
@@ -185,6 +187,7 @@ def _rank_main(rank: int, world: int, path: str, kv_dtype: str, ctrl, coll, fail
                 steps += 1
                 if fail_at_step is not None and steps == fail_at_step:      # tests: a rank dying mid-run
                     raise RuntimeError(f"injected failure at step {steps}")
+                model.return_hidden = msg[5]
                 model.forward(_batch_from(msg, pool))
         except Exception as e:      # noqa: BLE001 - one line, then exit: every other rank reports us
             print(f"tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
