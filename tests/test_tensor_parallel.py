@@ -517,3 +517,23 @@ def test_equal_chunk_gather_layout(V, world, on_device, monkeypatch):
     [t.join() for t in ts]
     for r in range(world):
         np.testing.assert_array_equal(outs[r], full)
+
+
+def test_pipe_comm_reduces_in_rank_order_and_detects_a_rank_out_of_step():
+    import multiprocessing as mp
+    from engine.parallel.comm import PipeComm, RankFailure
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(33).astype(np.float32) * s for s in (1e4, 1.0, 1e-4)]
+    ends = [mp.Pipe() for _ in range(2)]
+    hub = PipeComm(0, 3, [e[0] for e in ends], alive=lambda r: True)
+    for r, (_, w) in enumerate(ends, start=1):
+        w.send(("data", 1, parts[r]))
+    x = parts[0].copy()
+    hub.all_reduce(x)
+    np.testing.assert_array_equal(x, (parts[0] + parts[1]) + parts[2])
+    for _, w in ends:
+        tag, seq, got = w.recv()
+        assert (tag, seq) == ("data", 1) and np.array_equal(got, x)
+    ends[0][1].send(("data", 3, parts[1]))         # rank 1 one collective ahead
+    with pytest.raises(RankFailure, match=r"rank 1 is out of step \(collective #3, rank 0 is at #2\)"):
+        hub.all_reduce(parts[0].copy())

@@ -132,16 +132,27 @@ class PipeComm(Communicator):
         except (BrokenPipeError, EOFError, OSError):
             raise RankFailure(f"tensor-parallel rank {peer} exited during a collective") from None
 
+    def _data(self, conn, peer: int):
+        """The next collective payload from `peer`, checked to belong to this rank's current collective
+        (a rank out of step would otherwise add another step's partial sums silently)."""
+        msg = self._recv(conn, peer)
+        if not (isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "data") or msg[1] != self._seq:
+            got = msg[1] if isinstance(msg, tuple) and len(msg) == 3 else "?"
+            raise RankFailure(f"tensor-parallel rank {peer} is out of step (collective #{got}, rank {self.rank} is "
+                              f"at #{self._seq})")
+        return msg[2]
+
     def _exchange(self, x, combine):
         x = to_host(x)
+        self._seq = getattr(self, "_seq", 0) + 1
         if self.rank == 0:
-            parts = [x] + [self._recv(c, r + 1) for r, c in enumerate(self.conns)]
+            parts = [x] + [self._data(c, r + 1) for r, c in enumerate(self.conns)]
             result = combine(parts)
             for r, c in enumerate(self.conns):
-                self._send(c, r + 1, result)
+                self._send(c, r + 1, ("data", self._seq, result))
             return result
-        self._send(self.conns[0], 0, x)
-        return self._recv(self.conns[0], 0)
+        self._send(self.conns[0], 0, ("data", self._seq, x))
+        return self._data(self.conns[0], 0)
 
     def all_reduce(self, x) -> None:
         write_back(x, self._exchange(x, reduce_in_rank_order))
