@@ -527,6 +527,10 @@ def gguf_field_value(field) -> Any:
     value = field.contents()
     if hasattr(value, "item"):
         value = value.item()
+    if gating == 1 and ex["n_group"] > 1:
+        # the converter copies HF's n_group / topk_group: DeepSeek-V2's group_limited_greedy (HF semantics:
+        # a group scores its best softmax score)
+        ex["topk_method"] = "group_limited_greedy"
     return value
 
 

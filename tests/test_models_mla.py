@@ -4,7 +4,8 @@ chunked prefill; 32 greedy tokens alone and in a mixed batch of 8 (batch invaria
 transformers' solo text); prefix-cache hits.
 
 Variants: V2 with a plain q_proj, softmax top-k routing with routed_scaling_factor and shared experts (layer 0
-dense via first_k_dense_replace); V2 with q_lora_rank (q_a_proj -> q_a_layernorm -> q_b_proj); V3 with yarn rope
+dense via first_k_dense_replace); V2 with q_lora_rank (q_a_proj -> q_a_layernorm -> q_b_proj) and
+group_limited_greedy routing; V3 with yarn rope
 scaling (mscale / mscale_all_dim: both the cos/sin tables and the softmax scale change), interleaved rope and
 sigmoid group-limited routing with a score-correction bias. Router weights are scaled up so no token's top-k is
 a near tie. The compressed cache is checked to hold kv_lora + rope floats per token and layer.
@@ -33,9 +34,9 @@ def make_mla_config(arch: str):
     if arch == "deepseek_v2":
         return tf.DeepseekV2Config(**common, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
                                    routed_scaling_factor=1.5)
-    if arch == "deepseek_v2-qlora":
-        return tf.DeepseekV2Config(**{**common, "first_k_dense_replace": 2}, q_lora_rank=20, n_routed_experts=4,
-                                   num_experts_per_tok=2)
+    if arch == "deepseek_v2-qlora":      # and group_limited_greedy routing: 6 experts in 3 groups, 1 eligible
+        return tf.DeepseekV2Config(**common, q_lora_rank=20, n_routed_experts=6, num_experts_per_tok=2,
+                                   topk_method="group_limited_greedy", n_group=3, topk_group=1)
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(**common, q_lora_rank=20, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
                                    topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
@@ -144,6 +145,9 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool):
         w.add_float32(f"{ga}.rope.scaling.yarn_log_multiplier", 0.1 * float(rp["mscale_all_dim"]))
     else:
         u32("expert_gating_func", 1)
+        if c.n_group:                    # convert_hf_to_gguf.py copies n_group / topk_group for any model
+            u32("expert_group_count", c.n_group)
+            u32("expert_group_used_count", c.topk_group)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, VOCAB)])

@@ -179,11 +179,6 @@ class MLADecoderLM(DecoderLM):
             norm = bool(ex.get("norm_topk_prob", True))
         else:
             method = ex.get("topk_method", "greedy")
-            ng, tg = ex.get("n_group"), ex.get("topk_group")
-            if method == "group_limited_greedy" and not (ng in (None, 1) or ng == tg):
-                raise ModelLoadError("DeepSeek-V2 group-limited routing (topk_method 'group_limited_greedy' with "
-                                     "topk_group < n_group) is not supported yet", path=self.cfg.source,
-                                     key="topk_method")
             if method not in ("greedy", "group_limited_greedy"):
                 raise ModelLoadError(f"topk_method {method!r} is not supported", path=self.cfg.source,
                                      key="topk_method")
@@ -274,19 +269,24 @@ class MLADecoderLM(DecoderLM):
             moe.shared_down = linear_from([d], f"blk.{i}.shared_down")
             moe.shared_gated = False
         moe.routed_scale = float(ex.get("routed_scaling_factor", 1.0) or 1.0)
-        if self.sigmoid_routing:
+        E, K = self.moe_spec.num_experts, self.moe_spec.top_k
+        ng = int(ex.get("n_group") or 1)
+        tg = int(ex.get("topk_group") or ng)
+        v2_groups = not self.sigmoid_routing and ex.get("topk_method") == "group_limited_greedy" and tg < ng
+        if self.sigmoid_routing or v2_groups:
             from jitkern.ops.moe import SIGMOID_GROUP_TOPK
-            bias = self.ckpt.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias") or \
-                self.ckpt.get(f"blk.{i}.exp_probs_b.bias")
-            E = self.moe_spec.num_experts
-            ng = int(ex.get("n_group") or 1)
-            tg = int(ex.get("topk_group") or ng)
-            if E % ng or not 1 <= tg <= ng:
-                raise ModelLoadError(f"n_group {ng} / topk_group {tg} do not divide {E} experts", path=self.cfg.source,
+            if E % ng or not 1 <= tg <= ng or (ng > 1 and E // ng < 2) or K > tg * (E // ng):
+                raise ModelLoadError(f"n_group {ng} / topk_group {tg} do not fit {E} experts with {K} per token "
+                                     "(equal groups of at least 2, enough eligible experts)", path=self.cfg.source,
                                      key="n_group")
-            moe.spec = MoESpec(E, self.moe_spec.top_k, self.moe_spec.norm_topk, SIGMOID_GROUP_TOPK)
+            bias = None
+            if self.sigmoid_routing:
+                bias = self.ckpt.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias") or \
+                    self.ckpt.get(f"blk.{i}.exp_probs_b.bias")
+            moe.spec = MoESpec(E, K, self.moe_spec.norm_topk, SIGMOID_GROUP_TOPK)
             moe.score_bias = vector_f32(bias) if bias is not None else np.zeros(E, np.float32)
             moe.groups = (ng, tg)
+            moe.score_softmax = v2_groups
 
     # ---------------------------------------------------------------------------------- KV cache
     def kv_block_bytes(self, block_size: int, dtype_bytes: int) -> int:

@@ -138,6 +138,7 @@ class MoEBlock:
     @property
     def quantized(self) -> bool:
         return self.kind in QUANT_TYPES
+        self.score_softmax = False      # DeepSeek-V2 group_limited_greedy: softmax scores, groups by their best
 
     def to_device(self, upload) -> None:
         """Router, expert and shared-expert weights onto the GPU (`upload`: engine.device.Uploader; the expert
@@ -170,7 +171,7 @@ class MoEBlock:
             ids, wts = route_sigmoid_group(logits, self.score_bias, E, K, n_group=self.groups[0],
                                            topk_group=self.groups[1], norm=self.spec.norm_topk,
                                            scale=self.routed_scale, ids=get("moe.ids", (T, K), np.int32),
-                                           weights=get("moe.w", (T, K), np.float32))
+                                           weights=get("moe.w", (T, K), np.float32), softmax=self.score_softmax)
         else:
             ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode,
                                   ids=get("moe.ids", (T, K), np.int32), weights=get("moe.w", (T, K), np.float32))

@@ -527,15 +527,23 @@ SIGMOID_GROUP_TOPK = 2       # MoESpec.mode for route_sigmoid_group (DeepSeek-V3
 @jk.kernel(do_not_specialize=("T",))
 def _route_sigmoid_kernel(logits, ld, bias, E, T, ids, wts, scale, K: jk.constexpr, KB: jk.constexpr,
                           EB: jk.constexpr, NG: jk.constexpr, GB: jk.constexpr, GS: jk.constexpr, TG: jk.constexpr,
-                          NORM: jk.constexpr):
+                          NORM: jk.constexpr, SOFTMAX: jk.constexpr):
     t = jk.program_id(0)
     offs = jk.arange(0, EB)
     valid = offs < E
-    v = jk.load(logits + t.to(jk.i64) * ld + offs, mask=valid, other=0.0).to(jk.f32)
-    sc = jk.sigmoid(v)
-    ch = jk.where(valid, sc + jk.load(bias + offs, mask=valid, other=0.0), -float("inf"))
+    if SOFTMAX:
+        v = jk.load(logits + t.to(jk.i64) * ld + offs, mask=valid, other=-float("inf")).to(jk.f32)
+        m = jk.max(v, axis=0)
+        e = jk.where(valid, jk.exp(v - m), 0.0)
+        sc = e / jk.sum(e, axis=0)
+        ch = jk.where(valid, sc, -float("inf"))
+    else:
+        v = jk.load(logits + t.to(jk.i64) * ld + offs, mask=valid, other=0.0).to(jk.f32)
+        sc = jk.sigmoid(v)
+        ch = jk.where(valid, sc + jk.load(bias + offs, mask=valid, other=0.0), -float("inf"))
     if NG > 1:
-        # group score = the sum of its two best choice scores; only the TG best groups stay eligible
+        # group score: the sum of its two best choice scores (sigmoid, V3) or its best score (softmax, V2's
+        # group_limited_greedy); only the TG best groups stay eligible
         grp = offs // GS
         ga = jk.arange(0, GB)
         gsv = jk.where(ga < NG, 0.0, -float("inf"))
@@ -543,8 +551,11 @@ def _route_sigmoid_kernel(logits, ld, bias, E, T, ids, wts, scale, K: jk.constex
             cg = jk.where(grp == g, ch, -float("inf"))
             b1 = jk.max(cg, axis=0)
             i1 = jk.min(jk.where(cg == b1, offs, 2147483647), axis=0)
-            b2 = jk.max(jk.where(offs == i1, -float("inf"), cg), axis=0)
-            gsv = jk.where(ga == g, b1 + b2, gsv)
+            if SOFTMAX:
+                gsv = jk.where(ga == g, b1, gsv)
+            else:
+                b2 = jk.max(jk.where(offs == i1, -float("inf"), cg), axis=0)
+                gsv = jk.where(ga == g, b1 + b2, gsv)
         keep = jk.zeros((EB,), jk.i32)
         for j in jk.static_range(TG):
             gb = jk.max(gsv, axis=0)
@@ -571,12 +582,14 @@ def _route_sigmoid_kernel(logits, ld, bias, E, T, ids, wts, scale, K: jk.constex
 
 def route_sigmoid_group(logits: np.ndarray, bias: np.ndarray, num_experts: int, top_k: int, *, n_group: int = 1,
                         topk_group: int = 1, norm: bool = True, scale: float = 1.0, ids: np.ndarray | None = None,
-                        weights: np.ndarray | None = None, target=None):
+                        weights: np.ndarray | None = None, softmax: bool = False, target=None):
     """DeepSeek-V3 routing of router logits f32 [T, >= E] (HF DeepseekV3TopkRouter): s = sigmoid(logits);
     choice = s + bias (e_score_correction_bias, f32 [E]); with n_group > 1 the experts form n_group equal groups
     scored by the sum of their two best choices and only the topk_group best groups stay eligible; the K best
     eligible choices are picked, their weights are s (not s + bias), divided by their sum (+1e-20) when `norm`,
-    times `scale` (routed_scaling_factor). Ties pick the lower id. Returns (ids int32 [T, K], weights f32 [T, K])."""
+    times `scale` (routed_scaling_factor). Ties pick the lower id. Returns (ids int32 [T, K], weights f32 [T, K]).
+    softmax=True is DeepSeek-V2's group_limited_greedy instead: s = softmax(logits) over the E experts, no bias
+    (pass zeros), a group scores its best s; the rest as above (V2 passes norm=False)."""
     target = resolve_target(target, logits)
     check_dtype(logits, np.float32, "route_sigmoid_group: logits")
     check_dtype(bias, np.float32, "route_sigmoid_group: bias")
@@ -588,8 +601,9 @@ def route_sigmoid_group(logits: np.ndarray, bias: np.ndarray, num_experts: int, 
     if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or (n_group > 1 and E // n_group < 2):
         raise ValueError(f"route_sigmoid_group: n_group {n_group} / topk_group {topk_group} do not fit {E} experts "
                          "(equal groups of at least 2)")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"route_sigmoid_group: top_k must be in [1, {E}], got {top_k}")
+    if not 1 <= top_k <= E or top_k > topk_group * (E // n_group):
+        raise ValueError(f"route_sigmoid_group: top_k must be in [1, {E}] and at most the experts of the "
+                         f"{topk_group} eligible groups, got {top_k}")
     T = logits.shape[0]
     ids = np.empty((T, top_k), np.int32) if ids is None else ids
     weights = np.empty((T, top_k), np.float32) if weights is None else weights
@@ -598,7 +612,8 @@ def route_sigmoid_group(logits: np.ndarray, bias: np.ndarray, num_experts: int, 
         EB *= 2
     run(_route_sigmoid_kernel, (T,), (logits, logits.strides[0] // 4, bias, E, T, ids, weights, float(scale)), target,
         K=int(top_k), KB=max(2, 1 << (int(top_k) - 1).bit_length()), EB=EB, NG=int(n_group),
-        GB=max(2, 1 << (int(n_group) - 1).bit_length()), GS=E // int(n_group), TG=int(topk_group), NORM=bool(norm))
+        GB=max(2, 1 << (int(n_group) - 1).bit_length()), GS=E // int(n_group), TG=int(topk_group), NORM=bool(norm),
+        SOFTMAX=bool(softmax))
     return ids, weights
 
 

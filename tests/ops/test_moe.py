@@ -228,13 +228,19 @@ def test_group_kernel_equals_numpy_grouping(tier):
         assert (got[4][n:] == 0).all()
 
 
-def _route_sigmoid_ref(logits, bias, E, K, ng, tg, norm, scale):
-    """DeepSeek-V3's router (HF DeepseekV3TopkRouter) in float64 numpy."""
-    s = 1.0 / (1.0 + np.exp(-logits[:, :E].astype(np.float64)))
-    ch = s + bias.astype(np.float64)
+def _route_sigmoid_ref(logits, bias, E, K, ng, tg, norm, scale, softmax=False):
+    """DeepSeek-V3's router (HF DeepseekV3TopkRouter) in float64 numpy; softmax: V2's group_limited_greedy."""
+    lg = logits[:, :E].astype(np.float64)
+    if softmax:
+        s = np.exp(lg - lg.max(1, keepdims=True))
+        s /= s.sum(1, keepdims=True)
+        ch = s.copy()
+    else:
+        s = 1.0 / (1.0 + np.exp(-lg))
+        ch = s + bias.astype(np.float64)
     if ng > 1:
         g = ch.reshape(len(ch), ng, E // ng)
-        gs = -np.sort(-g, axis=2)[:, :, :2].sum(2)
+        gs = g.max(2) if softmax else -np.sort(-g, axis=2)[:, :, :2].sum(2)
         keep = np.argsort(-gs, axis=1, kind="stable")[:, :tg]
         mask = np.zeros((len(ch), ng), bool)
         np.put_along_axis(mask, keep, True, 1)
@@ -266,3 +272,19 @@ def test_route_sigmoid_group(tier, E, K, ng, tg, norm):
         np.testing.assert_array_equal(w1, w[t:t + 1])
     with pytest.raises(ValueError, match="n_group"):
         route_sigmoid_group(logits, bias, E, K, n_group=3 if E % 3 else 7, topk_group=1)
+
+
+@pytest.mark.parametrize("E,K,ng,tg", [(8, 3, 4, 2), (12, 3, 3, 1), (64, 6, 8, 3)])   # K > tg: limiting matters
+def test_route_softmax_group_limited(tier, E, K, ng, tg):
+    """DeepSeek-V2's group_limited_greedy: softmax scores, groups ranked by their best score, no renormalisation."""
+    from jitkern.ops.moe import route_sigmoid_group
+    rng = _rng(tier, "softmax-group", E, K, ng, tg)
+    logits = (rng.standard_normal((9, E)) * 3).astype(np.float32)
+    zero = np.zeros(E, np.float32)
+    ids, w = route_sigmoid_group(logits, zero, E, K, n_group=ng, topk_group=tg, norm=False, scale=1.5, softmax=True,
+                                 target=tier)
+    want_ids, want_w = _route_sigmoid_ref(logits, zero, E, K, ng, tg, False, 1.5, softmax=True)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=1e-7)
+    plain, _ = route_sigmoid_group(logits, zero, E, K, n_group=1, topk_group=1, norm=False, softmax=True, target=tier)
+    assert (plain != ids).any(), "group limiting should change some choices at these sizes"
