@@ -415,6 +415,17 @@ class ModelConfig:
             sliding_window = int(sliding_window) if sliding_window else 4096
             layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
             query_pre_attn_scalar = float(hidden // num_heads) if num_layers == 46 else float(head_dim)
+        elif arch == "gpt-oss":
+            # llama.cpp hard-codes gpt-oss's pattern (set_swa_pattern(2): even layers slide), the window is in
+            # the file; its YaRN keeps the correction range unrounded (HF config truncate: false), and the
+            # converter writes no beta keys (HF's / llama.cpp's defaults 32 / 1 unless the file has them)
+            layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
+            if rope_scaling and rope_scaling["rope_type"] == "yarn":
+                rope_scaling["truncate"] = False
+                for k in ("beta_fast", "beta_slow"):
+                    v = get(p + f"rope.scaling.yarn_{k}", None)
+                    if v is not None:
+                        rope_scaling[k] = float(v)
         else:
             kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
             layer_types = [kind] * num_layers

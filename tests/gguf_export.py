@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 GGUF_ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite",
-             "olmo2": "olmo2"}
+             "olmo2": "olmo2", "gpt_oss": "gpt-oss"}
 _PERMUTED = ("llama", "granite")
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 
@@ -45,7 +45,10 @@ def roundtrip_hf(hf_model, qtype: str) -> None:
                 p.copy_(torch.from_numpy(np.asarray(dequantize(quantize(a, qt), qt), np.float32).reshape(a.shape)))
 
 
-def write_gguf(hf_model, path: str, vocab: int = 256, qtype: str | None = None) -> str:
+def write_gguf(hf_model, path: str, vocab: int = 256, qtype: str | None = None, mxfp4_experts=None) -> str:
+    """`mxfp4_experts` (gpt-oss): {hf name of gate_up_proj / down_proj: (blocks, scales)} in HF's MXFP4 layout,
+    written as llama.cpp's converter does (GptOssModel.repack_mxfp4: nibbles reordered to block_mxfp4, the
+    interleaved gate/up rows split) instead of the float experts."""
     import gguf
 
     cfg = hf_model.config
@@ -74,6 +77,14 @@ def write_gguf(hf_model, path: str, vocab: int = 256, qtype: str | None = None) 
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gpt-oss":            # the converter's GptOssModel.set_gguf_parameters
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp.get("original_max_position_embeddings", 4096))
     if arch == "granite":
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -105,6 +116,13 @@ def write_gguf(hf_model, path: str, vocab: int = 256, qtype: str | None = None) 
         if "rotary_emb" in hf_name:
             continue
         a = t.detach().float().numpy().copy()
+        if arch == "gpt-oss" and ".mlp.experts." in hf_name:
+            for name, arr, raw in _gpt_oss_experts(hf_name, a, mxfp4_experts or {}):
+                w.add_tensor(name, arr, raw_dtype=gguf.GGMLQuantizationType.MXFP4 if raw else None)
+            continue
+        if hf_name.endswith("self_attn.sinks"):
+            w.add_tensor(name_map.get_name(hf_name) + ".weight", np.ascontiguousarray(a, np.float32))
+            continue
         base, _, suffix = hf_name.rpartition(".")
         name = name_map.get_name(base)
         if name is None:
@@ -130,3 +148,40 @@ def write_gguf(hf_model, path: str, vocab: int = 256, qtype: str | None = None) 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _mxfp4_gguf_layout(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    # the converter's transform_nibble_layout + concat: HF byte j = elements (2j, 2j+1) as (low, high) nibble,
+    # block_mxfp4 byte j = elements (j, j + 16); the e8m0 byte first
+    codes = np.stack((blocks & 15, blocks >> 4), axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate((scales[..., None].astype(np.uint8), qs), axis=-1)
+    return np.ascontiguousarray(out.reshape(*out.shape[:-2], out.shape[-2] * 17))
+
+
+def _gpt_oss_experts(hf_name, a, mxfp4):
+    """(gguf name, array, is raw MXFP4) for one HF gpt-oss expert tensor (the converter's modify_tensors /
+    generate_extra_tensors): gate_up_proj [E, H, 2I] -> ffn_gate_exps / ffn_up_exps [E, I, H] (even / odd
+    rows of the transpose), biases likewise, down_proj [E, I, H] -> ffn_down_exps [E, H, I]."""
+    import gguf
+    i = int(hf_name.split(".")[2])
+    T = gguf.TENSOR_NAMES
+    gate, up, down = (T[k].format(bid=i) for k in (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP,
+                                                 gguf.MODEL_TENSOR.FFN_DOWN_EXP))
+    f32 = lambda x: np.ascontiguousarray(x, np.float32)  # noqa: E731
+    if hf_name.endswith("gate_up_proj_bias"):
+        return [(gate + ".bias", f32(a[..., 0::2]), False), (up + ".bias", f32(a[..., 1::2]), False)]
+    if hf_name.endswith("down_proj_bias"):
+        return [(down + ".bias", f32(a), False)]
+    if hf_name.endswith("gate_up_proj"):
+        if hf_name in mxfp4:
+            q = _mxfp4_gguf_layout(*mxfp4[hf_name])          # rows [E, 2I] already the output features
+            return [(gate + ".weight", np.ascontiguousarray(q[:, 0::2]), True),
+                    (up + ".weight", np.ascontiguousarray(q[:, 1::2]), True)]
+        t = a.swapaxes(1, 2)
+        return [(gate + ".weight", f32(t[:, 0::2]), False), (up + ".weight", f32(t[:, 1::2]), False)]
+    if hf_name.endswith("down_proj"):
+        if hf_name in mxfp4:
+            return [(down + ".weight", _mxfp4_gguf_layout(*mxfp4[hf_name]), True)]
+        return [(down + ".weight", f32(a.swapaxes(1, 2)), False)]
+    raise KeyError(f"unexpected gpt-oss expert tensor {hf_name}")

@@ -5,7 +5,7 @@ from engine.errors import ModelLoadError
 
 # Architectures implemented by the generic decoder (engine/models/decoder.py).
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3", "olmo2",
-             "gpt_oss")
+             "gpt_oss", "gpt-oss")      # gpt-oss: llama.cpp's GGUF name
 
 # Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
 # (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
@@ -19,9 +19,6 @@ ENCODERS = ("bert",)
 
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {
-    "gpt-oss": "gpt-oss from GGUF (llama.cpp's split gate/up expert tensors with biases, and the clamped SwiGLU "
-               "on the quantised-expert path, e.g. its MXFP4 experts); gpt-oss safetensors checkpoints with "
-               "float experts load",
     "falcon": "Falcon's parallel attention/MLP block and ALiBi",
     "mamba": "selective state-space (Mamba) layers",
     "qwen3_next": "gated delta-net (linear attention) layers",

@@ -294,6 +294,8 @@ class DecoderLM:
             ffn_norm = self._norm_w(self.ckpt.get(_HF_PRE_FFN.format(i=i)) or get("ffn_norm"))
         else:
             t = get("ffn_norm", False) or self.ckpt.get(_HF_POST_ATTN.format(i=i))
+            if t is None and self.arch == "gpt-oss":       # llama.cpp names gpt-oss's pre-MLP norm so
+                t = get("post_attn_norm", False)
             if t is None:
                 raise ModelLoadError("missing the pre-MLP norm weight", path=self.ckpt.path,
                                      tensor=_HF_POST_ATTN.format(i=i))

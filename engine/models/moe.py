@@ -65,7 +65,11 @@ def moe_spec(ckpt) -> MoESpec | None:
             raise ModelLoadError(f"expert gating function {gating} is not supported (only softmax, 1)",
                                  path=ckpt.path, key=f"{arch}.expert_gating_func")
         norm = get("expert_weights_norm", _GGUF_NORM_DEFAULT.get(arch, False))
-        return _checked(ckpt, E, int(K), bool(norm), f"{arch}.expert_used_count")
+        spec = _checked(ckpt, E, int(K), bool(norm), f"{arch}.expert_used_count")
+        if arch == "gpt-oss":       # llama.cpp hard-codes gpt-oss's softmax over the top-k router logits
+            from jitkern.ops.moe import TOPK_SOFTMAX
+            spec.mode = TOPK_SOFTMAX
+        return spec
     extra = cfg.extra or {}
     E = extra.get("num_local_experts") or extra.get("num_experts") or 0
     if not E:
@@ -134,11 +138,11 @@ class MoEBlock:
         # adds score_bias (e_score_correction_bias) for the choice and limits it to groups = (n_group, topk_group)
         self.routed_scale = 1.0
         self.score_bias, self.groups = None, (1, 1)
+        self.score_softmax = False      # DeepSeek-V2 group_limited_greedy: softmax scores, groups by their best
 
     @property
     def quantized(self) -> bool:
         return self.kind in QUANT_TYPES
-        self.score_softmax = False      # DeepSeek-V2 group_limited_greedy: softmax scores, groups by their best
 
     def to_device(self, upload) -> None:
         """Router, expert and shared-expert weights onto the GPU (`upload`: engine.device.Uploader; the expert
@@ -216,12 +220,24 @@ class MoEBlock:
         gu = np.empty((P, 2 * I), np.float32)
         copy(g, out=gu[:, :I])
         copy(u, out=gu[:, I:])
+        if self.gate_up_bias is not None:       # gpt-oss: + per-expert biases, then its clamped SwiGLU
+            from jitkern.ops.moe import expert_bias_act
+            return expert_bias_act(gu, self._pair_experts(tiles, P), self.gate_up_bias, out=out, act=self.act)
         return silu_and_mul(gu, out=out)
+
+    def _pair_experts(self, tiles, P):
+        pe = np.empty(P, np.int32)
+        for e, s, t in self._segments(tiles):
+            pe[s:t] = e
+        return pe
 
     def _q_down(self, act, tiles, bm, out):
         from jitkern.ops.quant import matmul_q
         for e, s, t in self._segments(tiles):
             matmul_q(act[s:t], self.down[e], self.kind, self.hidden, self.inter, out=out[s:t])
+        if self.down_bias is not None:
+            from jitkern.ops.moe import expert_bias_act
+            expert_bias_act(out, self._pair_experts(tiles, out.shape[0]), self.down_bias, out=out, gated=False)
         return out
 
 
@@ -240,8 +256,8 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
                              tensor=router_t.name)
     gate = up = down = None
     oai = None
-    if ckpt.config.architecture == "gpt_oss":
-        gate, down, inter, kind, oai = _gpt_oss_experts(ckpt, i, E, hidden)
+    if ckpt.config.architecture == "gpt_oss" and ckpt.format != "gguf":
+        gate, up, down, inter, kind, oai = _gpt_oss_experts(ckpt, i, E, hidden)
     elif ckpt.get(f"blk.{i}.ffn_gate_exps.weight") is not None:                       # GGUF: [E, I, H] in place
         ts = [ckpt[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")]
         kinds = {t.dtype for t in ts}
@@ -258,6 +274,9 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
             raise ModelLoadError(f"expert shapes {[list(t.shape) for t in ts]} disagree with hidden size {hidden}",
                                  path=path, tensor=ts[2].name)
         gate, up, down = (t.raw for t in ts)
+        bs = [ckpt.get(f"blk.{i}.ffn_{p}_exps.bias") for p in ("gate", "up", "down")]
+        if any(b is not None for b in bs):             # gpt-oss (llama.cpp splits HF's interleaved gate/up)
+            gate, up, inter, oai = _gguf_biased_experts(ckpt, i, E, hidden, inter, kind, gate, up, ts, bs)
     elif ckpt.get(f"model.layers.{i}.mlp.experts.gate_up_proj") is not None:           # HF fused 3-D
         gu_t = ckpt[f"model.layers.{i}.mlp.experts.gate_up_proj"]
         d_t = ckpt[f"model.layers.{i}.mlp.experts.down_proj"]
@@ -323,27 +342,69 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
             router = np.concatenate([router, row[None, :]])
             shared_gated = True
     router = np.ascontiguousarray(router, np.float32)
-    rb = ckpt.get(f"model.layers.{i}.mlp.router.bias")          # gpt-oss
+    rb = ckpt.get(f"model.layers.{i}.mlp.router.bias") or ckpt.get(f"blk.{i}.ffn_gate_inp.bias")   # gpt-oss
     router_lin = Linear(router, "f32", router.shape[0], hidden, vector_f32(rb) if rb is not None else None,
                         f"blk.{i}.router")
     block = MoEBlock(spec, router_lin, hidden, inter, kind, gate, up, down, shared_gate_up, shared_down,
                      shared_gated, name=f"blk.{i}.moe")
     if oai is not None:
-        block.gate_up_bias, block.down_bias = oai
-        block.act, block.interleaved = "swiglu_oai", True
+        block.gate_up_bias, block.down_bias, block.interleaved = oai
+        block.act = "swiglu_oai"
     return block
+
+
+def mxfp4_blocks_to_gguf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF/OpenAI MXFP4 (`*_blocks` u8 [..., G, 16], `*_scales` u8 [..., G]) -> GGUF block_mxfp4 rows
+    u8 [..., G * 17]. Both formats are 32-element blocks of e2m1 codes (bit 3 the sign) with one e8m0 byte
+    and the same values: HF's w = FP4[q] * 2^(e - 127), ggml's kvalues (doubled e2m1) * 2^(e - 128). Only
+    the nibble order differs: HF byte j holds elements 2j (low nibble) and 2j + 1 (high), ggml's byte j
+    elements j and j + 16 (q4_0's order). One repacking copy at load; the blocks stay compressed."""
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)} are not [..., G, 16] / "
+                         "[..., G]")
+    codes = np.stack((blocks & 15, blocks >> 4), axis=-1).reshape(*blocks.shape[:-1], 32)   # element order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate((scales[..., None], packed), axis=-1)
+    return np.ascontiguousarray(out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17), np.uint8)
 
 
 def _gpt_oss_experts(ckpt, i, E, hidden):
     """HF gpt-oss experts: gate_up_proj [E, H, 2I] (gate/up columns interleaved) and down_proj [E, I, H] as
-    x @ W, with biases; returned as the kernels' [E, 2I, H] / [E, H, I] rows (one transposing copy)."""
+    x @ W, with biases; returned as the kernels' [E, 2I, H] / [E, H, I] rows (one transposing copy).
+    MXFP4 checkpoints (`gate_up_proj_blocks` [E, 2I, H/32, 16] + `_scales` [E, 2I, H/32], rows already the
+    output features; down likewise [E, H, I/32, 16]): repacked to GGUF's block_mxfp4 (mxfp4_blocks_to_gguf)
+    with the interleaved gate/up rows split into gate [E, I] and up [E, I] row sets, as llama.cpp's converter
+    does, and run on the quantised-expert path. Returns (gate, up, down, inter, kind, (gate_up bias, down bias,
+    interleaved))."""
     p = f"model.layers.{i}.mlp.experts."
-    if ckpt.get(p + "gate_up_proj_blocks") is not None:
-        raise ModelLoadError("MXFP4 expert weights (gate_up_proj_blocks / _scales) are not supported yet: use a "
-                             "checkpoint with dequantised (bf16/f16/f32) experts", path=ckpt.path,
-                             tensor=p + "gate_up_proj_blocks")
-    gu_t, d_t = ckpt.get(p + "gate_up_proj"), ckpt.get(p + "down_proj")
     gb_t, db_t = ckpt.get(p + "gate_up_proj_bias"), ckpt.get(p + "down_proj_bias")
+    if ckpt.get(p + "gate_up_proj_blocks") is not None:
+        ts = {n: ckpt.get(p + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                           "down_proj_scales", "gate_up_proj_bias", "down_proj_bias")}
+        for n, t in ts.items():
+            if t is None:
+                raise ModelLoadError(f"layer {i} has MXFP4 experts but lacks {n}", path=ckpt.path, tensor=p + n)
+            if n.endswith(("_blocks", "_scales")) and t.dtype != "u8":
+                raise ModelLoadError(f"MXFP4 {n} must be uint8, found {t.dtype}", path=ckpt.path, tensor=p + n)
+        gub, gus = ts["gate_up_proj_blocks"], ts["gate_up_proj_scales"]
+        db, ds = ts["down_proj_blocks"], ts["down_proj_scales"]
+        inter = gub.shape[1] // 2 if len(gub.shape) == 4 else 0
+        if tuple(gub.shape) != (E, 2 * inter, hidden // 32, 16) or tuple(gus.shape) != (E, 2 * inter, hidden // 32) \
+                or hidden % 32 or inter % 32 or tuple(db.shape) != (E, hidden, inter // 32, 16) \
+                or tuple(ds.shape) != (E, hidden, inter // 32):
+            raise ModelLoadError(f"MXFP4 expert tensors {list(gub.shape)} / {list(gus.shape)} / {list(db.shape)} / "
+                                 f"{list(ds.shape)} are not [{E}, 2I, {hidden}/32, 16] / [{E}, 2I, {hidden}/32] / "
+                                 f"[{E}, {hidden}, I/32, 16] / [{E}, {hidden}, I/32] with I a multiple of 32",
+                                 path=ckpt.path, tensor=gub.name)
+        gu = mxfp4_blocks_to_gguf(gub.raw.reshape(gub.shape), gus.raw.reshape(gus.shape))
+        gate, up = np.ascontiguousarray(gu[:, 0::2]), np.ascontiguousarray(gu[:, 1::2])
+        down = mxfp4_blocks_to_gguf(db.raw.reshape(db.shape), ds.raw.reshape(ds.shape))
+        note_host_copy(gate.nbytes + up.nbytes + down.nbytes)
+        gbi = vector_f32(gb_t).reshape(E, 2 * inter)
+        gb = np.ascontiguousarray(np.concatenate((gbi[:, 0::2], gbi[:, 1::2]), axis=1))    # gate then up
+        dbias = np.ascontiguousarray(vector_f32(db_t).reshape(E, hidden))
+        return gate, up, down, inter, "mxfp4", (gb, dbias, False)
+    gu_t, d_t = ckpt.get(p + "gate_up_proj"), ckpt.get(p + "down_proj")
     for name, t in (("gate_up_proj", gu_t), ("down_proj", d_t), ("gate_up_proj_bias", gb_t),
                     ("down_proj_bias", db_t)):
         if t is None:
@@ -362,4 +423,24 @@ def _gpt_oss_experts(ckpt, i, E, hidden):
     note_host_copy(gate.nbytes + down.nbytes)
     gb = np.ascontiguousarray(vector_f32(gb_t).reshape(E, 2 * inter))
     db = np.ascontiguousarray(vector_f32(db_t).reshape(E, hidden))
-    return gate, down, inter, kind, (gb, db)
+    return gate, None, down, inter, kind, (gb, db, True)
+
+
+def _gguf_biased_experts(ckpt, i, E, hidden, inter, kind, gate, up, ts, bs):
+    """llama.cpp's gpt-oss experts: ffn_{gate,up,down}_exps [E, I, H] / [E, H, I] with .bias [E, I] / [E, H]
+    (the converter splits HF's interleaved gate/up rows into the two tensors). Float experts: gate and up
+    joined once into the kernels' fused [E, 2I, H] (gate rows first); quantised ones stay separate blocks
+    in place. Returns (gate, up, inter, (bias [E, 2I] gate then up, down bias [E, H], interleaved=False))."""
+    for b, t, n in zip(bs, ts, (inter, inter, hidden)):
+        if b is None or tuple(b.shape) != (E, n):
+            raise ModelLoadError(f"biased experts need all three of ffn_gate/up/down_exps.bias as [{E}, {n}], found "
+                                 f"{None if b is None else list(b.shape)}", path=ckpt.path,
+                                 tensor=t.name.replace(".weight", ".bias"))
+    gb = np.ascontiguousarray(np.concatenate((vector_f32(bs[0]).reshape(E, inter),
+                                              vector_f32(bs[1]).reshape(E, inter)), axis=1))
+    db = np.ascontiguousarray(vector_f32(bs[2]).reshape(E, hidden))
+    if kind in ("f32", "f16", "bf16"):
+        gate = np.ascontiguousarray(np.concatenate((gate, up), axis=1))
+        note_host_copy(gate.nbytes)
+        up = None
+    return gate, up, inter, (gb, db, False)

@@ -618,3 +618,61 @@ def route_sigmoid_group(logits: np.ndarray, bias: np.ndarray, num_experts: int, 
 
 
 __all__ += ["route_sigmoid_group", "SIGMOID_GROUP_TOPK"]
+
+
+# ------------------------------------------------------- per-expert biases (quantised-expert path, gpt-oss)
+@jk.kernel
+def _expert_bias_kernel(y, ldy, pe, bias, b_es, out, ldo, N, GATED: jk.constexpr, ACT: jk.constexpr,
+                        BLOCK: jk.constexpr):
+    # grid (P, cdiv(N, BLOCK)); e = pe[p]. GATED: out[p, n] = ACT(y[p, n] + bias[e, n], y[p, N + n] +
+    # bias[e, N + n]) (y holds gate columns then up columns); else out[p, n] = y[p, n] + bias[e, n].
+    p = jk.program_id(0).to(jk.i64)
+    cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
+    m = cols < N
+    e = jk.load(pe + p).to(jk.i64)
+    row = y + p * ldy.to(jk.i64)
+    brow = bias + e * b_es
+    g = jk.load(row + cols, mask=m, other=0.0) + jk.load(brow + cols, mask=m, other=0.0)
+    if GATED:
+        u = jk.load(row + N + cols, mask=m, other=0.0) + jk.load(brow + N + cols, mask=m, other=0.0)
+        if ACT == 0:
+            g = silu_mul(g, u)
+        else:
+            g = swiglu_oai(g, u)
+    jk.store(out + p * ldo.to(jk.i64) + cols, g, mask=m)
+
+
+def expert_bias_act(y, pair_expert, bias, out=None, *, gated=True, act="swiglu_oai", target=None):
+    """Per-pair expert biases after matmuls that do not add them (the quantised experts' matmul_q):
+    gated: y f32 [P, 2*I] (gate columns then up columns), bias f32 [E, 2*I] (gate then up) ->
+    out [P, I] = ACT(gate + bias_g[e], up + bias_u[e]) with e = pair_expert[p]; not gated: y [P, N], bias
+    [E, N] -> out = y + bias[e] (out may be y). Elementwise, so batch invariant."""
+    target = resolve_target(target, y)
+    P, W = y.shape
+    N = W // 2 if gated else W
+    E = bias.shape[0]
+    if act not in ACTIVATIONS:
+        raise ValueError(f"expert_bias_act: act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    if y.dtype != np.float32 or y.strides[1] != 4 or (gated and W % 2):
+        raise ValueError(f"expert_bias_act: y must be float32 [P, {'2*I' if gated else 'N'}] with contiguous rows, "
+                         f"got {y.dtype} {y.shape}")
+    if bias.shape != (E, W) or bias.dtype != np.float32 or not bias.flags.c_contiguous:
+        raise ValueError(f"expert_bias_act: bias must be a contiguous float32 [E, {W}] array, got {bias.dtype} "
+                         f"{bias.shape}")
+    check_dtype(pair_expert, np.int32, "expert_bias_act: pair_expert")
+    if pair_expert.shape != (P,):
+        raise ValueError(f"expert_bias_act: pair_expert must be [{P}], got {pair_expert.shape}")
+    if out is None:
+        out = np.empty((P, N), np.float32)
+    if out.shape != (P, N) or out.dtype != np.float32 or out.strides[1] != 4:
+        raise ValueError(f"expert_bias_act: out must be float32 [{P}, {N}] with contiguous rows")
+    if P == 0:
+        return out
+    BLOCK = 64
+    run(_expert_bias_kernel, (P, jk.cdiv(N, BLOCK)),
+        (y, y.strides[0] // 4 if P > 1 else W, pair_expert, bias, W, out, out.strides[0] // 4 if P > 1 else N, N),
+        target, GATED=bool(gated), ACT=ACTIVATIONS[act], BLOCK=BLOCK)
+    return out
+
+
+__all__ += ["expert_bias_act"]
