@@ -82,7 +82,7 @@ def test_tiny_llama_graphs_equal_eager(tiny_llama):
 @pytest.mark.slow
 def test_embedded_smollm2_graphs_equal_eager():
     """SmolLM2 Q4_1 (the quantised GEMM tiles with padded token counts; chunked prefills of 64 tokens beside
-    decodes). Slow-marked: ~40 s on a quiet host (two engines, 30 layers), 190 s at load 15."""
+    decodes). Slow-marked: two engines over 30 layers took 190 s at load 15."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(100, 40000, n).tolist() for n in (37, 5, 90, 12, 35, 7, 20)]
     _check(None, prompts, max_num_batched_tokens=64, max_num_seqs=4, max_tokens=3)
