@@ -18,6 +18,10 @@ Weights: f32 / f16 / bf16 experts run in the grouped DSL kernels (GGUF's are use
 tensors are stacked once at load, counted by JITKERN_LOAD_STATS). GGUF-quantised experts run the quantised
 matmul kernels (jitkern.ops.quant) once per expert that has tokens, on that expert's contiguous segment of
 grouped rows. The router (and Qwen2-MoE's shared-expert gate, fused in as one extra output) is kept in f32.
+
+gpt-oss: HF float experts (interleaved gate/up, biases) run in the grouped kernels; its MXFP4 experts (HF
+`*_blocks` / `*_scales`, repacked once to GGUF block_mxfp4 by `mxfp4_blocks_to_gguf`) and llama.cpp's
+quantised `ffn_*_exps` run the quantised path, the biases and clamped SwiGLU added by `expert_bias_act`.
 """
 from __future__ import annotations
 
