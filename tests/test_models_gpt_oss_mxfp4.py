@@ -208,3 +208,24 @@ def test_gguf_matches_transformers(mxfp4_model, tmp_path, experts):
     assert res[0][0] == want[0]
     assert [t for t, _ in res[1:]] == want
     np.testing.assert_array_equal(res[0][1], res[1][1])
+
+
+def test_gguf_float_experts_on_the_fake_device(mxfp4_model, tmp_path, monkeypatch):
+    """A gpt-oss GGUF with f32 experts on the device-array path (host-memory fake CUDA device, CPU kernels):
+    greedy tokens equal transformers' alone and batched. MXFP4 experts are refused there by name."""
+    from engine.errors import ModelLoadError
+    from tests.fake_cuda import install
+    qdir, hf, packed, _ = mxfp4_model
+    install(monkeypatch)
+    path = write_gguf(hf, str(tmp_path / "m.gguf"), vocab=VOCAB)
+    prompts = _prompts(3, seed=7)
+    want = [_hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(path, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+        assert llm.generate([prompts[0]], sp)[0].outputs[0].token_ids == want[0]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    finally:
+        llm.close()
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        LLM(qdir, device="cuda", num_blocks=16, block_size=16)
