@@ -63,20 +63,33 @@ def _check(model, prompts, max_tokens=6, **kw):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
+def _tiny(tmp_path_factory, arch):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests.model_fixtures import make_model_dir
-    path = tmp_path_factory.mktemp("tiny-llama-pg")
-    make_model_dir("llama", str(path), seed=11)
+    path = tmp_path_factory.mktemp(f"tiny-{arch}-pg")
+    make_model_dir(arch, str(path), seed=11)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return _tiny(tmp_path_factory, "llama")
 
 
 def test_tiny_llama_graphs_equal_eager(tiny_llama):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 200, n).tolist() for n in (37, 5, 70, 17, 9, 40, 33, 12, 70)]
     _check(tiny_llama, prompts, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt2", "qwen3"])
+def test_other_architectures_graphs_equal_eager(tmp_path_factory, arch):
+    # sliding window + logit softcaps (gemma2), learned position embeddings (gpt2), q/k norms (qwen3)
+    path = _tiny(tmp_path_factory, arch)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (41, 6, 70, 18, 21, 11)]
+    _check(path, prompts, max_tokens=4, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
 
 
 @pytest.mark.slow
