@@ -526,7 +526,13 @@ def _deepseek2_extra(get, p: str, key_length: int, rope_dim: int | None) -> dict
           "routed_scaling_factor": float(get(p + "expert_weights_scale", 1.0)),
           "norm_topk_prob": bool(get(p + "expert_weights_norm", False)),
           "scoring_func": {1: "softmax", 2: "sigmoid"}.get(gating, f"gating function {gating}"),
-          "n_group": int(get(p + "expert_group_count", 1)), "topk_group": int(get(p + "expert_group_used_count", 1))}
+          "n_group": int(get(p + "expert_group_count", 1)), "topk_group": int(get(p + "expert_group_used_count", 1)),
+          # newer converters count the multi-token-prediction blocks in block_count (they come last)
+          "num_nextn_predict_layers": int(get(p + "nextn_predict_layers", 0))}
+    if gating == 1 and ex["n_group"] > 1:
+        # the converter copies HF's n_group / topk_group: DeepSeek-V2's group_limited_greedy (HF semantics:
+        # a group scores its best softmax score)
+        ex["topk_method"] = "group_limited_greedy"
     log_mul = get(p + "rope.scaling.yarn_log_multiplier", None)
     if log_mul:             # 0.1 * mscale_all_dim (llama.cpp applies it to the softmax scale only)
         ex["yarn_mscale_all_dim"] = float(log_mul) / 0.1
@@ -538,10 +544,6 @@ def gguf_field_value(field) -> Any:
     value = field.contents()
     if hasattr(value, "item"):
         value = value.item()
-    if gating == 1 and ex["n_group"] > 1:
-        # the converter copies HF's n_group / topk_group: DeepSeek-V2's group_limited_greedy (HF semantics:
-        # a group scores its best softmax score)
-        ex["topk_method"] = "group_limited_greedy"
     return value
 
 
