@@ -674,6 +674,9 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
         m = _LAYER_RE.match(core)
         if m:
             layer, suffix = int(m.group(1)), m.group(2)
+            if layer >= cfg.num_layers and cfg.architecture in ("deepseek_v2", "deepseek_v3") and \
+                    layer < cfg.num_layers + int((cfg.extra or {}).get("num_nextn_predict_layers") or 0):
+                continue            # DeepSeek-V3's multi-token-prediction layers (not run; transformers skips them too)
             if layer >= cfg.num_layers:
                 raise ModelLoadError(f"layer index {layer} but the config says {cfg.num_layers} layers",
                                      path=ref.file, tensor=name)

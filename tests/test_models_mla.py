@@ -97,11 +97,13 @@ def test_mla_cache_is_compressed(mla_model):
 
 
 # ------------------------------------------------------------------------------------------------- GGUF
-def write_deepseek2_gguf(hf, path, split_kv_b: bool):
+def write_deepseek2_gguf(hf, path, split_kv_b: bool, mtp: bool = False):
     """The HF model under llama.cpp's deepseek2 tensor names and metadata keys, as convert_hf_to_gguf.py writes
     them: split_kv_b=True is the MLA-aware converter (attn_k_b [H, kv_lora, nope] = per-head kv_b rows
     transposed, attn_v_b [H, v, kv_lora]; key_length = kv_lora + rope, key_length_mla / value_length_mla the
-    per-head sizes), False the classic one (attn_kv_b; key_length = qk_nope + qk_rope, value_length = v)."""
+    per-head sizes), False the classic one (attn_kv_b; key_length = qk_nope + qk_rope, value_length = v).
+    mtp: one more block (a perturbed copy of the last) counted in block_count as a multi-token-prediction layer
+    (nextn_predict_layers 1), which the engine must not run."""
     import gguf
     c = hf.config
     ga = "deepseek2"
@@ -111,7 +113,7 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool):
     E = c.n_routed_experts
     w = gguf.GGUFWriter(str(path), ga)
     u32 = lambda k, v: w.add_uint32(f"{ga}.{k}", int(v))  # noqa: E731
-    for k, v in (("block_count", L), ("context_length", c.max_position_embeddings), ("embedding_length", H),
+    for k, v in (("block_count", L + int(mtp)), ("nextn_predict_layers", int(mtp)), ("context_length", c.max_position_embeddings), ("embedding_length", H),
                  ("feed_forward_length", c.intermediate_size), ("attention.head_count", nh),
                  ("attention.head_count_kv", 1 if split_kv_b else nh), ("attention.kv_lora_rank", kvl),
                  ("rope.dimension_count", rope), ("vocab_size", VOCAB), ("leading_dense_block_count",
@@ -158,7 +160,10 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool):
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
     add("output.weight", sd["lm_head.weight"])
-    for i in range(L):
+    if mtp:
+        for k in [k for k in sd if k.startswith(f"model.layers.{L - 1}.")]:
+            sd[k.replace(f"layers.{L - 1}.", f"layers.{L}.")] = sd[k] * 1.5 + 0.1
+    for i in range(L + int(mtp)):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         a = p + "self_attn."
         if c.q_lora_rank:
@@ -205,5 +210,24 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool):
                                              ("deepseek_v3-gguf", True)])
 def test_mla_gguf_matches_transformers(arch, split_kv_b, tmp_path):
     hf = make_mla_model_dir(arch, str(tmp_path / "hf"))
-    path = write_deepseek2_gguf(hf, tmp_path / f"{arch}.gguf", split_kv_b)
+    # V3: with a multi-token-prediction block counted in block_count (newer converters), not to be run
+    path = write_deepseek2_gguf(hf, tmp_path / f"{arch}.gguf", split_kv_b, mtp=arch == "deepseek_v3-gguf")
     tm.test_logits_match_transformers((arch, path, hf))
+
+
+def test_mla_safetensors_with_mtp_layer_matches_transformers(tmp_path):
+    """DeepSeek-V3 checkpoints carry num_nextn_predict_layers extra layers after num_hidden_layers (the MTP
+    module); transformers ignores them and so must the engine (loading, not running them)."""
+    import json
+    from safetensors.numpy import load_file, save_file
+    hf = make_mla_model_dir("deepseek_v3", str(tmp_path))
+    st = tmp_path / "model.safetensors"
+    sd = load_file(str(st))
+    for k in [k for k in sd if k.startswith("model.layers.1.")]:
+        sd[k.replace("layers.1.", "layers.2.")] = sd[k] * 1.5 + 0.1
+    sd["model.layers.2.eh_proj.weight"] = np.ones((64, 128), np.float32)
+    save_file(sd, str(st), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tm.test_logits_match_transformers(("deepseek_v3", str(tmp_path), hf))

@@ -154,10 +154,18 @@ class MLADecoderLM(DecoderLM):
                                      "the word embeddings", path=ckpt.path, tensor="lm_head.weight")
             head = self.embed
         self.lm_head = linear_from([head], "lm_head")
-        self.layers = [self._mla_layer(i) for i in range(cfg.num_layers)]
-        # decode steps replay from recorded graphs: every kernel reads the step from the batch's int32 arrays
-        self.supports_graphs = True
-        self.num_kv_layers = cfg.num_layers
+        # a GGUF's block_count includes DeepSeek-V3's multi-token-prediction blocks (the last ones; not run here,
+        # as in transformers); config.json's num_hidden_layers does not
+        n_layers = cfg.num_layers - (int(ex.get("num_nextn_predict_layers") or 0) if ckpt.format == "gguf" else 0)
+        if n_layers < 1:
+            raise ModelLoadError(f"block_count {cfg.num_layers} leaves no layers besides the "
+                                 f"{ex.get('num_nextn_predict_layers')} multi-token-prediction ones", path=ckpt.path,
+                                 key="nextn_predict_layers")
+        self.layers = [self._mla_layer(i) for i in range(n_layers)]
+        # decode steps replay from recorded graphs (every kernel reads the step from the batch's int32 arrays),
+        # except with GGUF-quantised experts (a host loop over the experts, as in the decoder)
+        self.supports_graphs = not any(L.moe is not None and L.moe.quantized for L in self.layers)
+        self.num_kv_layers = n_layers
         self.k_caches, self.v_caches = [], []
         self._attn_ws = [{} for _ in self.layers]
         self.device_bytes = 0
