@@ -231,3 +231,19 @@ def test_mla_safetensors_with_mtp_layer_matches_transformers(tmp_path):
     cfg["num_nextn_predict_layers"] = 1
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     tm.test_logits_match_transformers(("deepseek_v3", str(tmp_path), hf))
+
+
+def test_mla_device_auto_stays_on_cpu_and_cuda_is_refused(mla_model, monkeypatch):
+    """MLA is CPU-only: --device auto on a GPU host must still load it (on the CPU); an explicit cuda is refused
+    naming the setting. A GPU host is simulated by making auto resolve to cuda."""
+    import engine.device
+    from engine.errors import ModelLoadError
+    from engine.loader import load_checkpoint
+    from engine.models import build_model
+    real = engine.device.resolve_device
+    monkeypatch.setattr(engine.device, "resolve_device",
+                        lambda s: "cuda" if (s or "auto").strip().lower() in ("auto", "cuda") else real(s))
+    ckpt = load_checkpoint(mla_model[1])
+    assert build_model(ckpt, device="auto").device == "cpu"
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        build_model(ckpt, device="cuda")

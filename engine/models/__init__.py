@@ -28,8 +28,10 @@ KNOWN_UNIMPLEMENTED = {
 def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
     """The model for `ckpt` on `device` ("auto" | "cpu" | "cuda"; see engine.device)."""
     from engine.device import resolve_device
-    device = resolve_device(device)
     arch = ckpt.config.architecture
+    if arch in MLA and (device or "auto").strip().lower() == "auto":
+        device = "cpu"          # MLA runs on the CPU only so far: "auto" must not pick a GPU it would refuse
+    device = resolve_device(device)
     if arch in SUPPORTED or arch in MOE:
         from engine.models.decoder import DecoderLM
         return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
