@@ -30,6 +30,8 @@ _TIMEOUT = object()
 # How often a waiting handler looks at its client's socket.
 POLL_S = 0.25
 DONE_FRAME = b"data: [DONE]\n\n"
+# A JSON string the way dumps() writes it (no ASCII escaping), for the text of a precomputed chunk.
+_TEXT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 KEEPALIVE_FRAME = b": keepalive\n\n"
 
 
@@ -174,6 +176,7 @@ class Generation:
         self._lock = threading.Lock()
         self.aborted_by_server = False
         self._last_check = time.monotonic()
+        self._frame_template = None      # (head, tail) bytes of a text chunk, False when not used (_text_frame)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def submit(self) -> None:
@@ -353,6 +356,37 @@ class Generation:
         return body
 
     # ----------------------------------------------------------------------------------- SSE
+    def _text_frame(self, ci: int, content: str) -> Optional[bytes]:
+        """The SSE frame of a plain text piece (no finish, logprobs or token ids), byte for byte what
+        `_chunk([_stream_choice(...)])` gives, from a head and tail built once per request: the JSON of the
+        whole body is the per-token cost that dominates a handler thread at high concurrency. None when this
+        request's chunks are not of that shape (continuous usage stats) or the text needs the ASCII fallback."""
+        tmpl = self._frame_template
+        if tmpl is None:
+            if self.req.include_usage and self.req.continuous_usage_stats:
+                self._frame_template = False
+                return None
+            try:       # '{"id":...,"choices":[' ("]}" cut off)
+                head = _TEXT_ENCODER.encode({"id": self.id, "object": "chat.completion.chunk" if self.chat else
+                                             "text_completion", "created": self.created, "model": self.model,
+                                             "choices": []}).encode("utf-8")[:-2]
+            except UnicodeEncodeError:      # dumps() would escape every body of this request
+                self._frame_template = False
+                return None
+            tail = b'],"usage":null}\n\n' if self.req.include_usage else b"]}\n\n"
+            tmpl = self._frame_template = (b"data: " + head, tail)
+        elif tmpl is False:
+            return None
+        try:
+            text = _TEXT_ENCODER.encode(content).encode("utf-8")
+        except UnicodeEncodeError:          # a lone surrogate: the general path escapes the whole body
+            return None
+        if self.chat:
+            choice = b'{"index":%d,"delta":{"content":%b},"logprobs":null,"finish_reason":null}' % (ci, text)
+        else:
+            choice = b'{"index":%d,"text":%b,"logprobs":null,"finish_reason":null}' % (ci, text)
+        return tmpl[0] + choice + tmpl[1]
+
     def _chunk(self, choices: list, usage_now: bool = False) -> bytes:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
@@ -417,7 +451,13 @@ class Generation:
                 continue
             if finish is not None:
                 ch.finished, ch.finish_reason = True, finish
-            yield self._chunk([self._stream_choice(ci, text, ids, entries, finish, comp.stop_reason, delta)])
+            frame = None
+            if finish is None and req.logprobs is None and not req.return_token_ids:
+                if delta is None:
+                    frame = self._text_frame(ci, text)
+                elif len(delta) == 1 and type(delta.get("content")) is str:
+                    frame = self._text_frame(ci, delta["content"])
+            yield frame or self._chunk([self._stream_choice(ci, text, ids, entries, finish, comp.stop_reason, delta)])
             ch.text_offset += len(text)
 
     def stream(self):
@@ -443,12 +483,31 @@ class Generation:
                     continue
                 if ev is _END:
                     break
-                pidx, out = ev
-                self._on_output(pidx, out)
-                for frame in self._stream_output(pidx, out):
-                    yield frame
+                # Outputs that queued up while this thread waited for the GIL or the socket go out in one
+                # write (one HTTP chunk, one send) instead of one per token; the bytes are the same.
+                frames, ended = [], False
+                try:
+                    while True:
+                        pidx, out = ev
+                        self._on_output(pidx, out)
+                        frames.extend(self._stream_output(pidx, out))
+                        if all(p.finished for p in self.prompts):
+                            ended = True
+                            break
+                        ev = self.events.next(0)
+                        if ev is _TIMEOUT:
+                            break
+                        if ev is _END:
+                            ended = True
+                            break
+                except Exception:
+                    if frames:              # what was due before the failure still goes out first
+                        yield b"".join(frames)
+                    raise
+                if frames:
+                    yield frames[0] if len(frames) == 1 else b"".join(frames)
                     last_write = time.monotonic()
-                if all(p.finished for p in self.prompts):
+                if ended:
                     break
             # Streams that ended without finishing were aborted (server shutdown): end their choices cleanly.
             for ci, ch in enumerate(self.choices):
