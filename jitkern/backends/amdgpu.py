@@ -39,6 +39,10 @@ CODE_OBJECT_VERSION = 500
 
 
 class AmdgpuHooks(GpuHooks):
+    # No rematerialised broadcasts on AMDGPU: with them, LLVM 22's AMDGPU instruction selection (DAGCombiner)
+    # does not finish on the q8_0 dequant_rows kernel (minutes; llc-19 compiles the same IR in a second, and the
+    # kernel without rematerialisation in 0.2 s). Layout changes go through LDS there, as before.
+    remat = False
     smem_as = 3
     smem_index = "i32"
     # 16-byte chunk accesses go through addrspace(1) pointers: a chunk pointer extracted from a pointer vector

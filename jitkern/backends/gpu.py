@@ -73,6 +73,7 @@ class GpuHooks:
         return []
 
     global_as = 0               # address space of kernel pointer arguments' memory (NVPTX: 1 = global)
+    remat = True                # broadcasts of index/mask math recomputed in place (GpuLowering._remat_move)
 
     # matrix units: None where the target has none (dot then runs FMA through shared memory)
     mma_shape = None            # (m, n, k) of one warp-level MMA, e.g. (16, 8, 16)
@@ -503,7 +504,7 @@ class GpuLowering(LlvmEmitter):
 
     def _remat_move(self, v, dst_shape, index):
         """v's tile in dst_shape's layout (element e = v's element index(e)) by recomputation, or None."""
-        if not self._remat_ok(v, set()):
+        if not self.hooks.remat or not self._remat_ok(v, set()):
             return None
         return self._remat(v, dst_shape, index)
 
