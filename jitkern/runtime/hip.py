@@ -324,48 +324,14 @@ def launch(kernel, grid, *args, target=None, **kwargs):
 
 
 def _launch_staged(kernel, grid, args, kwargs, target, jk_graph):
-    """numpy arguments: each distinct host buffer goes to the device whole (views keep their offsets and
-    strides, aliasing between arguments stays), the kernel runs, every buffer comes back (a kernel may write
-    any of them). Not inside a capture: a replay would not copy anything."""
-    from .cuda import DeviceArray
-    from .launch import Pointer
-    from ..jit import _NP_TO_DTYPE
+    """numpy arguments: copied in whole, the kernel runs, copied back (launch.run_staged). Not inside a
+    capture: a replay would not copy anything."""
+    from .launch import run_staged
     if jk_graph is not None or getattr(_capture, "graph", None) is not None:
         raise HipError(f"{kernel.__name__}: numpy arguments cannot be captured (a staged copy per launch is "
                        f"not replayable); upload them with jitkern.runtime.hip.to_device")
-    dev = get_device()
-    staged = {}
-
-    def stage(arr: np.ndarray, address: int, dtype, shape):
-        root = arr
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        if not root.flags.c_contiguous:
-            root = arr = np.ascontiguousarray(arr)
-            address = arr.ctypes.data
-        if id(root) not in staged:
-            staged[id(root)] = (root, DeviceArray.from_numpy(root.reshape(-1).view(np.uint8), device=dev))
-        d = staged[id(root)][1]
-        return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
-
-    dargs = []
-    for a in args:
-        if isinstance(a, Pointer):
-            host = a.keepalive
-            if not isinstance(host, np.ndarray):
-                raise HipError(f"{kernel.__name__}: an AMD GPU launch cannot take a raw host Pointer; pass a "
-                               f"DeviceArray")
-            dargs.append(stage(host, a.address, a.dtype, (host.nbytes // a.dtype.itemsize,)))
-        elif isinstance(a, np.ndarray):
-            dargs.append(stage(a, a.ctypes.data, _NP_TO_DTYPE[a.dtype], a.shape))
-        else:
-            dargs.append(a)
-    ck = launch_args(kernel, grid, dargs, kwargs, target)
-    dev.synchronize()
-    for root, d in staged.values():
-        if root.flags.writeable:
-            root.reshape(-1).view(np.uint8)[...] = d.numpy()
-    return ck
+    return run_staged(get_device(), args, lambda dargs: launch_args(kernel, grid, dargs, kwargs, target),
+                      what=f"{kernel.__name__}: an AMD GPU launch", error=HipError)
 
 
 def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):

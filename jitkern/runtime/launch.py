@@ -303,24 +303,16 @@ def _launch_gpu(kernel, grid, args, kwargs, target):
     return ck
 
 
-def _launch_gpu_staged(kernel, grid, args, kwargs, target):
-    """A GPU launch given host arrays (`target=` a GPU, numpy arguments): each distinct array is copied to the
-    device, the kernel runs, and every array is copied back (a kernel may write any of them). A convenience
-    for tests and one-off calls that keeps the op wrappers' numpy interface; the engine passes DeviceArrays."""
-    from .cuda import DeviceArray, get_device
-    if target.is_vulkan:
-        if getattr(_capture, "graph", None) is not None:
-            raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
-                                      "arguments (a staged copy per launch) cannot be replayed")
-        from .vulkan import get_device as vulkan_device
-        dev = vulkan_device()
-    else:
-        dev = get_device()
+def run_staged(dev, args, run, what: str = "a GPU launch", error=TypeError):
+    """Host (numpy / Pointer-over-numpy) arguments through device memory: each distinct root buffer goes to
+    `dev` whole (views keep their offsets and strides, aliasing between arguments stays), `run(device_args)`
+    launches, and every writeable buffer comes back (a kernel may write any of them). Returns run's result.
+    Shared by the CUDA/Vulkan and HIP staged launches."""
+    from .cuda import DeviceArray
+    from ..jit import _NP_TO_DTYPE
     staged, dargs = {}, []
 
     def stage(arr: np.ndarray, address: int, dtype, shape):
-        # the whole buffer the array (or view) lives in goes over, so row strides and aliasing between
-        # arguments stay what the kernel was told
         root = arr
         while isinstance(root.base, np.ndarray):
             root = root.base
@@ -329,28 +321,41 @@ def _launch_gpu_staged(kernel, grid, args, kwargs, target):
             address = arr.ctypes.data
         key = id(root)
         if key not in staged:
-            flat = root.reshape(-1).view(np.uint8)
-            staged[key] = (root, DeviceArray.from_numpy(flat, device=dev))
+            staged[key] = (root, DeviceArray.from_numpy(root.reshape(-1).view(np.uint8), device=dev))
         d = staged[key][1]
         return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
 
-    from ..jit import _NP_TO_DTYPE
     for a in args:
         if isinstance(a, Pointer):
             host = a.keepalive
             if not isinstance(host, np.ndarray):
-                raise TypeError("a GPU launch cannot take a raw host Pointer; pass a DeviceArray")
+                raise error(f"{what} cannot take a raw host Pointer; pass a DeviceArray")
             dargs.append(stage(host, a.address, a.dtype, (host.nbytes // a.dtype.itemsize,)))
         elif isinstance(a, np.ndarray):
             dargs.append(stage(a, a.ctypes.data, _NP_TO_DTYPE[a.dtype], a.shape))
         else:
             dargs.append(a)
-    ck = _launch_gpu(kernel, grid, dargs, kwargs, target)
+    out = run(dargs)
     dev.synchronize()
     for root, d in staged.values():
         if root.flags.writeable:
             root.reshape(-1).view(np.uint8)[...] = d.numpy()
-    return ck
+    return out
+
+
+def _launch_gpu_staged(kernel, grid, args, kwargs, target):
+    """A GPU launch given host arrays (`target=` a GPU, numpy arguments): a convenience for tests and one-off
+    calls that keeps the op wrappers' numpy interface (run_staged); the engine passes DeviceArrays."""
+    from .cuda import get_device
+    if target.is_vulkan:
+        if getattr(_capture, "graph", None) is not None:
+            raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
+                                      "arguments (a staged copy per launch) cannot be replayed")
+        from .vulkan import get_device as vulkan_device
+        dev = vulkan_device()
+    else:
+        dev = get_device()
+    return run_staged(dev, args, lambda dargs: _launch_gpu(kernel, grid, dargs, kwargs, target))
 
 
 def launch(kernel, grid, args, kwargs, target=None):
