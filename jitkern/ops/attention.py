@@ -443,6 +443,239 @@ def token_attention_kernel(q, k_cache, v_cache, out, query_start, seq_lens, bloc
     jk.store(out + orows, acc / l[:, None], mask=active)
 
 
+# ------------------------------------------------------------------------------ GPU flash attention
+# Decode (flash-decoding) and prefill/mixed (flash attention) kernels for GPUs. Both run every cache block
+# through the same step (_flash_step: scores and P @ V as `dot`s, so on NVIDIA/AMD they run on the matrix
+# units, online softmax in f32) and split a query's key range into the same partitions (_split of the
+# query's own range, GPU_PARTITION_BLOCKS blocks each) merged by the same fold in partition order: a token's
+# output is bit-identical whether it is a decode (flash_decode_kernel + flash_merge_kernel) or a row of a
+# prefill tile (flash_prefill_kernel), and whatever the batch or the chunking of its prompt.
+@jk.jit
+def _mm_qk(qt, kt, SPLIT):
+    """(R, BS) scores q @ k^T of an f32 (R, D) query tile and a (BS, D) cache tile (f32 or f16). SPLIT (f32
+    cache on a GPU with matrix units): K as f16 hi + lo, two dots whose 16-bit B runs on the matrix units
+    (the lowering splits the f32 A into f16 hi + lo in turn): ~22 significant bits of each operand (f16
+    rather than bf16 parts: 11 bits each instead of 8; K, V and q must fit f16's range, as in an f16 cache,
+    and parts below 2^-14 keep an absolute precision of 2^-24)."""
+    if SPLIT:
+        kh = kt.to(jk.f16)
+        kl = (kt - kh.to(jk.f32)).to(jk.f16)
+        return jk.dot(qt, jk.trans(kl), jk.dot(qt, jk.trans(kh)))
+    return jk.dot(qt, jk.trans(kt))
+
+
+@jk.jit
+def _mm_pv(p, vt, acc, SPLIT):
+    """acc + p @ v for (R, BS) probabilities and a (BS, D) cache tile (V split as K is in _mm_qk)."""
+    if SPLIT:
+        vh = vt.to(jk.f16)
+        vl = (vt - vh.to(jk.f32)).to(jk.f16)
+        return jk.dot(p, vl, jk.dot(p, vh, acc))
+    return jk.dot(p, vt, acc)
+
+
+@jk.jit
+def _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT):
+    """One online-softmax step of the (R, D) query rows against one cache block; valid: (1 or R, BS) keys
+    each row may see. A block a row may not see at all leaves its state exactly as it was (alpha is 1, not
+    exp(0), and p is 0), so tiles that cover more keys than a row needs give that row the same bits."""
+    s = _mm_qk(qt, kt, SPLIT) * scale
+    if SOFTCAP:
+        s = softcap * jk.tanh(s / softcap)
+    s = jk.where(valid, s, NEG)
+    m_new = jk.maximum(m, jk.max(s, axis=1))
+    alpha = jk.where(m_new == m, 1.0, jk.exp(m - m_new))
+    p = jk.where(valid, jk.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + jk.sum(p, axis=1)
+    acc = _mm_pv(p, vt, acc * alpha[:, None], SPLIT)
+    return m_new, l, acc
+
+
+@jk.jit
+def _flash_fold(M, L, ACC, m, l, acc):
+    """The merged state (M, L, ACC) with one more partition's state (m, l, acc) folded in. Folding the first
+    partition into the empty state (NEG, 0, 0) returns that partition's state exactly."""
+    M2 = jk.maximum(M, m)
+    a = jk.where(M2 == M, 1.0, jk.exp(M - M2))
+    b = jk.where(M2 == m, 1.0, jk.exp(m - M2))
+    return M2, L * a + l * b, ACC * a[:, None] + acc * b[:, None]
+
+
+@jk.jit
+def _flash_out(M, L, ACC, sink, SINKS):
+    if SINKS:
+        L = L + jk.exp(sink - M)
+    return ACC / L[:, None]
+
+
+@jk.kernel
+def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_start, seq_lens, block_table,
+                        q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
+                        KVH: jk.constexpr, G: jk.constexpr, R: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
+                        NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
+                        SINKS: jk.constexpr, SPLIT: jk.constexpr):
+    """Program (sequence, KV head, partition) of a q_len == 1 sequence: the G query heads of the KV head (R
+    rows, padded to the matrix units' 16) over one partition of the key range, so K and V are read once
+    for the group. The sequence's own length decides its partitions (_split); programs past them exit. A
+    single-partition sequence writes its output here; otherwise the partition's (m, l, acc) go to the
+    workspace for flash_merge_kernel."""
+    seq = jk.program_id(0)
+    kvh = jk.program_id(1)
+    part = jk.program_id(2)
+    q0 = jk.load(query_start + seq)
+    q_len = jk.load(query_start + seq + 1) - q0
+    seq_len = jk.load(seq_lens + seq)
+    active = (q_len == 1) & (seq_len > 0)
+    qpos = seq_len - 1
+    lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
+    start_blk = lo // BS
+    nb = jk.where(active, (seq_len + BS - 1) // BS - start_blk, 0)
+    parts, per = _split(nb, PB, MAXP)
+    mine = part < parts
+    b0 = start_blk + part * per
+    b1 = jk.where(mine, jk.minimum(b0 + per, start_blk + nb), b0)
+
+    g = jk.arange(0, R)
+    d = jk.arange(0, D)
+    n = jk.arange(0, BS)
+    gm = (g < G) & mine
+    tok = jk.maximum(q0, 0).to(jk.i64)
+    qt = jk.load(q + tok * q_ts + (kvh * G + g[:, None]) * q_hs + d[None, :], mask=gm[:, None], other=0.0)
+    kv_off = n[:, None] * (KVH * D) + d[None, :]
+    bt_row = block_table + seq.to(jk.i64) * bt_stride
+    m = jk.full((R,), NEG, jk.f32)
+    l = jk.zeros((R,), jk.f32)
+    acc = jk.zeros((R, D), jk.f32)
+    for b in range(b0, b1):
+        base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + kvh * D
+        pos = b * BS + n
+        valid = ((pos < seq_len) & (pos >= lo))[None, :]
+        m, l, acc = _flash_step(qt, jk.load(k_cache + base + kv_off), jk.load(v_cache + base + kv_off), valid,
+                                m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+    single = parts == 1
+    M, L, ACC = _flash_fold(jk.full((R,), NEG, jk.f32), jk.zeros((R,), jk.f32), jk.zeros((R, D), jk.f32), m, l, acc)
+    o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=g < G, other=0.0) if SINKS else 0.0, SINKS)
+    jk.store(out + tok * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o, mask=(gm & single)[:, None])
+    rows = ((seq * KVH + kvh) * NUM_PARTS + part).to(jk.i64) * G + g
+    keep = gm & (parts > 1)
+    jk.store(ws_m + rows, m, mask=keep)
+    jk.store(ws_l + rows, l, mask=keep)
+    jk.store(ws_acc + rows[:, None] * D + d[None, :], acc, mask=keep[:, None])
+
+
+@jk.kernel
+def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_hs, window, sinks,
+                       KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
+                       NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr):
+    """Program (sequence, KV head): folds the partition states of a decode split in 2+, in partition order."""
+    seq = jk.program_id(0)
+    kvh = jk.program_id(1)
+    q0 = jk.load(query_start + seq)
+    seq_len = jk.load(seq_lens + seq)
+    active = (jk.load(query_start + seq + 1) - q0 == 1) & (seq_len > 0)
+    lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
+    nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
+    parts, per = _split(nb, PB, MAXP)
+    g = jk.arange(0, GP)
+    d = jk.arange(0, D)
+    gm = g < G
+    M = jk.full((GP,), NEG, jk.f32)
+    L = jk.zeros((GP,), jk.f32)
+    ACC = jk.zeros((GP, D), jk.f32)
+    row0 = (seq * KVH + kvh).to(jk.i64) * (NUM_PARTS * G)
+    for p in range(0, jk.where(parts > 1, parts, 0)):
+        rows = row0 + p * G + g
+        M, L, ACC = _flash_fold(M, L, ACC, jk.load(ws_m + rows, mask=gm, other=NEG),
+                                jk.load(ws_l + rows, mask=gm, other=0.0),
+                                jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=gm[:, None], other=0.0))
+    o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=gm, other=0.0) if SINKS else 0.0, SINKS)
+    jk.store(out + jk.maximum(q0, 0).to(jk.i64) * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o,
+             mask=(gm & (parts > 1))[:, None])
+
+
+@jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
+def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_table, num_seqs, search_steps,
+                         q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
+                         KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, BM: jk.constexpr, D: jk.constexpr,
+                         BS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
+                         SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr):
+    """Program (tile of BM query tokens of one sequence, KV head): BM x GP rows (the tile's tokens times the
+    G query heads of the KV head, padded to a power of two) against the cache blocks of the tile's causal
+    (and window) range, one block per step. Each row keeps a partition state and a merged state: when a
+    block starts a new partition of that row's own range (the split a decode at its position uses), the
+    partition is folded in, as flash_merge_kernel does, so a row's bits equal a decode's at its position.
+    The tile's sequence is found by a binary search over query_start (grid: num_tokens // BM + num_seqs)."""
+    qb = jk.program_id(0)
+    kvh = jk.program_id(1)
+    lo_s = qb * 0
+    hi_s = num_seqs
+    for _ in range(0, search_steps):
+        mid = (lo_s + hi_s) // 2
+        go = jk.load(query_start + mid) // BM + mid <= qb
+        lo_s = jk.where(go, mid, lo_s)
+        hi_s = jk.where(go, hi_s, mid)
+    seq = lo_s
+    q0 = jk.load(query_start + seq)
+    q_len = jk.load(query_start + seq + 1) - q0
+    seq_len = jk.load(seq_lens + seq)
+    t0 = (qb - (q0 // BM + seq)) * BM
+    n_rows = jk.minimum(jk.maximum(q_len - t0, 0), BM)
+    if SKIP_DECODE:
+        n_rows = jk.where(q_len == 1, 0, n_rows)
+    first_pos = seq_len - q_len + t0
+
+    R = BM * GP
+    t = jk.arange(0, BM)
+    g = jk.arange(0, GP)
+    d = jk.arange(0, D)
+    n = jk.arange(0, BS)
+    tm = t < n_rows
+    gm = g < G
+    toks = (q0 + t0 + t).to(jk.i64)
+    q3 = jk.load(q + toks[:, None, None] * q_ts + (kvh * G + g)[None, :, None] * q_hs + d[None, None, :],
+                 mask=(tm[:, None] & gm[None, :])[:, :, None], other=0.0)
+    qt = jk.reshape(q3, (R, D))
+    # per row: its position, key range (start block, blocks) and partition split
+    r = jk.arange(0, R)
+    qpos = first_pos + r // GP
+    lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
+    start = lo // BS
+    nb = qpos // BS + 1 - start
+    parts, per = _split(nb, PB, MAXP)
+    # the tile's blocks: from its first row's start to its last row's end
+    b_lo = jk.where(window > 0, jk.maximum(first_pos - window + 1, 0), 0) // BS
+    b_hi = jk.where(n_rows > 0, (first_pos + n_rows - 1) // BS + 1, b_lo)
+
+    kv_off = n[:, None] * (KVH * D) + d[None, :]
+    bt_row = block_table + seq.to(jk.i64) * bt_stride
+    m = jk.full((R,), NEG, jk.f32)
+    l = jk.zeros((R,), jk.f32)
+    acc = jk.zeros((R, D), jk.f32)
+    M = jk.full((R,), NEG, jk.f32)
+    L = jk.zeros((R,), jk.f32)
+    ACC = jk.zeros((R, D), jk.f32)
+    for b in range(b_lo, b_hi):
+        rel = b - start
+        f = (rel > 0) & (rel < nb) & (rel % per == 0)
+        M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
+        M = jk.where(f, M2, M)
+        L = jk.where(f, L2, L)
+        ACC = jk.where(f[:, None], ACC2, ACC)
+        m = jk.where(f, NEG, m)
+        l = jk.where(f, 0.0, l)
+        acc = jk.where(f[:, None], 0.0, acc)
+        base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + kvh * D
+        pos = b * BS + n
+        valid = (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
+        m, l, acc = _flash_step(qt, jk.load(k_cache + base + kv_off), jk.load(v_cache + base + kv_off), valid,
+                                m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+    M, L, ACC = _flash_fold(M, L, ACC, m, l, acc)
+    o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + r % GP, mask=(r % GP) < G, other=0.0) if SINKS else 0.0,
+                   SINKS)
+    jk.store(out + toks[:, None, None] * o_ts + (kvh * G + g)[None, :, None] * o_hs + d[None, None, :],
+             jk.reshape(o, (BM, GP, D)), mask=(tm[:, None] & gm[None, :])[:, :, None])
+
+
 # ------------------------------------------------------------------------------------- host wrappers
 def _i32(a, what, ndim=1):
     if not is_array(a):
@@ -501,15 +734,17 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, target=None) -> N
         target=target, KVH=kvh, D=dim)
 
 
-def decode_partitions(seq_lens, block_size: int = 16, sliding_window: int = 0) -> np.ndarray:
+def decode_partitions(seq_lens, block_size: int = 16, sliding_window: int = 0,
+                      partition_blocks: int = PARTITION_BLOCKS) -> np.ndarray:
     """Each sequence's own decode partition count (int array): its key range in blocks (the last
-    sliding_window positions, or all of them) split into PARTITION_BLOCKS-block partitions, at most
-    MAX_PARTITIONS. The kernels compute the same numbers from seq_lens; a launch needs a partition axis
-    at least as long as the largest one."""
+    sliding_window positions, or all of them) split into partition_blocks-block partitions (the CPU
+    kernels' PARTITION_BLOCKS, or GPU_PARTITION_BLOCKS for the GPU flash kernels), at most MAX_PARTITIONS.
+    The kernels compute the same numbers from seq_lens; a launch needs a partition axis at least as long
+    as the largest one."""
     seq_lens = np.asarray(seq_lens, np.int64)
     lo = np.maximum(seq_lens - sliding_window, 0) if sliding_window > 0 else np.zeros_like(seq_lens)
     nb = np.where(seq_lens > 0, -(-seq_lens // block_size) - lo // block_size, 0)
-    return np.minimum(-(-nb // PARTITION_BLOCKS), MAX_PARTITIONS)
+    return np.minimum(-(-nb // partition_blocks), MAX_PARTITIONS)
 
 
 PREFILL_BLOCK_Q = 16     # query tokens per prefill program (per KV head)
@@ -590,15 +825,108 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks)
 
 
-# CUDA GPUs take the token kernel too: the decode kernel's CPU-shaped loop (one program per sequence walking
-# every KV head with its softmax state in a workspace, a barrier per access) took ~830 us per layer for one
-# 128-token sequence on an H200; a program per (token, KV head) with the state in registers parallelises
-# over heads and tokens. (A flash-decoding GPU kernel split over the key range is the next step.)
-GPU_TOKEN_ATTENTION = True
+# GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel) by default. A/B switches:
+# GPU_TOKEN_ATTENTION = True puts them on token_attention_kernel (one program per (token, KV head), the whole
+# key range in one loop: the path before the flash kernels); GPU_FLASH_ATTENTION = False (token off) puts
+# them on the CPU-shaped decode/prefill kernels (~830 us a layer for one 128-token sequence on an H200).
+# Vulkan always takes the token kernel (compile times on lavapipe, see _vulkan_attention).
+GPU_TOKEN_ATTENTION = False
+GPU_FLASH_ATTENTION = True
+GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions of GPUs: this many blocks (64 tokens at 16) ...
+FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
 
 
 def _token_path(target) -> bool:
     return target is not None and (target.is_vulkan or (target.is_gpu and GPU_TOKEN_ATTENTION))
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _flash_fits(st) -> bool:
+    # the (rows, D) tiles' shared-memory staging must fit 48 KiB; wider groups/heads keep the token kernel
+    return _pow2(st.G) <= 64 and st.dim <= 256 and st.dim % 8 == 0
+
+
+def _flash_path(target, st) -> bool:
+    return (target is not None and target.is_gpu and not target.is_vulkan and GPU_FLASH_ATTENTION
+            and not GPU_TOKEN_ATTENTION and _flash_fits(st))
+
+
+def _flash_split(target, k_cache) -> bool:
+    """Whether the flash kernels split f32 K/V into f16 hi + lo for the matrix units (GPUs that have them)."""
+    return bool(target is not None and getattr(target, "mma", "") and k_cache.dtype == np.float32)
+
+
+def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_len: int, decode: bool,
+                  block_m, split, target):
+    """The flash kernels over one step: decode (+ merge) for the q_len == 1 sequences and the prefill kernel
+    for the others (decode=False: the prefill kernel for every sequence)."""
+    G, GP, D = st.G, _pow2(st.G), st.dim
+    split = _flash_split(target, k_cache) if split is None else bool(split)
+    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks)
+    if decode:
+        m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
+        run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
+            (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
+             st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
+            target=target, KVH=st.kvh, G=G, R=max(16, GP), D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
+            MAXP=MAX_PARTITIONS, SPLIT=split, **common)
+        if P > 1:
+            run(flash_merge_kernel, (st.num_seqs, st.kvh),
+                (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
+                target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
+                MAXP=MAX_PARTITIONS, SINKS=st.use_sinks)
+    if max_query_len > 1 or not decode:
+        rows = int(block_m) * GP if block_m else (FLASH_ROWS if D <= 128 else FLASH_ROWS // 2)
+        bm = max(1, rows // GP)
+        run(flash_prefill_kernel, (st.T // bm + st.num_seqs, st.kvh),
+            (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
+             int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
+             st.cap, st.sinks),
+            target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=GPU_PARTITION_BLOCKS,
+            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, **common)
+    return st.out
+
+
+def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
+                          sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
+                          num_partitions: int | None = None, workspace: dict | None = None, decode: bool = True,
+                          block_m: int | None = None, split: bool | None = None, validate: bool = True,
+                          host_step=None, sinks=None, target=None):
+    """paged_attention through the GPU flash kernels, on any target (GPUs take this path from
+    paged_attention; CPU tiers run it for tests). Arguments as for paged_attention, and:
+    decode=False runs the prefill kernel for every sequence (decodes included: same bits as decode=True);
+    block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group);
+    split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
+    Decode partitions are GPU_PARTITION_BLOCKS blocks (at most MAX_PARTITIONS, decided by each sequence's
+    own range): num_partitions must cover decode_partitions(..., partition_blocks=GPU_PARTITION_BLOCKS)."""
+    target = resolve_target(target, q)
+    st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
+               validate, host_step, sinks)
+    if st.empty:
+        return st.out
+    if max_query_len is None:
+        max_query_len = int(np.diff(st.qs_host).max())
+    P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS)
+    return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
+                         decode, block_m, split, target)
+
+
+def _partition_axis(st: _Step, num_partitions, validate: bool, pb: int) -> int:
+    if num_partitions is None or validate:
+        decodes = np.diff(st.qs_host) == 1
+        need = int(decode_partitions(st.sl_host[decodes], st.bs, st.window, pb).max()) if decodes.any() else 1
+        if num_partitions is None:
+            num_partitions = 1 << max(need - 1, 0).bit_length()
+        elif int(num_partitions) < need:
+            raise ValueError(f"num_partitions={num_partitions} is below the {need} partitions a sequence of this "
+                             f"step needs (decode_partitions); use at least that, or MAX_PARTITIONS")
+    P = int(num_partitions)
+    if P < 1 or P > MAX_PARTITIONS:
+        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got {P}")
+    return P
 
 
 def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
@@ -645,20 +973,13 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         return st.out
     if max_query_len is None:
         max_query_len = int(np.diff(st.qs_host).max())
-    if num_partitions is None or validate:
-        decodes = np.diff(st.qs_host) == 1
-        need = int(decode_partitions(st.sl_host[decodes], st.bs, st.window).max()) if decodes.any() else 1
-        if num_partitions is None:
-            num_partitions = 1 << max(need - 1, 0).bit_length()
-        elif int(num_partitions) < need:
-            raise ValueError(f"num_partitions={num_partitions} is below the {need} partitions a sequence of this "
-                             f"step needs (decode_partitions); use at least that, or MAX_PARTITIONS")
-    P = int(num_partitions)
-    if P < 1 or P > MAX_PARTITIONS:
-        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got {P}")
+    flash = _flash_path(target, st)
+    P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS)
     if _token_path(target):
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     ws = workspace if workspace is not None else {}
+    if flash:
+        return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target)
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
     run(decode_kernel, (st.num_seqs, P),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
@@ -700,6 +1021,9 @@ def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_ta
                validate, host_step, sinks)
     if not st.empty and _token_path(target):
         return _vulkan_attention(st, q, k_cache, v_cache, target)
+    if not st.empty and _flash_path(target, st):
+        return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, 1, 2, False,
+                             block_q, None, target)
     if not st.empty:
         _launch_prefill(st, q, k_cache, v_cache, workspace if workspace is not None else {},
                         int(block_q or PREFILL_BLOCK_Q), False, target)
