@@ -223,3 +223,36 @@ def test_frees_wait_for_the_end_of_a_stream_capture(monkeypatch):
     ptr = b.ptr
     del b
     assert freed[-1] == ptr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_split_k_tiles(backend, monkeypatch):
+    """The tensor-core linear with K split into slabs (a tile's 5th entry) plus their ordered sum, tokens in
+    chunks of GPU_SPLITK_MAX_M: numpy's result, and each token's row the same bits alone as in the batch.
+    On `fake` the sm_90a tiles are chosen and compiled (ptxas), then run on the CPU."""
+    from jitkern.ops import matmul as mm
+    from jitkern.runtime import cuda as cuda_mod
+    if backend == "fake":
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    elif not cuda_mod.is_available():
+        pytest.skip("no CUDA device here")
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
+    monkeypatch.setattr(mm, "GPU_SPLITK_MAX_M", 8)
+    rng = np.random.default_rng(13)
+    N, K = 96, 256
+    w = to_bf16(rng.standard_normal((N, K)) / 8)
+    w64 = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    bias = rng.standard_normal(N).astype(np.float32)
+    dw, db = _dev(cuda_mod, w), _dev(cuda_mod, bias)
+    x = rng.standard_normal((19, K)).astype(np.float32)
+    mm._LAST.clear()
+    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
+    assert mm.last_compiled("_gpu_splitk_sum_kernel") is not None
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["SPLIT"] == 2
+    want = x.astype(np.float64) @ w64.T + bias
+    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for M in (1, 5):
+        part = mm.linear(_dev(cuda_mod, x[7:7 + M]), dw, bias=db, w_dtype="bf16").numpy()
+        np.testing.assert_array_equal(part, full[7:7 + M])

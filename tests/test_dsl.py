@@ -663,3 +663,42 @@ def test_dot_of_16_bit_inputs(tier, half):
     _run(_half_dot, (1,), tier, *args, c, acc, M=M, N=N, K=K)
     want = ar @ br + acc
     np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+
+
+@jk.kernel
+def _mixed_dot_nt(x, w, c, M: jk.constexpr, N: jk.constexpr, K: jk.constexpr):
+    # f32 activations x 16-bit weight rows, as the dense linear does: dot(x, trans(w)); on GPUs with matrix
+    # units x runs as two 16-bit parts (hi + lo)
+    rm = jk.arange(0, M)
+    rn = jk.arange(0, N)
+    rk = jk.arange(0, K)
+    xv = jk.load(x + rm[:, None] * K + rk[None, :])
+    wv = jk.load(w + rn[:, None] * K + rk[None, :])
+    acc = jk.zeros((M, N), jk.f32) + 0.5
+    jk.store(c + rm[:, None] * N + rn[None, :], jk.dot(xv, jk.trans(wv), acc))
+
+
+# (M, N, K, warps): one 16x8 tile for 4 warps (the K steps split 4 ways), two tiles for 8 warps (4 ways),
+# 16 tiles for 4 warps (4 per warp in one K loop), 6 tiles for 4 warps (the round-robin with a tail)
+@pytest.mark.parametrize("M,N,K,warps", [(16, 8, 64, 4), (16, 16, 64, 8), (64, 32, 32, 4), (32, 24, 48, 4)])
+def test_dot_f32_by_bf16_rows_work_splits(tier, M, N, K, warps):
+    rng = np.random.default_rng(M * 1000 + N * 10 + warps)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w32 = rng.standard_normal((N, K)).astype(np.float32)
+    w_bits = (w32.view(np.uint32) >> 16).astype(np.uint16)
+    w64 = (w_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    c = np.full((M, N), np.nan, np.float32)
+    _run(_mixed_dot_nt, (1,), tier, x, jk.as_pointer(w_bits, "bf16"), c, M=M, N=N, K=K, num_warps=warps)
+    want = x.astype(np.float64) @ w64.T + 0.5
+    mag = np.abs(x.astype(np.float64)) @ np.abs(w64).T + 0.5
+    # hi + lo keeps ~16 significant bits of x (2**-17 relative); f32 accumulation on top
+    err = np.abs(c - want)
+    assert np.isfinite(c).all()
+    assert (err <= (2.0 ** -16 + (K + 2) * 2.0 ** -24) * mag).all(), float((err / mag).max())
+    # each row alone gives the same bits as the full tile (a row's MMAs do not depend on the other rows)
+    if M > 1:
+        c1 = np.full((M, N), np.nan, np.float32)
+        x1 = np.zeros_like(x)
+        x1[3] = x[3]
+        _run(_mixed_dot_nt, (1,), tier, x1, jk.as_pointer(w_bits, "bf16"), c1, M=M, N=N, K=K, num_warps=warps)
+        np.testing.assert_array_equal(c1[3], c[3])

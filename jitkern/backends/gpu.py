@@ -1142,7 +1142,17 @@ class GpuLowering(LlvmEmitter):
         off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                                    (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
         offc = off
-        self._claim(offc, m * n * 4)
+        ntiles = (m // MS) * (n // NS)
+        ksteps = k // KS
+        # Warps beyond the output tiles split the K steps (decode tiles, 16 x BN, have few tiles): slice s of
+        # ksplit takes a contiguous run of K steps into its own C region, and the read-back sums the regions
+        # in slice order. ksplit depends on the tile shape only, never on how many rows are real: batch
+        # invariant.
+        ksplit = 1
+        while ntiles * ksplit * 2 <= self.num_warps and ksteps % (ksplit * 2) == 0:
+            ksplit *= 2
+        csize = m * n * 4
+        self._claim(offc, csize * ksplit)
         self.barrier()
         a3 = self.hooks.smem_as
         ws = self.target.warp_size
@@ -1155,9 +1165,10 @@ class GpuLowering(LlvmEmitter):
         a_rows, a_ks = coords(lay["a"])
         b_cols, b_ks = coords(lay["b"])
         c_rows, c_cols = coords(lay["c"])
-        ntiles = (m // MS) * (n // NS)
-        per_warp = -(-ntiles // self.num_warps)
+        units = ntiles * ksplit
+        per_warp = -(-units // self.num_warps)
         base_c = self.smem_ptr(offc)
+        nc = len(c_rows)
 
         def add(x, y):
             return self.val(f"add i32 {x}, {y}", "i32", 0).ref
@@ -1180,14 +1191,12 @@ class GpuLowering(LlvmEmitter):
         def plus(base, c):
             return add(base, c) if c else base
 
-        for i in range(per_warp):
-            q = self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0)
-            yes, done = self.label("mma_tile"), self.label("mma_done")
-            ok = self.val(f"icmp ult i32 {q.ref}, {ntiles}", "i1", 0)
-            self.emit(f"br i1 {ok.ref}, label %{yes}, label %{done}")   # warp-uniform: no barrier inside
-            self.start_block(yes)
-            mi = self.val(f"udiv i32 {q.ref}, {n // NS}", "i32", 0)
-            ni = self.val(f"urem i32 {q.ref}, {n // NS}", "i32", 0)
+        def setup(u):
+            """Tile origin, K-slice start and fragment row offsets of work unit u (an i32 ref)."""
+            q = self.val(f"urem i32 {u}, {ntiles}", "i32", 0).ref if ksplit > 1 else u
+            s = self.val(f"udiv i32 {u}, {ntiles}", "i32", 0).ref if ksplit > 1 else None
+            mi = self.val(f"udiv i32 {q}, {n // NS}", "i32", 0)
+            ni = self.val(f"urem i32 {q}, {n // NS}", "i32", 0)
             rows, cols = {}, {}                             # tile row / column bases per symbolic part
             bases(a_rows, lambda: mul(mi.ref, MS), rows)
             bases(b_cols, lambda: mul(ni.ref, NS), cols)
@@ -1200,31 +1209,64 @@ class GpuLowering(LlvmEmitter):
             for (ref, c) in b_cols:
                 if ("b", ref, c) not in roff:
                     roff[("b", ref, c)] = mul(plus(cols[ref], c), KP)
+            k0 = mul(s, ksteps // ksplit) if s is not None else None
+            return dict(rows=rows, cols=cols, roff=roff, s=s, k0=k0)
+
+        def run_units(us):
+            """One K loop for the units `us` together: hi and lo parts (and the units) accumulate into
+            separate registers, so a warp has independent MMA chains in flight rather than one serial chain;
+            per register the sum is (hi + lo) at the end, the same order for every tile."""
             zero = LV("0.0", "float", 0)
 
             def kstep(iv, cur):
-                kb = {}
-                for ref, _ in b_ks + a_ks:                  # k of each register: step * KS + its lane part
-                    if ref not in kb:
-                        kb[ref] = mul(iv, KS) if ref is None else add(mul(iv, KS), ref)
-                regs_b = [ld(offb, add(roff[("b",) + bc], plus(kb[kr], kc)), lay["b_ty"], lay["b_elems"])
-                          for bc, (kr, kc) in zip(b_cols, b_ks)]
-                accs = [c.ref for c in cur]
-                for pa in offs_a:
-                    regs_a = [ld(pa, add(roff[("a",) + ar], plus(kb[kr], kc)), lay["a_ty"], lay["a_elems"])
-                              for ar, (kr, kc) in zip(a_rows, a_ks)]
-                    accs = self.hooks.mma(self, kind, regs_a, regs_b, accs)
-                return [LV(o, "float", 0) for o in accs]
-            acc = self.emit_loop(k // KS, [zero] * len(c_rows), kstep)
-            for j, ((rr, rc), (cr, cc)) in enumerate(zip(c_rows, c_cols)):
-                e = add(mul(add(rows[rr], rc), n), add(cols[cr], cc))
-                ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e}", "ptr", 0)
-                self.emit(f"store float {acc[j].ref}, ptr addrspace({a3}) {ptr.ref}, align 4")
-            self.emit(f"br label %{done}")
-            self.start_block(done)
+                out = []
+                for ui, u in enumerate(us):
+                    it = add(u["k0"], iv) if u["k0"] is not None else iv
+                    kb = {}
+                    for ref, _ in b_ks + a_ks:              # k of each register: step * KS + its lane part
+                        if ref not in kb:
+                            kb[ref] = mul(it, KS) if ref is None else add(mul(it, KS), ref)
+                    regs_b = [ld(offb, add(u["roff"][("b",) + bc], plus(kb[kr], kc)), lay["b_ty"],
+                                 lay["b_elems"]) for bc, (kr, kc) in zip(b_cols, b_ks)]
+                    for pi, pa in enumerate(offs_a):
+                        regs_a = [ld(pa, add(u["roff"][("a",) + ar], plus(kb[kr], kc)), lay["a_ty"],
+                                     lay["a_elems"]) for ar, (kr, kc) in zip(a_rows, a_ks)]
+                        base = (ui * len(offs_a) + pi) * nc
+                        out += self.hooks.mma(self, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
+                return [LV(o, "float", 0) for o in out]
+            acc = self.emit_loop(ksteps // ksplit, [zero] * (nc * len(offs_a) * len(us)), kstep)
+            for ui, u in enumerate(us):
+                for j, ((rr, rc), (cr, cc)) in enumerate(zip(c_rows, c_cols)):
+                    base = ui * len(offs_a) * nc
+                    v = acc[base + j].ref
+                    for pi in range(1, len(offs_a)):
+                        v = self.val(f"fadd float {v}, {acc[base + pi * nc + j].ref}", "float", 0).ref
+                    e = add(mul(add(u["rows"][rr], rc), n), add(u["cols"][cr], cc))
+                    if u["s"] is not None:
+                        e = add(e, mul(u["s"], m * n))
+                    ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e}", "ptr", 0)
+                    self.emit(f"store float {v}, ptr addrspace({a3}) {ptr.ref}, align 4")
+
+        if units % self.num_warps == 0:
+            # every warp has per_warp units: one K loop for all of them, no branches
+            run_units([setup(self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0).ref)
+                       for i in range(per_warp)])
+        else:
+            for i in range(per_warp):
+                q = self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0)
+                yes, done = self.label("mma_tile"), self.label("mma_done")
+                ok = self.val(f"icmp ult i32 {q.ref}, {units}", "i1", 0)
+                self.emit(f"br i1 {ok.ref}, label %{yes}, label %{done}")   # warp-uniform: no barrier inside
+                self.start_block(yes)
+                run_units([setup(q.ref)])
+                self.emit(f"br label %{done}")
+                self.start_block(done)
         self.barrier()
         idx = self.umin(self.flat_index(oshape), m * n - 1)
         out = self.smem_read("float", offc, idx, oshape)
+        for s_ in range(1, ksplit):
+            part = self.smem_read("float", offc + s_ * csize, idx, oshape)
+            out = self.val(f"fadd {out.ty} {out.ref}, {part.ref}", "float", R, oshape)
         if len(op.operands) > 2 and op.operands[2] is not None:
             acc_in = self.get(op.operands[2])
             init = acc_in if acc_in.n else self.splat(acc_in, R, oshape)

@@ -40,7 +40,7 @@ import numpy as np
 import jitkern as jk
 from jitkern.ir import bf16 as _BF16
 from jitkern.jit import Pointer, as_pointer
-from jitkern.ops._hostargs import empty_like_dev, is_array, is_device, resolve_target
+from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
 from jitkern.runtime.cpu import runtime_target
 from jitkern.runtime.launch import launch
 from targets import get_target
@@ -235,12 +235,15 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 
 @jk.kernel(do_not_specialize=("M",))
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
-                           BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False):
-    # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN). `dot(x, trans(w))`
-    # runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds the transpose),
-    # f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and the K order do
-    # not depend on the other rows, so a token's result is the same whatever M is (batch invariant; M = 1
-    # pads the tile with masked rows).
+                           BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
+                           SPLIT: jk.constexpr = 1):
+    # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
+    # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
+    # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
+    # the K order do not depend on the other rows, so a token's result is the same whatever M is (batch
+    # invariant; M = 1 pads the tile with masked rows). SPLIT > 1 (EVEN only; chosen from N and K alone):
+    # program z sums the z-th of SPLIT equal K ranges into its own (M, N) slab of y (row stride ldy), and
+    # _gpu_splitk_sum_kernel adds the slabs in order: more programs in flight for narrow N at decode.
     tok = jk.program_id(0) * BM + jk.arange(0, BM)
     rows = jk.program_id(1) * BN + jk.arange(0, BN)
     tm = tok < M
@@ -252,10 +255,12 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     if EVEN:
         # software pipelining: the next step's tiles are loaded before this step's dot, so their global
         # loads are in flight while the dot stages shared memory and runs its MMAs (same arithmetic order)
+        KR = K // SPLIT
+        k0 = jk.program_id(2) * KR
         xm = tm[:, None] & (kk >= 0)[None, :]
-        xv = jk.load(xrows + kk[None, :], mask=xm, other=0.0)
-        wv = jk.load(wrows + kk[None, :])
-        for k in range(BK, K, BK):
+        xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
+        wv = jk.load(wrows + (k0 + kk)[None, :])
+        for k in range(k0 + BK, k0 + KR, BK):
             xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
             wn = jk.load(wrows + (k + kk)[None, :])
             acc = jk.dot(xv, jk.trans(wv), acc)
@@ -268,9 +273,28 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
             xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
             wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             acc = jk.dot(xv, jk.trans(wv), acc)
-    if HAS_BIAS:
+    if SPLIT > 1:
+        y = y + jk.program_id(2).to(jk.i64) * M.to(jk.i64) * ldy.to(jk.i64)
+    elif HAS_BIAS:
         acc = acc + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)[None, :]
     jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
+
+
+@jk.kernel(do_not_specialize=("M",))
+def _gpu_splitk_sum_kernel(parts, bias, y, M, N, ldy, HAS_BIAS: jk.constexpr, SPLIT: jk.constexpr,
+                           BLOCK: jk.constexpr):
+    # y[t, :] = ((parts[0, t] + parts[1, t]) + ...) + bias: the split-K slabs in a fixed order, one token row
+    # per program row (the same adds whatever M is)
+    t = jk.program_id(0).to(jk.i64)
+    cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
+    cm = cols < N
+    slab = M.to(jk.i64) * N.to(jk.i64)
+    acc = jk.load(parts + t * N.to(jk.i64) + cols, mask=cm, other=0.0)
+    for z in jk.static_range(1, SPLIT):
+        acc = acc + jk.load(parts + z * slab + t * N.to(jk.i64) + cols, mask=cm, other=0.0)
+    if HAS_BIAS:
+        acc = acc + jk.load(bias + cols, mask=cm, other=0.0).to(jk.f32)
+    jk.store(y + t * ldy.to(jk.i64) + cols, acc, mask=cm)
 
 
 # GPU tiles of the dense linear: weight rows per program, K elements per step, warps per program
@@ -279,14 +303,32 @@ GPU_LINEAR_TILE = (16, 256, 4)
 # from (N, K) only (never M: batch invariance) by gpu_linear_mma_tile; a fixed tuple overrides (perf/ tuning),
 # None keeps the FMA kernel above on every GPU. H200 sweep: perf/tune_gemv_cuda.py, docs/BENCHMARKS.md.
 GPU_LINEAR_MMA_TILE = "auto"
+# matrix units the tensor-core linear runs on: NVIDIA mma.sync (m16n8k16; sm_90a/sm_100a use it too), AMD MFMA
+# (gfx90a/gfx942) and WMMA (gfx1100), 16x16x16 (backends/amdgpu.py mma_layout; tests/test_amdgpu.py)
+_LINEAR_MMA_UNITS = ("mma.sync", "wgmma", "tcgen05", "mfma", "wmma")
+
+
+def _mma_tile_for(T, N: int, K: int) -> tuple:
+    """gpu_linear_mma_tile(N, K) for target T: on WMMA (gfx1100, wave32) K steps of at most 64, since 128 with
+    4 waves of 32 spills ~300 bytes of VGPRs per thread to scratch (LLVM 22; 64 does not)."""
+    tile = tuple(gpu_linear_mma_tile(N, K))
+    if T.mma == "wmma" and tile[2] > 64:
+        tile = tile[:2] + (64,) + tile[3:]
+    return tile
 
 
 def gpu_linear_mma_tile(N: int, K: int) -> tuple:
+    """(BM, BN, BK, warps[, SPLIT]) of the tensor-core linear for an (N, K) weight (never M: batch
+    invariance)."""
     if GPU_LINEAR_MMA_TILE != "auto":
         return GPU_LINEAR_MMA_TILE
     # narrow tiles keep enough programs in flight at decode sizes; within ~10% of the best swept tile at
     # M = 1 and 16 on every Llama-3-8B projection shape, wide N takes wider tiles (better at M = 64)
     return (16, 64, 128, 4) if N >= 16384 else (16, 32, 128, 4)
+
+
+# split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
+GPU_SPLITK_MAX_M = 1024
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -535,6 +577,23 @@ def _rows_tiles(M, N, target):
     return BM, BN, V
 
 
+def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T):
+    """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
+    Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk)."""
+    for m0 in range(0, M, GPU_SPLITK_MAX_M):
+        m1 = min(M, m0 + GPU_SPLITK_MAX_M)
+        mc = m1 - m0
+        xc, oc = (x2, o2) if (m0, m1) == (0, M) else (x2[m0:m1], o2[m0:m1])
+        parts = device_scratch(x2, "linear_splitk", (S * mc, N), np.float32) if is_device(x2) \
+            else np.empty((S * mc, N), np.float32)
+        _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
+                (xc, warg, oc, parts, mc, N, K, xc.strides[0] // 4, N),
+                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW), T)
+        _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 1024)),
+                (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
+                dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=1024, num_warps=4), T)
+
+
 def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
@@ -558,12 +617,17 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
             o2[...] = 0.0 if b is None else b[None, :]
         else:
             args = (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4)
-            if T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in ("mma.sync", "wgmma", "tcgen05") \
+            if T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in _LINEAR_MMA_UNITS \
                     and dt in ("bf16", "f16") and K % 16 == 0:
-                BM, BN, BK, NW = gpu_linear_mma_tile(N, K)
-                _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
-                        dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=N % BN == 0 and K % BK == 0,
-                             num_warps=NW), T)
+                tile = _mma_tile_for(T, N, K)
+                BM, BN, BK, NW = tile[:4]
+                S = tile[4] if len(tile) > 4 else 1
+                even = N % BN == 0 and K % BK == 0
+                if S > 1 and even and K % (S * BK) == 0:
+                    _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T)
+                else:
+                    _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
+                            dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
