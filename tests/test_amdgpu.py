@@ -744,3 +744,46 @@ def test_linear_gemm_runs_on_the_matrix_units(target, wdt, tmp_path):
     assert any(k.startswith(("ds_write", "ds_store")) for k in ops)
     assert not [k for k in ops if k.startswith(("scratch_", "flat_", "buffer_store"))]
     assert ops.get("s_barrier", 0) >= 2
+
+
+@needs_lld
+@pytest.mark.skipif(find_objdump() is None, reason="no llvm-objdump 17+ for AMDGPU (apt: llvm-19)")
+@pytest.mark.parametrize("wdt", ["bf16", "f16"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_dense_linear_picks_the_matrix_units(target, wdt, tmp_path):
+    """`linear` (the engine's dense projection) on an AMD target with 16-bit weights takes the tensor-core
+    kernel with its engine tile (gpu_linear_mma_tile: decode M = 1 and a prefill-sized M alike, one kernel:
+    batch invariant), and that code object runs its dots on MFMA / WMMA. f32 weights or K % 16 != 0 keep the
+    FMA kernel. Compile-only (no AMD GPU): what the engine would launch there."""
+    from jitkern.ops import matmul as mm
+    from jitkern.runtime.launch import compile_only
+    t = get_target(target)
+    rng = np.random.default_rng(7)
+    N, K = 96, 256
+    w = rng.standard_normal((N, K)).astype(np.float16)
+    w = w if wdt == "f16" else w.view(np.uint16)
+    with compile_only(t) as co:
+        for M in (1, 37):
+            mm.linear(rng.standard_normal((M, K)).astype(np.float32), w, target=t, w_dtype=wdt)
+    names = {ck.name for ck in co.compiled}
+    assert names == {"_gpu_linear_mma_kernel"}, names
+    tile = mm._mma_tile_for(t, N, K)          # the engine's (N, K) tile; K steps of 64 on wave32 WMMA
+    assert all((ck.constexprs["BM"], ck.constexprs["BN"], ck.constexprs["BK"]) == tuple(tile[:3])
+               for ck in co.compiled), [ck.constexprs for ck in co.compiled]
+    assert len({ck.symbol for ck in co.compiled}) == 1          # M is not specialised on: one kernel for every M
+    ck = co.compiled[0]
+    p = tmp_path / "k.hsaco"
+    p.write_bytes(ck.artifacts["kernel.hsaco"])
+    check_code_object(p.read_bytes(), target, ck.symbol)
+    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    ops = _mnemonics(r.stdout)
+    assert sum(v for k, v in ops.items() if k.startswith(MMA_OPS[(target, wdt)])) >= 2, sorted(ops)
+    assert not [k for k in ops if k.startswith(("scratch_", "flat_"))]     # no VGPR spills, no flat access
+    # the FMA kernel where the matrix units do not apply
+    with compile_only(t) as co:
+        mm.linear(rng.standard_normal((3, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32),
+                  target=t)
+        mm.linear(rng.standard_normal((3, 40)).astype(np.float32), w[:, :40].copy(), target=t, w_dtype=wdt)
+    assert {ck.name for ck in co.compiled} == {"_gpu_linear_kernel"}
