@@ -714,13 +714,15 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
 @jk.jit
 def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, RB: jk.constexpr,
               BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr, H: jk.constexpr = 0,
-              HS: jk.constexpr = 0):
+              HS: jk.constexpr = 0, FOLD: jk.constexpr = False):
     """acc (BM, R // RI, S, RI) f32 += the S blocks from block st * S: per (token, row, block) one FMA of the
     exact integer dot with the scale product, then one FMA of the block-sum term (q4_1's m, q4_0's -8 d).
     xd, xs: the activation block scales / sums, with RI = 4 repeated 4 times (Q8Activations.scales4): the lanes
     of a (token, 4 rows) register as they are, no shuffle per token.
     HS > 0: only the S blocks at H * S of a step of HS blocks in a 'halves'-grouped activation layout (a split
-    step, the same operations per block as the whole one)."""
+    step, the same operations per block as the whole one).
+    FOLD: acc is (BM, R // RI, S // 2, RI): the first S // 2 blocks' two FMAs into it, then the last S // 2 blocks'
+    (what two split half steps with HS = S do to one accumulator, from one decode of the whole step)."""
     RQ = R // RI
     if HS:
         q, sc, c, _ = DEC(w, wh, rows, st * (HS // S) + H, RB, R, S)
@@ -737,12 +739,30 @@ def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, R
     shape = (BM, RQ, S, RI)
     sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))                                  # (RQ, S, RI)
     dx = jk.reshape(jk.load(xd + blk), (BM, 1, S, RI))
+    if FOLD:
+        scale = jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx, shape)
+        if c is not None:
+            cw = jk.broadcast_to(jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))[None, :, :, :], shape)
+            sx = jk.broadcast_to(jk.reshape(jk.load(xs + blk), (BM, 1, S, RI)), shape)
+        for h in jk.static_range(2):
+            acc = jk.fma(_half_blocks(pb, h, BM, RQ, S, RI), _half_blocks(scale, h, BM, RQ, S, RI), acc)
+            if c is not None:
+                acc = jk.fma(_half_blocks(cw, h, BM, RQ, S, RI), _half_blocks(sx, h, BM, RQ, S, RI), acc)
+        return acc
     acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx, shape), acc)
     if c is not None:
         cw = jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))
         acc = jk.fma(jk.broadcast_to(cw[None, :, :, :], shape),
                      jk.broadcast_to(jk.reshape(jk.load(xs + blk), (BM, 1, S, RI)), shape), acc)
     return acc
+
+
+@jk.jit
+def _half_blocks(v, h: jk.constexpr, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.constexpr):
+    """Blocks [h * S/2, (h + 1) * S/2) of a (BM, RQ, S, RI) f32 tile: the other half replaced by -0.0 and added
+    (x + -0.0 == x exactly; the select and add fold to a shuffle)."""
+    v5 = jk.reshape(v, (BM, RQ, 2, S // 2, RI))
+    return jk.sum(jk.where(jk.arange(0, 2)[None, None, :, None, None] == h, v5, -0.0), axis=2)
 
 
 @jk.jit
@@ -757,7 +777,8 @@ def _block_sum(v, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.co
 @jk.kernel(do_not_specialize=('M0', 'M'))
 def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constexpr, RB: jk.constexpr,
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
-                LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False):
+                LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False,
+                FOLD: jk.constexpr = False):
     # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
     # reads one monotonic weight stream); grid (N / (RS R), M / BM) over tokens M0 .. M0 + M, the last tile of
     # each axis shifted back to end at N (M0 + M). K is a compile-time constant: token rows are constant offsets from one pointer, the
@@ -773,7 +794,17 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
     srow = toks * NB
     for rt in range(0, RS):
         rows = (n0 + rt * R + jk.arange(0, R)).to(jk.i64)
-        if SPLIT:
+        if SPLIT and FOLD:
+            # FOLD (`_fold_lanes`): 2 accumulator lanes per output, not S; the halves of a step go into the same
+            # lanes in turn (half the accumulator registers of the split step below: no spills on AVX2)
+            acc = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
+            for st in range(0, NB // S):
+                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S // 2,
+                                RI, 0, S)
+                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R,
+                                S // 2, RI, 1, S)
+            res = _block_sum(acc, BM, RQ, S // 2, RI, LOGS - 1)
+        elif SPLIT:
             # each step as two halves with their own accumulators (fewer weight registers live at once); the
             # first level of the block tree adds them, as it adds the halves of one accumulator
             acc = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
@@ -784,6 +815,13 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
                 acc_h = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc_h, DEC, RB, BM, R,
                                   S // 2, RI, 1, S)
             res = _block_sum(acc + acc_h, BM, RQ, S // 2, RI, LOGS - 1)
+        elif FOLD:
+            # the same arithmetic as SPLIT and FOLD from whole steps (GEMV): each step's dots folded into 2 lanes
+            acc = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
+            for st in range(0, NB // S):
+                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI,
+                                FOLD=True)
+            res = _block_sum(acc, BM, RQ, S // 2, RI, LOGS - 1)
         else:
             acc = jk.zeros((BM, RQ, S, RI), jk.f32)
             for st in range(0, NB // S):
@@ -814,6 +852,17 @@ def _split_steps(q: QType, M: int, S: int, target) -> bool:
         from jitkern.compiler import default_target
         target = default_target()
     return M > 1 and S == 4 and q.name in ("q4_0", "q4_1") and target.vector_bits == 256
+
+
+def _fold_lanes(q: QType, S: int, target) -> bool:
+    """q4_0 / q4_1 on 256-bit tiers: 2 float accumulator lanes per output instead of one per block of the 4-block
+    step (blocks 4s, 4s+1 then 4s+2, 4s+3 into lanes 0, 1), for every M (the GEMM's split halves and the GEMV's
+    whole steps do the same FMAs). The 8 x 4 GEMM tile's accumulators then take 8 of the 16 ymm registers, not
+    16 (the split step spilled ~150 values per step)."""
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    return S == 4 and q.name in ("q4_0", "q4_1") and target.is_cpu and target.vector_bits == 256
 
 
 def _qmm_decoder(q: QType, target):
@@ -1003,7 +1052,7 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
             ck = run(_qmm_kernel, (-(-N // (RS * R)), -(-mn // bm)), (w, wh, qx, xd, xs, out, m0, mn, N), target,
                      K=K, DEC=_qmm_decoder(q, T), RB=row_bytes(q, K), BM=bm, R=R, RI=RI, RS=RS, S=S,
                      LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1,
-                     SPLIT=_split_steps(q, M, S, T))
+                     SPLIT=_split_steps(q, M, S, T), FOLD=_fold_lanes(q, S, T))
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
     ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),
