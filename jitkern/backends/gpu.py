@@ -69,6 +69,11 @@ class GpuHooks:
         """An LV for math function `name` on x, or None to use the portable polynomial."""
         return None
 
+    def round_bf16(self, low, x: LV):
+        """f32 lanes rounded to bf16 (nearest even) as i16 bit patterns in hardware, or None for the
+        integer sequence of the emitter's from_f32."""
+        return None
+
     def function_attrs(self, low) -> list:
         return []
 
@@ -1125,7 +1130,20 @@ class GpuLowering(LlvmEmitter):
         oshape = (m, n)
         R = self.lanes(oshape)
         a = self.get(plan["a"])
-        if plan["split"]:
+        if plan["split"] and d16 == ir.bf16:
+            # hi = x's top 16 bits (truncation: a shift and a mask, no rounding sequence), lo = x - hi exactly
+            # in f32, rounded to bf16: ~16 significant bits of x in two bf16 parts
+            n_, sh_ = a.n, a.shape
+            i32t = vty("i32", n_)
+            bits = self.val(f"bitcast {a.ty} {a.ref} to {i32t}", "i32", n_, sh_)
+            top = self.val(f"and {i32t} {bits.ref}, {self.const(-65536, 'i32', n_, sh_).ref}", "i32", n_, sh_)
+            hs = self.val(f"lshr {i32t} {bits.ref}, {self.const(16, 'i32', n_, sh_).ref}", "i32", n_, sh_)
+            hi = self.val(f"trunc {i32t} {hs.ref} to {vty('i16', n_)}", "i16", n_, sh_)
+            topf = self.val(f"bitcast {i32t} {top.ref} to {a.ty}", "float", n_, sh_)
+            rest = self.val(f"fsub {a.ty} {a.ref}, {topf.ref}", "float", n_, sh_)
+            lo = self.hooks.round_bf16(self, rest)
+            parts = [hi, lo if lo is not None else self.from_f32(rest, d16)]
+        elif plan["split"]:
             hi = self.from_f32(a, d16)
             rest = self.val(f"fsub {a.ty} {a.ref}, {self.to_f32(hi, d16).ref}", "float", a.n, a.shape)
             parts = [hi, self.from_f32(rest, d16)]

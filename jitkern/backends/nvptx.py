@@ -15,6 +15,7 @@ import tempfile
 
 from ..errors import CompileError
 from .cpu import LV, elem_ty
+from .emitter import vty
 from .gpu import GpuHooks, GpuLowering
 
 
@@ -70,6 +71,14 @@ class NvptxHooks(GpuHooks):
             parts = [low.val(f"call float @{fn}(float {low.extract(x, j).ref})", "float", 0) for j in range(x.n)]
             return low.build_vector(parts, "float", x.shape)
         return None
+
+    def round_bf16(self, low, x):
+        # fptrunc to bfloat: cvt.rn.bf16x2.f32, two lanes per instruction (sm_80+)
+        if self.target.mma not in ("mma.sync", "wgmma", "tcgen05"):
+            return None
+        bt = vty("bfloat", x.n)
+        t = low.val(f"fptrunc {x.ty} {x.ref} to {bt}", "bfloat", x.n, x.shape)
+        return low.val(f"bitcast {bt} {t.ref} to {vty('i16', x.n)}", "i16", x.n, x.shape)
 
     @property
     def mma_shape(self):

@@ -255,8 +255,12 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     if EVEN:
         # software pipelining: the next step's tiles are loaded before this step's dot, so their global
         # loads are in flight while the dot stages shared memory and runs its MMAs (same arithmetic order)
-        KR = K // SPLIT
-        k0 = jk.program_id(2) * KR
+        if SPLIT > 1:
+            KR = (K // (SPLIT * BK)) * BK           # a multiple of BK: the axis analysis keeps 16-byte loads
+            k0 = jk.program_id(2) * KR
+        else:
+            KR = K
+            k0 = 0
         xm = tm[:, None] & (kk >= 0)[None, :]
         xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
         wv = jk.load(wrows + (k0 + kk)[None, :])
@@ -322,9 +326,10 @@ def gpu_linear_mma_tile(N: int, K: int) -> tuple:
     invariance)."""
     if GPU_LINEAR_MMA_TILE != "auto":
         return GPU_LINEAR_MMA_TILE
-    # narrow tiles keep enough programs in flight at decode sizes; within ~10% of the best swept tile at
-    # M = 1 and 16 on every Llama-3-8B projection shape, wide N takes wider tiles (better at M = 64)
-    return (16, 64, 128, 4) if N >= 16384 else (16, 32, 128, 4)
+    # H200 sweep (perf/tune_gemv_cuda.py, docs/BENCHMARKS.md): K split in 2 doubles the programs in flight
+    # at decode sizes; this tile is the best or within ~6% of the best swept one on every Llama-3-8B
+    # projection shape at M = 1, 16 and 64
+    return (16, 64, 128, 4, 2)
 
 
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
