@@ -237,3 +237,44 @@ def test_embedded_model_greedy_is_batch_invariant():
     finally:
         m.close()
     assert batch == alone
+
+
+def test_greedy_decode_graphs_pick_the_logits_argmax(tiny):
+    """CPU decode graphs end with each row's argmax (ModelRunner._record_greedy): plain greedy steps take their
+    tokens from there. Those picks must be the argmax of the step's logits, a batch with a sampled request
+    must not use them, and the text must equal the eager engine's (no graphs: the sampler's own argmax)."""
+    path, _ = tiny
+    prompts = [P1, P2, [3, 1, 4, 1, 5, 9, 2, 6]]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, detokenize=False)
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, detokenize=False)
+    eager = LLM(path, num_blocks=64, block_size=16, use_graphs=False)
+    try:
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
+        want_mixed = [o.outputs[0].token_ids for o in eager.generate(prompts, [greedy, sampled, greedy])]
+    finally:
+        eager.close()
+    m = LLM(path, num_blocks=64, block_size=16)
+    runner = m.engine.runner
+    seen = {"picks": 0, "logits": 0}
+    orig = runner.execute
+
+    def execute(sched):
+        res = orig(sched)
+        if res.greedy_tokens is not None:
+            seen["picks"] += 1
+            rows = np.array(sorted(res.sample_rows.values()))
+            np.testing.assert_array_equal(res.greedy_tokens[rows], np.argmax(res.logits[rows], axis=1))
+            np.testing.assert_array_equal(res.greedy_values[rows], res.logits[rows, res.greedy_tokens[rows]])
+        elif not res.prompt_rows and len(res.sample_rows) == len(sched.scheduled) and \
+                all(s.num_tokens == 1 for s in sched.scheduled):
+            seen["logits"] += 1        # a decode step sampled from the logits (the mixed batch)
+        return res
+    runner.execute = execute
+    try:
+        got = [o.outputs[0].token_ids for o in m.generate(prompts, greedy)]
+        picks = seen["picks"]
+        got_mixed = [o.outputs[0].token_ids for o in m.generate(prompts, [greedy, sampled, greedy])]
+    finally:
+        m.close()
+    assert got == want and got_mixed == want_mixed
+    assert picks >= 8 and seen["picks"] == picks and seen["logits"] >= 8
