@@ -1213,7 +1213,9 @@ class GpuLowering(LlvmEmitter):
             """Tile origin, K-slice start and fragment row offsets of work unit u (an i32 ref)."""
             q = self.val(f"urem i32 {u}, {ntiles}", "i32", 0).ref if ksplit > 1 else u
             s = self.val(f"udiv i32 {u}, {ntiles}", "i32", 0).ref if ksplit > 1 else None
-            mi = self.val(f"udiv i32 {q}, {n // NS}", "i32", 0)
+            # one row of tiles (decode: BM = 16): the row origin is the constant 0, so every unit's A
+            # fragments are the same loads (shared in the K loop below)
+            mi = LV("0", "i32", 0) if m == MS else self.val(f"udiv i32 {q}, {n // NS}", "i32", 0)
             ni = self.val(f"urem i32 {q}, {n // NS}", "i32", 0)
             rows, cols = {}, {}                             # tile row / column bases per symbolic part
             bases(a_rows, lambda: mul(mi.ref, MS), rows)
@@ -1238,6 +1240,7 @@ class GpuLowering(LlvmEmitter):
 
             def kstep(iv, cur):
                 out = []
+                shared_a = {}        # part -> A fragments, when every unit reads the same ones
                 for ui, u in enumerate(us):
                     it = add(u["k0"], iv) if u["k0"] is not None else iv
                     kb = {}
@@ -1247,8 +1250,12 @@ class GpuLowering(LlvmEmitter):
                     regs_b = [ld(offb, add(u["roff"][("b",) + bc], plus(kb[kr], kc)), lay["b_ty"],
                                  lay["b_elems"]) for bc, (kr, kc) in zip(b_cols, b_ks)]
                     for pi, pa in enumerate(offs_a):
-                        regs_a = [ld(pa, add(u["roff"][("a",) + ar], plus(kb[kr], kc)), lay["a_ty"],
-                                     lay["a_elems"]) for ar, (kr, kc) in zip(a_rows, a_ks)]
+                        if m == MS and ksplit == 1 and pi in shared_a:
+                            regs_a = shared_a[pi]
+                        else:
+                            regs_a = [ld(pa, add(u["roff"][("a",) + ar], plus(kb[kr], kc)), lay["a_ty"],
+                                         lay["a_elems"]) for ar, (kr, kc) in zip(a_rows, a_ks)]
+                            shared_a[pi] = regs_a
                         base = (ui * len(offs_a) + pi) * nc
                         out += self.hooks.mma(self, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
                 return [LV(o, "float", 0) for o in out]

@@ -594,9 +594,9 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T):
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (xc, warg, oc, parts, mc, N, K, xc.strides[0] // 4, N),
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW), T)
-        _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 1024)),
+        _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
                 (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
-                dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=1024, num_warps=4), T)
+                dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
 
 
 def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
