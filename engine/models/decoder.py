@@ -112,6 +112,9 @@ class DecoderLM:
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping or 0.0
         self.final_softcap = cfg.final_logit_softcapping or 0.0
+        # fused decode-path kernels (norm -> int8 input of a GGUF linear, activation -> int8 input of the down
+        # projection, RoPE + KV-cache write); False runs the separate ops (same results bit for bit)
+        self.fuse_decode = True
 
         self.moe_spec = moe_spec(ckpt)          # None: a dense model
         if self.moe_spec is not None and device == "vulkan":
@@ -362,13 +365,41 @@ class DecoderLM:
             return layer_norm(x, w, b, self.eps, out=out)
         return rms_norm(x, w, self.eps, out=out, residual=residual, weight_offset=self.norm_offset)
 
+    def _q8_bufs(self, buf, T: int, K: int, rep4: bool):
+        """Activation buffers for int8 inputs of K columns (quantize_q8's arrays; the repeated scales with rep4)."""
+        o8 = (buf.get(f"q8x{K}", (T, K), np.int8), buf.get(f"q8d{K}", (T, K // 32)), buf.get(f"q8s{K}", (T, K // 32)))
+        o4 = (buf.get(f"q8d4_{K}", (T, K // 8)), buf.get(f"q8s4_{K}", (T, K // 8))) if rep4 else None
+        return o8, o4
+
+    def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False):
+        """lin(norm(src)) into `out`, the pre-norm's residual handling as `_norm` (`first`: residual = src, the
+        first layer's residual stream). A GGUF-quantised `lin` after an RMSNorm gets its int8 input straight from
+        the norm kernel (jitkern.ops.norm.rms_norm_q8): one launch instead of norm + quantise; else the norm
+        writes `x` and lin reads it."""
+        T = src.shape[0]
+        spec = None if (self.layernorm or w is None or not self.fuse_decode) else lin.q8_input(T)
+        if spec is None:
+            if first:
+                from jitkern.ops.activation import copy
+                copy(src, out=residual)
+                self._norm(residual, w, b, x)
+            else:
+                self._norm(src, w, b, x, residual=residual)
+            return lin(x, out=out)
+        from jitkern.ops.norm import rms_norm_q8
+        layout, rep4 = spec
+        o8, o4 = self._q8_bufs(buf, T, lin.k, rep4)
+        xq = rms_norm_q8(src, w, self.eps, o8, layout=layout, out4=o4, residual=residual, residual_copy=first,
+                         weight_offset=self.norm_offset)
+        return lin.call_q8(xq, out=out)
+
     def forward(self, b) -> np.ndarray:
         """One step over the flat batch `b` (engine.model_runner.Batch); returns logits [len(b.logits_rows), V]."""
         from jitkern.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, scale_inplace, silu_and_mul
         from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
         from jitkern.ops.embedding import embedding
         from jitkern.ops.norm import rms_norm, rms_norm_heads
-        from jitkern.ops.rope import rope
+        from jitkern.ops.rope import rope, rope_and_cache
         T = b.num_tokens
         H, KVH, D = self.H, self.KVH, self.D
         ids = b.input_ids[:T]
@@ -402,15 +433,10 @@ class DecoderLM:
             if b.host is not None else None
         first = True
         for li, L in enumerate(self.layers):
-            # attention block (pre-norm; the residual add is fused into the norm)
-            if first:
-                from jitkern.ops.activation import copy
-                copy(h, out=residual)
-                self._norm(residual, L.attn_norm, L.attn_norm_b, x)
-                first = False
-            else:
-                self._norm(h, L.attn_norm, L.attn_norm_b, x, residual=residual)
-            L.qkv(x, out=qkv_out)
+            # attention block (pre-norm; the residual add is fused into the norm, and into the quantisation of
+            # the q/k/v projection's input for GGUF weights)
+            self._norm_linear(h, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out, x, buf, residual=residual, first=first)
+            first = False
             q = _heads(qkv_out, 0, H, D)
             k = _heads(qkv_out, H * D, KVH, D)
             v = _heads(qkv_out, (H + KVH) * D, KVH, D)
@@ -422,9 +448,14 @@ class DecoderLM:
             elif L.q_norm is not None:
                 rms_norm_heads(q, L.q_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
                 rms_norm_heads(k, L.k_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
-            if L.rope_cache is not None:
-                rope(q, k, pos, L.rope_cache, D, self.rotary_dim, self.is_neox)
-            reshape_and_cache(k, v, self.k_caches[li], self.v_caches[li], b.slot_mapping[:T])
+            if L.rope_cache is not None and self.fuse_decode:
+                # rotate q in place, rotated k and v into the paged cache: one launch
+                rope_and_cache(q, k, v, pos, L.rope_cache, D, self.rotary_dim, self.is_neox, self.k_caches[li],
+                               self.v_caches[li], b.slot_mapping[:T])
+            else:
+                if L.rope_cache is not None:
+                    rope(q, k, pos, L.rope_cache, D, self.rotary_dim, self.is_neox)
+                reshape_and_cache(k, v, self.k_caches[li], self.v_caches[li], b.slot_mapping[:T])
             paged_attention(q, self.k_caches[li], self.v_caches[li], b.query_start[: b.num_seqs + 1],
                             b.seq_lens[: b.num_seqs], b.block_table[: b.num_seqs], scale=self.scale,
                             sliding_window=self.cfg.sliding_window if L.sliding else 0, softcap=self.softcap,
@@ -441,20 +472,31 @@ class DecoderLM:
             if L.post_attn_norm is not None:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
             # MLP block
-            self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
+            down_q8 = None
             if L.moe is not None:
+                self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 L.moe(x, h, buf)
             elif L.gate_up is not None:
                 gu = buf.get("gu", (T, L.gate_up.n))
-                L.gate_up(x, out=gu)
-                act = buf.get("act", (T, L.gate_up.n // 2))
-                (gelu_tanh_and_mul if self.cfg.hidden_act.startswith("gelu") else silu_and_mul)(gu, out=act)
+                self._norm_linear(o, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu, x, buf, residual=residual)
+                gelu = self.cfg.hidden_act.startswith("gelu")
+                down_q8 = L.down.q8_input(T) if self.fuse_decode else None
+                if down_q8 is not None:
+                    # the activation writes the down projection's int8 input directly: one launch fewer
+                    from jitkern.ops.activation import act_and_mul_q8
+                    o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
+                    L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
+                else:
+                    act = buf.get("act", (T, L.gate_up.n // 2))
+                    (gelu_tanh_and_mul if gelu else silu_and_mul)(gu, out=act)
             else:
+                self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 act = buf.get("act", (T, L.up.n))
                 L.up(x, out=act)
                 gelu_tanh(act, out=act)
             if L.moe is None:
-                L.down(act, out=h)
+                if down_q8 is None:
+                    L.down(act, out=h)
                 if tp is not None:           # row-parallel down: partial sums
                     tp.all_reduce(h)
             if L.post_ffn_norm is not None:
@@ -462,9 +504,16 @@ class DecoderLM:
             if self.residual_scale is not None:
                 scale_inplace(h, self.residual_scale)
         # final norm on the rows we need logits for
-        self._norm(h, self.final_norm, self.final_norm_b, x, residual=residual)
         rows = b.logits_rows
         R = len(rows)
+        if R == T and R and tp is None and not getattr(self, "return_hidden", False) and \
+                not self.layernorm and self.fuse_decode and self.lm_head.q8_input(T) is not None and \
+                np.array_equal(rows, np.arange(T)):
+            # every row wants logits (decode): the final norm writes the LM head's int8 input directly
+            logits = buf.get("logits", (R, self.vocab))
+            self._norm_linear(h, self.final_norm, self.final_norm_b, self.lm_head, logits, x, buf, residual=residual)
+            return self._finish_logits(logits)
+        self._norm(h, self.final_norm, self.final_norm_b, x, residual=residual)
         if R == 0:
             return np.zeros((0, self.vocab), np.float32)
         if R == T and np.array_equal(rows, np.arange(T)):
@@ -478,6 +527,10 @@ class DecoderLM:
             return xs
         logits = buf.get("logits", (R, self.vocab))
         (self.lm_head if tp is None else tp.lm_head)(xs, out=logits)     # tp: vocab slices, all-gathered
+        return self._finish_logits(logits)
+
+    def _finish_logits(self, logits):
+        from jitkern.ops.activation import scale_inplace
         if self.final_softcap:
             from jitkern.ops.activation import softcap_inplace
             softcap_inplace(logits, self.final_softcap)

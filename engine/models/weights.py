@@ -72,6 +72,29 @@ class Linear:
         return linear(x, self.weight, bias=self.bias, out=out, **({"w_dtype": "bf16"} if self.kind == "bf16" else {}))
 
 
+    def q8_input(self, M: int):
+        """(layout, rep4) of the int8 activations `call_q8` takes for an M-row input (what matmul_q would make
+        with quantize_q8 on the way), or None when this linear does not take quantised activations (dense
+        weights, FP8, stacked parts of different types). Lets the op before it write its output quantised
+        (jitkern.ops.norm.rms_norm_q8, jitkern.ops.activation.act_and_mul_q8): one launch fewer."""
+        if type(self) is not Linear or not self.quantized:
+            return None
+        from jitkern.ops._hostargs import is_device, resolve_target
+        from jitkern.ops.quant import _qmm_kernel_for, _qtype, act_layout
+        q = _qtype(self.kind)
+        dev = is_device(self.weight)
+        return act_layout(q, M, resolve_target(None, self.weight)), (M > 1 or dev) and _qmm_kernel_for(q)
+
+    def call_q8(self, xq, out):
+        """y = x @ W^T (+ b) from x already quantised as `q8_input` says (a jitkern.ops.quant.Q8Activations)."""
+        from jitkern.ops.quant import matmul_q8
+        y = matmul_q8(xq, self.weight, self.kind, self.n, self.k, out=out)
+        if self.bias is not None:
+            from jitkern.ops.activation import add
+            add(y, _bias_rows(self.bias, y.shape[0]), out=y)
+        return y
+
+
 class StackedLinear(Linear):
     """Linears of different weight types stacked along N (a fused q/k/v or gate/up whose tensors differ in type):
     each part runs on its own weight, its output written into its columns of `out`."""

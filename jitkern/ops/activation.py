@@ -14,6 +14,8 @@ from ._hostargs import (block_for, check_shape, empty_like_dev, fptr, has_half, 
 
 _BLOCK = 128
 
+from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store_scales  # noqa: E402
+
 
 @jk.jit
 def silu(x):
@@ -36,6 +38,36 @@ def act_and_mul_kernel(gu, gu_s, out, o_s, n, ACT: jk.constexpr, BLOCK: jk.const
     g = jk.load(base + cols, mask=m, other=0.0).to(jk.f32)
     u = jk.load(base + n + cols, mask=m, other=0.0).to(jk.f32)
     jk.store(out + t.to(jk.i64) * o_s + cols, ACT(g) * u, mask=m)
+
+
+@jk.jit
+def _act_mul_q8_group(base, n, ACT: jk.constexpr, qx, xd, xs, xd4, xs4, row, nblk, b0, NB: jk.constexpr,
+                      REP4: jk.constexpr):
+    """ACT(gate) * up of the NB 32-blocks of a row from block b0, stored quantised as one group of NB blocks."""
+    blk = b0.to(jk.i64) + jk.arange(0, NB)
+    cols = blk[:, None] * 32 + jk.arange(0, 32)[None, :]
+    g = jk.load(base + cols).to(jk.f32)
+    u = jk.load(base + n + cols).to(jk.f32)
+    r, d, s = _q8_blocks(ACT(g) * u)
+    _store_grouped(qx, row * n + b0.to(jk.i64) * 32, r, 1, NB)
+    _store_scales(xd, xs, xd4, xs4, row, nblk, blk, d, s, NB, REP4)
+
+
+@jk.kernel
+def act_and_mul_q8_kernel(gu, gu_s, qx, xd, xs, xd4, xs4, n, nblk, ACT: jk.constexpr, G: jk.constexpr,
+                          REP4: jk.constexpr):
+    """ACT(gate) * up of one row (program) straight into quantize_q8's int8 blocks, groups of G 32-blocks
+    (the grouped layouts' leftovers as quantize_q8: a pair, then a single block)."""
+    row = jk.program_id(0).to(jk.i64)
+    base = gu + row * gu_s
+    for gi in range(0, nblk // G):
+        _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, gi * G, G, REP4)
+    if G > 2:
+        if nblk % G >= 2:
+            _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - nblk % G, 2, REP4)
+    if G > 1:
+        if nblk % 2 == 1:
+            _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - 1, 1, REP4)
 
 
 @jk.jit
@@ -138,6 +170,41 @@ def silu_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, target=N
     return _act_and_mul("silu_and_mul", silu, gate_up, out, target)
 
 
+def act_and_mul_q8(gate_up: np.ndarray, out: tuple, *, gelu: bool = False, layout: str = "natural",
+                   out4: tuple | None = None, target=None) -> Q8Activations:
+    """`silu_and_mul` (or with `gelu` `gelu_tanh_and_mul`) fused with `quantize_q8`: gate_up [T, 2*I] (I a
+    multiple of 32) -> out = (qx int8 [T, I], scales f32 [T, I/32], sums f32 [T, I/32]) in `layout`, and the
+    repeated scales into `out4` = (scales4, sums4) [T, I/8] when given. Bit-identical to
+    quantize_q8(silu_and_mul(gate_up)) (the product is rounded to f32 as that stores it); one launch instead of
+    two. Returns a Q8Activations for matmul_q8 (the down projection)."""
+    name = "act_and_mul_q8"
+    target = resolve_target(target, gate_up)
+    R, n2, gs, gp = _as_rows(gate_up, f"{name}: gate_up")
+    if gate_up.ndim != 2 or n2 % 64:
+        raise ValueError(f"{name}: gate_up must be [tokens, 2 * intermediate] with intermediate a multiple of 32, "
+                         f"got {gate_up.shape}")
+    n = n2 // 2
+    nblk = n // 32
+    qx, xd, xs = out
+    for a, shp, dt, nm in ((qx, (R, n), np.int8, "qx"), (xd, (R, nblk), np.float32, "scales"),
+                           (xs, (R, nblk), np.float32, "sums")):
+        if not is_array(a) or a.shape != shp or a.dtype != dt or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: out {nm} must be a contiguous {np.dtype(dt)} array of shape {shp}")
+    xd4 = xs4 = None
+    if out4 is not None:
+        xd4, xs4 = out4
+        for a, nm in ((xd4, "scales4"), (xs4, "sums4")):
+            if not is_array(a) or a.shape != (R, 4 * nblk) or a.dtype != np.float32 or not a.flags.c_contiguous:
+                raise ValueError(f"{name}: out4 {nm} must be a contiguous float32 array of shape {(R, 4 * nblk)}")
+    from .quant import LAYOUTS
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    run(act_and_mul_q8_kernel, (R,), (gp, gs, qx, xd, xs, xd if xd4 is None else xd4, xs if xs4 is None else xs4,
+                                      n, nblk),
+        target, ACT=gelu_tanh_f if gelu else silu, G=_eff_group(layout, nblk), REP4=xd4 is not None)
+    return Q8Activations(qx, xd, xs, layout, xd4, xs4)
+
+
 def gelu_tanh_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, target=None) -> np.ndarray:
     """out = gelu_tanh(gate) * up (Gemma's GeGLU, vLLM's GeluAndMul(approximate="tanh")); layout as
     `silu_and_mul`."""
@@ -207,5 +274,5 @@ def add_inplace(a: np.ndarray, b: np.ndarray, *, target=None) -> np.ndarray:
     return add(a, b, a, target=target)
 
 
-__all__ = ["silu_and_mul", "gelu_tanh_and_mul", "gelu_tanh", "add", "add_inplace", "copy", "scale_inplace",
+__all__ = ["silu_and_mul", "gelu_tanh_and_mul", "act_and_mul_q8", "gelu_tanh", "add", "add_inplace", "copy", "scale_inplace",
            "softcap_inplace", "silu", "gelu_tanh_f"]

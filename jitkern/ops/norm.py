@@ -15,6 +15,8 @@ from ._hostargs import (block_for, check_shape, elem_strides, empty_like_dev, fp
 
 _MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measured slower)
 
+from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store_scales  # noqa: E402
+
 
 @jk.kernel
 def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
@@ -76,6 +78,61 @@ def layer_norm_kernel(x, x_s, w, b, out, o_s, n, eps, HAS_BIAS: jk.constexpr, BL
         if HAS_BIAS:
             y = y + jk.load(b + cols, mask=m, other=0.0).to(jk.f32)
         jk.store(out + ob + cols, y, mask=m)
+
+
+@jk.jit
+def _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, b0, NB: jk.constexpr,
+                   REP4: jk.constexpr):
+    """Normalises the NB 32-blocks of a row from block b0 (y = v * inv * (w + w_off), as rms_norm_kernel) and
+    stores them quantised as one group of NB blocks (quantize_q8's layouts)."""
+    blk = b0.to(jk.i64) + jk.arange(0, NB)
+    cols = blk[:, None] * 32 + jk.arange(0, 32)[None, :]
+    v = jk.load(src + sb + cols).to(jk.f32)
+    wv = jk.load(w + cols).to(jk.f32) + w_off
+    r, d, s = _q8_blocks(v * inv * wv)
+    _store_grouped(qx, row * n + b0.to(jk.i64) * 32, r, 1, NB)
+    _store_scales(xd, xs, xd4, xs4, row, nblk, blk, d, s, NB, REP4)
+
+
+@jk.kernel
+def rms_norm_q8_kernel(x, x_s, w, res, r_s, qx, xd, xs, xd4, xs4, n, nblk, eps, w_off, RES: jk.constexpr,
+                       BLOCK: jk.constexpr, G: jk.constexpr, REP4: jk.constexpr):
+    """RMSNorm of one row (program) straight into quantize_q8's int8 blocks: the statistics exactly as
+    rms_norm_kernel (same chunks, same tree), then per group of G 32-blocks the normalised f32 values, which
+    are the values rms_norm would store, quantised as _quantize_q8_kernel does. RES: 0 none, 1 residual += x
+    (normalise the sum), 2 residual = x (the first layer's copy)."""
+    row = jk.program_id(0).to(jk.i64)
+    xb = row * x_s
+    rb = row * r_s
+    offs = jk.arange(0, BLOCK)
+    acc = jk.zeros((BLOCK,), jk.f32)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        m = cols < n
+        v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+        if RES == 1:
+            v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+            jk.store(res + rb + cols, v, mask=m)
+            v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+        if RES == 2:
+            jk.store(res + rb + cols, v, mask=m)
+            v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+        acc += v * v
+    inv = jk.rsqrt(jk.sum(acc, axis=0) / n + eps)
+    src = x
+    sb = xb
+    if RES != 0:
+        src = res
+        sb = rb
+    for g in range(0, nblk // G):
+        _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, g * G, G, REP4)
+    # a grouped layout's leftover blocks: a pair, then a single block, each its own group (as quantize_q8)
+    if G > 2:
+        if nblk % G >= 2:
+            _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, nblk - nblk % G, 2, REP4)
+    if G > 1:
+        if nblk % 2 == 1:
+            _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, nblk - 1, 1, REP4)
 
 
 def _check_weight(weight, n, what):
@@ -140,6 +197,55 @@ def rms_norm_heads(x: np.ndarray, weight: np.ndarray, eps: float, *, weight_offs
     return x
 
 
+def rms_norm_q8(x: np.ndarray, weight: np.ndarray, eps: float, out: tuple, *, layout: str = "natural",
+                out4: tuple | None = None, residual: np.ndarray | None = None, residual_copy: bool = False,
+                weight_offset: float = 0.0, target=None) -> Q8Activations:
+    """`rms_norm` fused with `quantize_q8`: x [T, N] (N a multiple of 32) normalised and quantised into
+    out = (qx int8 [T, N], scales f32 [T, N/32], sums f32 [T, N/32]) in `layout` (jitkern.ops.quant.act_layout
+    of the weight the result feeds), with `out4` = (scales4, sums4) [T, N/8] the repeated scales (quantize_q8's
+    rep4) when given. The result is bit-identical to quantize_q8(rms_norm(x, ...)): one launch instead of two,
+    and the normalised row never goes through memory. `residual` as in rms_norm (residual += x, the sum
+    normalised); with `residual_copy` instead residual = x (a first layer's residual stream). Returns a
+    Q8Activations for matmul_q8."""
+    target = resolve_target(target, x)
+    if not is_array(x) or x.ndim != 2:
+        raise ValueError(f"rms_norm_q8: x must be a 2-D array [tokens, hidden], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    T, n = x.shape
+    if n % 32 or n == 0:
+        raise ValueError(f"rms_norm_q8: the row length {n} must be a positive multiple of 32")
+    xs_ = row_stride(x, "rms_norm_q8: x")
+    wp = _check_weight(weight, n, "rms_norm_q8: weight")
+    nblk = n // 32
+    qx, xd, xs = out
+    for a, shp, dt, nm in ((qx, (T, n), np.int8, "qx"), (xd, (T, nblk), np.float32, "scales"),
+                           (xs, (T, nblk), np.float32, "sums")):
+        if not is_array(a) or a.shape != shp or a.dtype != dt or not a.flags.c_contiguous:
+            raise ValueError(f"rms_norm_q8: out {nm} must be a contiguous {np.dtype(dt)} array of shape {shp}")
+    xd4 = xs4 = None
+    if out4 is not None:
+        xd4, xs4 = out4
+        for a, nm in ((xd4, "scales4"), (xs4, "sums4")):
+            if not is_array(a) or a.shape != (T, 4 * nblk) or a.dtype != np.float32 or not a.flags.c_contiguous:
+                raise ValueError(f"rms_norm_q8: out4 {nm} must be a contiguous float32 array of shape {(T, 4 * nblk)}")
+    if residual is not None:
+        check_shape(residual, (T, n), "rms_norm_q8: residual")
+        rs, rp = row_stride(residual, "rms_norm_q8: residual"), fptr(residual, "rms_norm_q8: residual")
+    else:
+        rs, rp = 0, fptr(x, "rms_norm_q8: x")
+    from .quant import LAYOUTS
+    if layout not in LAYOUTS:
+        raise ValueError(f"rms_norm_q8: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    run(rms_norm_q8_kernel, (T,), (fptr(x, "rms_norm_q8: x"), xs_, wp, rp, rs, qx, xd, xs,
+                                   xd if xd4 is None else xd4, xs if xs4 is None else xs4, n, nblk, float(eps),
+                                   float(weight_offset)),
+        target, RES=0 if residual is None else (2 if residual_copy else 1), G=_eff_group(layout, nblk),
+        REP4=xd4 is not None,
+        # the statistics' chunking exactly as rms_norm picks it (same tree: bit-identical results)
+        BLOCK=block_for(n, _MAX_BLOCK, target, has_half(x, weight, x, residual)))
+    return Q8Activations(qx, xd, xs, layout, xd4, xs4)
+
+
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float,
                out: np.ndarray | None = None, *, target=None) -> np.ndarray:
     """LayerNorm over the last axis of `x` [T, N] (GPT-2): (x - mean) / sqrt(var + eps) * weight + bias,
@@ -164,4 +270,4 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: 
     return out
 
 
-__all__ = ["rms_norm", "rms_norm_heads", "layer_norm"]
+__all__ = ["rms_norm", "rms_norm_heads", "rms_norm_q8", "layer_norm"]

@@ -66,6 +66,72 @@ def rope_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, n_k, positions, cache, max_po
             _rotate_gptj(k + t.to(jk.i64) * k_st + h * k_sh, i, m, even, c2, s2)
 
 
+@jk.jit
+def _rot_neox_to(src, dst, i, m, c, s, HALF: jk.constexpr):
+    x1 = jk.load(src + i, mask=m, other=0.0).to(jk.f32)
+    x2 = jk.load(src + HALF + i, mask=m, other=0.0).to(jk.f32)
+    jk.store(dst + i, x1 * c - x2 * s, mask=m)
+    jk.store(dst + HALF + i, x2 * c + x1 * s, mask=m)
+
+
+@jk.jit
+def _rot_gptj_to(src, dst, j, m, even, c2, s2):
+    x = jk.load(src + j, mask=m, other=0.0).to(jk.f32)
+    nxt = jk.load(src + j + 1, mask=m & even, other=0.0).to(jk.f32)
+    prv = jk.load(src + j - 1, mask=m & (j >= 1) & (even == 0), other=0.0).to(jk.f32)
+    jk.store(dst + j, x * c2 + jk.where(even, nxt, prv) * s2, mask=m)
+
+
+@jk.kernel
+def rope_cache_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, positions, cache, max_pos,
+                      k_cache, v_cache, slot_mapping, HALF: jk.constexpr, NEOX: jk.constexpr, BLOCK: jk.constexpr,
+                      D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr):
+    """One program per token: rotates its n_q query heads in place (as rope_kernel) and writes its n_k key
+    heads rotated, and its value heads, into the paged caches at slot_mapping[t] (-1: no cache write), as
+    rope_kernel followed by reshape_and_cache_kernel would (the same f32 arithmetic, rounded once to the cache
+    dtype). Dimensions past the rotary ones (TAIL: HALF * 2 < D) are copied unrotated. The key rows in `k`
+    are left as they were (nothing reads them after this)."""
+    t = jk.program_id(0)
+    tt = t.to(jk.i64)
+    pos = jk.load(positions + t)
+    pos = jk.minimum(jk.maximum(pos, 0), max_pos - 1)     # memory safety; the wrapper checks the range
+    cb = cache + pos.to(jk.i64) * (2 * HALF)
+    slot = jk.load(slot_mapping + t)
+    ok = slot >= 0
+    dst = jk.maximum(slot, 0).to(jk.i64) * (n_k * D)
+    i = jk.arange(0, BLOCK)
+    dd = jk.arange(0, BD)
+    dm = dd < D
+    if NEOX:
+        m = i < HALF
+        c = jk.load(cb + i, mask=m, other=0.0)
+        s = jk.load(cb + HALF + i, mask=m, other=0.0)
+        for h in range(0, n_q):
+            qh = q + tt * q_st + h * q_sh
+            _rot_neox_to(qh, qh, i, m, c, s, HALF)
+        for h in range(0, n_k):
+            _rot_neox_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, c, s, HALF)
+    else:
+        m = i < 2 * HALF
+        even = (i % 2) == 0
+        c2 = jk.load(cb + i // 2, mask=m, other=0.0)
+        s2 = jk.load(cb + HALF + i // 2, mask=m, other=0.0)
+        s2 = jk.where(even, -s2, s2)
+        for h in range(0, n_q):
+            qh = q + tt * q_st + h * q_sh
+            _rot_gptj_to(qh, qh, i, m, even, c2, s2)
+        for h in range(0, n_k):
+            _rot_gptj_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, even, c2, s2)
+    for h in range(0, n_k):
+        if TAIL:
+            tc = 2 * HALF + dd
+            tm = (tc < D) & ok
+            jk.store(k_cache + dst + h * D + tc, jk.load(k + tt * k_st + h * k_sh + tc, mask=tc < D, other=0.0),
+                     mask=tm)
+        jk.store(v_cache + dst + h * D + dd, jk.load(v + tt * v_st + h * v_sh + dd, mask=dm, other=0.0),
+                 mask=dm & ok)
+
+
 def _heads_view(a, T, D, what):
     if not is_array(a) or a.ndim != 3 or a.shape[0] != T or a.shape[2] != D:
         raise ValueError(f"{what}: expected an array [{T}, heads, {D}], got {getattr(a, 'shape', type(a).__name__)}")
@@ -113,6 +179,56 @@ def rope(q: np.ndarray, k: np.ndarray | None, positions: np.ndarray, cos_sin_cac
     run(rope_kernel, (T,), (fptr(q, "rope: q"), qs0, qs1, q.shape[1], fptr(k, "rope: k"), ks0, ks1, n_k,
                            positions, cos_sin_cache, max_pos),
         target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16))
+
+
+def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cos_sin_cache: np.ndarray,
+                   head_dim: int, rotary_dim: int, is_neox: bool, k_cache: np.ndarray, v_cache: np.ndarray,
+                   slot_mapping: np.ndarray, *, check_positions: bool = True, target=None) -> None:
+    """`rope(q, k, ...)` and `reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)` in one launch: q [T, H,
+    head_dim] is rotated in place; k [T, KVH, head_dim] rotated and v [T, KVH, head_dim] go into the paged caches
+    [num_blocks, block_size, KVH, head_dim] (float32 or float16, rounded to nearest even) at slot_mapping[t]
+    (int32; -1 skips the token). The caches get exactly what the two ops give; k itself is not modified. q, k, v
+    may be strided views of a fused qkv output; positions / cos_sin_cache as in `rope`."""
+    from .attention import _check_cache, _i32
+    target = resolve_target(target, q)
+    if not is_array(q) or q.ndim != 3:
+        raise ValueError(f"rope_and_cache: q must be [tokens, heads, head_dim], got "
+                         f"{getattr(q, 'shape', type(q).__name__)}")
+    T = q.shape[0]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"rope_and_cache: q's last axis is {q.shape[2]}, head_dim is {head_dim}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rope_and_cache: rotary_dim {rotary_dim} must be even and in (0, head_dim={head_dim}]")
+    qs0, qs1 = _heads_view(q, T, head_dim, "rope_and_cache: q")
+    ks0, ks1 = _heads_view(k, T, head_dim, "rope_and_cache: k")
+    vs0, vs1 = _heads_view(v, T, head_dim, "rope_and_cache: v")
+    for a, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if a.dtype != np.float32:
+            raise TypeError(f"rope_and_cache: {nm} must be float32, got {a.dtype}")
+    bs, kvh, dim = _check_cache(k_cache, v_cache)
+    if k.shape[1] != kvh or v.shape[1] != kvh or dim != head_dim:
+        raise ValueError(f"rope_and_cache: k {k.shape} / v {v.shape} do not match the cache's [.., {kvh}, {dim}]")
+    slot_mapping = _i32(slot_mapping, "rope_and_cache: slot_mapping")
+    if slot_mapping.shape[0] != T:
+        raise ValueError(f"rope_and_cache: slot_mapping has {slot_mapping.shape[0]} entries for {T} tokens")
+    check_dtype(positions, np.int32, "rope_and_cache: positions")
+    if positions.shape != (T,) or not positions.flags.c_contiguous:
+        raise ValueError(f"rope_and_cache: positions must be a contiguous int32 array of shape ({T},), got "
+                         f"{positions.shape}")
+    check_dtype(cos_sin_cache, np.float32, "rope_and_cache: cos_sin_cache")
+    if cos_sin_cache.ndim != 2 or cos_sin_cache.shape[1] != rotary_dim or not cos_sin_cache.flags.c_contiguous:
+        raise ValueError(f"rope_and_cache: cos_sin_cache must be a contiguous [max_pos, {rotary_dim}] array, "
+                         f"got {cos_sin_cache.shape}")
+    max_pos = cos_sin_cache.shape[0]
+    if check_positions and T and not is_device(positions) and (int(positions.min()) < 0 or
+                                                                int(positions.max()) >= max_pos):
+        raise ValueError(f"rope_and_cache: positions must lie in [0, {max_pos}) (the cos/sin cache length); got "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
+    half = rotary_dim // 2
+    run(rope_cache_kernel, (T,), (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
+                                 kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),
+        target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16),
+        D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim)
 
 
 # ------------------------------------------------------------------------------------ host-side cache
@@ -249,4 +365,4 @@ def rope_cos_sin_cache(head_dim: int, rotary_dim: int, max_pos: int, base: float
     return cache
 
 
-__all__ = ["rope", "rope_cos_sin_cache", "rope_inv_freq"]
+__all__ = ["rope", "rope_and_cache", "rope_cos_sin_cache", "rope_inv_freq"]

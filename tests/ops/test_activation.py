@@ -136,3 +136,53 @@ def test_gelu_erf_matches_float64(tier):
     flat = x.reshape(-1).copy()
     gelu(flat, out=flat, target=tier)
     assert np.array_equal(flat, y.reshape(-1))
+
+
+# ------------------------------------------------------------ gated activation fused with the int8 quantisation
+@pytest.mark.parametrize("I", [1536, 1504, 96, 32])          # 1504: 47 blocks (q4x4 leftovers: a pair + one)
+@pytest.mark.parametrize("layout", ["natural", "q4", "q4x4"])
+@pytest.mark.parametrize("op", ["silu", "gelu"])
+def test_act_and_mul_q8_is_act_then_quantize(tier, I, layout, op):
+    """act_and_mul_q8 gives bit for bit quantize_q8(silu_and_mul(gu)) (the engine's unfused path) on a
+    row-strided input; dequantised values within half a step of the float64 activation; rows alone equal the
+    rows in the batch."""
+    from jitkern.ops.activation import act_and_mul_q8
+    from jitkern.ops.quant import quantize_q8
+    rng = _rng(tier, "q8", I, layout, op)
+    T = 5
+    buf = (rng.standard_normal((T, 2 * I + 7)) * 3).astype(np.float32)
+    gu = buf[:, 7:]
+    unfused = (silu_and_mul if op == "silu" else gelu_tanh_and_mul)(gu, target=tier)
+    ref = quantize_q8(unfused, layout=layout, rep4=True, target=tier)
+
+    def fused(rows, rep4):
+        n = rows.stop - rows.start
+        o8 = (np.full((n, I), 99, np.int8), np.full((n, I // 32), np.nan, np.float32),
+              np.full((n, I // 32), np.nan, np.float32))
+        o4 = (np.full((n, I // 8), np.nan, np.float32), np.full((n, I // 8), np.nan, np.float32)) if rep4 else None
+        got = act_and_mul_q8(gu[rows], o8, gelu=op == "gelu", layout=layout, out4=o4, target=tier)
+        assert got.layout == layout
+        return list(got) + ([got.scales4, got.sums4] if rep4 else [])
+
+    full = fused(slice(0, T), True)
+    for a, b in zip(list(ref) + [ref.scales4, ref.sums4], full):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(ref, fused(slice(0, T), False)):
+        np.testing.assert_array_equal(a, b)
+    for t in (0, 3):
+        for a, b in zip(fused(slice(t, t + 1), True), full):
+            np.testing.assert_array_equal(a[0], b[t])
+    g, u = as_f64(gu[:, :I]), as_f64(gu[:, I:])
+    act64 = (silu_ref(g) if op == "silu" else gelu_tanh_ref(g)) * u
+    if layout == "natural":
+        d = np.repeat(ref[1], 32, axis=1).astype(np.float64)
+        assert np.all(np.abs(ref[0] * d - act64) <= 0.5 * d + 1e-5 * np.abs(act64) + 1e-6)
+
+
+def test_act_and_mul_q8_bad_arguments_name_the_field():
+    from jitkern.ops.activation import act_and_mul_q8
+    o8 = (np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        act_and_mul_q8(np.ones((2, 80), np.float32), o8)
+    with pytest.raises(ValueError, match="out qx"):
+        act_and_mul_q8(np.ones((2, 64), np.float32), (np.zeros((2, 33), np.int8),) + o8[1:])

@@ -113,3 +113,79 @@ def test_bad_arguments_name_the_field():
         rms_norm(x.astype(np.float64), np.ones(8, np.float32), 1e-6)
     with pytest.raises(ValueError, match="contiguous"):
         rms_norm(np.ones((8, 2), np.float32).T, np.ones(8, np.float32), 1e-6)
+
+
+# ------------------------------------------------------------------ RMSNorm fused with the int8 quantisation
+def _q8_out(T, n, rep4):
+    o8 = (np.full((T, n), 99, np.int8), np.full((T, n // 32), np.nan, np.float32),
+          np.full((T, n // 32), np.nan, np.float32))
+    o4 = (np.full((T, n // 8), np.nan, np.float32), np.full((T, n // 8), np.nan, np.float32)) if rep4 else None
+    return o8, o4
+
+
+def _q8_arrays(xq):
+    return list(xq) + ([xq.scales4, xq.sums4] if xq.scales4 is not None else [])
+
+
+@pytest.mark.parametrize("n", [576, 1504, 96, 32])           # 1504: 47 blocks (q4x4 leftovers: a pair + one)
+@pytest.mark.parametrize("layout", ["natural", "q4", "q4x4"])
+@pytest.mark.parametrize("mode", ["plain", "residual", "first"])
+def test_rms_norm_q8_is_norm_then_quantize(tier, n, layout, mode):
+    """rms_norm_q8 gives bit for bit quantize_q8(rms_norm(...)) (the engine's unfused path), with the residual
+    stream updated as rms_norm does (residual += x; `first`: residual = x); the dequantised values are within
+    half a quantisation step of the float64 norm; every row alone equals the row in the batch."""
+    from jitkern.ops.norm import rms_norm_q8
+    from jitkern.ops.quant import quantize_q8
+    rng = _rng(tier, f"q8/{n}/{layout}/{mode}")
+    T = 5
+    x = (rng.standard_normal((T, n)) * 2).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    r0 = rng.standard_normal((T, n)).astype(np.float32)
+    r_ref = r0.copy()
+    if mode == "plain":
+        y = rms_norm(x, w, 1e-5, weight_offset=0.25, target=tier)
+    elif mode == "residual":
+        y = rms_norm(x, w, 1e-5, out=np.empty_like(x), residual=r_ref, weight_offset=0.25, target=tier)
+    else:
+        r_ref[...] = x
+        y = rms_norm(r_ref, w, 1e-5, weight_offset=0.25, target=tier)
+    ref = quantize_q8(y, layout=layout, rep4=True, target=tier)
+    for rep4 in (True, False):
+        o8, o4 = _q8_out(T, n, rep4)
+        r = r0.copy()
+        got = rms_norm_q8(x, w, 1e-5, o8, layout=layout, out4=o4, residual=None if mode == "plain" else r,
+                          residual_copy=mode == "first", weight_offset=0.25, target=tier)
+        assert got.layout == layout
+        for a, b in zip(_q8_arrays(ref), _q8_arrays(got)):
+            np.testing.assert_array_equal(a, b)
+        if mode != "plain":
+            np.testing.assert_array_equal(r, r_ref)
+    # the oracle: per block, q * d is the float64 norm to within half a step d (plus f32 rounding)
+    src = x if mode != "residual" else x.astype(np.float64) + r0
+    ref64 = rms_norm_ref(as_f64(src), as_f64(w), 1e-5, 0.25)
+    qx, d = ref[0].astype(np.float64), np.repeat(ref[1], 32, axis=1).astype(np.float64)
+    if layout == "natural":
+        deq = qx * d
+        assert np.all(np.abs(deq - ref64) <= 0.5 * d + 1e-5 * np.abs(ref64) + 1e-6)
+    # batch invariance: each row alone
+    for t in (0, T - 1):
+        o8, o4 = _q8_out(1, n, True)
+        r = r0[t:t + 1].copy()
+        one = rms_norm_q8(x[t:t + 1], w, 1e-5, o8, layout=layout, out4=o4,
+                          residual=None if mode == "plain" else r, residual_copy=mode == "first",
+                          weight_offset=0.25, target=tier)
+        for a, b in zip(_q8_arrays(one), _q8_arrays(ref)):
+            np.testing.assert_array_equal(a[0], b[t])
+
+
+def test_rms_norm_q8_bad_arguments_name_the_field():
+    from jitkern.ops.norm import rms_norm_q8
+    x = np.ones((2, 64), np.float32)
+    w = np.ones(64, np.float32)
+    o8, _ = _q8_out(2, 64, False)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rms_norm_q8(np.ones((2, 40), np.float32), np.ones(40, np.float32), 1e-6, o8)
+    with pytest.raises(ValueError, match="out scales"):
+        rms_norm_q8(x, w, 1e-6, (o8[0], o8[1][:, :1], o8[2]))
+    with pytest.raises(ValueError, match="layout"):
+        rms_norm_q8(x, w, 1e-6, o8, layout="q8")

@@ -177,3 +177,80 @@ def test_rope_replays_with_new_positions():
     pos[:] = [7, 8, 63]
     g.replay()
     assert_close(q, rope_ref(q0, pos, cache, D, True), "f32", "replayed q", scale=np.full(q.shape, 8.0))
+
+
+# ------------------------------------------------------------------------ RoPE fused with the KV-cache write
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("D,rot,cache_dtype", [(64, 64, np.float32), (80, 40, np.float32), (128, 128, np.float16),
+                                               (48, 48, np.float16)])
+def test_rope_and_cache_is_rope_then_reshape_and_cache(tier, neox, D, rot, cache_dtype):
+    """rope_and_cache leaves q and both caches bit-identical to rope + reshape_and_cache (the engine's unfused
+    path) on strided views of a fused qkv buffer: slot -1 writes nothing, partial rotary copies the tail; the
+    cached keys match the float64 rotation; one token alone writes what it writes in the batch."""
+    from jitkern.ops.attention import reshape_and_cache
+    from jitkern.ops.rope import rope_and_cache
+    rng = np.random.default_rng(zlib.crc32(f"{tier.name}/cache/{neox}/{D}/{rot}/{cache_dtype}".encode()))
+    T, H, KVH, BS, NB = 7, 5, 3, 16, 4
+    cache = rope_cos_sin_cache(D, rot, 500, 10000.0)
+    pos = rng.integers(0, 500, T).astype(np.int32)
+    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+    slots[2] = -1
+
+    def views(buf):
+        # reshaped slices (views whose base is `buf`: a staged GPU launch copies the whole buffer)
+        return [buf[:, c:c + n * D].reshape(T, n, D) for c, n in ((0, H), (H * D, KVH), ((H + KVH) * D, KVH))]
+
+    qkv = rng.standard_normal((T, (H + 2 * KVH) * D + 3)).astype(np.float32)
+    kc0 = rng.standard_normal((NB, BS, KVH, D)).astype(cache_dtype)
+    vc0 = rng.standard_normal((NB, BS, KVH, D)).astype(cache_dtype)
+    a = qkv.copy()
+    q, k, v = views(a)
+    kc, vc = kc0.copy(), vc0.copy()
+    rope(q, k, pos, cache, D, rot, neox, target=tier)
+    reshape_and_cache(k, v, kc, vc, slots, target=tier)
+    b = qkv.copy()
+    q2, k2, v2 = views(b)
+    kc2, vc2 = kc0.copy(), vc0.copy()
+    rope_and_cache(q2, k2, v2, pos, cache, D, rot, neox, kc2, vc2, slots, target=tier)
+    np.testing.assert_array_equal(q2, q)
+    np.testing.assert_array_equal(kc2, kc)
+    np.testing.assert_array_equal(vc2, vc)
+    np.testing.assert_array_equal(b[:, H * D:], qkv[:, H * D:])          # k and v themselves untouched
+    # the oracle: cached keys are the float64 rotation, values copied; the skipped token's slot keeps its data
+    want_k = rope_ref(qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D), pos, cache, rot, neox)
+    flat_k, flat_v = kc2.reshape(-1, KVH, D), vc2.reshape(-1, KVH, D)
+    tol = 1e-5 if cache_dtype == np.float32 else 2e-3
+    for t in range(T):
+        if slots[t] < 0:
+            continue
+        assert np.allclose(flat_k[slots[t]], want_k[t], rtol=tol, atol=tol * 8)
+        np.testing.assert_array_equal(flat_v[slots[t]], qkv[t, (H + KVH) * D:(H + 2 * KVH) * D].reshape(KVH, D)
+                                      .astype(cache_dtype))
+    untouched = np.setdiff1d(np.arange(NB * BS), slots[slots >= 0])
+    np.testing.assert_array_equal(kc2.reshape(-1, KVH, D)[untouched], kc0.reshape(-1, KVH, D)[untouched])
+    # one token alone
+    t = 4
+    c = qkv[t:t + 1].copy()
+    kc3, vc3 = kc0.copy(), vc0.copy()
+    q3, k3, v3 = [c[:, o:o + n * D].reshape(1, n, D) for o, n in ((0, H), (H * D, KVH), ((H + KVH) * D, KVH))]
+    rope_and_cache(q3, k3, v3, pos[t:t + 1], cache, D, rot, neox, kc3, vc3, slots[t:t + 1], target=tier)
+    np.testing.assert_array_equal(q3[0], q2[t])
+    np.testing.assert_array_equal(kc3.reshape(-1, KVH, D)[slots[t]], flat_k[slots[t]])
+
+
+def test_rope_and_cache_errors_name_the_field():
+    from jitkern.ops.rope import rope_and_cache
+    T, H, KVH, D = 2, 2, 1, 32
+    q = np.ones((T, H, D), np.float32)
+    k = np.ones((T, KVH, D), np.float32)
+    kc = np.zeros((2, 16, KVH, D), np.float32)
+    cache = rope_cos_sin_cache(D, D, 10, 10000.0)
+    pos = np.zeros(T, np.int32)
+    slots = np.zeros(T, np.int32)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 10\)"):
+        rope_and_cache(q, k, k, np.array([0, 10], np.int32), cache, D, D, True, kc, kc.copy(), slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_and_cache(q, k, k, pos, cache, D, D, True, kc, kc.copy(), np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="cache"):
+        rope_and_cache(q, k, k, pos, cache, D, D, True, np.zeros((2, 16, 2, D), np.float32),
+                       np.zeros((2, 16, 2, D), np.float32), slots)
