@@ -12,9 +12,12 @@ max error against an f32 reference where one is cheap):
         activations, bf16 weights, f32 out; the kernel it launched is printed) and, where the tiles divide
         the shape, the jk.dot tensor-core tile kernel of perf/bench_cuda.py (bf16 in, f32 out).
   attn  prefill: torch SDPA forced to the flash backend (bf16, causal; K/V repeated to 32 heads) vs jitkern's
-        paged prefill kernel (f32 q, f32 paged cache), 32 q heads / 8 KV heads / head_dim 128;
+        paged prefill attention (f32 q, f32 and f16 paged caches), 32 q heads / 8 KV heads / head_dim 128;
         decode: jitkern's paged decode attention (the engine's call: num_partitions=MAX_PARTITIONS) with f32
         and f16 caches, GB/s of KV read vs the copy bandwidth, and torch SDPA (bf16, enable_gqa) for reference.
+        Each jitkern row runs twice, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's default on
+        GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
+        (GPU_TOKEN_ATTENTION = True, the path before them). --attn-variants picks a subset.
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
         torch.matmul at M = 1.
   elem  rms_norm and silu_and_mul (f32) as GB/s vs the copy bandwidth.
@@ -49,7 +52,8 @@ GEMM_NK = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 40
 GEMM_M = (1, 16, 64, 256, 2048, 8192)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_CASES = ((1, 1024), (1, 4096), (8, 1024))          # (sequences, tokens each)
-DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (16, 4096), (64, 4096))   # (sequences, context)
+DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))   # (sequences, context)
+ATTN_VARIANTS = ("flash", "token")        # GPU attention paths timed A/B (see attention())
 ROTATE_BYTES = 256 << 20
 
 
@@ -332,7 +336,27 @@ def _step_arrays(b, qlens, seqlens):
     return (b.dev(torch.from_numpy(qs).to(b.device)), b.dev(torch.from_numpy(sl).to(b.device)), qs, sl)
 
 
-def attention(b: Bench, prefill_cases, decode_cases, copy_gbs):
+class _attn_variant:
+    """Selects a GPU attention path of jitkern.ops.attention for the calls inside (restored after): "flash"
+    (the flash kernels, the default) or "token" (token_attention_kernel). On --device cpu both run the CPU
+    kernels (the fake device's target is the CPU tier): the rows check the script only."""
+
+    def __init__(self, ja, variant):
+        self.ja, self.flags = ja, {"flash": dict(GPU_TOKEN_ATTENTION=False, GPU_FLASH_ATTENTION=True),
+                                   "token": dict(GPU_TOKEN_ATTENTION=True)}[variant]
+
+    def __enter__(self):
+        self.old = {k: getattr(self.ja, k) for k in self.flags}
+        for k, v in self.flags.items():
+            setattr(self.ja, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.ja, k, v)
+        return False
+
+
+def attention(b: Bench, prefill_cases, decode_cases, copy_gbs, variants=ATTN_VARIANTS):
     torch = b.torch
     import torch.nn.functional as F
     from jitkern.ops import attention as ja
@@ -361,24 +385,30 @@ def attention(b: Bench, prefill_cases, decode_cases, copy_gbs):
         except Exception as e:          # noqa: BLE001
             b.fail("attn", case, "torch SDPA flash", e)
             ref = None
-        try:
-            qs, sl, qs_h, sl_h = _step_arrays(b, [S] * B, [S] * B)
-            out = torch.empty_like(q)
-            qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kc), b.dev(vc), b.dev(bt)
-            ws = {}
+        for cdt, cname in ((torch.float32, "f32"), (torch.float16, "f16")):
+            kcd, vcd = (kc, vc) if cdt == torch.float32 else (kc.to(cdt), vc.to(cdt))
+            for variant in variants:
+                name = f"jitkern paged prefill [{variant}] ({cname} cache)"
+                try:
+                    qs, sl, qs_h, sl_h = _step_arrays(b, [S] * B, [S] * B)
+                    out = torch.empty_like(q)
+                    qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kcd), b.dev(vcd), b.dev(bt)
+                    ws = {}
 
-            def ours():
-                ja.paged_prefill_attention(qd, kd, vd, qs, sl, btd, scale=scale, out=od, workspace=ws,
-                                           validate=False, host_step=(qs_h, sl_h))
-            t, note = b.time(ours)
-            ours()
-            b.sync()
-            err = None
-            if ref is not None:
-                err = _rel_err(out.reshape(B, S, HEADS, HEAD_DIM).transpose(1, 2), ref)
-            b.row("attn", case, "jitkern paged prefill (f32 q, f32 cache)", t, note, flops, peer=t_sdpa, err=err)
-        except Exception as e:          # noqa: BLE001
-            b.fail("attn", case, "jitkern paged prefill", e)
+                    def ours():
+                        with _attn_variant(ja, variant):
+                            ja.paged_prefill_attention(qd, kd, vd, qs, sl, btd, scale=scale, out=od, workspace=ws,
+                                                       validate=False, host_step=(qs_h, sl_h))
+                    t, note = b.time(ours)
+                    ours()
+                    b.sync()
+                    err = None
+                    if ref is not None:
+                        err = _rel_err(out.reshape(B, S, HEADS, HEAD_DIM).transpose(1, 2), ref)
+                    b.row("attn", case, name, t, note, flops, peer=t_sdpa, err=err)
+                except Exception as e:          # noqa: BLE001
+                    b.fail("attn", case, name, e)
+            del kcd, vcd
 
     _header(f"decode attention, one query per sequence (GB/s of KV read; ratio: of the {copy_gbs:.0f} GB/s copy)")
     for B, L in decode_cases:
@@ -401,22 +431,26 @@ def attention(b: Bench, prefill_cases, decode_cases, copy_gbs):
                     del kb, vb
                 except Exception as e:  # noqa: BLE001
                     b.fail("attn", f"B={B} ctx={L} bf16 dense", "torch SDPA enable_gqa", e)
-            try:
-                qs, sl, qs_h, sl_h = _step_arrays(b, [1] * B, [L] * B)
-                out = torch.empty_like(q)
-                qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kc), b.dev(vc), b.dev(bt)
-                ws = {}
+            for variant in variants:
+                name = f"jitkern paged decode [{variant}] (engine's call)"
+                try:
+                    qs, sl, qs_h, sl_h = _step_arrays(b, [1] * B, [L] * B)
+                    out = torch.empty_like(q)
+                    qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kc), b.dev(vc), b.dev(bt)
+                    ws = {}
 
-                def ours():
-                    ja.paged_attention(qd, kd, vd, qs, sl, btd, scale=scale, out=od, workspace=ws, max_query_len=1,
-                                       num_partitions=ja.MAX_PARTITIONS, validate=False, host_step=(qs_h, sl_h))
-                t, note = b.time(ours)
-                ours()
-                b.sync()
-                b.row("attn", case, "jitkern paged decode (engine's call)", t, note, nbytes=nbytes,
-                      peer=nbytes / copy_gbs / 1e9, err=None if ref is None else _rel_err(out, ref))
-            except Exception as e:      # noqa: BLE001
-                b.fail("attn", case, "jitkern paged decode", e)
+                    def ours():
+                        with _attn_variant(ja, variant):
+                            ja.paged_attention(qd, kd, vd, qs, sl, btd, scale=scale, out=od, workspace=ws,
+                                               max_query_len=1, num_partitions=ja.MAX_PARTITIONS, validate=False,
+                                               host_step=(qs_h, sl_h))
+                    t, note = b.time(ours)
+                    ours()
+                    b.sync()
+                    b.row("attn", case, name, t, note, nbytes=nbytes,
+                          peer=nbytes / copy_gbs / 1e9, err=None if ref is None else _rel_err(out, ref))
+                except Exception as e:      # noqa: BLE001
+                    b.fail("attn", case, name, e)
             del kc, vc, q, k, v
 
 
@@ -475,6 +509,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per variant")
     ap.add_argument("--m", type=int, nargs="+", default=None, help="GEMM M values (default 1 16 64 256 2048 8192)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--attn-variants", nargs="+", choices=ATTN_VARIANTS, default=list(ATTN_VARIANTS),
+                    help="GPU attention paths to time in the attn section (default: both)")
     a = ap.parse_args(argv)
     mp = None
     if a.device == "cpu":
@@ -517,7 +553,7 @@ def _run(a) -> int:
         if "gemv" in a.only:
             gemv(b, copy_gbs, NKs)
         if "attn" in a.only:
-            attention(b, pre, dec, copy_gbs)
+            attention(b, pre, dec, copy_gbs, a.attn_variants)
         if "elem" in a.only:
             elementwise(b, copy_gbs, *elem)
     b.sync()

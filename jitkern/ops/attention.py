@@ -834,6 +834,7 @@ GPU_TOKEN_ATTENTION = False
 GPU_FLASH_ATTENTION = True
 GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions of GPUs: this many blocks (64 tokens at 16) ...
 FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
+FLASH_WARPS = (8, 8)  # warps per program of the decode and prefill kernels
 
 
 def _token_path(target) -> bool:
@@ -854,6 +855,16 @@ def _flash_path(target, st) -> bool:
             and not GPU_TOKEN_ATTENTION and _flash_fits(st))
 
 
+def partition_blocks_for(target) -> int:
+    """Blocks per decode partition that paged_attention uses on `target` (GPUs on the flash kernels:
+    GPU_PARTITION_BLOCKS; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
+    partition axis a step needs there (head groups too wide for the flash kernels fall back to the token
+    kernel, which ignores partitions)."""
+    flash = (target is not None and target.is_gpu and not target.is_vulkan and GPU_FLASH_ATTENTION
+             and not GPU_TOKEN_ATTENTION)
+    return GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS
+
+
 def _flash_split(target, k_cache) -> bool:
     """Whether the flash kernels split f32 K/V into f16 hi + lo for the matrix units (GPUs that have them)."""
     return bool(target is not None and getattr(target, "mma", "") and k_cache.dtype == np.float32)
@@ -866,27 +877,31 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     G, GP, D = st.G, _pow2(st.G), st.dim
     split = _flash_split(target, k_cache) if split is None else bool(split)
     common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks)
+    gpu = target is not None and target.is_gpu
+    dw = dict(num_warps=FLASH_WARPS[0]) if gpu else {}
+    pw = dict(num_warps=FLASH_WARPS[1]) if gpu else {}
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
             (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
              st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
             target=target, KVH=st.kvh, G=G, R=max(16, GP), D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
-            MAXP=MAX_PARTITIONS, SPLIT=split, **common)
+            MAXP=MAX_PARTITIONS, SPLIT=split, **common, **dw)
         if P > 1:
             run(flash_merge_kernel, (st.num_seqs, st.kvh),
                 (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
                 target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
                 MAXP=MAX_PARTITIONS, SINKS=st.use_sinks)
     if max_query_len > 1 or not decode:
-        rows = int(block_m) * GP if block_m else (FLASH_ROWS if D <= 128 else FLASH_ROWS // 2)
+        # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
+        rows = int(block_m) * GP if block_m else (16 if not gpu else FLASH_ROWS if D <= 128 else FLASH_ROWS // 2)
         bm = max(1, rows // GP)
         run(flash_prefill_kernel, (st.T // bm + st.num_seqs, st.kvh),
             (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
              int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
              st.cap, st.sinks),
             target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=GPU_PARTITION_BLOCKS,
-            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, **common)
+            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, **common, **pw)
     return st.out
 
 

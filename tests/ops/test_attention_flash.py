@@ -1,0 +1,175 @@
+"""The GPU flash attention kernels (flash_decode_kernel + flash_merge_kernel, flash_prefill_kernel) against the
+float64 reference of tests/ops/test_attention.py, on every runnable CPU tier (flash_paged_attention runs
+them on any target) and on the GPU (marked `gpu`), where paged_attention itself dispatches to them.
+
+Shapes are small (head_dim 16/32) to keep CPU compiles short, with odd lengths, several decode partitions
+(GPU_PARTITION_BLOCKS = 4 blocks of 16: a 300-token context is 5 partitions), GQA ratios 1/3/5 (5 pads to 8
+rows per group), block sizes 16 and 32, windows, softcap and sinks, f32 caches with and without the f16
+hi + lo split the GPUs with matrix units use, and f16 caches. Tolerances as in test_attention.py (rtol 1e-4,
+atol 2e-5): the split keeps ~22 significant bits of each operand (observed errors ~1e-6). The split
+variants run on the highest CPU tier only (slow f16 conversions on SSE tiers).
+
+Batch invariance (assert_array_equal): a sequence's rows alone equal its rows in batches of other sizes
+and orders, on partition axes of several lengths, with several prefill tile heights (block_m), and a token's
+bits are the same as a decode (decode + merge kernels) or as a row of a prefill tile (decode=False).
+"""
+import numpy as np
+import pytest
+
+from jitkern.ops import attention as A
+
+from .test_attention import BS, check, make_step, ref_paged_attention
+
+# (seq_len, q_len): decodes of 1, 15, 16, 17, 300 (5 partitions), 70 (2), 600 (10); whole prompts of 15
+# and 17 tokens; a 17-token chunk after 283 cached; 23 after 17; 10 after 600; an empty (padding) sequence
+SEQS = [(1, 1), (15, 1), (300, 1), (15, 15), (16, 1), (0, 0), (17, 1), (300, 17), (17, 17), (40, 23), (70, 1),
+        (600, 1), (610, 10)]
+
+
+def _flash(tier, q, kc, vc, qs, sl, bt, **kw):
+    return A.flash_paged_attention(q, kc, vc, qs, sl, bt, target=tier, **kw)
+
+
+def _skip_split_on_lower_tiers(tier, split):
+    """The f16 hi + lo split runs on the GPU and on this host's highest CPU tier only (its f16 conversions
+    compile slowly on the SSE tiers; the arithmetic is the same on every tier)."""
+    from tests.conftest import runnable_tiers
+    if split and not tier.is_gpu and tier.name != runnable_tiers()[-1]:
+        pytest.skip("split: checked on the highest CPU tier and the GPU")
+
+
+@pytest.mark.parametrize("dtype,split", [(np.float32, False), (np.float32, True), (np.float16, False)],
+                         ids=["f32", "f32-split", "f16"])
+def test_flash_matches_reference(tier, dtype, split):
+    """GQA 3 (9 query / 3 KV heads, head_dim 32): mixed decodes and prefill chunks, windows 0 and 7, the
+    default tile height and a 4-token one."""
+    _skip_split_on_lower_tiers(tier, split)
+    rng = np.random.default_rng(21)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 9, 3, 32, dtype)
+    for window in (0, 7):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.17, window=window)
+        for block_m in (None, 4):
+            out = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.17, sliding_window=window, block_m=block_m,
+                         split=split)
+            check(out, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(5, 1, 32), (4, 4, 16), (8, 2, 16)], ids=["mqa5", "mha", "gqa4"])
+def test_flash_head_groups(tier, heads, kv_heads, dim):
+    """A group of 5 query heads (padded to 8 rows), MHA, GQA 4, through paged_attention's own dispatch on a
+    GPU (flash_paged_attention on CPU tiers)."""
+    rng = np.random.default_rng(22)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, heads, kv_heads, dim, np.float32)
+    scale = dim ** -0.5
+    run = A.paged_attention if tier.is_gpu else A.flash_paged_attention
+    for window in (0, 16):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, scale, window=window)
+        check(run(q, kc, vc, qs, sl, bt, scale=scale, sliding_window=window, target=tier), want)
+
+
+def test_flash_block_size_32(tier, monkeypatch):
+    """Cache blocks of 32 tokens (the kernels step one block at a time; partitions are 4 blocks of 32)."""
+    from . import test_attention as T
+    rng = np.random.default_rng(23)
+    monkeypatch.setattr(T, "BS", 32)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 6, 2, 16, np.float32)
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25)
+    assert kc.shape[1] == 32
+    out = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=2)
+    check(out, want)
+    np.testing.assert_array_equal(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=2, decode=False), out)
+
+
+def test_flash_softcap_and_sinks(tier):
+    rng = np.random.default_rng(24)
+    H, KVH = 6, 2
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, H, KVH, 16, np.float32)
+    q *= 3.0
+    sinks = (np.linspace(-4.0, 8.0, H) + rng.standard_normal(H)).astype(np.float32)
+    for window in (0, 17):
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window, softcap=5.0, sinks=sinks)
+        assert np.abs(want - ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)).max() > 0.05
+        out = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, softcap=5.0, sinks=sinks,
+                     block_m=4)
+        check(out, want)
+        gen = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, softcap=5.0, sinks=sinks,
+                     block_m=4, decode=False)
+        np.testing.assert_array_equal(gen, out)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["plain", "split"])
+def test_flash_batch_invariance(tier, split):
+    """Rows alone = rows in other batches (sizes, orders, partition axes, tile heights); a decode's bits =
+    the same token as the last row of a prefill chunk; the prefill kernel alone = the decode path."""
+    _skip_split_on_lower_tiers(tier, split)
+    rng = np.random.default_rng(25)
+    H, KVH, D = 9, 3, 16
+    seqs = [(600, 1), (17, 17), (300, 1), (610, 10), (16, 1), (40, 23), (1, 1), (300, 17), (70, 1)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, np.float32)
+    kw = dict(scale=0.25, split=split)
+    for window in (0, 100):
+        full = _flash(tier, q, kc, vc, qs, sl, bt, sliding_window=window, block_m=4, **kw)
+        check(full, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window))
+        rows = [full[qs[i]:qs[i + 1]] for i in range(len(seqs))]
+        for pick, bm in (([3], 2), ([0], 4), ([8], 4), ([5, 1], 8), ([7, 0, 2], 2), ([2, 4, 0, 6, 1], 4)):
+            sub_q = np.concatenate([q[qs[i]:qs[i + 1]] for i in pick])
+            sub_qs = np.concatenate([[0], np.cumsum([seqs[i][1] for i in pick])]).astype(np.int32)
+            out = _flash(tier, sub_q, kc, vc, sub_qs, sl[pick], np.ascontiguousarray(bt[pick]), sliding_window=window,
+                         num_partitions=A.MAX_PARTITIONS if len(pick) > 2 else None, block_m=bm, **kw)
+            for k, i in enumerate(pick):
+                np.testing.assert_array_equal(out[sub_qs[k]:sub_qs[k + 1]], rows[i])
+        # the last token of the 17-token chunk ending at position 299 (seq 7) as a decode of 300 tokens
+        dec = _flash(tier, q[qs[8] - 1:qs[8]], kc, vc, np.array([0, 1], np.int32), np.array([300], np.int32),
+                     np.ascontiguousarray(bt[7:8]), sliding_window=window, **kw)
+        np.testing.assert_array_equal(dec[0], full[qs[8] - 1])
+        # the prefill kernel alone over every sequence, decodes included
+        gen = _flash(tier, q, kc, vc, qs, sl, bt, sliding_window=window, block_m=8, decode=False, **kw)
+        np.testing.assert_array_equal(gen, full)
+
+
+def test_flash_partition_axis(tier):
+    """Decode partitions are GPU_PARTITION_BLOCKS blocks, at most MAX_PARTITIONS, decided by each sequence's
+    own length: axes of several lengths give the same bits; too short an axis is refused by name."""
+    rng = np.random.default_rng(26)
+    seqs = [(1, 1), (64, 1), (65, 1), (300, 1), (0, 0), (1100, 1), (2000, 1)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, 4, 2, 16, np.float16)
+    parts = A.decode_partitions(sl, BS, partition_blocks=A.GPU_PARTITION_BLOCKS)
+    assert list(parts) == [1, 1, 2, 5, 0, 16, 16]      # 69 and 125 blocks: 16 longer partitions
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25)
+    outs = [_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, max_query_len=1, num_partitions=p)
+            for p in (None, 16)]
+    check(outs[0], want)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    with pytest.raises(ValueError, match="num_partitions=8 is below the 16 partitions"):
+        _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, num_partitions=8)
+
+
+def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
+    """paged_attention on a CUDA target launches the flash kernels (decode + merge for decodes, prefill for
+    the chunks), their PTX has tensor-core MMAs for f16 caches and for split f32 caches, and the A/B flag
+    GPU_TOKEN_ATTENTION puts the GPU back on token_attention_kernel; CPU tiers keep the CPU kernels."""
+    from jitkern.runtime.launch import compile_only
+    from targets import get_target
+    sm90 = get_target("sm_90a")
+    rng = np.random.default_rng(27)
+
+    def compiled(dtype, target):
+        q, kc, vc, qs, sl, bt = make_step(rng, [(300, 1), (40, 23)], 8, 2, 32, dtype)
+        with compile_only(target=target) as co:
+            A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.2, num_partitions=A.MAX_PARTITIONS, target=target)
+        assert not co.errors
+        return {ck.name: ck for ck in co.compiled}
+
+    for dtype in (np.float16, np.float32):
+        cks = compiled(dtype, sm90)
+        assert set(cks) == {"flash_decode_kernel", "flash_merge_kernel", "flash_prefill_kernel"}
+        for name in ("flash_decode_kernel", "flash_prefill_kernel"):
+            ptx = cks[name].artifacts["kernel.ptx"]
+            ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx, name
+    monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", True)
+    assert set(compiled(np.float32, sm90)) == {"token_attention_kernel"}
+    monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", False)
+    from targets import cpu_tier_names
+    cpu = get_target(cpu_tier_names()[0])
+    assert set(compiled(np.float32, cpu)) <= {"decode_kernel", "merge_kernel", "prefill_kernel"}
