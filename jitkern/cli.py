@@ -267,9 +267,11 @@ def cmd_build(args) -> int:
         return _fail(f"the engine's kernel list is not available ({e})")
     co = compile_only(t, on_compile)
     try:
-        if t.is_cuda:
+        if t.is_cuda or t.is_hip:
             # the engine's CUDA path (its tiles, device buffers and their alignment) on a host-memory stand-in
-            # for the GPU: the cache gets what an engine on that GPU will ask for, so it loads with no compile
+            # for the GPU: the cache gets what an engine on that GPU will ask for, so it loads with no compile.
+            # AMD targets take the same device-array path (GPU tiles: MFMA/WMMA linear, flash attention): what
+            # an engine on the AMD GPU asks for, not the CPU path's tiles (the engine has no AMD device yet)
             from .runtime.cuda import HostMemoryDevice, standing_in
             with co, standing_in(HostMemoryDevice(t)):
                 build_specializations(args.model, device="cuda")
