@@ -13,7 +13,9 @@ is one `jitkern.runtime.launch` call, on every device: CPU thread-pool dispatch,
 then the decode steps replay a recorded graph (the engine's normal path) and the graph's node count is read
 (CPU: its entries; CUDA: the launches recorded into the CUDA graph; Vulkan: its dispatches). Timed: --steps
 decode steps of the engine (LLMEngine.step: scheduling + forward + sampling), and the forward alone
-(ModelRunner.execute); steps/s = 1 / median step time.
+(ModelRunner.execute); steps/s = 1 / median step time. --compare alternates DecoderLM.fuse_decode on and off
+(--rounds turns of --steps steps each, graphs re-recorded at each switch) in one run, so host load hits both
+alike; --unfused measures the separate ops alone.
 
 --device fake-cuda runs the CUDA code path (device arrays, staging, the wrappers' GPU choices when
 JITKERN_FAKE_CUDA_TARGET=sm_90a is also set) on the host-memory stand-in device of tests/fake_cuda.py: the
@@ -46,10 +48,16 @@ class LaunchCounter:
         self.on = False
         self.names: list = []
 
+        self.by_address: dict = {}            # compiled CPU code address -> kernel name (names graph entries)
+
         def counting_resolve(kernel, args, kwargs, target=None):
             if self.on:
                 self.names.append(kernel.__name__)
-            return self.orig(kernel, args, kwargs, target)
+            r = self.orig(kernel, args, kwargs, target)
+            addr = getattr(r[0], "address", None)
+            if addr is not None:
+                self.by_address[addr] = kernel.__name__
+            return r
 
         launch_mod.resolve = counting_resolve
 
@@ -75,7 +83,8 @@ def _install_fake_cuda():
     return mp
 
 
-def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=True):
+def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=True, fused=True, compare=False,
+            rounds=3):
     import numpy as np
 
     from engine.llm_engine import EngineArgs, LLMEngine
@@ -104,7 +113,9 @@ def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=T
     runner.execute = timed_execute
     try:
         for B in batches:
-            sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, detokenize=False)
+            modes = ["fused", "unfused"] * rounds if compare else ["fused" if fused else "unfused"]
+            sp = SamplingParams(max_tokens=(steps + 8) * len(modes) + 8, temperature=0, ignore_eos=True,
+                                detokenize=False)
             ids = [f"b{B}-{i}" for i in range(B)]
             for rid in ids:
                 eng.add_request(rid, [int(t) for t in rng.integers(3, vocab, prompt_len)], sp.clone())
@@ -112,44 +123,57 @@ def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=T
                 eng.step()
                 if all(len(eng._reqs[r].seqs[0].token_ids) >= 1 for r in ids if r in eng._reqs):
                     break
-            # one eager step, every launch counted
-            runner.use_graphs = False
-            counter.names, counter.on = [], True
-            eng.step()
-            counter.on = False
-            runner.use_graphs = use_graphs
-            names = counter.names
-            eng.step()                               # records the decode graph of this batch size (untimed)
-            eng.step()
-            ent = runner._graphs.get(B) if use_graphs else None
-            nodes = _graph_nodes(ent[0]) if ent is not None else None
-            step_t, exec_times[:] = [], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
+            per_mode: dict = {}
+            for mode in modes:                       # compare: fused and unfused steps take turns
+                if hasattr(model, "fuse_decode"):
+                    model.fuse_decode = mode == "fused"
+                runner._graphs.clear()               # graphs record the launches of the current mode
+                # one eager step, every launch counted
+                runner.use_graphs = False
+                counter.names, counter.on = [], True
                 eng.step()
-                step_t.append(time.perf_counter() - t0)
-            fwd_t = list(exec_times)
+                counter.on = False
+                runner.use_graphs = use_graphs
+                names = counter.names
+                eng.step()                           # records the decode graph of this batch size (untimed)
+                eng.step()
+                ent = runner._graphs.get(B) if use_graphs else None
+                nodes = _graph_nodes(ent[0]) if ent is not None else None
+                if ent is not None and ent[0].entries and nodes != len(names) - 1:
+                    extra = collections.Counter(counter.by_address.get(a, "?") for a, _, _ in ent[0].entries)
+                    extra.subtract(collections.Counter(names))
+                    print(f"  note: batch {B} {mode}: graph entries minus eager launches by kernel: "
+                          f"{ {k: v for k, v in extra.items() if v} }", flush=True)
+                step_t, exec_times[:] = [], []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    step_t.append(time.perf_counter() - t0)
+                m = per_mode.setdefault(mode, {"names": names, "nodes": nodes, "step": [], "fwd": []})
+                m["step"] += step_t
+                m["fwd"] += list(exec_times)
             for rid in ids:
                 eng.abort_request(rid)
             while eng.has_unfinished_requests():
                 eng.step()
-            by = collections.Counter(names)
-            per_layer, outside = {}, {}
-            for k, c in by.items():
-                if layers and c >= layers:
-                    per_layer[k] = c // layers
-                if not layers or c % layers:
-                    outside[k] = c % layers if layers else c
-            med, fmed = statistics.median(step_t), statistics.median(fwd_t)
-            out["results"].append({
-                "batch": B, "launches_per_step": len(names), "graph_nodes_per_step": nodes,
-                "per_layer": dict(sorted(per_layer.items(), key=lambda kv: -kv[1])),
-                "launches_per_layer": sum(per_layer.values()),
-                "outside_layers": dict(sorted(outside.items(), key=lambda kv: -kv[1])),
-                "engine_steps_per_s": round(1 / med, 2), "forward_steps_per_s": round(1 / fmed, 2),
-                "engine_step_ms_median": round(med * 1e3, 3), "forward_ms_median": round(fmed * 1e3, 3),
-                "decode_tok_s": round(B / med, 1),
-            })
+            for mode, m in per_mode.items():
+                by = collections.Counter(m["names"])
+                per_layer, outside = {}, {}
+                for k, c in by.items():
+                    if layers and c >= layers:
+                        per_layer[k] = c // layers
+                    if not layers or c % layers:
+                        outside[k] = c % layers if layers else c
+                med, fmed = statistics.median(m["step"]), statistics.median(m["fwd"])
+                out["results"].append({
+                    "batch": B, "mode": mode, "launches_per_step": len(m["names"]), "graph_nodes_per_step": m["nodes"],
+                    "per_layer": dict(sorted(per_layer.items(), key=lambda kv: -kv[1])),
+                    "launches_per_layer": sum(per_layer.values()),
+                    "outside_layers": dict(sorted(outside.items(), key=lambda kv: -kv[1])),
+                    "engine_steps_per_s": round(1 / med, 2), "forward_steps_per_s": round(1 / fmed, 2),
+                    "engine_step_ms_median": round(med * 1e3, 3), "forward_ms_median": round(fmed * 1e3, 3),
+                    "decode_tok_s": round(B / med, 1), "timed_steps": len(m["step"]),
+                })
     finally:
         runner.execute = orig_exec
         counter.close()
@@ -170,6 +194,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--no-graphs", action="store_true", help="time eager steps (no graph replay)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="DecoderLM.fuse_decode off: the separate norm / quantise / activation / RoPE / cache ops")
+    ap.add_argument("--compare", action="store_true",
+                    help="fused and unfused decode steps in turns (--rounds each, --steps steps a turn) in one run")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     device, mp = a.device, None
@@ -187,7 +216,8 @@ def main(argv=None) -> int:
             write_model(d, a.random, layers=a.layers, smoke=a.smoke, quiet=True,
                         device="cuda" if device == "cuda" and mp is None else "cpu")
             model = d
-        res = measure(model, device, a.batch, a.steps, a.prompt_len, use_graphs=not a.no_graphs)
+        res = measure(model, device, a.batch, a.steps, a.prompt_len, use_graphs=not a.no_graphs,
+                      fused=not a.unfused, compare=a.compare, rounds=a.rounds)
     if a.random:
         res["model"] = f"random {a.random}{' smoke' if a.smoke else ''}" + (f", {a.layers} layers" if a.layers else "")
     res["load_avg_1m_before"] = load
@@ -196,11 +226,19 @@ def main(argv=None) -> int:
         mp.undo()
     print(f"{res['model']} on {res['device']}: {res['layers']} layers (1-min load before: {load})")
     for r in res["results"]:
-        print(f"  batch {r['batch']:3d}: {r['launches_per_step']} launches/step ({r['launches_per_layer']} per layer),"
+        print(f"  batch {r['batch']:3d} {r['mode']:>7}: {r['launches_per_step']} launches/step ({r['launches_per_layer']} per layer),"
               f" graph nodes {r['graph_nodes_per_step']}, engine {r['engine_steps_per_s']} steps/s"
               f" ({r['decode_tok_s']} tok/s), forward alone {r['forward_steps_per_s']} steps/s")
         print("    per layer: " + ", ".join(f"{k} x{v}" for k, v in r["per_layer"].items()))
         print("    outside layers: " + ", ".join(f"{k} x{v}" for k, v in r["outside_layers"].items()))
+    if a.compare:
+        for B in a.batch:
+            f = [r for r in res["results"] if r["batch"] == B and r["mode"] == "fused"][0]
+            u = [r for r in res["results"] if r["batch"] == B and r["mode"] == "unfused"][0]
+            print(f"  batch {B}: launches {u['launches_per_step']} -> {f['launches_per_step']}; median step "
+                  f"{u['engine_step_ms_median']} -> {f['engine_step_ms_median']} ms (fused/unfused steps/s "
+                  f"{f['engine_steps_per_s'] / u['engine_steps_per_s']:.3f}x; forward alone "
+                  f"{f['forward_steps_per_s'] / u['forward_steps_per_s']:.3f}x)")
     print(json.dumps(res))
     if a.json:
         with open(a.json, "w") as f:
