@@ -148,16 +148,9 @@ def _compile_gpu(fn, target, describe, kernel_name, spec) -> tuple:
     from .isolate import compile_llvm_ir
     if target.is_vulkan:
         # LLVM IR -> SPIR-V (the SPIR-V backend's "object" is the module binary; isolated: LLVM asserts abort)
-        from .backends.spirv import finish_module
-        try:
-            out = compile_llvm_ir(llvm_ir, triple=target.triple, cpu="", features="", opt=0, emit=("obj",),
-                                  describe=describe, kernel=kernel_name, specialization=spec)
-        except CompileError as e:
-            if e.target is None:
-                e.target = target.name
-            raise
+        from .backends.spirv import compile_module
         return {"kernel.jkir": ir.format_function(fn).encode(), "kernel.ll": llvm_ir.encode(),
-                "kernel.spv": finish_module(out["obj"])}, meta
+                "kernel.spv": compile_module(llvm_ir, target, describe, kernel_name, spec)}, meta
     try:
         out = compile_llvm_ir(llvm_ir, triple=target.triple, cpu=target.cpu, features=target.feature_string,
                               opt=3, emit=("asm",), describe=describe, kernel=kernel_name, specialization=spec)

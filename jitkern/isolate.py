@@ -569,6 +569,7 @@ def _run(
     specialization: Optional[str] = None,
     target: Optional[str] = None,
     note: Optional[str] = None,
+    fresh: bool = False,
 ) -> Any:
     ctx = dict(kernel=kernel, specialization=specialization, target=target, note=note)
     if _inprocess():
@@ -578,6 +579,13 @@ def _run(
             raise _make_error(f"{type(exc).__name__}: {exc}", describe, **ctx) from exc
     limit = _env_timeout() if timeout is None else float(timeout)
     try:
+        if fresh:
+            # a worker of its own, stopped afterwards: no LLVM state left by earlier compiles
+            worker = _Worker()
+            try:
+                return worker.request(req, limit)
+            finally:
+                worker.close()
         return _get_pool().run(req, limit)
     except _WorkerCrashed as exc:
         raise _make_error(exc.why, describe, stderr_text=exc.stderr_text, **ctx) from None
@@ -615,6 +623,7 @@ def compile_llvm_ir(
     kernel: Optional[str] = None,
     specialization: Optional[str] = None,
     timeout: Optional[float] = None,
+    fresh: bool = False,
 ) -> dict[str, bytes]:
     """Parse, verify, optimise (new PM, speed level ``opt``) and emit LLVM IR text, isolated.
 
@@ -626,7 +635,9 @@ def compile_llvm_ir(
     ``describe`` (kernel name, specialisation, target) names the compile in error messages;
     ``fn_attrs_note`` is an optional free-form note (e.g. per-function target attributes) quoted in
     errors. ``kernel`` / ``specialization`` are copied onto the CompileError. Raises CompileError on
-    any failure: LLVM parse/verify errors, a worker killed by an LLVM abort, or a timeout.
+    any failure: LLVM parse/verify errors, a worker killed by an LLVM abort, or a timeout. ``fresh``:
+    compile in a new worker process that is stopped afterwards (LLVM state of earlier compiles, such as
+    the SPIR-V backend's, cannot leak into this one).
     """
     kinds = tuple(emit)
     bad = [k for k in kinds if k not in EMIT_KINDS]
@@ -650,6 +661,7 @@ def compile_llvm_ir(
         specialization=specialization,
         target=target,
         note=fn_attrs_note,
+        fresh=fresh,
     )
 
 

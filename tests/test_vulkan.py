@@ -274,3 +274,54 @@ def test_vulkan_f32_division_is_correctly_rounded():
         want_d = amax / np.float32(127)
         np.testing.assert_array_equal(d, want_d)
         np.testing.assert_array_equal(inv, np.float32(1) / want_d)
+
+
+def test_duplicate_result_ids_and_the_fresh_worker_retry(monkeypatch):
+    """LLVM 22's SPIR-V backend, after many modules in one compile worker, sometimes numbers a function's ids
+    over the module's types ("Id 1 is defined more than once": seen on _pack_kernel in a JITKERN_TEST_VULKAN=all
+    run; the same IR compiled in a new process is valid). Such a module is detected and compiled again in a
+    fresh worker; twice bad is a CompileError naming the kernel."""
+    from jitkern import isolate
+    from jitkern.backends import spirv
+    from jitkern.errors import CompileError
+    from targets import get_target
+
+    def inst(op, *ops):
+        return [((len(ops) + 1) << 16) | op, *ops]
+    # OpCapability Shader, %1 = OpTypeVoid, %2 = OpTypeFunction %1, OpName %1, %3 = OpFunction %1 None %2,
+    # then %1 again as a label (the backend's bug) or %4 (fine)
+    head = inst(17, 1) + inst(5, 1, 0) + inst(19, 1) + inst(33, 2, 1) + inst(54, 1, 3, 0, 2)
+
+    def module(label):
+        body = head + inst(248, label) + inst(253) + inst(56)
+        return struct.pack(f"<{5 + len(body)}I", 0x07230203, 0x10500, 0, 5, 0, *body)
+    good, bad = module(4), module(1)
+    assert spirv.duplicate_result_ids(good) == [] and spirv.duplicate_result_ids(bad) == [1]
+    calls = []
+
+    def fake_compile(llvm_ir, fresh=False, **kw):
+        calls.append(fresh)
+        return {"obj": good if fresh and len(calls) > 1 and not getattr(fake_compile, "always_bad", False) else bad}
+    monkeypatch.setattr(isolate, "compile_llvm_ir", fake_compile)
+    vk = get_target("vulkan")
+    out = spirv.compile_module("; ir", vk, "k[spec]", "k", "spec")
+    assert calls == [False, True] and spirv.duplicate_result_ids(out) == []
+    fake_compile.always_bad = True
+    calls.clear()
+    with pytest.raises(CompileError, match="more than once"):
+        spirv.compile_module("; ir", vk, "k[spec]", "k", "spec")
+    assert calls == [False, True]
+
+
+def test_isolate_fresh_compile_uses_a_worker_of_its_own():
+    from jitkern import isolate
+    from targets import get_target
+    if isolate._inprocess():
+        pytest.skip("compiles run in-process here")
+    vk = get_target("vulkan")
+    ir_text = "\n".join([f'target triple = "{vk.triple}"', "define void @k() {", "  ret void", "}"])
+    isolate.compile_llvm_ir(ir_text, triple=vk.triple, cpu="", features="", opt=0, emit=("obj",))
+    before = set(isolate.worker_pids())
+    out = isolate.compile_llvm_ir(ir_text, triple=vk.triple, cpu="", features="", opt=0, emit=("obj",), fresh=True)
+    assert out["obj"][:4] == struct.pack("<I", 0x07230203)
+    assert set(isolate.worker_pids()) == before           # the pool is untouched

@@ -490,6 +490,53 @@ def decorate_no_contraction(spv: bytes) -> bytes:
     return struct.pack(f"<{len(words)}I", *words)
 
 
+# opcodes without a result id, and those whose result id is their first operand (no result type); every other
+# instruction is (result type, result id, ...)
+_NO_RESULT = {0, 2, 3, 4, 5, 6, 8, 10, 14, 15, 16, 17, 39, 56, 62, 63, 64, 71, 72, 74, 75, 224, 225, 228, 246, 247,
+              249, 250, 251, 252, 253, 254, 255, 256, 257, 317, 330, 331, 332, 5632, 5633}
+_RESULT_FIRST = set(range(19, 39)) | {7, 11, 73, 248, 322, 327, 4417, 4456, 5341, 5358}
+
+
+def duplicate_result_ids(spv: bytes) -> list:
+    """Result ids defined more than once in a module (LLVM 22's SPIR-V backend, after many modules in one
+    process, sometimes numbers a function's ids over the module's types: "Id 1 is defined more than once")."""
+    import struct
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    seen, dup, i = set(), [], 5
+    while i < len(words):
+        n, op = words[i] >> 16, words[i] & 0xFFFF
+        at = None if op in _NO_RESULT else 1 if op in _RESULT_FIRST else 2
+        if at is not None and at < n:
+            rid = words[i + at]
+            if rid in seen:
+                dup.append(rid)
+            seen.add(rid)
+        i += max(n, 1)
+    return dup
+
+
+def compile_module(llvm_ir: str, target, describe: str, kernel: str, spec: str) -> bytes:
+    """LLVM IR -> the finished SPIR-V module, isolated (the backend aborts on bad input). A module with
+    duplicate result ids (state left in a long-lived compile worker by earlier modules; the same IR compiles
+    cleanly in a new process) is compiled again in a fresh worker."""
+    from ..isolate import compile_llvm_ir
+    args = dict(triple=target.triple, cpu="", features="", opt=0, emit=("obj",), describe=describe, kernel=kernel,
+                specialization=spec)
+    try:
+        spv = finish_module(compile_llvm_ir(llvm_ir, **args)["obj"])
+        if duplicate_result_ids(spv):
+            spv = finish_module(compile_llvm_ir(llvm_ir, fresh=True, **args)["obj"])
+    except CompileError as e:
+        if e.target is None:
+            e.target = target.name
+        raise
+    dup = duplicate_result_ids(spv)
+    if dup:
+        raise CompileError(f"{describe}: the SPIR-V backend defined result ids {sorted(set(dup))[:8]} more than "
+                           f"once, also in a fresh compile worker", target=target.name)
+    return spv
+
+
 def finish_module(spv: bytes) -> bytes:
     """The backend's SPIR-V with the fix-ups above (barrier semantics, exact float arithmetic, the stray Int8
     capability)."""
@@ -512,4 +559,4 @@ def spirv_validate(spv: bytes, env: str = "vulkan1.2") -> str | None:
     return None if r.returncode == 0 else (r.stderr or r.stdout).strip()
 
 
-__all__ = ["SpirvHooks", "lower_to_spirv", "strip_int8_capability", "fix_barrier_semantics", "finish_module", "spirv_validate", "find_spirv_val"]
+__all__ = ["SpirvHooks", "lower_to_spirv", "compile_module", "duplicate_result_ids", "strip_int8_capability", "fix_barrier_semantics", "finish_module", "spirv_validate", "find_spirv_val"]
