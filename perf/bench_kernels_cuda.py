@@ -15,9 +15,10 @@ max error against an f32 reference where one is cheap):
         paged prefill attention (f32 q, f32 and f16 paged caches), 32 q heads / 8 KV heads / head_dim 128;
         decode: jitkern's paged decode attention (the engine's call: num_partitions=MAX_PARTITIONS) with f32
         and f16 caches, GB/s of KV read vs the copy bandwidth, and torch SDPA (bf16, enable_gqa) for reference.
-        Each jitkern row runs twice, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's default on
-        GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
-        (GPU_TOKEN_ATTENTION = True, the path before them). --attn-variants picks a subset.
+        Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's
+        default on GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
+        (GPU_TOKEN_ATTENTION = True, the path before them); --attn-variants adds flash settings to sweep
+        (flash-rows32 flash-nopipe flash-pb8 flash-w8, see ATTN_VARIANTS).
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
         torch.matmul at M = 1.
   elem  rms_norm and silu_and_mul (f32) as GB/s vs the copy bandwidth.
@@ -53,7 +54,10 @@ GEMM_M = (1, 16, 64, 256, 2048, 8192)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_CASES = ((1, 1024), (1, 4096), (8, 1024))          # (sequences, tokens each)
 DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))   # (sequences, context)
-ATTN_VARIANTS = ("flash", "token")        # GPU attention paths timed A/B (see attention())
+# GPU attention paths timed A/B (see attention()): jitkern.ops.attention module settings per variant
+ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"FLASH_PIPELINE": False},
+                 "flash-pb8": {"GPU_PARTITION_BLOCKS": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
+                 "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 
 
@@ -338,12 +342,13 @@ def _step_arrays(b, qlens, seqlens):
 
 class _attn_variant:
     """Selects a GPU attention path of jitkern.ops.attention for the calls inside (restored after): "flash"
-    (the flash kernels, the default) or "token" (token_attention_kernel). On --device cpu both run the CPU
+    (the flash kernels at their defaults), "flash-*" (one setting changed: prefill rows, no pipelining,
+    8-block partitions, 8 warps) or "token" (token_attention_kernel). On --device cpu all run the CPU
     kernels (the fake device's target is the CPU tier): the rows check the script only."""
 
     def __init__(self, ja, variant):
-        self.ja, self.flags = ja, {"flash": dict(GPU_TOKEN_ATTENTION=False, GPU_FLASH_ATTENTION=True),
-                                   "token": dict(GPU_TOKEN_ATTENTION=True)}[variant]
+        self.ja, self.flags = ja, dict(dict(GPU_TOKEN_ATTENTION=False, GPU_FLASH_ATTENTION=True),
+                                       **ATTN_VARIANTS[variant])
 
     def __enter__(self):
         self.old = {k: getattr(self.ja, k) for k in self.flags}
@@ -509,8 +514,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per variant")
     ap.add_argument("--m", type=int, nargs="+", default=None, help="GEMM M values (default 1 16 64 256 2048 8192)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--attn-variants", nargs="+", choices=ATTN_VARIANTS, default=list(ATTN_VARIANTS),
-                    help="GPU attention paths to time in the attn section (default: both)")
+    ap.add_argument("--attn-variants", nargs="+", choices=list(ATTN_VARIANTS), default=["flash", "token"],
+                    help="GPU attention paths to time in the attn section (default: flash token)")
     a = ap.parse_args(argv)
     mp = None
     if a.device == "cpu":

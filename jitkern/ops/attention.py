@@ -492,6 +492,15 @@ def _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT):
 
 
 @jk.jit
+def _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, ok, KVH, D, BS):
+    """The (BS, D) K and V tiles of KV head kvh in the sequence's block b (loads masked off unless ok: b may
+    then lie past the block table, so column 0 is read instead)."""
+    base = jk.load(bt_row + jk.where(ok, b, 0)).to(jk.i64) * (BS * KVH * D) + kvh * D
+    return (jk.load(k_cache + base + kv_off, mask=ok, other=0.0),
+            jk.load(v_cache + base + kv_off, mask=ok, other=0.0))
+
+
+@jk.jit
 def _flash_fold(M, L, ACC, m, l, acc):
     """The merged state (M, L, ACC) with one more partition's state (m, l, acc) folded in. Folding the first
     partition into the empty state (NEG, 0, 0) returns that partition's state exactly."""
@@ -513,7 +522,7 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
                         q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                         KVH: jk.constexpr, G: jk.constexpr, R: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                         NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
-                        SINKS: jk.constexpr, SPLIT: jk.constexpr):
+                        SINKS: jk.constexpr, SPLIT: jk.constexpr, PIPE: jk.constexpr = False):
     """Program (sequence, KV head, partition) of a q_len == 1 sequence: the G query heads of the KV head (R
     rows, padded to the matrix units' 16) over one partition of the key range, so K and V are read once
     for the group. The sequence's own length decides its partitions (_split); programs past them exit. A
@@ -546,12 +555,21 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
     m = jk.full((R,), NEG, jk.f32)
     l = jk.zeros((R,), jk.f32)
     acc = jk.zeros((R, D), jk.f32)
+    if PIPE:
+        # software pipelining: block b + 1's K/V loads are issued before block b's step runs (the last step
+        # reloads its own block), so they are in flight during its dots and barriers
+        kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b0, kv_off, kvh, b0 < b1, KVH, D, BS)
     for b in range(b0, b1):
-        base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + kvh * D
+        if PIPE:
+            kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b1 - 1), kv_off, kvh, True, KVH, D, BS)
+        else:
+            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
         pos = b * BS + n
         valid = ((pos < seq_len) & (pos >= lo))[None, :]
-        m, l, acc = _flash_step(qt, jk.load(k_cache + base + kv_off), jk.load(v_cache + base + kv_off), valid,
-                                m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+        m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+        if PIPE:
+            kt = kn
+            vt = vn
     single = parts == 1
     M, L, ACC = _flash_fold(jk.full((R,), NEG, jk.f32), jk.zeros((R,), jk.f32), jk.zeros((R, D), jk.f32), m, l, acc)
     o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=g < G, other=0.0) if SINKS else 0.0, SINKS)
@@ -598,7 +616,8 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                          q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                          KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, BM: jk.constexpr, D: jk.constexpr,
                          BS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
-                         SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr):
+                         SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr,
+                         PIPE: jk.constexpr = False):
     """Program (tile of BM query tokens of one sequence, KV head): BM x GP rows (the tile's tokens times the
     G query heads of the KV head, padded to a power of two) against the cache blocks of the tile's causal
     (and window) range, one block per step. Each row keeps a partition state and a merged state: when a
@@ -654,7 +673,13 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
     M = jk.full((R,), NEG, jk.f32)
     L = jk.zeros((R,), jk.f32)
     ACC = jk.zeros((R, D), jk.f32)
+    if PIPE:
+        kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b_lo, kv_off, kvh, b_lo < b_hi, KVH, D, BS)
     for b in range(b_lo, b_hi):
+        if PIPE:
+            kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b_hi - 1), kv_off, kvh, True, KVH, D, BS)
+        else:
+            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
         rel = b - start
         f = (rel > 0) & (rel < nb) & (rel % per == 0)
         M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
@@ -664,11 +689,12 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
         m = jk.where(f, NEG, m)
         l = jk.where(f, 0.0, l)
         acc = jk.where(f[:, None], 0.0, acc)
-        base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + kvh * D
         pos = b * BS + n
         valid = (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
-        m, l, acc = _flash_step(qt, jk.load(k_cache + base + kv_off), jk.load(v_cache + base + kv_off), valid,
-                                m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+        m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+        if PIPE:
+            kt = kn
+            vt = vn
     M, L, ACC = _flash_fold(M, L, ACC, m, l, acc)
     o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + r % GP, mask=(r % GP) < G, other=0.0) if SINKS else 0.0,
                    SINKS)
@@ -832,9 +858,13 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
 # Vulkan always takes the token kernel (compile times on lavapipe, see _vulkan_attention).
 GPU_TOKEN_ATTENTION = False
 GPU_FLASH_ATTENTION = True
-GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions of GPUs: this many blocks (64 tokens at 16) ...
+GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
 FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
-FLASH_WARPS = (8, 8)  # warps per program of the decode and prefill kernels
+FLASH_PIPELINE = True      # load the next cache block while the current one is computed
+# warps per program of the decode and prefill kernels. ptxas (sm_90a, Llama-3-8B shape) gives the decode kernel
+# 255 registers at 4 warps (2 CTAs / SM) and ~240 at 8 (1 CTA / SM); the 64-row prefill 255 with ~1-1.5 KB of
+# spills at 8 warps (perf/bench_kernels_cuda.py --attn-variants sweeps these settings on the GPU)
+FLASH_WARPS = (4, 8)
 
 
 def _token_path(target) -> bool:
@@ -871,15 +901,16 @@ def _flash_split(target, k_cache) -> bool:
 
 
 def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_len: int, decode: bool,
-                  block_m, split, target):
+                  block_m, split, target, pipeline=None):
     """The flash kernels over one step: decode (+ merge) for the q_len == 1 sequences and the prefill kernel
     for the others (decode=False: the prefill kernel for every sequence)."""
     G, GP, D = st.G, _pow2(st.G), st.dim
     split = _flash_split(target, k_cache) if split is None else bool(split)
     common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks)
     gpu = target is not None and target.is_gpu
-    dw = dict(num_warps=FLASH_WARPS[0]) if gpu else {}
-    pw = dict(num_warps=FLASH_WARPS[1]) if gpu else {}
+    pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
+    dw = dict(num_warps=FLASH_WARPS[0], PIPE=pipe) if gpu else dict(PIPE=pipe)
+    pw = dict(num_warps=FLASH_WARPS[1], PIPE=pipe) if gpu else dict(PIPE=pipe)
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
@@ -908,13 +939,15 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
 def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                           sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                           num_partitions: int | None = None, workspace: dict | None = None, decode: bool = True,
-                          block_m: int | None = None, split: bool | None = None, validate: bool = True,
-                          host_step=None, sinks=None, target=None):
+                          block_m: int | None = None, split: bool | None = None, pipeline: bool | None = None,
+                          validate: bool = True, host_step=None, sinks=None, target=None):
     """paged_attention through the GPU flash kernels, on any target (GPUs take this path from
     paged_attention; CPU tiers run it for tests). Arguments as for paged_attention, and:
     decode=False runs the prefill kernel for every sequence (decodes included: same bits as decode=True);
     block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group);
     split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
+    pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE on GPUs,
+    off on CPUs); the same bits either way.
     Decode partitions are GPU_PARTITION_BLOCKS blocks (at most MAX_PARTITIONS, decided by each sequence's
     own range): num_partitions must cover decode_partitions(..., partition_blocks=GPU_PARTITION_BLOCKS)."""
     target = resolve_target(target, q)
@@ -926,7 +959,7 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
         max_query_len = int(np.diff(st.qs_host).max())
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS)
     return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
-                         decode, block_m, split, target)
+                         decode, block_m, split, target, pipeline)
 
 
 def _partition_axis(st: _Step, num_partitions, validate: bool, pb: int) -> int:

@@ -127,6 +127,18 @@ def test_flash_batch_invariance(tier, split):
         np.testing.assert_array_equal(gen, full)
 
 
+def test_flash_pipelined_loads_give_the_same_bits(tier):
+    """The software-pipelined block loop (next block's K/V loaded before the current step: the GPU default)
+    against the plain loop, decodes and chunks, with a window that skips blocks."""
+    rng = np.random.default_rng(28)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 6, 2, 16, np.float32)
+    for window in (0, 40):
+        plain = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=4, pipeline=False)
+        check(plain, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window))
+        piped = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=4, pipeline=True)
+        np.testing.assert_array_equal(piped, plain)
+
+
 def test_flash_partition_axis(tier):
     """Decode partitions are GPU_PARTITION_BLOCKS blocks, at most MAX_PARTITIONS, decided by each sequence's
     own length: axes of several lengths give the same bits; too short an axis is refused by name."""
