@@ -6,7 +6,7 @@ PIP := $(VPY) -m pip
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: install install-test run test bench clean peers
+.PHONY: install install-test run test bench clean peers peer-server
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,32 @@ test: install-test
 # llama.cpp as a peer for the benchmarks: building it takes minutes, so it is optional.
 peers: install
 	$(PIP) install -q 'llama-cpp-python[server]'
+
+# llama.cpp's C++ llama-server (batches requests: --parallel N), the serving peer of
+# perf/bench_engine_vs_served.py. Built from the llama.cpp tree vendored in llama-cpp-python's
+# sdist, CPU only, Release, only the llama-server target, niced and with 2 jobs (the build host is
+# shared: ~20 min on 2 cores). A static binary lands in .peers/llama-server (git-ignored).
+PEERS_DIR := .peers
+LLAMA_CPP_PY_VERSION ?= 0.3.36
+LLAMA_SRC := $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY_VERSION)/vendor/llama.cpp
+PEER_JOBS ?= 2
+
+$(LLAMA_SRC)/CMakeLists.txt: | $(VPY)
+	mkdir -p $(PEERS_DIR)
+	test -f $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY_VERSION).tar.gz || \
+	  $(PIP) download -q --no-binary :all: --no-deps 'llama-cpp-python==$(LLAMA_CPP_PY_VERSION)' -d $(PEERS_DIR)
+	tar -xzf $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY_VERSION).tar.gz -C $(PEERS_DIR)
+	touch $@
+
+$(PEERS_DIR)/llama-server: $(LLAMA_SRC)/CMakeLists.txt
+	cmake -S $(LLAMA_SRC) -B $(PEERS_DIR)/build-server -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	nice -n 19 cmake --build $(PEERS_DIR)/build-server --target llama-server -j $(PEER_JOBS)
+	cp $(PEERS_DIR)/build-server/bin/llama-server $@
+
+peer-server: $(PEERS_DIR)/llama-server
 
 clean:
 	rm -rf $(VENV) build *.egg-info
