@@ -8,7 +8,8 @@
 1. `SpecDecoder.propose(scheduler)`: every running request in its decode phase whose sampling the
    verifier can reproduce exactly (`eligible`) gets up to k draft tokens in `Request.spec_token_ids`:
    n-gram prompt lookup over its prompt + output (`ngram_propose`), or a smaller draft model sharing the
-   tokenizer (`DraftModelProposer`, its own paged KV cache).
+   tokenizer (`DraftModelProposer`, its own paged KV cache). How many (its *level*, 1..k) adapts per
+   request to its recent acceptance (`_DraftState`); n-gram lookup re-anchors after a mismatch.
 2. The scheduler schedules the last sampled token plus the drafts (1 + k positions, like a small chunked
    prefill), the runner returns logits for all 1 + k positions (`StepResult.spec_rows`).
 3. `SpecDecoder.verify`: greedy requests accept drafts while they equal the argmax of the target's logits
@@ -41,6 +42,23 @@ log = logging.getLogger("engine.spec_decode")
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
+
+
+# Adaptive drafting (per request): a request starts at START_LEVEL drafts; a step whose drafts were all
+# accepted doubles its level (1 -> 3 -> 7 -> 15, up to num_speculative_tokens), a rejection drops it back to 1.
+# Why: on the CPU a verification step of 1 + k tokens costs ~1.25x (k = 1) to ~2.4x (k = 7) a one-token decode
+# step (SmolLM2, quiet host; far more on a loaded one), so drafts that get rejected are expensive; and an
+# input-grounded output alternates between long copied stretches (all drafts accepted) and rewritten words
+# (the first draft rejected). Simulated over six input-grounded SmolLM2 outputs (edit / summarise / rewrite /
+# repeat) with the measured step costs, levels + anchoring gave the editing task 1.6-2.0x against 1.4-1.7x for
+# a fixed k = 7, and the verbatim one 2.4-3.2x in both (docs/BENCHMARKS.md "Speculative decoding").
+START_LEVEL = 3
+# n-gram re-anchoring: after a step, the request's *anchor* is the position in its tokens just past the
+# source text its drafts were copied from (moved on by one per token emitted since). A match whose
+# continuation starts within ANCHOR_WINDOW tokens of it wins over other matches of the same length and counts
+# even when shorter than prompt_lookup_min (one token suffices): after a corrected word ("recieved" ->
+# "received") the output goes on copying right after it, not at the most recent occurrence of " the".
+ANCHOR_WINDOW = 8
 
 
 def verify_friendly(n: int) -> int:
@@ -135,17 +153,22 @@ class SpeculativeConfig:
 
 
 # ------------------------------------------------------------------------------------------- n-gram
-def ngram_propose(tokens, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Prompt lookup: the longest suffix n-gram (min_n <= n <= max_n) of `tokens` that occurred earlier;
-    returns the (up to k) tokens that followed its most recent earlier occurrence (empty: no match).
+def ngram_lookup(tokens, min_n: int, max_n: int, anchor: Optional[int] = None,
+                 window: int = ANCHOR_WINDOW) -> int:
+    """Prompt lookup: the longest suffix n-gram (n <= max_n) of `tokens` that occurred earlier; returns the
+    position where its continuation starts (-1: no match).
+
+    Without an anchor: n >= min_n, the most recent earlier occurrence. With one: among the occurrences of
+    the longest n, one whose continuation starts in [anchor, anchor + window) wins (the first there), and
+    such a near occurrence counts for any n >= 1; otherwise as without.
 
     Vectorised over the sequence: the candidate end positions of a length-1 match are found in one
     compare, then filtered one token further back per n (they only shrink), so the cost is one O(L) pass
     plus O(candidates) per n."""
     t = np.asarray(tokens)
     L = t.shape[0]
-    if L < 2 or k <= 0:
-        return t[:0]
+    if L < 2:
+        return -1
     last = L - 1
     cand = np.flatnonzero(t[:last] == t[last])      # p < last with t[p] == t[last]
     best = -1
@@ -155,11 +178,24 @@ def ngram_propose(tokens, min_n: int, max_n: int, k: int) -> np.ndarray:
             cand = cand[t[cand - (n - 1)] == t[last - (n - 1)]]
         if cand.size == 0:
             break
+        if anchor is not None:
+            near = cand[(cand + 1 >= anchor) & (cand + 1 < anchor + window)]
+            if near.size:
+                best = int(near[0])
+                continue
         if n >= min_n:
             best = int(cand[-1])
-    if best < 0:
+    return best + 1 if best >= 0 else -1
+
+
+def ngram_propose(tokens, min_n: int, max_n: int, k: int, anchor: Optional[int] = None,
+                  window: int = ANCHOR_WINDOW) -> np.ndarray:
+    """The (up to k) tokens that follow `ngram_lookup`'s match (empty: no match)."""
+    t = np.asarray(tokens)
+    if k <= 0:
         return t[:0]
-    return t[best + 1: best + 1 + k]
+    start = ngram_lookup(t, min_n, max_n, anchor, window)
+    return t[:0] if start < 0 else t[start:start + k]
 
 
 # --------------------------------------------------------------------------------- target probabilities
@@ -273,10 +309,30 @@ class SpecStats:
 
 
 # ------------------------------------------------------------------------------------------ the decoder
+@dataclass
+class _DraftState:
+    """A request's adaptive drafting state (see START_LEVEL and ANCHOR_WINDOW)."""
+    level: int                      # drafts to propose next step (1..k)
+    anchor: int = -1                # n-gram: where the last drafts' source continued (-1: none yet) ...
+    anchor_tokens: int = 0          # ... when the request had this many tokens
+
+    def anchor_now(self, num_tokens: int) -> Optional[int]:
+        # every token emitted since consumed one source token: accepted drafts, the bonus / corrected one
+        return None if self.anchor < 0 else self.anchor + num_tokens - self.anchor_tokens
+
+    def update(self, num_drafts: int, num_accepted: int, k: int) -> None:
+        if num_drafts <= 0:
+            return
+        self.level = min(k, 2 * self.level + 1) if num_accepted == num_drafts else 1
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, engine):
         self.config = config
         self.k = config.num_speculative_tokens
+        # adaptive drafting (levels + n-gram anchoring); off: always k drafts, plain most-recent lookup
+        self.adaptive = os.environ.get("JITKERN_SPEC_ADAPTIVE", "1") not in ("0", "")
+        self._states: dict = {}               # req_id -> _DraftState
         self.max_model_len = engine.max_model_len
         self.vocab = engine.config.vocab_size
         self.rng = np.random.default_rng((engine.args.seed, 0x5bec))
@@ -288,11 +344,16 @@ class SpecDecoder:
     def propose(self, scheduler) -> None:
         """Sets spec_token_ids on the running requests in their decode phase (called before schedule())."""
         reqs, ks = [], []
+        if self._states:
+            live = scheduler.requests
+            for rid in [rid for rid in self._states if rid not in live]:
+                del self._states[rid]
         for r in scheduler.running:
             if r.num_computed_tokens != r.num_tokens - 1 or not r.num_output_tokens or not eligible(r):
                 continue
             # drafts never run past the context or past max_tokens (the step emits at most k + 1 tokens)
-            k = min(self.k, self.max_model_len - r.num_tokens, (r.max_tokens or 0) - r.num_output_tokens - 1)
+            k = min(self._state(r).level if self.adaptive else self.k, self.max_model_len - r.num_tokens,
+                    (r.max_tokens or 0) - r.num_output_tokens - 1)
             k = verify_friendly(k)
             if k > 0:
                 reqs.append(r)
@@ -310,12 +371,25 @@ class SpecDecoder:
             return
         cfg = self.config
         for r, k in zip(reqs, ks):
-            toks = ngram_propose(np.asarray(r.all_token_ids, np.int64), cfg.prompt_lookup_min,
-                                 cfg.prompt_lookup_max, k)
+            t = np.asarray(r.all_token_ids, np.int64)
+            st = self._states.get(r.request_id) if self.adaptive else None
+            anchor = st.anchor_now(r.num_tokens) if st is not None else None
+            start = ngram_lookup(t, cfg.prompt_lookup_min, cfg.prompt_lookup_max, anchor)
+            if start < 0:
+                continue
+            toks = t[start:start + k]
             toks = toks[:verify_friendly(toks.size)]
+            if st is not None:
+                st.anchor, st.anchor_tokens = start, r.num_tokens
             if toks.size:
                 r.spec_token_ids = toks.tolist()
                 self._proposed.append(r)
+
+    def _state(self, r) -> _DraftState:
+        st = self._states.get(r.request_id)
+        if st is None:
+            st = self._states[r.request_id] = _DraftState(level=min(self.k, START_LEVEL))
+        return st
 
     def clear(self) -> None:
         """After schedule(): the drafts live on in the ScheduledRequests only."""
@@ -354,6 +428,9 @@ class SpecDecoder:
             out[rid] = SpecSampleResult(toks, len(s.spec_token_ids))
         for rid, res in out.items():
             self.stats.record(res.num_drafts, len(res.token_ids) - 1, self.k)
+            st = self._states.get(rid)
+            if st is not None:
+                st.update(res.num_drafts, len(res.token_ids) - 1, self.k)
         return out
 
     def metrics(self) -> dict:

@@ -9,8 +9,8 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.spec_decode import (SpeculativeConfig, SpeculativeConfigError, ngram_propose, rejection_sample,
-                                target_probs)
+from engine.spec_decode import (SpeculativeConfig, SpeculativeConfigError, ngram_lookup, ngram_propose,
+                                rejection_sample, target_probs)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -76,6 +76,68 @@ def test_ngram_matches_brute_force():
         checked += 1
         hits += bool(want)
     assert hits > 100 and checked - hits > 20        # both outcomes exercised
+
+
+def _anchored_ref(tokens, lo, hi, anchor, window):
+    """Brute force: the longest suffix n-gram with an occurrence that is near the anchor (continuation in
+    [anchor, anchor + window): the first such) or, for n >= lo, any (the most recent); -1: none."""
+    L = len(tokens)
+    for n in range(min(hi, L - 1), 0, -1):
+        suffix = tokens[L - n:]
+        starts = [s for s in range(0, L - n) if tokens[s:s + n] == suffix]     # earlier occurrences
+        near = [s + n for s in starts if anchor <= s + n < anchor + window]
+        if near:
+            return near[0]
+        if n >= lo and starts:
+            return starts[-1] + n
+    return -1
+
+
+def test_ngram_anchored_lookup_matches_brute_force():
+    rng = np.random.default_rng(1)
+    near_wins = 0
+    for trial in range(800):
+        L = int(rng.integers(1, 50))
+        toks = rng.integers(0, int(rng.integers(2, 7)), L).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        anchor = int(rng.integers(0, L + 3))
+        window = int(rng.integers(1, 10))
+        got = ngram_lookup(np.array(toks), lo, hi, anchor, window)
+        want = _anchored_ref(toks, lo, hi, anchor, window)
+        assert got == want, (toks, lo, hi, anchor, window)
+        plain = ngram_lookup(np.array(toks), lo, hi)
+        near_wins += got != plain
+    assert near_wins > 100                          # the anchor changed the answer often
+
+
+def test_ngram_reanchors_after_a_corrected_word():
+    """A source 'A B the x D E the y F G' copied with B corrected to Z: after 'A Z the' no 2-gram matches, the
+    plain 1-gram lookup continues from the most recent 'the' (-> 'y F G'), the anchored one from where the copy
+    was (-> 'x D E')."""
+    A, B, THE, X, D, E, Y, F, G, Z = range(10, 20)
+    src = [A, B, THE, X, D, E, THE, Y, F, G]
+    toks = np.array(src + [A, Z, THE])
+    # the last drafts were copied from right after 'A' (position 1) when the tokens ended at that 'A'; the
+    # anchor moved on by one per token emitted since ('Z', 'the')
+    anchor = 1 + 2
+    assert ngram_propose(toks, 2, 4, 3).tolist() == []
+    assert ngram_propose(toks, 1, 4, 3).tolist() == [Y, F, G]
+    assert ngram_propose(toks, 2, 4, 3, anchor=anchor).tolist() == [X, D, E]
+    assert ngram_propose(toks, 2, 4, 3, anchor=anchor + 8).tolist() == []         # out of the window
+
+
+def test_draft_levels_adapt_to_acceptance():
+    from engine.spec_decode import START_LEVEL, _DraftState
+    st = _DraftState(level=min(7, START_LEVEL))
+    seen = [st.level]
+    for drafted, accepted in [(3, 3), (7, 7), (7, 7), (7, 2), (1, 1), (3, 0), (1, 0), (1, 1), (0, 0), (3, 3)]:
+        st.update(drafted, accepted, 7)
+        seen.append(st.level)
+    # all accepted: 2l + 1 up to k; a rejection: back to 1; no drafts (no match): unchanged
+    assert seen == [3, 7, 7, 7, 1, 3, 1, 1, 3, 3, 7]
+    st.update(3, 3, 5)
+    assert st.level == 5                            # capped at num_speculative_tokens
 
 
 # -------------------------------------------------------------------------------- tiny random models
@@ -150,9 +212,12 @@ def test_verified_logits_are_bit_identical_to_decode_logits(tiny_models, arch):
             np.testing.assert_array_equal(log1[key], log0[key], err_msg=str(key))
 
 
-def test_greedy_is_token_identical_with_mixed_requests(tiny_models):
+@pytest.mark.parametrize("adaptive", ["1", "0"])
+def test_greedy_is_token_identical_with_mixed_requests(tiny_models, adaptive, monkeypatch):
     """Spec-eligible and ineligible requests (logprobs, penalties) in one batch, stop strings and
-    stop ids, max_tokens that cut a draft short: token-identical to speculation off."""
+    stop ids, max_tokens that cut a draft short: token-identical to speculation off (adaptive drafting on
+    and off)."""
+    monkeypatch.setenv("JITKERN_SPEC_ADAPTIVE", adaptive)
     path = tiny_models["llama"]
     sps = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
            SamplingParams(max_tokens=33, temperature=0, ignore_eos=True, logprobs=2),
@@ -175,6 +240,44 @@ def test_greedy_is_token_identical_with_mixed_requests(tiny_models):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].text == y.outputs[0].text
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason == "stop"
+
+
+def test_adaptive_draft_counts_follow_acceptance(tiny_models):
+    """With adaptive drafting each request starts at START_LEVEL drafts, and the drafts of its next step are
+    2l + 1 after a step that accepted all of its l drafts and 1 after a rejection (bounded by k and by what the
+    lookup found); with it off every step asks for k. Tokens equal speculation off either way."""
+    from engine.spec_decode import START_LEVEL
+    path = tiny_models["llama"]
+    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, detokenize=False)
+    base, _, _ = _run(path, PROMPTS, sp)
+    k = 7
+    for adaptive in (True, False):
+        with LLM(path, speculative_config={**NGRAM, "num_speculative_tokens": k}, **ENGINE) as llm:
+            spec = llm.engine.spec
+            spec.adaptive = adaptive
+            steps = {}                          # req_id -> [(level asked, drafts, accepted)]
+            orig = spec.verify
+
+            def verify(sched, result, orig=orig, spec=spec):
+                asked = {rid: (spec._states[rid].level if adaptive else k) for rid in result.spec_rows}
+                out = orig(sched, result)
+                for rid, res in out.items():
+                    steps.setdefault(rid, []).append((asked[rid], res.num_drafts, len(res.token_ids) - 1))
+                return out
+            spec.verify = verify
+            outs = llm.generate(PROMPTS, sp)
+        assert [[o.token_ids for o in r.outputs] for r in outs] == base
+        rows = [s for v in steps.values() for s in v]
+        assert len(rows) > 20
+        if not adaptive:
+            assert all(asked == k for asked, _, _ in rows)
+            continue
+        for v in steps.values():
+            assert v[0][0] == min(k, START_LEVEL)
+            for (asked, nd, acc), (nxt, _, _) in zip(v, v[1:]):
+                assert nd <= asked
+                assert nxt == (min(k, 2 * asked + 1) if acc == nd else 1)
+        assert {a for a, _, _ in rows} >= {1, 3, 7}       # every level was visited
 
 
 def test_draft_model_greedy_is_token_identical(tiny_models):
