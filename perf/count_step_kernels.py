@@ -90,10 +90,11 @@ def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=T
     from engine.llm_engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
     maxb = max(batches)
-    eng = LLMEngine(EngineArgs(model=model_path, device=device, num_blocks=64 * maxb + 64, block_size=16,
-                               max_num_seqs=maxb, max_num_batched_tokens=max(512, prompt_len * maxb),
-                               max_model_len=prompt_len + steps + 64, use_graphs=use_graphs,
-                               enable_prefix_caching=False))
+    turns = 2 * rounds if compare else 1
+    max_len = prompt_len + (steps + 8) * turns + 32        # every timed step must still have work to do
+    eng = LLMEngine(EngineArgs(model=model_path, device=device, num_blocks=maxb * (max_len // 16 + 2) + 16,
+                               block_size=16, max_num_seqs=maxb, max_num_batched_tokens=max(512, prompt_len * maxb),
+                               max_model_len=max_len, use_graphs=use_graphs, enable_prefix_caching=False))
     counter = LaunchCounter()
     runner = eng.runner
     model = runner.model
@@ -144,14 +145,18 @@ def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=T
                     extra.subtract(collections.Counter(names))
                     print(f"  note: batch {B} {mode}: graph entries minus eager launches by kernel: "
                           f"{ {k: v for k, v in extra.items() if v} }", flush=True)
-                step_t, exec_times[:] = [], []
+                step_t, fwd_t = [], []
                 for _ in range(steps):
+                    if len(eng._reqs) < B:
+                        raise RuntimeError("a request finished before the timed steps ended (max_model_len)")
+                    n0 = len(exec_times)
                     t0 = time.perf_counter()
                     eng.step()
                     step_t.append(time.perf_counter() - t0)
+                    fwd_t.append(sum(exec_times[n0:]))       # this step's ModelRunner.execute time(s)
                 m = per_mode.setdefault(mode, {"names": names, "nodes": nodes, "step": [], "fwd": []})
                 m["step"] += step_t
-                m["fwd"] += list(exec_times)
+                m["fwd"] += fwd_t
             for rid in ids:
                 eng.abort_request(rid)
             while eng.has_unfinished_requests():
@@ -172,7 +177,8 @@ def measure(model_path, device, batches, steps, prompt_len, seed=0, use_graphs=T
                     "outside_layers": dict(sorted(outside.items(), key=lambda kv: -kv[1])),
                     "engine_steps_per_s": round(1 / med, 2), "forward_steps_per_s": round(1 / fmed, 2),
                     "engine_step_ms_median": round(med * 1e3, 3), "forward_ms_median": round(fmed * 1e3, 3),
-                    "decode_tok_s": round(B / med, 1), "timed_steps": len(m["step"]),
+                    "engine_step_ms_min": round(min(m["step"]) * 1e3, 3), "forward_ms_min": round(min(m["fwd"]) * 1e3, 3),
+                    "decode_tok_s": round(B / med, 1), "timed_steps": len(m["step"]), "timed_forwards": len(m["fwd"]),
                 })
     finally:
         runner.execute = orig_exec
@@ -238,7 +244,8 @@ def main(argv=None) -> int:
             print(f"  batch {B}: launches {u['launches_per_step']} -> {f['launches_per_step']}; median step "
                   f"{u['engine_step_ms_median']} -> {f['engine_step_ms_median']} ms (fused/unfused steps/s "
                   f"{f['engine_steps_per_s'] / u['engine_steps_per_s']:.3f}x; forward alone "
-                  f"{f['forward_steps_per_s'] / u['forward_steps_per_s']:.3f}x)")
+                  f"{f['forward_steps_per_s'] / u['forward_steps_per_s']:.3f}x); fastest step {u['engine_step_ms_min']} -> "
+                  f"{f['engine_step_ms_min']} ms")
     print(json.dumps(res))
     if a.json:
         with open(a.json, "w") as f:
