@@ -875,9 +875,31 @@ def _pow2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
+def _flash_smem(rows: int, D: int, BS: int) -> int:
+    """Bytes of shared memory the GPU lowering stages for the flash kernels' dots on (rows, D) query tiles:
+    the larger of q @ k^T (A as f16 hi + lo rows of D + 8, one K block, the (rows, BS) result) and P @ V."""
+    qk = 2 * rows * (D + 8) * 2 + BS * (D + 8) * 2 + rows * BS * 4
+    pv = 2 * rows * (BS + 8) * 2 + D * (BS + 8) * 2 + rows * D * 4
+    return max(qk, pv)
+
+
+_FLASH_SMEM_LIMIT = 47 * 1024     # under the 48 KiB of static shared memory (NVIDIA), with room for padding
+
+
+def _flash_prefill_rows(G: int, D: int, BS: int) -> int:
+    """Query rows per prefill program on a GPU: FLASH_ROWS (half for D > 128), halved until the staging fits,
+    never fewer than the padded head group."""
+    rows = max(FLASH_ROWS if D <= 128 else FLASH_ROWS // 2, _pow2(G))
+    while rows > _pow2(G) and _flash_smem(rows, D, BS) > _FLASH_SMEM_LIMIT:
+        rows //= 2
+    return rows
+
+
 def _flash_fits(st) -> bool:
-    # the (rows, D) tiles' shared-memory staging must fit 48 KiB; wider groups/heads keep the token kernel
-    return _pow2(st.G) <= 64 and st.dim <= 256 and st.dim % 8 == 0
+    # the tiles' shared-memory staging must fit; wider head groups / heads keep the token kernel
+    GP = _pow2(st.G)
+    return (st.dim % 8 == 0 and _flash_smem(max(16, GP), st.dim, st.bs) <= _FLASH_SMEM_LIMIT
+            and _flash_smem(_flash_prefill_rows(st.G, st.dim, st.bs), st.dim, st.bs) <= _FLASH_SMEM_LIMIT)
 
 
 def _flash_path(target, st) -> bool:
@@ -925,7 +947,7 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
                 MAXP=MAX_PARTITIONS, SINKS=st.use_sinks)
     if max_query_len > 1 or not decode:
         # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
-        rows = int(block_m) * GP if block_m else (16 if not gpu else FLASH_ROWS if D <= 128 else FLASH_ROWS // 2)
+        rows = int(block_m) * GP if block_m else (_flash_prefill_rows(G, D, st.bs) if gpu else 16)
         bm = max(1, rows // GP)
         run(flash_prefill_kernel, (st.T // bm + st.num_seqs, st.kvh),
             (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
