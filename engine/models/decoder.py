@@ -379,7 +379,10 @@ class DecoderLM:
         T = src.shape[0]
         spec = None if (self.layernorm or w is None or not self.fuse_decode) else lin.q8_input(T)
         if spec is None:
-            if first:
+            if first and w is not None and not self.layernorm and self.fuse_decode:
+                from jitkern.ops.norm import rms_norm        # residual = src and its norm: one launch
+                rms_norm(src, w, self.eps, out=x, residual=residual, residual_copy=True, weight_offset=self.norm_offset)
+            elif first:
                 from jitkern.ops.activation import copy
                 copy(src, out=residual)
                 self._norm(residual, w, b, x)

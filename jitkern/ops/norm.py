@@ -20,8 +20,9 @@ from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store
 
 @jk.kernel
 def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
-                    HAS_RES: jk.constexpr, BLOCK: jk.constexpr):
-    """One program per row (grid (R0, R1)): row (p0, p1) starts at base + p0*s0 + p1*s1."""
+                    HAS_RES: jk.constexpr, BLOCK: jk.constexpr, RES_COPY: jk.constexpr = False):
+    """One program per row (grid (R0, R1)): row (p0, p1) starts at base + p0*s0 + p1*s1. HAS_RES: residual += x,
+    the sum normalised; with RES_COPY residual = x instead (a first layer's residual stream)."""
     p0 = jk.program_id(0)
     p1 = jk.program_id(1)
     xb = p0.to(jk.i64) * x_s0 + p1.to(jk.i64) * x_s1
@@ -34,7 +35,8 @@ def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, 
         m = cols < n
         v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
         if HAS_RES:
-            v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+            if not RES_COPY:
+                v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
             jk.store(res + rb + cols, v, mask=m)
             # normalise the sum as stored (rounded to the residual's dtype), as vLLM does
             v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
@@ -145,12 +147,14 @@ def _check_weight(weight, n, what):
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None, *,
-             residual: np.ndarray | None = None, weight_offset: float = 0.0, target=None) -> np.ndarray:
+             residual: np.ndarray | None = None, weight_offset: float = 0.0, residual_copy: bool = False,
+             target=None) -> np.ndarray:
     """RMSNorm over the last axis of `x` [T, N]: y = x / sqrt(mean(x^2) + eps) * (weight + weight_offset).
 
     `weight_offset=1.0` gives Gemma's (1 + w) weights. With `residual` [T, N] given this is vLLM's
     fused_add_rms_norm: residual += x (the sum is written back into `residual`, rounded to its dtype), then
-    the sum is normalised into `out`. `x`, `out` and `residual` may be row-strided views (last axis
+    the sum is normalised into `out`; with `residual_copy` residual = x instead (then normalised as stored: one
+    launch for a first layer's copy + norm). `x`, `out` and `residual` may be row-strided views (last axis
     contiguous); `out` may be `x` itself. Dtypes: float32, float16, uint16 (= bf16) for each array
     independently. Returns `out` (allocated like `x` when not given).
     """
@@ -173,7 +177,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
         rs, rp = 0, fptr(x, "rms_norm: x")
     run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, wp, fptr(out, "rms_norm: out"), os_, 0,
                                   rp, rs, 0, n, float(eps), float(weight_offset)),
-        target, HAS_RES=residual is not None,
+        target, HAS_RES=residual is not None, **({"RES_COPY": True} if residual is not None and residual_copy else {}),
         BLOCK=block_for(n, _MAX_BLOCK, target, has_half(x, weight, out, residual)))
     return out
 

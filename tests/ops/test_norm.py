@@ -189,3 +189,23 @@ def test_rms_norm_q8_bad_arguments_name_the_field():
         rms_norm_q8(x, w, 1e-6, (o8[0], o8[1][:, :1], o8[2]))
     with pytest.raises(ValueError, match="layout"):
         rms_norm_q8(x, w, 1e-6, o8, layout="q8")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_rms_norm_residual_copy_is_copy_then_norm(tier, dtype):
+    """rms_norm(x, residual=r, residual_copy=True): r = x (rounded to r's dtype), out = norm(r), bit for bit as
+    copy + rms_norm (a first layer's residual stream in one launch)."""
+    from jitkern.ops.activation import copy
+    rng = _rng(tier, f"rescopy/{dtype}")
+    T, n = 4, 577
+    x = stored(rng.standard_normal((T, n)) * 2, "f32")
+    w = stored(rng.standard_normal(n), dtype)
+    r1 = stored(rng.standard_normal((T, n)), dtype)
+    r2 = r1.copy()
+    copy(x, out=r1, target=tier)
+    want = rms_norm(r1, w, 1e-5, out=np.empty_like(x), weight_offset=1.0, target=tier)
+    got = rms_norm(x, w, 1e-5, out=np.empty_like(x), residual=r2, residual_copy=True, weight_offset=1.0, target=tier)
+    np.testing.assert_array_equal(r2, r1)
+    np.testing.assert_array_equal(got, want)
+    assert_close(got, rms_norm_ref(as_f64(r1), as_f64(w), 1e-5, 1.0), "f32", "residual_copy",
+                 scale=np.abs(rms_norm_ref(as_f64(r1), np.abs(as_f64(w)) + 1, 1e-5)))
