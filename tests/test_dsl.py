@@ -702,3 +702,82 @@ def test_dot_f32_by_bf16_rows_work_splits(tier, M, N, K, warps):
         x1[3] = x[3]
         _run(_mixed_dot_nt, (1,), tier, x1, jk.as_pointer(w_bits, "bf16"), c1, M=M, N=N, K=K, num_warps=warps)
         np.testing.assert_array_equal(c1[3], c[3])
+
+
+@jk.kernel
+def _k_loop_dot(x, w, c, K, M: jk.constexpr, N: jk.constexpr, BK: jk.constexpr, EPI: jk.constexpr):
+    # acc = dot(x, trans(w), acc) over K steps (on matrix units the accumulator stays in the MMA registers
+    # around the loop); EPI: one more dot after the loop takes the loop's accumulator
+    rm = jk.arange(0, M)
+    rn = jk.arange(0, N)
+    rk = jk.arange(0, BK)
+    acc = jk.zeros((M, N), jk.f32)
+    for k in range(0, K, BK):
+        xv = jk.load(x + rm[:, None] * K + (k + rk)[None, :])
+        wv = jk.load(w + rn[:, None] * K + (k + rk)[None, :])
+        acc = jk.dot(xv, jk.trans(wv), acc)
+    if EPI:
+        xv = jk.load(x + rm[:, None] * K + rk[None, :])
+        wv = jk.load(w + rn[:, None] * K + rk[None, :])
+        acc = jk.dot(xv, jk.trans(wv), acc)
+    jk.store(c + rm[:, None] * N + rn[None, :], acc + 1.0)
+
+
+# (M, N, BK, K, warps): one tile with its K steps split over warps, 2 and 4 tiles per warp, 6 tiles for 4
+# warps (round-robin with a tail: the accumulator goes through shared memory instead)
+@pytest.mark.parametrize("M,N,BK,K,warps", [(16, 8, 32, 128, 4), (16, 64, 64, 192, 4), (64, 32, 32, 64, 4),
+                                            (32, 24, 32, 96, 4)])
+@pytest.mark.parametrize("epi", [False, True])
+def test_dot_accumulator_carried_around_a_k_loop(tier, M, N, BK, K, warps, epi):
+    if not tier.is_gpu and (M, N) != (16, 8):
+        pytest.skip("the larger shapes exercise the GPU lowering's register accumulators; on the CPU tiers "
+                    "their unrolled dots take minutes to compile")
+    rng = np.random.default_rng(M + N + BK + K + warps + epi)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w32 = rng.standard_normal((N, K)).astype(np.float32)
+    w_bits = (w32.view(np.uint32) >> 16).astype(np.uint16)
+    w64 = (w_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    c = np.full((M, N), np.nan, np.float32)
+    _run(_k_loop_dot, (1,), tier, x, jk.as_pointer(w_bits, "bf16"), c, K, M=M, N=N, BK=BK, EPI=epi,
+         num_warps=warps)
+    x64 = x.astype(np.float64)
+    want = x64 @ w64.T + 1.0
+    mag = np.abs(x64) @ np.abs(w64).T + 1.0
+    if epi:
+        want += x64[:, :BK] @ w64[:, :BK].T
+        mag += np.abs(x64[:, :BK]) @ np.abs(w64[:, :BK]).T
+    err = np.abs(c - want)
+    assert np.isfinite(c).all()
+    assert (err <= (2.0 ** -16 + (K + BK + 2) * 2.0 ** -24) * mag).all(), float((err / mag).max())
+
+
+@jk.kernel
+def _nested_dot_acc(x, w1, w2, acc0, c, M: jk.constexpr, N: jk.constexpr, K: jk.constexpr):
+    # dot(x, w2, dot(x, w1, acc)): the inner dot's result is the outer's accumulator (kept in MMA
+    # registers on GPUs) and the inner dot's own acc is a tile value
+    rm = jk.arange(0, M)
+    rn = jk.arange(0, N)
+    rk = jk.arange(0, K)
+    xv = jk.load(x + rm[:, None] * K + rk[None, :])
+    a = jk.load(acc0 + rm[:, None] * N + rn[None, :])
+    w1v = jk.load(w1 + rn[:, None] * K + rk[None, :])
+    w2v = jk.load(w2 + rn[:, None] * K + rk[None, :])
+    jk.store(c + rm[:, None] * N + rn[None, :], jk.dot(xv, jk.trans(w2v), jk.dot(xv, jk.trans(w1v), a)))
+
+
+def test_dot_of_a_dot_with_a_tile_accumulator(tier):
+    rng = np.random.default_rng(77)
+    M, N, K = 16, 32, 32
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    acc0 = rng.standard_normal((M, N)).astype(np.float32)
+    ws, w64 = [], []
+    for _ in range(2):
+        bits = (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        ws.append(jk.as_pointer(bits, "bf16"))
+        w64.append((bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+    c = np.full((M, N), np.nan, np.float32)
+    _run(_nested_dot_acc, (1,), tier, x, ws[0], ws[1], acc0, c, M=M, N=N, K=K)
+    x64 = x.astype(np.float64)
+    want = x64 @ w64[0].T + x64 @ w64[1].T + acc0
+    mag = np.abs(x64) @ (np.abs(w64[0]) + np.abs(w64[1])).T + np.abs(acc0)
+    assert (np.abs(c - want) <= (2.0 ** -16 + (2 * K + 2) * 2.0 ** -24) * mag).all()

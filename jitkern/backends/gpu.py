@@ -36,7 +36,7 @@ import math
 
 from .. import ir
 from ..language import CompilationError
-from .emitter import LV, PT, LlvmEmitter, _prod, elem_ty, vty
+from .emitter import LV, PT, Aff, LlvmEmitter, _prod, elem_ty, vty
 
 _ES = {"float": 4, "double": 8, "half": 2, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
 
@@ -135,6 +135,17 @@ class GpuHooks:
     def smem_load(self, low, et: str, off: int, idx):
         """Loads shared elements at indices idx (an LV) of the region at byte offset off, or None."""
         return None
+
+
+class MmaAcc:
+    """A dot's f32 accumulator left in the MMA units' registers (no shared-memory round trip): `regs` per
+    warp-unit, part (hi/lo) and C register, in the layout `key` (GpuLowering._mma_geometry). Passed as the
+    acc of the next dot of the same layout or around a loop; turned into a tile value where anything else
+    uses it (GpuLowering._materialise)."""
+    __slots__ = ("key", "regs", "plan")
+
+    def __init__(self, key, regs, plan):
+        self.key, self.regs, self.plan = key, regs, plan
 
 
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
@@ -371,6 +382,12 @@ class GpuLowering(LlvmEmitter):
             for o in op.operands:
                 if o is not None:
                     self.uses[o.id] = self.uses.get(o.id, 0) + 1
+        self.users = {}             # value id -> [(op, operand index)], yields included
+        for op in _ops_of(fn.body):
+            for i, o in enumerate(op.operands):
+                if o is not None:
+                    self.users.setdefault(o.id, []).append((op, i))
+        self._frag_yields = {}      # (id(yield op), slot) -> accumulator layout carried in registers
         self.lazy = set()           # values lowered by the dot that consumes them (see _mma_plan)
         self.mma_plans = {}
         if h.mma_shape:
@@ -820,10 +837,118 @@ class GpuLowering(LlvmEmitter):
         before = (self.pending_write, self.pending_read)
         self.pending_write |= stores
         self.pending_read |= loads
-        res = super().op_for(op)
+        slots = self._frag_slots(op)
+        res = self._for_with_frags(op, slots) if slots else super().op_for(op)
         self.pending_write |= stores or before[0]
         self.pending_read |= loads or before[1]
         return res
+
+    def _frag_slots(self, op) -> dict:
+        """Loop-carried slots whose value can stay in MMA registers: initialised to zero, used in the body
+        only as the acc of one planned dot whose result is only yielded back to the same slot (the
+        `acc = dot(a, b, acc)` of a K loop). slot -> (layout key, plan)."""
+        if not self.hooks.mma_shape:
+            return {}
+        body = op.regions[0]
+        yop = body.ops[-1] if body.ops and body.ops[-1].name == "yield" else None
+        if yop is None:
+            return {}
+        slots = {}
+        for j, arg in enumerate(body.args[1:]):
+            us = self.users.get(arg.id, [])
+            if len(us) != 1:
+                continue
+            u, idx = us[0]
+            if u.name != "dot" or idx != 2 or id(u) not in self.mma_plans:
+                continue
+            plan = self.mma_plans[id(u)]
+            key = self._mma_geometry(plan)["key"]
+            y = yop.operands[j]
+            yu = self.users.get(y.id, [])
+            if key is None or y.id != u.results[0].id or len(yu) != 1 or yu[0][0] is not yop:
+                continue
+            d = self.defs.get(op.operands[3 + j].id)
+            if d is None or d.name != "const" or float(d.attrs["value"]) != 0.0:
+                continue
+            slots[j] = (key, plan)
+            self._frag_yields[(id(yop), j)] = key
+        return slots
+
+    def _for_with_frags(self, op, slots):
+        """The counted loop of LlvmEmitter.op_for with the `slots` carried as MMA registers (one phi per
+        register, starting at 0.0); afterwards each stays in registers if only dots of its layout use it,
+        else it becomes a tile value at the loop's exit."""
+        lb, ub, step = (self.get(o) for o in op.operands[:3])
+        inits = [self.get(o) for o in op.operands[3:]]
+        body = op.regions[0]
+        hdr, bb, ex = self.label("for_hdr"), self.label("for_body"), self.label("for_exit")
+        inits_r = [self._phi_repr(v) for v in inits]
+        nregs = {}
+        for j, (key, plan) in slots.items():       # (before the header: mma_layout may emit lane math)
+            g = self._mma_geometry(plan)
+            lay = self.hooks.mma_layout(_LaneExpr(self, self.tid), "bf16" if plan["kind"] == ir.bf16 else "f16")
+            nregs[j] = g["per_warp"] * g["nparts"] * len(lay["c"])
+        pred = self.block
+        self.emit(f"br label %{hdr}")
+        self.start_block(hdr)
+        it = lb.et
+        iv = self.tmp("iv")
+        phi_idx = len(self.lines)
+        self.lines.append(None)
+        carried = []
+        for j, r in enumerate(inits_r):
+            if j in slots:
+                key, plan = slots[j]
+                phs = [self.tmp("f") for _ in range(nregs[j])]
+                self.lines.extend([None] * nregs[j])
+                carried.append(("frag", phs, key, plan))
+            else:
+                ph = self.tmp("c")
+                self.lines.append(None)
+                carried.append(("lv", ph, r))
+        cond = self.val(f"icmp slt {it} {iv}, {ub.ref}", "i1", 0)
+        self.emit(f"br i1 {cond.ref}, label %{bb}, label %{ex}")
+        self.start_block(bb)
+        self.vals[body.args[0].id] = LV(iv, it, 0, (), Aff(iv, ()))
+        for arg, v, c in zip(body.args[1:], inits, carried):
+            if c[0] == "frag":
+                self.vals[arg.id] = MmaAcc(c[2], c[1], c[3])
+            else:
+                self.vals[arg.id] = self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape))
+        ys = self.lower_block(body)
+        ys_r = []
+        for j, (y, v) in enumerate(zip(ys, inits)):
+            if j in slots:
+                if not isinstance(y, MmaAcc) or y.key != slots[j][0]:
+                    raise CompilationError("internal lowering error: a register accumulator left its layout",
+                                           op.loc)
+                ys_r.append(y)
+                continue
+            if isinstance(v, PT) and (not isinstance(y, PT) or y.base != v.base):
+                raise CompilationError("a loop-carried pointer tile must keep its base pointer", op.loc)
+            ys_r.append(self._phi_repr(y))
+        nxt = self.val(f"add {it} {iv}, {step.ref}", it, 0)
+        latch = self.block
+        self.emit(f"br label %{hdr}")
+        self.lines[phi_idx] = f"  {iv} = phi {it} [ {lb.ref}, %{pred} ], [ {nxt.ref}, %{latch} ]"
+        k = phi_idx + 1
+        for c, y in zip(carried, ys_r):
+            if c[0] == "frag":
+                for ph, yr in zip(c[1], y.regs):
+                    self.lines[k] = f"  {ph} = phi float [ 0.0, %{pred} ], [ {yr}, %{latch} ]"
+                    k += 1
+            else:
+                self.lines[k] = f"  {c[1]} = phi {c[2].ty} [ {c[2].ref}, %{pred} ], [ {y.ref}, %{latch} ]"
+                k += 1
+        self.start_block(ex)
+        out = []
+        for j, (v, c) in enumerate(zip(inits, carried)):
+            if c[0] == "frag":
+                acc = MmaAcc(c[2], c[1], c[3])
+                out.append(acc if self._keep_frag(op.results[j], c[2], to_dots=True) else self._materialise(acc))
+            else:
+                out.append(self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape)))
+        return out
 
     def _branch_state(self):
         return (self.pending_write, self.pending_read)
@@ -1121,12 +1246,12 @@ class GpuLowering(LlvmEmitter):
     def _dot_mma_plan(self, op, plan) -> LV:
         """(m, k) x (k, n) -> f32 on the matrix units: operands staged in shared memory as padded rows along
         k (A as (m, k), B as (n, k)), each warp taking 16x8 output tiles round-robin and running the K loop
-        as m16n8k16 MMAs whose fragments are single 32-bit loads (k pairs are adjacent), results written to
-        shared memory and read back in the tile layout, then `acc` added. Per output element the K steps
-        and the hi/lo order are the same whatever m is, so results stay batch invariant."""
-        MS, NS, KS = self.hooks.mma_shape
+        as m16n8k16 MMAs whose fragments are single 32-bit loads (k pairs are adjacent), hi and lo parts in
+        separate accumulators; results written to shared memory and read back in the tile layout, then `acc`
+        added, unless the result is a K loop's carried accumulator: then it stays in the MMA registers
+        (MmaAcc, see op_for) and the next step's MMAs start from it. Per output element the K steps and the
+        hi/lo order are the same whatever m is, so results stay batch invariant."""
         m, n, k, d16 = plan["m"], plan["n"], plan["k"], plan["kind"]
-        kind = "bf16" if d16 == ir.bf16 else "f16"
         oshape = (m, n)
         R = self.lanes(oshape)
         a = self.get(plan["a"])
@@ -1160,18 +1285,103 @@ class GpuLowering(LlvmEmitter):
         off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                                    (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
         offc = off
-        ntiles = (m // MS) * (n // NS)
-        ksteps = k // KS
-        # Warps beyond the output tiles split the K steps (decode tiles, 16 x BN, have few tiles): slice s of
-        # ksplit takes a contiguous run of K steps into its own C region, and the read-back sums the regions
-        # in slice order. ksplit depends on the tile shape only, never on how many rows are real: batch
-        # invariant.
-        ksplit = 1
-        while ntiles * ksplit * 2 <= self.num_warps and ksteps % (ksplit * 2) == 0:
-            ksplit *= 2
-        csize = m * n * 4
-        self._claim(offc, csize * ksplit)
+        g = self._mma_geometry(plan)
+        self._claim(offc, g["csize"])
         self.barrier()
+        ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
+        acc_op = op.operands[2] if len(op.operands) > 2 and op.operands[2] is not None else None
+        acc_val = self.vals.get(acc_op.id) if acc_op is not None else None
+        frag_in = None
+        if isinstance(acc_val, MmaAcc):
+            if acc_val.key == g["key"]:
+                frag_in = acc_val
+            else:
+                self.vals[acc_op.id] = acc_val = self._materialise(acc_val)
+        if g["fused"]:
+            # every warp has per_warp units: one K loop for all of them, no branches
+            us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
+                  for i in range(g["per_warp"])]
+            regs = ctx.run_units(us, frag_in.regs if frag_in is not None else None)
+            if (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"]):
+                # the accumulator stays in the MMA registers (a loop-carried acc, or the acc of the next dot);
+                # a tile-valued acc operand is added after the read-back below instead
+                return MmaAcc(g["key"], regs, plan)
+            ctx.store_units(us, regs, offc)
+        else:
+            for i in range(g["per_warp"]):
+                q = self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0)
+                yes, done = self.label("mma_tile"), self.label("mma_done")
+                ok = self.val(f"icmp ult i32 {q.ref}, {g['units']}", "i1", 0)
+                self.emit(f"br i1 {ok.ref}, label %{yes}, label %{done}")   # warp-uniform: no barrier inside
+                self.start_block(yes)
+                u = ctx.setup(q.ref)
+                ctx.store_units([u], ctx.run_units([u], None), offc)
+                self.emit(f"br label %{done}")
+                self.start_block(done)
+        self.barrier()
+        out = ctx.read_back(offc)
+        if acc_op is not None and frag_in is None:
+            init = acc_val if acc_val.n else self.splat(acc_val, R, oshape)
+            init = self._to_acc(init, acc_op.type.elem, ir.f32)
+            out = self.val(f"fadd {out.ty} {out.ref}, {init.ref}", "float", R, oshape)
+        return out
+
+    def _mma_geometry(self, plan) -> dict:
+        """How a planned dot's 16x8 output tiles are dealt to warps (round-robin; each runs all K steps, so
+        an element's sum order is the same for every tile shape: kernels such as decode vs prefill attention
+        rely on equal bits from two shapes; splitting K over idle warps was tried and broke that). `key`
+        (fused layouts only: every warp has per_warp units) names the accumulator register layout two dots
+        must share to pass an accumulator in registers."""
+        MS, NS, KS = self.hooks.mma_shape
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        units = (m // MS) * (n // NS)
+        nparts = 2 if plan["split"] else 1
+        fused = units % self.num_warps == 0
+        return dict(m=m, n=n, ksteps=k // KS, units=units, nparts=nparts,
+                    per_warp=-(-units // self.num_warps), fused=fused, csize=m * n * 4,
+                    key=(m, n, nparts, self.num_warps) if fused else None)
+
+    def _keep_frag(self, v, key, to_dots=False) -> bool:
+        """Whether every use of v takes an MMA accumulator in registers of layout `key`: the yield of a loop
+        slot carried in registers, or (to_dots: for a loop's result) the acc operand of a planned dot of the
+        same layout. A dot's result handed straight to another dot stays a tile value: kernels that must
+        give the same bits with two tile shapes (decode vs prefill attention, whose layouts may differ in
+        being fused) then add accumulators the same way whatever the layout."""
+        users = self.users.get(v.id, [])
+        if key is None or not users:
+            return False
+        for u, idx in users:
+            if to_dots and u.name == "dot" and idx == 2 and id(u) in self.mma_plans \
+                    and self._mma_geometry(self.mma_plans[id(u)])["key"] == key:
+                continue
+            if self._frag_yields.get((id(u), idx)) == key:
+                continue
+            return False
+        return True
+
+    def _materialise(self, acc: "MmaAcc") -> LV:
+        """An accumulator held in MMA registers as the tile layout's value (through shared memory)."""
+        plan = acc.plan
+        g = self._mma_geometry(plan)
+        ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)
+        self.barrier()
+        self._claim(0, g["csize"])
+        us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
+              for i in range(g["per_warp"])]
+        ctx.store_units(us, acc.regs, 0)
+        self.barrier()
+        return ctx.read_back(0)
+
+    def _mma_ctx(self, plan, g, KP, offs_a, offb):
+        """The per-warp pieces of a dot on the matrix units (see _dot_mma_plan): unit setup, the K loop,
+        the C stores and the read-back, as closures over this lowering."""
+        low = self
+        MS, NS, KS = self.hooks.mma_shape
+        m, n = plan["m"], plan["n"]
+        kind = "bf16" if plan["kind"] == ir.bf16 else "f16"
+        ksteps = g["ksteps"]
+        nparts = g["nparts"]
+        oshape = (m, n)
         a3 = self.hooks.smem_as
         ws = self.target.warp_size
         warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0)
@@ -1183,25 +1393,22 @@ class GpuLowering(LlvmEmitter):
         a_rows, a_ks = coords(lay["a"])
         b_cols, b_ks = coords(lay["b"])
         c_rows, c_cols = coords(lay["c"])
-        units = ntiles * ksplit
-        per_warp = -(-units // self.num_warps)
-        base_c = self.smem_ptr(offc)
         nc = len(c_rows)
 
         def add(x, y):
-            return self.val(f"add i32 {x}, {y}", "i32", 0).ref
+            return low.val(f"add i32 {x}, {y}", "i32", 0).ref
 
         def mul(x, c):
-            return self.val(f"mul i32 {x}, {c}", "i32", 0).ref
+            return low.val(f"mul i32 {x}, {c}", "i32", 0).ref
 
         def ld(byte_off_region, elem_idx, ty, elems):
             eb = add(mul(elem_idx, 2), byte_off_region)
-            p = self.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0)
-            return self.val(f"load {ty}, ptr addrspace({a3}) {p.ref}, align {min(16, 2 * elems)}", ty, 0).ref
+            p = low.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0)
+            return low.val(f"load {ty}, ptr addrspace({a3}) {p.ref}, align {min(16, 2 * elems)}", ty, 0).ref
 
-        def bases(coords, origin, cache):
+        def bases(crds, origin, cache):
             """tile origin + each distinct symbolic part (one add each; constants are added per register)."""
-            for ref, _ in coords:
+            for ref, _ in crds:
                 if ref not in cache:
                     cache[ref] = origin() if ref is None else add(origin(), ref)
             return cache
@@ -1209,40 +1416,45 @@ class GpuLowering(LlvmEmitter):
         def plus(base, c):
             return add(base, c) if c else base
 
+        class Ctx:
+            pass
+        ctx = Ctx()
+        ctx.warp = warp.ref
+
         def setup(u):
-            """Tile origin, K-slice start and fragment row offsets of work unit u (an i32 ref)."""
-            q = self.val(f"urem i32 {u}, {ntiles}", "i32", 0).ref if ksplit > 1 else u
-            s = self.val(f"udiv i32 {u}, {ntiles}", "i32", 0).ref if ksplit > 1 else None
+            """Tile origin and fragment row offsets of work unit (= tile) q (an i32 ref)."""
+            q = u
             # one row of tiles (decode: BM = 16): the row origin is the constant 0, so every unit's A
             # fragments are the same loads (shared in the K loop below)
-            mi = LV("0", "i32", 0) if m == MS else self.val(f"udiv i32 {q}, {n // NS}", "i32", 0)
-            ni = self.val(f"urem i32 {q}, {n // NS}", "i32", 0)
+            mi = LV("0", "i32", 0) if m == MS else low.val(f"udiv i32 {q}, {n // NS}", "i32", 0)
+            ni = low.val(f"urem i32 {q}, {n // NS}", "i32", 0)
             rows, cols = {}, {}                             # tile row / column bases per symbolic part
             bases(a_rows, lambda: mul(mi.ref, MS), rows)
             bases(b_cols, lambda: mul(ni.ref, NS), cols)
             bases(c_cols, lambda: mul(ni.ref, NS), cols)
             bases(c_rows, lambda: mul(mi.ref, MS), rows)
             roff = {}                                       # element offset of each register's row (x KP)
-            for (ref, c) in a_rows:
-                if ("a", ref, c) not in roff:
-                    roff[("a", ref, c)] = mul(plus(rows[ref], c), KP)
-            for (ref, c) in b_cols:
-                if ("b", ref, c) not in roff:
-                    roff[("b", ref, c)] = mul(plus(cols[ref], c), KP)
-            k0 = mul(s, ksteps // ksplit) if s is not None else None
-            return dict(rows=rows, cols=cols, roff=roff, s=s, k0=k0)
+            if offs_a is not None:
+                for (ref, c) in a_rows:
+                    if ("a", ref, c) not in roff:
+                        roff[("a", ref, c)] = mul(plus(rows[ref], c), KP)
+                for (ref, c) in b_cols:
+                    if ("b", ref, c) not in roff:
+                        roff[("b", ref, c)] = mul(plus(cols[ref], c), KP)
+            return dict(rows=rows, cols=cols, roff=roff)
 
-        def run_units(us):
+        def run_units(us, init):
             """One K loop for the units `us` together: hi and lo parts (and the units) accumulate into
-            separate registers, so a warp has independent MMA chains in flight rather than one serial chain;
-            per register the sum is (hi + lo) at the end, the same order for every tile."""
-            zero = LV("0.0", "float", 0)
+            separate registers, so a warp has independent MMA chains in flight rather than one serial chain.
+            Registers: [unit][part][c register], from `init` (the same layout) or zero."""
+            start = [LV(r, "float", 0) for r in init] if init is not None else \
+                [LV("0.0", "float", 0)] * (nc * nparts * len(us))
 
             def kstep(iv, cur):
                 out = []
                 shared_a = {}        # part -> A fragments, when every unit reads the same ones
                 for ui, u in enumerate(us):
-                    it = add(u["k0"], iv) if u["k0"] is not None else iv
+                    it = iv
                     kb = {}
                     for ref, _ in b_ks + a_ks:              # k of each register: step * KS + its lane part
                         if ref not in kb:
@@ -1250,54 +1462,37 @@ class GpuLowering(LlvmEmitter):
                     regs_b = [ld(offb, add(u["roff"][("b",) + bc], plus(kb[kr], kc)), lay["b_ty"],
                                  lay["b_elems"]) for bc, (kr, kc) in zip(b_cols, b_ks)]
                     for pi, pa in enumerate(offs_a):
-                        if m == MS and ksplit == 1 and pi in shared_a:
+                        if m == MS and pi in shared_a:
                             regs_a = shared_a[pi]
                         else:
                             regs_a = [ld(pa, add(u["roff"][("a",) + ar], plus(kb[kr], kc)), lay["a_ty"],
                                          lay["a_elems"]) for ar, (kr, kc) in zip(a_rows, a_ks)]
                             shared_a[pi] = regs_a
-                        base = (ui * len(offs_a) + pi) * nc
-                        out += self.hooks.mma(self, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
+                        base = (ui * nparts + pi) * nc
+                        out += low.hooks.mma(low, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
                 return [LV(o, "float", 0) for o in out]
-            acc = self.emit_loop(ksteps // ksplit, [zero] * (nc * len(offs_a) * len(us)), kstep)
+            return [r.ref for r in low.emit_loop(ksteps, start, kstep)]
+
+        def store_units(us, regs, offc):
+            """Per register the parts summed in order (hi + lo), stored at its tile element."""
+            base_c = low.smem_ptr(offc)
             for ui, u in enumerate(us):
                 for j, ((rr, rc), (cr, cc)) in enumerate(zip(c_rows, c_cols)):
-                    base = ui * len(offs_a) * nc
-                    v = acc[base + j].ref
-                    for pi in range(1, len(offs_a)):
-                        v = self.val(f"fadd float {v}, {acc[base + pi * nc + j].ref}", "float", 0).ref
+                    base = ui * nparts * nc
+                    v = regs[base + j]
+                    for pi in range(1, nparts):
+                        v = low.val(f"fadd float {v}, {regs[base + pi * nc + j]}", "float", 0).ref
                     e = add(mul(add(u["rows"][rr], rc), n), add(u["cols"][cr], cc))
-                    if u["s"] is not None:
-                        e = add(e, mul(u["s"], m * n))
-                    ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e}", "ptr", 0)
-                    self.emit(f"store float {v}, ptr addrspace({a3}) {ptr.ref}, align 4")
+                    ptr = low.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e}", "ptr", 0)
+                    low.emit(f"store float {v}, ptr addrspace({a3}) {ptr.ref}, align 4")
 
-        if units % self.num_warps == 0:
-            # every warp has per_warp units: one K loop for all of them, no branches
-            run_units([setup(self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0).ref)
-                       for i in range(per_warp)])
-        else:
-            for i in range(per_warp):
-                q = self.val(f"add i32 {warp.ref}, {i * self.num_warps}", "i32", 0)
-                yes, done = self.label("mma_tile"), self.label("mma_done")
-                ok = self.val(f"icmp ult i32 {q.ref}, {units}", "i1", 0)
-                self.emit(f"br i1 {ok.ref}, label %{yes}, label %{done}")   # warp-uniform: no barrier inside
-                self.start_block(yes)
-                run_units([setup(q.ref)])
-                self.emit(f"br label %{done}")
-                self.start_block(done)
-        self.barrier()
-        idx = self.umin(self.flat_index(oshape), m * n - 1)
-        out = self.smem_read("float", offc, idx, oshape)
-        for s_ in range(1, ksplit):
-            part = self.smem_read("float", offc + s_ * csize, idx, oshape)
-            out = self.val(f"fadd {out.ty} {out.ref}, {part.ref}", "float", R, oshape)
-        if len(op.operands) > 2 and op.operands[2] is not None:
-            acc_in = self.get(op.operands[2])
-            init = acc_in if acc_in.n else self.splat(acc_in, R, oshape)
-            init = self._to_acc(init, op.operands[2].type.elem, ir.f32)
-            out = self.val(f"fadd {out.ty} {out.ref}, {init.ref}", "float", R, oshape)
-        return out
+        def read_back(offc):
+            """The tile layout's values."""
+            idx = low.umin(low.flat_index(oshape), m * n - 1)
+            return low.smem_read("float", offc, idx, oshape)
+
+        ctx.setup, ctx.run_units, ctx.store_units, ctx.read_back = setup, run_units, store_units, read_back
+        return ctx
 
     def _int_products(self, a_et_signed: bool, av: LV, bv: LV, b_signed=True, wide="i32") -> LV:
         wa = self.val(f"{'sext' if a_et_signed else 'zext'} {av.ty} {av.ref} to {vty(wide, av.n)}", wide, av.n)
