@@ -137,8 +137,8 @@ def start_servers(args) -> dict:
             [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(p2), "--parallel",
              str(args.num_prompts), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
              "--no-webui", "--log-disable"], stdout=subprocess.DEVNULL), f"http://127.0.0.1:{p2}/v1")
-        for name, (proc, url) in procs.items():
-            _wait_ready(proc, url + "/models", name, args.start_timeout)
+        for name, (proc, url) in procs.items():     # /health: 200 once the model is loaded (503 before)
+            _wait_ready(proc, url[:-len("/v1")] + "/health", name, args.start_timeout)
     except BaseException:
         stop_servers(procs)
         raise
