@@ -51,6 +51,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--host-only", action="store_true",
+                    help="replace the decode graph's replay by nothing and time --steps engine steps (thread CPU and "
+                         "wall): the host-side cost per step (tokens are then picked from stale logits)")
     args = ap.parse_args(argv)
     labels = _names()             # before the engine compiles anything
     from engine.llm_engine import EngineArgs, LLMEngine
@@ -66,6 +69,17 @@ def main(argv=None):
     for _ in range(8):
         eng.step()
     runner = eng.runner
+    if args.host_only:
+        g = runner._graphs[C][0]
+        g.replay = lambda: None
+        t, w = time.thread_time(), time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        print(f"load average {os.getloadavg()[0]:.2f}; {C} sequences; host side per decode step (graph replay "
+              f"stubbed): {1e3 * (time.thread_time() - t) / args.steps:.3f} ms thread CPU, "
+              f"{1e3 * (time.perf_counter() - w) / args.steps:.3f} ms wall")
+        eng.close()
+        return
     sched_t, exec_t, total_t = [], [], []
     orig_sched, orig_exec = eng.scheduler.schedule, runner.execute
 
