@@ -325,3 +325,52 @@ def test_isolate_fresh_compile_uses_a_worker_of_its_own():
     out = isolate.compile_llvm_ir(ir_text, triple=vk.triple, cpu="", features="", opt=0, emit=("obj",), fresh=True)
     assert out["obj"][:4] == struct.pack("<I", 0x07230203)
     assert set(isolate.worker_pids()) == before           # the pool is untouched
+
+
+_TIMEOUT_SCRIPT = r'''
+import numpy as np, jitkern as jk
+from jitkern.runtime import vulkan
+from jitkern.runtime.vulkan import VulkanError
+
+@jk.kernel
+def spin(x, out, n):
+    acc = jk.zeros((64,), jk.f32)
+    for i in range(0, n):
+        acc = acc * 0.999 + jk.load(x + jk.arange(0, 64))
+    jk.store(out + jk.arange(0, 64), acc)
+
+x = vulkan.from_numpy(np.ones(64, np.float32))
+out = vulkan.zeros(64, np.float32)
+spin[(1,)](x, out, 1)                               # compiled and run within the generous default
+import os
+os.environ["JITKERN_VULKAN_TIMEOUT"] = "0.000001"
+try:
+    spin[(256,)](x, out, 200000)
+    print("NO TIMEOUT")
+except VulkanError as e:
+    print("TIMEOUT", "did not finish" in str(e))
+try:
+    spin[(1,)](x, out, 1)
+    print("RAN AGAIN")
+except VulkanError as e:
+    print("REFUSED", "unusable" in str(e))
+del x, out                                           # frees while the dispatch may still run: no crash
+import gc; gc.collect()
+print("CLEAN EXIT")
+'''
+
+
+@needs_vulkan
+def test_a_dispatch_timeout_fails_closed(tmp_path):
+    """A dispatch that does not finish within JITKERN_VULKAN_TIMEOUT makes the device refuse later launches with
+    a clear error, and frees of buffers it may still use are skipped: before, the next test's launch or the
+    staged launch's frees crashed lavapipe (segfault) after a timeout on a loaded host."""
+    script = tmp_path / "timeout.py"
+    script.write_text(_TIMEOUT_SCRIPT)
+    env = dict(os.environ, JITKERN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("JITKERN_VULKAN_TIMEOUT", None)
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    lines = r.stdout.split("\n")
+    assert "TIMEOUT True" in lines and "REFUSED True" in lines and "CLEAN EXIT" in lines, r.stdout

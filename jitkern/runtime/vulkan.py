@@ -102,6 +102,10 @@ class VulkanDevice:
             pick = next((c for c in cands if c[1].deviceType == v.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU), cands[0])
         self.physical, props = pick
         self.name = _name_of(props)
+        # a CPU implementation (lavapipe) runs dispatches on the host's cores: on a loaded host a heavy one can
+        # take minutes, so its default dispatch timeout is longer
+        self.is_cpu = props.deviceType == v.VK_PHYSICAL_DEVICE_TYPE_CPU
+        self.broken = None              # why the device may not be used any more (a dispatch that did not finish)
         lim = props.limits
         self.max_groups = tuple(int(lim.maxComputeWorkGroupCount[i]) for i in range(3))
         self.max_threads = int(lim.maxComputeWorkGroupInvocations)
@@ -214,6 +218,10 @@ class VulkanDevice:
                 if a is None:
                     return
                 self._bases.remove(ptr)
+                if self.broken is not None:
+                    # a dispatch that never finished may still use it: freeing it under the driver crashes
+                    # lavapipe (segfault); the memory is left mapped for the life of the process
+                    return
                 a.host = None
                 v.vkUnmapMemory(self.device, a.memory)
                 v.vkDestroyBuffer(self.device, a.buffer, None)
@@ -337,13 +345,21 @@ class VulkanDevice:
                   for b, bi in binfos]
         v.vkUpdateDescriptorSets(self.device, len(writes), writes, 0, None)
 
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise VulkanError(f"{self.name} is unusable in this process: {self.broken}")
+
     def _submit_wait(self, cb, what: str) -> None:
         v = vk()
+        self.check_usable()
         v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(commandBufferCount=1, pCommandBuffers=[cb])], self.fence)
-        limit = float(os.environ.get("JITKERN_VULKAN_TIMEOUT", "120"))
+        limit = float(os.environ.get("JITKERN_VULKAN_TIMEOUT", "600" if self.is_cpu else "120"))
         try:
             v.vkWaitForFences(self.device, 1, [self.fence], v.VK_TRUE, int(limit * 1e9))
         except v.VkTimeout:
+            # the command buffer may still be running: no later submit, re-recording or free may touch what it
+            # uses (each crashed lavapipe), so the device fails closed from here on
+            self.broken = f"{what} did not finish within {limit:g} s (JITKERN_VULKAN_TIMEOUT)"
             raise VulkanError(f"{what} on {self.name} did not finish within {limit:g} s "
                               f"(JITKERN_VULKAN_TIMEOUT); the device is unusable now") from None
         v.vkResetFences(self.device, 1, [self.fence])
@@ -351,6 +367,7 @@ class VulkanDevice:
     def launch(self, p: _Pipeline, grid, values) -> None:
         """One dispatch of `grid` workgroups with run-time argument `values` (DeviceArrays, ints, floats)."""
         v = vk()
+        self.check_usable()
         g, slots, infos = self._resolve(p, grid, values)
         with self.lock:
             if self._slots is None or self.allocs.get(self._slots) is None or \
@@ -441,6 +458,7 @@ class VulkanGraph:
     def replay(self) -> None:
         if not self.items:
             return
+        self.device.check_usable()
         if self.cmd is None:
             self._build()
         with self.device.lock:
@@ -450,6 +468,8 @@ class VulkanGraph:
         try:
             v = vk()
             dev = self.device
+            if dev.broken is not None:
+                return                  # see VulkanDevice._submit_wait: nothing it may use is freed
             if self.cmd is not None:
                 v.vkFreeCommandBuffers(dev.device, dev.cmd_pool, 1, [self.cmd])
             if self.pool is not None:
