@@ -544,41 +544,43 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
     b0 = start_blk + part * per
     b1 = jk.where(mine, jk.minimum(b0 + per, start_blk + nb), b0)
 
-    g = jk.arange(0, R)
-    d = jk.arange(0, D)
-    n = jk.arange(0, BS)
-    gm = (g < G) & mine
-    tok = jk.maximum(q0, 0).to(jk.i64)
-    qt = jk.load(q + tok * q_ts + (kvh * G + g[:, None]) * q_hs + d[None, :], mask=gm[:, None], other=0.0)
-    kv_off = n[:, None] * (KVH * D) + d[None, :]
-    bt_row = block_table + seq.to(jk.i64) * bt_stride
-    m = jk.full((R,), NEG, jk.f32)
-    l = jk.zeros((R,), jk.f32)
-    acc = jk.zeros((R, D), jk.f32)
-    if PIPE:
-        # software pipelining: block b + 1's K/V loads are issued before block b's step runs (the last step
-        # reloads its own block), so they are in flight during its dots and barriers
-        kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b0, kv_off, kvh, b0 < b1, KVH, D, BS)
-    for b in range(b0, b1):
+    # programs past the sequence's partitions (most of the grid at short contexts) exit at once
+    if mine:
+        g = jk.arange(0, R)
+        d = jk.arange(0, D)
+        n = jk.arange(0, BS)
+        gm = (g < G) & mine
+        tok = jk.maximum(q0, 0).to(jk.i64)
+        qt = jk.load(q + tok * q_ts + (kvh * G + g[:, None]) * q_hs + d[None, :], mask=gm[:, None], other=0.0)
+        kv_off = n[:, None] * (KVH * D) + d[None, :]
+        bt_row = block_table + seq.to(jk.i64) * bt_stride
+        m = jk.full((R,), NEG, jk.f32)
+        l = jk.zeros((R,), jk.f32)
+        acc = jk.zeros((R, D), jk.f32)
         if PIPE:
-            kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b1 - 1), kv_off, kvh, True, KVH, D, BS)
-        else:
-            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
-        pos = b * BS + n
-        valid = ((pos < seq_len) & (pos >= lo))[None, :]
-        m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
-        if PIPE:
-            kt = kn
-            vt = vn
-    single = parts == 1
-    M, L, ACC = _flash_fold(jk.full((R,), NEG, jk.f32), jk.zeros((R,), jk.f32), jk.zeros((R, D), jk.f32), m, l, acc)
-    o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=g < G, other=0.0) if SINKS else 0.0, SINKS)
-    jk.store(out + tok * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o, mask=(gm & single)[:, None])
-    rows = ((seq * KVH + kvh) * NUM_PARTS + part).to(jk.i64) * G + g
-    keep = gm & (parts > 1)
-    jk.store(ws_m + rows, m, mask=keep)
-    jk.store(ws_l + rows, l, mask=keep)
-    jk.store(ws_acc + rows[:, None] * D + d[None, :], acc, mask=keep[:, None])
+            # software pipelining: block b + 1's K/V loads are issued before block b's step runs (the last step
+            # reloads its own block), so they are in flight during its dots and barriers
+            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b0, kv_off, kvh, b0 < b1, KVH, D, BS)
+        for b in range(b0, b1):
+            if PIPE:
+                kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b1 - 1), kv_off, kvh, True, KVH, D, BS)
+            else:
+                kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
+            pos = b * BS + n
+            valid = ((pos < seq_len) & (pos >= lo))[None, :]
+            m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+            if PIPE:
+                kt = kn
+                vt = vn
+        single = parts == 1
+        M, L, ACC = _flash_fold(jk.full((R,), NEG, jk.f32), jk.zeros((R,), jk.f32), jk.zeros((R, D), jk.f32), m, l, acc)
+        o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=g < G, other=0.0) if SINKS else 0.0, SINKS)
+        jk.store(out + tok * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o, mask=(gm & single)[:, None])
+        rows = ((seq * KVH + kvh) * NUM_PARTS + part).to(jk.i64) * G + g
+        keep = gm & (parts > 1)
+        jk.store(ws_m + rows, m, mask=keep)
+        jk.store(ws_l + rows, l, mask=keep)
+        jk.store(ws_acc + rows[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
 
 @jk.kernel
@@ -594,21 +596,22 @@ def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_h
     lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
     nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
     parts, per = _split(nb, PB, MAXP)
-    g = jk.arange(0, GP)
-    d = jk.arange(0, D)
-    gm = g < G
-    M = jk.full((GP,), NEG, jk.f32)
-    L = jk.zeros((GP,), jk.f32)
-    ACC = jk.zeros((GP, D), jk.f32)
-    row0 = (seq * KVH + kvh).to(jk.i64) * (NUM_PARTS * G)
-    for p in range(0, jk.where(parts > 1, parts, 0)):
-        rows = row0 + p * G + g
-        M, L, ACC = _flash_fold(M, L, ACC, jk.load(ws_m + rows, mask=gm, other=NEG),
-                                jk.load(ws_l + rows, mask=gm, other=0.0),
-                                jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=gm[:, None], other=0.0))
-    o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=gm, other=0.0) if SINKS else 0.0, SINKS)
-    jk.store(out + jk.maximum(q0, 0).to(jk.i64) * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o,
-             mask=(gm & (parts > 1))[:, None])
+    if parts > 1:
+        g = jk.arange(0, GP)
+        d = jk.arange(0, D)
+        gm = g < G
+        M = jk.full((GP,), NEG, jk.f32)
+        L = jk.zeros((GP,), jk.f32)
+        ACC = jk.zeros((GP, D), jk.f32)
+        row0 = (seq * KVH + kvh).to(jk.i64) * (NUM_PARTS * G)
+        for p in range(0, jk.where(parts > 1, parts, 0)):
+            rows = row0 + p * G + g
+            M, L, ACC = _flash_fold(M, L, ACC, jk.load(ws_m + rows, mask=gm, other=NEG),
+                                    jk.load(ws_l + rows, mask=gm, other=0.0),
+                                    jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=gm[:, None], other=0.0))
+        o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=gm, other=0.0) if SINKS else 0.0, SINKS)
+        jk.store(out + jk.maximum(q0, 0).to(jk.i64) * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o,
+                 mask=(gm & (parts > 1))[:, None])
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
@@ -643,63 +646,65 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
         n_rows = jk.where(q_len == 1, 0, n_rows)
     first_pos = seq_len - q_len + t0
 
-    R = BM * GP
-    t = jk.arange(0, BM)
-    g = jk.arange(0, GP)
-    d = jk.arange(0, D)
-    n = jk.arange(0, BS)
-    tm = t < n_rows
-    gm = g < G
-    toks = (q0 + t0 + t).to(jk.i64)
-    q3 = jk.load(q + toks[:, None, None] * q_ts + (kvh * G + g)[None, :, None] * q_hs + d[None, None, :],
-                 mask=(tm[:, None] & gm[None, :])[:, :, None], other=0.0)
-    qt = jk.reshape(q3, (R, D))
-    # per row: its position, key range (start block, blocks) and partition split
-    r = jk.arange(0, R)
-    qpos = first_pos + r // GP
-    lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
-    start = lo // BS
-    nb = qpos // BS + 1 - start
-    parts, per = _split(nb, PB, MAXP)
-    # the tile's blocks: from its first row's start to its last row's end
-    b_lo = jk.where(window > 0, jk.maximum(first_pos - window + 1, 0), 0) // BS
-    b_hi = jk.where(n_rows > 0, (first_pos + n_rows - 1) // BS + 1, b_lo)
+    # tiles past their sequence's tokens (and decodes, with SKIP_DECODE) exit at once
+    if n_rows > 0:
+        R = BM * GP
+        t = jk.arange(0, BM)
+        g = jk.arange(0, GP)
+        d = jk.arange(0, D)
+        n = jk.arange(0, BS)
+        tm = t < n_rows
+        gm = g < G
+        toks = (q0 + t0 + t).to(jk.i64)
+        q3 = jk.load(q + toks[:, None, None] * q_ts + (kvh * G + g)[None, :, None] * q_hs + d[None, None, :],
+                     mask=(tm[:, None] & gm[None, :])[:, :, None], other=0.0)
+        qt = jk.reshape(q3, (R, D))
+        # per row: its position, key range (start block, blocks) and partition split
+        r = jk.arange(0, R)
+        qpos = first_pos + r // GP
+        lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
+        start = lo // BS
+        nb = qpos // BS + 1 - start
+        parts, per = _split(nb, PB, MAXP)
+        # the tile's blocks: from its first row's start to its last row's end
+        b_lo = jk.where(window > 0, jk.maximum(first_pos - window + 1, 0), 0) // BS
+        b_hi = jk.where(n_rows > 0, (first_pos + n_rows - 1) // BS + 1, b_lo)
 
-    kv_off = n[:, None] * (KVH * D) + d[None, :]
-    bt_row = block_table + seq.to(jk.i64) * bt_stride
-    m = jk.full((R,), NEG, jk.f32)
-    l = jk.zeros((R,), jk.f32)
-    acc = jk.zeros((R, D), jk.f32)
-    M = jk.full((R,), NEG, jk.f32)
-    L = jk.zeros((R,), jk.f32)
-    ACC = jk.zeros((R, D), jk.f32)
-    if PIPE:
-        kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b_lo, kv_off, kvh, b_lo < b_hi, KVH, D, BS)
-    for b in range(b_lo, b_hi):
+        kv_off = n[:, None] * (KVH * D) + d[None, :]
+        bt_row = block_table + seq.to(jk.i64) * bt_stride
+        m = jk.full((R,), NEG, jk.f32)
+        l = jk.zeros((R,), jk.f32)
+        acc = jk.zeros((R, D), jk.f32)
+        M = jk.full((R,), NEG, jk.f32)
+        L = jk.zeros((R,), jk.f32)
+        ACC = jk.zeros((R, D), jk.f32)
         if PIPE:
-            kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b_hi - 1), kv_off, kvh, True, KVH, D, BS)
-        else:
-            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
-        rel = b - start
-        f = (rel > 0) & (rel < nb) & (rel % per == 0)
-        M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
-        M = jk.where(f, M2, M)
-        L = jk.where(f, L2, L)
-        ACC = jk.where(f[:, None], ACC2, ACC)
-        m = jk.where(f, NEG, m)
-        l = jk.where(f, 0.0, l)
-        acc = jk.where(f[:, None], 0.0, acc)
-        pos = b * BS + n
-        valid = (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
-        m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
-        if PIPE:
-            kt = kn
-            vt = vn
-    M, L, ACC = _flash_fold(M, L, ACC, m, l, acc)
-    o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + r % GP, mask=(r % GP) < G, other=0.0) if SINKS else 0.0,
-                   SINKS)
-    jk.store(out + toks[:, None, None] * o_ts + (kvh * G + g)[None, :, None] * o_hs + d[None, None, :],
-             jk.reshape(o, (BM, GP, D)), mask=(tm[:, None] & gm[None, :])[:, :, None])
+            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b_lo, kv_off, kvh, b_lo < b_hi, KVH, D, BS)
+        for b in range(b_lo, b_hi):
+            if PIPE:
+                kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b_hi - 1), kv_off, kvh, True, KVH, D, BS)
+            else:
+                kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
+            rel = b - start
+            f = (rel > 0) & (rel < nb) & (rel % per == 0)
+            M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
+            M = jk.where(f, M2, M)
+            L = jk.where(f, L2, L)
+            ACC = jk.where(f[:, None], ACC2, ACC)
+            m = jk.where(f, NEG, m)
+            l = jk.where(f, 0.0, l)
+            acc = jk.where(f[:, None], 0.0, acc)
+            pos = b * BS + n
+            valid = (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
+            m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+            if PIPE:
+                kt = kn
+                vt = vn
+        M, L, ACC = _flash_fold(M, L, ACC, m, l, acc)
+        o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + r % GP, mask=(r % GP) < G, other=0.0) if SINKS else 0.0,
+                       SINKS)
+        jk.store(out + toks[:, None, None] * o_ts + (kvh * G + g)[None, :, None] * o_hs + d[None, None, :],
+                 jk.reshape(o, (BM, GP, D)), mask=(tm[:, None] & gm[None, :])[:, :, None])
 
 
 # ------------------------------------------------------------------------------------- host wrappers
@@ -867,8 +872,11 @@ FLASH_PIPELINE = True      # load the next cache block while the current one is 
 FLASH_WARPS = (4, 8)
 
 
-def _token_path(target) -> bool:
-    return target is not None and (target.is_vulkan or (target.is_gpu and GPU_TOKEN_ATTENTION))
+def _token_path(target, st) -> bool:
+    """Vulkan, the A/B flag, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take the
+    token kernel."""
+    return target is not None and (target.is_vulkan or (target.is_gpu and (
+        GPU_TOKEN_ATTENTION or (GPU_FLASH_ATTENTION and not _flash_fits(st)))))
 
 
 def _pow2(x: int) -> int:
@@ -1045,7 +1053,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         max_query_len = int(np.diff(st.qs_host).max())
     flash = _flash_path(target, st)
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS)
-    if _token_path(target):
+    if _token_path(target, st):
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     ws = workspace if workspace is not None else {}
     if flash:
@@ -1089,7 +1097,7 @@ def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_ta
     target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
                validate, host_step, sinks)
-    if not st.empty and _token_path(target):
+    if not st.empty and _token_path(target, st):
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     if not st.empty and _flash_path(target, st):
         return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, 1, 2, False,
