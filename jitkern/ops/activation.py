@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import (block_for, check_shape, empty_like_dev, fptr, has_half, is_array, resolve_target, row_stride,
-                        run)
+from ._hostargs import (block_for, check_shape, empty_like_dev, fptr, has_half, is_array, launch_target,
+                        resolve_target, row_stride, run)
 
 _BLOCK = 128
 
@@ -55,19 +55,23 @@ def _act_mul_q8_group(base, n, ACT: jk.constexpr, qx, xd, xs, xd4, xs4, row, nbl
 
 @jk.kernel
 def act_and_mul_q8_kernel(gu, gu_s, qx, xd, xs, xd4, xs4, n, nblk, ACT: jk.constexpr, G: jk.constexpr,
-                          REP4: jk.constexpr):
-    """ACT(gate) * up of one row (program) straight into quantize_q8's int8 blocks, groups of G 32-blocks
-    (the grouped layouts' leftovers as quantize_q8: a pair, then a single block)."""
+                          GP: jk.constexpr, REP4: jk.constexpr):
+    """ACT(gate) * up straight into quantize_q8's int8 blocks; program (row, j) does groups [j GP, (j+1) GP) of
+    G 32-blocks, the last program of a row also the grouped layouts' leftovers (as quantize_q8: a pair, then a
+    single block). Every block is quantised on its own values, so the split never changes a result."""
     row = jk.program_id(0).to(jk.i64)
+    j = jk.program_id(1)
     base = gu + row * gu_s
-    for gi in range(0, nblk // G):
+    ng = nblk // G
+    for gi in range(j * GP, jk.minimum(j * GP + GP, ng)):
         _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, gi * G, G, REP4)
-    if G > 2:
-        if nblk % G >= 2:
-            _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - nblk % G, 2, REP4)
     if G > 1:
-        if nblk % 2 == 1:
-            _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - 1, 1, REP4)
+        if j == jk.num_programs(1) - 1:
+            if G > 2:
+                if nblk % G >= 2:
+                    _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - nblk % G, 2, REP4)
+            if nblk % 2 == 1:
+                _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - 1, 1, REP4)
 
 
 @jk.jit
@@ -170,6 +174,9 @@ def silu_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, target=N
     return _act_and_mul("silu_and_mul", silu, gate_up, out, target)
 
 
+ACT_Q8_BLOCKS_PER_PROGRAM = None     # override of act_and_mul_q8's blocks per program (results never depend on it)
+
+
 def act_and_mul_q8(gate_up: np.ndarray, out: tuple, *, gelu: bool = False, layout: str = "natural",
                    out4: tuple | None = None, target=None) -> Q8Activations:
     """`silu_and_mul` (or with `gelu` `gelu_tanh_and_mul`) fused with `quantize_q8`: gate_up [T, 2*I] (I a
@@ -199,9 +206,17 @@ def act_and_mul_q8(gate_up: np.ndarray, out: tuple, *, gelu: bool = False, layou
     from .quant import LAYOUTS
     if layout not in LAYOUTS:
         raise ValueError(f"{name}: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    run(act_and_mul_q8_kernel, (R,), (gp, gs, qx, xd, xs, xd if xd4 is None else xd4, xs if xs4 is None else xs4,
-                                      n, nblk),
-        target, ACT=gelu_tanh_f if gelu else silu, G=_eff_group(layout, nblk), REP4=xd4 is not None)
+    G = _eff_group(layout, nblk)
+    t = launch_target(target)
+    # CUDA/HIP: 8 blocks (256 values) a CTA, a row's groups in parallel; CPUs (and lavapipe, where a program
+    # costs more than this work): one program a row, so a decode step's single row never waits for a second
+    # thread to wake (a multi-program launch on a busy 2-core host measured milliseconds, a single one ~2 us)
+    GP = max(1, 8 // G) if t.is_gpu and not t.is_vulkan else max(1, nblk // G)
+    if ACT_Q8_BLOCKS_PER_PROGRAM is not None:          # tests: the GPU split on a CPU tier
+        GP = max(1, ACT_Q8_BLOCKS_PER_PROGRAM // G)
+    run(act_and_mul_q8_kernel, (R, max(1, -(-(nblk // G) // GP))),
+        (gp, gs, qx, xd, xs, xd if xd4 is None else xd4, xs if xs4 is None else xs4, n, nblk),
+        target, ACT=gelu_tanh_f if gelu else silu, G=G, GP=GP, REP4=xd4 is not None)
     return Q8Activations(qx, xd, xs, layout, xd4, xs4)
 
 

@@ -167,6 +167,16 @@ def test_act_and_mul_q8_is_act_then_quantize(tier, I, layout, op):
     full = fused(slice(0, T), True)
     for a, b in zip(list(ref) + [ref.scales4, ref.sums4], full):
         np.testing.assert_array_equal(a, b)
+    # the split of a row over programs (GPUs: 8 blocks a program) never changes a value
+    import jitkern.ops.activation as act_mod
+    for bpp in (4, 8):
+        act_mod.ACT_Q8_BLOCKS_PER_PROGRAM = bpp
+        try:
+            split = fused(slice(0, T), True)
+        finally:
+            act_mod.ACT_Q8_BLOCKS_PER_PROGRAM = None
+        for a, b in zip(full, split):
+            np.testing.assert_array_equal(a, b)
     for a, b in zip(ref, fused(slice(0, T), False)):
         np.testing.assert_array_equal(a, b)
     for t in (0, 3):
