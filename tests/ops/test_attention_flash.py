@@ -185,3 +185,48 @@ def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
     from targets import cpu_tier_names
     cpu = get_target(cpu_tier_names()[0])
     assert set(compiled(np.float32, cpu)) <= {"decode_kernel", "merge_kernel", "prefill_kernel"}
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_paged_attention_on_device_arrays_alone_equals_batched(backend, monkeypatch):
+    """paged_attention on device arrays (the engine's call: MAX_PARTITIONS axis, host_step) takes the flash
+    kernels; each sequence's rows alone are bit-identical to its rows in the batch. `fake`: the host-memory
+    device claiming sm_90a (tests/fake_cuda.py: each launch is compiled for sm_90a, then run on the CPU;
+    16-row prefill tiles keep the CPU compiles short); `cuda`: a real GPU."""
+    from jitkern.runtime import cuda
+    if backend == "fake":
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        monkeypatch.setattr(A, "FLASH_ROWS", 16)
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    elif not cuda.is_available():
+        pytest.skip("no CUDA device here")
+    launched = set()
+    run = A.run
+
+    def spy(kernel, grid, args, target=None, **kw):
+        launched.add(kernel.__name__)
+        return run(kernel, grid, args, target=target, **kw)
+    monkeypatch.setattr(A, "run", spy)
+    rng = np.random.default_rng(29)
+    seqs = [(300, 1), (40, 23), (17, 1), (70, 1), (19, 19)]
+    H, KVH, D = 8, 2, 32
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, np.float32)
+    dkc, dvc = cuda.DeviceArray.from_numpy(kc), cuda.DeviceArray.from_numpy(vc)
+
+    def attend(rows):
+        sub_q = np.concatenate([q[qs[i]:qs[i + 1]] for i in rows])
+        sub_qs = np.concatenate([[0], np.cumsum([seqs[i][1] for i in rows])]).astype(np.int32)
+        sub_sl, sub_bt = sl[rows], np.ascontiguousarray(bt[rows])
+        out = A.paged_attention(cuda.DeviceArray.from_numpy(sub_q), dkc, dvc, cuda.DeviceArray.from_numpy(sub_qs),
+                                cuda.DeviceArray.from_numpy(sub_sl), cuda.DeviceArray.from_numpy(sub_bt),
+                                scale=0.2, num_partitions=A.MAX_PARTITIONS, workspace={},
+                                host_step=(sub_qs, sub_sl))
+        return out.numpy(), sub_qs
+    full, _ = attend(list(range(len(seqs))))
+    check(full, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.2))
+    assert launched == {"flash_decode_kernel", "flash_merge_kernel", "flash_prefill_kernel"}
+    for rows in ([0], [1], [3, 2], [4, 0]):
+        out, sub_qs = attend(rows)
+        for k, i in enumerate(rows):
+            np.testing.assert_array_equal(out[sub_qs[k]:sub_qs[k + 1]], full[qs[i]:qs[i + 1]])
