@@ -256,3 +256,41 @@ def test_linear_split_k_tiles(backend, monkeypatch):
     for M in (1, 5):
         part = mm.linear(_dev(cuda_mod, x[7:7 + M]), dw, bias=db, w_dtype="bf16").numpy()
         np.testing.assert_array_equal(part, full[7:7 + M])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
+    """From GPU_LINEAR_WIDE_M tokens the tensor-core linear takes a taller tile (32 rows, K steps of 64)
+    than at decode sizes (16 rows, K steps of 128): each token's row must be the same bits either way (the
+    engine's batch invariance across that switch). On `fake` the sm_90a choice and PTX are exercised and
+    the CPU runs the kernels."""
+    from jitkern.ops import matmul as mm
+    from jitkern.runtime import cuda as cuda_mod
+    if backend == "fake":
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        from tests.fake_cuda import install
+        install(monkeypatch)
+        # the fake runs these GPU kernels on the CPU, where a dot's sums depend on its K step: the bits
+        # match only on the GPU, so the fake keeps the taller tile off by default (tests/fake_cuda.py)
+        monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_M", 64)
+    elif not cuda_mod.is_available():
+        pytest.skip("no CUDA device here")
+    rng = np.random.default_rng(14)
+    N, K = 192, 512
+    w = to_bf16(rng.standard_normal((N, K)) / 8)
+    w64 = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    bias = rng.standard_normal(N).astype(np.float32)
+    dw, db = _dev(cuda_mod, w), _dev(cuda_mod, bias)
+    x = rng.standard_normal((97, K)).astype(np.float32)
+    mm._LAST.clear()
+    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == mm.GPU_LINEAR_WIDE_TILE[0]
+    want = x.astype(np.float64) @ w64.T + bias
+    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for lo, hi in ((0, 1), (40, 41), (90, 97), (3, 19)):
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
+        assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == 16
+        if backend == "fake":
+            np.testing.assert_allclose(part, full[lo:hi], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        else:
+            np.testing.assert_array_equal(part, full[lo:hi])

@@ -312,13 +312,40 @@ GPU_LINEAR_MMA_TILE = "auto"
 _LINEAR_MMA_UNITS = ("mma.sync", "wgmma", "tcgen05", "mfma", "wmma")
 
 
-def _mma_tile_for(T, N: int, K: int) -> tuple:
+def _mma_tile_for(T, N: int, K: int, M: int = 1) -> tuple:
     """gpu_linear_mma_tile(N, K) for target T: on WMMA (gfx1100, wave32) K steps of at most 64, since 128 with
-    4 waves of 32 spills ~300 bytes of VGPRs per thread to scratch (LLVM 22; 64 does not)."""
+    4 waves of 32 spills ~300 bytes of VGPRs per thread to scratch (LLVM 22; 64 does not). From
+    GPU_LINEAR_WIDE_M tokens on NVIDIA, the taller GPU_LINEAR_WIDE_TILE where it gives the same bits: both
+    tiles keep their accumulators in the MMA registers across the K loop (every warp a whole number of 16x8
+    tiles), so each output is the same chain of m16n8k16 steps in K order, hi and lo chains apart, whatever
+    the tile's height or K step; the K split (SPLIT) must be the same and taken by both
+    (tests/test_device_arrays.py checks rows of both tiles bit for bit on the GPU)."""
     tile = tuple(gpu_linear_mma_tile(N, K))
     if T.mma == "wmma" and tile[2] > 64:
         tile = tile[:2] + (64,) + tile[3:]
+    if GPU_LINEAR_MMA_TILE == "auto" and GPU_LINEAR_WIDE_TILE and M >= GPU_LINEAR_WIDE_M \
+            and T.mma in ("mma.sync", "wgmma", "tcgen05"):
+        wide = GPU_LINEAR_WIDE_TILE
+        S = tile[4] if len(tile) > 4 else 1
+        if (wide[4] if len(wide) > 4 else 1) == S and _takes_same_path(tile, wide, N, K) \
+                and all((t[0] // 16) * (t[1] // 8) % t[3] == 0 for t in (tile, wide)):
+            return wide
     return tile
+
+
+def _takes_same_path(a: tuple, b: tuple, N: int, K: int) -> bool:
+    """Both tiles EVEN (no masks) and both taking the K split, or neither."""
+    def path(t):
+        S = t[4] if len(t) > 4 else 1
+        even = N % t[1] == 0 and K % t[2] == 0
+        return even, S > 1 and even and K % (S * t[2]) == 0
+    return path(a)[0] and path(b) == path(a)
+
+
+# the taller tile for prefill-sized launches (H200 sweep: (32, 64, 64, 4) ~70 TFLOP/s at M = 256 against ~50
+# for the decode tile) and the token count from which linear() takes it
+GPU_LINEAR_WIDE_TILE = (32, 64, 64, 4, 2)
+GPU_LINEAR_WIDE_M = 64
 
 
 def gpu_linear_mma_tile(N: int, K: int) -> tuple:
@@ -624,7 +651,7 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
             args = (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4)
             if T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in _LINEAR_MMA_UNITS \
                     and dt in ("bf16", "f16") and K % 16 == 0:
-                tile = _mma_tile_for(T, N, K)
+                tile = _mma_tile_for(T, N, K, M)
                 BM, BN, BK, NW = tile[:4]
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
