@@ -956,6 +956,10 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     if max_query_len > 1 or not decode:
         # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
         rows = int(block_m) * GP if block_m else (_flash_prefill_rows(G, D, st.bs) if gpu else 16)
+        if gpu and getattr(target, "mma", None):
+            # fewer than 16 rows would take the dots off the matrix units (an MMA tile is 16 rows), and
+            # their sums would no longer be the decode kernel's (which pads its head group to 16 rows)
+            rows = max(rows, 16)
         bm = max(1, rows // GP)
         run(flash_prefill_kernel, (st.T // bm + st.num_seqs, st.kvh),
             (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
@@ -974,7 +978,8 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
     """paged_attention through the GPU flash kernels, on any target (GPUs take this path from
     paged_attention; CPU tiers run it for tests). Arguments as for paged_attention, and:
     decode=False runs the prefill kernel for every sequence (decodes included: same bits as decode=True);
-    block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group);
+    block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group; on GPUs
+    with matrix units at least 16 rows);
     split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
     pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE on GPUs,
     off on CPUs); the same bits either way.
