@@ -225,12 +225,9 @@ def test_frees_wait_for_the_end_of_a_stream_capture(monkeypatch):
     assert freed[-1] == ptr
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_linear_split_k_tiles(backend, monkeypatch):
-    """The tensor-core linear with K split into slabs (a tile's 5th entry) plus their ordered sum, tokens in
-    chunks of GPU_SPLITK_MAX_M: numpy's result, and each token's row the same bits alone as in the batch.
-    On `fake` the sm_90a tiles are chosen and compiled (ptxas), then run on the CPU."""
-    from jitkern.ops import matmul as mm
+def _sm90a_backend(backend, monkeypatch):
+    """The cuda runtime module: the real GPU (skipped without one), or the fake device claiming sm_90a (the
+    GPU tiles are chosen and compiled with ptxas, then run on the CPU)."""
     from jitkern.runtime import cuda as cuda_mod
     if backend == "fake":
         monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
@@ -238,15 +235,28 @@ def test_linear_split_k_tiles(backend, monkeypatch):
         install(monkeypatch)
     elif not cuda_mod.is_available():
         pytest.skip("no CUDA device here")
-    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
-    monkeypatch.setattr(mm, "GPU_SPLITK_MAX_M", 8)
-    rng = np.random.default_rng(13)
-    N, K = 96, 256
+    return cuda_mod
+
+
+def _bf16_linear_case(cuda_mod, rng, M, N, K):
+    """x [M, K] f32, bf16 weights [N, K] (and their float64 values), bias; weights and bias on the device."""
     w = to_bf16(rng.standard_normal((N, K)) / 8)
     w64 = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     bias = rng.standard_normal(N).astype(np.float32)
-    dw, db = _dev(cuda_mod, w), _dev(cuda_mod, bias)
-    x = rng.standard_normal((19, K)).astype(np.float32)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    return x, w64, bias, _dev(cuda_mod, w), _dev(cuda_mod, bias)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_split_k_tiles(backend, monkeypatch):
+    """The tensor-core linear with K split into slabs (a tile's 5th entry) plus their ordered sum, tokens in
+    chunks of GPU_SPLITK_MAX_M: numpy's result, and each token's row the same bits alone as in the batch.
+    On `fake` the sm_90a tiles are chosen and compiled (ptxas), then run on the CPU."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
+    monkeypatch.setattr(mm, "GPU_SPLITK_MAX_M", 8)
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(13), 19, 96, 256)
     mm._LAST.clear()
     full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
     assert mm.last_compiled("_gpu_splitk_sum_kernel") is not None
@@ -265,23 +275,12 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
     engine's batch invariance across that switch). On `fake` the sm_90a choice and PTX are exercised and
     the CPU runs the kernels."""
     from jitkern.ops import matmul as mm
-    from jitkern.runtime import cuda as cuda_mod
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
     if backend == "fake":
-        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
-        from tests.fake_cuda import install
-        install(monkeypatch)
         # the fake runs these GPU kernels on the CPU, where a dot's sums depend on its K step: the bits
         # match only on the GPU, so the fake keeps the taller tile off by default (tests/fake_cuda.py)
         monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_M", 64)
-    elif not cuda_mod.is_available():
-        pytest.skip("no CUDA device here")
-    rng = np.random.default_rng(14)
-    N, K = 192, 512
-    w = to_bf16(rng.standard_normal((N, K)) / 8)
-    w64 = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    bias = rng.standard_normal(N).astype(np.float32)
-    dw, db = _dev(cuda_mod, w), _dev(cuda_mod, bias)
-    x = rng.standard_normal((97, K)).astype(np.float32)
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(14), 97, 192, 512)
     mm._LAST.clear()
     full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
     assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == mm.GPU_LINEAR_WIDE_TILE[0]
