@@ -51,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile the prefill graph of one --input-len prompt (per-kernel table only) instead of decode")
     ap.add_argument("--host-only", action="store_true",
                     help="replace the decode graph's replay by nothing and time --steps engine steps (thread CPU and "
                          "wall): the host-side cost per step (tokens are then picked from stale logits)")
@@ -65,10 +67,27 @@ def main(argv=None):
     for i in range(C):
         eng.add_request(f"p{i}", [int(t) for t in rng.integers(0, V, args.input_len)],
                         SamplingParams(max_tokens=args.steps + 64, temperature=0.0, ignore_eos=True, detokenize=False))
+    runner = eng.runner
+    if args.prefill:
+        # the step that prefills the prompt(s) replays a graph keyed ("prefill", padded T, padded S)
+        eng.step()
+        keys = [k for k in runner._graphs if isinstance(k, tuple) and k[0] == "prefill"]
+        if not keys:
+            raise SystemExit("no prefill graph was recorded (graphs off, or the step ran eagerly)")
+        g = runner._graphs[keys[-1]][0]
+        reps = []
+        for _ in range(10):
+            t = time.perf_counter()
+            g.replay()
+            reps.append(time.perf_counter() - t)
+        print(f"load average {os.getloadavg()[0]:.2f}; prefill graph {keys[-1]} of {C} x {args.input_len} tokens: "
+              f"replay best {1e3 * min(reps):.2f} ms, median {1e3 * statistics.median(reps):.2f} ms")
+        _per_launch(g, labels, args.reps)
+        eng.close()
+        return
     # prefill + a few decode steps (records the graph)
     for _ in range(8):
         eng.step()
-    runner = eng.runner
     if args.host_only:
         g = runner._graphs[C][0]
         g.replay = lambda: None
@@ -96,7 +115,7 @@ def main(argv=None):
         return r
     eng.scheduler.schedule, runner.execute = sched, execute
     replay_t = []
-    g, _ = runner._graphs[C]
+    g = runner._graphs[C][0]
     orig_replay = g.replay
 
     def replay():
@@ -127,7 +146,13 @@ def main(argv=None):
         reps.append(time.perf_counter() - t)
     print(f"| graph replay alone, 10 times | {1e3 * med(reps):.2f} | {1e3 * min(reps):.2f} |")
 
-    # per launch
+    _per_launch(g, labels, args.reps)
+    eng.close()
+
+
+def _per_launch(g, labels, nreps):
+    """Each launch of graph g replayed nreps times in one native call: best / median per kernel label."""
+    med = statistics.median
     from jitkern.runtime.cpu_pool import get_pool
     pool = get_pool()
     per = collections.defaultdict(lambda: [0.0, 0.0, 0])
@@ -137,12 +162,12 @@ def main(argv=None):
         ba = block.__array_interface__["data"][0]
         # the launch repeated --reps times in one native call (barriers between, as in a replay): the pool's
         # wake-up is paid once, not per launch
-        tasks = np.array([(addr, ba, n)] * args.reps, dtype=np.int64).reshape(-1, 3)
+        tasks = np.array([(addr, ba, n)] * nreps, dtype=np.int64).reshape(-1, 3)
         ts = []
         for _ in range(3):
             t = time.perf_counter()
             pool.launch_tasks(tasks)
-            ts.append((time.perf_counter() - t) / args.reps)
+            ts.append((time.perf_counter() - t) / nreps)
         lab = labels.get(addr, hex(addr))
         e = per[lab]
         e[0] += min(ts)
@@ -155,7 +180,6 @@ def main(argv=None):
     print("| kernel | launches | best ms | median ms | share of best |\n|---|---|---|---|---|")
     for lab, (b, m, c) in sorted(per.items(), key=lambda kv: -kv[1][0]):
         print(f"| {lab} | {c} | {1e3 * b:.3f} | {1e3 * m:.3f} | {100 * b / tb:.1f}% |")
-    eng.close()
 
 
 if __name__ == "__main__":
