@@ -6,7 +6,8 @@ recorded as a graph, replayed alternately round by round (ROUNDS, default 7), on
 
 CFG: comma-separated switches, empty = the current defaults: halves=0/1 (q8_0 'halves' order, `_q8_halves`),
 fold=0/1 (2 float lanes for q4 on 256-bit tiers, `_fold_lanes`), tt=0/1 (tokens in the lanes for one-row
-q8_0 tiles, `_TOKEN_LANES`), tile=BMxR (QMM_TILE_OVERRIDE). Prints ms, GOP/s and the largest difference from
+q8_0 tiles, `_TOKEN_LANES`), tile=BMxR (QMM_TILE_OVERRIDE), pf=ROWS
+(the M = 1 GEMV's prefetch distance in rows, 0 = off: GEMV_PREFETCH_ROWS), pfl=0..3 (its locality). Prints ms, GOP/s and the largest difference from
 the first configuration's output (0 where only the integer route changed)."""
 import os, sys, time
 os.environ.setdefault("JITKERN_NUM_THREADS", "1")
@@ -25,12 +26,15 @@ blocks[:, :nb] = (rng.random((blocks.shape[0], nb // 2)) * 0.01).astype(np.float
 x = rng.standard_normal((M, K)).astype(np.float32)
 orig_halves = quant._q8_halves
 orig_fold = quant._fold_lanes
+orig_pf = (quant.GEMV_PREFETCH_ROWS, quant.GEMV_PREFETCH_LOCALITY)
 def setcfg(c):
     d = dict(kv.split("=") for kv in c.split(",") if kv)
     quant._TOKEN_LANES = d.get("tt", "1") == "1"
     quant._fold_lanes = (lambda *a: d["fold"] == "1") if "fold" in d else orig_fold
     quant._q8_halves = (lambda t: d["halves"] == "1") if "halves" in d else orig_halves
     quant.QMM_TILE_OVERRIDE = tuple(int(v) for v in d["tile"].split("x")) if "tile" in d else None
+    quant.GEMV_PREFETCH_ROWS = int(d["pf"]) if "pf" in d else orig_pf[0]
+    quant.GEMV_PREFETCH_LOCALITY = int(d["pfl"]) if "pfl" in d else orig_pf[1]
 graphs = []
 for c in cfgs:
     setcfg(c)

@@ -304,3 +304,64 @@ def test_new_types_compile_for_the_gpu_lowering(qtype, tmp_path, monkeypatch):
         assert ("_qmm_kernel" in names) or ("_kq_kernel" in names)
     finally:
         reset_kernel_cache()
+
+
+def _weights_before_a_guard_page(raw: np.ndarray):
+    """A copy of raw whose last byte sits just before a PROT_NONE page (an access past the end faults), and
+    the mapping that keeps it alive."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    data_pages = -(-raw.nbytes // page)
+    m = mmap.mmap(-1, (data_pages + 1) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(ctypes.c_void_p(base + data_pages * page), page, 0) == 0     # PROT_NONE
+    start = data_pages * page - raw.nbytes
+    out = np.frombuffer(m, np.uint8, raw.nbytes, start)
+    out[:] = raw.reshape(-1)
+    return out.reshape(raw.shape), m
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_gemv_prefetch_same_results_and_stays_a_hint(tier, qtype, monkeypatch):
+    # the CPU GEMV (M = 1) prefetches the weight rows GEMV_PREFETCH_ROWS ahead: a hint that must change no
+    # result (bit-identical to no prefetch, and within the reference tolerance), that the kernel really
+    # carries (the launch passes the distance, the code has the prefetch), and that never faults past the
+    # end of the weights (they end just before an inaccessible page here)
+    if not tier.is_cpu:
+        pytest.skip("the prefetch is a CPU GEMV hint")
+    from jitkern.compiler import compile_kernel
+    rng = np.random.default_rng(40 + ["q8_0", "q4_0", "q4_1"].index(qtype))
+    launches = []
+    real_run = Q.run
+
+    def recording_run(kernel, grid, args, target=None, **constexprs):
+        launches.append((kernel, args, constexprs))
+        return real_run(kernel, grid, args, target, **constexprs)
+
+    monkeypatch.setattr(Q, "run", recording_run)
+    for N, K in ((1003, KS[qtype][1]), (23, KS[qtype][0])):
+        raw0, wd = make_weight(qtype, N, K, rng)
+        raw, keep = _weights_before_a_guard_page(raw0)
+        x = rng.standard_normal(K).astype(np.float32)
+        x[:3] *= 20.0
+        monkeypatch.setattr(Q, "GEMV_PREFETCH_ROWS", 0)
+        off = Q.matmul_q(x, raw, qtype, N, K, target=tier)
+        assert "PF" not in launches[-1][2]
+        monkeypatch.setattr(Q, "GEMV_PREFETCH_ROWS", 16)
+        on = Q.matmul_q(x, raw, qtype, N, K, target=tier)
+        kernel, args, constexprs = launches[-1]
+        assert constexprs.get("PF") == 16 * Q.row_bytes(qtype, K), constexprs
+        np.testing.assert_array_equal(on, off, err_msg=f"{qtype} N={N} K={K}")
+        qx, xd, _ = ref_quantize_q8(x[None, :])
+        xq = dequant_acts(qx, xd)[0]
+        w64 = wd.astype(np.float64)
+        tol = 1e-5 * (np.abs(w64) @ np.abs(xq)) + 1e-30
+        err = np.abs(on - w64 @ xq)
+        assert (err <= tol).all(), f"{qtype} N={N} K={K}: max err {err.max():.3g}"
+        del raw, keep
+    params, consts, _ = kernel.specialize(args, constexprs)
+    asm = compile_kernel(kernel, params, consts, tier, load=False, emit=("obj", "asm")).asm()
+    assert "prefetch" in asm or "prfm" in asm, "the GEMV kernel has no prefetch instruction"
