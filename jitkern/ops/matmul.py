@@ -325,9 +325,9 @@ def _mma_tile_for(T, N: int, K: int, M: int = 1) -> tuple:
         tile = tile[:2] + (64,) + tile[3:]
     if GPU_LINEAR_MMA_TILE == "auto" and GPU_LINEAR_WIDE_TILE and M >= GPU_LINEAR_WIDE_M \
             and T.mma in ("mma.sync", "wgmma", "tcgen05"):
-        wide = GPU_LINEAR_WIDE_TILE
         S = tile[4] if len(tile) > 4 else 1
-        if (wide[4] if len(wide) > 4 else 1) == S and _takes_same_path(tile, wide, N, K) \
+        wide = tuple(GPU_LINEAR_WIDE_TILE[:4]) + (S,)    # the same K split as the decode tile: the same bits
+        if _takes_same_path(tile, wide, N, K) \
                 and all((t[0] // 16) * (t[1] // 8) % t[3] == 0 for t in (tile, wide)):
             return wide
     return tile
@@ -344,7 +344,7 @@ def _takes_same_path(a: tuple, b: tuple, N: int, K: int) -> bool:
 
 # the taller tile for prefill-sized launches (H200 sweep: (32, 64, 64, 4) ~70 TFLOP/s at M = 256 against ~50
 # for the decode tile) and the token count from which linear() takes it
-GPU_LINEAR_WIDE_TILE = (32, 64, 64, 4, 2)
+GPU_LINEAR_WIDE_TILE = (32, 64, 64, 4)   # its K split (5th entry) is always the decode tile's
 GPU_LINEAR_WIDE_M = 64
 
 
@@ -355,8 +355,16 @@ def gpu_linear_mma_tile(N: int, K: int) -> tuple:
         return GPU_LINEAR_MMA_TILE
     # H200 sweep (perf/tune_gemv_cuda.py, docs/BENCHMARKS.md): K split in 2 doubles the programs in flight
     # at decode sizes; this tile is the best or within ~6% of the best swept one on every Llama-3-8B
-    # projection shape at M = 1, 16 and 64
+    # projection shape at M = 1, 16 and 64. Narrow weights (fewer than GPU_SPLITK4_MAX_TILES column tiles
+    # of 64) split K in 4: at M = 1 on the H200, 4096x4096 17.9 -> 13.9 us, 6144x4096 23.5 -> 21.1,
+    # 4096x14336 54.0 -> 39.4 (one program per SM was too few bytes in flight); wide ones gain nothing.
+    if N // 64 < GPU_SPLITK4_MAX_TILES and K % (4 * 128) == 0:
+        return (16, 64, 128, 4, 4)
     return (16, 64, 128, 4, 2)
+
+
+# column tiles below which gpu_linear_mma_tile splits K in 4 rather than 2 (a function of N only)
+GPU_SPLITK4_MAX_TILES = 200
 
 
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
