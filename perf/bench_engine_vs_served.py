@@ -15,7 +15,7 @@ output tok/s = tokens generated / wall time from the first submission to the las
   async   engine.async_engine.AsyncEngine (the server's engine thread) with one reader thread per request,
           as the server's handler threads read their streams (no HTTP);
   served  perf.bench_serving against a running server (`python -m server`), concurrency = num-prompts.
-  compare starts `python -m server` and llama.cpp's C++ `llama-server` (`make peer-server` builds it into
+  compare starts `python -m server` and llama.cpp's C++ `llama-server` (not with --no-peer) (`make peer-server` builds it into
           .peers/llama-server; --llama-server PATH) on the same embedded SmolLM2 GGUF, both with
           --threads threads (default 2; our in-process engine too, through JITKERN_NUM_THREADS), llama-server
           with `--parallel num-prompts` (its continuous batching) and a context of num-prompts x (input +
@@ -122,7 +122,7 @@ def start_servers(args) -> dict:
     """name -> (Popen, base_url) of our server and llama-server, both ready."""
     from engine.default_model import default_model_path
     gguf = args.gguf or str(default_model_path())
-    if not os.path.isfile(args.llama_server):
+    if not args.no_peer and not os.path.isfile(args.llama_server):
         raise SystemExit(f"--llama-server: {args.llama_server}: no such file (build it with `make peer-server`)")
     env = dict(os.environ, JITKERN_NUM_THREADS=str(args.threads))
     procs = {}
@@ -131,12 +131,13 @@ def start_servers(args) -> dict:
         procs["ours served"] = (subprocess.Popen(
             [sys.executable, "-m", "server", "--model", gguf, "--host", "127.0.0.1", "--port", str(p1),
              "--disable-log-requests"], env=env, stdout=subprocess.DEVNULL), f"http://127.0.0.1:{p1}/v1")
-        p2 = _free_port()
-        ctx = args.num_prompts * (args.input_len + args.output_len + 64)
-        procs["llama-server"] = (subprocess.Popen(
-            [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(p2), "--parallel",
-             str(args.num_prompts), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
-             "--no-webui", "--log-disable"], stdout=subprocess.DEVNULL), f"http://127.0.0.1:{p2}/v1")
+        if not args.no_peer:
+            p2 = _free_port()
+            ctx = args.num_prompts * (args.input_len + args.output_len + 64)
+            procs["llama-server"] = (subprocess.Popen(
+                [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(p2), "--parallel",
+                 str(args.num_prompts), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
+                 "--no-webui", "--log-disable"], stdout=subprocess.DEVNULL), f"http://127.0.0.1:{p2}/v1")
         for name, (proc, url) in procs.items():     # /health: 200 once the model is loaded (503 before)
             _wait_ready(proc, url[:-len("/v1")] + "/health", name, args.start_timeout)
     except BaseException:
@@ -163,11 +164,11 @@ def run_compare(args) -> int:
     try:
         from engine.llm_engine import EngineArgs, LLMEngine
         engine = LLMEngine(EngineArgs(model=args.gguf))
-        systems = ["ours engine-only", "ours served", "llama-server"]
+        systems = ["ours engine-only", "ours served"] + ([] if args.no_peer else ["llama-server"])
         results = {s: [] for s in systems}
         loads = []
         for rnd in range(args.rounds + 1):
-            order = systems[rnd % 3:] + systems[:rnd % 3]
+            order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
             line = []
             for name in order:
                 load = os.getloadavg()[0]
@@ -191,6 +192,8 @@ def run_compare(args) -> int:
             r = results[name]
             print(f"| {name} | {max(r):.1f} | {statistics.median(r):.1f} | {max(r) / max(eng):.2f} | "
                   f"{statistics.median(r) / statistics.median(eng):.2f} |")
+        if args.no_peer:
+            return 0
         ours, peer = results["ours served"], results["llama-server"]
         print(f"\nours served / llama-server: best {max(ours) / max(peer):.2f}x, median "
               f"{statistics.median(ours) / statistics.median(peer):.2f}x")
@@ -210,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=100, help="round r uses seed + r (round 0 is an unmeasured warm-up)")
     ap.add_argument("--llama-server", default=_default_llama_server(),
                     help="compare: the llama-server binary (default .peers/llama-server, from `make peer-server`)")
+    ap.add_argument("--no-peer", action="store_true",
+                    help="compare: ours engine-only and ours served only (no llama-server)")
     ap.add_argument("--gguf", default=None, help="compare: the model both serve (default: the embedded SmolLM2)")
     ap.add_argument("--threads", type=int, default=2, help="compare: threads of every system (default 2)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="compare: seconds to wait for a server")
