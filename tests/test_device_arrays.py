@@ -278,9 +278,11 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     if backend == "fake":
         # the fake runs these GPU kernels on the CPU, where a dot's sums depend on its K step: the bits
-        # match only on the GPU, so the fake keeps the taller tile off by default (tests/fake_cuda.py)
-        monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_M", 64)
-    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(14), 97, 192, 512)
+        # match only on the GPU, so the fake keeps the taller tile off by default (tests/fake_cuda.py); a
+        # narrower tall tile of the same shape family keeps its CPU compile short
+        monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_M", 17)
+        monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_TILE", (32, 64, 64, 4))
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(14), 97, 256, 512)
     mm._LAST.clear()
     full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
     assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == mm.GPU_LINEAR_WIDE_TILE[0]

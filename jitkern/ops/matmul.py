@@ -342,10 +342,13 @@ def _takes_same_path(a: tuple, b: tuple, N: int, K: int) -> bool:
     return path(a)[0] and path(b) == path(a)
 
 
-# the taller tile for prefill-sized launches (H200 sweep: (32, 64, 64, 4) ~70 TFLOP/s at M = 256 against ~50
-# for the decode tile) and the token count from which linear() takes it
-GPU_LINEAR_WIDE_TILE = (32, 64, 64, 4)   # its K split (5th entry) is always the decode tile's
-GPU_LINEAR_WIDE_M = 64
+# the taller tile for prefill-sized launches and the token count from which linear() takes it. H200 sweep
+# (perf/tune_gemv_cuda.py --m 16,32,64,256,2048, every Llama-3-8B projection): (32, 128, 64, 4) is the fastest
+# swept tile from M = 32 on every shape (M = 32: 0.63-0.77x cuBLAS against 0.46-0.62x for the decode tile,
+# which reads the weights once per 16 tokens; M = 256: 92-105 TFLOP/s against 75-82 for (32, 64, 64, 4)); at
+# M = 16 the decode tile stays ahead (0.79-0.96x cuBLAS)
+GPU_LINEAR_WIDE_TILE = (32, 128, 64, 4)   # its K split (5th entry) is always the decode tile's
+GPU_LINEAR_WIDE_M = 17
 
 
 def gpu_linear_mma_tile(N: int, K: int) -> tuple:
