@@ -1,7 +1,7 @@
 """Tile sweep of the GPU dense linear (`_gpu_linear_kernel`) at decode shapes, against the device-to-device
 copy bandwidth and torch's bf16 linear (cuBLAS) measured in the same run.
 
-    python3 perf/tune_gemv_cuda.py [--configs 16,256,4 8,512,4 ...] [--m 1,16,64] [--smoke]
+    python3 perf/tune_gemv_cuda.py [--configs fma,16,256,4 mma,32,64,64,4,0 ...] [--m 1,16,64] [--smoke]
 
 Every row is timed as a CUDA graph of R launches that cycle through enough weight copies (>= 256 MiB) that
 no launch finds its weights in L2, as in a real decode step. GB/s counts the weight bytes (plus x and y).
@@ -42,7 +42,7 @@ def _best(fn, sync, reps=5):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="*", default=None, help="fma,BN,BK,warps or mma,BM,BN,BK,warps")
+    ap.add_argument("--configs", nargs="*", default=None, help="fma,BN,BK,warps or mma,BM,BN,BK,warps[,SPLIT] (SPLIT 0: the engine's for the shape)")
     ap.add_argument("--m", default="1", help="comma-separated token counts (default 1)")
     ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
     ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")
@@ -88,7 +88,10 @@ def main(argv=None) -> int:
                 if cfg[0] == "fma" and M > 64:
                     continue                  # re-reads the weights per token: minutes at prefill sizes
                 if cfg[0] == "mma":
-                    matmul.GPU_LINEAR_MMA_TILE = cfg[1:]
+                    # a 5th entry of 0: the engine's K split for this shape (gpu_linear_mma_tile's)
+                    matmul.GPU_LINEAR_MMA_TILE = "auto"
+                    split = matmul.gpu_linear_mma_tile(N, K)[4] if len(cfg) > 5 and cfg[5] == 0 else None
+                    matmul.GPU_LINEAR_MMA_TILE = cfg[1:5] + (split,) if split else cfg[1:]
                 else:
                     matmul.GPU_LINEAR_MMA_TILE, matmul.GPU_LINEAR_TILE = None, cfg[1:]
                 matmul.linear(x, ws[0], out=y, w_dtype="bf16")      # compile + load outside the capture
