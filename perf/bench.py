@@ -84,7 +84,9 @@ def _parse(argv=None):
                     help="ours: KV blocks (default: the engine's memory budget)")
     ap.add_argument("--threads", type=_positive("--threads"), default=None,
                     help="threads for both engines (default: JITKERN_NUM_THREADS, else physical cores)")
-    ap.add_argument("--peer", choices=["none", "llama.cpp"], default="none")
+    ap.add_argument("--peer", choices=["none", "llama.cpp", "llama.cpp-static"], default="none",
+                    help="llama.cpp: through llama-cpp-python (`make peers`); llama.cpp-static: the same calls from "
+                         "perf/peers/llama_cpp_pipe.cpp linked against `make peer-server`'s static libraries")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed warm-up rounds per engine (compiles kernels, records decode graphs)")
@@ -428,6 +430,76 @@ class LlamaCppRunner:
             self.model = None
 
 
+class LlamaCppPipeRunner(LlamaCppRunner):
+    """--peer llama.cpp-static: LlamaCppRunner's calls made by perf/peers/llama_cpp_pipe.cpp (llama.cpp linked
+    statically from .peers/build-server, the tree `make peer-server` builds), driven over a pipe; the
+    timestamps of each generation are taken inside that process, so the pipe is outside the timed windows.
+    The phases (warm-up, prefill, decode) are LlamaCppRunner's."""
+    name = "llama.cpp"
+
+    def __init__(self, args, gguf_path, threads):
+        import subprocess
+        self.args = args
+        self.threads = threads
+        exe = _build_llama_cpp_pipe()
+        per_seq = -(-(args.input_len + args.output_len + 16) // 256) * 256
+        self.proc = subprocess.Popen([exe, str(gguf_path), str(threads), str(args.max_num_batched_tokens),
+                                      str(per_seq)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.n_vocab = None
+        self.model = None
+
+    def _generate(self, prompts, max_tokens, desc=None):
+        lines = [f"gen {len(prompts)} {max_tokens}"] + [" ".join(map(str, [len(p)] + list(p))) for p in prompts]
+        self.proc.stdin.write("\n".join(lines) + "\n")
+        self.proc.stdin.flush()
+        head = self.proc.stdout.readline().split()
+        if not head or head[0] != "ok":
+            raise RuntimeError(f"llama-cpp-pipe failed (exit {self.proc.poll()})")
+        ta, tf, tl = (float(v) for v in head[1:4])
+        out = [[int(t) for t in self.proc.stdout.readline().split()] for _ in prompts]
+        return out, ta, tf, tl
+
+    def info(self):
+        self.proc.stdin.write("info\n")
+        self.proc.stdin.flush()
+        sysinfo, _, fa = self.proc.stdout.readline().strip().rpartition(" | flash_attn_type ")
+        return {"llama_cpp_python": "none (static llama.cpp from .peers/build-server, perf/peers/llama_cpp_pipe.cpp)",
+                "threads": self.threads, "system_info": sysinfo, "flash_attn_type": int(fa)}
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+
+
+def _build_llama_cpp_pipe() -> str:
+    """.peers/llama-cpp-pipe, linked (g++) from perf/peers/llama_cpp_pipe.cpp and the static llama.cpp libraries
+    of .peers/build-server when missing or older than its source."""
+    import glob
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(root, "perf", "peers", "llama_cpp_pipe.cpp")
+    exe = os.path.join(root, ".peers", "llama-cpp-pipe")
+    b = os.path.join(root, ".peers", "build-server")
+    libs = [os.path.join(b, "src", "libllama.a")] + [os.path.join(b, "ggml", "src", f"lib{n}.a")
+                                                      for n in ("ggml", "ggml-cpu", "ggml-base")]
+    missing = [x for x in libs if not os.path.isfile(x)]
+    if missing:
+        sys.exit(f"error: --peer llama.cpp-static needs {missing[0]}: run `make peer-server` (it builds the "
+                 f"llama.cpp libraries first)")
+    if os.path.isfile(exe) and os.path.getmtime(exe) >= max(os.path.getmtime(x) for x in libs + [src]):
+        return exe
+    inc = glob.glob(os.path.join(root, ".peers", "llama_cpp_python-*", "vendor", "llama.cpp"))
+    if not inc:
+        sys.exit("error: --peer llama.cpp-static: no llama.cpp source under .peers/ (run `make peer-server`)")
+    cmd = ["g++", "-O2", "-std=c++17", src, "-I" + os.path.join(inc[0], "include"),
+           "-I" + os.path.join(inc[0], "ggml", "include")] + libs + ["-fopenmp", "-lpthread", "-o", exe]
+    print("[llama.cpp] " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+    return exe
+
+
 # ------------------------------------------------------------------------------------------------ main
 def _timed_round(runners, prompts, args):
     """One round of the timed phases; the engines take turns phase by phase, so a change in the host's load
@@ -518,6 +590,7 @@ def main(args):
     threads = args.threads or default_num_threads()
     if args.peer == "llama.cpp":
         _import_llama_cpp()                    # fail before the long part, not after it
+    if args.peer != "none":
         if not (os.path.isfile(gguf) and gguf.endswith(".gguf")):
             sys.exit(f"error: --peer llama.cpp needs a .gguf file as --model, got {gguf!r}")
 
@@ -532,10 +605,10 @@ def main(args):
             "prefill": rng.integers(0, vocab, size=(args.num_prompts, args.input_len)).tolist(),
             "decode": rng.integers(0, vocab, size=(maxc, args.input_len)).tolist(),
         }
-        if args.peer == "llama.cpp":
+        if args.peer != "none":
             print(f"[llama.cpp] loading {gguf} ...", file=sys.stderr, flush=True)
-            runners.append(LlamaCppRunner(args, gguf, threads))
-            if runners[1].n_vocab != vocab:
+            runners.append((LlamaCppRunner if args.peer == "llama.cpp" else LlamaCppPipeRunner)(args, gguf, threads))
+            if runners[1].n_vocab not in (None, vocab):
                 sys.exit(f"error: llama.cpp reads a vocabulary of {runners[1].n_vocab} tokens from {gguf}, "
                          f"our engine {vocab}")
         for r in runners:
