@@ -9,6 +9,11 @@ hi + lo split the GPUs with matrix units use, and f16 caches. Tolerances as in t
 atol 2e-5): the split keeps ~22 significant bits of each operand (observed errors ~1e-6). The split
 variants run on the highest CPU tier only (slow f16 conversions on SSE tiers).
 
+CPU tiers: these kernels are the GPU's (GPU tile shapes; the engine runs the CPU kernels of test_attention.py on
+CPU tiers), so their arithmetic is checked on one CPU tier, this host's highest, not on every tier: the `tier`
+fixture below overrides conftest's. The per-tier lowering of the same DSL operations is covered by
+tests/test_dsl.py and the CPU kernels' tests on every tier.
+
 Batch invariance (assert_array_equal): a sequence's rows alone equal its rows in batches of other sizes
 and orders, on partition axes of several lengths, with several prefill tile heights (block_m), and a token's
 bits are the same as a decode (decode + merge kernels) or as a row of a prefill tile (decode=False).
@@ -24,6 +29,19 @@ from .test_attention import BS, check, make_step, ref_paged_attention
 # and 17 tokens; a 17-token chunk after 283 cached; 23 after 17; 10 after 600; an empty (padding) sequence
 SEQS = [(1, 1), (15, 1), (300, 1), (15, 15), (16, 1), (0, 0), (17, 1), (300, 17), (17, 17), (40, 23), (70, 1),
         (600, 1), (610, 10)]
+
+
+def _flash_tier_params():
+    """conftest's all_tier_params() with the CPU tiers reduced to the highest runnable one; GPU and Vulkan as there."""
+    from tests.conftest import all_tier_params, runnable_tiers
+    cpu = runnable_tiers()
+    return [p for p in all_tier_params() if p.values[0] not in cpu[:-1]]
+
+
+@pytest.fixture(params=_flash_tier_params())
+def tier(request):
+    from targets import get_target
+    return get_target(request.param)
 
 
 def _flash(tier, q, kc, vc, qs, sl, bt, **kw):
