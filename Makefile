@@ -29,8 +29,14 @@ install-test: $(TEST_STAMP)
 run: install
 	$(VPY) -m engine.cli --prompt "The capital of France is" --max-tokens 16
 
+# The suite runs in two pytest-xdist worker processes (CI has 2 cores); PYTEST_XDIST= runs it in one process.
+# --dist worksteal: each worker starts on one contiguous half of the collected tests (so a file's module-scoped
+# fixtures, compiled models and servers, are mostly set up once) and an idle worker takes half of the other's
+# remaining tests. The workers share one kernel cache directory per run (tests/conftest.py).
+# PYTEST_ARGS adds pytest arguments, e.g. make test PYTEST_ARGS="-k attention".
+PYTEST_XDIST ?= -n 2 --dist worksteal
 test: install-test
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # llama.cpp as a peer for the benchmarks: building it takes minutes, so it is optional.
 peers: install

@@ -7,9 +7,18 @@ import pytest
 # Under CI=true a missing torch / transformers / sentencepiece fails the run instead of skipping (see there).
 pytest_plugins = ("tests.ci_oracles",)
 
-# A fresh cache per session keeps tests independent of the user's cache; set before jitkern is used.
+# A fresh cache per run keeps tests independent of the user's cache; set before jitkern is used.
+# Under pytest-xdist (`make test` runs `-n 2`) all workers of one run share one directory, keyed on the run's id
+# that xdist gives every worker, so a kernel compiled by one worker is a disk hit for the other (the cache's
+# writes are atomic renames, made for concurrent processes); the next run gets a new id, hence a fresh cache.
 if "JITKERN_TEST_KEEP_CACHE" not in os.environ:
-    os.environ["JITKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jitkern-test-cache-")
+    _xdist_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if _xdist_run:
+        _dir = os.path.join(tempfile.gettempdir(), f"jitkern-test-cache-xdist-{_xdist_run}")
+        os.makedirs(_dir, exist_ok=True)
+        os.environ["JITKERN_CACHE_DIR"] = _dir
+    else:
+        os.environ["JITKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jitkern-test-cache-")
 
 
 def runnable_tiers():
