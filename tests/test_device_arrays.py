@@ -268,6 +268,43 @@ def test_linear_split_k_tiles(backend, monkeypatch):
         np.testing.assert_array_equal(part, full[7:7 + M])
 
 
+def test_linear_tile_tiers_by_token_count():
+    """The tensor-core linear's tile on an H100/H200-class GPU: the decode tile below GPU_LINEAR_WIDE_M tokens,
+    the tall tile from there, the big tile from GPU_LINEAR_BIG_M, all with the decode tile's K split (which
+    depends on N and K only); a weight a taller tile does not divide keeps the next smaller one."""
+    from jitkern.ops import matmul as mm
+    from targets import get_target
+    T = get_target("sm_90a")
+    dec = mm._mma_tile_for(T, 4096, 4096, 1)
+    assert dec == (16, 64, 128, 4, 4)                            # narrow weight: K split in 4
+    assert mm._mma_tile_for(T, 28672, 4096, 1) == (16, 64, 128, 4, 2)
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M - 1) == dec
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M) == tuple(mm.GPU_LINEAR_WIDE_TILE[:4]) + (4,)
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_BIG_M - 1)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (2,)
+    assert mm._mma_tile_for(T, 384, 4096, 4096)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])   # 384 % 256 != 0
+    assert mm._mma_tile_for(T, 576, 576, 4096) == mm._mma_tile_for(T, 576, 576, 1)        # 576 % 128 != 0
+
+
+@pytest.mark.gpu
+def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch):
+    """From GPU_LINEAR_BIG_M tokens the linear takes the big tile (64 rows, 8 warps): rows through it are the
+    same bits as through the tall and the decode tiles (GPU only: on the CPU a dot's sums depend on the
+    tile)."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend("cuda", monkeypatch)
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(15), 160, 512, 512)
+    mm._LAST.clear()
+    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == mm.GPU_LINEAR_BIG_TILE[0]
+    want = x.astype(np.float64) @ w64.T + bias
+    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for lo, hi in ((0, 1), (70, 71), (150, 160), (5, 37), (11, 111)):
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
+        assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] in (16, mm.GPU_LINEAR_WIDE_TILE[0])
+        np.testing.assert_array_equal(part, full[lo:hi])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
     """From GPU_LINEAR_WIDE_M tokens the tensor-core linear takes a taller tile (32 rows, K steps of 64)

@@ -315,21 +315,25 @@ _LINEAR_MMA_UNITS = ("mma.sync", "wgmma", "tcgen05", "mfma", "wmma")
 def _mma_tile_for(T, N: int, K: int, M: int = 1) -> tuple:
     """gpu_linear_mma_tile(N, K) for target T: on WMMA (gfx1100, wave32) K steps of at most 64, since 128 with
     4 waves of 32 spills ~300 bytes of VGPRs per thread to scratch (LLVM 22; 64 does not). From
-    GPU_LINEAR_WIDE_M tokens on NVIDIA, the taller GPU_LINEAR_WIDE_TILE where it gives the same bits: both
-    tiles keep their accumulators in the MMA registers across the K loop (every warp a whole number of 16x8
-    tiles), so each output is the same chain of m16n8k16 steps in K order, hi and lo chains apart, whatever
-    the tile's height or K step; the K split (SPLIT) must be the same and taken by both
-    (tests/test_device_arrays.py checks rows of both tiles bit for bit on the GPU)."""
+    GPU_LINEAR_WIDE_M tokens on NVIDIA, the taller GPU_LINEAR_WIDE_TILE (from GPU_LINEAR_BIG_M tokens
+    GPU_LINEAR_BIG_TILE) where it gives the same bits: all tiles keep their accumulators in the MMA
+    registers across the K loop (every warp a whole number of 16x8 tiles), so each output is the same chain
+    of m16n8k16 steps in K order, hi and lo chains apart, whatever the tile's height, width, warps or K step;
+    the K split (SPLIT) must be the same and taken by all (tests/test_device_arrays.py checks rows of the
+    tiles bit for bit on the GPU)."""
     tile = tuple(gpu_linear_mma_tile(N, K))
     if T.mma == "wmma" and tile[2] > 64:
         tile = tile[:2] + (64,) + tile[3:]
     if GPU_LINEAR_MMA_TILE == "auto" and GPU_LINEAR_WIDE_TILE and M >= GPU_LINEAR_WIDE_M \
             and T.mma in ("mma.sync", "wgmma", "tcgen05"):
         S = tile[4] if len(tile) > 4 else 1
-        wide = tuple(GPU_LINEAR_WIDE_TILE[:4]) + (S,)    # the same K split as the decode tile: the same bits
-        if _takes_same_path(tile, wide, N, K) \
-                and all((t[0] // 16) * (t[1] // 8) % t[3] == 0 for t in (tile, wide)):
-            return wide
+        tiers = [GPU_LINEAR_WIDE_TILE] + ([GPU_LINEAR_BIG_TILE] if GPU_LINEAR_BIG_TILE and M >= GPU_LINEAR_BIG_M
+                                          else [])
+        for t in reversed(tiers):
+            wide = tuple(t[:4]) + (S,)    # the same K split as the decode tile: the same bits
+            if _takes_same_path(tile, wide, N, K) \
+                    and all((u[0] // 16) * (u[1] // 8) % u[3] == 0 for u in (tile, wide)):
+                return wide
     return tile
 
 
@@ -349,6 +353,12 @@ def _takes_same_path(a: tuple, b: tuple, N: int, K: int) -> bool:
 # M = 16 the decode tile stays ahead (0.79-0.96x cuBLAS)
 GPU_LINEAR_WIDE_TILE = (32, 128, 64, 4)   # its K split (5th entry) is always the decode tile's
 GPU_LINEAR_WIDE_M = 17
+# from GPU_LINEAR_BIG_M tokens a larger tile still (8 warps, each 4 x 4 MMA tiles: fewer shared-memory fragment
+# loads per MMA). H200 sweep (perf/tune_gemv_cuda.py --m 64,256,2048): at M = 256 and 2048, 117-142 TFLOP/s
+# against 92-114 for GPU_LINEAR_WIDE_TILE on o_proj, gate_up and down; at M = 64 slower on narrow weights
+# (o_proj 34.6 us vs 25.8: too few programs), faster on gate_up (129 vs 153)
+GPU_LINEAR_BIG_TILE = (64, 256, 64, 8)
+GPU_LINEAR_BIG_M = 128
 
 
 def gpu_linear_mma_tile(N: int, K: int) -> tuple:
