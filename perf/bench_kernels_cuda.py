@@ -18,7 +18,7 @@ max error against an f32 reference where one is cheap):
         Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's
         default on GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
         (GPU_TOKEN_ATTENTION = True, the path before them); --attn-variants adds flash settings to sweep
-        (flash-rows32 flash-nopipe flash-pb8 flash-w8, see ATTN_VARIANTS).
+        (flash-rows32 flash-rows16 flash-nopipe flash-pb8 flash-w8 flash-w2 flash-w4p, see ATTN_VARIANTS).
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
         torch.matmul at M = 1.
   elem  rms_norm and silu_and_mul (f32) as GB/s vs the copy bandwidth.
@@ -57,6 +57,8 @@ DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4
 # GPU attention paths timed A/B (see attention()): jitkern.ops.attention module settings per variant
 ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"FLASH_PIPELINE": False},
                  "flash-pb8": {"GPU_PARTITION_BLOCKS": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
+                 "flash-rows16": {"FLASH_ROWS": 16}, "flash-w2": {"FLASH_WARPS": (2, 8)},
+                 "flash-w4p": {"FLASH_WARPS": (4, 4)},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 

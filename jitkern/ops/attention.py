@@ -870,6 +870,14 @@ FLASH_PIPELINE = True      # load the next cache block while the current one is 
 # 255 registers at 4 warps (2 CTAs / SM) and ~240 at 8 (1 CTA / SM); the 64-row prefill 255 with ~1-1.5 KB of
 # spills at 8 warps (perf/bench_kernels_cuda.py --attn-variants sweeps these settings on the GPU)
 FLASH_WARPS = (4, 8)
+# decode launches of at least this many programs (sequences x KV heads x partition axis) run the decode kernel
+# with FLASH_DECODE_WIDE_WARPS warps: its 16-row x 16-key score dot is then one MMA tile per warp (with 4, two
+# warps sit out) and more programs fit an SM. H200 (perf/bench_kernels_cuda.py --only attn --attn-variants flash
+# flash-w2): B = 16-64 at ctx 1024-4096 1.36-1.40x faster with an f16 cache, 1.08-1.11x with f32; B = 1 (128
+# programs) up to 1.3x slower with f32, so small launches keep FLASH_WARPS[0]. A token's bits do not depend on
+# the warps (every output is the same MMA chain; tests/ops/test_attention_flash.py checks it on the GPU)
+FLASH_DECODE_WIDE_PROGRAMS = 1024
+FLASH_DECODE_WIDE_WARPS = 2
 
 
 def _token_path(target, st) -> bool:
@@ -939,7 +947,8 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks)
     gpu = target is not None and target.is_gpu
     pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
-    dw = dict(num_warps=FLASH_WARPS[0], PIPE=pipe) if gpu else dict(PIPE=pipe)
+    wide = st.num_seqs * st.kvh * P >= FLASH_DECODE_WIDE_PROGRAMS
+    dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=pipe) if gpu else dict(PIPE=pipe)
     pw = dict(num_warps=FLASH_WARPS[1], PIPE=pipe) if gpu else dict(PIPE=pipe)
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)

@@ -157,6 +157,23 @@ def test_flash_pipelined_loads_give_the_same_bits(tier):
         np.testing.assert_array_equal(piped, plain)
 
 
+def test_flash_decode_warps_give_the_same_bits(tier, monkeypatch):
+    """The decode kernel takes FLASH_DECODE_WIDE_WARPS warps for launches of many programs, FLASH_WARPS[0]
+    otherwise: a token's bits must not depend on which (GPU only: CPU tiers have no warps)."""
+    if not tier.is_gpu or tier.is_vulkan:
+        pytest.skip("warps per program exist on CUDA/HIP GPUs only")
+    rng = np.random.default_rng(27)
+    for dtype in (np.float32, np.float16):
+        q, kc, vc, qs, sl, bt = make_step(rng, [(s, 1) for s, _ in SEQS if s], 8, 2, 32, dtype)
+        outs = []
+        for programs in (1 << 30, 0):            # never / always the wide setting
+            monkeypatch.setattr(A, "FLASH_DECODE_WIDE_PROGRAMS", programs)
+            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, max_query_len=1,
+                               num_partitions=A.MAX_PARTITIONS))
+        check(outs[0], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25))
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_flash_partition_axis(tier):
     """Decode partitions are GPU_PARTITION_BLOCKS blocks, at most MAX_PARTITIONS, decided by each sequence's
     own length: axes of several lengths give the same bits; too short an axis is refused by name."""
