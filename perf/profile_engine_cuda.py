@@ -25,8 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--attention", choices=("token", "decode"), default=None,
-                    help="GPU attention kernels: per-(token, KV head) or the decode/prefill pair (default: the op's)")
+    ap.add_argument("--attention", choices=("token", "flash"), default=None,
+                    help="GPU attention kernels: token_attention_kernel (one program per token and KV head) or the "
+                         "flash decode/merge/prefill kernels (default: the op's, flash)")
     ap.add_argument("--host", action="store_true", help="host overhead: graph replay time vs step wall time, cProfile")
     args = ap.parse_args(argv)
     if args.host:
@@ -36,6 +37,7 @@ def main(argv=None) -> int:
     from jitkern.ops import attention
     if args.attention:
         attention.GPU_TOKEN_ATTENTION = args.attention == "token"
+        attention.GPU_FLASH_ATTENTION = args.attention == "flash"
     gpu_profile.ENABLED = True
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
