@@ -92,11 +92,28 @@ def _llvm():
 _SPIRV_KEEP: list = []
 
 
+_NVPTX_OPTIONS_SET = False
+
+
+def _nvptx_short_pointers(llvm) -> None:
+    """32-bit shared/const/local pointers in the NVPTX backend (the layout targets/registry.py declares,
+    p3:32:32): shared-memory addresses then take one 32-bit register and fold constant offsets into the
+    instruction ([%r + 4368]) instead of a 64-bit register pair per address, which at 255 registers a
+    thread was a good part of the MMA kernels' pressure. A process-wide LLVM option that only NVPTX
+    target machines read; set once per worker."""
+    global _NVPTX_OPTIONS_SET
+    if not _NVPTX_OPTIONS_SET:
+        llvm.set_option("jitkern", "--nvptx-short-ptr")
+        _NVPTX_OPTIONS_SET = True
+
+
 def _compile_impl(
     llvm_ir: str, triple: str, cpu: str, features: str, opt: int, emit: Sequence[str]
 ) -> dict[str, bytes]:
     llvm = _llvm()
     target = llvm.Target.from_triple(triple)
+    if triple.startswith("nvptx"):
+        _nvptx_short_pointers(llvm)
 
     def fresh_tm():
         # A fresh TargetMachine per module: SPIR-V TMs cache IR pointers and segfault when reused.

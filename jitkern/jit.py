@@ -33,8 +33,10 @@ _NP_TO_DTYPE = {
 
 
 # Keyword arguments of a launch that configure it rather than the kernel (GPU targets read them; the CPU
-# ignores them): threads per program = num_warps * warp size; pipeline depth for async copies.
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# ignores them): threads per program = num_warps * warp size; pipeline depth for async copies; maxnreg: a cap
+# on registers per thread (NVIDIA: PTX .maxnreg; a tuning knob like Triton's, e.g. 168 = 3 CTAs of 128
+# threads per SM; ptxas spills what does not fit).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 # Argument specialisation on GPUs (like Triton's): a pointer 16-byte aligned, an integer divisible by 16.

@@ -781,3 +781,37 @@ def test_dot_of_a_dot_with_a_tile_accumulator(tier):
     want = x64 @ w64[0].T + x64 @ w64[1].T + acc0
     mag = np.abs(x64) @ (np.abs(w64[0]) + np.abs(w64[1])).T + np.abs(acc0)
     assert (np.abs(c - want) <= (2.0 ** -16 + (2 * K + 2) * 2.0 ** -24) * mag).all()
+
+
+@jk.kernel
+def _strided_tile_sum(x, y, R, K, ldx, ldy, BR: jk.constexpr, BC: jk.constexpr):
+    # y[r, c] = sum over k steps of x[r, k + c] * (step + 1): a tile with a run-time row stride loaded in a K
+    # loop, as the dense linear does (GPU: a thread's chunks are one pointer plus uniform row steps)
+    rows = jk.program_id(0) * BR + jk.arange(0, BR)
+    cols = jk.arange(0, BC)
+    rm = rows[:, None] < R
+    xrows = x + rows.to(jk.i64)[:, None] * ldx.to(jk.i64)
+    acc = jk.zeros((BR, BC), jk.f32)
+    step = 1.0
+    for k in range(0, K, BC):
+        acc = acc + jk.load(xrows + (k + cols)[None, :], mask=rm, other=-1.0) * step
+        step = step + 1.0
+    jk.store(y + rows[:, None] * ldy + cols[None, :], acc, mask=rm)
+
+
+@pytest.mark.parametrize("BR,BC", [(16, 32), (2, 256), (8, 4)])
+def test_strided_tile_chunk_addresses(tier, BR, BC):
+    """Chunk addresses of 2-D tiles with a run-time row stride (GPU lowering: chunk pointer = previous chunk
+    pointer + a uniform step from the offsets' affine form; coordinates as thread part + constants), with
+    rows both a multiple of the threads' chunk span and spanning several of them, a masked row tail, and an
+    aligned and an odd row stride (vector chunk loads and gathers). One warp: 4 chunks of 4 a thread."""
+    rng = np.random.default_rng(BR * 7 + BC)
+    for R, ldx in ((BR * 2 + 1, 3 * BC + 16), (BR - 1 if BR > 2 else 1, 2 * BC + 3)):
+        K = 2 * BC
+        x = rng.standard_normal((R, ldx)).astype(np.float32)
+        ldy = BC + 4
+        y = np.full((R + 1, ldy), np.nan, np.float32)
+        _run(_strided_tile_sum, (jk.cdiv(R, BR),), tier, x, y, R, K, ldx, ldy, BR=BR, BC=BC, num_warps=1)
+        want = x[:, :BC] * 1.0 + x[:, BC:2 * BC] * 2.0
+        np.testing.assert_allclose(y[:R, :BC], want, rtol=1e-6, atol=1e-6)
+        assert np.isnan(y[:R, BC:]).all() and np.isnan(y[R:]).all(), "stores outside the tile"

@@ -79,6 +79,7 @@ class GpuHooks:
 
     global_as = 0               # address space of kernel pointer arguments' memory (NVPTX: 1 = global)
     remat = True                # broadcasts of index/mask math recomputed in place (GpuLowering._remat_move)
+    mma_unroll = None           # copies of an MMA K loop's step LLVM may unroll to (None: its own choice)
 
     # matrix units: None where the target has none (dot then runs FMA through shared memory)
     mma_shape = None            # (m, n, k) of one warp-level MMA, e.g. (16, 8, 16)
@@ -221,6 +222,8 @@ class GpuLowering(LlvmEmitter):
         self.pending_write = False
         self.pending_read = False
         self._flat = {}
+        self._flat_parts = {}       # flat index ref -> (thread part t * V, lanes, V)
+        self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
     # ------------------------------------------------------------------------------ layout helpers
     @staticmethod
@@ -254,6 +257,35 @@ class GpuLowering(LlvmEmitter):
             f"  {ref} = add {vty('i32', R)} {spl}, {steps}"]
         out = LV(ref, "i32", R, tuple(shape))
         self._flat[(R, V)] = out
+        self._flat_parts[ref] = (tv, R, V)
+        return out
+
+    def _flat_coords(self, e: LV, shape):
+        """_coords of a flat index vector (flat_index's own value) as thread part + per-lane constant, or None.
+        Lane j's element is (j // V) * T * V + j % V + t * V: three disjoint bit ranges when T, V and the
+        axis sizes are powers of two, so each coordinate (a bit field of the flat index) is the field of the
+        thread part t * V (one scalar a thread) plus a constant per lane. LLVM then sees `splat(s) + <c>`
+        and folds the constants into shared-memory immediates and address adds, where udiv/urem of the
+        vector hid that chunks of one thread differ by constants (a register per chunk and address)."""
+        hit = self._flat_parts.get(e.ref)
+        if hit is None or e.n != hit[1] or any(d & (d - 1) for d in shape) or self.T & (self.T - 1):
+            return None
+        tv, R, V = hit
+        TV = self.T * V
+        out = []
+        for ax in range(len(shape)):
+            lo = _prod(shape[ax + 1:]).bit_length() - 1
+            mask = None if ax == 0 else shape[ax] - 1
+            t = self.val(f"lshr i32 {tv}, {lo}", "i32", 0) if lo else LV(tv, "i32", 0)
+            if mask is not None:
+                t = self.val(f"and i32 {t.ref}, {mask}", "i32", 0)
+            cs = []
+            for j in range(R):
+                k = ((j // V) * TV + j % V) >> lo
+                cs.append(k if mask is None else k & mask)
+            sp = self.splat(t, R, e.shape)
+            cv = "<" + ", ".join(f"i32 {c}" for c in cs) + ">"
+            out.append(self.val(f"add nuw nsw {vty('i32', R)} {sp.ref}, {cv}", "i32", R, e.shape))
         return out
 
     def iconst(self, v: int, n: int, shape=()) -> LV:
@@ -350,6 +382,10 @@ class GpuLowering(LlvmEmitter):
 
     def _coords(self, e: LV, shape) -> list:
         """Per-axis coordinates of flat indices e in a row-major tile of `shape`."""
+        if e.n:
+            fast = self._flat_coords(e, shape)
+            if fast is not None:
+                return fast
         out = []
         for ax in range(len(shape)):
             inner = _prod(shape[ax + 1:])
@@ -438,6 +474,7 @@ class GpuLowering(LlvmEmitter):
         out.append("}")
         attrs = h.function_attrs(self)
         out.append(f"attributes #0 = {{ nounwind {' '.join(attrs)} }}")
+        out += self.loop_md
         return "\n".join(out) + "\n"
 
     # --------------------------------------------------------------------------- ids and creation
@@ -459,7 +496,9 @@ class GpuLowering(LlvmEmitter):
         s, e = op.attrs["start"], op.attrs["end"]
         shape = (e - s,)
         f = self.flat_index(shape)
-        return f if s == 0 else self.ibin("add", f, s)
+        r = LV(f.ref, f.et, f.n, f.shape) if s == 0 else self.ibin("add", f, s)
+        r.aff = Aff(s, (1,))          # the tile's affine form (layout-free): chunk addresses use its strides
+        return r
 
     def op_splat(self, op):
         x = self.get(op.operands[0])
@@ -494,10 +533,25 @@ class GpuLowering(LlvmEmitter):
         shape = op.result.type.shape
         src = (1,) * (len(shape) - len(sshape)) + tuple(sshape)
         if _prod(src) == _prod(shape):
-            return self._retag(x, shape)
-        index = self._broadcast_index(sshape, shape)
-        r = self._remat_move(op.operands[0], shape, index)
-        return r if r is not None else self._move(x, sshape, shape, index)
+            r = self._retag(x, shape)
+        else:
+            index = self._broadcast_index(sshape, shape)
+            r = self._remat_move(op.operands[0], shape, index)
+            r = r if r is not None else self._move(x, sshape, shape, index)
+        return self._with_aff(r, x, lambda a: Aff(a.base, tuple(
+            0 if sz == 1 else k for sz, k in zip(src, (0,) * (len(shape) - len(sshape)) + tuple(a.strides)))))
+
+    @staticmethod
+    def _with_aff(r, x, f):
+        """r (x's tile after a layout or shape change) with the affine form f(x's form), when x has one: the
+        form describes the logical tile (base + sum of index * stride), whatever the lanes' layout."""
+        xv = x.offs if isinstance(x, PT) else x
+        rv = r.offs if isinstance(r, PT) else r
+        if xv is None or rv is None or xv.aff is None or rv is xv:
+            return r
+        aff = f(xv.aff)
+        nv = LV(rv.ref, rv.et, rv.n, rv.shape, aff)
+        return PT(r.base, r.elem, nv, r.shape) if isinstance(r, PT) else nv
 
     # Rematerialisation: a tile computed only from aranges, constants and uniform scalars through integer /
     # boolean / pointer arithmetic (index and mask math: `(k + offs)[None, :]`, `rows[:, None] < n`) is
@@ -597,7 +651,18 @@ class GpuLowering(LlvmEmitter):
         return LV(x.ref, x.et, x.n, tuple(shape))
 
     def op_reshape(self, op):
-        return self._retag(self.get(op.operands[0]), op.result.type.shape)
+        x = self.get(op.operands[0])
+        shape = op.result.type.shape
+        r = self._retag(x, shape)
+        old = [(sz, i) for i, sz in enumerate(x.shape) if sz != 1]
+
+        def form(a):
+            # a reshape keeps the form when it only inserts or removes size-1 axes
+            if [sz for sz in shape if sz != 1] != [sz for sz, _ in old]:
+                return None
+            it = iter(a.strides[i] for _, i in old)
+            return Aff(a.base, tuple(0 if sz == 1 else next(it) for sz in shape))
+        return self._with_aff(r, x, form)
 
     def op_cast(self, op):
         if op.results[0].id in self.lazy:
@@ -619,7 +684,8 @@ class GpuLowering(LlvmEmitter):
                 inc[p] = cs[i]
             return self._flat_of(inc, shape, e)
         r = self._remat_move(op.operands[0], oshape, index)
-        return r if r is not None else self._move(x, shape, oshape, index)
+        r = r if r is not None else self._move(x, shape, oshape, index)
+        return self._with_aff(r, x, lambda a: Aff(a.base, tuple(a.strides[p] for p in perm)))
 
     # -------------------------------------------------------------------------------------- memory
     def _gpu_mask(self, shape, mask):
@@ -671,7 +737,7 @@ class GpuLowering(LlvmEmitter):
         m = self._gpu_mask(shape, mask)
         V = self._chunk_vector(op.operands[0], op.operands[1] if len(op.operands) > 1 else None, shape, p.elem)
         if V:
-            return self._load_chunks(ptrs, m, other, V, et, p.elem.itemsize, shape)
+            return self._load_chunks(ptrs, m, other, V, et, p.elem.itemsize, shape, self._chunk_steps(p, shape, V))
         vt = vty(et, R)
         if m is None:
             m = self.const(1, "i1", R, shape)
@@ -712,7 +778,7 @@ class GpuLowering(LlvmEmitter):
         m = self._gpu_mask(shape, mask)
         V = self._chunk_vector(op.operands[0], op.operands[2] if len(op.operands) > 2 else None, shape, p.elem)
         if V:
-            self._store_chunks(ptrs, v, m, V, et, p.elem.itemsize)
+            self._store_chunks(ptrs, v, m, V, et, p.elem.itemsize, self._chunk_steps(p, shape, V))
             return None
         if m is None:
             m = self.const(1, "i1", R, shape)
@@ -737,21 +803,70 @@ class GpuLowering(LlvmEmitter):
             return 0
         return V
 
-    def _chunk_ptr(self, ptrs: LV, lane: int):
+    def _chunk_steps(self, p: PT, shape, V: int):
+        """Element steps (i64 refs or ints) from each chunk's first element to the next one's, when the
+        offsets have an affine form (p.offs.aff: base + sum of index * stride, uniform strides) and the
+        tile's sizes are powers of two, else None. A thread's chunks then differ by uniform amounts (see
+        _flat_coords: coordinate deltas between chunks are constants), so its chunk pointers are one pointer
+        plus uniform steps rather than one 64-bit offset each (16 chunks of a bf16 weight tile were 32 of
+        a linear's 255 registers). Like the CPU path's affine form, it takes the i32 index math feeding an
+        address not to wrap (a wrapped index addresses memory outside the tensor anyway)."""
+        a = p.offs.aff if p.offs is not None else None
+        R = self.lanes(shape)
+        if a is None or R // V < 2 or len(a.strides) != len(shape) or any(d & (d - 1) for d in shape) \
+                or self.T & (self.T - 1):
+            return None
+        TV = self.T * V
+
+        def fields(k):
+            out = []
+            for ax in range(len(shape)):
+                f = k >> (_prod(shape[ax + 1:]).bit_length() - 1)
+                out.append(f if ax == 0 else f & (shape[ax] - 1))
+            return out
+        et = p.offs.et
+        steps, memo = [], {}
+        for c in range(1, R // V):
+            d = [x - y for x, y in zip(fields(c * TV), fields((c - 1) * TV))]
+            key = tuple(d)
+            if key not in memo:
+                tot, terms = 0, []
+                for dk, st in zip(d, a.strides):
+                    if dk == 0 or (isinstance(st, int) and st == 0):
+                        continue
+                    if isinstance(st, int):
+                        tot += dk * st
+                        continue
+                    st64 = st if et == "i64" else self.val(f"sext {et} {st} to i64", "i64", 0).ref
+                    terms.append(st64 if dk == 1 else self.val(f"mul i64 {st64}, {dk}", "i64", 0).ref)
+                ref = str(tot) if tot or not terms else None
+                for t_ in terms:
+                    ref = t_ if ref is None else self.val(f"add i64 {ref}, {t_}", "i64", 0).ref
+                memo[key] = ref
+            steps.append(memo[key])
+        return steps
+
+    def _chunk_ptr(self, ptrs: LV, lane: int, prev=None, step=None, et=None):
         """(pointer type, ref) of one chunk's first element, in the global address space when the target
-        names one (a generic pointer would make NVPTX emit generic ld/st)."""
-        pc = self.extract(ptrs, lane)
+        names one (a generic pointer would make NVPTX emit generic ld/st); with `prev` (the previous chunk's
+        generic pointer) it is prev + step elements. Also returns the generic pointer."""
+        if prev is not None:
+            pc = self.val(f"getelementptr {et}, ptr {prev}, i64 {step}", "ptr", 0)
+        else:
+            pc = self.extract(ptrs, lane)
         gas = self.hooks.global_as
         if not gas:
-            return "ptr", pc
+            return "ptr", pc, pc.ref
         g = self.val(f"addrspacecast ptr {pc.ref} to ptr addrspace({gas})", "ptr", 0)
-        return f"ptr addrspace({gas})", g
+        return f"ptr addrspace({gas})", g, pc.ref
 
-    def _load_chunks(self, ptrs: LV, m, other: LV, V: int, et: str, esize: int, shape) -> LV:
+    def _load_chunks(self, ptrs: LV, m, other: LV, V: int, et: str, esize: int, shape, steps=None) -> LV:
         parts = []
         vt = vty(et, V)
+        gp = None
         for c in range(ptrs.n // V):
-            pty, pc = self._chunk_ptr(ptrs, c * V)
+            pty, pc, gp = self._chunk_ptr(ptrs, c * V, gp if steps and c else None,
+                                          steps[c - 1] if steps and c else None, et)
             if m is None:
                 parts.append(self.val(f"load {vt}, {pty} {pc.ref}, align {V * esize}", et, V))
                 continue
@@ -774,10 +889,12 @@ class GpuLowering(LlvmEmitter):
             return LV(parts[0].ref, et, V, tuple(shape))
         return self.concat(parts, shape)
 
-    def _store_chunks(self, ptrs: LV, v: LV, m, V: int, et: str, esize: int) -> None:
+    def _store_chunks(self, ptrs: LV, v: LV, m, V: int, et: str, esize: int, steps=None) -> None:
         vt = vty(et, V)
+        gp = None
         for c in range(ptrs.n // V):
-            pty, pc = self._chunk_ptr(ptrs, c * V)
+            pty, pc, gp = self._chunk_ptr(ptrs, c * V, gp if steps and c else None,
+                                          steps[c - 1] if steps and c else None, et)
             part = self.shuffle(v, list(range(c * V, c * V + V))) if v.n > V else v
             if m is None:
                 self.emit(f"store {vt} {part.ref}, {pty} {pc.ref}, align {V * esize}")
@@ -800,8 +917,9 @@ class GpuLowering(LlvmEmitter):
         return None
 
     # ------------------------------------------------------------------------------------- loops
-    def emit_loop(self, count: int, carried: list, body):
-        """A counted loop 0..count-1 (uniform) with vector values carried; body(iv_ref, carried) -> carried."""
+    def emit_loop(self, count: int, carried: list, body, unroll=None):
+        """A counted loop 0..count-1 (uniform) with vector values carried; body(iv_ref, carried) -> carried.
+        unroll: None (LLVM decides), or at most this many copies of the body (llvm.loop.unroll.count)."""
         hdr, bb, ex = self.label("l_hdr"), self.label("l_body"), self.label("l_exit")
         pred = self.block
         self.emit(f"br label %{hdr}")
@@ -821,7 +939,14 @@ class GpuLowering(LlvmEmitter):
         nxt = body(iv, cur)
         inc = self.val(f"add i32 {iv}, 1", "i32", 0)
         latch = self.block
-        self.emit(f"br label %{hdr}")
+        if unroll is not None:
+            md = 9000 + len(self.loop_md)      # ids clear of a hook's module metadata (AMDGPU: !0)
+            self.loop_md.append(f'!{md} = distinct !{{!{md}, !{md + 1}}}')
+            self.loop_md.append(f'!{md + 1} = !{{!"llvm.loop.unroll.count", i32 {unroll}}}' if unroll > 1 else
+                                f'!{md + 1} = !{{!"llvm.loop.unroll.disable"}}')
+            self.emit(f"br label %{hdr}, !llvm.loop !{md}")
+        else:
+            self.emit(f"br label %{hdr}")
         self.lines[slot] = f"  {iv} = phi i32 [ 0, %{pred} ], [ {inc.ref}, %{latch} ]"
         for i, (ph, c, n) in enumerate(zip(phis, carried, nxt)):
             self.lines[slot + 1 + i] = f"  {ph} = phi {c.ty} [ {c.ref}, %{pred} ], [ {n.ref}, %{latch} ]"
@@ -1215,12 +1340,23 @@ class GpuLowering(LlvmEmitter):
         if not transpose and C0 % V == 0 and V > 1:
             # chunks of V consecutive elements stay within one row: one vector store each
             vt = vty(x.et, V)
+            fc = self._flat_coords(flat, shape)
+            if fc is not None:
+                # thread part of the offset once; chunk c adds a constant (an immediate offset in the store)
+                r0, c0 = self.extract(fc[0], 0), self.extract(fc[1], 0)
+                d0 = self.val(f"mul nuw nsw i32 {r0.ref}, {KP}", "i32", 0)
+                d0 = self.val(f"add nuw nsw i32 {d0.ref}, {c0.ref}", "i32", 0)
+                TV = self.T * V
             for c in range(x.n // V):
                 e = self.extract(flat, c * V)
-                r = self.val(f"udiv i32 {e.ref}, {C0}", "i32", 0)
-                col = self.val(f"urem i32 {e.ref}, {C0}", "i32", 0)
-                d = self.val(f"mul i32 {r.ref}, {KP}", "i32", 0)
-                d = self.val(f"add i32 {d.ref}, {col.ref}", "i32", 0)
+                if fc is not None:
+                    k = c * TV
+                    d = self.val(f"add nuw nsw i32 {d0.ref}, {(k // C0) * KP + k % C0}", "i32", 0)
+                else:
+                    r = self.val(f"udiv i32 {e.ref}, {C0}", "i32", 0)
+                    col = self.val(f"urem i32 {e.ref}, {C0}", "i32", 0)
+                    d = self.val(f"mul i32 {r.ref}, {KP}", "i32", 0)
+                    d = self.val(f"add i32 {d.ref}, {col.ref}", "i32", 0)
                 if pad_lanes:
                     ok = self.val(f"icmp ult i32 {e.ref}, {numel}", "i1", 0)
                     d = self.val(f"select i1 {ok.ref}, i32 {d.ref}, i32 {scratch}", "i32", 0)
@@ -1228,8 +1364,7 @@ class GpuLowering(LlvmEmitter):
                 ptr = self.val(f"getelementptr {x.et}, ptr addrspace({a}) {base}, i32 {d.ref}", "ptr", 0)
                 self.emit(f"store {vt} {part.ref}, ptr addrspace({a}) {ptr.ref}, align {V * _ES[x.et]}")
         else:
-            r = self.ibin("udiv", flat, C0)
-            col = self.ibin("urem", flat, C0)
+            r, col = self._coords(flat, shape)
             d = self.ibin("add", self.ibin("mul", col, KP), r) if transpose else \
                 self.ibin("add", self.ibin("mul", r, KP), col)
             if pad_lanes:
@@ -1401,10 +1536,20 @@ class GpuLowering(LlvmEmitter):
         def mul(x, c):
             return low.val(f"mul i32 {x}, {c}", "i32", 0).ref
 
-        def ld(byte_off_region, elem_idx, ty, elems):
-            eb = add(mul(elem_idx, 2), byte_off_region)
-            p = low.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0)
-            return low.val(f"load {ty}, ptr addrspace({a3}) {p.ref}, align {min(16, 2 * elems)}", ty, 0).ref
+        def ld(byte_off_region, elem_idx, ty, elems, const=0, cache=None):
+            """A fragment register at element elem_idx (+ the constant `const`) of a staged region: the
+            symbolic address is shared (cache) and the constant goes into the load's immediate offset, so
+            a warp's fragment loads of a K step use a few base registers (not one address register each)."""
+            key = (byte_off_region, elem_idx)
+            p = cache.get(key) if cache is not None else None
+            if p is None:
+                eb = add(mul(elem_idx, 2), byte_off_region)
+                p = low.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0).ref
+                if cache is not None:
+                    cache[key] = p
+            if const:
+                p = low.val(f"getelementptr i8, ptr addrspace({a3}) {p}, i32 {2 * const}", "ptr", 0).ref
+            return low.val(f"load {ty}, ptr addrspace({a3}) {p}, align {min(16, 2 * elems)}", ty, 0).ref
 
         def bases(crds, origin, cache):
             """tile origin + each distinct symbolic part (one add each; constants are added per register)."""
@@ -1412,9 +1557,6 @@ class GpuLowering(LlvmEmitter):
                 if ref not in cache:
                     cache[ref] = origin() if ref is None else add(origin(), ref)
             return cache
-
-        def plus(base, c):
-            return add(base, c) if c else base
 
         class Ctx:
             pass
@@ -1433,14 +1575,14 @@ class GpuLowering(LlvmEmitter):
             bases(b_cols, lambda: mul(ni.ref, NS), cols)
             bases(c_cols, lambda: mul(ni.ref, NS), cols)
             bases(c_rows, lambda: mul(mi.ref, MS), rows)
-            roff = {}                                       # element offset of each register's row (x KP)
+            roff = {}               # element offset of each symbolic row part (x KP); constants go to ld
             if offs_a is not None:
                 for (ref, c) in a_rows:
-                    if ("a", ref, c) not in roff:
-                        roff[("a", ref, c)] = mul(plus(rows[ref], c), KP)
+                    if ("a", ref) not in roff:
+                        roff[("a", ref)] = mul(rows[ref], KP)
                 for (ref, c) in b_cols:
-                    if ("b", ref, c) not in roff:
-                        roff[("b", ref, c)] = mul(plus(cols[ref], c), KP)
+                    if ("b", ref) not in roff:
+                        roff[("b", ref)] = mul(cols[ref], KP)
             return dict(rows=rows, cols=cols, roff=roff)
 
         def run_units(us, init):
@@ -1459,19 +1601,25 @@ class GpuLowering(LlvmEmitter):
                     for ref, _ in b_ks + a_ks:              # k of each register: step * KS + its lane part
                         if ref not in kb:
                             kb[ref] = mul(it, KS) if ref is None else add(mul(it, KS), ref)
-                    regs_b = [ld(offb, add(u["roff"][("b",) + bc], plus(kb[kr], kc)), lay["b_ty"],
-                                 lay["b_elems"]) for bc, (kr, kc) in zip(b_cols, b_ks)]
+                    sums, addrs = {}, {}
+
+                    def elem(side, rr, kr):                 # symbolic row part x KP + symbolic k part
+                        if (side, rr, kr) not in sums:
+                            sums[(side, rr, kr)] = add(u["roff"][(side, rr)], kb[kr])
+                        return sums[(side, rr, kr)]
+                    regs_b = [ld(offb, elem("b", bc[0], kr), lay["b_ty"], lay["b_elems"], bc[1] * KP + kc, addrs)
+                              for bc, (kr, kc) in zip(b_cols, b_ks)]
                     for pi, pa in enumerate(offs_a):
                         if m == MS and pi in shared_a:
                             regs_a = shared_a[pi]
                         else:
-                            regs_a = [ld(pa, add(u["roff"][("a",) + ar], plus(kb[kr], kc)), lay["a_ty"],
-                                         lay["a_elems"]) for ar, (kr, kc) in zip(a_rows, a_ks)]
+                            regs_a = [ld(pa, elem("a", ar[0], kr), lay["a_ty"], lay["a_elems"], ar[1] * KP + kc,
+                                         addrs) for ar, (kr, kc) in zip(a_rows, a_ks)]
                             shared_a[pi] = regs_a
                         base = (ui * nparts + pi) * nc
                         out += low.hooks.mma(low, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
                 return [LV(o, "float", 0) for o in out]
-            return [r.ref for r in low.emit_loop(ksteps, start, kstep)]
+            return [r.ref for r in low.emit_loop(ksteps, start, kstep, unroll=low.hooks.mma_unroll)]
 
         def store_units(us, regs, offc):
             """Per register the parts summed in order (hi + lo), stored at its tile element."""

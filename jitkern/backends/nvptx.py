@@ -23,6 +23,10 @@ class NvptxHooks(GpuHooks):
     smem_as = 3
     smem_index = "i32"
     global_as = 1
+    # MMA K loops stay loops: LLVM unrolled the bf16 linear's 8 steps (BK=128) and ptxas then kept every
+    # step's fragment loads in flight (sm_90a: 149 -> 167 registers; the tall tile 126 -> 151), which costs
+    # CTAs per SM in kernels that are memory-bound at decode
+    mma_unroll = 1
 
     def __init__(self, target):
         self.target = target
@@ -106,7 +110,16 @@ class NvptxHooks(GpuHooks):
                     c=[(g, t2), (g, t2 + 1), (g + 8, t2), (g + 8, t2 + 1)])
 
     def function_attrs(self, low) -> list:
-        return [f'"nvvm.maxntid"="{low.T}"']
+        attrs = [f'"nvvm.maxntid"="{low.T}"']
+        cap = low.fn.constexprs.get("maxnreg")
+        if cap:
+            # the `maxnreg` launch option (jit.LAUNCH_OPTIONS; in the specialisation, so in the cache key)
+            cap = int(cap)
+            if not 16 <= cap <= 255:
+                raise CompileError(f"maxnreg must be in 16..255, got {cap}", kernel=low.fn.name,
+                                   target=self.target.name)
+            attrs.append(f'"nvvm.maxnreg"="{cap}"')
+        return attrs
 
     # Masked 16/8/4-byte chunk accesses as predicated PTX instructions (`@p ld.global.v4.b32`): a branch
     # around each load would keep ptxas from issuing a tile's loads back to back, and memory-bound kernels

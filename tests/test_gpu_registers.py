@@ -1,0 +1,101 @@
+"""Register pressure of the GPU lowering's NVIDIA kernels (ptxas, no GPU needed) and the address arithmetic
+behind it: chunk pointers as one pointer plus uniform steps (GpuLowering._chunk_steps), shared-memory
+offsets as a thread part plus constants (_flat_coords), the `maxnreg` launch option."""
+import re
+import subprocess
+
+import pytest
+
+from jitkern import ir
+from jitkern.backends.emitter import LV, PT, Aff
+from jitkern.backends.gpu import GpuLowering
+from jitkern.backends.nvptx import find_ptxas
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (16, 128), (32, 64), (2, 1024), (4, 2048), (8, 4), (16, 8, 32)])
+@pytest.mark.parametrize("T", [32, 128, 256])
+def test_chunk_steps_match_the_layouts_offsets(shape, T):
+    """The step between a thread's consecutive chunks, from the affine form's strides, equals the difference
+    of the two chunks' offsets computed from the layout (chunk c of thread t starts at flat element
+    (c * T + t) * V), for every thread, rows shorter or longer than the threads' chunk span."""
+    low = object.__new__(GpuLowering)
+    low.T = T
+    V = GpuLowering.vec(shape)
+    R = low.lanes(shape)
+    strides = tuple(1 if i == len(shape) - 1 else 1000 * (i + 1) + 7 for i in range(len(shape)))
+    p = PT("%base", ir.f32, LV("%offs", "i64", R, shape, Aff(0, strides)), shape)
+    steps = low._chunk_steps(p, shape, V)
+    if R // V < 2:
+        assert steps is None
+        return
+
+    def offset(e):
+        out = 0
+        for ax in range(len(shape)):
+            inner = 1
+            for d in shape[ax + 1:]:
+                inner *= d
+            c = e // inner if ax == 0 else (e // inner) % shape[ax]
+            out += c * strides[ax]
+        return out
+    assert steps is not None and len(steps) == R // V - 1
+    for t in range(T):
+        for c in range(1, R // V):
+            want = offset((c * T + t) * V) - offset(((c - 1) * T + t) * V)
+            assert int(steps[c - 1]) == want, (t, c)
+
+
+def test_chunk_steps_need_an_affine_form_and_power_of_two_sizes():
+    low = object.__new__(GpuLowering)
+    low.T = 128
+    shape = (48, 128)
+    R = low.lanes(shape)
+    assert low._chunk_steps(PT("%b", ir.f32, LV("%o", "i64", R, shape, Aff(0, (128, 1))), shape), shape, 4) is None
+    shape = (64, 128)
+    R = low.lanes(shape)
+    assert low._chunk_steps(PT("%b", ir.f32, LV("%o", "i64", R, shape, None), shape), shape, 4) is None
+
+
+LINEAR_SIG = "x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16"
+
+
+def _linear_ptx(BM, BN, BK, extra=()):
+    from jitkern.cli import parse_sig
+    from jitkern.compiler import compile_kernel
+    from jitkern.ops.matmul import _gpu_linear_mma_kernel
+    from targets import get_target
+    consts = ["HAS_BIAS=False", f"BM={BM}", f"BN={BN}", f"BK={BK}", "EVEN=True", "SPLIT=2", "num_warps=4", *extra]
+    params, cx = parse_sig(_gpu_linear_mma_kernel, LINEAR_SIG, consts)
+    ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, get_target("sm_90a"), load=False)
+    return ck.artifacts["kernel.ptx"].decode()
+
+
+def _ptxas_usage(ptx: str, tmp_path) -> tuple:
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    r = subprocess.run([find_ptxas(), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+    spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr).groups()]
+    return regs, sum(spills)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+@pytest.mark.parametrize("tile", [(16, 64, 128), (32, 64, 64)])
+def test_dense_linear_tiles_fit_three_ctas_per_sm(tile, tmp_path):
+    """The bf16 linear's decode tile and tall tile (4 warps) in at most 168 registers a thread without spills
+    (3 CTAs of 128 threads per SM; 255 before the chunk-pointer, shared-offset and K-loop changes), so more
+    weight bytes are in flight at decode."""
+    regs, spilled = _ptxas_usage(_linear_ptx(*tile), tmp_path)
+    assert regs <= 168 and spilled == 0, (regs, spilled)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_maxnreg_launch_option_caps_registers(tmp_path):
+    """`maxnreg` (a launch option: in the specialisation, so in the cache key) becomes PTX .maxnreg."""
+    ptx = _linear_ptx(16, 64, 128, ["maxnreg=96"])
+    assert re.search(r"^\.maxnreg 96$", ptx, re.M)
+    regs, _ = _ptxas_usage(ptx, tmp_path)
+    assert regs <= 96
+    assert ".maxnreg" not in _linear_ptx(16, 64, 128)
