@@ -47,8 +47,12 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
     ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")
     ap.add_argument("--smoke", action="store_true", help="one small shape, two configs")
+    ap.add_argument("--maxnreg", type=int, default=None,
+                    help="register cap of the tensor-core linear (matmul.GPU_LINEAR_MAXNREG; e.g. 168, 128)")
     args = ap.parse_args(argv)
     from jitkern.ops import matmul
+    if args.maxnreg:
+        matmul.GPU_LINEAR_MAXNREG = args.maxnreg
     from jitkern.runtime import cuda
     import torch
     dev = cuda.get_device()

@@ -380,6 +380,16 @@ def gpu_linear_mma_tile(N: int, K: int) -> tuple:
 GPU_SPLITK4_MAX_TILES = 200
 
 
+# registers a thread of the tensor-core linear may use on NVIDIA (the `maxnreg` launch option, so in the cache
+# key; None: ptxas decides). A tuning knob (perf/tune_gemv_cuda.py --maxnreg): 168 = 3 CTAs of 128 threads an SM;
+# ptxas spills what does not fit. Registers do not change the arithmetic (same bits).
+GPU_LINEAR_MAXNREG = None
+
+
+def _mma_regs(T) -> dict:
+    return {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
+
+
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
 GPU_SPLITK_MAX_M = 1024
 
@@ -641,7 +651,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T):
             else np.empty((S * mc, N), np.float32)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (xc, warg, oc, parts, mc, N, K, xc.strides[0] // 4, N),
-                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW), T)
+                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, **_mma_regs(T)), T)
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
                 (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
@@ -680,7 +690,8 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
                     _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T)
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
-                            dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW), T)
+                            dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
+                                 **_mma_regs(T)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
