@@ -166,15 +166,22 @@ class ModelRunner:
             res.logits = self._replay_decode()
             picks = self._graph_greedy
             if picks is not None and self.device_greedy and self._plain_greedy(sched, res):
-                # the argmax ran inside the replayed graph (no separate launch waking the pool's threads)
-                res.greedy_tokens, res.greedy_values = picks[0].copy(), picks[1].copy()
+                # the argmax ran inside the replayed graph (no separate launch waking the pool's threads; on
+                # CUDA no launches from Python, and ids + logits come back in one copy)
+                if isinstance(picks[0], np.ndarray):
+                    res.greedy_tokens, res.greedy_values = picks[0].copy(), picks[1].copy()
+                else:
+                    both = picks[2].numpy()
+                    R = both.shape[0] // 2
+                    res.greedy_tokens, res.greedy_values = both[:R], both[R:].view(np.float32)
+                    res.logits = None
         elif self.use_graphs and spec_step:
             res.logits = self._replay_decode(("spec", b.num_tokens, b.num_seqs))
         elif self.prefill_graphs.eligible(res):
             res.logits = self.prefill_graphs.run(res)
         else:
             res.logits = self.model.forward(self.fwd_batch)
-        if self.staging is not None and not isinstance(res.logits, np.ndarray):
+        if self.staging is not None and res.greedy_tokens is None and not isinstance(res.logits, np.ndarray):
             if self.device_greedy and self._plain_greedy(sched, res):
                 self._greedy_on_device(res)
             else:
@@ -279,9 +286,13 @@ class ModelRunner:
         b = self.fwd_batch
         logits = self.model.forward(b)
         gen = b.buffers.generation
+        picks = self._cuda_greedy_bufs(logits, key)
+        self._graph_greedy = None               # this step's picks (if any) come from the eager path
         try:
             with jk.capture() as g:
                 self.model.forward(b)
+                if picks is not None:
+                    self._pick_greedy(logits, picks)
         except Exception as e:      # noqa: BLE001 - eager steps stay correct; say why once
             logging.getLogger("engine").warning("CUDA graph capture failed (%s): decode runs eagerly", e)
             self.use_graphs = False
@@ -291,10 +302,31 @@ class ModelRunner:
             self._graphs.clear()                   # a buffer moved while recording: record next time
             self._graphs_generation = b.buffers.generation
             return logits
-        self._graphs[key] = (g, logits)
+        self._graphs[key] = (g, logits, picks)
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return logits
+
+    def _cuda_greedy_bufs(self, logits, key):
+        """CUDA decode graphs of the engine's own runner end with each row's argmax and its logit, as the CPU's
+        do (_record_greedy): (ids, values, both) on the device, `both` one int32 buffer of 2R entries (ids,
+        then the logits' f32 bits) so that a plain greedy step copies back once; allocated before the capture
+        (a capture must not allocate). None where not used."""
+        if not (self.device_greedy and isinstance(key, int) and not isinstance(logits, np.ndarray)
+                and len(logits.shape) == 2):
+            return None
+        from jitkern.runtime.cuda import DeviceArray
+        R = logits.shape[0]
+        both = DeviceArray.empty((2 * R,), np.int32, logits.device)
+        ids = DeviceArray(both.ptr, (R,), np.int32, logits.device, both)
+        vals = DeviceArray(both.ptr + 4 * R, (R,), np.float32, logits.device, both)
+        return ids, vals, both
+
+    @staticmethod
+    def _pick_greedy(logits, picks) -> None:
+        from jitkern.ops.sampling import argmax_rows, gather_rows
+        argmax_rows(logits, out=picks[0])
+        gather_rows(logits, picks[0], out=picks[1])
 
     @property
     def num_graphs(self) -> int:
