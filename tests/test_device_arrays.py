@@ -268,6 +268,19 @@ def test_linear_split_k_tiles(backend, monkeypatch):
         np.testing.assert_array_equal(part, full[7:7 + M])
 
 
+def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
+    """A bf16 linear case of M tokens launched whole: checks it took a tile of bm rows and matches float64;
+    returns (x, weights, bias on the device, the result, the float64 reference)."""
+    from jitkern.ops import matmul as mm
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(seed), M, N, K)
+    mm._LAST.clear()
+    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == bm
+    want = x.astype(np.float64) @ w64.T + bias
+    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    return x, dw, db, full, want
+
+
 def test_linear_tile_tiers_by_token_count():
     """The tensor-core linear's tile on an H100/H200-class GPU: the decode tile below GPU_LINEAR_WIDE_M tokens,
     the tall tile from there, the big tile from GPU_LINEAR_BIG_M, all with the decode tile's K split (which
@@ -293,12 +306,7 @@ def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch):
     tile)."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
-    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(15), 160, 512, 512)
-    mm._LAST.clear()
-    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
-    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == mm.GPU_LINEAR_BIG_TILE[0]
-    want = x.astype(np.float64) @ w64.T + bias
-    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    x, dw, db, full, _ = _tiled_linear_case(cuda_mod, 15, 160, 512, 512, mm.GPU_LINEAR_BIG_TILE[0])
     for lo, hi in ((0, 1), (70, 71), (150, 160), (5, 37), (11, 111)):
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
         assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] in (16, mm.GPU_LINEAR_WIDE_TILE[0])
@@ -319,12 +327,7 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
         # narrower tall tile of the same shape family keeps its CPU compile short
         monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_M", 17)
         monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_TILE", (32, 64, 64, 4))
-    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(14), 97, 256, 512)
-    mm._LAST.clear()
-    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
-    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == mm.GPU_LINEAR_WIDE_TILE[0]
-    want = x.astype(np.float64) @ w64.T + bias
-    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    x, dw, db, full, want = _tiled_linear_case(cuda_mod, 14, 97, 256, 512, mm.GPU_LINEAR_WIDE_TILE[0])
     for lo, hi in ((0, 1), (40, 41), (90, 97), (3, 19)):
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
         assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] == 16
