@@ -164,6 +164,31 @@ def _split(nb, PB, MAXP):
 
 
 @jk.jit
+def _query_tile(query_start, seq_lens, num_seqs, search_steps, qb, BQ, SKIP_DECODE):
+    """Query tile qb of a prefill grid (each sequence's tokens in tiles of BQ; grid num_tokens // BQ +
+    num_seqs): the sequence owning it, by binary search for the last i with query_start[i] // BQ + i <= qb,
+    and the tile's rows. Returns (seq, q0, q_len, seq_len, t0, n_rows, first_pos): the sequence's first
+    token, query and total lengths, the tile's first row within the sequence, its row count (0 past the
+    sequence's tokens, and for decodes with SKIP_DECODE) and the position of its first row."""
+    lo_s = qb * 0
+    hi_s = num_seqs
+    for _ in range(0, search_steps):
+        mid = (lo_s + hi_s) // 2
+        go = jk.load(query_start + mid) // BQ + mid <= qb
+        lo_s = jk.where(go, mid, lo_s)
+        hi_s = jk.where(go, hi_s, mid)
+    seq = lo_s
+    q0 = jk.load(query_start + seq)
+    q_len = jk.load(query_start + seq + 1) - q0
+    seq_len = jk.load(seq_lens + seq)
+    t0 = (qb - (q0 // BQ + seq)) * BQ
+    n_rows = jk.minimum(jk.maximum(q_len - t0, 0), BQ)
+    if SKIP_DECODE:
+        n_rows = jk.where(q_len == 1, 0, n_rows)
+    return seq, q0, q_len, seq_len, t0, n_rows, seq_len - q_len + t0
+
+
+@jk.jit
 def _init_state(st_m, st_l, st_acc, r, G, D, BS, mask):
     n = jk.arange(0, BS)
     d = jk.arange(0, D)
@@ -331,23 +356,8 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
     qb = jk.program_id(0)
     h = jk.program_id(1)
     w = _vec_width(D)
-    # the sequence owning query tile qb: the last i with query_start[i] // BQ + i <= qb
-    lo_s = qb * 0
-    hi_s = num_seqs
-    for _ in range(0, search_steps):
-        mid = (lo_s + hi_s) // 2
-        go = jk.load(query_start + mid) // BQ + mid <= qb
-        lo_s = jk.where(go, mid, lo_s)
-        hi_s = jk.where(go, hi_s, mid)
-    seq = lo_s
-    q0 = jk.load(query_start + seq)
-    q_len = jk.load(query_start + seq + 1) - q0
-    seq_len = jk.load(seq_lens + seq)
-    t0 = (qb - (q0 // BQ + seq)) * BQ
-    n_rows = jk.minimum(jk.maximum(q_len - t0, 0), BQ)
-    if SKIP_DECODE:
-        n_rows = jk.where(q_len == 1, 0, n_rows)
-    first_pos = seq_len - q_len + t0
+    seq, q0, q_len, seq_len, t0, n_rows, first_pos = _query_tile(query_start, seq_lens, num_seqs, search_steps,
+                                                                 qb, BQ, SKIP_DECODE)
 
     d = jk.arange(0, D)
     n = jk.arange(0, BS)
@@ -629,22 +639,8 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
     The tile's sequence is found by a binary search over query_start (grid: num_tokens // BM + num_seqs)."""
     qb = jk.program_id(0)
     kvh = jk.program_id(1)
-    lo_s = qb * 0
-    hi_s = num_seqs
-    for _ in range(0, search_steps):
-        mid = (lo_s + hi_s) // 2
-        go = jk.load(query_start + mid) // BM + mid <= qb
-        lo_s = jk.where(go, mid, lo_s)
-        hi_s = jk.where(go, hi_s, mid)
-    seq = lo_s
-    q0 = jk.load(query_start + seq)
-    q_len = jk.load(query_start + seq + 1) - q0
-    seq_len = jk.load(seq_lens + seq)
-    t0 = (qb - (q0 // BM + seq)) * BM
-    n_rows = jk.minimum(jk.maximum(q_len - t0, 0), BM)
-    if SKIP_DECODE:
-        n_rows = jk.where(q_len == 1, 0, n_rows)
-    first_pos = seq_len - q_len + t0
+    seq, q0, q_len, seq_len, t0, n_rows, first_pos = _query_tile(query_start, seq_lens, num_seqs, search_steps,
+                                                                 qb, BM, SKIP_DECODE)
 
     # tiles past their sequence's tokens (and decodes, with SKIP_DECODE) exit at once
     if n_rows > 0:
