@@ -519,18 +519,25 @@ class DecoderLM:
         self._norm(h, self.final_norm, self.final_norm_b, x, residual=residual)
         if R == 0:
             return np.zeros((0, self.vocab), np.float32)
-        if R == T and np.array_equal(rows, np.arange(T)):
-            xs = x
-        else:
-            from jitkern.ops.embedding import embedding as gather_rows
-            xs = buf.get("xs", (R, self.hidden))
-            idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
-            gather_rows(idx, x, out=xs)
+        xs = self._logit_rows(x, b, buf)
         if getattr(self, "return_hidden", False):      # embeddings (engine.pooling): final hidden states
             return xs
         logits = buf.get("logits", (R, self.vocab))
         (self.lm_head if tp is None else tp.lm_head)(xs, out=logits)     # tp: vocab slices, all-gathered
         return self._finish_logits(logits)
+
+    def _logit_rows(self, x, b, buf):
+        """The final hidden states of the rows that want logits (b.logits_rows, at least one): x itself when
+        that is every row in order, else those rows gathered into the batch buffer "xs"."""
+        rows = b.logits_rows
+        R, T = len(rows), x.shape[0]
+        if R == T and np.array_equal(rows, np.arange(T)):
+            return x
+        from jitkern.ops.embedding import embedding as gather_rows
+        xs = buf.get("xs", (R, self.hidden))
+        idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
+        gather_rows(idx, x, out=xs)
+        return xs
 
     def _finish_logits(self, logits):
         from jitkern.ops.activation import scale_inplace

@@ -381,12 +381,7 @@ class MLADecoderLM(DecoderLM):
         R = len(rows)
         if R == 0:
             return np.zeros((0, self.vocab), np.float32)
-        if R == T and np.array_equal(rows, np.arange(T)):
-            xs = x
-        else:
-            xs = buf.get("xs", (R, self.hidden))
-            idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
-            embedding(idx, x, out=xs)
+        xs = self._logit_rows(x, b, buf)
         if getattr(self, "return_hidden", False):
             return xs
         logits = buf.get("logits", (R, self.vocab))
