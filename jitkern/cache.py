@@ -371,7 +371,12 @@ class KernelCache:
 
         parent = final.parent
         for _attempt in range(3):
-            parent.mkdir(parents=True, exist_ok=True)
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, FileNotFoundError):
+                # clear() in another process renamed the parent away between mkdir's attempt and its
+                # is-a-directory check (pathlib then re-raises FileExistsError): retry with a fresh parent
+                continue
             tmp = parent / f"{_TMP_PREFIX}{os.getpid()}.{uuid.uuid4().hex}"
             try:
                 tmp.mkdir()
