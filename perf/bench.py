@@ -30,7 +30,8 @@ distinct seq ids (as llama.cpp's batched-bench does), greedy argmax over llama_g
 The two engines never run at once (a short pause between them lets spinning worker threads go to sleep);
 after an untimed warm-up each, they take turns phase by phase for --repeats timed rounds, so a change in
 the host's load hits both alike. Reported per phase: the best round's tok/s (with that round's TTFT/TPOT) and the median over
-rounds; ratios ours/llama.cpp of both, beside issue 3's goals (prefill >= 2x, decode c=1 >= 1.2x, c=16 >= 3x).
+rounds; ratios ours/llama.cpp of both, beside issue 12's goals (prefill >= 2x, decode c=1 >= 2x, c=16 >= 3x;
+issue 3 had asked c=1 >= 1.2x).
 Greedy tokens are compared with llama.cpp's (a sanity check: both quantise differently, so late divergence
 is expected; divergence at token 0 on every sequence would mean a broken model).
 
@@ -697,7 +698,7 @@ def _print_report(rep):
           "wall, one prompt at a time; decode = tokens after every request's first / decode window, all streams")
     if peer:
         print()
-        goals = {"prefill": 2.0, "decode c=1": 1.2, "decode c=16": 3.0}      # issue 3's targets
+        goals = {"prefill": 2.0, "decode c=1": 2.0, "decode c=16": 3.0}      # issue 12's targets
         for p in ours["phases"]:
             q = peer_by.get(p["phase"])
             if not q:
