@@ -59,12 +59,13 @@ def test_chunk_steps_need_an_affine_form_and_power_of_two_sizes():
 LINEAR_SIG = "x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16"
 
 
-def _linear_ptx(BM, BN, BK, extra=()):
+def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2):
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
     from jitkern.ops.matmul import _gpu_linear_mma_kernel
     from targets import get_target
-    consts = ["HAS_BIAS=False", f"BM={BM}", f"BN={BN}", f"BK={BK}", "EVEN=True", "SPLIT=2", "num_warps=4", *extra]
+    consts = ["HAS_BIAS=False", f"BM={BM}", f"BN={BN}", f"BK={BK}", "EVEN=True", f"SPLIT={split}",
+              f"num_warps={warps}", *extra]
     params, cx = parse_sig(_gpu_linear_mma_kernel, LINEAR_SIG, consts)
     ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, get_target("sm_90a"), load=False)
     return ck.artifacts["kernel.ptx"].decode()
@@ -84,11 +85,25 @@ def _ptxas_usage(ptx: str, tmp_path) -> tuple:
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("tile", [(16, 64, 128), (32, 64, 64)])
 def test_dense_linear_tiles_fit_three_ctas_per_sm(tile, tmp_path):
-    """The bf16 linear's decode tile and tall tile (4 warps) in at most 168 registers a thread without spills
+    """The bf16 linear's decode tile and the former tall tile (4 warps) in at most 168 registers a thread without spills
     (3 CTAs of 128 threads per SM; 255 before the chunk-pointer, shared-offset and K-loop changes), so more
     weight bytes are in flight at decode."""
     regs, spilled = _ptxas_usage(_linear_ptx(*tile), tmp_path)
     assert regs <= 168 and spilled == 0, (regs, spilled)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_engine_linear_tiles_assemble_without_spills(tmp_path):
+    """Every tile the engine's linear picks on sm_90a by token count (decode, tall, big: matmul._mma_tile_for)
+    assembles with ptxas and spills nothing (no GPU needed; on the GPU they are checked for equal bits)."""
+    from jitkern.ops import matmul as mm
+    from targets import get_target
+    T = get_target("sm_90a")
+    tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_BIG_M)}
+    assert len(tiles) == 3, tiles
+    for t in sorted(tiles):
+        regs, spilled = _ptxas_usage(_linear_ptx(*t[:3], warps=t[3], split=t[4]), tmp_path)
+        assert spilled == 0, (t, regs, spilled)
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
