@@ -368,14 +368,16 @@ def gpu_linear_mma_tile(N: int, K: int) -> tuple:
         return GPU_LINEAR_MMA_TILE
     # H200 sweep (perf/tune_gemv_cuda.py, docs/BENCHMARKS.md): K split in 2 doubles the programs in flight
     # at decode sizes; this tile is the best or within ~6% of the best swept one on every Llama-3-8B
-    # projection shape at M = 1, 16 and 64. Narrow weights (fewer than GPU_SPLITK4_MAX_TILES column tiles
-    # of 64) split K in 4: at M = 1 on the H200, 4096x4096 17.9 -> 13.9 us, 6144x4096 23.5 -> 21.1,
-    # 4096x14336 54.0 -> 39.4 (one program per SM was too few bytes in flight); wide ones gain nothing.
-    if N // 64 < GPU_SPLITK4_MAX_TILES and K % (4 * 128) == 0:
-        return (16, 64, 128, 4, 4)
-    return (16, 64, 128, 4, 2)
+    # projection shape at M = 1, 16 and 64. Narrow weights (fewer than GPU_SPLITK4_MAX_TILES column tiles)
+    # split K in 4: at M = 1 on the H200, 4096x4096 17.9 -> 13.9 us, 6144x4096 23.5 -> 21.1, 4096x14336
+    # 54.0 -> 39.4 (one program per SM was too few bytes in flight); wide ones gain nothing.
+    BN, BK = GPU_LINEAR_DECODE_TILE[1], GPU_LINEAR_DECODE_TILE[2]
+    split = 4 if N // BN < GPU_SPLITK4_MAX_TILES and K % (4 * BK) == 0 else 2
+    return tuple(GPU_LINEAR_DECODE_TILE) + (split,)
 
 
+# the tensor-core linear's decode tile (tokens, weight rows, K per step, warps); its K split comes from N and K
+GPU_LINEAR_DECODE_TILE = (16, 64, 128, 4)
 # column tiles below which gpu_linear_mma_tile splits K in 4 rather than 2 (a function of N only)
 GPU_SPLITK4_MAX_TILES = 200
 
