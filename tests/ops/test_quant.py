@@ -262,6 +262,19 @@ def test_matmul_q_batch_invariant(tier, qtype):
 NEW_QTYPES = ["q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs", "mxfp4"]
 
 
+def _record_launches(monkeypatch) -> list:
+    """Every launch of jitkern.ops.quant from here on, as (kernel, args, constexprs), still run as usual."""
+    launches = []
+    real_run = Q.run
+
+    def recording_run(kernel, grid, args, target=None, **constexprs):
+        launches.append((kernel, args, constexprs))
+        return real_run(kernel, grid, args, target, **constexprs)
+
+    monkeypatch.setattr(Q, "run", recording_run)
+    return launches
+
+
 @pytest.mark.parametrize("qtype", NEW_QTYPES)
 def test_new_types_compile_for_the_gpu_lowering(qtype, tmp_path, monkeypatch):
     """No GPU needed: every kernel specialisation a GEMV, a GEMM and a row dequantisation of this type launch
@@ -272,14 +285,7 @@ def test_new_types_compile_for_the_gpu_lowering(qtype, tmp_path, monkeypatch):
     from targets import get_target
     if find_ptxas() is None:
         pytest.skip("no ptxas on this machine (install the [cuda] extra)")
-    launches = []
-    real_run = Q.run
-
-    def recording_run(kernel, grid, args, target=None, **constexprs):
-        launches.append((kernel, args, constexprs))
-        return real_run(kernel, grid, args, target, **constexprs)
-
-    monkeypatch.setattr(Q, "run", recording_run)
+    launches = _record_launches(monkeypatch)
     rng = np.random.default_rng(30)
     K = KS[qtype][0]
     raw, _ = make_weight(qtype, 9, K, rng)
@@ -334,14 +340,7 @@ def test_gemv_prefetch_same_results_and_stays_a_hint(tier, qtype, monkeypatch):
         pytest.skip("the prefetch is a CPU GEMV hint")
     from jitkern.compiler import compile_kernel
     rng = np.random.default_rng(40 + ["q8_0", "q4_0", "q4_1"].index(qtype))
-    launches = []
-    real_run = Q.run
-
-    def recording_run(kernel, grid, args, target=None, **constexprs):
-        launches.append((kernel, args, constexprs))
-        return real_run(kernel, grid, args, target, **constexprs)
-
-    monkeypatch.setattr(Q, "run", recording_run)
+    launches = _record_launches(monkeypatch)
     for N, K in ((1003, KS[qtype][1]), (23, KS[qtype][0])):
         raw0, wd = make_weight(qtype, N, K, rng)
         raw, keep = _weights_before_a_guard_page(raw0)
