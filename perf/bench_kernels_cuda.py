@@ -18,7 +18,8 @@ max error against an f32 reference where one is cheap):
         Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's
         default on GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
         (GPU_TOKEN_ATTENTION = True, the path before them); --attn-variants adds flash settings to sweep
-        (flash-rows32 flash-rows16 flash-nopipe flash-pb8 flash-w8 flash-w2 flash-w4p, see ATTN_VARIANTS).
+        (flash-rows32 flash-rows16 flash-nopipe flash-pb8 flash-w8 flash-w2 flash-w4p, see ATTN_VARIANTS;
+        flash-bs32 / flash-bs64 hold the same tokens in a cache of 32- / 64-token blocks).
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
         torch.matmul at M = 1.
   elem  rms_norm and silu_and_mul (f32) as GB/s vs the copy bandwidth.
@@ -59,6 +60,10 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-pb8": {"GPU_PARTITION_BLOCKS": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
                  "flash-rows16": {"FLASH_ROWS": 16}, "flash-w2": {"FLASH_WARPS": (2, 8)},
                  "flash-w4p": {"FLASH_WARPS": (4, 4)},
+                 # the cache's block size (not a module setting): the flash kernels step one block at a time
+                 "flash-bs32": {"BLOCK": 32}, "flash-bs64": {"BLOCK": 64},
+                 "flash-bs64-nopipe": {"BLOCK": 64, "FLASH_PIPELINE": False},
+                 "flash-bs64-pb1": {"BLOCK": 64, "GPU_PARTITION_BLOCKS": 1},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 
@@ -328,6 +333,31 @@ def _paged_cache(b, B, S, dtype, block=16):
     return kc, vc, bt, nb
 
 
+def _reblock(c, B, S, nb, block):
+    """The same tokens as the paged cache c (B sequences of S tokens, nb blocks each) in blocks of `block`
+    tokens (sequence i in blocks i*nb2 .. i*nb2+nb2-1), with its block table and nb2."""
+    torch = __import__("torch")
+    old = c.shape[1]
+    if block == old:
+        return c, None, nb
+    nb2 = -(-S // block)
+    dense = c.reshape(B, nb * old, *c.shape[2:])[:, :S]
+    out = torch.zeros(B, nb2 * block, *c.shape[2:], dtype=c.dtype, device=c.device)
+    out[:, :S] = dense
+    bt = torch.arange(B * nb2, dtype=torch.int32, device=c.device).reshape(B, nb2)
+    return out.reshape(B * nb2, block, *c.shape[2:]), bt, nb2
+
+
+def _variant_cache(kc, vc, bt, B, S, nb, variant):
+    """(k, v, block table) for `variant`: the given cache, or the same tokens re-blocked (ATTN_VARIANTS BLOCK)."""
+    block = ATTN_VARIANTS[variant].get("BLOCK", kc.shape[1])
+    if block == kc.shape[1]:
+        return kc, vc, bt
+    k2, bt2, _ = _reblock(kc, B, S, nb, block)
+    v2, _, _ = _reblock(vc, B, S, nb, block)
+    return k2, v2, bt2
+
+
 def _dense_kv(kc, vc, B, S, nb):
     """[B, KV_HEADS, S, D] views of the paged caches (for the torch reference / peer)."""
     k = kc.reshape(B, nb * kc.shape[1], KV_HEADS, HEAD_DIM)[:, :S].transpose(1, 2)
@@ -350,7 +380,7 @@ class _attn_variant:
 
     def __init__(self, ja, variant):
         self.ja, self.flags = ja, dict(dict(GPU_TOKEN_ATTENTION=False, GPU_FLASH_ATTENTION=True),
-                                       **ATTN_VARIANTS[variant])
+                                       **{k: v for k, v in ATTN_VARIANTS[variant].items() if k != "BLOCK"})
 
     def __enter__(self):
         self.old = {k: getattr(self.ja, k) for k in self.flags}
@@ -399,7 +429,8 @@ def attention(b: Bench, prefill_cases, decode_cases, copy_gbs, variants=ATTN_VAR
                 try:
                     qs, sl, qs_h, sl_h = _step_arrays(b, [S] * B, [S] * B)
                     out = torch.empty_like(q)
-                    qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kcd), b.dev(vcd), b.dev(bt)
+                    kv, vv, btv = _variant_cache(kcd, vcd, bt, B, S, nb, variant)
+                    qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kv), b.dev(vv), b.dev(btv)
                     ws = {}
 
                     def ours():
@@ -443,7 +474,8 @@ def attention(b: Bench, prefill_cases, decode_cases, copy_gbs, variants=ATTN_VAR
                 try:
                     qs, sl, qs_h, sl_h = _step_arrays(b, [1] * B, [L] * B)
                     out = torch.empty_like(q)
-                    qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kc), b.dev(vc), b.dev(bt)
+                    kv, vv, btv = _variant_cache(kc, vc, bt, B, L, nb, variant)
+                    qd, od, kd, vd, btd = b.dev(q), b.dev(out), b.dev(kv), b.dev(vv), b.dev(btv)
                     ws = {}
 
                     def ours():
