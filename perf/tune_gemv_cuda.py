@@ -49,10 +49,16 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="one small shape, two configs")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap of the tensor-core linear (matmul.GPU_LINEAR_MAXNREG; e.g. 168, 128)")
+    ap.add_argument("--activations", choices=("f32", "16bit"), default=None,
+                    help="A operand of the tensor-core linear (matmul.GPU_LINEAR_ACTIVATIONS): f32 split hi + lo, "
+                         "or rounded to the weights' 16-bit type (one MMA chain)")
     args = ap.parse_args(argv)
     from jitkern.ops import matmul
     if args.maxnreg:
         matmul.GPU_LINEAR_MAXNREG = args.maxnreg
+    if args.activations:
+        matmul.GPU_LINEAR_ACTIVATIONS = args.activations
+        print(f"tensor-core linear activations: {args.activations}")
     from jitkern.runtime import cuda
     import torch
     dev = cuda.get_device()

@@ -268,6 +268,35 @@ def test_linear_split_k_tiles(backend, monkeypatch):
         np.testing.assert_array_equal(part, full[7:7 + M])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_16bit_activations(backend, monkeypatch):
+    """GPU_LINEAR_ACTIVATIONS = "16bit": the tensor-core linear rounds x to bf16 (one MMA chain): the result is
+    float64's of the rounded x (closer to it than the f32 result is: the rounding is applied, not the hi + lo
+    split), the split-K path takes it too, and a token's row is the same bits alone as in the batch."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(21), 19, 96, 256)
+    mm._LAST.clear()
+    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["ACT16"] == 1
+    x16 = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    want16 = x16 @ w64.T + bias
+    want32 = x.astype(np.float64) @ w64.T + bias
+    err16 = np.abs(full - want16).max()
+    assert err16 <= 1e-5 * np.abs(want16).max(), err16
+    assert np.abs(want32 - want16).max() > 20 * err16       # the test can tell the two modes apart
+    for M in (1, 5):
+        part = mm.linear(_dev(cuda_mod, x[7:7 + M]), dw, bias=db, w_dtype="bf16").numpy()
+        np.testing.assert_array_equal(part, full[7:7 + M])
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "bf16")
+    with pytest.raises(ValueError, match="GPU_LINEAR_ACTIVATIONS"):
+        mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16")
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
+    assert (mm._act16_for("bf16"), mm._act16_for("f16")) == (1, 2)
+
+
 def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
     """A bf16 linear case of M tokens launched whole: checks it took a tile of bm rows and matches float64;
     returns (x, weights, bias on the device, the result, the float64 reference)."""

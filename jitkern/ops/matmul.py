@@ -236,7 +236,7 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 @jk.kernel(do_not_specialize=("M",))
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
-                           SPLIT: jk.constexpr = 1):
+                           SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -244,6 +244,9 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     # invariant; M = 1 pads the tile with masked rows). SPLIT > 1 (EVEN only; chosen from N and K alone):
     # program z sums the z-th of SPLIT equal K ranges into its own (M, N) slab of y (row stride ldy), and
     # _gpu_splitk_sum_kernel adds the slabs in order: more programs in flight for narrow N at decode.
+    # ACT16 (GPU_LINEAR_ACTIVATIONS = "16bit"): x rounded to the weights' 16-bit type (1 bf16, 2 f16) first, one
+    # MMA chain instead of the hi and lo chains (half the MMAs and A staging; 8 or 11 significant bits of x,
+    # as vLLM / cuBLAS bf16 inference computes).
     tok = jk.program_id(0) * BM + jk.arange(0, BM)
     rows = jk.program_id(1) * BN + jk.arange(0, BN)
     tm = tok < M
@@ -267,21 +270,31 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
         for k in range(k0 + BK, k0 + KR, BK):
             xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
             wn = jk.load(wrows + (k + kk)[None, :])
-            acc = jk.dot(xv, jk.trans(wv), acc)
+            acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
             xv = xn
             wv = wn
-        acc = jk.dot(xv, jk.trans(wv), acc)
+        acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
     else:
         for k in range(0, K, BK):
             km = (k + kk) < K
             xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
             wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            acc = jk.dot(xv, jk.trans(wv), acc)
+            acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
     if SPLIT > 1:
         y = y + jk.program_id(2).to(jk.i64) * M.to(jk.i64) * ldy.to(jk.i64)
     elif HAS_BIAS:
         acc = acc + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)[None, :]
     jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
+
+
+@jk.jit
+def _act16(x, ACT16):
+    """x as the tensor-core linear's A operand: f32 (ACT16 = 0), rounded to bf16 (1) or f16 (2)."""
+    if ACT16 == 1:
+        return x.to(jk.bf16)
+    if ACT16 == 2:
+        return x.to(jk.f16)
+    return x
 
 
 @jk.kernel(do_not_specialize=("M",))
@@ -390,6 +403,18 @@ GPU_LINEAR_MAXNREG = None
 
 def _mma_regs(T) -> dict:
     return {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
+
+
+# the tensor-core linear's A operand: "f32" (x split into 16-bit hi + lo parts by the lowering: ~16 significant
+# bits, two MMA chains) or "16bit" (x rounded to the weights' bf16 / f16: one chain, half the MMAs and A staging,
+# the precision vLLM and cuBLAS bf16 inference compute at). Part of the kernel's specialisation.
+GPU_LINEAR_ACTIVATIONS = "f32"
+
+
+def _act16_for(dt: str) -> int:
+    if GPU_LINEAR_ACTIVATIONS not in ("f32", "16bit"):
+        raise ValueError(f"GPU_LINEAR_ACTIVATIONS must be 'f32' or '16bit', got {GPU_LINEAR_ACTIVATIONS!r}")
+    return 0 if GPU_LINEAR_ACTIVATIONS == "f32" else (1 if dt == "bf16" else 2)
 
 
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
@@ -642,7 +667,7 @@ def _rows_tiles(M, N, target):
     return BM, BN, V
 
 
-def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T):
+def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0):
     """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
     Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk)."""
     for m0 in range(0, M, GPU_SPLITK_MAX_M):
@@ -653,7 +678,8 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T):
             else np.empty((S * mc, N), np.float32)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (xc, warg, oc, parts, mc, N, K, xc.strides[0] // 4, N),
-                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, **_mma_regs(T)), T)
+                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
+                     **_mma_regs(T)), T)
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
                 (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
@@ -689,11 +715,11 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
                 if S > 1 and even and K % (S * BK) == 0:
-                    _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T)
+                    _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, _act16_for(dt))
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 **_mma_regs(T)), T)
+                                 ACT16=_act16_for(dt), **_mma_regs(T)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
