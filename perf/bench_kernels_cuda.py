@@ -64,6 +64,8 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-bs32": {"BLOCK": 32}, "flash-bs64": {"BLOCK": 64},
                  "flash-bs64-nopipe": {"BLOCK": 64, "FLASH_PIPELINE": False},
                  "flash-bs64-pb1": {"BLOCK": 64, "GPU_PARTITION_BLOCKS": 1},
+                 "flash-16bit": {"GPU_FLASH_OPERANDS": "16bit"},
+                 "flash-16bit-w2": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_WARPS": (2, 8)},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 

@@ -485,10 +485,12 @@ def _mm_pv(p, vt, acc, SPLIT):
 
 
 @jk.jit
-def _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT):
+def _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT, OPS16=False):
     """One online-softmax step of the (R, D) query rows against one cache block; valid: (1 or R, BS) keys
     each row may see. A block a row may not see at all leaves its state exactly as it was (alpha is 1, not
-    exp(0), and p is 0), so tiles that cover more keys than a row needs give that row the same bits."""
+    exp(0), and p is 0), so tiles that cover more keys than a row needs give that row the same bits.
+    OPS16 (GPU_FLASH_OPERANDS = "16bit"): the probabilities enter P @ V as f16 (the kernels round q to f16
+    once), so each dot is one MMA chain per cache part instead of hi + lo (as FlashAttention computes)."""
     s = _mm_qk(qt, kt, SPLIT) * scale
     if SOFTCAP:
         s = softcap * jk.tanh(s / softcap)
@@ -497,7 +499,7 @@ def _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT):
     alpha = jk.where(m_new == m, 1.0, jk.exp(m - m_new))
     p = jk.where(valid, jk.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + jk.sum(p, axis=1)
-    acc = _mm_pv(p, vt, acc * alpha[:, None], SPLIT)
+    acc = _mm_pv(p.to(jk.f16) if OPS16 else p, vt, acc * alpha[:, None], SPLIT)
     return m_new, l, acc
 
 
@@ -532,7 +534,8 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
                         q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                         KVH: jk.constexpr, G: jk.constexpr, R: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                         NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
-                        SINKS: jk.constexpr, SPLIT: jk.constexpr, PIPE: jk.constexpr = False):
+                        SINKS: jk.constexpr, SPLIT: jk.constexpr, PIPE: jk.constexpr = False,
+                        OPS16: jk.constexpr = False):
     """Program (sequence, KV head, partition) of a q_len == 1 sequence: the G query heads of the KV head (R
     rows, padded to the matrix units' 16) over one partition of the key range, so K and V are read once
     for the group. The sequence's own length decides its partitions (_split); programs past them exit. A
@@ -562,6 +565,8 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
         gm = (g < G) & mine
         tok = jk.maximum(q0, 0).to(jk.i64)
         qt = jk.load(q + tok * q_ts + (kvh * G + g[:, None]) * q_hs + d[None, :], mask=gm[:, None], other=0.0)
+        if OPS16:
+            qt = qt.to(jk.f16)
         kv_off = n[:, None] * (KVH * D) + d[None, :]
         bt_row = block_table + seq.to(jk.i64) * bt_stride
         m = jk.full((R,), NEG, jk.f32)
@@ -578,7 +583,7 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
                 kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
             pos = b * BS + n
             valid = ((pos < seq_len) & (pos >= lo))[None, :]
-            m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+            m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT, OPS16)
             if PIPE:
                 kt = kn
                 vt = vn
@@ -630,7 +635,7 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                          KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, BM: jk.constexpr, D: jk.constexpr,
                          BS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
                          SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr,
-                         PIPE: jk.constexpr = False):
+                         PIPE: jk.constexpr = False, OPS16: jk.constexpr = False):
     """Program (tile of BM query tokens of one sequence, KV head): BM x GP rows (the tile's tokens times the
     G query heads of the KV head, padded to a power of two) against the cache blocks of the tile's causal
     (and window) range, one block per step. Each row keeps a partition state and a merged state: when a
@@ -655,6 +660,8 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
         q3 = jk.load(q + toks[:, None, None] * q_ts + (kvh * G + g)[None, :, None] * q_hs + d[None, None, :],
                      mask=(tm[:, None] & gm[None, :])[:, :, None], other=0.0)
         qt = jk.reshape(q3, (R, D))
+        if OPS16:
+            qt = qt.to(jk.f16)
         # per row: its position, key range (start block, blocks) and partition split
         r = jk.arange(0, R)
         qpos = first_pos + r // GP
@@ -692,7 +699,7 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
             acc = jk.where(f[:, None], 0.0, acc)
             pos = b * BS + n
             valid = (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
-            m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT)
+            m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT, OPS16)
             if PIPE:
                 kt = kn
                 vt = vn
@@ -862,6 +869,11 @@ GPU_FLASH_ATTENTION = True
 GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
 FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
 FLASH_PIPELINE = True      # load the next cache block while the current one is computed
+# the flash kernels' MMA operands: "f32" (q and the probabilities split into f16 hi + lo by the lowering: ~22
+# significant bits, two chains per dot) or "16bit" (q and the probabilities rounded to f16 once: one chain per
+# cache part, half the MMAs and A staging; FlashAttention's precision). Decode and prefill use the same setting
+# (a token's bits stay the same either way it is computed).
+GPU_FLASH_OPERANDS = "f32"
 # warps per program of the decode and prefill kernels. ptxas (sm_90a, Llama-3-8B shape) gives the decode kernel
 # 255 registers at 4 warps (2 CTAs / SM) and ~240 at 8 (1 CTA / SM); the 64-row prefill 255 with ~1-1.5 KB of
 # spills at 8 warps (perf/bench_kernels_cuda.py --attn-variants sweeps these settings on the GPU)
@@ -940,7 +952,9 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     for the others (decode=False: the prefill kernel for every sequence)."""
     G, GP, D = st.G, _pow2(st.G), st.dim
     split = _flash_split(target, k_cache) if split is None else bool(split)
-    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks)
+    if GPU_FLASH_OPERANDS not in ("f32", "16bit"):
+        raise ValueError(f"GPU_FLASH_OPERANDS must be 'f32' or '16bit', got {GPU_FLASH_OPERANDS!r}")
+    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=GPU_FLASH_OPERANDS == "16bit")
     gpu = target is not None and target.is_gpu
     pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
     wide = st.num_seqs * st.kvh * P >= FLASH_DECODE_WIDE_PROGRAMS

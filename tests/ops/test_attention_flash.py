@@ -145,6 +145,40 @@ def test_flash_batch_invariance(tier, split):
         np.testing.assert_array_equal(gen, full)
 
 
+@pytest.mark.parametrize("dtype,split", [(np.float16, False), (np.float32, True)], ids=["f16", "f32-split"])
+def test_flash_16bit_operands(tier, dtype, split, monkeypatch):
+    """GPU_FLASH_OPERANDS = "16bit": q and the probabilities enter the dots as f16. Within f16's rounding of
+    the reference (and measurably apart from the f32 setting: the rounding is applied); a decode's bits = the
+    same token as the last row of a prefill chunk; the prefill kernel alone = the decode path; rows alone =
+    batched."""
+    _skip_split_on_lower_tiers(tier, split)
+    rng = np.random.default_rng(29)
+    seqs = [(600, 1), (17, 17), (300, 1), (610, 10), (16, 1), (40, 23), (1, 1), (300, 17), (70, 1)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, 9, 3, 16, dtype)
+    want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25)
+    f32 = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=4, split=split)
+    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "16bit")
+    full = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=4, split=split)
+    err16, err32 = np.abs(full - want).max(), np.abs(f32 - want).max()
+    assert err16 < 3e-3 * np.abs(want).max(), err16
+    assert err16 > 4 * err32, (err16, err32)
+    dec = _flash(tier, q[qs[8] - 1:qs[8]], kc, vc, np.array([0, 1], np.int32), np.array([300], np.int32),
+                 np.ascontiguousarray(bt[7:8]), scale=0.25, split=split)
+    np.testing.assert_array_equal(dec[0], full[qs[8] - 1])
+    np.testing.assert_array_equal(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=8, decode=False,
+                                         split=split), full)
+    pick = [5, 2, 0]
+    sub_q = np.concatenate([q[qs[i]:qs[i + 1]] for i in pick])
+    sub_qs = np.concatenate([[0], np.cumsum([seqs[i][1] for i in pick])]).astype(np.int32)
+    out = _flash(tier, sub_q, kc, vc, sub_qs, sl[pick], np.ascontiguousarray(bt[pick]), scale=0.25, block_m=2,
+                 num_partitions=A.MAX_PARTITIONS, split=split)
+    for k, i in enumerate(pick):
+        np.testing.assert_array_equal(out[sub_qs[k]:sub_qs[k + 1]], full[qs[i]:qs[i + 1]])
+    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "f16")
+    with pytest.raises(ValueError, match="GPU_FLASH_OPERANDS"):
+        _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25)
+
+
 def test_flash_pipelined_loads_give_the_same_bits(tier):
     """The software-pipelined block loop (next block's K/V loaded before the current step: the GPU default)
     against the plain loop, decodes and chunks, with a window that skips blocks."""
