@@ -264,6 +264,18 @@ def reshape_and_cache_kernel(k, v, k_cache, v_cache, slot_mapping, k_ts, k_hs, v
     jk.store(v_cache + dst + hh[:, None] * D + d[None, :], vv, mask=ok)
 
 
+@jk.jit
+def _partition_of(j, NUM_PARTS: jk.constexpr):
+    """The partition that program j of a sequence's NUM_PARTS runs: j's bits reversed when NUM_PARTS is a power
+    of two (contiguous halves, quarters, ... of the programs get every 2nd, 4th, ... partition), else j."""
+    if NUM_PARTS & (NUM_PARTS - 1) == 0:
+        part = j * 0
+        for i in jk.static_range(NUM_PARTS.bit_length() - 1):
+            part = (part << 1) | ((j >> i) & 1)
+        return part
+    return j
+
+
 @jk.kernel
 def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
                   q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
@@ -278,8 +290,14 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
     cache block is read once, front to back; the per-head softmax state lives in the st_* workspace
     (L1-resident), which keeps the code size independent of the head count.
     """
-    seq = jk.program_id(0)
-    part = jk.program_id(1)
+    # grid (NUM_PARTS, sequences): the flat program id runs over one sequence's partitions, then the next
+    # sequence's, so the CPU pool's contiguous thread chunks take whole sequences (with the sequence as axis 0,
+    # a batch of short sequences, one partition each, had all its work in the first chunk: one thread).
+    # Within a sequence the partitions are dealt in bit-reversed order (NUM_PARTS a power of two), so a
+    # sequence's first k partitions, the ones with work, spread over the chunks too. Only which program
+    # runs a (sequence, partition) changes, never its arithmetic.
+    seq = jk.program_id(1)
+    part = _partition_of(jk.program_id(0), NUM_PARTS)
     H = KVH * G
     w = _vec_width(D)
     q0 = jk.load(query_start + seq)
@@ -1083,7 +1101,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     if flash:
         return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target)
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
-    run(decode_kernel, (st.num_seqs, P),
+    run(decode_kernel, (P, st.num_seqs),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
