@@ -287,3 +287,53 @@ def test_errors_name_the_bad_argument():
         A.paged_attention(q, kc, vc, qs, sl, bt, scale=1.0, num_partitions=A.MAX_PARTITIONS + 1)
     with pytest.raises(ValueError, match="slot_mapping"):
         A.reshape_and_cache(q[:, :3], q[:, :3], kc, vc, np.zeros(5, np.int32))
+
+
+def _run_programs(entry, begin, end):
+    """Programs [begin, end) of a recorded CPU launch (what one thread of the pool runs)."""
+    import ctypes
+    addr, block, _ = entry
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(addr)(
+        block.__array_interface__["data"][0], begin, end)
+
+
+def test_decode_grid_splits_work_over_thread_chunks(tier):
+    """The CPU pool gives each thread a contiguous chunk of the flat program ids. A batch of short decodes
+    (one partition each) must put whole sequences in each chunk, and one long sequence's partitions must
+    spread over the chunks (bit-reversed order): run the two halves of the grid separately and check which
+    outputs / partial states each half wrote, then that the halves together give the reference."""
+    if tier.is_gpu:
+        pytest.skip("thread chunks of the CPU pool")
+    rng = np.random.default_rng(21)
+    H, KVH, D, P = 9, 3, 64, A.MAX_PARTITIONS
+    seqs = [(int(L), 1) for L in rng.integers(20, 200, 6)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, np.float32)
+    out = np.full_like(q, np.nan)
+    ws = {}
+    with jk.capture() as graph:
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
+                          workspace=ws, target=tier)
+    dec = graph.entries[0]
+    n = dec[2]
+    assert n == P * len(seqs)
+    _run_programs(dec, 0, n // 2)                      # thread 0 of 2: the first 3 sequences, whole
+    assert not np.isnan(out[:3]).any() and np.isnan(out[3:]).all()
+    _run_programs(dec, n // 2, n)
+    check(out, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+    # one sequence of 4 partitions (4 x 256 keys) on a 16-partition axis: each half runs 2 of them
+    q, kc, vc, qs, sl, bt = make_step(rng, [(1000, 1)], H, KVH, D, np.float32)
+    assert list(A.decode_partitions(sl, BS)) == [4]
+    out = np.full_like(q, np.nan)
+    ws = {}
+    with jk.capture() as graph:
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
+                          workspace=ws, target=tier)
+    dec, merge = graph.entries
+    m = ws["decode"][1].reshape(P, H)                  # each partition's running max per head
+    m[:] = np.nan
+    _run_programs(dec, 0, P // 2)
+    assert [p for p in range(4) if not np.isnan(m[p]).any()] == [0, 2]
+    _run_programs(dec, P // 2, P)
+    assert not np.isnan(m[:4]).any()
+    _run_programs(merge, 0, merge[2])
+    check(out, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
