@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "vulkan"), default="auto",
                    help="where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or vulkan")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "half", "float32", "float"), default="auto",
+                   help="GPU compute precision of a 16-bit checkpoint (vLLM's --dtype): auto / bfloat16 / float16 feed "
+                        "the matrix units 16-bit activations as vLLM does; float32 keeps f32 activations (hi + lo "
+                        "parts, twice the matrix-unit work). The CPU computes in float32 either way")
     p.add_argument("--enable-jump-forward", action="store_true",
                    help="structured outputs: append the tokens a grammar forces without a forward step each")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -113,7 +117,8 @@ def _main(argv) -> int:
         from engine.llm import LLM
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
                   enable_jump_forward=args.enable_jump_forward,
-                  device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size)
+                  device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size,
+                  dtype=args.dtype)
     except ModelLoadError as e:
         return _fail(str(e))
     except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary

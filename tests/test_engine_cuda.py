@@ -276,3 +276,47 @@ def test_greedy_steps_pick_tokens_on_the_device_like_the_host_sampler(device, tm
             llm.close()
         assert (len(calls) > 0) == on
     assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32"])
+def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypatch):
+    """vLLM's dtype on a GPU with a bf16 checkpoint: "auto" / "bfloat16" feed the matrix units 16-bit activations
+    (the tensor-core linear takes ACT16 = 1 (bf16), the flash attention q / probabilities in f16), "float32"
+    keeps f32 hi + lo parts (ACT16 = 0); the greedy tokens stay those of the batch run alone (batch invariance
+    in either precision). An f32 checkpoint or the CPU never rounds."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    from engine.llm import LLM
+    from jitkern.ops import matmul as mm
+    from tests.model_fixtures import make_model_dir
+    hf = make_model_dir("llama", str(tmp_path), seed=3).to(torch.bfloat16)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    prompts = _prompts(3, seed=5)
+    llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda", dtype=dtype)
+    try:
+        model = llm.engine.model
+        want16 = dtype != "float32"
+        assert model.compute16 is want16
+        assert model._attn_operands == ("16bit" if want16 else None)
+        assert {lin.activations for lin in (model.layers[0].qkv, model.lm_head)} == {"16bit" if want16 else None}
+        seen = set()
+        real_linear = mm.linear
+
+        def spy(*a, **kw):
+            seen.add(kw.get("activations"))
+            return real_linear(*a, **kw)
+        monkeypatch.setattr(mm, "linear", spy)
+        mm._LAST.clear()
+        alone = _greedy(llm, prompts[:1], 8)
+        assert seen == {"16bit" if want16 else None}
+        if device == "cuda":     # (the fake device's target has no matrix units: the FMA linear ignores it)
+            assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["ACT16"] == (1 if want16 else 0)
+        assert _greedy(llm, prompts, 8)[0] == alone[0]
+    finally:
+        llm.close()
+    cpu = LLM(str(tmp_path), num_blocks=64, block_size=16, device="cpu", dtype=dtype)
+    try:
+        assert cpu.engine.model.compute16 is False
+    finally:
+        cpu.close()

@@ -25,8 +25,9 @@ KNOWN_UNIMPLEMENTED = {
 }
 
 
-def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
-    """The model for `ckpt` on `device` ("auto" | "cpu" | "cuda"; see engine.device)."""
+def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: str = "auto"):
+    """The model for `ckpt` on `device` ("auto" | "cpu" | "cuda"; see engine.device). dtype "auto" | "float32":
+    the GPU compute precision of 16-bit checkpoints (DecoderLM)."""
     from engine.device import resolve_device
     arch = ckpt.config.architecture
     if arch in MLA and (device or "auto").strip().lower() == "auto":
@@ -34,7 +35,7 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu"):
     device = resolve_device(device)
     if arch in SUPPORTED or arch in MOE:
         from engine.models.decoder import DecoderLM
-        return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
+        return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device, dtype=dtype)
     if arch in MLA:
         from engine.models.mla import MLADecoderLM
         return MLADecoderLM(ckpt, kv_dtype=kv_dtype, device=device)

@@ -91,9 +91,12 @@ class Layer:
 
 
 class DecoderLM:
-    def __init__(self, ckpt, kv_dtype: str = "f32", device: str = "cpu"):
+    def __init__(self, ckpt, kv_dtype: str = "f32", device: str = "cpu", dtype: str = "auto"):
         self.ckpt = ckpt
         self.device = device                   # "cpu" or "cuda" (engine.device.resolve_device)
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype must be 'auto' or 'float32', got {dtype!r}")
+        self.dtype = dtype
         cfg = self.cfg = ckpt.config
         arch = cfg.architecture
         self.arch = arch
@@ -180,6 +183,13 @@ class DecoderLM:
         self._attn_ws = [{} for _ in self.layers]     # attention scratch with stable addresses (graphs)
         self.embed_raw = self.embed.raw if self.embed_table is None else None
         self.device_bytes = 0
+        # on GPUs, a 16-bit checkpoint with dtype "auto" computes as vLLM does: the activations entering the
+        # tensor-core linears and q / the probabilities in the flash attention dots are rounded to 16 bits (one
+        # MMA chain each); "float32" keeps them as f32 hi + lo parts (~16-22 significant bits, twice the MMAs).
+        # Norms, softmax statistics, residuals and accumulators stay f32 either way; the CPU is not affected.
+        kinds = {lin.kind for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.up, L.down) if lin is not None}
+        self.compute16 = dtype == "auto" and device != "cpu" and bool(kinds) and kinds <= {"bf16", "f16"}
+        self._attn_operands = "16bit" if self.compute16 else None
         if device in ("cuda", "vulkan"):
             self._to_device()
 
@@ -201,9 +211,13 @@ class DecoderLM:
             for lin in (L.qkv, L.o, L.gate_up, L.up, L.down):
                 if lin is not None:
                     lin.to_device(up)
+                    if self.compute16:
+                        lin.activations = "16bit"
             if L.moe is not None:
                 L.moe.to_device(up)
         self.lm_head.to_device(up)
+        if self.compute16:
+            self.lm_head.activations = "16bit"
         self.embed_table = up(self.embed_table)
         self.embed_raw = up(self.embed_raw)
         self.pos_embed = up(self.pos_embed)
@@ -466,7 +480,7 @@ class DecoderLM:
                             out=attn.reshape(T, H, D), workspace=self._attn_ws[li],
                             # the full partition axis: a recorded decode graph stays valid as contexts grow
                             # (each sequence uses only the partitions its own length needs)
-                            num_partitions=MAX_PARTITIONS, host_step=host_step)
+                            num_partitions=MAX_PARTITIONS, host_step=host_step, operands=self._attn_operands)
             L.o(attn, out=o)
             if tp is not None:               # row-parallel o: partial sums
                 tp.all_reduce(o)

@@ -45,6 +45,7 @@ class Linear:
         self.n, self.k = n, k
         self.bias = bias
         self.name = name
+        self.activations = None     # 16-bit weights on a GPU with matrix units: "f32" | "16bit" (ops.matmul.linear)
 
     def to_device(self, upload) -> None:
         """Weight (raw GGUF blocks as they are, or f32/f16/bf16 rows) and bias onto the GPU (`upload`:
@@ -69,7 +70,8 @@ class Linear:
                 add(y, _bias_rows(self.bias, y.shape[0]), out=y)
             return y
         from jitkern.ops.matmul import linear
-        return linear(x, self.weight, bias=self.bias, out=out, **({"w_dtype": "bf16"} if self.kind == "bf16" else {}))
+        return linear(x, self.weight, bias=self.bias, out=out, activations=self.activations,
+                      **({"w_dtype": "bf16"} if self.kind == "bf16" else {}))
 
 
     def q8_input(self, M: int):

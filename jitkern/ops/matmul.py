@@ -411,10 +411,12 @@ def _mma_regs(T) -> dict:
 GPU_LINEAR_ACTIVATIONS = "f32"
 
 
-def _act16_for(dt: str) -> int:
-    if GPU_LINEAR_ACTIVATIONS not in ("f32", "16bit"):
-        raise ValueError(f"GPU_LINEAR_ACTIVATIONS must be 'f32' or '16bit', got {GPU_LINEAR_ACTIVATIONS!r}")
-    return 0 if GPU_LINEAR_ACTIVATIONS == "f32" else (1 if dt == "bf16" else 2)
+def _act16_for(dt: str, activations=None) -> int:
+    mode = GPU_LINEAR_ACTIVATIONS if activations is None else activations
+    if mode not in ("f32", "16bit"):
+        what = "GPU_LINEAR_ACTIVATIONS" if activations is None else "activations"
+        raise ValueError(f"{what} must be 'f32' or '16bit', got {mode!r}")
+    return 0 if mode == "f32" else (1 if dt == "bf16" else 2)
 
 
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
@@ -685,7 +687,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0):
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
 
 
-def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
+def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
@@ -694,7 +696,8 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
     stream per thread), more with the dot-product tile kernel (the weights once per 2 tokens); on a GPU one
     kernel for every M (a token per program row, 16-byte weight reads: batch invariant). For GEMMs with
     large M (prefill), `pack_weight` once + `linear_packed` is faster. `out`: an optional float32 array of the
-    result's shape (rows may be strided).
+    result's shape (rows may be strided). `activations` ("f32" | "16bit", default GPU_LINEAR_ACTIVATIONS): the
+    A operand of the tensor-core kernel on GPUs with matrix units (16-bit weights); elsewhere no effect.
     """
     T = _target(resolve_target(target, x, w))
     arr, dt, warg = _as_weight(w, w_dtype)
@@ -715,11 +718,12 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None):
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
                 if S > 1 and even and K % (S * BK) == 0:
-                    _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, _act16_for(dt))
+                    _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T,
+                                   _act16_for(dt, activations))
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=_act16_for(dt), **_mma_regs(T)), T)
+                                 ACT16=_act16_for(dt, activations), **_mma_regs(T)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
