@@ -965,14 +965,17 @@ def _flash_split(target, k_cache) -> bool:
 
 
 def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_len: int, decode: bool,
-                  block_m, split, target, pipeline=None):
+                  block_m, split, target, pipeline=None, operands=None):
     """The flash kernels over one step: decode (+ merge) for the q_len == 1 sequences and the prefill kernel
-    for the others (decode=False: the prefill kernel for every sequence)."""
+    for the others (decode=False: the prefill kernel for every sequence). operands: "f32" | "16bit" (None:
+    GPU_FLASH_OPERANDS)."""
     G, GP, D = st.G, _pow2(st.G), st.dim
     split = _flash_split(target, k_cache) if split is None else bool(split)
-    if GPU_FLASH_OPERANDS not in ("f32", "16bit"):
-        raise ValueError(f"GPU_FLASH_OPERANDS must be 'f32' or '16bit', got {GPU_FLASH_OPERANDS!r}")
-    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=GPU_FLASH_OPERANDS == "16bit")
+    mode = GPU_FLASH_OPERANDS if operands is None else operands
+    if mode not in ("f32", "16bit"):
+        what = "GPU_FLASH_OPERANDS" if operands is None else "operands"
+        raise ValueError(f"{what} must be 'f32' or '16bit', got {mode!r}")
+    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=mode == "16bit")
     gpu = target is not None and target.is_gpu
     pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
     wide = st.num_seqs * st.kvh * P >= FLASH_DECODE_WIDE_PROGRAMS
@@ -1011,7 +1014,7 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
                           sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                           num_partitions: int | None = None, workspace: dict | None = None, decode: bool = True,
                           block_m: int | None = None, split: bool | None = None, pipeline: bool | None = None,
-                          validate: bool = True, host_step=None, sinks=None, target=None):
+                          validate: bool = True, host_step=None, sinks=None, target=None, operands=None):
     """paged_attention through the GPU flash kernels, on any target (GPUs take this path from
     paged_attention; CPU tiers run it for tests). Arguments as for paged_attention, and:
     decode=False runs the prefill kernel for every sequence (decodes included: same bits as decode=True);
@@ -1031,7 +1034,7 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
         max_query_len = int(np.diff(st.qs_host).max())
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS)
     return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
-                         decode, block_m, split, target, pipeline)
+                         decode, block_m, split, target, pipeline, operands)
 
 
 def _partition_axis(st: _Step, num_partitions, validate: bool, pb: int) -> int:
@@ -1064,11 +1067,13 @@ def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                     num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
-                    validate: bool = True, host_step=None, sinks=None, target=None):
+                    validate: bool = True, host_step=None, sinks=None, target=None, operands=None):
     """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
 
     sinks: f32 [num_heads] attention-sink logits (gpt-oss), or None: each head's softmax gets one more
     logit, sinks[h], that attends to nothing (out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h]))).
+    operands: the GPU flash kernels' MMA inputs, "f32" (hi + lo) or "16bit" (q and probabilities in f16);
+    None: GPU_FLASH_OPERANDS. No effect on CPU tiers' other kernels.
 
     max_query_len: the largest q_len of the step, when the caller knows it (else read from query_start).
     1 runs only the decode kernel; anything else runs the decode kernel for the q_len == 1 sequences and
@@ -1099,7 +1104,8 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     ws = workspace if workspace is not None else {}
     if flash:
-        return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target)
+        return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target,
+                             operands=operands)
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
     run(decode_kernel, (P, st.num_seqs),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
