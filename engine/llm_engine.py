@@ -54,6 +54,9 @@ class EngineArgs:
     seed: int = 0
     use_graphs: bool = True                     # replay decode steps as recorded jitkern graphs
     device: str = "auto"                        # "auto" | "cpu" | "cuda" (engine.device)
+    # GPU compute precision of 16-bit checkpoints (vLLM's dtype): "auto" = the checkpoint's 16-bit type enters the
+    # matrix units (as vLLM), "float32" = f32 activations split hi + lo (twice the MMAs); no effect on the CPU
+    dtype: str = "auto"
     # vLLM's --tensor-parallel-size; engine.parallel.config decides whether it can run here
     tensor_parallel_size: int = 1
     tensor_parallel_backend: str = "auto"       # "cpu-pipes": CPU ranks over pipes (tests of the runtime only)
@@ -149,7 +152,7 @@ class LLMEngine:
             self.model = start_ranks(path, world=self.tensor_parallel_size, kv_dtype=args.kv_cache_dtype,
                                      backend=args.tensor_parallel_backend, ckpt=ckpt)
         else:
-            self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device)
+            self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype)
         dsize = 2 if args.kv_cache_dtype == "f16" else 4
         per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize) \
             if not hasattr(self.model, "kv_block_bytes") else self.model.kv_block_bytes(args.block_size, dsize)
