@@ -7,8 +7,10 @@ Mapped: max_model_len, seed, max_num_seqs, max_num_batched_tokens, enable_prefix
 kv_cache_dtype ("auto" -> f32), enforce_eager (decode graphs off), task / runner, generation_config, device.
 Accepted and logged (no effect here): gpu_memory_utilization, swap_space, cpu_offload_gb=0,
 trust_remote_code (no checkpoint code is ever run), tokenizer_mode, revision, download_dir, load_format,
-max_seq_len_to_capture, disable_custom_all_reduce, disable_log_stats, ...; dtype "auto"/"float32"/"float"
-(the engine computes in float32; "float16"/"bfloat16"/"half" are accepted and logged: activations stay f32).
+max_seq_len_to_capture, disable_custom_all_reduce, disable_log_stats, ...; dtype: "auto" / "float16" /
+"bfloat16" / "half" -> "auto" (on a GPU a 16-bit checkpoint's matrix-unit inputs are 16-bit, as vLLM; the
+weights keep their stored formats; float32 elsewhere), "float32" / "float" -> "float32" (f32 activations split
+hi + lo on the matrix units).
 tensor_parallel_size: passed to the engine, where engine.parallel.config alone decides (1: normal; > 1: refused
 on the CPU, and beyond the GPUs present naming both numbers).
 Refused with the reason: pipeline_parallel_size / data_parallel_size > 1 (one device per engine),
@@ -48,9 +50,12 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
     dtype = take("dtype", "auto")
     dtype = str(dtype).replace("torch.", "") if dtype is not None else "auto"
     if dtype in _DTYPES_LOGGED:
-        log.info("dtype=%s: the engine keeps the checkpoint's weight formats and computes in float32", dtype)
+        log.info("dtype=%s: the engine keeps the checkpoint's weight formats; on a GPU a 16-bit checkpoint's "
+                 "matrix-unit inputs are 16-bit (dtype auto)", dtype)
     elif dtype not in _DTYPES_F32:
         raise ValueError(f"dtype={dtype!r} is not supported (auto, float32, float16, bfloat16)")
+    if dtype in ("float32", "float", "fp32"):
+        out["dtype"] = "float32"
     tp = take("tensor_parallel_size", 1)
     if tp not in (None, 1):
         out["tensor_parallel_size"] = tp            # checked by engine.parallel.config before the load
