@@ -4,7 +4,8 @@
         max_model_len=None, seed=0, enforce_eager=False, trust_remote_code=False, ...)
 
 Mapped: max_model_len, seed, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, block_size,
-kv_cache_dtype ("auto" -> f32), enforce_eager (decode graphs off), task / runner, generation_config, device.
+kv_cache_dtype ("auto" -> f32), enforce_eager (decode graphs off), task / runner, generation_config, device,
+disable_async_output_proc (overlap_output off: vLLM V0's async output processing is that overlap).
 Accepted and logged (no effect here): gpu_memory_utilization, swap_space, cpu_offload_gb=0,
 trust_remote_code (no checkpoint code is ever run), tokenizer_mode, revision, download_dir, load_format,
 max_seq_len_to_capture, disable_custom_all_reduce, disable_log_stats, ...; dtype: "auto" / "float16" /
@@ -26,7 +27,7 @@ log = logging.getLogger("engine")
 
 _IGNORED = ("gpu_memory_utilization", "swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode",
             "revision", "tokenizer_revision", "code_revision", "download_dir", "load_format",
-            "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats", "disable_async_output_proc",
+            "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats",
             "hf_token", "hf_overrides", "compilation_config", "skip_tokenizer_init", "allowed_local_media_path",
             "max_logprobs_mode", "enable_chunked_prefill", "distributed_executor_backend", "worker_cls",
             "disable_log_requests", "use_v2_block_manager", "num_scheduler_steps", "kv_cache_memory_bytes")
@@ -70,6 +71,8 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
                          "safetensors); leave it unset")
     if take("enforce_eager", False):
         out["use_graphs"] = False
+    if take("disable_async_output_proc", False):
+        out["overlap_output"] = False               # vLLM V0's async output processing = our overlap_output
     tok = take("tokenizer")
     if tok is not None and kw.get("model") is not None and Path(str(tok)).resolve() == Path(str(kw["model"])).resolve():
         tok = None

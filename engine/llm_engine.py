@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -68,6 +69,11 @@ class EngineArgs:
     task: str = "auto"
     # vLLM's --generation-config: "auto" (generation_config.json's sampling defaults), "vllm" (none), or a folder
     generation_config: str = "auto"
+    # CUDA: build a step's outputs (detokenisation, stop strings, logprob dicts, RequestOutputs) during the next
+    # step() call, while the GPU runs that step (LLMEngine.step). None: the environment variable
+    # JITKERN_OVERLAP_OUTPUT ("0" off, "1" on), else on for device "cuda" and off elsewhere (on the CPU the
+    # kernels run in the engine's thread: nothing to overlap). Never with speculative decoding.
+    overlap_output: Optional[bool] = None
 
 
 _DEFAULT_KV_MEMORY = 1 << 30
@@ -120,6 +126,9 @@ class PreparedRequest:
 
 
 class LLMEngine:
+    overlap_output = False        # (set per engine in __init__; class defaults for engines built without it)
+    _pending = None
+
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
         self.args = args
@@ -185,12 +194,25 @@ class LLMEngine:
         self.sampler.grammar_compiler = self.grammar_compiler
         self._reqs: dict[str, _ReqState] = {}
         self._seq_of: dict[str, tuple] = {}          # scheduler id -> (request id, seq index)
+        self.overlap_output = self._resolve_overlap(args.overlap_output)
+        self._pending = None          # overlap_output: the last step's output work, done during the next step
         self._counter = itertools.count()
         self.load_seconds = time.perf_counter() - t0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
         log.info("engine ready: %s, %d KV blocks x %d tokens, max_model_len %d%s, load %.2fs", path, num_blocks,
                  args.block_size, self.max_model_len, " (auto-fitted)" if sizing.auto_fitted else "",
                  self.load_seconds)
+
+    def _resolve_overlap(self, asked) -> bool:
+        if asked is None:
+            env = os.environ.get("JITKERN_OVERLAP_OUTPUT", "").strip()
+            if env not in ("", "0", "1"):
+                raise ValueError(f"JITKERN_OVERLAP_OUTPUT must be 0 or 1, got {env!r}")
+            asked = (env == "1") if env else getattr(self.runner, "device", "cpu") == "cuda"
+        if asked and self.spec is not None:
+            log.warning("overlap_output is off: speculative decoding runs its steps synchronously")
+            return False
+        return bool(asked)
 
     # ----------------------------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt) -> tuple:
@@ -297,7 +319,16 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list:
-        """Runs one scheduler step; returns a RequestOutput for every request that made progress."""
+        """Runs one scheduler step; returns a RequestOutput for every request that made progress.
+
+        A step is schedule -> launch the forward pass -> wait for it, sample -> Scheduler.update_from_output (the
+        token appended, EOS / max_tokens / stop ids applied, blocks freed) -> the output work: detokenisation,
+        stop strings, logprob dicts, RequestOutputs. With `overlap_output` (CUDA) the output work of a step runs
+        in the next step() call, between launching that call's forward pass and waiting for it, so the GPU does
+        not wait on it; step() then returns the previous step's outputs (a call that schedules nothing returns
+        the last ones). A stop string found that late finishes a request that is already in the running step:
+        that step's token for it is dropped (the scheduler skips finished requests), so every request gets the
+        same outputs as without the overlap, one step() call later."""
         if self.spec is not None:
             self.spec.propose(self.scheduler)          # draft tokens for decoding requests
             try:
@@ -306,20 +337,25 @@ class LLMEngine:
                 self.spec.clear()
         else:
             sched = self.scheduler.schedule()
+        outs: list = []
+        pending, self._pending = self._pending, None
+
+        def previous_outputs():                        # the last step's output work (overlap_output)
+            nonlocal pending
+            if pending is not None:
+                work, pending = pending, None
+                outs.extend(self._finish_outputs(*work))
+
         changed: dict[str, _ReqState] = {}
-        for r in sched.errored:
-            ent = self._seq_of.get(r.request_id)
-            if ent:
-                rs = self._reqs.get(ent[0])
-                if rs is not None:
-                    st = rs.seqs[ent[1]]
-                    st.finish_reason = "error"
-                    rs.error = r.error
-                    changed[rs.request_id] = rs
         if sched.is_empty:
-            return self._emit(changed)
+            previous_outputs()
+            self._mark_errored(sched, changed)
+            outs.extend(self._emit(changed))
+            return outs
         now = time.monotonic()
-        sampled = self._run_and_sample(sched)
+        sampled = self._run_and_sample(sched, previous_outputs)
+        previous_outputs()                             # (done already unless the step raised first)
+        self._mark_errored(sched, changed)
         for rid, smp in sampled.items():
             if getattr(smp, "error", None):
                 self._fail_sequence(rid, smp.error, changed)
@@ -347,21 +383,52 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(
             sched, {rid: getattr(t, "token_ids", None) or [t.token_id] for rid, t in sampled.items()
                     if t.token_id >= 0 and not getattr(t, "error", None)})
-        now = time.monotonic()
+        work = (updates, sampled, time.monotonic(), changed)
+        if self.overlap_output:
+            self._pending = work if updates or changed else None
+        else:
+            outs.extend(self._finish_outputs(*work))
+        return outs
+
+    def _mark_errored(self, sched, changed: dict) -> None:
+        """Requests the scheduler finished with an error (they cannot fit the KV pool)."""
+        for r in sched.errored:
+            ent = self._seq_of.get(r.request_id)
+            if ent:
+                rs = self._reqs.get(ent[0])
+                if rs is not None:
+                    st = rs.seqs[ent[1]]
+                    st.finish_reason = "error"
+                    rs.error = r.error
+                    changed[rs.request_id] = rs
+
+    def _finish_outputs(self, updates, sampled, now: float, changed: dict) -> list:
+        """A step's output work: its tokens into text, logprobs and finish states, then the RequestOutputs.
+        Requests aborted since the step ran are left out."""
         for u in updates:
             try:
                 self._apply_update(u, sampled.get(u.req_id), now, changed)
             except Exception:  # noqa: BLE001 - this request alone fails
                 log.exception("output processing of request %s failed", u.req_id)
                 self._fail_sequence(u.req_id, INTERNAL_ERROR, changed)
-        return self._emit(changed)
+        return self._emit({rid: rs for rid, rs in changed.items() if self._reqs.get(rid) is rs})
 
-    def _run_and_sample(self, sched) -> dict:
+    def _run_and_sample(self, sched, host_work=None) -> dict:
         """The model step and sampling for the batch; if that raises, each request alone, so that only the
-        request(s) at fault get an error (`SampleResult(-1, error=...)`) and the others their tokens."""
+        request(s) at fault get an error (`SampleResult(-1, error=...)`) and the others their tokens.
+        `host_work` runs between launching the step and waiting for it (overlap_output)."""
         from engine.sampler import SampleResult
         try:
-            return self._sample(sched, self.runner.execute(sched))
+            if self.overlap_output:
+                try:
+                    launched = self.runner.launch(sched)
+                finally:
+                    if host_work is not None:
+                        host_work()
+                result = self.runner.finish(sched, launched)
+            else:
+                result = self.runner.execute(sched)
+            return self._sample(sched, result)
         except Exception as e:  # noqa: BLE001
             if getattr(e, "fatal", False):        # a tensor-parallel rank died: no request can run
                 raise
@@ -393,6 +460,8 @@ class LLMEngine:
             return
         rs = self._reqs[ent[0]]
         st = rs.seqs[ent[1]]
+        if st.request is not u.request:
+            return      # (overlap_output) aborted after its step ran, and the id taken again since
         changed[rs.request_id] = rs
         if rs.metrics.first_token_time is None and u.new_token_ids:
             rs.metrics.first_token_time = now

@@ -66,6 +66,9 @@ class StepResult:
     # logits are; `logits` is then None (the [R, V] rows never leave the device)
     greedy_tokens: np.ndarray | None = None
     greedy_values: np.ndarray | None = None
+    # CUDA: the replayed decode graph's picks (ids, then the logits' f32 bits) still on the device, between
+    # ModelRunner.launch and finish
+    device_picks: object = None
 
 
 class ModelRunner:
@@ -153,6 +156,13 @@ class ModelRunner:
         return StepResult(None, sample_rows, prompt_rows, spec_rows)
 
     def execute(self, sched) -> StepResult:
+        return self.finish(sched, self.launch(sched))
+
+    def launch(self, sched) -> StepResult:
+        """The step's inputs staged and its forward pass launched. On CUDA this returns while the GPU runs
+        (kernel launches and graph replays are asynchronous on the device's stream); `finish` waits for it and
+        brings back what the sampler needs. The engine does other host work in between (LLMEngine's
+        overlap_output). On the CPU the kernels run in the calling thread: everything is done on return."""
         res = self.prepare(sched)
         b = self.batch
         pure_decode = b.num_tokens == b.num_seqs and len(b.logits_rows) == b.num_tokens and not res.prompt_rows
@@ -167,20 +177,27 @@ class ModelRunner:
             picks = self._graph_greedy
             if picks is not None and self.device_greedy and self._plain_greedy(sched, res):
                 # the argmax ran inside the replayed graph (no separate launch waking the pool's threads; on
-                # CUDA no launches from Python, and ids + logits come back in one copy)
+                # CUDA no launches from Python, and ids + logits come back in one copy, in `finish`)
                 if isinstance(picks[0], np.ndarray):
                     res.greedy_tokens, res.greedy_values = picks[0].copy(), picks[1].copy()
                 else:
-                    both = picks[2].numpy()
-                    R = both.shape[0] // 2
-                    res.greedy_tokens, res.greedy_values = both[:R], both[R:].view(np.float32)
-                    res.logits = None
+                    res.device_picks = picks[2]
         elif self.use_graphs and spec_step:
             res.logits = self._replay_decode(("spec", b.num_tokens, b.num_seqs))
         elif self.prefill_graphs.eligible(res):
             res.logits = self.prefill_graphs.run(res)
         else:
             res.logits = self.model.forward(self.fwd_batch)
+        return res
+
+    def finish(self, sched, res) -> StepResult:
+        """Waits for a launched step (device only) and copies back its picks or the logits rows the host
+        sampler needs."""
+        if res.device_picks is not None:
+            both = res.device_picks.numpy()              # the one copy back (waits for the step)
+            R = both.shape[0] // 2
+            res.greedy_tokens, res.greedy_values = both[:R], both[R:].view(np.float32)
+            res.logits, res.device_picks = None, None
         if self.staging is not None and res.greedy_tokens is None and not isinstance(res.logits, np.ndarray):
             if self.device_greedy and self._plain_greedy(sched, res):
                 self._greedy_on_device(res)

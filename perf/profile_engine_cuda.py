@@ -2,16 +2,21 @@
 and JITKERN_GPU_PROFILE=1 (each launch timed between synchronisations), per kernel, at concurrency 1 and 64.
 
     JITKERN_GPU_PROFILE=1 python3 perf/profile_engine_cuda.py [--layers 4] [--tokens 16]
-    python3 perf/profile_engine_cuda.py --host [--layers 8] [--tokens 64] [--concurrency 1 64]
+    python3 perf/profile_engine_cuda.py --host [--layers 8] [--tokens 64] [--concurrency 1 64] [--overlap off on]
+                                          [--repeats 3] [--profile] [--smoke]
 
 Also prints the wall time per step with graphs on for the same batch, so host overhead shows as the difference
 between that and the sum of the kernels. --host: graphs on only; per concurrency the decode step's wall time,
 the GPU time of its recorded graph replayed back to back (what a step would take if the host never made the
-GPU wait) and a cProfile of the host side of the decode steps (top functions by own time).
+GPU wait), with LLMEngine's overlap_output off and on (a step's output work done while the GPU runs the next
+step) in the same run, interleaved, and the engine's decode tok/s for each (a decode step: the median wall
+time of LLMEngine.step() calls in the steady state); --profile adds a cProfile of the
+host side of the decode steps (top functions by own time). --smoke: the fake device and a tiny model (CPU).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +34,12 @@ def main(argv=None) -> int:
                     help="GPU attention kernels: token_attention_kernel (one program per token and KV head) or the "
                          "flash decode/merge/prefill kernels (default: the op's, flash)")
     ap.add_argument("--host", action="store_true", help="host overhead: graph replay time vs step wall time, cProfile")
+    ap.add_argument("--overlap", nargs="+", choices=("off", "on"), default=["off", "on"],
+                    help="--host: LLMEngine overlap_output modes to time in the same run (default both)")
+    ap.add_argument("--repeats", type=int, default=3, help="--host: timed runs per mode (interleaved; median)")
+    ap.add_argument("--profile", action="store_true", help="--host: also a cProfile of one more decode run")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--host on the fake CUDA device (tests/fake_cuda.py) with a tiny model: checks the script")
     args = ap.parse_args(argv)
     if args.host:
         return _host(args)
@@ -72,33 +83,61 @@ def main(argv=None) -> int:
 
 def _host(args) -> int:
     import cProfile
+    import itertools
     import pstats
+    import statistics
     import numpy as np
+    if args.smoke:                       # the fake device (host memory, CPU kernels) and a tiny model: plumbing only
+        import pytest
+        from tests import fake_cuda
+        fake_cuda.install(pytest.MonkeyPatch())
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from jitkern.runtime import cuda
     from perf.peers.make_random_model import write_model
     dev = cuda.get_device()
+    modes = [m == "on" for m in args.overlap]
     with tempfile.TemporaryDirectory(prefix="jk-prof-") as d:
-        write_model(d, "llama3-8b", layers=args.layers, device="cuda", quiet=True)
+        write_model(d, "llama3-8b", layers=args.layers, device="cpu" if args.smoke else "cuda", quiet=True,
+                    smoke=args.smoke)
         rng = np.random.default_rng(0)
         llm = LLM(model=d, device="cuda", use_graphs=True)
-        runner = llm.engine.runner
+        eng, runner = llm.engine, llm.engine.runner
+        vocab = eng.config.vocab_size
+        summary = []
         for c in args.concurrency:
-            prompts = [rng.integers(10, 1000, 128).tolist() for _ in range(c)]
+            prompts = [rng.integers(10, min(1000, vocab), 128).tolist() for _ in range(c)]
             sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+            counter = itertools.count()
             llm.generate(prompts, sp)                       # warm-up: compiles, records the graphs
-            sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            t0 = time.perf_counter()
-            llm.generate(prompts, sp1)
-            t_prefill = time.perf_counter() - t0
-            prof = cProfile.Profile()
-            t0 = time.perf_counter()
-            prof.enable()
-            llm.generate(prompts, sp)
-            prof.disable()
-            wall = time.perf_counter() - t0
-            step = (wall - t_prefill) / max(1, args.tokens - 1)
+
+            def timed(overlap, profile=None):
+                """Decode step seconds: the median wall time of the engine's step() calls in the steady state (the
+                calls after the prefill's and before the last two); and each request's greedy tokens."""
+                eng.overlap_output = overlap
+                ids = [f"t{next(counter)}" for _ in prompts]
+                for rid, p in zip(ids, prompts):
+                    eng.add_request(rid, p, sp)
+                calls, final = [], {}
+                if profile is not None:
+                    profile.enable()
+                while eng.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    outs = eng.step()
+                    calls.append(time.perf_counter() - t0)
+                    final.update({o.request_id: list(o.outputs[0].token_ids) for o in outs if o.finished})
+                if profile is not None:
+                    profile.disable()
+                steady = calls[2:-2] or calls
+                return statistics.median(steady), [final[r] for r in ids]
+
+            steps = {m: [] for m in modes}
+            tokens = {}
+            for _ in range(args.repeats):                   # interleaved: drifts (clocks, heat) hit both modes
+                for m in modes:
+                    t, tokens[m] = timed(m)
+                    steps[m].append(t)
+            eng.overlap_output = None
             # the decode graph of this batch size, replayed back to back: the GPU's own time per step
             g = None
             for key, ent in runner._graphs.items():
@@ -114,10 +153,24 @@ def _host(args) -> int:
                     g.replay()
                 dev.synchronize()
                 gpu = (time.perf_counter() - t0) / 20
-            print(f"\n=== concurrency {c}, {args.layers} layers: decode step {step * 1e3:.3f} ms wall, its graph "
-                  f"{gpu * 1e3:.3f} ms back to back: host adds {(step - gpu) * 1e3:.3f} ms a step "
-                  f"({(step - gpu) / step:.0%}); graphs {list(runner._graphs)}", flush=True)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            same = len(set(json.dumps(v) for v in tokens.values())) == 1
+            print(f"\n=== concurrency {c}, {args.layers} layers: its decode graph {gpu * 1e3:.3f} ms back to back; "
+                  f"graphs {list(runner._graphs)}; greedy tokens equal across modes: {same}", flush=True)
+            for m in modes:
+                step = statistics.median(steps[m])
+                line = (f"concurrency {c:3d} overlap {'on ' if m else 'off'}: decode step {step * 1e3:.3f} ms "
+                        f"(median of runs {[round(x * 1e3, 3) for x in steps[m]]}), {c / step:.0f} tok/s, host adds "
+                        f"{(step - gpu) * 1e3:.3f} ms a step ({(step - gpu) / step:.0%})")
+                print(line, flush=True)
+                summary.append(line)
+            if args.profile:
+                prof = cProfile.Profile()
+                timed(modes[-1], prof)
+                print(f"cProfile of the decode run, overlap {'on' if modes[-1] else 'off'} (top 25 by own time):")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        print("\n=== summary (engine decode tok/s, overlap_output off vs on)")
+        print("\n".join(summary), flush=True)
+        llm.close()
     return 0
 
 
