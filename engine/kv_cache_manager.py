@@ -261,6 +261,9 @@ class KVCacheManager:
         Returns the newly allocated block ids (possibly empty), or None, changing nothing,
         when the pool cannot supply them.
         """
+        if not new_computed_blocks and request.block_ids and \
+                cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) <= len(request.block_ids):
+            return []          # (a running request's step within its blocks: most decode steps; a fast path)
         hits = new_computed_blocks or []
         if hits and (request.block_ids or request.num_computed_tokens):
             raise ValueError(f"request {request.request_id}: prefix hits given for a request that already "

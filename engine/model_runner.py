@@ -120,20 +120,21 @@ class ModelRunner:
         self._graphs.clear()
 
     def prepare(self, sched) -> StepResult:
+        # Built as Python lists and written with one numpy assignment per array: a step's host time is on the
+        # GPU's critical path (~7 small numpy writes per request cost ~0.5 ms at 64 requests).
         b = self.batch
         t = 0
         rows = []
         sample_rows, prompt_rows, spec_rows = {}, {}, {}
-        b.block_table[: len(sched.scheduled)] = 0
-        for i, s in enumerate(sched.scheduled):
+        ids, positions, slots, starts, lens, tables = [], [], [], [], [], []
+        for s in sched.scheduled:
             n = s.num_tokens
-            b.input_ids[t:t + n] = s.token_ids
-            b.positions[t:t + n] = np.arange(s.start, s.start + n, dtype=np.int32)
-            b.slot_mapping[t:t + n] = s.slot_mapping
-            b.query_start[i] = t
-            b.seq_lens[i] = s.start + n
-            bt = s.block_table
-            b.block_table[i, : len(bt)] = bt
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + n))
+            slots.extend(s.slot_mapping)
+            starts.append(t)
+            lens.append(s.start + n)
+            tables.append(s.block_table)
             req = s.request
             wants_plp = req.sampling_params.prompt_logprobs is not None and s.start < req.num_prompt_tokens
             if wants_plp:
@@ -149,9 +150,19 @@ class ModelRunner:
                 sample_rows[s.req_id] = len(rows)
                 rows.append(t + n - 1)
             t += n
-        b.query_start[len(sched.scheduled)] = t
+        R = len(starts)
+        starts.append(t)
+        b.input_ids[:t] = ids
+        b.positions[:t] = positions
+        b.slot_mapping[:t] = slots
+        b.query_start[:R + 1] = starts
+        b.seq_lens[:R] = lens
+        b.block_table[:R] = 0
+        width = max((len(bt) for bt in tables), default=0)
+        if width:
+            b.block_table[:R, :width] = [list(bt) + [0] * (width - len(bt)) for bt in tables]
         b.num_tokens = t
-        b.num_seqs = len(sched.scheduled)
+        b.num_seqs = R
         b.logits_rows = np.asarray(rows, np.int32)
         return StepResult(None, sample_rows, prompt_rows, spec_rows)
 

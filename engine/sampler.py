@@ -171,13 +171,15 @@ class Sampler:
         """Tokens the runner picked on the device (ModelRunner._plain_greedy: greedy rows with nothing to edit);
         a non-finite logit at the pick means the row had a NaN (argmax picks the first, as np.argmax)."""
         out = {}
-        for rid in rids:
-            r = result.sample_rows[rid]
-            if not np.isfinite(result.greedy_values[r]):
+        rows = [result.sample_rows[rid] for rid in rids]     # (whole-array numpy calls: this is per step)
+        tokens = result.greedy_tokens[rows].tolist()
+        finite = np.isfinite(result.greedy_values[rows]).tolist()
+        for rid, tok, ok in zip(rids, tokens, finite):
+            if not ok:
                 out[rid] = SampleResult(-1, error="internal error: the model produced invalid (NaN) logits for this "
                                                   "request")
             else:
-                out[rid] = SampleResult(int(result.greedy_tokens[r]))
+                out[rid] = SampleResult(tok)
         return out
 
     @staticmethod

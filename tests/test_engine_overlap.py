@@ -276,3 +276,28 @@ def test_the_switch(tiny, fake_cuda, monkeypatch):
         assert llm.engine.overlap_output is False
     finally:
         llm.close()
+
+
+def test_device_greedy_rows_nan_rows_fail_alone():
+    """The host side of a device-greedy step (on the GPU's critical path, so vectorised): each row's picked id
+    as a Python int, and a row whose picked logit is not finite (a NaN row) fails alone."""
+    from types import SimpleNamespace
+
+    from engine.sampler import Sampler
+    rng = np.random.default_rng(3)
+    R = 7
+    tokens = rng.integers(0, 50000, R).astype(np.int32)
+    values = rng.standard_normal(R).astype(np.float32)
+    values[4] = np.nan
+    values[1] = np.inf
+    rows = rng.permutation(R)
+    rids = [f"r{i}" for i in range(R)]
+    res = SimpleNamespace(sample_rows={rid: int(r) for rid, r in zip(rids, rows)}, greedy_tokens=tokens,
+                          greedy_values=values)
+    out = Sampler._device_greedy_rows(res, rids[::-1])
+    assert list(out) == rids[::-1]
+    for rid, r in zip(rids, rows):
+        if r in (1, 4):
+            assert out[rid].token_id == -1 and "NaN" in out[rid].error
+        else:
+            assert out[rid].error is None and out[rid].token_id == int(tokens[r]) and type(out[rid].token_id) is int
