@@ -310,9 +310,23 @@ def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
     return x, dw, db, full, want
 
 
+def _tiled_linear_case16(cuda_mod, seed, M, N, K, bm):
+    """_tiled_linear_case with 16-bit activations: the float64 reference of the bf16-rounded x."""
+    from jitkern.ops import matmul as mm
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(seed), M, N, K)
+    mm._LAST.clear()
+    full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
+    ck = mm.last_compiled("_gpu_linear_mma_kernel")
+    assert ck.constexprs["BM"] == bm and ck.constexprs["ACT16"] == 1
+    want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
+    np.testing.assert_allclose(full, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    return x, dw, db, full, want
+
+
 def test_linear_tile_tiers_by_token_count():
     """The tensor-core linear's tile on an H100/H200-class GPU: the decode tile below GPU_LINEAR_WIDE_M tokens,
-    the tall tile from there, the big tile from GPU_LINEAR_BIG_M, all with the decode tile's K split (which
+    the tall tile from there, the mid tile (the big one for wide weights) from GPU_LINEAR_MID_M, the big tile
+    from GPU_LINEAR_BIG_M, all with the decode tile's K split (which
     depends on N and K only); a weight a taller tile does not divide keeps the next smaller one."""
     from jitkern.ops import matmul as mm
     from targets import get_target
@@ -322,21 +336,27 @@ def test_linear_tile_tiers_by_token_count():
     assert mm._mma_tile_for(T, 28672, 4096, 1) == (16, 64, 128, 4, 2)
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M - 1) == dec
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M) == tuple(mm.GPU_LINEAR_WIDE_TILE[:4]) + (4,)
-    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_BIG_M - 1)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_BIG_M - 1)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])
     assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (2,)
-    assert mm._mma_tile_for(T, 384, 4096, 4096)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])   # 384 % 256 != 0
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_MID_TILE[:4]) + (4,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (2,)
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M - 1)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])
+    assert mm._mma_tile_for(T, 384, 4096, 4096)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])    # 384 % 256 != 0
     assert mm._mma_tile_for(T, 576, 576, 4096) == mm._mma_tile_for(T, 576, 576, 1)        # 576 % 128 != 0
 
 
 @pytest.mark.gpu
-def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch):
-    """From GPU_LINEAR_BIG_M tokens the linear takes the big tile (64 rows, 8 warps): rows through it are the
-    same bits as through the tall and the decode tiles (GPU only: on the CPU a dot's sums depend on the
-    tile)."""
+@pytest.mark.parametrize("M,activations", [(160, "f32"), (60, "f32"), (160, "16bit"), (60, "16bit")])
+def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations):
+    """From GPU_LINEAR_MID_M tokens the linear takes the mid tile (64 rows, 8 warps; N = 512 is narrow), from
+    GPU_LINEAR_BIG_M the big one: rows through them are the same bits as through the tall and the decode
+    tiles, with either activation precision (GPU only: on the CPU a dot's sums depend on the tile)."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
-    x, dw, db, full, _ = _tiled_linear_case(cuda_mod, 15, 160, 512, 512, mm.GPU_LINEAR_BIG_TILE[0])
-    for lo, hi in ((0, 1), (70, 71), (150, 160), (5, 37), (11, 111)):
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", activations)
+    x, dw, db, full, _ = _tiled_linear_case(cuda_mod, 15, M, 512, 512, mm.GPU_LINEAR_BIG_TILE[0]) \
+        if activations == "f32" else _tiled_linear_case16(cuda_mod, 15, M, 512, 512, mm.GPU_LINEAR_BIG_TILE[0])
+    for lo, hi in ((0, 1), (M - 10, M - 9), (M - 10, M), (5, 37), (11, 59)):
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
         assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] in (16, mm.GPU_LINEAR_WIDE_TILE[0])
         np.testing.assert_array_equal(part, full[lo:hi])
@@ -350,6 +370,7 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
     the CPU runs the kernels."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MID_M", 1 << 62)         # (the mid / big tiles: the test above)
     if backend == "fake":
         # the fake runs these GPU kernels on the CPU, where a dot's sums depend on its K step: the bits
         # match only on the GPU, so the fake keeps the taller tile off by default (tests/fake_cuda.py); a

@@ -94,16 +94,18 @@ def test_dense_linear_tiles_fit_three_ctas_per_sm(tile, tmp_path):
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_engine_linear_tiles_assemble_without_spills(tmp_path):
-    """Every tile the engine's linear picks on sm_90a by token count (decode, tall, big: matmul._mma_tile_for)
-    assembles with ptxas and spills nothing (no GPU needed; on the GPU they are checked for equal bits)."""
+    """Every tile the engine's linear picks on sm_90a by token count (decode, tall, mid, big: matmul._mma_tile_for)
+    assembles with ptxas and spills nothing, with f32 and 16-bit activations (no GPU needed; on the GPU they are checked for equal bits)."""
     from jitkern.ops import matmul as mm
     from targets import get_target
     T = get_target("sm_90a")
-    tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_BIG_M)}
-    assert len(tiles) == 3, tiles
+    ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
+    tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
+    assert len(tiles) == 7, tiles           # decode / tall / mid / big (narrow: split 4), decode / tall / big (split 2)
     for t in sorted(tiles):
-        regs, spilled = _ptxas_usage(_linear_ptx(*t[:3], warps=t[3], split=t[4]), tmp_path)
-        assert spilled == 0, (t, regs, spilled)
+        for act in ("ACT16=0", "ACT16=1"):
+            regs, spilled = _ptxas_usage(_linear_ptx(*t[:3], extra=(act,), warps=t[3], split=t[4]), tmp_path)
+            assert spilled == 0, (t, act, regs, spilled)
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")

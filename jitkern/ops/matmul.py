@@ -340,8 +340,11 @@ def _mma_tile_for(T, N: int, K: int, M: int = 1) -> tuple:
     if GPU_LINEAR_MMA_TILE == "auto" and GPU_LINEAR_WIDE_TILE and M >= GPU_LINEAR_WIDE_M \
             and T.mma in ("mma.sync", "wgmma", "tcgen05"):
         S = tile[4] if len(tile) > 4 else 1
-        tiers = [GPU_LINEAR_WIDE_TILE] + ([GPU_LINEAR_BIG_TILE] if GPU_LINEAR_BIG_TILE and M >= GPU_LINEAR_BIG_M
-                                          else [])
+        tiers = [GPU_LINEAR_WIDE_TILE]
+        if GPU_LINEAR_MID_TILE and M >= GPU_LINEAR_MID_M:
+            tiers.append(GPU_LINEAR_BIG_TILE if N >= GPU_LINEAR_MID_WIDE_N else GPU_LINEAR_MID_TILE)
+        if GPU_LINEAR_BIG_TILE and M >= GPU_LINEAR_BIG_M:
+            tiers.append(GPU_LINEAR_BIG_TILE)
         for t in reversed(tiers):
             wide = tuple(t[:4]) + (S,)    # the same K split as the decode tile: the same bits
             if _takes_same_path(tile, wide, N, K) \
@@ -372,6 +375,14 @@ GPU_LINEAR_WIDE_M = 17
 # (o_proj 34.6 us vs 25.8: too few programs), faster on gate_up (129 vs 153)
 GPU_LINEAR_BIG_TILE = (64, 256, 64, 8)
 GPU_LINEAR_BIG_M = 128
+# from GPU_LINEAR_MID_M tokens: 64-row tiles, GPU_LINEAR_MID_TILE (8 warps of 2 x 4 MMA tiles) for weights
+# narrower than GPU_LINEAR_MID_WIDE_N rows, the big tile for wider ones. H200 with 16-bit activations
+# (perf/tune_gemv_cuda.py --activations 16bit --m 64; us, (32, 128, 64, 4) in brackets): o_proj 21.5 [22.8],
+# down 60.6 [64.8] with (64, 128, 64, 8); qkv 29.5 [31.0], gate_up 100.7 [123.1], lm_head 402 [497] with the big
+# tile: a Llama-3-8B layer's linears 212 us at M = 64 against 242
+GPU_LINEAR_MID_TILE = (64, 128, 64, 8)
+GPU_LINEAR_MID_M = 48
+GPU_LINEAR_MID_WIDE_N = 6144
 
 
 def gpu_linear_mma_tile(N: int, K: int) -> tuple:
