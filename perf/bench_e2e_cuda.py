@@ -38,8 +38,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SYSTEMS = ("hf", "gpt_fast", "ours")
-LABEL = {"hf": "transformers eager", "gpt_fast": "gpt-fast-style peer", "ours": "jitkern engine"}
+SYSTEMS = ("hf", "gpt_fast", "ours", "ours_f32")
+DEFAULT_SYSTEMS = ("hf", "gpt_fast", "ours")
+# ours_f32: our engine with dtype="float32" (f32 activations as hi + lo parts on the matrix units; "ours" runs
+# vLLM's dtype="auto": 16-bit matrix-unit inputs for a 16-bit checkpoint)
+LABEL = {"hf": "transformers eager", "gpt_fast": "gpt-fast-style peer", "ours": "jitkern engine",
+         "ours_f32": "jitkern dtype=float32"}
 
 
 # ------------------------------------------------------------------------------------------------- prompts
@@ -127,7 +131,7 @@ def worker_gpt_fast(a, prompts) -> dict:
     return res
 
 
-def worker_ours(a, prompts) -> dict:
+def worker_ours(a, prompts, dtype="auto") -> dict:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     top = max(a.concurrency)
@@ -135,9 +139,9 @@ def worker_ours(a, prompts) -> dict:
     blocks_per_seq = -(-seq // 16)
     t0 = time.perf_counter()
     llm = LLM(a.model, device=a.device, block_size=16, num_blocks=top * blocks_per_seq + 64, max_num_seqs=top,
-              max_model_len=seq + 16, enable_prefix_caching=False, kv_cache_dtype=a.kv_cache_dtype)
+              max_model_len=seq + 16, enable_prefix_caching=False, kv_cache_dtype=a.kv_cache_dtype, dtype=dtype)
     res = {"load_s": time.perf_counter() - t0, "runs": {}, "variant": f"LLM(device={a.device!r}), "
-           f"kv_cache_dtype={a.kv_cache_dtype}"}
+           f"kv_cache_dtype={a.kv_cache_dtype}, dtype={dtype}"}
     try:
         sp = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True, detokenize=False)
         warm_sp = SamplingParams(max_tokens=min(a.output_len, 8), temperature=0, ignore_eos=True, detokenize=False)
@@ -157,7 +161,8 @@ def worker_ours(a, prompts) -> dict:
     return res
 
 
-WORKERS = {"hf": worker_hf, "gpt_fast": worker_gpt_fast, "ours": worker_ours}
+WORKERS = {"hf": worker_hf, "gpt_fast": worker_gpt_fast, "ours": worker_ours,
+           "ours_f32": lambda a, prompts: worker_ours(a, prompts, dtype="float32")}
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -225,7 +230,7 @@ def parse(argv=None):
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--kv-cache-dtype", default="f32", choices=("f32", "f16"))
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the peer eager")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -251,7 +256,7 @@ def parse(argv=None):
 def run_worker(a) -> int:
     with open(a.prompts) as f:
         prompts = json.load(f)
-    if a.device == "cpu" and a.worker != "ours":
+    if a.device == "cpu" and a.worker not in ("ours", "ours_f32"):
         import torch
         torch.set_num_threads(1)        # CPU smoke runs: tiny matrices, threads only contend
     try:
