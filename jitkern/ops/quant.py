@@ -801,7 +801,7 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
                 LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False,
                 FOLD: jk.constexpr = False, TT: jk.constexpr = False, PF: jk.constexpr = 0,
-                PFL: jk.constexpr = 2):
+                PFL: jk.constexpr = 2, ROWS_OUTER: jk.constexpr = False):
     # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
     # reads one monotonic weight stream); grid (N / (RS R), M / BM) over tokens M0 .. M0 + M, the last tile of
     # each axis shifted back to end at N (M0 + M). K is a compile-time constant: token rows are constant offsets from one pointer, the
@@ -809,8 +809,19 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
     # float operations whatever BM, R, RS (the integer dots are exact; lanes, FMAs and trees depend on S and
     # K only), so a row's result does not depend on the batch. PF > 0: each row tile first prefetches the
     # weight rows PF bytes ahead (locality PFL; `_gemv_prefetch`), a hint that changes no arithmetic.
-    n0 = jk.minimum(jk.program_id(0) * (RS * R), N - RS * R)
-    m0 = M0 + jk.minimum(jk.program_id(1) * BM, M - BM)
+    # ROWS_OUTER (`_rows_outer`): the flat program id f = p0 + g0 p1 runs row tile f // g1, token tile f % g1,
+    # so the CPU pool's contiguous thread chunks split the weight rows (each tile's rows read by one thread, its
+    # token tiles back to back from L1) instead of the tokens (every thread streaming every row). The same
+    # programs run, in another order: the arithmetic of each output does not change.
+    if ROWS_OUTER:
+        f = jk.program_id(0) + jk.num_programs(0) * jk.program_id(1)
+        prow = f // jk.num_programs(1)
+        ptok = f - prow * jk.num_programs(1)
+    else:
+        prow = jk.program_id(0)
+        ptok = jk.program_id(1)
+    n0 = jk.minimum(prow * (RS * R), N - RS * R)
+    m0 = M0 + jk.minimum(ptok * BM, M - BM)
     toks = (m0 + jk.arange(0, BM)).to(jk.i64)
     NB = K // 32
     RQ = R // RI
@@ -919,6 +930,24 @@ def _token_lanes(q: QType, R: int, BM: int, target) -> bool:
 
 
 _TOKEN_LANES = True
+
+
+def _rows_outer(mn: int, bm: int, K: int, target) -> bool:
+    """CPU launches of more than one token tile whose quantised activations (K int8 + the 4x repeated scales and
+    sums, ~2K bytes a token) fit in L1 with room to spare order their programs rows-major (`_qmm_kernel`
+    ROWS_OUTER): each pool thread takes a range of weight rows for every token, and a row tile's weights are
+    read once from memory and then from L1 for the next token tile (token-major, a 1 MB weight was streamed
+    once per token tile: SmolLM2's gate/up at M = 16, 1 thread, 18.8 -> 15.2 ms a step; with K = 1536 the 16
+    tokens' activations do not fit in L1 and rows-major was slower, 10.5 -> 11.8 ms). Only the order in which
+    the same programs run changes, never an output's arithmetic."""
+    return QMM_ROWS_OUTER and mn > bm and mn * K * 2 <= QMM_ROWS_OUTER_L1_BYTES and (target is None or target.is_cpu)
+
+
+QMM_ROWS_OUTER_L1_BYTES = 24 * 1024
+
+
+# set False to run token-major program order (benchmarks: perf/ab_engine_cpu.py variants)
+QMM_ROWS_OUTER = True
 
 
 def _qmm_decoder(q: QType, target):
@@ -1131,7 +1160,7 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
                      K=K, DEC=_qmm_decoder(q, T), RB=row_bytes(q, K), BM=bm, R=R, RI=RI, RS=RS, S=S,
                      LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1,
                      SPLIT=_split_steps(q, M, S, T), FOLD=_fold_lanes(q, S, T), TT=_token_lanes(q, R, bm, T),
-                     **_gemv_prefetch(M, row_bytes(q, K), T))
+                     ROWS_OUTER=_rows_outer(mn, bm, K, T), **_gemv_prefetch(M, row_bytes(q, K), T))
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
     ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),

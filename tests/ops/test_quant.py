@@ -364,3 +364,41 @@ def test_gemv_prefetch_same_results_and_stays_a_hint(tier, qtype, monkeypatch):
     params, consts, _ = kernel.specialize(args, constexprs)
     asm = compile_kernel(kernel, params, consts, tier, load=False, emit=("obj", "asm")).asm()
     assert "prefetch" in asm or "prfm" in asm, "the GEMV kernel has no prefetch instruction"
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_gemm_rows_outer_order_same_bits_and_splits_rows(tier, qtype, monkeypatch):
+    # CPU GEMMs of several token tiles (small K) run their programs rows-major (ROWS_OUTER): the same programs
+    # in another order, so bit-identical outputs; the CPU pool's contiguous half of the flat program ids (one
+    # thread's chunk of 2) must then hold the first half of the weight rows for every token
+    if not tier.is_cpu:
+        pytest.skip("program order over the CPU pool's thread chunks")
+    import ctypes
+    import jitkern as jk
+    rng = np.random.default_rng(50 + ["q8_0", "q4_0", "q4_1"].index(qtype))
+    launches = _record_launches(monkeypatch)
+    N, M = 40, 32
+    for K in KS[qtype]:
+        raw, _ = make_weight(qtype, N, K, rng)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        monkeypatch.setattr(Q, "QMM_ROWS_OUTER", False)
+        off = Q.matmul_q(x, raw, qtype, N, K, target=tier)
+        monkeypatch.setattr(Q, "QMM_ROWS_OUTER", True)
+        on = Q.matmul_q(x, raw, qtype, N, K, target=tier)
+        qmm = [c for k, a, c in launches[-3:] if k is Q._qmm_kernel]
+        if not qmm or qmm[-1]["BM"] >= M:
+            pytest.skip(f"one token tile holds M={M} on this tier")
+        assert qmm[-1].get("ROWS_OUTER") is True, qmm[-1]
+        np.testing.assert_array_equal(on, off, err_msg=f"{qtype} K={K}")
+        out = np.full((M, N), np.nan, np.float32)
+        with jk.capture() as graph:
+            Q.matmul_q(x, raw, qtype, N, K, out=out, target=tier)
+        *before, (addr, block, n) = graph.entries
+        run = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+        for a, b, nb in before:                      # the activations' quantisation, whole
+            run(a)(b.__array_interface__["data"][0], 0, nb)
+        run(addr)(block.__array_interface__["data"][0], 0, n // 2)
+        np.testing.assert_array_equal(out[:, :N // 2], on[:, :N // 2])
+        assert np.isnan(out[:, N // 2:]).all()
+        run(addr)(block.__array_interface__["data"][0], n // 2, n)
+        np.testing.assert_array_equal(out, on)
