@@ -327,8 +327,11 @@ class LLMEngine:
         in the next step() call, between launching that call's forward pass and waiting for it, so the GPU does
         not wait on it; step() then returns the previous step's outputs (a call that schedules nothing returns
         the last ones). A stop string found that late finishes a request that is already in the running step:
-        that step's token for it is dropped (the scheduler skips finished requests), so every request gets the
-        same outputs as without the overlap, one step() call later."""
+        that step's token for it is dropped (the scheduler skips finished requests, the sampler draws nothing for
+        it), so every request gets the same outputs as without the overlap, one step() call later. (Its blocks
+        come back one step later too: when the pool is short, the scheduler may preempt differently for a step;
+        tokens stay the same, but an n > 1 request's deltas may be split across outputs differently and
+        unseeded sampled requests draw in another order, as with any other change of batch.)"""
         if self.spec is not None:
             self.spec.propose(self.scheduler)          # draft tokens for decoding requests
             try:

@@ -66,7 +66,10 @@ class Sampler:
         with no token to pick is reported, each as `SampleResult(-1, error=...)`.
         """
         by_id = {s.req_id: s for s in sched.scheduled}
-        rids = list(result.sample_rows)
+        # A request finished while its step ran (LLMEngine.overlap_output: a stop string found one step late)
+        # samples nothing: its token would be dropped, and drawing for it would shift the shared generator
+        # that unseeded requests draw from.
+        rids = [rid for rid in result.sample_rows if not getattr(by_id[rid].request, "is_finished", False)]
         # Each request's uniform is drawn before anything can fail, so a retry draws nothing new (a seeded
         # request gives the same token whether or not another request's failure forced a retry).
         uniforms = {rid: (by_id[rid].request.rng() or self.rng).random() for rid in rids

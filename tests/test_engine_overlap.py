@@ -114,6 +114,10 @@ def _scenario(tiny):
         ("eos", prompts[2], SamplingParams(max_tokens=20, temperature=0)),
         ("seeded", prompts[3], SamplingParams(max_tokens=9, temperature=0.9, top_k=40, seed=7, logprobs=2)),
         ("seeded-n2", prompts[4], SamplingParams(max_tokens=7, n=2, temperature=1.0, seed=11)),
+        ("unseeded", prompts[3], SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)),
+        # unseeded, drawing from the engine's shared generator (top_k 1: greedy's tokens, so the stop string hits)
+        ("stop-str-sampled", prompts[1], SamplingParams(max_tokens=20, temperature=0.7, top_k=1, ignore_eos=True,
+                                                         stop=[stop])),
         ("greedy-3", prompts[5], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)),
         ("plp", prompts[6], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=1)),
     ]
@@ -146,8 +150,9 @@ def test_outputs_with_the_overlap_equal_without(tiny, fake_cuda, monkeypatch):
     assert got[True] == got[False]
     # both stop-string requests were finished by the output work: after their step without the overlap, while
     # their next step ran with it (that step's token dropped)
-    assert lates == {False: [("stop-str", False), ("stop-str-incl", False)],
-                     True: [("stop-str", True), ("stop-str-incl", True)]}
+    # (the unseeded requests get the same tokens: a request finished while its step ran draws nothing)
+    assert lates == {False: [("stop-str", False), ("stop-str-incl", False), ("stop-str-sampled", False)],
+                     True: [("stop-str", True), ("stop-str-incl", True), ("stop-str-sampled", True)]}
     final = {rid: s[-1][2] for rid, s in got[True].items()}
     # the scenario covers what it says: a stop string mid-stream, a stop id, max_tokens
     assert final["stop-str"][0][5] == "stop" and final["stop-str"][0][6] == stop
@@ -156,6 +161,7 @@ def test_outputs_with_the_overlap_equal_without(tiny, fake_cuda, monkeypatch):
     assert final["stop-id"][0][5] == "stop" and final["stop-id"][0][6] == stop_id
     assert final["greedy-12"][0][5] == "length" and len(final["greedy-12"][0][2]) == 12
     assert len(final["seeded-n2"]) == 2
+    assert len(final["unseeded"][0][2]) == 12
     # streaming: several deltas per request, and their concatenation is the final text
     for rid, stream in got[True].items():
         for idx in range(len(stream[-1][2])):
@@ -231,6 +237,8 @@ def test_previous_outputs_are_built_while_the_step_runs(tiny, fake_cuda, monkeyp
 def test_streaming_through_the_async_engine(tiny, fake_cuda):
     from engine.async_engine import AsyncEngine
     reqs, _, _ = _scenario(tiny)
+    # (requests are admitted while the engine thread runs: unseeded ones would draw in a timing-dependent order)
+    reqs = [r for r in reqs if r[2].temperature == 0 or r[2].seed is not None]
     got = {}
     for overlap in (False, True):
         ae = AsyncEngine(engine=_engine(tiny, overlap))
@@ -301,3 +309,34 @@ def test_device_greedy_rows_nan_rows_fail_alone():
             assert out[rid].token_id == -1 and "NaN" in out[rid].error
         else:
             assert out[rid].error is None and out[rid].token_id == int(tokens[r]) and type(out[rid].token_id) is int
+
+
+def test_preemption_with_the_overlap(tiny, fake_cuda):
+    """A KV pool too small for the batch: requests are preempted (recompute) while their previous step's outputs
+    wait to be built, and late stop strings finish requests that may be waiting again; the same streams."""
+    reqs, _, _ = _scenario(tiny)
+    long = [(f"long-{i}", p[:15], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            for i, p in enumerate(_prompts(12, seed=8)) if len(p) >= 15][:4]
+    assert len(long) == 4
+    reqs = long[:2] + reqs + long[2:]
+    got, preempted = {}, {}
+    for overlap in (False, True):
+        eng = _engine(tiny, overlap, num_blocks=14)
+        try:
+            got[overlap] = _run(eng, reqs)
+            preempted[overlap] = eng.scheduler.num_preemptions_total
+        finally:
+            eng.close()
+    assert preempted[False] > 0 and preempted[True] > 0
+    # A late stop string frees its blocks one step later, so the scheduler may preempt differently for a step:
+    # every n = 1 stream is still the same (one token per output), a request of n = 2 gets the same tokens per
+    # sequence and the same final output, but which output carries which sequence's delta can differ; unseeded
+    # requests draw from the shared generator in batch order (another batch: other draws) and are left out.
+    for rid, sp in ((r[0], r[2]) for r in reqs):
+        a, b = got[False][rid], got[True][rid]
+        if sp.n == 1 and (sp.temperature == 0 or sp.seed is not None or sp.top_k == 1):
+            assert a == b, rid
+        elif sp.seed is not None:
+            assert a[-1] == b[-1], rid
+            for idx in range(sp.n):
+                assert [t for r in a for t in r[2][idx][8]] == [t for r in b for t in r[2][idx][8]]
