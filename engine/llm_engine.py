@@ -422,7 +422,7 @@ class LLMEngine:
         `host_work` runs between launching the step and waiting for it (overlap_output)."""
         from engine.sampler import SampleResult
         try:
-            if self.overlap_output:
+            if self.overlap_output and self._runner_splits_steps():
                 try:
                     launched = self.runner.launch(sched)
                 finally:
@@ -449,6 +449,10 @@ class LLMEngine:
                 log.exception("the step of request %s failed", s.req_id)
                 out[s.req_id] = SampleResult(-1, error=INTERNAL_ERROR)
         return out
+
+    def _runner_splits_steps(self) -> bool:
+        from engine.model_runner import PLAIN_EXECUTE
+        return getattr(getattr(self.runner, "execute", None), "__func__", None) is PLAIN_EXECUTE
 
     def _sample(self, sched, result) -> dict:
         out = self.sampler.sample(sched, result)

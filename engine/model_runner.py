@@ -359,3 +359,8 @@ class ModelRunner:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+# LLMEngine's overlap_output drives launch and finish itself only while `execute` is this one: a runner whose
+# execute was replaced (fault injection in tests, timing in perf tools) gets its steps through that.
+PLAIN_EXECUTE = ModelRunner.execute

@@ -340,3 +340,25 @@ def test_preemption_with_the_overlap(tiny, fake_cuda):
             assert a[-1] == b[-1], rid
             for idx in range(sp.n):
                 assert [t for r in a for t in r[2][idx][8]] == [t for r in b for t in r[2][idx][8]]
+
+
+def test_a_replaced_execute_still_runs_every_step(tiny, fake_cuda, monkeypatch):
+    """Tests inject failures and perf tools time steps by replacing ModelRunner.execute (on the instance or the
+    class): with the overlap on, the engine then runs every step through it (no overlap, same outputs)."""
+    from engine.model_runner import ModelRunner
+    reqs = [("a", [3, 4, 5, 6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)),
+            ("b", [7, 8, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+    eng = _engine(tiny, True)
+    try:
+        want = _run(eng, reqs)
+        calls = []
+        real = eng.runner.execute
+        eng.runner.execute = lambda sched: (calls.append(len(sched.scheduled)), real(sched))[1]
+        assert _run(eng, reqs) == want and calls and len(calls) >= 6
+        del eng.runner.execute
+        calls.clear()
+        real_cls = ModelRunner.execute
+        monkeypatch.setattr(ModelRunner, "execute", lambda self, sched: (calls.append(1), real_cls(self, sched))[1])
+        assert _run(eng, reqs) == want and len(calls) >= 6
+    finally:
+        eng.close()
