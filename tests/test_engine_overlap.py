@@ -362,3 +362,28 @@ def test_a_replaced_execute_still_runs_every_step(tiny, fake_cuda, monkeypatch):
         assert _run(eng, reqs) == want and len(calls) >= 6
     finally:
         eng.close()
+
+
+def test_a_failing_launch_fails_only_its_request(tiny, fake_cuda, monkeypatch):
+    """A step whose launch raises (with the previous step's outputs still to build): those outputs are built
+    and returned, the requests are re-run one by one, only the request at fault ends with an error."""
+    from engine.model_runner import ModelRunner
+    good = [("a", [3, 4, 5, 6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)),
+            ("b", [7, 8, 9], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
+    eng = _engine(tiny, True)
+    try:
+        want = _run(eng, good)
+        real = ModelRunner.launch
+
+        def launch(self, sched):
+            if any(s.req_id == "bad" and s.request.output_token_ids for s in sched.scheduled):
+                raise RuntimeError("injected: a kernel failed on the bad request")
+            return real(self, sched)
+        monkeypatch.setattr(ModelRunner, "launch", launch)
+        got = _run(eng, good + [("bad", [11, 12, 13], SamplingParams(max_tokens=6, temperature=0,
+                                                                      ignore_eos=True))])
+    finally:
+        eng.close()
+    assert got["a"] == want["a"] and got["b"] == want["b"]
+    bad = got["bad"][-1]
+    assert bad[0] and bad[1] and bad[2][0][5] == "error" and len(bad[2][0][2]) == 1
