@@ -116,7 +116,8 @@ def _toolchain_key(target) -> tuple:
     the entry's meta; a cubin any driver refuses falls back to that PTX (runtime/cuda.py), so a cache filled
     by `jitkern build` with one ptxas loads with no compile where another ptxas (or none) is installed."""
     if target.is_cuda:
-        return ()
+        from .backends import gpu
+        return () if gpu.LDMATRIX else ("no-ldmatrix",)
     if target.is_hip:
         from .backends.amdgpu import find_lld, lld_version
         return ("ld.lld", lld_version(find_lld()))
@@ -170,7 +171,7 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
     """Compiles (or fetches from the caches) one specialisation of `kernel` for `target`."""
     target = target or default_target()
     spec = spec_string(params, consts)
-    mkey = (id(kernel), spec, target.name, emit)
+    mkey = (id(kernel), spec, target.name, emit, _toolchain_key(target) if target.is_cuda else ())
     hit = _memo.get(mkey)
     if hit is not None and (hit.address or not load):
         return hit

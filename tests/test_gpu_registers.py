@@ -4,6 +4,7 @@ offsets as a thread part plus constants (_flat_coords), the `maxnreg` launch opt
 import re
 import subprocess
 
+import numpy as np
 import pytest
 
 from jitkern import ir
@@ -116,3 +117,42 @@ def test_maxnreg_launch_option_caps_registers(tmp_path):
     regs, _ = _ptxas_usage(ptx, tmp_path)
     assert regs <= 96
     assert ".maxnreg" not in _linear_ptx(16, 64, 128)
+
+
+def test_ldmatrix_lanes_give_the_mma_fragments():
+    """NVIDIA's ldmatrix: lanes 8j..8j+7 address the rows of matrix j and lane l receives, of each matrix, row
+    l // 4's elements 2 (l % 4), +1. With the rows / k offsets NvptxHooks.ldmatrix_lanes gives (relative to a
+    unit's tile origin and K step), matrix j of the A step is exactly register a_j of mma_layout and matrix j
+    of the B step register b_j, for every lane (numpy model: no GPU needed)."""
+    from jitkern.backends.nvptx import NvptxHooks
+    from targets import get_target
+    h = NvptxHooks(get_target("sm_90a"))
+    lanes = np.arange(32)
+    lay = h.mma_layout(lanes, "bf16")
+    ld = h.ldmatrix_lanes(lanes)
+    for side, count in (("a", 4), ("b", 2)):
+        rows, ks = (np.broadcast_to(np.asarray(x), (32,)) for x in ld[side])
+        assert rows.max() < (16 if side == "a" else 8) and ks.max() <= 8 and (ks % 8 == 0).all()
+        for j in range(count):
+            src = 8 * j + lanes // 4                     # the lane that addressed this lane's row of matrix j
+            want_row, want_k = (np.broadcast_to(np.asarray(x), (32,)) for x in lay[side][j])
+            np.testing.assert_array_equal(rows[src], want_row, err_msg=f"{side}{j} rows")
+            np.testing.assert_array_equal(ks[src] + 2 * (lanes % 4), want_k, err_msg=f"{side}{j} k")
+
+
+def test_dense_linear_fragments_by_ldmatrix(monkeypatch):
+    """The tensor-core linear's K loop takes its fragments with ldmatrix (one x4 per A part and unit row, one
+    x2 per unit column) instead of 32-bit shared loads; JITKERN_LDMATRIX=0 (gpu.LDMATRIX) restores the loads
+    and changes the cache key."""
+    from jitkern.backends import gpu
+    from jitkern.compiler import _toolchain_key
+    from targets import get_target
+    ptx = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8)
+    with_ldm = (len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4", ptx)),
+                len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x2", ptx)), len(re.findall(r"ld\.shared", ptx)))
+    monkeypatch.setattr(gpu, "LDMATRIX", False)
+    assert _toolchain_key(get_target("sm_90a")) == ("no-ldmatrix",)
+    ptx0 = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8)
+    assert "ldmatrix" not in ptx0
+    assert with_ldm[0] > 0 and with_ldm[1] > 0
+    assert with_ldm[2] + 3 * with_ldm[0] + with_ldm[1] <= len(re.findall(r"ld\.shared", ptx0)), with_ldm

@@ -33,6 +33,7 @@ and block ids, the barrier, the shared-memory address space and the math that ha
 from __future__ import annotations
 
 import math
+import os
 
 from .. import ir
 from ..language import CompilationError
@@ -102,6 +103,21 @@ class GpuHooks:
         and + with integer constants (kept symbolic, folded into each register's address)."""
         raise NotImplementedError
 
+    has_ldmatrix = False
+
+    def ldmatrix_lanes(self, lane) -> dict:
+        """For has_ldmatrix targets: the (row, k) each lane addresses for A's (16, 16) step (4 matrices) and B's
+        (8, 16) step as (n, k) rows (2 matrices), relative to the unit's tile origin and the step's k;
+        `lane` as in mma_layout."""
+        raise NotImplementedError
+
+    def ldmatrix(self, low, ptr: str, count: int):
+        """`count` (2 or 4) 32-bit fragment registers of 8x8 16-bit matrices in shared memory, one instruction
+        for the warp: lane l gives the address of row l % 8 of matrix l // 8 (`ptr`, 16-byte aligned), and
+        each lane receives, of every matrix, the element pair (row l // 4, columns 2 (l % 4), +1). None where
+        the target has no such instruction (the lowering then loads each register itself)."""
+        return None
+
     # Targets without pointer kernel parameters (Vulkan's logical addressing) override these; the defaults
     # keep the lowering's own code (pointer parameters, GEPs, masked gathers/scatters on pointer vectors).
     def entry(self, low) -> None:
@@ -150,6 +166,9 @@ class MmaAcc:
 
 
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
+# MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
+# (an A/B switch: part of the compiled kernels' cache key, jitkern/compiler.py _toolchain_key)
+LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
 
 
 class _LaneExpr:
@@ -1522,6 +1541,17 @@ class GpuLowering(LlvmEmitter):
         warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0)
         lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0)
         lay = self.hooks.mma_layout(_LaneExpr(self, lane.ref), kind)
+        # ldmatrix (NVIDIA m16n8k16): a unit's A fragments of a K step in one instruction (4 matrices), its B
+        # fragments in one (2), at the rows / k offsets ldmatrix_lanes gives each lane, instead of 6 loads;
+        # each lane then holds exactly the registers mma_layout names (tests/test_gpu_registers.py models
+        # both). Rows are 16-byte aligned: KP = k + 8 elements with k % 16 == 0, regions at 16-byte offsets
+        ldm = (LDMATRIX and (MS, NS, KS) == (16, 8, 16) and lay["a_ty"] == "i32" and lay["b_ty"] == "i32"
+               and KP % 8 == 0 and all(o % 16 == 0 for o in list(offs_a or []) + ([offb] if offb is not None else []))
+               and self.hooks.has_ldmatrix)
+        if ldm:
+            la = self.hooks.ldmatrix_lanes(_LaneExpr(self, lane.ref))
+            la_row, la_k = (x.value() for x in la["a"])
+            lb_row, lb_k = (x.value() for x in la["b"])
 
         def coords(regs):        # per register: (symbolic ref or None, constant) of each coordinate
             return [_sym(x) for x, _ in regs], [_sym(y) for _, y in regs]
@@ -1550,6 +1580,16 @@ class GpuLowering(LlvmEmitter):
             if const:
                 p = low.val(f"getelementptr i8, ptr addrspace({a3}) {p}, i32 {2 * const}", "ptr", 0).ref
             return low.val(f"load {ty}, ptr addrspace({a3}) {p}, align {min(16, 2 * elems)}", ty, 0).ref
+
+        def ldmx(byte_off_region, elem_idx, count, cache):
+            """`count` fragment registers by one ldmatrix at element elem_idx of a staged region (cached per
+            address within a K step: units that share a tile row or column share the instruction)."""
+            key = ("ldm", byte_off_region, elem_idx, count)
+            if key not in cache:
+                eb = add(mul(elem_idx, 2), byte_off_region)
+                p = low.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0).ref
+                cache[key] = low.hooks.ldmatrix(low, p, count)
+            return cache[key]
 
         def bases(crds, origin, cache):
             """tile origin + each distinct symbolic part (one add each; constants are added per register)."""
@@ -1583,7 +1623,11 @@ class GpuLowering(LlvmEmitter):
                 for (ref, c) in b_cols:
                     if ("b", ref) not in roff:
                         roff[("b", ref)] = mul(cols[ref], KP)
-            return dict(rows=rows, cols=cols, roff=roff)
+            u = dict(rows=rows, cols=cols, roff=roff)
+            if ldm and offs_a is not None:
+                u["lda"] = add(mul(add(mul(mi.ref, MS), la_row), KP), la_k)
+                u["ldb"] = add(mul(add(mul(ni.ref, NS), lb_row), KP), lb_k)
+            return u
 
         def run_units(us, init):
             """One K loop for the units `us` together: hi and lo parts (and the units) accumulate into
@@ -1607,11 +1651,18 @@ class GpuLowering(LlvmEmitter):
                         if (side, rr, kr) not in sums:
                             sums[(side, rr, kr)] = add(u["roff"][(side, rr)], kb[kr])
                         return sums[(side, rr, kr)]
-                    regs_b = [ld(offb, elem("b", bc[0], kr), lay["b_ty"], lay["b_elems"], bc[1] * KP + kc, addrs)
-                              for bc, (kr, kc) in zip(b_cols, b_ks)]
+                    if ldm:
+                        kofs = mul(it, KS)
+                        regs_b = ldmx(offb, add(u["ldb"], kofs), 2, addrs)
+                    else:
+                        regs_b = [ld(offb, elem("b", bc[0], kr), lay["b_ty"], lay["b_elems"], bc[1] * KP + kc,
+                                     addrs) for bc, (kr, kc) in zip(b_cols, b_ks)]
                     for pi, pa in enumerate(offs_a):
                         if m == MS and pi in shared_a:
                             regs_a = shared_a[pi]
+                        elif ldm:
+                            regs_a = ldmx(pa, add(u["lda"], kofs), 4, addrs)
+                            shared_a[pi] = regs_a
                         else:
                             regs_a = [ld(pa, elem("a", ar[0], kr), lay["a_ty"], lay["a_elems"], ar[1] * KP + kc,
                                          addrs) for ar, (kr, kc) in zip(a_rows, a_ks)]

@@ -99,6 +99,23 @@ class NvptxHooks(GpuHooks):
         return [low.val(f"extractvalue {{ float, float, float, float }} {res.ref}, {j}", "float", 0).ref
                 for j in range(4)]
 
+    @property
+    def has_ldmatrix(self):
+        return self.target.mma in ("mma.sync", "wgmma", "tcgen05")       # ldmatrix: sm_75+
+
+    def ldmatrix_lanes(self, lane):
+        # ldmatrix: lanes 8j..8j+7 address the rows of matrix j. A (16 x 16): matrices (rows 0-7, k 0-7),
+        # (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a0..a3; B (8 n x 16 k): (k 0-7), (k 8-15)
+        # = b0, b1 (lanes 16-31 repeat 0-15: x2 ignores their addresses)
+        return dict(a=(lane & 15, (lane >> 4) << 3), b=(lane & 7, lane & 8))
+
+    def ldmatrix(self, low, ptr, count):
+        name = f"llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{count}.b16"
+        sty = "{ " + ", ".join(["i32"] * count) + " }"
+        low.declare(name, sty, [f"ptr addrspace({self.smem_as})"])
+        res = low.val(f"call {sty} @{name}(ptr addrspace({self.smem_as}) {ptr})", "{ld}", 0)
+        return [low.val(f"extractvalue {sty} {res.ref}, {j}", "i32", 0).ref for j in range(count)]
+
     def mma_layout(self, lane, kind):
         # mma.m16n8k16 .bf16/.f16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): groupID = lane / 4,
         # threadID_in_group = lane % 4; a0..a7 in 4 registers of 2 (k pairs adjacent), b0..b3 in 2, c0..c3
