@@ -138,7 +138,11 @@ def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, devic
     import torch
     from engine.llm import LLM
     arch, path, hf, prompts, cpu = tiny
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
+    wdt = arch.partition("@")[2]
+    # a 16-bit checkpoint with dtype="float32" computes as the CPU does (f32 activations, hi + lo on the matrix
+    # units): its tokens must be the CPU's; with vLLM's default dtype (16-bit matrix-unit inputs) see below
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda",
+              dtype="float32" if wdt else "auto")
     try:
         assert llm.engine.model.device == "cuda"
         from jitkern.runtime.cuda import DeviceArray
@@ -152,6 +156,19 @@ def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, devic
         llm.close()
     assert alone == cpu[:2]
     assert batch == cpu
+    if wdt:
+        # dtype "auto": batch invariant, and every token the CPU's choice or within 0.1 nats of it (teacher
+        # forced on this run's continuation: near-ties may part, a wrong token is > 1 nat off)
+        llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
+        try:
+            assert llm.engine.model.compute16
+            alone16 = [_greedy(llm, [p], 24)[0] for p in prompts[:2]]
+            batch16 = _greedy(llm, prompts, 24)
+        finally:
+            llm.close()
+        assert batch16[:2] == alone16
+        margins = _cpu_side("_greedy_margins", path, [[p, c] for p, c in zip(prompts, batch16)])
+        assert max(max(m) for m in margins) <= 0.1, margins
     if hf is None:
         return
     with torch.no_grad():
