@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from server.reasoning import REASONING_PARSER_CHOICES
-from server.settings import KV_CACHE_DTYPES, SCHEDULING_POLICIES, ServerSettings
+from server.settings import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, ServerSettings
 from server.tool_parsers import TOOL_PARSER_CHOICES
 
 # Flags of `vllm serve` recipes that are accepted and have no effect here (a notice is printed).
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
     p.add_argument("--kv-cache-memory", type=_positive, help="bytes for the KV pool when --num-blocks is not given")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="KV-cache element type")
+    p.add_argument("--dtype", choices=DTYPES, help="GPU compute precision of a 16-bit checkpoint (vLLM's --dtype): "
+                   "auto / bfloat16 / float16 feed the matrix units 16-bit activations; float32 keeps f32 "
+                   "activations (hi + lo parts). The CPU computes in float32 either way")
     p.add_argument("--max-model-len", type=_non_negative, help="max sequence length (0: the model's, fitted to "
                    "the KV pool)")
     p.add_argument("--max-num-seqs", type=_positive, help="max concurrent sequences in a batch")
@@ -116,7 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         model=args.model, served_model_name=args.served_model_name, tokenizer_config=args.tokenizer_config,
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len or None,
+        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_model_len=args.max_model_len or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens or None,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,

@@ -48,6 +48,8 @@ def _parse_float(name: str, text: str, low: float | None = None) -> float:
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("f32", "f16")
+# vLLM's --dtype: the GPU compute precision of 16-bit checkpoints (engine.llm_args maps the spellings)
+DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ServerSettings:
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     kv_cache_dtype: Optional[str] = None
+    dtype: Optional[str] = None                  # JITKERN_DTYPE: vLLM's --dtype (float32: f32 matrix-unit inputs)
     max_model_len: Optional[int] = None
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
@@ -92,7 +95,7 @@ class ServerSettings:
     # name -> (kind, extra check)
     _KINDS = {
         "model": "str", "served_model_name": "str", "tokenizer_config": "str", "block_size": "pos_int",
-        "num_blocks": "pos_int", "kv_cache_memory": "pos_int", "kv_cache_dtype": "kv_dtype",
+        "num_blocks": "pos_int", "kv_cache_memory": "pos_int", "kv_cache_dtype": "kv_dtype", "dtype": "dtype",
         "max_model_len": "len_int", "max_num_seqs": "pos_int", "max_num_batched_tokens": "len_int",
         "enable_prefix_caching": "bool", "scheduling_policy": "policy", "max_logprobs": "logprobs_int",
         "seed": "int", "enable_jump_forward": "bool", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
@@ -140,7 +143,10 @@ class ServerSettings:
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config",
                  "task", "generation_config", "tensor_parallel_size")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if self.dtype in ("float32", "float"):
+            out["dtype"] = "float32"          # the other spellings are the engine's default ("auto")
+        return out
 
 
 def _parse(kind: str, name: str, text: str):
@@ -187,6 +193,10 @@ def _parse(kind: str, name: str, text: str):
     if kind == "generation_config":
         if text not in ("auto", "vllm") and not os.path.isdir(text):
             raise SettingsError(f"{name}={text!r}: expected auto, vllm or a folder holding generation_config.json")
+        return text
+    if kind == "dtype":
+        if text not in DTYPES:
+            raise SettingsError(f"{name}={text!r}: expected one of {', '.join(DTYPES)}")
         return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:

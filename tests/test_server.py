@@ -1077,6 +1077,23 @@ def test_settings_from_env_and_errors():
             ServerSettings.from_env(env)
 
 
+def test_dtype_setting_reaches_the_engine():
+    """vLLM's --dtype: float32 / float become the engine's dtype="float32" (f32 matrix-unit inputs on a GPU), the
+    16-bit spellings and auto leave the engine's default; anything else is refused naming the variable; the CLI
+    flag travels to the worker through the environment."""
+    from server.cli import build_parser, gunicorn_command
+    assert ServerSettings.from_env({"JITKERN_DTYPE": "float32"}).engine_kwargs()["dtype"] == "float32"
+    assert ServerSettings.from_env({"JITKERN_DTYPE": "float"}).engine_kwargs()["dtype"] == "float32"
+    for text in ("auto", "bfloat16", "half"):
+        assert "dtype" not in ServerSettings.from_env({"JITKERN_DTYPE": text}).engine_kwargs()
+    with pytest.raises(SettingsError, match="JITKERN_DTYPE"):
+        ServerSettings.from_env({"JITKERN_DTYPE": "int8"})
+    _, env = gunicorn_command(build_parser().parse_args(["--dtype", "float32"]))
+    assert ServerSettings.from_env(env).engine_kwargs()["dtype"] == "float32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dtype", "fp8"])
+
+
 def test_cli_flags_become_gunicorn_command():
     from server.cli import build_parser, gunicorn_command
     args = build_parser().parse_args([
