@@ -376,7 +376,10 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
         # match only on the GPU, so the fake keeps the taller tile off by default (tests/fake_cuda.py); a
         # narrower tall tile of the same shape family keeps its CPU compile short
         monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_M", 17)
-        monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_TILE", (32, 64, 64, 4))
+        # (narrower tiles of the same family than the engine's: a GPU tile's dot compiled for the CPU costs
+        # ~1.5 minutes at (16, 64, 128); the sm_90a choice logic and PTX are the same)
+        monkeypatch.setattr(mm, "GPU_LINEAR_DECODE_TILE", (16, 32, 64, 4))
+        monkeypatch.setattr(mm, "GPU_LINEAR_WIDE_TILE", (32, 32, 64, 4))
     x, dw, db, full, want = _tiled_linear_case(cuda_mod, 14, 97, 256, 512, mm.GPU_LINEAR_WIDE_TILE[0])
     for lo, hi in ((0, 1), (40, 41), (90, 97), (3, 19)):
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
