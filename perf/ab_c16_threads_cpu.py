@@ -1,0 +1,106 @@
+"""Wall-clock A/B of the 2-thread c=16 changes of 2026-12-02 (issue 12) in one engine, the variants alternating
+round by round: "before" = the attention module at 06c0a37 (decode grid (sequences, partitions)) swapped in and
+token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. Decode tok/s of 16 random 37-token prompts
+from the moment every request has its first token; greedy tokens compared between variants.
+
+    .venv/bin/python perf/ab_c16_threads_cpu.py [both|attn|rows] [--rounds 5] [--output-len 128] [--threads 2]
+
+Needs git (reads the old module with `git show`). Wall clock: on a shared host, note the load it prints.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    import numpy as np
+    import bench
+    import jitkern.ops.attention as A
+    import jitkern.ops.quant as Q
+    C, OUT = 16, args.output_len
+    ours = bench.OursRunner(bench._parse(["--concurrency", "16", "--output-len", str(OUT)]))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, ours.vocab_size, 37).tolist() for _ in range(C)]
+    src = subprocess.run(["git", "-C", ROOT, "show", "06c0a37:jitkern/ops/attention.py"], capture_output=True,
+                         text=True, check=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "old_attention.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("jitkern.ops._old_attention", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    new_attention = A.paged_attention
+
+    def old_attention(*a, operands=None, **k):      # the old module predates the operands= argument
+        return old.paged_attention(*a, **k)
+
+    def before():
+        if args.which in ("both", "attn"):
+            A.paged_attention = old_attention
+        if args.which in ("both", "rows"):
+            Q.QMM_ROWS_OUTER = False
+
+    def after():
+        A.paged_attention = new_attention
+        Q.QMM_ROWS_OUTER = True
+
+    def wave():
+        eng = ours.engine
+        ps = ours._params(OUT)
+        ids = []
+        for i in range(C):
+            rid = f"ab-{time.monotonic_ns()}-{i}"
+            eng.add_request(rid, list(prompts[i]), ps)
+            ids.append(rid)
+        got, t0, n0 = {}, None, 0
+        while len([r for r in ids if got.get(r, (0, False))[1]]) < C:
+            if t0 is None and len(got) == C and all(v[0] >= 1 for v in got.values()):
+                t0 = time.perf_counter()
+                n0 = sum(v[0] for v in got.values())
+            for o in eng.step():
+                got[o.request_id] = (len(o.outputs[0].token_ids), o.finished, list(o.outputs[0].token_ids))
+        return (sum(v[0] for v in got.values()) - n0) / (time.perf_counter() - t0), [got[r][2] for r in ids]
+
+    variants = {"before": before, "after": after}
+    names = list(variants)
+    res, toks = {n: [] for n in names}, {}
+    for r in range(args.rounds + 1):                 # round 0 warms up (compiles, records graphs)
+        for n in (names if r % 2 == 0 else names[::-1]):
+            variants[n]()
+            ours.engine.runner._graphs.clear()
+            load = os.getloadavg()[0]
+            tps, toks[n] = wave()
+            if r > 0:
+                res[n].append((tps, load))
+        if r > 0:
+            print(f"round {r}: " + ", ".join(f"{n} {res[n][-1][0]:.1f} tok/s (load {res[n][-1][1]:.2f})"
+                                             for n in names), flush=True)
+    after()
+    xa, xb = [v for v, _ in res["before"]], [v for v, _ in res["after"]]
+    print(f"c=16 decode tok/s ({args.which}; wall, {args.threads} threads, {OUT} output tokens): before best / median "
+          f"{max(xa):.1f} / {statistics.median(xa):.1f}; after {max(xb):.1f} / {statistics.median(xb):.1f}; ratio "
+          f"best {max(xb) / max(xa):.3f}, median {statistics.median(xb) / statistics.median(xa):.3f}")
+    print(f"greedy sequences identical before vs after: {sum(p == q for p, q in zip(toks['before'], toks['after']))}/{C}")
+    ours.close()
+
+
+if __name__ == "__main__":
+    main()
