@@ -45,7 +45,7 @@ MAX_SPECULATIVE_TOKENS = 32
 
 
 # Adaptive drafting (per request): a request starts at START_LEVEL drafts; a step whose drafts were all
-# accepted doubles its level (1 -> 3 -> 7 -> 15, up to num_speculative_tokens), a rejection drops it back to 1.
+# accepted doubles its level (1 -> 3 -> 7 -> 15, up to num_speculative_tokens), a rejection steps it back (BACKOFF).
 # Why: on the CPU a verification step of 1 + k tokens costs ~1.25x (k = 1) to ~2.4x (k = 7) a one-token decode
 # step (SmolLM2, quiet host; far more on a loaded one), so drafts that get rejected are expensive; and an
 # input-grounded output alternates between long copied stretches (all drafts accepted) and rewritten words
@@ -53,6 +53,12 @@ MAX_SPECULATIVE_TOKENS = 32
 # repeat) with the measured step costs, levels + anchoring gave the editing task 1.6-2.0x against 1.4-1.7x for
 # a fixed k = 7, and the verbatim one 2.4-3.2x in both (docs/BENCHMARKS.md "Speculative decoding").
 START_LEVEL = 3
+# after a rejection: "halve" steps the level one down (7 -> 3 -> 1), "reset" drops it to 1. Halving keeps more
+# drafts in flight on outputs whose copied stretches are broken by single changed words: SmolLM2 c=1, three
+# same-run A/Bs (`perf/bench_spec.py --k 7 --runs 4 --halve`, load 1.7-2.2): e-mail summary 1.68-1.91x best /
+# 1.63-1.69x median against 1.45-1.67x / 1.39-1.55x with reset, editing 1.26-1.80x / 1.35-1.46x against
+# 1.20-1.58x / 1.41-1.48x (docs/BENCHMARKS.md). JITKERN_SPEC_BACKOFF / SpecDecoder.backoff override it.
+BACKOFF = "halve"
 # n-gram re-anchoring: after a step, the request's *anchor* is the position in its tokens just past the
 # source text its drafts were copied from (moved on by one per token emitted since). A match whose
 # continuation starts within ANCHOR_WINDOW tokens of it wins over other matches of the same length and counts
@@ -320,10 +326,13 @@ class _DraftState:
         # every token emitted since consumed one source token: accepted drafts, the bonus / corrected one
         return None if self.anchor < 0 else self.anchor + num_tokens - self.anchor_tokens
 
-    def update(self, num_drafts: int, num_accepted: int, k: int) -> None:
+    def update(self, num_drafts: int, num_accepted: int, k: int, halve: bool = False) -> None:
         if num_drafts <= 0:
             return
-        self.level = min(k, 2 * self.level + 1) if num_accepted == num_drafts else 1
+        if num_accepted == num_drafts:
+            self.level = min(k, 2 * self.level + 1)
+        else:
+            self.level = max(1, self.level // 2) if halve else 1
 
 
 class SpecDecoder:
@@ -332,6 +341,9 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         # adaptive drafting (levels + n-gram anchoring); off: always k drafts, plain most-recent lookup
         self.adaptive = os.environ.get("JITKERN_SPEC_ADAPTIVE", "1") not in ("0", "")
+        self.backoff = os.environ.get("JITKERN_SPEC_BACKOFF", BACKOFF)
+        if self.backoff not in ("reset", "halve"):
+            raise ValueError(f"JITKERN_SPEC_BACKOFF must be 'reset' or 'halve', got {self.backoff!r}")
         self._states: dict = {}               # req_id -> _DraftState
         self.max_model_len = engine.max_model_len
         self.vocab = engine.config.vocab_size
@@ -430,7 +442,7 @@ class SpecDecoder:
             self.stats.record(res.num_drafts, len(res.token_ids) - 1, self.k)
             st = self._states.get(rid)
             if st is not None:
-                st.update(res.num_drafts, len(res.token_ids) - 1, self.k)
+                st.update(res.num_drafts, len(res.token_ids) - 1, self.k, halve=self.backoff == "halve")
         return out
 
     def metrics(self) -> dict:

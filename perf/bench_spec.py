@@ -71,7 +71,7 @@ def _time_steps(llm, step_times: dict) -> None:
 
 
 def run(k_values, runs: int, max_tokens: int, lookup_min: int, lookup_max: int, tasks=DEFAULT_TASKS,
-        fixed: bool = True, step_times: dict | None = None) -> list:
+        fixed: bool = True, step_times: dict | None = None, halve: bool = False) -> list:
     """All engines loaded side by side and run in turns (round -> config -> task), so that a shared host's
     load falls on every configuration alike."""
     from engine.llm import LLM
@@ -82,13 +82,17 @@ def run(k_values, runs: int, max_tokens: int, lookup_min: int, lookup_max: int, 
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
                 "prompt_lookup_max": lookup_max}
         configs.append((f"ngram k={k}", spec, True))
+        if halve:
+            configs.append((f"ngram k={k} halve", spec, "halve"))
         if fixed:
             configs.append((f"ngram k={k} fixed", spec, False))
     llms = {}
     for name, spec, adaptive in configs:
         llms[name] = LLM(speculative_config=spec)
         if spec is not None:
-            llms[name].engine.spec.adaptive = adaptive
+            llms[name].engine.spec.adaptive = bool(adaptive)
+            if adaptive == "halve":
+                llms[name].engine.spec.backoff = "halve"
         if step_times is not None:
             _time_steps(llms[name], step_times)
     try:
@@ -138,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, nargs="+", default=[7], help="num_speculative_tokens values (default 7)")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=sorted(TASKS))
     p.add_argument("--no-fixed", action="store_true", help="skip the fixed-k (non-adaptive) configurations")
+    p.add_argument("--halve", action="store_true",
+                   help="also run adaptive drafting with backoff \"halve\" (\"ngram k=K halve\"; the plain \"ngram k=K\" "
+                        "row takes JITKERN_SPEC_BACKOFF / the default)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--lookup-min", type=int, default=2)
@@ -147,7 +154,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()[0]
     step_times: dict = {}
     res = run(args.k, args.runs, args.max_tokens, args.lookup_min, args.lookup_max, args.tasks, not args.no_fixed,
-              step_times)
+              step_times, halve=args.halve)
     off = {r["task"]: r for r in res if r["config"] == "off"}
     print("| task | config | output tokens | decode tok/s best | median | speed-up best / median | acceptance "
           "| tokens per verification step | tokens per decode step |")

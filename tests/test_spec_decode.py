@@ -138,6 +138,28 @@ def test_draft_levels_adapt_to_acceptance():
     assert seen == [3, 7, 7, 7, 1, 3, 1, 1, 3, 3, 7]
     st.update(3, 3, 5)
     assert st.level == 5                            # capped at num_speculative_tokens
+    # backoff "halve": a rejection steps one level down (15 -> 7 -> 3 -> 1) instead of back to 1
+    st = _DraftState(level=3)
+    seen = [st.level]
+    for drafted, accepted in [(3, 3), (7, 7), (15, 4), (7, 0), (3, 3), (7, 6), (3, 1), (1, 0), (1, 0)]:
+        st.update(drafted, accepted, 15, halve=True)
+        seen.append(st.level)
+    assert seen == [3, 7, 15, 7, 3, 7, 3, 1, 1, 1]
+
+
+def test_spec_backoff_setting(monkeypatch):
+    """JITKERN_SPEC_BACKOFF picks the level after a rejection (default BACKOFF); anything else is refused
+    naming the variable."""
+    from types import SimpleNamespace
+    from engine import spec_decode as sd
+    cfg = sd.SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    eng = SimpleNamespace(max_model_len=64, config=SimpleNamespace(vocab_size=100), args=SimpleNamespace(seed=0))
+    assert sd.SpecDecoder(cfg, eng).backoff == sd.BACKOFF
+    monkeypatch.setenv("JITKERN_SPEC_BACKOFF", "halve")
+    assert sd.SpecDecoder(cfg, eng).backoff == "halve"
+    monkeypatch.setenv("JITKERN_SPEC_BACKOFF", "slow")
+    with pytest.raises(ValueError, match="JITKERN_SPEC_BACKOFF"):
+        sd.SpecDecoder(cfg, eng)
 
 
 # -------------------------------------------------------------------------------- tiny random models
@@ -244,17 +266,19 @@ def test_greedy_is_token_identical_with_mixed_requests(tiny_models, adaptive, mo
 
 def test_adaptive_draft_counts_follow_acceptance(tiny_models):
     """With adaptive drafting each request starts at START_LEVEL drafts, and the drafts of its next step are
-    2l + 1 after a step that accepted all of its l drafts and 1 after a rejection (bounded by k and by what the
-    lookup found); with it off every step asks for k. Tokens equal speculation off either way."""
+    2l + 1 after a step that accepted all of its l drafts and, after a rejection, l // 2 (backoff "halve") or 1
+    ("reset") (bounded by k and by what the lookup found); with it off every step asks for k. Tokens equal
+    speculation off either way."""
     from engine.spec_decode import START_LEVEL
     path = tiny_models["llama"]
     sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, detokenize=False)
     base, _, _ = _run(path, PROMPTS, sp)
     k = 7
-    for adaptive in (True, False):
+    for adaptive, backoff in ((True, "halve"), (True, "reset"), (False, "reset")):
         with LLM(path, speculative_config={**NGRAM, "num_speculative_tokens": k}, **ENGINE) as llm:
             spec = llm.engine.spec
             spec.adaptive = adaptive
+            spec.backoff = backoff
             steps = {}                          # req_id -> [(level asked, drafts, accepted)]
             orig = spec.verify
 
@@ -276,7 +300,8 @@ def test_adaptive_draft_counts_follow_acceptance(tiny_models):
             assert v[0][0] == min(k, START_LEVEL)
             for (asked, nd, acc), (nxt, _, _) in zip(v, v[1:]):
                 assert nd <= asked
-                assert nxt == (min(k, 2 * asked + 1) if acc == nd else 1)
+                assert nxt == (min(k, 2 * asked + 1) if acc == nd else
+                               max(1, asked // 2) if backoff == "halve" else 1)
         assert {a for a, _, _ in rows} >= {1, 3, 7}       # every level was visited
 
 
