@@ -31,14 +31,11 @@ def main(argv=None):
     os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "perf"))
-    import numpy as np
-    import bench
+    import ab_engine_cpu
     import jitkern.ops.attention as A
     import jitkern.ops.quant as Q
     C, OUT = 16, args.output_len
-    ours = bench.OursRunner(bench._parse(["--concurrency", "16", "--output-len", str(OUT)]))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, ours.vocab_size, 37).tolist() for _ in range(C)]
+    ours, prompts = ab_engine_cpu.open_engine("16", OUT)
     src = subprocess.run(["git", "-C", ROOT, "show", "06c0a37:jitkern/ops/attention.py"], capture_output=True,
                          text=True, check=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "old_attention.py")
@@ -63,21 +60,7 @@ def main(argv=None):
         Q.QMM_ROWS_OUTER = True
 
     def wave():
-        eng = ours.engine
-        ps = ours._params(OUT)
-        ids = []
-        for i in range(C):
-            rid = f"ab-{time.monotonic_ns()}-{i}"
-            eng.add_request(rid, list(prompts[i]), ps)
-            ids.append(rid)
-        got, t0, n0 = {}, None, 0
-        while len([r for r in ids if got.get(r, (0, False))[1]]) < C:
-            if t0 is None and len(got) == C and all(v[0] >= 1 for v in got.values()):
-                t0 = time.perf_counter()
-                n0 = sum(v[0] for v in got.values())
-            for o in eng.step():
-                got[o.request_id] = (len(o.outputs[0].token_ids), o.finished, list(o.outputs[0].token_ids))
-        return (sum(v[0] for v in got.values()) - n0) / (time.perf_counter() - t0), [got[r][2] for r in ids]
+        return ab_engine_cpu._wave(ours, prompts, C, OUT, clock=time.perf_counter)
 
     variants = {"before": before, "after": after}
     names = list(variants)

@@ -31,8 +31,9 @@ def open_engine(concurrency: str, output_len: int):
     return ours, [rng.integers(0, ours.vocab_size, 37).tolist() for _ in range(n)]
 
 
-def _wave(ours, prompts, c: int, output_len: int):
-    """c requests at once to the end: (decode tokens per CPU-second of this thread, each request's tokens)."""
+def _wave(ours, prompts, c: int, output_len: int, clock=time.thread_time):
+    """c requests at once to the end: (decode tokens per second of `clock` (default: this thread's CPU time;
+    time.perf_counter for wall clock), each request's tokens)."""
     eng = ours.engine
     ps = ours._params(output_len)
     ids = []
@@ -43,11 +44,11 @@ def _wave(ours, prompts, c: int, output_len: int):
     got, t0, n0 = {}, None, 0
     while len([r for r in ids if got.get(r, (0, False))[1]]) < c:
         if t0 is None and len(got) == c and all(v[0] >= 1 for v in got.values()):
-            t0 = time.thread_time()            # every request past its prompt: decode from here
+            t0 = clock()                       # every request past its prompt: decode from here
             n0 = sum(v[0] for v in got.values())
         for o in eng.step():
             got[o.request_id] = (len(o.outputs[0].token_ids), o.finished, list(o.outputs[0].token_ids))
-    return (sum(v[0] for v in got.values()) - n0) / (time.thread_time() - t0), [got[r][2] for r in ids]
+    return (sum(v[0] for v in got.values()) - n0) / (clock() - t0), [got[r][2] for r in ids]
 
 
 def run_ab(ours, prompts, variants: dict, conc, rounds: int, output_len: int, label: str = "") -> dict:
