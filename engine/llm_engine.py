@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -205,10 +204,9 @@ class LLMEngine:
 
     def _resolve_overlap(self, asked) -> bool:
         if asked is None:
-            env = os.environ.get("JITKERN_OVERLAP_OUTPUT", "").strip()
-            if env not in ("", "0", "1"):
-                raise ValueError(f"JITKERN_OVERLAP_OUTPUT must be 0 or 1, got {env!r}")
-            asked = (env == "1") if env else getattr(self.runner, "device", "cpu") == "cuda"
+            from jitkern.env import overlap_output
+            env = overlap_output()              # a bad value: SettingError naming the variable
+            asked = env if env is not None else getattr(self.runner, "device", "cpu") == "cuda"
         if asked and self.spec is not None:
             log.warning("overlap_output is off: speculative decoding runs its steps synchronously")
             return False

@@ -341,9 +341,8 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         # adaptive drafting (levels + n-gram anchoring); off: always k drafts, plain most-recent lookup
         self.adaptive = os.environ.get("JITKERN_SPEC_ADAPTIVE", "1") not in ("0", "")
-        self.backoff = os.environ.get("JITKERN_SPEC_BACKOFF", BACKOFF)
-        if self.backoff not in ("reset", "halve"):
-            raise ValueError(f"JITKERN_SPEC_BACKOFF must be 'reset' or 'halve', got {self.backoff!r}")
+        from jitkern.env import spec_backoff
+        self.backoff = spec_backoff(BACKOFF)          # a bad value: SettingError naming the variable
         self._states: dict = {}               # req_id -> _DraftState
         self.max_model_len = engine.max_model_len
         self.vocab = engine.config.vocab_size

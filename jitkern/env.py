@@ -24,6 +24,11 @@ Settings (all optional):
     JITKERN_GPU_PROFILE         1: time every GPU launch outside graph capture (synchronising around it) and
                                 print device ms per kernel at exit (jitkern/runtime/gpu_profile.py).
     JITKERN_PREFIX_CACHING_HASH_SEED   seed of the prefix-cache block hashes (any text).
+    JITKERN_LDMATRIX            0: NVIDIA MMA fragments by 32-bit shared loads instead of ldmatrix (A/B switch).
+    JITKERN_OVERLAP_OUTPUT      0 or 1: the engine's output work overlapped with the next GPU step (default:
+                                on for CUDA, off elsewhere).
+    JITKERN_SPEC_ADAPTIVE       0: speculative decoding always drafts num_speculative_tokens (no levels).
+    JITKERN_SPEC_BACKOFF        halve or reset: the adaptive draft level after a rejection (default halve).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -40,7 +45,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_POLLS_PER_YIELD", "JITKERN_CACHE_DIR",
             "JITKERN_COMPILE_WORKERS", "JITKERN_COMPILE_TIMEOUT", "JITKERN_COMPILE_INPROCESS",
             "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS", "JITKERN_PREFIX_CACHING_HASH_SEED",
-            "JITKERN_GPU_PROFILE")
+            "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
+            "JITKERN_SPEC_BACKOFF")
 
 
 class SettingError(JitkernError, ValueError):
@@ -91,6 +97,25 @@ def env_seconds(name: str, environ=None) -> Optional[float]:
     if not value > 0 or value == float("inf"):
         raise SettingError(name, f"{name}={raw!r} is not a number of seconds > 0; set it to e.g. 60 or unset it")
     return value
+
+
+def env_choice(name: str, choices: tuple, environ=None) -> Optional[str]:
+    """The value of `name` if it is one of `choices`, None when unset or empty."""
+    raw = _raw(name, environ)
+    if raw is None or raw in choices:
+        return raw
+    raise SettingError(name, f"{name}={raw!r} is not one of {', '.join(choices)}; set it to one of them or unset it")
+
+
+def overlap_output(environ=None) -> Optional[bool]:
+    """JITKERN_OVERLAP_OUTPUT as True / False, or None when unset (the engine decides by device)."""
+    v = env_choice("JITKERN_OVERLAP_OUTPUT", ("0", "1"), environ)
+    return None if v is None else v == "1"
+
+
+def spec_backoff(default: str, environ=None) -> str:
+    """JITKERN_SPEC_BACKOFF ("halve" | "reset"), or `default` when unset."""
+    return env_choice("JITKERN_SPEC_BACKOFF", ("halve", "reset"), environ) or default
 
 
 def env_flag(name: str, environ=None) -> bool:
@@ -171,6 +196,8 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     env_int("JITKERN_POLLS_PER_YIELD", 1, environ)
     compile_workers(environ)
     compile_timeout(environ)
+    overlap_output(environ)
+    spec_backoff("halve", environ)
     if tier:
         check_cpu_tier(environ)
     if cache:
