@@ -164,20 +164,31 @@ def _split(nb, PB, MAXP):
 
 
 @jk.jit
+def _owner_seq(query_start, num_seqs, search_steps, key, BQ, TILED):
+    """Binary search (search_steps >= log2(num_seqs + 1) steps) for the last sequence i with query_start[i] <= key
+    (a token's owner), or with TILED query_start[i] // BQ + i <= key (the owner of prefill tile key, where each
+    sequence's tokens start a new tile)."""
+    lo_s = key * 0
+    hi_s = num_seqs
+    for _ in range(0, search_steps):
+        mid = (lo_s + hi_s) // 2
+        v = jk.load(query_start + mid)
+        if TILED:
+            v = v // BQ + mid
+        go = v <= key
+        lo_s = jk.where(go, mid, lo_s)
+        hi_s = jk.where(go, hi_s, mid)
+    return lo_s
+
+
+@jk.jit
 def _query_tile(query_start, seq_lens, num_seqs, search_steps, qb, BQ, SKIP_DECODE):
     """Query tile qb of a prefill grid (each sequence's tokens in tiles of BQ; grid num_tokens // BQ +
     num_seqs): the sequence owning it, by binary search for the last i with query_start[i] // BQ + i <= qb,
     and the tile's rows. Returns (seq, q0, q_len, seq_len, t0, n_rows, first_pos): the sequence's first
     token, query and total lengths, the tile's first row within the sequence, its row count (0 past the
     sequence's tokens, and for decodes with SKIP_DECODE) and the position of its first row."""
-    lo_s = qb * 0
-    hi_s = num_seqs
-    for _ in range(0, search_steps):
-        mid = (lo_s + hi_s) // 2
-        go = jk.load(query_start + mid) // BQ + mid <= qb
-        lo_s = jk.where(go, mid, lo_s)
-        hi_s = jk.where(go, hi_s, mid)
-    seq = lo_s
+    seq = _owner_seq(query_start, num_seqs, search_steps, qb, BQ, True)
     q0 = jk.load(query_start + seq)
     q_len = jk.load(query_start + seq + 1) - q0
     seq_len = jk.load(seq_lens + seq)
@@ -423,15 +434,7 @@ def token_attention_kernel(q, k_cache, v_cache, out, query_start, seq_lens, bloc
     window and the cache (batch invariant)."""
     tok = jk.program_id(0)
     kvh = jk.program_id(1)
-    # the sequence owning token tok: the last i with query_start[i] <= tok
-    lo_s = tok * 0
-    hi_s = num_seqs
-    for _ in range(0, search_steps):
-        mid = (lo_s + hi_s) // 2
-        go = jk.load(query_start + mid) <= tok
-        lo_s = jk.where(go, mid, lo_s)
-        hi_s = jk.where(go, hi_s, mid)
-    seq = lo_s
+    seq = _owner_seq(query_start, num_seqs, search_steps, tok, 1, False)       # the sequence owning token tok
     q0 = jk.load(query_start + seq)
     q_len = jk.load(query_start + seq + 1) - q0
     seq_len = jk.load(seq_lens + seq)
