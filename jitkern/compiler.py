@@ -171,7 +171,7 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
     """Compiles (or fetches from the caches) one specialisation of `kernel` for `target`."""
     target = target or default_target()
     spec = spec_string(params, consts)
-    mkey = (id(kernel), spec, target.name, emit, _toolchain_key(target) if target.is_cuda else ())
+    mkey = (id(kernel), spec, target.name, emit, _toolchain_key(target))     # what the disk key holds beyond these
     hit = _memo.get(mkey)
     if hit is not None and (hit.address or not load):
         return hit
