@@ -1,7 +1,7 @@
 """Registers and spills (ptxas -v) of the engine's big NVIDIA kernels: the tensor-core linear's tiles and the
 flash attention kernels. Needs ptxas, not a GPU.
 
-    python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168]
+    python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168] [--16bit]
 """
 import argparse
 import os
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--maxnreg", type=int, default=None, help="compile with this `maxnreg` launch option")
+    ap.add_argument("--16bit", dest="sixteen", action="store_true",
+                    help="16-bit matrix-unit inputs (the engine's dtype auto): ACT16=1 / OPS16=True")
     args = ap.parse_args(argv)
     from jitkern.backends.nvptx import find_ptxas
     from jitkern.cli import load_kernel, parse_sig
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
         for name, kname, sig, consts in cases():
             if args.maxnreg:
                 consts = consts + [f"maxnreg={args.maxnreg}"]
+            if args.sixteen:
+                consts = consts + (["ACT16=1"] if name.startswith("linear") else ["OPS16=True"])
             k = load_kernel(kname)
             params, cx = parse_sig(k, sig, consts)
             ptx = compile_kernel(k, params, cx, t, load=False).artifacts["kernel.ptx"]
