@@ -241,13 +241,22 @@ def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
         assert not co.errors
         return {ck.name: ck for ck in co.compiled}
 
-    for dtype in (np.float16, np.float32):
-        cks = compiled(dtype, sm90)
-        assert set(cks) == {"flash_decode_kernel", "flash_merge_kernel", "flash_prefill_kernel"}
-        for name in ("flash_decode_kernel", "flash_prefill_kernel"):
-            ptx = cks[name].artifacts["kernel.ptx"]
-            ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx, name
+    mmas = {}
+    for operands in ("f32", "16bit"):            # (the engine's dtype auto runs "16bit" on 16-bit checkpoints)
+        monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", operands)
+        for dtype in (np.float16, np.float32):
+            cks = compiled(dtype, sm90)
+            assert set(cks) == {"flash_decode_kernel", "flash_merge_kernel", "flash_prefill_kernel"}
+            for name in ("flash_decode_kernel", "flash_prefill_kernel"):
+                ptx = cks[name].artifacts["kernel.ptx"]
+                ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+                assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx, name
+                assert "ldmatrix.sync.aligned" in ptx, name
+                mmas[(operands, dtype, name)] = ptx.count("mma.sync.aligned")
+    for name in ("flash_decode_kernel", "flash_prefill_kernel"):
+        # f16 q / probabilities: one MMA chain per cache part instead of hi + lo
+        assert mmas[("16bit", np.float16, name)] < mmas[("f32", np.float16, name)], mmas
+    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "f32")
     monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", True)
     assert set(compiled(np.float32, sm90)) == {"token_attention_kernel"}
     monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", False)
