@@ -81,6 +81,34 @@ def test_tiers_listed_in_order():
         assert runnable[-1] == "avx512-vnni"
 
 
+# the Linux kernel's /proc/cpuinfo flags each x86 tier needs (an independent source: the kernel clears AVX / AVX-512
+# flags when it does not save their register state, as LLVM's XGETBV check does)
+_CPUINFO_FLAGS = {"avx2": ("avx", "avx2", "fma", "f16c"),
+                  "avx-vnni": ("avx", "avx2", "fma", "f16c", "avx_vnni"),
+                  "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+                  "avx512-vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
+
+
+def _cpuinfo_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return None
+
+
+@pytest.mark.skipif(tcpu.host_arch() != "x86_64" or _cpuinfo_flags() is None
+                    or bool(os.environ.get("JITKERN_CPU_MASK_FEATURES")),
+                    reason="x86-64 Linux without JITKERN_CPU_MASK_FEATURES: compares with /proc/cpuinfo")
+def test_runnable_tiers_match_cpuinfo():
+    # the VNNI run-time tests below are parametrised over can_run (LLVM's host features): on a host whose kernel
+    # reports the VNNI flags they must run, not skip; on one without, the tier must not be offered
+    flags = _cpuinfo_flags()
+    for tier, need in _CPUINFO_FLAGS.items():
+        assert tcpu.can_run(get_target(tier)) == all(f in flags for f in need), (tier, sorted(flags & set(need)))
+    assert set(_runnable(VNNI_TIERS)) == {t for t in VNNI_TIERS if all(f in flags for f in _CPUINFO_FLAGS[t])}
+
+
 @pytest.mark.skipif(tcpu.host_arch() != "x86_64", reason="x86-64 tiers")
 @pytest.mark.parametrize("tier,feature", [("avx-vnni", "avxvnni"), ("avx512-vnni", "avx512vnni")])
 def test_forced_vnni_tier_fails_closed(tmp_path, tier, feature):
@@ -198,14 +226,22 @@ def _random_raw(qt, N, K, rng):
 def test_quant_matmul_vnni_same_bits_as_base_tier(tier, qt):
     # the integer dots are exact on both tiers (inside dot4's contract), so the outputs are the same bits;
     # and a row alone equals the row in a batch (batch invariance on the VNNI tier)
+    import gguf
     t, base = get_target(tier), get_target(BASE_TIER[tier])
+    assert tcpu.can_run(base)       # its features are a subset of the VNNI tier's: never a skipped comparison
     rng = np.random.default_rng(22)
     N, K = 40, 352
     raw = _random_raw(qt, N, K, rng).reshape(-1)
     x = rng.standard_normal((7, K)).astype(np.float32)
     y = quant.matmul_q(x, raw, qt, N, K, target=t)
-    if tcpu.can_run(base):
-        np.testing.assert_array_equal(y, quant.matmul_q(x, raw, qt, N, K, target=base))
+    # oracle: the int8 activations (quantize_q8's natural layout) dequantised, times the dequantised weights in
+    # float64; left to the float32 rounding only
+    qx, d, _ = quant.quantize_q8(x, target=t)
+    xd = (qx.astype(np.float64).reshape(7, -1, 32) * d[..., None]).reshape(7, K)
+    w = np.asarray(gguf.quants.dequantize(raw.reshape(N, -1), getattr(gguf.GGMLQuantizationType, qt.upper())),
+                   np.float64).reshape(N, K)
+    assert np.all(np.abs(y - xd @ w.T) <= 1e-5 * (np.abs(xd) @ np.abs(w).T)), tier
+    np.testing.assert_array_equal(y, quant.matmul_q(x, raw, qt, N, K, target=base))
     for i in (0, 3, 6):
         np.testing.assert_array_equal(quant.matmul_q(x[i], raw, qt, N, K, target=t), y[i])
 
