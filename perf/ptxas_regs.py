@@ -1,7 +1,7 @@
 """Registers and spills (ptxas -v) of the engine's big NVIDIA kernels: the tensor-core linear's tiles and the
 flash attention kernels. Needs ptxas, not a GPU.
 
-    python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168] [--16bit]
+    python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168] [--16bit] [--tiles 64,256,32,4 ...]
 """
 import argparse
 import os
@@ -22,11 +22,14 @@ PREFILL_SIG = ("q=*f32:16,k_cache=*{c}:16,v_cache=*{c}:16,out=*f32:16,query_star
 _FLASH = ["PB=4", "MAXP=16", "SOFTCAP=False", "SINKS=False", "SPLIT=True", "PIPE=True", "BS=16"]
 
 
-def cases():
-    for bm, bn, bk, nw in ((16, 64, 128, 4), (32, 64, 64, 4), (32, 128, 64, 4), (64, 256, 64, 8)):
+LINEAR_TILES = ((16, 64, 128, 4), (32, 64, 64, 4), (32, 128, 64, 4), (64, 256, 64, 8))
+
+
+def cases(tiles=LINEAR_TILES, flash=True):
+    for bm, bn, bk, nw in tiles:
         yield (f"linear ({bm},{bn},{bk},{nw},2)", "jitkern.ops.matmul:_gpu_linear_mma_kernel", LINEAR_SIG,
                ["HAS_BIAS=False", f"BM={bm}", f"BN={bn}", f"BK={bk}", "EVEN=True", "SPLIT=2", f"num_warps={nw}"])
-    for c, kvh, g, d in (("f32", 3, 3, 64), ("f16", 8, 4, 128)):
+    for c, kvh, g, d in (("f32", 3, 3, 64), ("f16", 8, 4, 128)) if flash else ():
         yield (f"flash decode {c} cache D={d}", "jitkern.ops.attention:flash_decode_kernel", DECODE_SIG.format(c=c),
                ["num_warps=4", f"KVH={kvh}", f"G={g}", "R=16", f"D={d}", "NUM_PARTS=16"] + _FLASH)
         yield (f"flash prefill 64 rows {c} D={d}", "jitkern.ops.attention:flash_prefill_kernel",
@@ -40,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="compile with this `maxnreg` launch option")
     ap.add_argument("--16bit", dest="sixteen", action="store_true",
                     help="16-bit matrix-unit inputs (the engine's dtype auto): ACT16=1 / OPS16=True")
+    ap.add_argument("--tiles", nargs="*", default=None, metavar="BM,BN,BK,WARPS",
+                    help="only these linear tiles (no flash kernels), e.g. 64,256,32,4")
     args = ap.parse_args(argv)
     from jitkern.backends.nvptx import find_ptxas
     from jitkern.cli import load_kernel, parse_sig
@@ -51,7 +56,9 @@ def main(argv=None) -> int:
         return 1
     t = get_target(args.arch)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, kname, sig, consts in cases():
+        todo = cases(tuple(tuple(int(v) for v in t.split(",")) for t in args.tiles), flash=False) \
+            if args.tiles else cases()
+        for name, kname, sig, consts in todo:
             if args.maxnreg:
                 consts = consts + [f"maxnreg={args.maxnreg}"]
             if args.sixteen:

@@ -93,7 +93,9 @@ def main(argv=None) -> int:
             rows = []
             ref = None
             if (N, K) == shapes[0]:
-                ref = host_x.astype(np.float64) @ from_bf16(host_w).astype(np.float64).T
+                # 16-bit activations: the oracle takes x rounded to bf16 too (the kernel's A operand)
+                xr = from_bf16(to_bf16(host_x)) if matmul.GPU_LINEAR_ACTIVATIONS == "16bit" else host_x
+                ref = xr.astype(np.float64) @ from_bf16(host_w).astype(np.float64).T
             for cfg in configs:
                 if cfg[0] == "fma" and M > 64:
                     continue                  # re-reads the weights per token: minutes at prefill sizes
