@@ -177,13 +177,18 @@ class ModelRunner:
         res = self.prepare(sched)
         b = self.batch
         pure_decode = b.num_tokens == b.num_seqs and len(b.logits_rows) == b.num_tokens and not res.prompt_rows
-        if self.staging is not None:
-            self._send_step()
         # speculative verification steps (1 + k tokens per request, logits for every token) replay graphs too,
         # one per (tokens, sequences): every kernel reads the step's layout from the batch arrays
         spec_step = bool(res.spec_rows) and not res.prompt_rows and len(b.logits_rows) == b.num_tokens \
             and self.staging is None and getattr(self.model, "supports_graphs", True)
-        if self.use_graphs and pure_decode and getattr(self.model, "supports_graphs", True):
+        decode_graph = self.use_graphs and pure_decode and getattr(self.model, "supports_graphs", True)
+        # prefill / mixed steps: padded to a bucket (before the staged copy on CUDA) and replayed as a graph
+        padded = None
+        if not decode_graph and not (self.use_graphs and spec_step) and self.prefill_graphs.eligible(res):
+            padded = self.prefill_graphs.pad(res)
+        if self.staging is not None:
+            self._send_step()
+        if decode_graph:
             res.logits = self._replay_decode()
             picks = self._graph_greedy
             if picks is not None and self.device_greedy and self._plain_greedy(sched, res):
@@ -195,8 +200,8 @@ class ModelRunner:
                     res.device_picks = picks[2]
         elif self.use_graphs and spec_step:
             res.logits = self._replay_decode(("spec", b.num_tokens, b.num_seqs))
-        elif self.prefill_graphs.eligible(res):
-            res.logits = self.prefill_graphs.run(res)
+        elif padded is not None:
+            res.logits = self.prefill_graphs.replay(padded)
         else:
             res.logits = self.model.forward(self.fwd_batch)
         return res

@@ -20,6 +20,12 @@ steps, on the CPU:
   read by the kernels from the batch's fixed arrays, as for decode graphs; the padded T and S are the only
   scalars baked into a recording, and they are its key.
 
+On CUDA the padding is written into the host arrays before the step's one staged copy (`pad`, then the
+runner's `_send_step`, then `replay`), the rows go through the staged `logits_rows` array, and the graph is a
+CUDA graph (`ModelRunner._capture_cuda`: an eager run, then the capture). Only steps of up to
+CUDA_MAX_TOKENS padded tokens are recorded there: larger ones keep the GPU busy far longer than their
+launches take, and every bucket recorded costs an eager run plus a capture.
+
 Steps that need logits for more rows than sequences (prompt logprobs, speculative verification mixed with
 a prefill) run eagerly; pure decode and speculative-verification steps keep their own graphs
 (`ModelRunner._replay_decode`, keyed by batch size / ("spec", tokens, sequences)); prefill graphs are keyed
@@ -55,8 +61,14 @@ def _gathers_rows_from_array(model) -> bool:
     return getattr(type(model), "forward", None) is DecoderLM.forward
 
 
+# CUDA: the largest padded token count recorded as a graph (see the module docstring; vLLM's max_capture_size
+# is 512 too); JITKERN_CUDA_GRAPH_MAX_TOKENS overrides it (0: CUDA prefill / mixed steps run eagerly)
+CUDA_MAX_TOKENS = 512
+
+
 class PrefillGraphs:
-    """Records and replays the prefill / mixed steps of one CPU ModelRunner (see the module docstring)."""
+    """Records and replays the prefill / mixed steps of one CPU or CUDA ModelRunner (see the module
+    docstring)."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -67,25 +79,36 @@ class PrefillGraphs:
     def eligible(self, res) -> bool:
         r = self.runner
         b = r.batch
-        if not r.use_graphs or r.staging is not None or r.device != "cpu":
+        if not r.use_graphs or r.device not in ("cpu", "cuda") or (r.staging is not None) != (r.device == "cuda"):
             return False
         if not getattr(r.model, "supports_graphs", True) or not _gathers_rows_from_array(r.model):
             return False
         if res.prompt_rows or res.spec_rows or b.num_tokens == 0:
             return False
         R, S = len(b.logits_rows), b.num_seqs
-        return R <= S and b.num_tokens > S           # one row per sampling sequence; some sequence prefills
+        if not (R <= S and b.num_tokens > S):        # one row per sampling sequence; some sequence prefills
+            return False
+        if r.device == "cpu":
+            return True
+        from jitkern.env import cuda_graph_max_tokens
+        return self._padded(b)[0] <= cuda_graph_max_tokens(CUDA_MAX_TOKENS)
 
-    def run(self, res) -> np.ndarray:
-        r = self.runner
-        b = r.batch
+    @staticmethod
+    def _padded(b):
+        """(T_pad, S_pad) of the host batch's step."""
+        maxT, maxS = len(b.input_ids), len(b.seq_lens)
+        S_pad = seq_bucket(b.num_seqs, maxS)
+        return token_bucket(max(b.num_tokens, S_pad + 1), maxT), S_pad
+
+    def pad(self, res):
+        """Pads the host batch to its bucket (before a CUDA step's staged copy); returns what `replay` needs,
+        or None where there is no room to pad (tiny max_num_batched_tokens: the step runs eagerly)."""
+        b = self.runner.batch
         T, S, rows = b.num_tokens, b.num_seqs, b.logits_rows
         R = len(rows)
-        maxT, maxS = len(b.input_ids), len(b.seq_lens)
-        S_pad = seq_bucket(S, maxS)
-        T_pad = token_bucket(max(T, S_pad + 1), maxT)
+        T_pad, S_pad = self._padded(b)
         if T_pad <= S_pad or T_pad < T:
-            return r.model.forward(r.fwd_batch)             # no room to pad (tiny max_num_batched_tokens)
+            return None
         # padding tokens: no KV write (slot -1), a valid id and position, after every sequence's tokens
         b.input_ids[T:T_pad] = 0
         b.positions[T:T_pad] = 0
@@ -98,10 +121,22 @@ class PrefillGraphs:
         self.rows[R:S_pad] = 0
         saved = (b.num_tokens, b.num_seqs, b.logits_rows, b.device_rows)
         b.num_tokens, b.num_seqs, b.logits_rows = T_pad, S_pad, self.rows[:S_pad]
-        b.device_rows = self.rows               # the decoder gathers the logits rows from this fixed array
+        if self.runner.staging is None:
+            b.device_rows = self.rows           # the decoder gathers the logits rows from this fixed array
+        return ("prefill", T_pad, S_pad), R, saved
+
+    def replay(self, padded):
+        """The padded step's graph replayed (recorded first if new); the host batch restored; the logits of the
+        real rows (a view of the graph's buffer)."""
+        r = self.runner
+        b = r.batch
+        key, R, saved = padded
         try:
-            logits = r._replay_decode(("prefill", T_pad, S_pad))
+            logits = r._replay_decode(key)
         finally:
             b.num_tokens, b.num_seqs, b.logits_rows, b.device_rows = saved
+            if r.staging is not None:
+                d = r.fwd_batch
+                d.num_tokens, d.num_seqs, d.logits_rows = saved[:3]
         self.replays += 1
         return logits[:R]

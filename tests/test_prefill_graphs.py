@@ -42,13 +42,15 @@ def _run(model, prompts, sp, graphs, **kw):
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts[:-3], sp)]
         toks += [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts[-3:]]
         runner = llm.engine.runner
-        caches = [np.array(c) for c in runner.model.k_caches + runner.model.v_caches]
+        caches = [c.numpy() if hasattr(c, "numpy") else np.array(c) for c in runner.model.k_caches + runner.model.v_caches]
         keys = [k for k in runner._graphs if isinstance(k, tuple) and k[0] == "prefill"]
         return toks, log, caches, runner.prefill_graphs.replays, keys
 
 
-def _check(model, prompts, max_tokens=6, **kw):
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+def _check(model, prompts, max_tokens=6, logprobs=None, **kw):
+    # logprobs: the sampler then needs every sampled row's logits (on CUDA a plain greedy step brings back
+    # only the argmax), so the log below sees them
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False, logprobs=logprobs)
     t_e, log_e, c_e, rep_e, _ = _run(model, prompts, sp, False, **kw)
     t_g, log_g, c_g, rep_g, keys = _run(model, prompts, sp, True, **kw)
     assert rep_e == 0 and rep_g >= 5, (rep_e, rep_g)
@@ -99,3 +101,44 @@ def test_embedded_smollm2_graphs_equal_eager():
     rng = np.random.default_rng(6)
     prompts = [rng.integers(100, 40000, n).tolist() for n in (37, 5, 90, 12, 35, 7, 20)]
     _check(None, prompts, max_num_batched_tokens=64, max_num_seqs=4, max_tokens=3)
+
+
+@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def cuda_device(request, monkeypatch):
+    if request.param == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    return request.param
+
+
+def test_cuda_prefill_graphs_equal_eager(tiny_llama, cuda_device):
+    """The CUDA engine's prefill / mixed steps (padding written before the step's staged copy, rows through the
+    staged logits_rows array, CUDA graphs on a GPU; host memory and the CPU kernels on the fake device): the
+    same logits bit for bit as its eager steps, the same KV caches."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (37, 5, 70, 17, 9, 40, 33, 12, 70)]
+    _check(tiny_llama, prompts, logprobs=1, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64,
+           max_num_seqs=8)
+
+
+def test_cuda_prefill_graph_token_cap(tiny_llama, monkeypatch):
+    """Steps padded past JITKERN_CUDA_GRAPH_MAX_TOKENS run eagerly on CUDA (0: every prefill step); the CPU
+    ignores the cap. Fake device."""
+    from tests.fake_cuda import install
+    install(monkeypatch)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (30, 9)]
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, detokenize=False)
+    replays = {}
+    for cap in ("0", "16", ""):
+        monkeypatch.setenv("JITKERN_CUDA_GRAPH_MAX_TOKENS", cap)
+        with LLM(tiny_llama, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64,
+                 max_num_seqs=4) as llm:
+            for p in prompts:                        # a 30-token prefill (bucket 32) and a 9-token one (16)
+                llm.generate([p], sp)
+            replays[cap] = llm.engine.runner.prefill_graphs.replays
+    assert replays == {"0": 0, "16": 1, "": 2}, replays
