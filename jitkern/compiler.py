@@ -241,7 +241,12 @@ def compile_kernel(kernel, params, consts, target=None, *, load=True, emit=("obj
             ck.address = id(ck.loaded)
         elif load and "kernel.o" in artifacts:
             from .runtime.cpu import load_object
-            ck.address = load_object(artifacts["kernel.o"], symbol)
+            try:
+                ck.address = load_object(artifacts["kernel.o"], symbol,
+                                         describe=f"kernel {kernel.__name__} {spec} for target {target.name}")
+            except CompileError as e:
+                e.kernel, e.specialization, e.target = kernel.__name__, spec, target.name
+                raise
         ck.compile_seconds = time.perf_counter() - t0
         _memo[mkey] = ck
         return ck

@@ -791,7 +791,9 @@ def _host_target_machine():
             tm = target.create_target_machine(opt=2, reloc="pic", codemodel="jitdefault", jit=True)
             _jit_state["triple"] = triple
             _jit_state["tm"] = tm
-            _jit_state["lljit"] = llvm.create_lljit_compiler(tm)
+            # JITLink: RuntimeDyld can place code and constants > 2 GiB apart and then abort on an LLVM assertion
+            # (see jitkern/runtime/cpu.py _jit)
+            _jit_state["lljit"] = llvm.create_lljit_compiler(tm, use_jit_link=True)
         return _jit_state["tm"], _jit_state["lljit"]
 
 
