@@ -319,6 +319,11 @@ class ModelRunner:
         b = self.fwd_batch
         logits = self.model.forward(b)
         gen = b.buffers.generation
+        if gen != self._graphs_generation:
+            # the eager run moved a buffer (a larger step than any before): the other graphs point at the old
+            # ones; this capture sees the final addresses, so it is kept (not recorded on the next step only)
+            self._graphs.clear()
+            self._graphs_generation = gen
         picks = self._cuda_greedy_bufs(logits, key)
         self._graph_greedy = None               # this step's picks (if any) come from the eager path
         try:
