@@ -3,7 +3,12 @@ SmolLM2-135M (q4_1 layers, q8_0 head) on every tier among avx2 / avx512 / avx-vn
 can run, and optionally the engine's decode tok/s per tier.
 
     .venv/bin/python perf/ab_tiers_cpu.py [--quick] [--rounds R] [--threads 1,8] [--tiers avx2,avx-vnni]
-        [--engine --gguf PATH [--engine-threads T] [--output-len L]]
+        [--routes] [--ms 16] [--qtypes q4_1] [--engine --gguf PATH [--engine-threads T] [--output-len L]]
+
+--routes: each VNNI tier also runs as "<tier>/madd": the q4_0 / q4_1 GEMM (M > 1) with the madd integer-dot route
+(pmaddubsw + pmaddwd, quant.QMM_GEMM_DOT_ROUTE = "madd") instead of the tier's vpdpbusd route; its outputs are
+asserted to be the same bits as the same-width base tier's, and a route table prints vpdpbusd vs madd per case.
+--ms / --qtypes: only those M values / weight types of the shapes below.
 
 Which tiers run comes from targets/cpu.py's own host detection (LLVM's host features: CPUID + OS register
 state, minus JITKERN_CPU_MASK_FEATURES); the others are listed with the features they miss.
@@ -50,6 +55,12 @@ sys.path.insert(0, ROOT)
 
 TIERS = ("avx2", "avx512", "avx-vnni", "avx512-vnni")
 SAME_WIDTH_BASE = {"avx-vnni": "avx2", "avx512-vnni": "avx512"}
+VNNI = ("avx-vnni", "avx512-vnni")
+
+
+def _base(name):
+    """The same-width tier without VNNI of a tier or a "<tier>/<route>" variant (None for avx2 / avx512)."""
+    return SAME_WIDTH_BASE.get(name.split("/")[0])
 # (label, qtype, N, K): SmolLM2-135M's linears as the engine runs them (q/k/v and gate/up fused along N)
 SHAPES = [("qkv", "q4_1", 960, 576), ("o", "q4_1", 576, 576), ("k|v", "q4_1", 192, 576),
           ("gate_up", "q4_1", 3072, 576), ("down", "q4_1", 576, 1536), ("head", "q8_0", 49152, 576)]
@@ -127,17 +138,28 @@ def child_kernels(args):
     from jitkern.runtime.cpu_pool import get_pool
     from jitkern.runtime.launch import capture
     from targets import get_target
-    tiers = [get_target(n) for n in args.tiers.split(",")]
+    class Col:          # a column: a tier, or "<tier>/<route>" (that tier with quant.QMM_GEMM_DOT_ROUTE = route)
+        def __init__(self, spec):
+            self.name = spec
+            tier, _, route = spec.partition("/")
+            self.target, self.route = get_target(tier), route or None
+
+    tiers = [Col(n) for n in args.tiers.split(",")]
     threads = get_pool().num_threads
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else list(MS)
     rng = np.random.default_rng(12)
     cases = []          # (label, qt, N, K, M, x, raw)
     for label, qt, N, K in SHAPES:
         raw = _weights(qt, N, K, rng)
         x16 = rng.standard_normal((16, K)).astype(np.float32)
-        for M in MS:
+        if args.qtypes and qt not in args.qtypes.split(","):
+            continue
+        for M in ms:
             cases.append((label, qt, N, K, M, x16[:M], raw))
     setup_s, graphs, outs, errs = {}, {}, {}, {}
-    for T in tiers:
+    for col in tiers:
+        T = col.target
+        quant.QMM_GEMM_DOT_ROUTE = col.route       # read when a launch compiles and records its kernel
         t0 = time.perf_counter()
         for ci, (label, qt, N, K, M, x, raw) in enumerate(cases):
             q = quant.QTYPES[qt]
@@ -148,15 +170,16 @@ def child_kernels(args):
             with capture() as g:
                 quant.matmul_q8(xq, raw, qt, N, K, out=out, target=T)
             g.replay()
-            graphs[(T.name, ci)] = g
-            outs[(T.name, ci)] = out.reshape(M, N)
-        setup_s[T.name] = time.perf_counter() - t0
-        print(f"  [{threads} thr] {T.name}: kernels compiled + recorded in {setup_s[T.name]:.1f} s", file=sys.stderr,
-              flush=True)
+            graphs[(col.name, ci)] = g
+            outs[(col.name, ci)] = out.reshape(M, N)
+        quant.QMM_GEMM_DOT_ROUTE = None
+        setup_s[col.name] = time.perf_counter() - t0
+        print(f"  [{threads} thr] {col.name}: kernels compiled + recorded in {setup_s[col.name]:.1f} s",
+              file=sys.stderr, flush=True)
     # checks: oracle (once per case: the outputs of every tier against it), same bits where promised
     failures = []
     for ci, (label, qt, N, K, M, x, raw) in enumerate(cases):
-        ref, mag = _oracle(x, raw, qt, N, K, tiers[0])
+        ref, mag = _oracle(x, raw, qt, N, K, tiers[0].target)
         for T in tiers:
             y = outs[(T.name, ci)]
             bad = np.abs(y - ref) > 1e-5 * mag + 1e-30
@@ -165,11 +188,11 @@ def child_kernels(args):
             if bad.any() or not np.isfinite(y).all():
                 failures.append(f"{T.name} {label} {N}x{K} M={M}: {int(bad.sum())} outputs off the float64 oracle "
                                 f"(max |err| / sum|x||w| = {err:.3g})")
-            base = SAME_WIDTH_BASE.get(T.name)
+            base = _base(T.name)
             if base and (base, ci) in outs and not np.array_equal(y, outs[(base, ci)]):
                 failures.append(f"{T.name} {label} {N}x{K} M={M}: not the same bits as {base} (max diff "
                                 f"{np.abs(y - outs[(base, ci)]).max():.3g})")
-            if M > 1:
+            if M > 1 and ci > 0 and cases[ci - 1][0] == label and cases[ci - 1][4] == 1:
                 y1 = outs[(T.name, ci - 1)]
                 if not np.array_equal(y[0], y1[0]):
                     failures.append(f"{T.name} {label} {N}x{K}: row 0 of M={M} differs from M=1 (max diff "
@@ -194,8 +217,8 @@ def child_kernels(args):
             "oracle_err": {T.name: errs[(T.name, ci)] for T in tiers},
             "sha1": {T.name: hashlib.sha1(outs[(T.name, ci)].tobytes()).hexdigest() for T in tiers},
             "maxdiff": {T.name: float(np.abs(outs[(T.name, ci)] - outs[(tiers[0].name, ci)]).max()) for T in tiers},
-            "vs_base": {T.name: float(np.abs(outs[(T.name, ci)] - outs[(SAME_WIDTH_BASE[T.name], ci)]).max())
-                        for T in tiers if (SAME_WIDTH_BASE.get(T.name), ci) in outs},
+            "vs_base": {T.name: float(np.abs(outs[(T.name, ci)] - outs[(_base(T.name), ci)]).max())
+                        for T in tiers if (_base(T.name), ci) in outs},
         })
     print(RESULT + json.dumps(res), flush=True)
 
@@ -298,14 +321,14 @@ def kernel_table(results, names):
     print(f"float64 oracle: max |y - ref| / sum|x||w| over all tiers, shapes, M, threads = {errmax:.2e} "
           f"(bound asserted: 1e-5)")
     for n in names:
-        base = SAME_WIDTH_BASE.get(n)
+        base = _base(n)
         if base in names:
             d = max(c["vs_base"][n] for res in results for c in res["cases"])
             print(f"{n} vs {base} (same width): max abs diff {d:.3g} over every shape, M, thread count "
                   f"({'bit-identical' if d == 0 else 'NOT bit-identical'}; asserted per case)")
     first = names[0]
     for n in names[1:]:
-        if SAME_WIDTH_BASE.get(n) != first:
+        if _base(n) != first:
             print(f"{n} vs {first}: max abs diff {max(c['maxdiff'][n] for res in results for c in res['cases']):.3g}"
                   f" (different float lane sums where the widths differ: not expected to be equal)")
     if len(results) > 1:
@@ -315,6 +338,30 @@ def kernel_table(results, names):
               + ("yes (every tier, shape, M)" if not diff else f"NO: {diff}"))
         return not diff
     return True
+
+
+def route_table(results, names):
+    """vpdpbusd (the VNNI tiers' default) vs the madd route per case, and each against the same-width base."""
+    pairs = [(n, n + "/madd") for n in names if n + "/madd" in names]
+    if not pairs:
+        return
+    print("\nq4 GEMM integer-dot route on the VNNI tiers: vpdpbusd (default) vs madd (QMM_GEMM_DOT_ROUTE='madd');"
+          " us, and speed vs the same-width tier without VNNI; madd/vpd = speed of madd over vpdpbusd")
+    head = f"{'threads':>7} {'linear':<8} {'type':<5} {'N x K':>10} {'M':>3} |" + "".join(
+        f" {n + ': vpdpbusd':>24} {'madd':>17} {'madd/vpd':>8} |" for n, _ in pairs)
+    print(head)
+    print("-" * len(head))
+    for res in results:
+        for c in res["cases"]:
+            t = c["time_s"]
+            cells = []
+            for n, v in pairs:
+                b = _base(n)
+                def cell(k):
+                    return f"{t[k] * 1e6:.1f}us" + (f" {t[b] / t[k]:4.2f}x" if b in t else "")
+                cells.append(f" {cell(n):>24} {cell(v):>17} {t[n] / t[v]:8.2f} |")
+            print(f"{res['threads']:>7} {c['label']:<8} {c['qt']:<5} {c['N']:>5}x{c['K']:<4} {c['M']:>3} |"
+                  + "".join(cells))
 
 
 def engine_table(rows, names):
@@ -343,6 +390,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7, --quick 2)")
     ap.add_argument("--threads", default=None, help="thread counts, e.g. 1,8 (default: 1 and min(8, cores))")
     ap.add_argument("--tiers", default=None, help="subset of the runnable tiers (default: all runnable)")
+    ap.add_argument("--routes", action="store_true",
+                    help="also each VNNI tier with the q4 GEMM's madd route (\"<tier>/madd\" columns)")
+    ap.add_argument("--ms", default=None, help="M values to run, e.g. 16 (default 1,16)")
+    ap.add_argument("--qtypes", default=None, help="weight types to run, e.g. q4_1 (default all)")
     ap.add_argument("--engine", action="store_true", help="also the engine's decode tok/s per tier")
     ap.add_argument("--gguf", default=None, help="GGUF for --engine (default: the embedded SmolLM2)")
     ap.add_argument("--engine-threads", type=int, default=None, help="default min(8, physical cores)")
@@ -383,13 +434,18 @@ def main():
     ok = True
     results = []
     for n in threads:
-        res = _child(["--child", "kernels", "--tiers", ",".join(names), "--rounds", str(args.rounds),
-                      "--work", str(args.work)], {"JITKERN_NUM_THREADS": str(n)}, args.child_timeout)
+        cols = [c for n in names for c in ([n, n + "/madd"] if args.routes and n in VNNI else [n])]
+        argv = ["--child", "kernels", "--tiers", ",".join(cols), "--rounds", str(args.rounds), "--work",
+                str(args.work)] + (["--ms", args.ms] if args.ms else []) + (["--qtypes", args.qtypes] if args.qtypes
+                                                                              else [])
+        res = _child(argv, {"JITKERN_NUM_THREADS": str(n)}, args.child_timeout)
         results.append(res)
         for f in res["failures"]:
             print(f"FAIL ({n} threads): {f}")
         ok = ok and not res["failures"]
-    ok = kernel_table(results, names) and ok
+    cols = [c for n in names for c in ([n, n + "/madd"] if args.routes and n in VNNI else [n])]
+    ok = kernel_table(results, cols) and ok
+    route_table(results, cols)
     if args.engine:
         et = args.engine_threads or cap
         rows_e = []

@@ -255,3 +255,63 @@ def test_cli_asm_shows_vpdpbusd(tmp_path, tier, reg):
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "vpdpbusd" in ln]
     assert lines and all(reg in ln for ln in lines)
+
+
+# -------------------------------------------------------------------- the 4-bit GEMM's integer-dot route switch
+X86_TIERS = ("avx2", "avx512", "avx-vnni", "avx512-vnni")
+
+
+def _gemm_asm(monkeypatch, tier, qt, route):
+    import re
+    monkeypatch.setattr(quant, "QMM_GEMM_DOT_ROUTE", route)
+    t = get_target(tier)
+    asm = _asm_of_launches(monkeypatch, t, _matmul_launch(qt, 8, t))["_qmm_kernel"]
+    return re.sub(r"_qmm_kernel_[0-9a-f]+", "_qmm_kernel", asm)      # the symbol names the specialisation
+
+
+@pytest.mark.parametrize("qt", ["q4_0", "q4_1"])
+def test_gemm_route_switch_asm(monkeypatch, tmp_path, qt):
+    # quant.QMM_GEMM_DOT_ROUTE really changes the instructions of the M > 1 q4 GEMM (compile-only: any host):
+    # "madd" on a VNNI tier: pmaddubsw + pmaddwd, no vpdpbusd; the default there: vpdpbusd only; on avx2 /
+    # avx512 "dot4" drops the rows' shared int16 stage (one pmaddwd per row instead of one per 2 rows)
+    monkeypatch.setenv("JITKERN_CACHE_DIR", str(tmp_path))
+    for tier in VNNI_TIERS:
+        default, madd, dot4 = (_gemm_asm(monkeypatch, tier, qt, r) for r in (None, "madd", "dot4"))
+        assert "vpdpbusd" in default and "pmaddubsw" not in default and "pmaddwd" not in default, tier
+        assert "vpdpbusd" not in madd and "pmaddubsw" in madd and "pmaddwd" in madd, tier
+        assert dot4 == default, tier
+    for tier in ("avx2", "avx512"):
+        default, madd, dot4 = (_gemm_asm(monkeypatch, tier, qt, r) for r in (None, "madd", "dot4"))
+        assert madd == default and "vpdpbusd" not in dot4, tier
+        assert dot4.count("pmaddwd") == 2 * default.count("pmaddwd") > 0, tier
+    monkeypatch.setattr(quant, "QMM_GEMM_DOT_ROUTE", "vnni")
+    with pytest.raises(ValueError, match="QMM_GEMM_DOT_ROUTE"):
+        quant._gemm_route(4, get_target("avx2"))
+
+
+@pytest.mark.parametrize("tier", _runnable(X86_TIERS) or [pytest.param("none", marks=pytest.mark.skip(
+    reason="no x86 tier runs here"))])
+@pytest.mark.parametrize("qt", ["q4_0", "q4_1"])
+def test_gemm_routes_same_bits(monkeypatch, tier, qt):
+    # both routes give the same exact integer dots, so the same output bits; checked on every x86 tier this
+    # host runs (on VNNI tiers: vpdpbusd vs pmaddubsw + pmaddwd), against a float64 oracle too, with odd N, K/32
+    # and M (the pair + single tail blocks, the shifted last tiles), and a row alone equals the row in the batch
+    import gguf
+    t = get_target(tier)
+    rng = np.random.default_rng(23)
+    N, K, M = 44, 416, 11
+    raw = _random_raw(qt, N, K, rng).reshape(-1)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    ys = {}
+    for route in (None, "madd", "dot4"):
+        monkeypatch.setattr(quant, "QMM_GEMM_DOT_ROUTE", route)
+        ys[route] = quant.matmul_q(x, raw, qt, N, K, target=t)
+    qx, d, _ = quant.quantize_q8(x, target=t)
+    xd = (qx.astype(np.float64).reshape(M, -1, 32) * d[..., None]).reshape(M, K)
+    w = np.asarray(gguf.quants.dequantize(raw.reshape(N, -1), getattr(gguf.GGMLQuantizationType, qt.upper())),
+                   np.float64).reshape(N, K)
+    assert np.all(np.abs(ys[None] - xd @ w.T) <= 1e-5 * (np.abs(xd) @ np.abs(w).T)), tier
+    np.testing.assert_array_equal(ys["madd"], ys[None])
+    np.testing.assert_array_equal(ys["dot4"], ys[None])
+    for i in (0, 5, 10):
+        np.testing.assert_array_equal(quant.matmul_q(x[i], raw, qt, N, K, target=t), ys[None][i])

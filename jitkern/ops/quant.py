@@ -665,7 +665,7 @@ def _kq_tiles(M: int, N: int) -> tuple:
 # ------------------------------------------------------------- 32-element formats: one kernel for every M
 @jk.jit
 def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr,
-                TT: jk.constexpr = False):
+                TT: jk.constexpr = False, ROUTE: jk.constexpr = 0):
     """The integer dot of every (token, row, block) of a step, (BM, R // RI, S, RI) i32 (row = RI * rq + ri).
 
     q: the decoder's quants, (R, 2, S, 16) 'halves' or (R, S, 32); x: (BM, S * 32) int8 activations. dot4
@@ -675,13 +675,15 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
     where cross-lane permutes compete with them; for the 4-bit types the first of those steps runs on the
     int16 pair sums, before widening (`jk.madd`), so one pmaddwd widens two rows.
     TT (R = RI = 1, BM a multiple of 4): (BM // 4, S, 4) with 4 tokens per block in the lanes instead (the
-    reduction stays inside 128-bit lanes; summed per token it needed cross-lane permutes)."""
+    reduction stays inside 128-bit lanes; summed per token it needed cross-lane permutes).
+    ROUTE (4-bit halves with RI = 4, the GEMM): 0 the tier's default (dot4 on VNNI / SDOT tiers, madd
+    elsewhere), 1 the madd route, 2 the dot4 route (`QMM_GEMM_DOT_ROUTE`; the same exact integer dots)."""
     RQ = R // RI
     # VNNI tiers: dot4 is one vpdpbusd per vector that also adds the two halves (exact i32, no int16 stage to
     # share), so the madd route below would only add instructions; the integer dots are the same exact values.
     # Likewise on arm64 with SDOT/USDOT (madd has no arm64 instruction: it took the generic widening path)
     vnni = jk.target.has("avx512vnni") or jk.target.has("avxvnni") or jk.target.has("dotprod")
-    if len(q.shape) == 4 and q.dtype == jk.u8 and RI == 4 and not vnni:
+    if len(q.shape) == 4 and q.dtype == jk.u8 and RI == 4 and (ROUTE == 1 or (ROUTE == 0 and not vnni)):
         # int16 pair sums of both halves added (4 products of 4-bit x int8 per lane), then lanes j and j + 4 of
         # 2 rows' registers interleaved by dwords and added (8 products, still inside int16: 15240 at most), so
         # one pmaddwd widens 2 rows (half the pmaddwd of dot4); the second level adds the rows' pairs of i32
@@ -724,7 +726,8 @@ def _block_dots(q, x, BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk
 @jk.jit
 def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, RB: jk.constexpr,
               BM: jk.constexpr, R: jk.constexpr, S: jk.constexpr, RI: jk.constexpr, H: jk.constexpr = 0,
-              HS: jk.constexpr = 0, FOLD: jk.constexpr = False, TT: jk.constexpr = False):
+              HS: jk.constexpr = 0, FOLD: jk.constexpr = False, TT: jk.constexpr = False,
+              ROUTE: jk.constexpr = 0):
     """acc (BM, R // RI, S, RI) f32 += the S blocks from block st * S: per (token, row, block) one FMA of the
     exact integer dot with the scale product, then one FMA of the block-sum term (q4_1's m, q4_0's -8 d).
     xd, xs: the activation block scales / sums, with RI = 4 repeated 4 times (Q8Activations.scales4): the lanes
@@ -756,7 +759,7 @@ def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, R
             sxt = jk.reshape(jk.trans(jk.reshape(jk.load(xs + tblk), (BM // 4, 4, S)), (0, 2, 1)), tshape)
             acc = jk.fma(jk.broadcast_to(jk.reshape(c, (1, 1, S, 1)), tshape), sxt, acc)
         return acc
-    pb = _block_dots(q, x, BM, R, S, RI).to(jk.f32)
+    pb = _block_dots(q, x, BM, R, S, RI, ROUTE=ROUTE).to(jk.f32)
     blk = srow[:, None] * RI + b0 * RI + jk.arange(0, S * RI)[None, :]                      # (BM, S * RI)
     shape = (BM, RQ, S, RI)
     sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))                                  # (RQ, S, RI)
@@ -801,7 +804,7 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
                 LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False,
                 FOLD: jk.constexpr = False, TT: jk.constexpr = False, PF: jk.constexpr = 0,
-                PFL: jk.constexpr = 2, ROWS_OUTER: jk.constexpr = False):
+                PFL: jk.constexpr = 2, ROWS_OUTER: jk.constexpr = False, ROUTE: jk.constexpr = 0):
     # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
     # reads one monotonic weight stream); grid (N / (RS R), M / BM) over tokens M0 .. M0 + M, the last tile of
     # each axis shifted back to end at N (M0 + M). K is a compile-time constant: token rows are constant offsets from one pointer, the
@@ -854,9 +857,9 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
             acc = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
             for st in range(0, NB // S):
                 acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S // 2,
-                                RI, 0, S)
+                                RI, 0, S, ROUTE=ROUTE)
                 acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R,
-                                S // 2, RI, 1, S)
+                                S // 2, RI, 1, S, ROUTE=ROUTE)
             res = _block_sum(acc, BM, RQ, S // 2, RI, LOGS - 1)
         elif SPLIT:
             # each step as two halves with their own accumulators (fewer weight registers live at once); the
@@ -865,30 +868,31 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
             acc_h = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
             for st in range(0, NB // S):
                 acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S // 2,
-                                RI, 0, S)
+                                RI, 0, S, ROUTE=ROUTE)
                 acc_h = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc_h, DEC, RB, BM, R,
-                                  S // 2, RI, 1, S)
+                                  S // 2, RI, 1, S, ROUTE=ROUTE)
             res = _block_sum(acc + acc_h, BM, RQ, S // 2, RI, LOGS - 1)
         elif FOLD:
             # the same arithmetic as SPLIT and FOLD from whole steps (GEMV): each step's dots folded into 2 lanes
             acc = jk.zeros((BM, RQ, S // 2, RI), jk.f32)
             for st in range(0, NB // S):
                 acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI,
-                                FOLD=True)
+                                FOLD=True, ROUTE=ROUTE)
             res = _block_sum(acc, BM, RQ, S // 2, RI, LOGS - 1)
         else:
             acc = jk.zeros((BM, RQ, S, RI), jk.f32)
             for st in range(0, NB // S):
-                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI)
+                acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI,
+                                ROUTE=ROUTE)
             res = _block_sum(acc, BM, RQ, S, RI, LOGS)
         if not TT:
             if PAIR_TAIL:
                 acc2 = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, (NB // S * S) // 2,
-                                 jk.zeros((BM, RQ, 2, RI), jk.f32), DEC, RB, BM, R, 2, RI)
+                                 jk.zeros((BM, RQ, 2, RI), jk.f32), DEC, RB, BM, R, 2, RI, ROUTE=ROUTE)
                 res += _block_sum(acc2, BM, RQ, 2, RI, 1)
             if ONE_TAIL:
                 acc1 = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, NB - 1, jk.zeros((BM, RQ, 1, RI), jk.f32),
-                                 DEC, RB, BM, R, 1, RI)
+                                 DEC, RB, BM, R, 1, RI, ROUTE=ROUTE)
                 res += jk.reshape(acc1, (BM, RQ, RI))
             jk.store(y + toks[:, None] * N + rows[None, :], jk.reshape(res, (BM, R)))
 
@@ -930,6 +934,25 @@ def _token_lanes(q: QType, R: int, BM: int, target) -> bool:
 
 
 _TOKEN_LANES = True
+
+
+def _gemm_route(RI: int, target) -> dict:
+    """{'ROUTE': 1 | 2} for `_qmm_kernel` when QMM_GEMM_DOT_ROUTE forces the integer-dot route of the 4-bit GEMM
+    (RI = 4 tiles, `_block_dots`) on a CPU tier, else {} (the tier's default; the kernel's specialisation and
+    cache entries stay as they were)."""
+    if QMM_GEMM_DOT_ROUTE is None or RI != 4 or (target is not None and not target.is_cpu):
+        return {}
+    if QMM_GEMM_DOT_ROUTE not in ("madd", "dot4"):
+        raise ValueError(f"quant.QMM_GEMM_DOT_ROUTE must be None, 'madd' or 'dot4', got {QMM_GEMM_DOT_ROUTE!r}")
+    return {"ROUTE": 1 if QMM_GEMM_DOT_ROUTE == "madd" else 2}
+
+
+# The integer-dot route of the q4_0 / q4_1 (4-bit halves) GEMM, M > 1 (benchmarks: perf/ab_tiers_cpu.py
+# --routes): None = the tier's default, vpdpbusd (dot4) on the VNNI tiers, pmaddubsw + pmaddwd with the rows'
+# int16 pair sums added before widening (madd: one pmaddwd widens 2 rows) elsewhere; "madd" / "dot4" force one
+# route on every CPU tier (madd has no arm64 instruction: it takes the generic widening path there). The dots
+# are exact either way, so the outputs are the same bits (tests/test_vnni.py).
+QMM_GEMM_DOT_ROUTE = None
 
 
 def _rows_outer(mn: int, bm: int, K: int, target) -> bool:
@@ -1160,7 +1183,8 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
                      K=K, DEC=_qmm_decoder(q, T), RB=row_bytes(q, K), BM=bm, R=R, RI=RI, RS=RS, S=S,
                      LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1,
                      SPLIT=_split_steps(q, M, S, T), FOLD=_fold_lanes(q, S, T), TT=_token_lanes(q, R, bm, T),
-                     ROWS_OUTER=_rows_outer(mn, bm, K, T), **_gemv_prefetch(M, row_bytes(q, K), T))
+                     ROWS_OUTER=_rows_outer(mn, bm, K, T), **_gemv_prefetch(M, row_bytes(q, K), T),
+                     **_gemm_route(RI, T))
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
     ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),
