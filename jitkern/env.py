@@ -29,6 +29,8 @@ Settings (all optional):
                                 on for CUDA, off elsewhere).
     JITKERN_SPEC_ADAPTIVE       0: speculative decoding always drafts num_speculative_tokens (no levels).
     JITKERN_SPEC_BACKOFF        halve or reset: the adaptive draft level after a rejection (default halve).
+    JITKERN_POOL_SPLIT          static or dynamic: how the CPU pool deals a launch's programs to its threads
+                                (contiguous chunks, or chunks claimed from a shared counter).
     JITKERN_CUDA_GRAPH_MAX_TOKENS  the largest padded token count of a CUDA prefill / mixed step recorded as a
                                 graph, an integer >= 0 (default 512, as vLLM's max_capture_size; 0: eager).
 
@@ -120,6 +122,10 @@ def spec_backoff(default: str, environ=None) -> str:
     return env_choice("JITKERN_SPEC_BACKOFF", ("halve", "reset"), environ) or default
 
 
+def pool_split(default: str, environ=None) -> str:
+    return env_choice("JITKERN_POOL_SPLIT", ("static", "dynamic"), environ) or default
+
+
 def cuda_graph_max_tokens(default: int, environ=None) -> int:
     v = env_int("JITKERN_CUDA_GRAPH_MAX_TOKENS", 0, environ)
     return default if v is None else v
@@ -206,6 +212,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     overlap_output(environ)
     spec_backoff("halve", environ)
     cuda_graph_max_tokens(0, environ)
+    pool_split("static", environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

@@ -1,9 +1,10 @@
 """Wall-clock A/B of the 2-thread c=16 changes of 2026-12-02 (issue 12) in one engine, the variants alternating
 round by round: "before" = the attention module at 06c0a37 (decode grid (sequences, partitions)) swapped in and
-token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. Decode tok/s of 16 random 37-token prompts
-from the moment every request has its first token; greedy tokens compared between variants.
+token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. `split`: the CPU pool's static split ("before")
+against its dynamic split (CpuPool.dynamic, "after"), the tree's kernels in both. Decode tok/s of 16 random
+37-token prompts from the moment every request has its first token; greedy tokens compared between variants.
 
-    .venv/bin/python perf/ab_c16_threads_cpu.py [both|attn|rows] [--rounds 5] [--output-len 128] [--threads 2]
+    .venv/bin/python perf/ab_c16_threads_cpu.py [both|attn|rows|split] [--rounds 5] [--output-len 128] [--threads 2]
 
 Needs git (reads the old module with `git show`). Wall clock: on a shared host, note the load it prints.
 """
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows"))
+    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows", "split"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -49,15 +50,21 @@ def main(argv=None):
     def old_attention(*a, operands=None, **k):      # the old module predates the operands= argument
         return old.paged_attention(*a, **k)
 
+    from jitkern.runtime.cpu_pool import get_pool
+
     def before():
         if args.which in ("both", "attn"):
             A.paged_attention = old_attention
         if args.which in ("both", "rows"):
             Q.QMM_ROWS_OUTER = False
+        if args.which == "split":
+            get_pool().dynamic = False
 
     def after():
         A.paged_attention = new_attention
         Q.QMM_ROWS_OUTER = True
+        if args.which == "split":
+            get_pool().dynamic = True
 
     def wave():
         return ab_engine_cpu._wave(ours, prompts, C, OUT, clock=time.perf_counter)

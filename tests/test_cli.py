@@ -74,6 +74,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_OVERLAP_OUTPUT", "maybe", ["JITKERN_OVERLAP_OUTPUT='maybe'", "not one of 0, 1"]),
     ("JITKERN_SPEC_BACKOFF", "slow", ["JITKERN_SPEC_BACKOFF='slow'", "not one of halve, reset"]),
     ("JITKERN_CUDA_GRAPH_MAX_TOKENS", "-8", ["JITKERN_CUDA_GRAPH_MAX_TOKENS='-8'", ">= 0"]),
+    ("JITKERN_POOL_SPLIT", "guided", ["JITKERN_POOL_SPLIT='guided'", "not one of static, dynamic"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):
     r = _engine_cli(tmp_path, "--prompt", "hi", **{setting: value})

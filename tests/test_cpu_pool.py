@@ -302,6 +302,69 @@ def test_task_table_mixed_grids(k, pools, nthreads):
     pool.launch_tasks(np.zeros((0, 3), dtype=np.int64))
 
 
+@pytest.mark.parametrize("nthreads", [2, 3, 4])
+def test_dynamic_split(k, nthreads):
+    """CpuPool.dynamic: chunks claimed from a shared counter. Every program still runs exactly once, in every task
+    of a launch (alternating counters) and across launches (the counters start from 0 again), tasks stay ordered
+    by barriers, pairs (2k, 2k + 1) stay on one thread, and switching back restores the static split."""
+    with CpuPool(nthreads) as pool:
+        pool.dynamic = True
+        assert pool.dynamic
+        sizes = [0, 1, 5, 2, 100003, 3, 1, 0, 999, 2 * nthreads, 2 * nthreads - 1, 64]
+        counts = [np.zeros(max(s, 1), dtype=np.int64) for s in sizes]
+        blocks = [args_block(s, c.ctypes.data) for s, c in zip(sizes, counts)]
+        tasks = np.array([(k["count"], b.ctypes.data, s) for s, b in zip(sizes, blocks)], dtype=np.int64)
+        for _ in range(5):
+            pool.launch_tasks(tasks)
+        for _ in range(3):
+            pool.launch(k["count"], blocks[4].ctypes.data, sizes[4])
+        for s, c in zip(sizes, counts):
+            want = 8 if s == sizes[4] else 5
+            assert np.array_equal(c[:s], np.full(s, want, dtype=np.int64)), s
+        # barriers between tasks: each task reads what other threads wrote in the previous one
+        rng = np.random.default_rng(nthreads)
+        n = 4099
+        bufs = [rng.integers(-1000, 1000, size=n, dtype=np.int64) for _ in range(2)]
+        expected = bufs[0].copy()
+        rows, keep = [], []
+        for s in range(9):
+            addend = int(rng.integers(-50, 50))
+            blk = args_block(n, bufs[s % 2].ctypes.data, bufs[(s + 1) % 2].ctypes.data, addend)
+            keep.append(blk)
+            rows.append((k["reverse"], blk.ctypes.data, n))
+            expected = expected[::-1] * 3 + addend
+        pool.launch_tasks(np.array(rows, dtype=np.int64))
+        assert np.array_equal(bufs[9 % 2], expected)
+        # chunks of an even number of programs from an even start: pairs on one thread
+        owner = np.zeros(1000, dtype=np.int64)
+        a = args_block(1000, owner.ctypes.data)
+        pool.launch(k["owner"], a.ctypes.data, 1000)
+        assert (owner[0::2] == owner[1::2]).all()
+        assert threading.get_ident() in {int(x) & 0xFFFFFFFFFFFFFFFF for x in owner}
+        # back to the static split: thread t runs the t-th contiguous chunk again
+        pool.dynamic = False
+        pool.launch(k["owner"], a.ctypes.data, 1000)
+        chunk = split_ref(1000, nthreads)
+        for t in range(nthreads):
+            b, e = chunk(t, nthreads)
+            assert (owner[b:e] == owner[b]).all()
+        assert int(owner[0]) & 0xFFFFFFFFFFFFFFFF == threading.get_ident()
+        assert len({int(owner[chunk(t, nthreads)[0]]) for t in range(nthreads)}) == nthreads
+
+
+def test_split_setting(monkeypatch):
+    monkeypatch.setenv("JITKERN_POOL_SPLIT", "dynamic")
+    with CpuPool(2) as pool:
+        assert pool.dynamic
+    monkeypatch.setenv("JITKERN_POOL_SPLIT", "static")
+    with CpuPool(2) as pool:
+        assert not pool.dynamic
+    monkeypatch.setenv("JITKERN_POOL_SPLIT", "guided")
+    from jitkern.env import SettingError
+    with pytest.raises(SettingError, match="JITKERN_POOL_SPLIT='guided' is not one of static, dynamic"):
+        CpuPool(2)
+
+
 @pytest.mark.parametrize("nthreads", [2, 4])
 def test_many_launches_do_not_hang(k, nthreads):
     n = 7

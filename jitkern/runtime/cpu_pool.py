@@ -92,6 +92,8 @@ DEFAULT_SPIN_US = 200
 # threads forced onto one CPU): 64 -> 0.77 / 7.1, 32 -> 0.77 / 5.4,
 # 16 -> 1.05 / 4.7, 8 -> 0.84 / 4.3 (noisy).
 DEFAULT_POLLS_PER_YIELD = 32
+# the split of a task's programs over the threads (JITKERN_POOL_SPLIT): "static" or "dynamic" (CpuPool.dynamic)
+DEFAULT_SPLIT = "static"
 
 # --------------------------------------------------------------------------
 # Layout of the shared pool state block (byte offsets). Fields that different
@@ -108,6 +110,7 @@ OFF_NTASKS = 24        # i64  number of tasks in it
 OFF_NTHREADS = 32      # i64  T, including the caller
 OFF_SPIN_NS = 40       # i64  how long to spin before sleeping on a futex
 OFF_STARTED = 48       # i64  worker threads created (T-1 on success)
+OFF_DYNAMIC_REQ = 56   # i64  split requested by CpuPool.dynamic; copied to OFF_DYNAMIC by the next launch
 # line 1: barrier arrival counter
 OFF_BAR_COUNT = 64     # i64
 # line 2: barrier generation (futex word) and its sleeper count
@@ -117,8 +120,12 @@ OFF_BAR_SLEEPERS = 132  # i32
 OFF_MUTEX = 192        # i32  0 free, 1 locked, 2 locked with waiters
 # line 4: the one-task table used by launch()
 OFF_INLINE_TASK = 256  # 3 x i64
+# line 5: the split of a task's programs: 0 static (thread t runs the t-th contiguous chunk), 1 dynamic
+OFF_DYNAMIC = 320      # i64
+# lines 6 and 7: dynamic split counters (next unclaimed program), task i of a launch uses line 6 + i % 2
+OFF_COUNTERS = 384     # i64 each, 64 bytes apart
 # per worker slot: pthread_t handle, state ptr, thread index
-OFF_THREADS = 320
+OFF_THREADS = 512
 THREAD_SLOT = 32
 SLOT_HANDLE, SLOT_STATE, SLOT_TID = 0, 8, 16
 TASK_BYTES = 24
@@ -427,18 +434,33 @@ class _PoolIRBuilder:
         # run_tasks(state, tid, T, tasks, ntasks, spin_ns)
         # Static even split: q = n / T, r = n % T; thread t runs
         # [t*q + min(t, r), that + q + (t < r)). With n == 1 only t = 0 runs.
+        # Dynamic split (OFF_DYNAMIC != 0, T > 1, n >= 2T): threads claim chunks of G programs (n / 4T rounded up
+        # to even, so pairs 2k, 2k + 1 stay on one thread) from a shared counter until none is left, so a thread
+        # that runs slower (a busier core, slower memory) takes fewer chunks instead of holding the barrier.
+        # Task i uses counter i % 2; in every task (dynamic or not) thread 0 zeroes the other one before the
+        # task's barrier (its last user, task i - 1, finished before the previous barrier), and both after the
+        # launch's last barrier.
         f, b = self._define("jk_run_tasks", _VOID, [_PTR, _I64, _I64, _PTR, _I64, _I64])
         state, tid, nthreads, tasks, ntasks, spin_ns = f.args
         entry = b.block
         head = f.append_basic_block("head")
         body = f.append_basic_block("body")
+        pick = f.append_basic_block("pick")
         split = f.append_basic_block("split")
         call = f.append_basic_block("call")
+        dyn = f.append_basic_block("dynamic")
+        claim = f.append_basic_block("claim")
+        dcall = f.append_basic_block("dynamic_call")
+        dzero = f.append_basic_block("dynamic_zero")
         after = f.append_basic_block("after")
+        zt_skip = f.append_basic_block("barrier_or_not")
         do_bar = f.append_basic_block("do_barrier")
         nxt = f.append_basic_block("next")
         done = f.append_basic_block("done")
+        zero_all = f.append_basic_block("zero_counters")
+        ret = f.append_basic_block("ret")
         multi = b.icmp_signed(">", nthreads, _i64(1))
+        dynamic = b.and_(multi, b.icmp_signed("!=", self.load(b, state, OFF_DYNAMIC, _I64), _i64(0)))
         b.branch(head)
 
         b.position_at_end(head)
@@ -451,7 +473,31 @@ class _PoolIRBuilder:
         fn = b.load(row, typ=KERNEL_FNTY.as_pointer(), align=8)
         args = b.load(b.gep(row, [_i64(1)], source_etype=_I64), typ=_PTR, align=8)
         nprog = b.load(b.gep(row, [_i64(2)], source_etype=_I64), typ=_I64, align=8)
-        b.cbranch(b.icmp_signed(">", nprog, _i64(0)), split, after)
+        b.cbranch(b.icmp_signed(">", nprog, _i64(0)), pick, after)
+
+        b.position_at_end(pick)
+        many = b.icmp_signed(">=", nprog, b.mul(nthreads, _i64(2)))
+        b.cbranch(b.and_(dynamic, many), dyn, split)
+
+        b.position_at_end(dyn)
+        parity = b.and_(i, _i64(1))
+        ctr = b.gep(self.field(b, state, OFF_COUNTERS), [b.mul(parity, _i64(_CACHE_LINE))], source_etype=_I8)
+        t4 = b.mul(nthreads, _i64(4))
+        g0 = b.sdiv(b.add(nprog, b.sub(t4, _i64(1))), t4)
+        grain = b.and_(b.add(g0, _i64(1)), _i64(-2))
+        b.branch(claim)
+
+        b.position_at_end(claim)
+        c0 = b.atomic_rmw("add", ctr, grain, "monotonic")
+        b.cbranch(b.icmp_signed("<", c0, nprog), dcall, dzero)
+
+        b.position_at_end(dcall)
+        c1 = b.add(c0, grain)
+        b.call(fn, [args, c0, b.select(b.icmp_signed("<", c1, nprog), c1, nprog)])
+        b.branch(claim)
+
+        b.position_at_end(dzero)
+        b.branch(after)
 
         b.position_at_end(split)
         q = b.sdiv(nprog, nthreads)
@@ -466,6 +512,15 @@ class _PoolIRBuilder:
         b.branch(after)
 
         b.position_at_end(after)
+        zt = f.append_basic_block("zero_next_counter")
+        b.cbranch(b.and_(dynamic, b.icmp_signed("==", tid, _i64(0))), zt, zt_skip)
+        b.position_at_end(zt)
+        # the counter task i + 1 claims from: its last user, task i - 1, finished before the previous barrier
+        nxt_ctr = b.gep(self.field(b, state, OFF_COUNTERS), [b.mul(b.xor(b.and_(i, _i64(1)), _i64(1)),
+                                                                   _i64(_CACHE_LINE))], source_etype=_I8)
+        _store_atomic(b, _i64(0), nxt_ctr, "monotonic", 8)
+        b.branch(zt_skip)
+        b.position_at_end(zt_skip)
         b.cbranch(multi, do_bar, nxt)
         b.position_at_end(do_bar)
         b.call(self.barrier, [state, nthreads, spin_ns])
@@ -477,6 +532,12 @@ class _PoolIRBuilder:
         b.branch(head)
 
         b.position_at_end(done)
+        b.cbranch(b.and_(dynamic, b.icmp_signed("==", tid, _i64(0))), zero_all, ret)
+        b.position_at_end(zero_all)
+        for k in range(2):
+            _store_atomic(b, _i64(0), self.field(b, state, OFF_COUNTERS + k * _CACHE_LINE), "monotonic", 8)
+        b.branch(ret)
+        b.position_at_end(ret)
         b.ret_void()
         self.run_tasks = f
 
@@ -533,6 +594,8 @@ class _PoolIRBuilder:
         spin_ns = self.load(b, state, OFF_SPIN_NS, _I64)
         self.store(b, state, OFF_TASKS, tasks)
         self.store(b, state, OFF_NTASKS, ntasks)
+        # the split is fixed per launch (published with it): every thread of a launch reads the same one
+        self.store(b, state, OFF_DYNAMIC, self.load(b, state, OFF_DYNAMIC_REQ, _I64))
         gen_p = self.field(b, state, OFF_GEN)
         g = b.load_atomic(gen_p, "monotonic", 4, typ=_I32)  # only we write gen
         b.call(self.publish, [gen_p, self.field(b, state, OFF_SLEEPERS), b.add(g, _i32(1))])
@@ -999,6 +1062,8 @@ class CpuPool:
             raise PoolError(f"CpuPool: spin_us must be an integer >= 0, got {spin_us!r}")
         self.num_threads = int(num_threads)
         self.spin_us = int(spin_us)
+        from jitkern.env import pool_split
+        self._dynamic = pool_split(DEFAULT_SPLIT) == "dynamic"
         self._nat = _native()
         self._c_launch = self._nat.launch
         self._c_launch_tasks = self._nat.launch_tasks
@@ -1013,6 +1078,7 @@ class CpuPool:
         addr = (ctypes.addressof(buf) + _CACHE_LINE - 1) & ~(_CACHE_LINE - 1)
         ctypes.c_int64.from_address(addr + OFF_NTHREADS).value = self.num_threads
         ctypes.c_int64.from_address(addr + OFF_SPIN_NS).value = self.spin_us * 1000
+        ctypes.c_int64.from_address(addr + OFF_DYNAMIC_REQ).value = int(self._dynamic)
         self._buf = buf
         self._state = addr
         if self.num_threads > 1:
@@ -1022,6 +1088,19 @@ class CpuPool:
                                 f"{os.strerror(rc)} (errno {rc}, num_threads={self.num_threads})")
         self._finalizer = weakref.finalize(self, _close_native, self._nat.stop, addr,
                                            (buf, self._nat))
+
+    @property
+    def dynamic(self) -> bool:
+        """How a task's programs are dealt to the threads: False, the static split (thread t runs the t-th of T
+        contiguous chunks); True, chunks claimed from a shared counter (tasks of at least 2T programs), so a
+        slower thread takes fewer. Either way every program runs once and the outputs are the same; the next
+        launch takes a change."""
+        return self._dynamic
+
+    @dynamic.setter
+    def dynamic(self, on: bool) -> None:
+        self._dynamic = bool(on)
+        ctypes.c_int64.from_address(self._state + OFF_DYNAMIC_REQ).value = int(self._dynamic)
 
     # -- launching ----------------------------------------------------------
     # The hot paths below are kept tiny: one prebuilt ctypes call with plain
