@@ -63,6 +63,20 @@ def all_tier_params():
             + [pytest.param(n, id=n, marks=pytest.mark.vulkan) for n in vulkan_tiers()])
 
 
+@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def fake_or_cuda(request, monkeypatch):
+    """"fake": tests/fake_cuda.py's host-memory device installed (CPU kernels on the engine's device path);
+    "cuda": a real GPU (gpu-marked, skipped without one). The parameter's name."""
+    if request.param == "fake":
+        from tests.fake_cuda import install
+        install(monkeypatch)
+    else:
+        from jitkern.runtime import cuda
+        if not cuda.is_available():
+            pytest.skip("no CUDA device here")
+    return request.param
+
+
 @pytest.fixture(params=all_tier_params())
 def tier(request):
     """A runnable tier's Target: every CPU tier of this host, and the GPU where there is one. Kernels launched

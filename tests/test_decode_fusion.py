@@ -87,16 +87,9 @@ def test_dense_llama_fused_decode_is_bit_identical(tmp_path):
         llm.close()
 
 
-@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
-    if request.param == "fake":
-        from tests.fake_cuda import install
-        install(monkeypatch)
-    else:
-        from jitkern.runtime import cuda
-        if not cuda.is_available():
-            pytest.skip("no CUDA device here")
-    return request.param
+@pytest.fixture
+def device(fake_or_cuda):
+    return fake_or_cuda
 
 
 def test_smollm2_fused_decode_on_the_device_is_bit_identical(device):

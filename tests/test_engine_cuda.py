@@ -21,23 +21,15 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 
-BACKENDS = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
 # arch[@weight dtype]: f32 checkpoints are also checked against transformers; bf16 / f16 ones (the weights the
 # kernels read as stored: uint16 = bf16) against the CPU engine only
 ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "llama@bf16", "qwen2@f16", "gemma2",
          "granite", "olmo2"]
 
 
-@pytest.fixture(params=BACKENDS)
-def device(request, monkeypatch):
-    if request.param == "fake":
-        from tests.fake_cuda import install
-        install(monkeypatch)
-    else:
-        from jitkern.runtime import cuda
-        if not cuda.is_available():
-            pytest.skip("no CUDA device here")
-    return request.param
+@pytest.fixture
+def device(fake_or_cuda):
+    return fake_or_cuda
 
 
 def _prompts(k, seed):

@@ -103,19 +103,7 @@ def test_embedded_smollm2_graphs_equal_eager():
     _check(None, prompts, max_num_batched_tokens=64, max_num_seqs=4, max_tokens=3)
 
 
-@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
-def cuda_device(request, monkeypatch):
-    if request.param == "fake":
-        from tests.fake_cuda import install
-        install(monkeypatch)
-    else:
-        from jitkern.runtime import cuda
-        if not cuda.is_available():
-            pytest.skip("no CUDA device here")
-    return request.param
-
-
-def test_cuda_prefill_graphs_equal_eager(tiny_llama, cuda_device):
+def test_cuda_prefill_graphs_equal_eager(tiny_llama, fake_or_cuda):
     """The CUDA engine's prefill / mixed steps (padding written before the step's staged copy, rows through the
     staged logits_rows array, CUDA graphs on a GPU; host memory and the CPU kernels on the fake device): the
     same logits bit for bit as its eager steps, the same KV caches."""
