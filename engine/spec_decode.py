@@ -326,13 +326,18 @@ class _DraftState:
         # every token emitted since consumed one source token: accepted drafts, the bonus / corrected one
         return None if self.anchor < 0 else self.anchor + num_tokens - self.anchor_tokens
 
-    def update(self, num_drafts: int, num_accepted: int, k: int, halve: bool = False) -> None:
+    def update(self, num_drafts: int, num_accepted: int, k: int, halve: bool = False, keep: bool = False) -> None:
+        """The level after a step of num_drafts drafts of which num_accepted were accepted: all -> 2l + 1 (up to
+        k); else back to 1, or one level down with `halve`; with `keep` a step that accepted at least half its
+        drafts keeps the level (then as `halve`)."""
         if num_drafts <= 0:
             return
         if num_accepted == num_drafts:
             self.level = min(k, 2 * self.level + 1)
+        elif keep and 2 * num_accepted >= num_drafts:
+            return
         else:
-            self.level = max(1, self.level // 2) if halve else 1
+            self.level = max(1, self.level // 2) if halve or keep else 1
 
 
 class SpecDecoder:
@@ -343,6 +348,7 @@ class SpecDecoder:
         self.adaptive = os.environ.get("JITKERN_SPEC_ADAPTIVE", "1") not in ("0", "")
         from jitkern.env import spec_backoff
         self.backoff = spec_backoff(BACKOFF)          # a bad value: SettingError naming the variable
+        self.anchoring = True                         # n-gram re-anchoring with adaptive drafting (A/B switch)
         self._states: dict = {}               # req_id -> _DraftState
         self.max_model_len = engine.max_model_len
         self.vocab = engine.config.vocab_size
@@ -384,7 +390,7 @@ class SpecDecoder:
         for r, k in zip(reqs, ks):
             t = np.asarray(r.all_token_ids, np.int64)
             st = self._states.get(r.request_id) if self.adaptive else None
-            anchor = st.anchor_now(r.num_tokens) if st is not None else None
+            anchor = st.anchor_now(r.num_tokens) if st is not None and self.anchoring else None
             start = ngram_lookup(t, cfg.prompt_lookup_min, cfg.prompt_lookup_max, anchor)
             if start < 0:
                 continue
@@ -441,7 +447,8 @@ class SpecDecoder:
             self.stats.record(res.num_drafts, len(res.token_ids) - 1, self.k)
             st = self._states.get(rid)
             if st is not None:
-                st.update(res.num_drafts, len(res.token_ids) - 1, self.k, halve=self.backoff == "halve")
+                st.update(res.num_drafts, len(res.token_ids) - 1, self.k, halve=self.backoff == "halve",
+                          keep=self.backoff == "keep")
         return out
 
     def metrics(self) -> dict:

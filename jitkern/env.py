@@ -28,7 +28,8 @@ Settings (all optional):
     JITKERN_OVERLAP_OUTPUT      0 or 1: the engine's output work overlapped with the next GPU step (default:
                                 on for CUDA, off elsewhere).
     JITKERN_SPEC_ADAPTIVE       0: speculative decoding always drafts num_speculative_tokens (no levels).
-    JITKERN_SPEC_BACKOFF        halve or reset: the adaptive draft level after a rejection (default halve).
+    JITKERN_SPEC_BACKOFF        halve, reset or keep: the adaptive draft level after a rejection (default halve;
+                                keep: a step that accepted at least half its drafts keeps the level).
     JITKERN_POOL_SPLIT          static or dynamic: how the CPU pool deals a launch's programs to its threads
                                 (contiguous chunks, or chunks claimed from a shared counter).
     JITKERN_CUDA_GRAPH_MAX_TOKENS  the largest padded token count of a CUDA prefill / mixed step recorded as a
@@ -118,8 +119,8 @@ def overlap_output(environ=None) -> Optional[bool]:
 
 
 def spec_backoff(default: str, environ=None) -> str:
-    """JITKERN_SPEC_BACKOFF ("halve" | "reset"), or `default` when unset."""
-    return env_choice("JITKERN_SPEC_BACKOFF", ("halve", "reset"), environ) or default
+    """JITKERN_SPEC_BACKOFF ("halve" | "reset" | "keep"), or `default` when unset."""
+    return env_choice("JITKERN_SPEC_BACKOFF", ("halve", "reset", "keep"), environ) or default
 
 
 def pool_split(default: str, environ=None) -> str:

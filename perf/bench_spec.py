@@ -71,7 +71,8 @@ def _time_steps(llm, step_times: dict) -> None:
 
 
 def run(k_values, runs: int, max_tokens: int, lookup_min: int, lookup_max: int, tasks=DEFAULT_TASKS,
-        fixed: bool = True, step_times: dict | None = None, halve: bool = False) -> list:
+        fixed: bool = True, step_times: dict | None = None, halve: bool = False, backoffs=(),
+        no_anchor: bool = False) -> list:
     """All engines loaded side by side and run in turns (round -> config -> task), so that a shared host's
     load falls on every configuration alike."""
     from engine.llm import LLM
@@ -82,8 +83,10 @@ def run(k_values, runs: int, max_tokens: int, lookup_min: int, lookup_max: int, 
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
                 "prompt_lookup_max": lookup_max}
         configs.append((f"ngram k={k}", spec, True))
-        if halve:
-            configs.append((f"ngram k={k} halve", spec, "halve"))
+        for b in (["halve"] if halve else []) + [b for b in backoffs if not (halve and b == "halve")]:
+            configs.append((f"ngram k={k} {b}", spec, b))
+        if no_anchor:
+            configs.append((f"ngram k={k} no-anchor", spec, "no-anchor"))
         if fixed:
             configs.append((f"ngram k={k} fixed", spec, False))
     llms = {}
@@ -91,8 +94,10 @@ def run(k_values, runs: int, max_tokens: int, lookup_min: int, lookup_max: int, 
         llms[name] = LLM(speculative_config=spec)
         if spec is not None:
             llms[name].engine.spec.adaptive = bool(adaptive)
-            if adaptive == "halve":
-                llms[name].engine.spec.backoff = "halve"
+            if adaptive == "no-anchor":
+                llms[name].engine.spec.anchoring = False
+            elif isinstance(adaptive, str):
+                llms[name].engine.spec.backoff = adaptive
         if step_times is not None:
             _time_steps(llms[name], step_times)
     try:
@@ -145,6 +150,10 @@ def main(argv=None) -> int:
     p.add_argument("--halve", action="store_true",
                    help="also run adaptive drafting with backoff \"halve\" (\"ngram k=K halve\"; the plain \"ngram k=K\" "
                         "row takes JITKERN_SPEC_BACKOFF / the default)")
+    p.add_argument("--backoffs", nargs="*", default=[], choices=("halve", "reset", "keep"),
+                   help="also run adaptive drafting with each of these backoffs (\"ngram k=K <backoff>\")")
+    p.add_argument("--no-anchor", action="store_true",
+                   help="also run adaptive drafting without n-gram re-anchoring (\"ngram k=K no-anchor\")")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--lookup-min", type=int, default=2)
@@ -154,7 +163,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()[0]
     step_times: dict = {}
     res = run(args.k, args.runs, args.max_tokens, args.lookup_min, args.lookup_max, args.tasks, not args.no_fixed,
-              step_times, halve=args.halve)
+              step_times, halve=args.halve, backoffs=args.backoffs, no_anchor=args.no_anchor)
     off = {r["task"]: r for r in res if r["config"] == "off"}
     print("| task | config | output tokens | decode tok/s best | median | speed-up best / median | acceptance "
           "| tokens per verification step | tokens per decode step |")

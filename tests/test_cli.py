@@ -72,7 +72,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_COMPILE_TIMEOUT", "nan", ["JITKERN_COMPILE_TIMEOUT='nan'", "> 0"]),
     ("JITKERN_SPIN_US", "-1", ["JITKERN_SPIN_US='-1'", ">= 0"]),
     ("JITKERN_OVERLAP_OUTPUT", "maybe", ["JITKERN_OVERLAP_OUTPUT='maybe'", "not one of 0, 1"]),
-    ("JITKERN_SPEC_BACKOFF", "slow", ["JITKERN_SPEC_BACKOFF='slow'", "not one of halve, reset"]),
+    ("JITKERN_SPEC_BACKOFF", "slow", ["JITKERN_SPEC_BACKOFF='slow'", "not one of halve, reset, keep"]),
     ("JITKERN_CUDA_GRAPH_MAX_TOKENS", "-8", ["JITKERN_CUDA_GRAPH_MAX_TOKENS='-8'", ">= 0"]),
     ("JITKERN_POOL_SPLIT", "guided", ["JITKERN_POOL_SPLIT='guided'", "not one of static, dynamic"]),
 ])
