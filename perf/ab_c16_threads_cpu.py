@@ -1,10 +1,13 @@
 """Wall-clock A/B of the 2-thread c=16 changes of 2026-12-02 (issue 12) in one engine, the variants alternating
 round by round: "before" = the attention module at 06c0a37 (decode grid (sequences, partitions)) swapped in and
 token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. `split`: the CPU pool's static split ("before")
-against its dynamic split (CpuPool.dynamic, "after"), the tree's kernels in both. Decode tok/s of 16 random
-37-token prompts from the moment every request has its first token; greedy tokens compared between variants.
+against its dynamic split (CpuPool.dynamic, "after"), the tree's kernels in both; `heads`: decode attention
+without (before) and with (after) the per-KV-head programs for batches smaller than the thread count
+(attention.DECODE_HEAD_SPLIT; use --concurrency 1). Decode tok/s of C (default 16) random 37-token prompts from
+the moment every request has its first token; greedy tokens compared between variants.
 
-    .venv/bin/python perf/ab_c16_threads_cpu.py [both|attn|rows|split] [--rounds 5] [--output-len 128] [--threads 2]
+    .venv/bin/python perf/ab_c16_threads_cpu.py [both|attn|rows|split|heads] [--rounds 5] [--output-len 128]
+        [--threads 2] [--concurrency 16]
 
 Needs git (reads the old module with `git show`). Wall clock: on a shared host, note the load it prints.
 """
@@ -24,10 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows", "split"))
+    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows", "split", "heads"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args(argv)
     os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, ROOT)
@@ -35,8 +39,8 @@ def main(argv=None):
     import ab_engine_cpu
     import jitkern.ops.attention as A
     import jitkern.ops.quant as Q
-    C, OUT = 16, args.output_len
-    ours, prompts = ab_engine_cpu.open_engine("16", OUT)
+    C, OUT = args.concurrency, args.output_len
+    ours, prompts = ab_engine_cpu.open_engine(str(C), OUT)
     src = subprocess.run(["git", "-C", ROOT, "show", "06c0a37:jitkern/ops/attention.py"], capture_output=True,
                          text=True, check=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "old_attention.py")
@@ -59,12 +63,15 @@ def main(argv=None):
             Q.QMM_ROWS_OUTER = False
         if args.which == "split":
             get_pool().dynamic = False
+        if args.which == "heads":
+            A.DECODE_HEAD_SPLIT = False
 
     def after():
         A.paged_attention = new_attention
         Q.QMM_ROWS_OUTER = True
         if args.which == "split":
             get_pool().dynamic = True
+        A.DECODE_HEAD_SPLIT = True
 
     def wave():
         return ab_engine_cpu._wave(ours, prompts, C, OUT, clock=time.perf_counter)
@@ -85,7 +92,7 @@ def main(argv=None):
                                              for n in names), flush=True)
     after()
     xa, xb = [v for v, _ in res["before"]], [v for v, _ in res["after"]]
-    print(f"c=16 decode tok/s ({args.which}; wall, {args.threads} threads, {OUT} output tokens): before best / median "
+    print(f"c={C} decode tok/s ({args.which}; wall, {args.threads} threads, {OUT} output tokens): before best / median "
           f"{max(xa):.1f} / {statistics.median(xa):.1f}; after {max(xb):.1f} / {statistics.median(xb):.1f}; ratio "
           f"best {max(xb) / max(xa):.3f}, median {statistics.median(xb) / statistics.median(xa):.3f}")
     print(f"greedy sequences identical before vs after: {sum(p == q for p, q in zip(toks['before'], toks['after']))}/{C}")

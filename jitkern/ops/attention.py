@@ -292,8 +292,11 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
                   q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                   KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                   NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
-                  PREFETCH: jk.constexpr, SINKS: jk.constexpr):
-    """Program (sequence, partition): every head of a q_len == 1 sequence over one partition of its blocks.
+                  PREFETCH: jk.constexpr, SINKS: jk.constexpr, HSPLIT: jk.constexpr = False):
+    """Program (sequence, partition): every head of a q_len == 1 sequence over one partition of its blocks
+    (HSPLIT: program (sequence, KV head, partition), one KV head's query heads each, grid axis 0 = KVH x
+    NUM_PARTS: for batches of fewer sequences than pool threads, whose one partition would otherwise keep all
+    but one thread waiting; a head's arithmetic is the same either way).
 
     The sequence's own key range decides its partitions (_split); programs past them do nothing, so
     NUM_PARTS (the grid) only bounds them. A single-partition sequence writes its output here, the others
@@ -308,7 +311,14 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
     # sequence's first k partitions, the ones with work, spread over the chunks too. Only which program
     # runs a (sequence, partition) changes, never its arithmetic.
     seq = jk.program_id(1)
-    part = _partition_of(jk.program_id(0), NUM_PARTS)
+    if HSPLIT:
+        h0 = jk.program_id(0) // NUM_PARTS          # this program's KV head
+        part = _partition_of(jk.program_id(0) % NUM_PARTS, NUM_PARTS)
+        nh = 1
+    else:
+        h0 = 0
+        part = _partition_of(jk.program_id(0), NUM_PARTS)
+        nh = KVH
     H = KVH * G
     w = _vec_width(D)
     q0 = jk.load(query_start + seq)
@@ -328,7 +338,7 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
     d = jk.arange(0, D)
     gi = jk.arange(0, G)
     slot = (seq * NUM_PARTS + part).to(jk.i64) * H
-    for h in range(0, KVH):
+    for h in range(h0, h0 + nh):
         _init_state(st_m, st_l, st_acc, slot + h * G + gi, G, D, BS, mine)
     qrow = q + jk.maximum(jk.minimum(q0, q0 + q_len - 1), 0).to(jk.i64) * q_ts
     bt_row = block_table + seq.to(jk.i64) * bt_stride
@@ -337,7 +347,7 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
         nxt = jk.load(bt_row + jk.minimum(b + 1, b1 - 1)).to(jk.i64) * (BS * KVH * D)
         pos = b * BS + n
         valid = (pos < seq_len) & (pos >= lo)
-        for h in range(0, KVH):
+        for h in range(h0, h0 + nh):
             if PREFETCH:
                 # the next block's rows of this head, into L2: spread over the heads (a burst of the whole
                 # block stalls on miss buffers) and not into L1 (two blocks of f32 K+V do not fit there);
@@ -347,7 +357,7 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
             _attend_block(qrow + h * G * q_hs, q_hs, k_cache + base + h * D, v_cache + base + h * D, KVH * D,
                           valid, st_m, st_l, st_acc, slot + h * G, scale, softcap, G, D, BS, w, SOFTCAP)
     orow = out + q0.to(jk.i64) * o_ts
-    for h in range(0, KVH):
+    for h in range(h0, h0 + nh):
         o = _finish_state(st_m, st_l, st_acc, slot + h * G + gi, G, D, BS, jk.load(sinks + h * G + gi), SINKS)
         jk.store(orow + (h * G + gi[:, None]) * o_hs + d[None, :], o, mask=mine & (parts == 1))
 
@@ -1110,11 +1120,13 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target,
                              operands=operands)
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q)
-    run(decode_kernel, (P, st.num_seqs),
+    hsplit = _decode_head_split(st)
+    run(decode_kernel, (P * (st.kvh if hsplit else 1), st.num_seqs),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
-        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch), SINKS=st.use_sinks)
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch), SINKS=st.use_sinks,
+        **({"HSPLIT": True} if hsplit else {}))
     if P > 1:
         run(merge_kernel, (st.num_seqs, st.heads),
             (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
@@ -1123,6 +1135,18 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     if max_query_len > 1:
         _launch_prefill(st, q, k_cache, v_cache, ws, PREFILL_BLOCK_Q, True, target)
     return st.out
+
+
+# decode_kernel with a program per KV head (HSPLIT) for batches of fewer sequences than the CPU pool's threads
+# (c=1 with 2 threads: the one sequence's heads on both threads instead of one); False: never
+DECODE_HEAD_SPLIT = True
+
+
+def _decode_head_split(st) -> bool:
+    if not DECODE_HEAD_SPLIT or st.kvh < 2:
+        return False
+    from ..runtime.cpu_pool import get_pool
+    return st.num_seqs < get_pool().num_threads
 
 
 def _validate_step(query_start, seq_lens, block_table, num_tokens, block_size):

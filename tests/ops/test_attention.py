@@ -297,13 +297,15 @@ def _run_programs(entry, begin, end):
         block.__array_interface__["data"][0], begin, end)
 
 
-def test_decode_grid_splits_work_over_thread_chunks(tier):
+def test_decode_grid_splits_work_over_thread_chunks(tier, monkeypatch):
     """The CPU pool gives each thread a contiguous chunk of the flat program ids. A batch of short decodes
     (one partition each) must put whole sequences in each chunk, and one long sequence's partitions must
     spread over the chunks (bit-reversed order): run the two halves of the grid separately and check which
-    outputs / partial states each half wrote, then that the halves together give the reference."""
+    outputs / partial states each half wrote, then that the halves together give the reference. (The grid
+    without the per-KV-head split, which batches of fewer sequences than threads take: see below.)"""
     if tier.is_gpu:
         pytest.skip("thread chunks of the CPU pool")
+    monkeypatch.setattr(A, "DECODE_HEAD_SPLIT", False)
     rng = np.random.default_rng(21)
     H, KVH, D, P = 9, 3, 64, A.MAX_PARTITIONS
     seqs = [(int(L), 1) for L in rng.integers(20, 200, 6)]
@@ -337,3 +339,45 @@ def test_decode_grid_splits_work_over_thread_chunks(tier):
     assert not np.isnan(m[:4]).any()
     _run_programs(merge, 0, merge[2])
     check(out, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+
+
+def test_decode_head_split_spreads_one_sequence_over_threads(tier, monkeypatch):
+    """Fewer sequences than pool threads: decode_kernel runs a program per (KV head, partition) (HSPLIT), so
+    one short sequence's heads land in different thread chunks (the first half of the grid: KV heads 0 and 1 of
+    3, the second: head 2), with the same bits as the grid of whole-sequence programs, for a short context (one
+    partition, written directly) and a long one (partitions + merge)."""
+    if tier.is_gpu:
+        pytest.skip("thread chunks of the CPU pool")
+    from jitkern.runtime.cpu_pool import CpuPool
+    pool = CpuPool(4)
+    monkeypatch.setattr("jitkern.runtime.cpu_pool._pool", pool)     # 1 sequence < 4 threads
+    try:
+        _check_head_split(tier, monkeypatch)
+    finally:
+        pool.close()
+
+
+def _check_head_split(tier, monkeypatch):
+    rng = np.random.default_rng(23)
+    H, KVH, D, P = 9, 3, 64, A.MAX_PARTITIONS
+    for ctx in (150, 1000):
+        q, kc, vc, qs, sl, bt = make_step(rng, [(ctx, 1)], H, KVH, D, np.float32)
+        want = {}
+        for split in (False, True):
+            monkeypatch.setattr(A, "DECODE_HEAD_SPLIT", split)
+            out = np.full_like(q, np.nan)
+            ws = {}
+            with jk.capture() as graph:
+                A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
+                                  workspace=ws, target=tier)
+            dec = graph.entries[0]
+            assert dec[2] == P * (KVH if split else 1)
+            if split and ctx == 150:
+                _run_programs(dec, 0, dec[2] // 2)
+                assert not np.isnan(out[:, :6]).any() and np.isnan(out[:, 6:]).all()
+                _run_programs(dec, dec[2] // 2, dec[2])
+            else:
+                graph.replay()
+            want[split] = out.copy()
+        np.testing.assert_array_equal(want[True], want[False])
+        check(want[True], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
