@@ -75,6 +75,10 @@ class PrefillGraphs:
         b = runner.batch
         self.rows = np.zeros(len(b.seq_lens), np.int32)      # the logits rows of a padded step (fixed address)
         self.replays = 0                                     # steps served by a graph (tests, metrics)
+        # CUDA: the largest padded step recorded (read once: a bad value is refused here, naming the variable,
+        # not in the middle of a step)
+        from jitkern.env import cuda_graph_max_tokens
+        self.cuda_max_tokens = cuda_graph_max_tokens(CUDA_MAX_TOKENS)
 
     def eligible(self, res) -> bool:
         r = self.runner
@@ -90,8 +94,7 @@ class PrefillGraphs:
             return False
         if r.device == "cpu":
             return True
-        from jitkern.env import cuda_graph_max_tokens
-        return self._padded(b)[0] <= cuda_graph_max_tokens(CUDA_MAX_TOKENS)
+        return self._padded(b)[0] <= self.cuda_max_tokens
 
     @staticmethod
     def _padded(b):

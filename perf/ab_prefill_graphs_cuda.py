@@ -1,5 +1,6 @@
 """A/B of the CUDA prefill graphs (engine/prefill_graphs.py) in one engine: a prompt's prefill step (max_tokens=1)
-replayed as a graph vs run eagerly (JITKERN_CUDA_GRAPH_MAX_TOKENS=0, read per step), alternating round by round
+replayed as a graph vs run eagerly (the runner's PrefillGraphs.cuda_max_tokens set to 0, as
+JITKERN_CUDA_GRAPH_MAX_TOKENS=0 does), alternating round by round
 on fresh prompts (no prefix-cache hits), per prompt length. Prints the median / best request latency of each.
 
     python3 perf/ab_prefill_graphs_cuda.py --make llama3-8b --layers 8 [--lens 16,37,128,300] [--rounds 7]
@@ -15,8 +16,6 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-ENV = "JITKERN_CUDA_GRAPH_MAX_TOKENS"
 
 
 def main(argv=None) -> int:
@@ -47,15 +46,15 @@ def main(argv=None) -> int:
         sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
         vocab = llm.engine.config.vocab_size
         rng = np.random.default_rng(0)
-        modes = {"graph": "", "eager": "0"}
-        times = {(n, m): [] for n in lens for m in modes}
         runner = llm.engine.runner
+        modes = {"graph": runner.prefill_graphs.cuda_max_tokens, "eager": 0}
+        times = {(n, m): [] for n in lens for m in modes}
         try:
             for rnd in range(a.rounds + 1):                  # round 0: warm-up (compiles, records the graphs)
                 order = list(modes) if rnd % 2 else list(modes)[::-1]
                 for n in lens:
                     for m in order:
-                        os.environ[ENV] = modes[m]
+                        runner.prefill_graphs.cuda_max_tokens = modes[m]
                         prompt = rng.integers(2, min(vocab, 30000), n).tolist()
                         before = runner.prefill_graphs.replays
                         t0 = time.perf_counter()
@@ -67,7 +66,6 @@ def main(argv=None) -> int:
                         if rnd:
                             times[(n, m)].append(dt * 1e3)
         finally:
-            os.environ.pop(ENV, None)
             llm.close()
         print(f"prefill request latency, ms (max_tokens=1, {a.rounds} rounds, fresh prompts; "
               f"load average {os.getloadavg()[0]:.1f})")
