@@ -326,18 +326,18 @@ class _DraftState:
         # every token emitted since consumed one source token: accepted drafts, the bonus / corrected one
         return None if self.anchor < 0 else self.anchor + num_tokens - self.anchor_tokens
 
-    def update(self, num_drafts: int, num_accepted: int, k: int, halve: bool = False, keep: bool = False) -> None:
+    def update(self, num_drafts: int, num_accepted: int, k: int, backoff: str = "reset") -> None:
         """The level after a step of num_drafts drafts of which num_accepted were accepted: all -> 2l + 1 (up to
-        k); else back to 1, or one level down with `halve`; with `keep` a step that accepted at least half its
-        drafts keeps the level (then as `halve`)."""
+        k); else per `backoff` (see BACKOFF): "reset" back to 1, "halve" one level down, "keep" the same level
+        when at least half the drafts were accepted, else one level down."""
         if num_drafts <= 0:
             return
         if num_accepted == num_drafts:
             self.level = min(k, 2 * self.level + 1)
-        elif keep and 2 * num_accepted >= num_drafts:
+        elif backoff == "keep" and 2 * num_accepted >= num_drafts:
             return
         else:
-            self.level = max(1, self.level // 2) if halve or keep else 1
+            self.level = 1 if backoff == "reset" else max(1, self.level // 2)
 
 
 class SpecDecoder:
@@ -447,8 +447,7 @@ class SpecDecoder:
             self.stats.record(res.num_drafts, len(res.token_ids) - 1, self.k)
             st = self._states.get(rid)
             if st is not None:
-                st.update(res.num_drafts, len(res.token_ids) - 1, self.k, halve=self.backoff == "halve",
-                          keep=self.backoff == "keep")
+                st.update(res.num_drafts, len(res.token_ids) - 1, self.k, self.backoff)
         return out
 
     def metrics(self) -> dict:

@@ -142,14 +142,14 @@ def test_draft_levels_adapt_to_acceptance():
     st = _DraftState(level=3)
     seen = [st.level]
     for drafted, accepted in [(3, 3), (7, 7), (15, 4), (7, 0), (3, 3), (7, 6), (3, 1), (1, 0), (1, 0)]:
-        st.update(drafted, accepted, 15, halve=True)
+        st.update(drafted, accepted, 15, "halve")
         seen.append(st.level)
     assert seen == [3, 7, 15, 7, 3, 7, 3, 1, 1, 1]
     # backoff "keep": at least half the drafts accepted keeps the level, fewer step it down
     st = _DraftState(level=3)
     seen = [st.level]
     for drafted, accepted in [(3, 3), (7, 7), (15, 8), (15, 7), (7, 4), (7, 3), (3, 2), (3, 1), (1, 0), (1, 1)]:
-        st.update(drafted, accepted, 15, keep=True)
+        st.update(drafted, accepted, 15, "keep")
         seen.append(st.level)
     assert seen == [3, 7, 15, 15, 7, 7, 3, 3, 1, 1, 3]
 
