@@ -297,6 +297,16 @@ def _run_programs(entry, begin, end):
         block.__array_interface__["data"][0], begin, end)
 
 
+def _record_decode_step(tier, q, kc, vc, qs, sl, bt, P):
+    """A decode step's attention recorded, not run: (out filled with NaN, the workspace, the graph)."""
+    out = np.full_like(q, np.nan)
+    ws = {}
+    with jk.capture() as graph:
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
+                          workspace=ws, target=tier)
+    return out, ws, graph
+
+
 def test_decode_grid_splits_work_over_thread_chunks(tier, monkeypatch):
     """The CPU pool gives each thread a contiguous chunk of the flat program ids. A batch of short decodes
     (one partition each) must put whole sequences in each chunk, and one long sequence's partitions must
@@ -310,11 +320,7 @@ def test_decode_grid_splits_work_over_thread_chunks(tier, monkeypatch):
     H, KVH, D, P = 9, 3, 64, A.MAX_PARTITIONS
     seqs = [(int(L), 1) for L in rng.integers(20, 200, 6)]
     q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, np.float32)
-    out = np.full_like(q, np.nan)
-    ws = {}
-    with jk.capture() as graph:
-        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
-                          workspace=ws, target=tier)
+    out, ws, graph = _record_decode_step(tier, q, kc, vc, qs, sl, bt, P)
     dec = graph.entries[0]
     n = dec[2]
     assert n == P * len(seqs)
@@ -325,11 +331,7 @@ def test_decode_grid_splits_work_over_thread_chunks(tier, monkeypatch):
     # one sequence of 4 partitions (4 x 256 keys) on a 16-partition axis: each half runs 2 of them
     q, kc, vc, qs, sl, bt = make_step(rng, [(1000, 1)], H, KVH, D, np.float32)
     assert list(A.decode_partitions(sl, BS)) == [4]
-    out = np.full_like(q, np.nan)
-    ws = {}
-    with jk.capture() as graph:
-        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
-                          workspace=ws, target=tier)
+    out, ws, graph = _record_decode_step(tier, q, kc, vc, qs, sl, bt, P)
     dec, merge = graph.entries
     m = ws["decode"][1].reshape(P, H)                  # each partition's running max per head
     m[:] = np.nan
@@ -365,11 +367,7 @@ def _check_head_split(tier, monkeypatch):
         want = {}
         for split in (False, True):
             monkeypatch.setattr(A, "DECODE_HEAD_SPLIT", split)
-            out = np.full_like(q, np.nan)
-            ws = {}
-            with jk.capture() as graph:
-                A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1, num_partitions=P,
-                                  workspace=ws, target=tier)
+            out, _, graph = _record_decode_step(tier, q, kc, vc, qs, sl, bt, P)
             dec = graph.entries[0]
             assert dec[2] == P * (KVH if split else 1)
             if split and ctx == 150:
