@@ -95,8 +95,12 @@ def find_objdump():
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     """`jitkern build --target T` for the three AMD targets (concurrently, each into its own cache)."""
+    # The caches are made here, not in the threads: tmp_path_factory creates its base directory lazily and
+    # is not thread-safe (three threads racing on that first mkdir failed CI with FileExistsError).
+    caches = {t: tmp_path_factory.mktemp(f"cache-{t}") for t in TARGETS}
+
     def run(t):
-        cache = tmp_path_factory.mktemp(f"cache-{t}")
+        cache = caches[t]
         env = dict(os.environ, JITKERN_CACHE_DIR=str(cache))
         r = subprocess.run([sys.executable, "-m", "jitkern.cli", "build", "--target", t, "--quiet"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=900)
