@@ -4,7 +4,8 @@
         max_model_len=None, seed=0, enforce_eager=False, trust_remote_code=False, ...)
 
 Mapped: max_model_len, seed, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, block_size,
-kv_cache_dtype ("auto" -> f32), enforce_eager (decode graphs off), task / runner, generation_config, device,
+kv_cache_dtype ("auto": f16 for 16-bit or quantised weights, f32 for f32 ones; float16 / fp16 / f16, float32 / fp32 /
+f32; anything else refused naming it), enforce_eager (decode graphs off), task / runner, generation_config, device,
 disable_async_output_proc (overlap_output off: vLLM V0's async output processing is that overlap).
 Accepted and logged (no effect here): gpu_memory_utilization, swap_space, cpu_offload_gb=0,
 trust_remote_code (no checkpoint code is ever run), tokenizer_mode, revision, download_dir, load_format,
@@ -88,7 +89,8 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
         out["task"] = {"pooling": "embed", "generate": "generate", "auto": "auto"}.get(runner, runner)
     kvd = take("kv_cache_dtype")
     if kvd is not None:
-        out["kv_cache_dtype"] = "f32" if kvd == "auto" else {"float16": "f16", "fp16": "f16"}.get(kvd, kvd)
+        from engine.sizing import kv_cache_dtype_name
+        out["kv_cache_dtype"] = kv_cache_dtype_name(kvd)     # "auto" stays: the engine decides it from the weights
     for name in _IGNORED:
         if name in kw:
             v = kw.pop(name)

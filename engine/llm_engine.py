@@ -19,6 +19,7 @@ same holds for a failure while turning one request's tokens into output.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import time
@@ -44,7 +45,9 @@ class EngineArgs:
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None       # bytes for the KV pool when num_blocks is not given
-    kv_cache_dtype: str = "f32"                 # "f32" | "f16"
+    # "auto" (f16 for 16-bit or quantised weights, f32 for f32 ones: engine.sizing.resolve_kv_cache_dtype) |
+    # "f32" / "float32" / "fp32" | "f16" / "float16" / "fp16"; the engine's own args hold the resolved "f32" / "f16"
+    kv_cache_dtype: str = "auto"
     max_model_len: Optional[int] = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -136,7 +139,9 @@ class LLMEngine:
         from engine.models import build_model
         from engine.model_runner import ModelRunner
         from engine.sampler import Sampler
-        from engine.sizing import kv_block_bytes, num_blocks_for_memory, resolve_max_model_len
+        from engine.sizing import (KV_DTYPE_BYTES, kv_block_bytes, kv_cache_dtype_name, num_blocks_for_memory,
+                                   resolve_kv_cache_dtype, resolve_max_model_len)
+        kv_cache_dtype_name(args.kv_cache_dtype)        # a bad spelling fails before the slow load
         path = args.model or str(default_model_path())
         spec_cfg = None
         if args.speculative_config is not None:
@@ -155,13 +160,20 @@ class LLMEngine:
         if self.task == "embed":
             adapt_for_embedding(ckpt)
         self.default_sampling = load_generation_defaults(ckpt.path, args.generation_config)
+        # The KV cache's element type, decided once here from the checkpoint's weights ("auto": f16 for 16-bit or
+        # quantised weights, f32 for f32 ones); everything after (the model's caches, the pool's sizing, the
+        # tensor-parallel ranks, a draft model) and self.args (/server_info) see only "f32" or "f16". The
+        # caller's EngineArgs is not changed (it may build another engine on another checkpoint).
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, ckpt.weight_kinds())
+        if kv_dtype != args.kv_cache_dtype:
+            args = self.args = dataclasses.replace(args, kv_cache_dtype=kv_dtype)
         if self.tensor_parallel_size > 1:         # rank 0 here, ranks 1.. in their own processes
             from engine.parallel.runtime import start_ranks
-            self.model = start_ranks(path, world=self.tensor_parallel_size, kv_dtype=args.kv_cache_dtype,
+            self.model = start_ranks(path, world=self.tensor_parallel_size, kv_dtype=kv_dtype,
                                      backend=args.tensor_parallel_backend, ckpt=ckpt)
         else:
-            self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype)
-        dsize = 2 if args.kv_cache_dtype == "f16" else 4
+            self.model = build_model(ckpt, kv_dtype=kv_dtype, device=args.device, dtype=args.dtype)
+        dsize = KV_DTYPE_BYTES[kv_dtype]
         per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize) \
             if not hasattr(self.model, "kv_block_bytes") else self.model.kv_block_bytes(args.block_size, dsize)
         num_blocks = args.num_blocks or num_blocks_for_memory(args.kv_cache_memory or _DEFAULT_KV_MEMORY, per_block)
@@ -198,9 +210,9 @@ class LLMEngine:
         self._counter = itertools.count()
         self.load_seconds = time.perf_counter() - t0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
-        log.info("engine ready: %s, %d KV blocks x %d tokens, max_model_len %d%s, load %.2fs", path, num_blocks,
-                 args.block_size, self.max_model_len, " (auto-fitted)" if sizing.auto_fitted else "",
-                 self.load_seconds)
+        log.info("engine ready: %s, %d KV blocks x %d tokens (%s), max_model_len %d%s, load %.2fs", path,
+                 num_blocks, args.block_size, kv_dtype, self.max_model_len,
+                 " (auto-fitted)" if sizing.auto_fitted else "", self.load_seconds)
 
     def _resolve_overlap(self, asked) -> bool:
         if asked is None:

@@ -81,6 +81,8 @@ SAFETENSORS_DTYPES = {
     "F8_E4M3": ("f8_e4m3", np.uint8),     # FP8 weights: bytes, scales in a sibling tensor (see attach_fp8_scales)
 }
 _RAW_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+# the dtypes above that weights are stored in (Checkpoint.weight_kinds; the integer / bool ones are buffers)
+_WEIGHT_KINDS = frozenset({"f32", "f64", "f16", "bf16", "f8_e4m3"}) | QUANT_TYPES
 
 ROPE_ADJACENT_PAIRS = "adjacent_pairs"
 ROPE_HALVES = "halves"
@@ -248,6 +250,13 @@ class Checkpoint:
     @property
     def borrowed_bytes(self) -> int:
         return self.stats.borrowed_bytes
+
+    def weight_kinds(self) -> frozenset[str]:
+        """The storage types of the weight matrices (tensors of two or more dimensions that hold weights: 1-D
+        norms and biases, integer and bool buffers left out), as the loader named them on each TensorRef:
+        "f32", "f64", "f16", "bf16", "f8_e4m3" or a GGUF quant type. What "auto" settings are decided from
+        before the model is built (engine.sizing.resolve_kv_cache_dtype)."""
+        return frozenset(t.dtype for t in self.tensors.values() if len(t.shape) >= 2 and t.dtype in _WEIGHT_KINDS)
 
 
 def load_checkpoint(path: str | os.PathLike, *, tokenizer_config: str | os.PathLike | None = None,

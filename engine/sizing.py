@@ -97,3 +97,35 @@ def resolve_max_model_len(num_blocks: int, block_size: int, max_model_len: int |
         logger.info("max_model_len = %d tokens (pool %d blocks x %d tokens, model max %s)",
                     limit, num_blocks, block_size, model_max_len)
     return ContextSizing(limit, num_blocks, block_size, auto_fitted=auto)
+
+
+# ----------------------------------------------------------------------------------- KV-cache element type
+# kv_cache_dtype spellings (EngineArgs, LLM(...), --kv-cache-dtype, JITKERN_KV_CACHE_DTYPE) -> the element type
+KV_CACHE_DTYPE_ALIASES = {"f32": "f32", "float32": "f32", "fp32": "f32", "f16": "f16", "float16": "f16", "fp16": "f16"}
+KV_CACHE_DTYPES = ("auto",) + tuple(KV_CACHE_DTYPE_ALIASES)
+KV_DTYPE_BYTES = {"f32": 4, "f16": 2}
+# weight kinds (engine.loader.Checkpoint.weight_kinds) that keep an "auto" KV cache in f32
+_FULL_PRECISION_KINDS = frozenset({"f32", "f64"})
+
+
+def kv_cache_dtype_name(asked) -> str:
+    """"auto", "f32" or "f16" for a kv_cache_dtype spelling (None: "auto"); a ValueError naming the field and the
+    accepted values for anything else. Cheap: the engine checks the spelling before the slow load."""
+    if asked is None or asked == "auto":
+        return "auto"
+    if isinstance(asked, str) and asked in KV_CACHE_DTYPE_ALIASES:
+        return KV_CACHE_DTYPE_ALIASES[asked]
+    raise ValueError(f"kv_cache_dtype={asked!r} is not supported (expected one of {', '.join(KV_CACHE_DTYPES)})")
+
+
+def resolve_kv_cache_dtype(asked, weight_kinds) -> str:
+    """The KV cache's element type, "f32" or "f16", for the kv_cache_dtype the user asked for and the checkpoint's
+    weight kinds (engine.loader.Checkpoint.weight_kinds). An explicit type is kept. "auto" follows the model's
+    dtype as vLLM does: f16 for 16-bit (bf16 / f16) or quantised weights (GGUF blocks, FP8; llama.cpp's default
+    cache is f16 too), f32 when every weight matrix is f32 (or f64), so an f32 checkpoint keeps a full-precision
+    cache. Decode attention reads the whole cache every step, so f16 halves its bytes (docs/BENCHMARKS.md)."""
+    name = kv_cache_dtype_name(asked)
+    if name != "auto":
+        return name
+    kinds = frozenset(weight_kinds)
+    return "f32" if not kinds or kinds <= _FULL_PRECISION_KINDS else "f16"

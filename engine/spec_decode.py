@@ -478,6 +478,8 @@ class DraftModelProposer:
         args = engine.args
         ckpt = load_checkpoint(config.model)
         check_same_vocabulary(engine.checkpoint, ckpt, config.model)
+        # the target's resolved KV element type ("f32" / "f16"; LLMEngine decided "auto" from the target's
+        # weights): one cache dtype per engine, as vLLM's cache config
         self.model = build_model(ckpt, kv_dtype=args.kv_cache_dtype, device="cpu")
         self.block_size = args.block_size
         self.kv = KVCacheManager(engine.num_blocks, args.block_size, enable_prefix_caching=False)

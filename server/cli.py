@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive, help="KV block size in tokens")
     p.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
     p.add_argument("--kv-cache-memory", type=_positive, help="bytes for the KV pool when --num-blocks is not given")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="KV-cache element type")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="KV-cache element type (default auto: the model's dtype, f16 for a 16-bit (bf16/f16) or "
+                        "quantised (GGUF, FP8) checkpoint, f32 for an f32 one; f32/float32/fp32 or "
+                        "f16/float16/fp16 force it)")
     p.add_argument("--dtype", choices=DTYPES, help="GPU compute precision of a 16-bit checkpoint (vLLM's --dtype): "
                    "auto / bfloat16 / float16 feed the matrix units 16-bit activations; float32 keeps f32 "
                    "activations (hi + lo parts). The CPU computes in float32 either way")

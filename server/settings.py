@@ -47,7 +47,8 @@ def _parse_float(name: str, text: str, low: float | None = None) -> float:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-KV_CACHE_DTYPES = ("f32", "f16")
+# auto (f16 for 16-bit or quantised weights, f32 for f32 ones) and the explicit spellings; the engine resolves them
+from engine.sizing import KV_CACHE_DTYPES  # noqa: E402  (a light module: logging and dataclasses only)
 # vLLM's --dtype: the GPU compute precision of 16-bit checkpoints (engine.llm_args maps the spellings)
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 

@@ -103,6 +103,8 @@ class DecoderLM:
         self.gemma = arch in ("gemma2", "gemma3")
         self.gpt2 = arch == "gpt2"
         self.olmo2 = arch == "olmo2"        # norms after attention and MLP only (none before them)
+        if kv_dtype not in ("f32", "f16"):      # "auto" is the engine's to resolve (engine.sizing), never f32 here
+            raise ValueError(f"kv_dtype must be 'f32' or 'f16', got {kv_dtype!r}")
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden = cfg.hidden_size

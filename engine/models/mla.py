@@ -113,6 +113,8 @@ class MLADecoderLM(DecoderLM):
         self.device = device
         cfg = self.cfg = ckpt.config
         self.arch = cfg.architecture
+        if kv_dtype not in ("f32", "f16"):      # "auto" is the engine's to resolve (engine.sizing), never f32 here
+            raise ValueError(f"kv_dtype must be 'f32' or 'f16', got {kv_dtype!r}")
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
         self.shape = s = mla_shape(cfg)
         self.H = s.heads
