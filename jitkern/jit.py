@@ -36,7 +36,7 @@ _NP_TO_DTYPE = {
 # ignores them): threads per program = num_warps * warp size; pipeline depth for async copies; maxnreg: a cap
 # on registers per thread (NVIDIA: PTX .maxnreg; a tuning knob like Triton's, e.g. 168 = 3 CTAs of 128
 # threads per SM; ptxas spills what does not fit).
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "wgmma")
 
 
 # Argument specialisation on GPUs (like Triton's): a pointer 16-byte aligned, an integer divisible by 16.

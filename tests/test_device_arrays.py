@@ -362,6 +362,28 @@ def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations
         np.testing.assert_array_equal(part, full[lo:hi])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["f32", "16bit"])
+@pytest.mark.parametrize("N,K", [(512, 512), (4096, 1024)])
+def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, activations, N, K):
+    """The opt-in warpgroup-MMA linear (JITKERN_WGMMA=1, sm_90a: the dots as wgmma with weights as the 64-row
+    operand and tokens as N): every tile the token count picks (decode 16, tall 32, mid / big 64) matches
+    float64, and a token's row has the same bits whichever tile and batch it went through (narrow and wide
+    weights: K split in 4 and in 2)."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend("cuda", monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA", True)
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", activations)
+    case = _tiled_linear_case if activations == "f32" else _tiled_linear_case16
+    M = 160
+    x, dw, db, full, _ = case(cuda_mod, 16, M, N, K, mm._mma_tile_for(cuda_mod.get_device().target(), N, K, M)[0])
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("wgmma") == 1
+    assert "wgmma.mma_async" in mm.last_compiled("_gpu_linear_mma_kernel").ptx()
+    for lo, hi in ((0, 1), (7, 9), (M - 10, M), (5, 37), (11, 75), (0, M - 1)):
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
+        np.testing.assert_array_equal(part, full[lo:hi], err_msg=f"tokens {lo}:{hi}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
     """From GPU_LINEAR_WIDE_M tokens the tensor-core linear takes a taller tile (32 rows, K steps of 64)

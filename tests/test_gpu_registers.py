@@ -110,6 +110,32 @@ def test_engine_linear_tiles_assemble_without_spills(tmp_path):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_wgmma_linear_tiles_assemble(tmp_path):
+    """The `wgmma` launch option turns every engine tile's dots into warpgroup MMAs (m64nNk16 with N = the
+    tile's tokens; one per K step of 16, 64-row weight block and activation part, in both dots of the
+    pipelined K loop), behind the async-proxy fence, and ptxas takes them for sm_90a. No spills with 16-bit
+    activations; with f32 ones (hi and lo accumulators) the big tile is over 255 registers and spills (~170
+    bytes, not asserted)."""
+    from jitkern.ops import matmul as mm
+    from targets import get_target
+    T = get_target("sm_90a")
+    ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
+    tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
+    for t in sorted(tiles):
+        BM, BN, BK, W, S = t
+        for act in (0, 1):
+            ptx = _linear_ptx(BM, BN, BK, extra=(f"ACT16={act}", "wgmma=1"), warps=W, split=S)
+            n_mma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{BM}k16\.f32\.bf16\.bf16 ", ptx))
+            assert n_mma == 2 * (BK // 16) * (BN // 64 // (W // 4)) * (2 if act == 0 else 1), (t, act, n_mma)
+            assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
+            assert "mma.sync" not in ptx
+            regs, spilled = _ptxas_usage(ptx, tmp_path)
+            if act == 1:
+                assert spilled == 0, (t, regs, spilled)
+    assert "wgmma" not in _linear_ptx(16, 64, 128)          # off unless the kernel is launched with it
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_maxnreg_launch_option_caps_registers(tmp_path):
     """`maxnreg` (a launch option: in the specialisation, so in the cache key) becomes PTX .maxnreg."""
     ptx = _linear_ptx(16, 64, 128, ["maxnreg=96"])

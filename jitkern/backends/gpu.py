@@ -104,6 +104,9 @@ class GpuHooks:
         raise NotImplementedError
 
     has_ldmatrix = False
+    # warpgroup MMAs (NVIDIA sm_90a) for dots of kernels launched with the `wgmma` option (GpuLowering._dot_wgmma;
+    # the NVPTX hooks: wgmma_fence, wgmma, wgmma_commit_wait, fence_async_smem, smem_address)
+    has_wgmma = False
 
     def ldmatrix_lanes(self, lane) -> dict:
         """For has_ldmatrix targets: the (row, k) each lane addresses for A's (16, 16) step (4 matrices) and B's
@@ -1030,6 +1033,9 @@ class GpuLowering(LlvmEmitter):
         nregs = {}
         for j, (key, plan) in slots.items():       # (before the header: mma_layout may emit lane math)
             g = self._mma_geometry(plan)
+            if plan["wg"]:
+                nregs[j] = g["nregs"]
+                continue
             lay = self.hooks.mma_layout(_LaneExpr(self, self.tid), "bf16" if plan["kind"] == ir.bf16 else "f16")
             nregs[j] = g["per_warp"] * g["nparts"] * len(lay["c"])
         pred = self.block
@@ -1341,7 +1347,21 @@ class GpuLowering(LlvmEmitter):
                 a_src, split = av, True
         else:
             return None
-        return dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy)
+        plan = dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy)
+        plan["wg"] = self._wgmma_fits(plan)
+        return plan
+
+    def _wgmma_fits(self, plan) -> bool:
+        """Whether a planned dot runs as warpgroup MMAs (_dot_wgmma): only in kernels launched with the
+        `wgmma` option (a kernel's dots must all give the bits its callers expect, so the kernel opts in as a
+        whole), on targets that have them, for dot(x, trans(w)) with w's rows a whole number of 64-row blocks
+        per warpgroup and 8..256 tokens (x's rows) in steps of 8."""
+        if not self.fn.constexprs.get("wgmma") or not self.hooks.has_wgmma:
+            return False
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        wgs = self.num_warps // 4
+        return (plan["nk"] and self.num_warps % 4 == 0 and n % 64 == 0 and (n // 64) % wgs == 0
+                and m % 8 == 0 and 8 <= m <= 256 and k % 16 == 0)
 
     def _smem_write_rows(self, x: LV, off: int, shape, KP: int, transpose: bool) -> int:
         """Writes a 2-D 16-bit tile to shared memory as rows of KP elements: element (r, c) at r * KP + c, or
@@ -1405,29 +1425,11 @@ class GpuLowering(LlvmEmitter):
         added, unless the result is a K loop's carried accumulator: then it stays in the MMA registers
         (MmaAcc, see op_for) and the next step's MMAs start from it. Per output element the K steps and the
         hi/lo order are the same whatever m is, so results stay batch invariant."""
+        if plan["wg"]:
+            return self._dot_wgmma(op, plan)
         m, n, k, d16 = plan["m"], plan["n"], plan["k"], plan["kind"]
-        oshape = (m, n)
-        R = self.lanes(oshape)
         a = self.get(plan["a"])
-        if plan["split"] and d16 == ir.bf16:
-            # hi = x's top 16 bits (truncation: a shift and a mask, no rounding sequence), lo = x - hi exactly
-            # in f32, rounded to bf16: ~16 significant bits of x in two bf16 parts
-            n_, sh_ = a.n, a.shape
-            i32t = vty("i32", n_)
-            bits = self.val(f"bitcast {a.ty} {a.ref} to {i32t}", "i32", n_, sh_)
-            top = self.val(f"and {i32t} {bits.ref}, {self.const(-65536, 'i32', n_, sh_).ref}", "i32", n_, sh_)
-            hs = self.val(f"lshr {i32t} {bits.ref}, {self.const(16, 'i32', n_, sh_).ref}", "i32", n_, sh_)
-            hi = self.val(f"trunc {i32t} {hs.ref} to {vty('i16', n_)}", "i16", n_, sh_)
-            topf = self.val(f"bitcast {i32t} {top.ref} to {a.ty}", "float", n_, sh_)
-            rest = self.val(f"fsub {a.ty} {a.ref}, {topf.ref}", "float", n_, sh_)
-            lo = self.hooks.round_bf16(self, rest)
-            parts = [hi, lo if lo is not None else self.from_f32(rest, d16)]
-        elif plan["split"]:
-            hi = self.from_f32(a, d16)
-            rest = self.val(f"fsub {a.ty} {a.ref}, {self.to_f32(hi, d16).ref}", "float", a.n, a.shape)
-            parts = [hi, self.from_f32(rest, d16)]
-        else:
-            parts = [a]
+        parts = self._a_parts(a, plan)
         b = self.get(plan["b"])
         KP = k + 8
         self.barrier()
@@ -1443,14 +1445,7 @@ class GpuLowering(LlvmEmitter):
         self._claim(offc, g["csize"])
         self.barrier()
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
-        acc_op = op.operands[2] if len(op.operands) > 2 and op.operands[2] is not None else None
-        acc_val = self.vals.get(acc_op.id) if acc_op is not None else None
-        frag_in = None
-        if isinstance(acc_val, MmaAcc):
-            if acc_val.key == g["key"]:
-                frag_in = acc_val
-            else:
-                self.vals[acc_op.id] = acc_val = self._materialise(acc_val)
+        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
         if g["fused"]:
             # every warp has per_warp units: one K loop for all of them, no branches
             us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
@@ -1473,12 +1468,187 @@ class GpuLowering(LlvmEmitter):
                 self.emit(f"br label %{done}")
                 self.start_block(done)
         self.barrier()
-        out = ctx.read_back(offc)
+        return self._add_tile_acc(ctx.read_back(offc), acc_op, acc_val, frag_in, (m, n))
+
+    def _frag_acc_in(self, op, g):
+        """(acc operand, its value, the MmaAcc to start from or None): an accumulator in registers of another
+        layout becomes a tile value first."""
+        acc_op = op.operands[2] if len(op.operands) > 2 and op.operands[2] is not None else None
+        acc_val = self.vals.get(acc_op.id) if acc_op is not None else None
+        frag_in = None
+        if isinstance(acc_val, MmaAcc):
+            if acc_val.key == g["key"]:
+                frag_in = acc_val
+            else:
+                self.vals[acc_op.id] = acc_val = self._materialise(acc_val)
+        return acc_op, acc_val, frag_in
+
+    def _add_tile_acc(self, out: LV, acc_op, acc_val, frag_in, oshape) -> LV:
         if acc_op is not None and frag_in is None:
+            R = self.lanes(oshape)
             init = acc_val if acc_val.n else self.splat(acc_val, R, oshape)
             init = self._to_acc(init, acc_op.type.elem, ir.f32)
             out = self.val(f"fadd {out.ty} {out.ref}, {init.ref}", "float", R, oshape)
         return out
+
+    def _a_parts(self, a: LV, plan) -> list:
+        """The dot's A operand as its 16-bit MMA parts: [a] as it is, or f32 split into hi + lo."""
+        d16 = plan["kind"]
+        if plan["split"] and d16 == ir.bf16:
+            # hi = x's top 16 bits (truncation: a shift and a mask, no rounding sequence), lo = x - hi exactly
+            # in f32, rounded to bf16: ~16 significant bits of x in two bf16 parts
+            n_, sh_ = a.n, a.shape
+            i32t = vty("i32", n_)
+            bits = self.val(f"bitcast {a.ty} {a.ref} to {i32t}", "i32", n_, sh_)
+            top = self.val(f"and {i32t} {bits.ref}, {self.const(-65536, 'i32', n_, sh_).ref}", "i32", n_, sh_)
+            hs = self.val(f"lshr {i32t} {bits.ref}, {self.const(16, 'i32', n_, sh_).ref}", "i32", n_, sh_)
+            hi = self.val(f"trunc {i32t} {hs.ref} to {vty('i16', n_)}", "i16", n_, sh_)
+            topf = self.val(f"bitcast {i32t} {top.ref} to {a.ty}", "float", n_, sh_)
+            rest = self.val(f"fsub {a.ty} {a.ref}, {topf.ref}", "float", n_, sh_)
+            lo = self.hooks.round_bf16(self, rest)
+            parts = [hi, lo if lo is not None else self.from_f32(rest, d16)]
+        elif plan["split"]:
+            hi = self.from_f32(a, d16)
+            rest = self.val(f"fsub {a.ty} {a.ref}, {self.to_f32(hi, d16).ref}", "float", a.n, a.shape)
+            parts = [hi, self.from_f32(rest, d16)]
+        else:
+            parts = [a]
+        return parts
+
+    # ---------------------------------------------------------------------- dot as warpgroup MMAs (sm_90a)
+    def _smem_write_cores(self, x: LV, off: int, shape) -> int:
+        """Writes an (R0, C0) 16-bit tile K-major as wgmma's core matrices without swizzle: 8 rows x 8
+        elements (16 bytes a row) in 128 contiguous bytes, core matrices adjacent along C0 (K) next to each
+        other (128 bytes apart), row blocks of 8 C0 / 8 * 128 bytes apart. Element (r, c) goes to element
+        offset ((r >> 3) * (C0 / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7); a thread's run of V = 4
+        consecutive elements stays inside one core-matrix row (one 8-byte store)."""
+        R0, C0 = shape
+        assert R0 % 8 == 0 and C0 % 8 == 0
+        numel = R0 * C0
+        V = self.vec(shape)
+        flat = self.flat_index(shape)
+        r, c = self._coords(flat, shape)
+        n = flat.n
+        d = self.ibin("add", self.ibin("mul", self.ibin("lshr", r, 3), C0 // 8), self.ibin("lshr", c, 3))
+        d = self.ibin("shl", d, 6)
+        d = self.ibin("add", d, self.ibin("shl", self.ibin("and", r, 7), 3))
+        d = self.ibin("add", d, self.ibin("and", c, 7))
+        scratch = numel                                   # padding lanes write past the tile
+        if numel % (self.T * V) != 0:
+            ok = self.val(f"icmp ult {flat.ty} {flat.ref}, {self.iconst(numel, n).ref}", "i1", n)
+            d = self.val(f"select {ok.ty} {ok.ref}, {d.ty} {d.ref}, {d.ty} {self.iconst(scratch, n).ref}",
+                         "i32", n)
+        a = self.hooks.smem_as
+        base = self.smem_ptr(off)
+        step = V if V > 1 and C0 % V == 0 and 8 % V == 0 else 1
+        vt = vty(x.et, step) if step > 1 else x.et
+        for j in range(0, n, step):
+            dj = self.extract(d, j)
+            ptr = self.val(f"getelementptr {x.et}, ptr addrspace({a}) {base}, i32 {dj.ref}", "ptr", 0)
+            part = self.shuffle(x, list(range(j, j + step))) if step > 1 else self.extract(x, j)
+            self.emit(f"store {vt} {part.ref}, ptr addrspace({a}) {ptr.ref}, align {step * _ES[x.et]}")
+        return self._claim(off, (numel + V) * _ES[x.et])
+
+    def _dot_wgmma(self, op, plan) -> LV:
+        """dot(x, trans(w)) as warpgroup MMAs with the operands' roles swapped ("swap AB"): w's (n, k) rows
+        are wgmma's A (64-row blocks, one warpgroup each in turn), x's m rows (tokens) its B (N = m), both
+        staged K-major as core matrices; f32 x as hi + lo parts in separate accumulators, as the mma.sync path
+        does. Per output the K steps run in order as chains of m64nNk16 MMAs whatever the tile, so a
+        token's result should not depend on the others (to be verified on the GPU: perf/probe_wgmma.py)."""
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        a = self.get(plan["a"])
+        parts = self._a_parts(a, plan)
+        b = self.get(plan["b"])
+        g = self._mma_geometry(plan)
+        self.barrier()
+        off, offs_a = 0, []
+        for p in parts:
+            offs_a.append(off)
+            off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k)) // 128) * 128
+        offb = off
+        offc = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // 128) * 128
+        self._claim(offc, g["csize"])
+        self.hooks.fence_async_smem(self)
+        self.barrier()
+        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
+        regs = self._wgmma_run(plan, g, offs_a, offb, frag_in.regs if frag_in is not None else None)
+        if (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"]):
+            return MmaAcc(g["key"], regs, plan)
+        self._wgmma_store(plan, g, regs, offc)
+        self.barrier()
+        return self._add_tile_acc(self._tile_read_back(offc, (m, n)), acc_op, acc_val, frag_in, (m, n))
+
+    def _wgmma_run(self, plan, g, offs_a, offb, init) -> list:
+        """The K steps of one staged dot: registers [block][part][m / 2], from `init` or 0.0."""
+        m, k = plan["m"], plan["k"]
+        kind = "bf16" if plan["kind"] == ir.bf16 else "f16"
+        nr = m // 2
+        regs = list(init) if init is not None else ["0.0"] * g["nregs"]
+        warp = self.val(f"udiv i32 {self.tid}, {self.target.warp_size}", "i32", 0)
+        wg = self.val(f"udiv i32 {warp.ref}, 4", "i32", 0)
+        smem = self.hooks.smem_address(self)
+        row_block = 8 * (k // 8) * 128              # bytes of one 64-row block of w
+        # descriptor constant part: leading byte offset (core matrices adjacent in K) 128, stride byte offset
+        # (adjacent 8-row groups) k / 8 * 128, no swizzle, base offset 0
+        cdesc = ((128 >> 4) << 16) | (((k // 8) * 128 >> 4) << 32)
+
+        def desc(byte_ref):
+            a_ = self.val(f"lshr i32 {byte_ref}, 4", "i32", 0)
+            a_ = self.val(f"and i32 {a_.ref}, 16383", "i32", 0)
+            w_ = self.val(f"zext i32 {a_.ref} to i64", "i64", 0)
+            return self.val(f"or i64 {w_.ref}, {cdesc}", "i64", 0).ref
+
+        wbase = self.val(f"mul i32 {wg.ref}, {g['per_wg'] * row_block}", "i32", 0)
+        wbase = self.val(f"add i32 {wbase.ref}, {smem}", "i32", 0).ref
+        regs = self.hooks.wgmma_fence(self, regs)
+        for s_ in range(k // 16):
+            for blk in range(g["per_wg"]):
+                wa = self.val(f"add i32 {wbase}, {offb + blk * row_block + s_ * 256}", "i32", 0).ref
+                da = desc(wa)
+                for pi, pa in enumerate(offs_a):
+                    xa = self.val(f"add i32 {smem}, {pa + s_ * 256}", "i32", 0).ref
+                    base = (blk * len(offs_a) + pi) * nr
+                    regs[base:base + nr] = self.hooks.wgmma(self, kind, m, da, desc(xa), regs[base:base + nr])
+        return self.hooks.wgmma_commit_wait(self, regs)
+
+    def _wgmma_store(self, plan, g, regs, offc) -> None:
+        """Accumulators to the (m, n) f32 tile at byte offset offc, parts summed in order (hi + lo). m64nNk16
+        register i of a lane of warp q of the warpgroup: w row 16 q + lane / 4 + 8 ((i % 4) / 2) of its block,
+        token 8 (i / 4) + 2 (lane % 4) + i % 2 (the mma.sync C fragment of each 8-token column block)."""
+        m, n = plan["m"], plan["n"]
+        nr = m // 2
+        nparts = g["nparts"]
+        ws = self.target.warp_size
+        warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0).ref
+        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0).ref
+        wg = self.val(f"udiv i32 {warp}, 4", "i32", 0).ref
+        q = self.val(f"urem i32 {warp}, 4", "i32", 0).ref
+        row0 = self.val(f"mul i32 {q}, 16", "i32", 0).ref
+        g4 = self.val(f"udiv i32 {lane}, 4", "i32", 0).ref
+        row0 = self.val(f"add i32 {row0}, {g4}", "i32", 0).ref
+        blk0 = self.val(f"mul i32 {wg}, {g['per_wg'] * 64}", "i32", 0).ref
+        row0 = self.val(f"add i32 {row0}, {blk0}", "i32", 0).ref
+        t4 = self.val(f"urem i32 {lane}, 4", "i32", 0).ref
+        tok0 = self.val(f"mul i32 {t4}, 2", "i32", 0).ref
+        # element (token, row) at token * n + row: this thread's base tok0 * n + row0, constants per register
+        e0 = self.val(f"mul i32 {tok0}, {n}", "i32", 0).ref
+        e0 = self.val(f"add i32 {e0}, {row0}", "i32", 0).ref
+        base_c = self.smem_ptr(offc)
+        a3 = self.hooks.smem_as
+        p0 = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e0}", "ptr", 0).ref
+        for blk in range(g["per_wg"]):
+            for i in range(nr):
+                v = regs[(blk * nparts) * nr + i]
+                for pi in range(1, nparts):
+                    v = self.val(f"fadd float {v}, {regs[(blk * nparts + pi) * nr + i]}", "float", 0).ref
+                const = (8 * (i // 4) + i % 2) * n + blk * 64 + 8 * ((i % 4) // 2)
+                ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {p0}, i32 {const}", "ptr", 0).ref
+                self.emit(f"store float {v}, ptr addrspace({a3}) {ptr}, align 4")
+
+    def _tile_read_back(self, offc, oshape) -> LV:
+        m, n = oshape
+        idx = self.umin(self.flat_index(oshape), m * n - 1)
+        return self.smem_read("float", offc, idx, oshape)
 
     def _mma_geometry(self, plan) -> dict:
         """How a planned dot's 16x8 output tiles are dealt to warps (round-robin; each runs all K steps, so
@@ -1486,10 +1656,18 @@ class GpuLowering(LlvmEmitter):
         rely on equal bits from two shapes; splitting K over idle warps was tried and broke that). `key`
         (fused layouts only: every warp has per_warp units) names the accumulator register layout two dots
         must share to pass an accumulator in registers."""
-        MS, NS, KS = self.hooks.mma_shape
         m, n, k = plan["m"], plan["n"], plan["k"]
-        units = (m // MS) * (n // NS)
         nparts = 2 if plan["split"] else 1
+        if plan["wg"]:
+            # warpgroup w takes weight-row blocks w * per_wg .. (64 rows each); every thread holds m / 2
+            # accumulators per block and part
+            wgs = self.num_warps // 4
+            per_wg = n // 64 // wgs
+            return dict(m=m, n=n, ksteps=k // 16, nparts=nparts, wgs=wgs, per_wg=per_wg, fused=True,
+                        csize=m * n * 4, nregs=per_wg * nparts * (m // 2),
+                        key=("wg", m, n, nparts, self.num_warps))
+        MS, NS, KS = self.hooks.mma_shape
+        units = (m // MS) * (n // NS)
         fused = units % self.num_warps == 0
         return dict(m=m, n=n, ksteps=k // KS, units=units, nparts=nparts,
                     per_warp=-(-units // self.num_warps), fused=fused, csize=m * n * 4,
@@ -1517,6 +1695,12 @@ class GpuLowering(LlvmEmitter):
         """An accumulator held in MMA registers as the tile layout's value (through shared memory)."""
         plan = acc.plan
         g = self._mma_geometry(plan)
+        if plan["wg"]:
+            self.barrier()
+            self._claim(0, g["csize"])
+            self._wgmma_store(plan, g, acc.regs, 0)
+            self.barrier()
+            return self._tile_read_back(0, (plan["m"], plan["n"]))
         ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)
         self.barrier()
         self._claim(0, g["csize"])

@@ -99,6 +99,49 @@ class NvptxHooks(GpuHooks):
         return [low.val(f"extractvalue {{ float, float, float, float }} {res.ref}, {j}", "float", 0).ref
                 for j in range(4)]
 
+    # ---- wgmma (sm_90a): warpgroup MMAs on operands in shared memory (GpuLowering._dot_wgmma). LLVM 22 has
+    # intrinsics for the fence / commit / wait only, so all four are inline PTX: the fence and the wait take
+    # the accumulators as tied operands, so LLVM cannot move any use of them between an MMA and its wait
+    # (the MMA writes them asynchronously), and every statement clobbers memory, so none moves across the
+    # shared-memory staging and barriers around it.
+    @property
+    def has_wgmma(self):
+        return self.target.mma == "wgmma"
+
+    def fence_async_smem(self, low) -> None:
+        # shared memory written by ordinary stores and read next by the tensor cores' async proxy
+        low.emit('call void asm sideeffect "fence.proxy.async.shared::cta;", "~{memory}"()')
+
+    def _tied_asm(self, low, text: str, regs: list, extra_cons=(), extra_args=()) -> list:
+        """An asm statement that takes `regs` (f32 refs) as in/out operands (after its own outputs none)."""
+        n = len(regs)
+        sty = "{ " + ", ".join(["float"] * n) + " }"
+        cons = ",".join(["=f"] * n + list(extra_cons) + [str(i) for i in range(n)] + ["~{memory}"])
+        args = ", ".join(list(extra_args) + [f"float {r}" for r in regs])
+        res = low.val(f'call {sty} asm sideeffect "{text}", "{cons}"({args})', "{wg}", 0)
+        return [low.val(f"extractvalue {sty} {res.ref}, {j}", "float", 0).ref for j in range(n)]
+
+    def wgmma_fence(self, low, regs: list) -> list:
+        return self._tied_asm(low, "wgmma.fence.sync.aligned;", regs)
+
+    def wgmma(self, low, kind: str, n: int, desc_a: str, desc_b: str, regs: list) -> list:
+        """D (64 x n, f32, n / 2 registers a thread) += A (64 x 16) B (16 x n): both operands K-major in
+        shared memory through descriptors (i64 refs); scale-d 1 (the registers start at 0.0 when the chain
+        does), no negation, no transposes."""
+        nr = len(regs)
+        assert nr == n // 2
+        d = ",".join(f"${i}" for i in range(nr))
+        text = (f"{{ .reg .pred p; setp.ne.b32 p, ${nr + 2}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
+                f"{kind}.{kind} {{{d}}}, ${nr}, ${nr + 1}, p, 1, 1, 0, 0; }}")
+        return self._tied_asm(low, text, regs, ("l", "l", "r"), (f"i64 {desc_a}", f"i64 {desc_b}", "i32 1"))
+
+    def wgmma_commit_wait(self, low, regs: list) -> list:
+        return self._tied_asm(low, "wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0;", regs)
+
+    def smem_address(self, low) -> str:
+        """The shared window address of @__jk_smem (i32), for wgmma descriptors."""
+        return low.val(f"ptrtoint ptr addrspace({self.smem_as}) @__jk_smem to i32", "i32", 0).ref
+
     @property
     def has_ldmatrix(self):
         return self.target.mma in ("mma.sync", "wgmma", "tcgen05")       # ldmatrix: sm_75+

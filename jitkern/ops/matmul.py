@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import numpy as np
 
 import jitkern as jk
@@ -412,8 +414,18 @@ GPU_SPLITK4_MAX_TILES = 200
 GPU_LINEAR_MAXNREG = None
 
 
+# the tensor-core linear's dots as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma) for
+# every token count: OFF by default and opt-in with JITKERN_WGMMA=1 until perf/probe_wgmma.py and the GPU tests
+# have run it on an H200 (its layouts and its batch invariance are not yet verified on hardware)
+GPU_LINEAR_WGMMA = os.environ.get("JITKERN_WGMMA", "0") == "1"
+
+
 def _mma_regs(T) -> dict:
-    return {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
+    """Launch options of the tensor-core linear: `maxnreg`, `wgmma`."""
+    out = {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
+    if GPU_LINEAR_WGMMA and T.is_cuda and T.mma == "wgmma":
+        out["wgmma"] = 1
+    return out
 
 
 # the tensor-core linear's A operand: "f32" (x split into 16-bit hi + lo parts by the lowering: ~16 significant
