@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.ops.ref_basic import from_bf16, to_bf16  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-# ("fma", BN, BK, warps): _gpu_linear_kernel; ("mma", BM, BN, BK, warps): _gpu_linear_mma_kernel
+# ("fma", BN, BK, warps): _gpu_linear_kernel; ("mma", BM, BN, BK, warps): _gpu_linear_mma_kernel (("wg", ...): its
+# dots as warpgroup MMAs)
 CONFIGS = [("fma", 8, 256, 2), ("fma", 4, 512, 4), ("mma", 16, 64, 64, 4), ("mma", 16, 32, 128, 4),
            ("mma", 16, 16, 256, 4), ("mma", 16, 128, 64, 4), ("mma", 32, 64, 64, 4), ("mma", 64, 64, 32, 4),
            ("mma", 16, 64, 128, 8)]
@@ -42,7 +43,9 @@ def _best(fn, sync, reps=5):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="*", default=None, help="fma,BN,BK,warps or mma,BM,BN,BK,warps[,SPLIT] (SPLIT 0: the engine's for the shape)")
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="fma,BN,BK,warps or mma,BM,BN,BK,warps[,SPLIT] (SPLIT 0: the engine's for the shape); "
+                         "wg,... as mma with the dots as warpgroup MMAs (matmul.GPU_LINEAR_WGMMA, sm_90a)")
     ap.add_argument("--m", default="1", help="comma-separated token counts (default 1)")
     ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
     ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
             for cfg in configs:
                 if cfg[0] == "fma" and M > 64:
                     continue                  # re-reads the weights per token: minutes at prefill sizes
-                if cfg[0] == "mma":
+                matmul.GPU_LINEAR_WGMMA = cfg[0] == "wg"
+                if cfg[0] in ("mma", "wg"):
                     # a 5th entry of 0: the engine's K split for this shape (gpu_linear_mma_tile's)
                     matmul.GPU_LINEAR_MMA_TILE = "auto"
                     split = matmul.gpu_linear_mma_tile(N, K)[4] if len(cfg) > 5 and cfg[5] == 0 else None
