@@ -81,6 +81,16 @@ def operand_from_image(img: bytes, desc: int, rows: int, swap_semantics: bool) -
     hardware, for --self-check: packing + descriptor of the right combination must give back the matrix."""
     u16 = np.frombuffer(img, np.uint16)
     start = (desc & 0x3FFF) << 4
+    if desc >> 62 == 1:
+        # 128-byte swizzle: rows of 128 bytes, 8-row groups SBO apart; the 16-byte chunk index (address bits
+        # 4-6) XORed with the row within the group (bits 7-9) of the address itself
+        sbo = ((desc >> 32) & 0x3FFF) << 4
+        out = np.empty((rows, 16), np.uint16)
+        for i in range(rows):
+            for j in range(16):
+                a = start + (i // 8) * sbo + (i % 8) * 128 + 2 * j
+                out[i, j] = u16[(a ^ (((a >> 7) & 7) << 4)) // 2]
+        return out
     f1 = ((desc >> 16) & 0x3FFF) << 4
     f2 = ((desc >> 32) & 0x3FFF) << 4
     kadj, radj = (f2, f1) if swap_semantics else (f1, f2)
@@ -91,6 +101,29 @@ def operand_from_image(img: bytes, desc: int, rows: int, swap_semantics: bool) -
             blk = u16[base // 2: base // 2 + 64].reshape(8, 8)
             out[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] = blk
     return out
+
+
+def pack_sw128(mat_u16: np.ndarray) -> bytes:
+    """A (rows, K) bf16 matrix K-major in the 128-byte swizzle layout (what a conflict-free staging of 64-element
+    K rows would write): K in atoms of 64 elements (128-byte rows), atom a's rows at a * rows / 8 * 1024, row r
+    at (r // 8) * 1024 + (r % 8) * 128, its 16-byte chunk c stored at chunk c ^ (r % 8)."""
+    rows, K = mat_u16.shape
+    assert rows % 8 == 0 and K % 64 == 0
+    out = np.zeros(rows * K, np.uint16)
+    for a in range(K // 64):
+        for r in range(rows):
+            for c in range(8):
+                dst = (a * (rows // 8) * 1024 + r * 128 + ((c ^ (r % 8)) * 16)) // 2
+                out[dst:dst + 8] = mat_u16[r, a * 64 + c * 8: a * 64 + c * 8 + 8]
+    return out.tobytes()
+
+
+def descriptor_sw128(addr: int) -> int:
+    """Descriptor of a 128-byte-swizzled K-major operand: swizzle mode 1 (bits 62-63), stride byte offset 1024
+    (8-row groups), leading byte offset field 1 (unused for swizzled K-major), base offset 0 (1024-aligned
+    atoms); the start address may sit 32 bytes a K step inside an atom."""
+    assert addr % 16 == 0
+    return ((addr >> 4) & 0x3FFF) | (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
 def accumulator_map(n: int):
@@ -160,9 +193,23 @@ def bf16_random(rng, shape):
     return to_bf16(x)
 
 
-def build_case(w_u16, x_u16, k_inner: bool, swap: bool):
-    """(image bytes, descriptors u64[ks, 2]) for A = w (64, K), B = x (n, K), both K-major."""
+def build_case(w_u16, x_u16, layout: str, swap: bool):
+    """(image bytes, descriptors u64[ks, 2]) for A = w (64, K), B = x (n, K), both K-major; layout 'k-inner',
+    'rows-inner' (no swizzle; swap: the descriptor's offsets exchanged) or 'sw128'."""
     K = w_u16.shape[1]
+    if layout == "sw128":
+        a_img, b_img = pack_sw128(w_u16), pack_sw128(x_u16)
+        b_off = -(-len(a_img) // 1024) * 1024
+        img = bytearray(-(-(b_off + len(b_img)) // 2048) * 2048)
+        img[:len(a_img)] = a_img
+        img[b_off:b_off + len(b_img)] = b_img
+        descs = np.zeros((K // 16, 2), np.uint64)
+        for s in range(K // 16):
+            within = (s // 4, (s % 4) * 32)                 # (atom, bytes into its rows)
+            descs[s, 0] = descriptor_sw128(within[0] * (w_u16.shape[0] // 8) * 1024 + within[1])
+            descs[s, 1] = descriptor_sw128(b_off + within[0] * (x_u16.shape[0] // 8) * 1024 + within[1])
+        return bytes(img), descs
+    k_inner = layout == "k-inner"
     a_img, a_lbo, a_sbo = pack_k_major(w_u16, k_inner)
     b_img, b_lbo, b_sbo = pack_k_major(x_u16, k_inner)
     b_off = -(-len(a_img) // 1024) * 1024
@@ -219,6 +266,12 @@ def self_check() -> int:
                 got = operand_from_image(img, d, rows, swap_semantics=swap)
                 if not np.array_equal(got, m[:, 16 * s:16 * s + 16]):
                     bad += 1
+        if K % 64 == 0:
+            img = pack_sw128(m)
+            for s in range(K // 16):
+                d = descriptor_sw128((s // 4) * (rows // 8) * 1024 + (s % 4) * 32)
+                if not np.array_equal(operand_from_image(img, d, rows, False), m[:, 16 * s:16 * s + 16]):
+                    bad += 1
     r, c = accumulator_map(256)
     cover = np.zeros((64, 256), int)
     np.add.at(cover, (r, c), 1)
@@ -270,7 +323,8 @@ def main() -> int:
         first_bits = {}
         for n in ns:
             name = f"wg_probe_n{n}_k{K}"
-            combos = list(itertools.product((True, False), (False, True)))
+            combos = [("k-inner", False), ("k-inner", True), ("rows-inner", False), ("rows-inner", True)] + \
+                ([("sw128", False)] if K % 64 == 0 else [])
             imgs = {cb: build_case(w, x[:n], *cb) for cb in combos}
             img_bytes = max(len(v[0]) for v in imgs.values())
             if img_bytes > 227 * 1024:
@@ -284,8 +338,8 @@ def main() -> int:
             fn = None if args.emulate else dev.load_function(cubin, name, img_bytes)[1]
             rows, cols = accumulator_map(n)
             want = ref[:, :n]
-            for (k_inner, swap) in combos:
-                img, descs = imgs[(k_inner, swap)]
+            for (layout, swap) in combos:
+                img, descs = imgs[(layout, swap)]
                 img = img + bytes(img_bytes - len(img))
                 di = jc.DeviceArray.from_numpy(np.frombuffer(img, np.uint8).copy())
                 dd = jc.DeviceArray.from_numpy(descs.view(np.int64))
@@ -298,7 +352,7 @@ def main() -> int:
                     raw = do.numpy()
                 got = np.full((64, n), np.nan)
                 got[rows, cols] = raw
-                tag = f"K={K} n={n:3d} {'k-inner' if k_inner else 'rows-inner'} desc {'swapped' if swap else 'as ISA'}"
+                tag = f"K={K} n={n:3d} {layout} desc {'swapped' if swap else 'as ISA'}"
                 err = np.nanmax(np.abs(got - want)) / np.abs(want).max()
                 ok = err < 1e-5
                 line = f"{tag}: rel err {err:.2e} {'MATCH' if ok else 'no'}"
@@ -309,12 +363,12 @@ def main() -> int:
                     exact = np.isclose(raw.ravel(), flat[hit], rtol=1e-5, atol=1e-6).mean()
                     line += f" (values found elsewhere in the reference: {exact:.0%})"
                 if ok:
-                    verdict.setdefault((k_inner, swap), []).append((K, n))
+                    verdict.setdefault((layout, swap), []).append((K, n))
                     bits = got.astype(np.float32)
                     for act, e in eng.items():
                         same = (bits.view(np.uint32) == e[:, :n].astype(np.float32).view(np.uint32)).mean()
                         line += f"; bits = engine {act}: {same:.1%}"
-                    key = (k_inner, swap)
+                    key = (layout, swap)
                     if key in first_bits:
                         n0, b0 = first_bits[key]
                         m_ = min(n0, n)
@@ -325,7 +379,7 @@ def main() -> int:
                 print(line, flush=True)
     if not args.ptxas_only:
         print("verdict (packing, descriptor) -> cases that matched:",
-              {f"{'k-inner' if a else 'rows-inner'}/{'swapped' if b else 'as ISA'}": v for (a, b), v in verdict.items()}
+              {f"{a}/{'swapped' if b else 'as ISA'}": v for (a, b), v in verdict.items()}
               or "none")
     return 0
 
