@@ -117,7 +117,8 @@ def _toolchain_key(target) -> tuple:
     by `jitkern build` with one ptxas loads with no compile where another ptxas (or none) is installed."""
     if target.is_cuda:
         from .backends import gpu
-        return () if gpu.LDMATRIX else ("no-ldmatrix",)
+        return (() if gpu.LDMATRIX else ("no-ldmatrix",)) + \
+            ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ())
     if target.is_hip:
         from .backends.amdgpu import find_lld, lld_version
         return ("ld.lld", lld_version(find_lld()))

@@ -110,14 +110,17 @@ def test_engine_linear_tiles_assemble_without_spills(tmp_path):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
-def test_wgmma_linear_tiles_assemble(tmp_path):
+@pytest.mark.parametrize("swizzle", [0, 128])
+def test_wgmma_linear_tiles_assemble(tmp_path, monkeypatch, swizzle):
     """The `wgmma` launch option turns every engine tile's dots into warpgroup MMAs (m64nNk16 with N = the
     tile's tokens; one per K step of 16, 64-row weight block and activation part, in both dots of the
     pipelined K loop), behind the async-proxy fence, and ptxas takes them for sm_90a. No spills with 16-bit
     activations; with f32 ones (hi and lo accumulators) the big tile is over 255 registers and spills (~170
     bytes, not asserted)."""
+    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     from targets import get_target
+    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)     # (in the compile cache key)
     T = get_target("sm_90a")
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
     tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
@@ -129,6 +132,8 @@ def test_wgmma_linear_tiles_assemble(tmp_path):
             assert n_mma == 2 * (BK // 16) * (BN // 64 // (W // 4)) * (2 if act == 0 else 1), (t, act, n_mma)
             assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
             assert "mma.sync" not in ptx
+            # 128-byte swizzled atoms need a 1024-byte aligned shared window
+            assert f".extern .shared .align {1024 if swizzle else 16} .b8 __jk_smem[]" in ptx
             regs, spilled = _ptxas_usage(ptx, tmp_path)
             if act == 1:
                 assert spilled == 0, (t, regs, spilled)

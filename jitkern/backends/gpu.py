@@ -127,8 +127,10 @@ class GpuHooks:
         """Emits code at the top of the entry block (e.g. parameter values that are not LLVM arguments)."""
 
     def smem_decl(self, low) -> list:
-        """The module-level declaration(s) of shared memory."""
-        return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align 16"]
+        """The module-level declaration(s) of shared memory (1024-byte aligned where a swizzled wgmma operand
+        needs its atoms there, GpuLowering._wgmma_swizzled)."""
+        align = 1024 if low._wgmma_swizzled() else 16
+        return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align {align}"]
 
     def load(self, low, p, shape, mask, other):
         """An LV loaded through pointer tile p (mask: the user's i1 mask or None; lanes past the tile are
@@ -172,6 +174,10 @@ _LAZY = object()      # a value left for the dot that consumes it to lower (see 
 # MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
 # (an A/B switch: part of the compiled kernels' cache key, jitkern/compiler.py _toolchain_key)
 LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
+# how warpgroup-MMA operands are staged (GpuLowering._smem_write_cores): 0 = core matrices without swizzle,
+# 128 = 128-byte swizzled rows of 64 elements (conflict-free stores; needs K % 64 == 0). An A/B switch until
+# perf/probe_wgmma.py has run on the GPU (part of the cache key, jitkern/compiler.py _toolchain_key)
+WGMMA_SWIZZLE = int(os.environ.get("JITKERN_WGMMA_SWIZZLE", "0"))
 
 
 class _LaneExpr:
@@ -1529,10 +1535,21 @@ class GpuLowering(LlvmEmitter):
         flat = self.flat_index(shape)
         r, c = self._coords(flat, shape)
         n = flat.n
-        d = self.ibin("add", self.ibin("mul", self.ibin("lshr", r, 3), C0 // 8), self.ibin("lshr", c, 3))
-        d = self.ibin("shl", d, 6)
-        d = self.ibin("add", d, self.ibin("shl", self.ibin("and", r, 7), 3))
-        d = self.ibin("add", d, self.ibin("and", c, 7))
+        if self._wgmma_swizzled():
+            # 128-byte swizzle: K in atoms of 64 elements; atom a's rows at a * R0 / 8 * 1024 elements * 2 bytes
+            # ... in elements: row r at (r >> 3) * 512 + (r & 7) * 64 of its atom, its 8-element chunk j at chunk
+            # j ^ (r & 7) (the hardware XORs address bits 4-6 with bits 7-9 of 1024-byte aligned atoms)
+            a_ = self.ibin("lshr", c, 6)
+            d = self.ibin("mul", a_, (R0 // 8) * 512)
+            d = self.ibin("add", d, self.ibin("shl", r, 6))
+            j_ = self.ibin("xor", self.ibin("and", self.ibin("lshr", c, 3), 7), self.ibin("and", r, 7))
+            d = self.ibin("add", d, self.ibin("shl", j_, 3))
+            d = self.ibin("add", d, self.ibin("and", c, 7))
+        else:
+            d = self.ibin("add", self.ibin("mul", self.ibin("lshr", r, 3), C0 // 8), self.ibin("lshr", c, 3))
+            d = self.ibin("shl", d, 6)
+            d = self.ibin("add", d, self.ibin("shl", self.ibin("and", r, 7), 3))
+            d = self.ibin("add", d, self.ibin("and", c, 7))
         scratch = numel                                   # padding lanes write past the tile
         if numel % (self.T * V) != 0:
             ok = self.val(f"icmp ult {flat.ty} {flat.ref}, {self.iconst(numel, n).ref}", "i1", n)
@@ -1549,6 +1566,12 @@ class GpuLowering(LlvmEmitter):
             self.emit(f"store {vt} {part.ref}, ptr addrspace({a}) {ptr.ref}, align {step * _ES[x.et]}")
         return self._claim(off, (numel + V) * _ES[x.et])
 
+    def _wgmma_swizzled(self) -> bool:
+        """Whether this kernel stages its warpgroup-MMA operands 128-byte swizzled (WGMMA_SWIZZLE, and every
+        such dot's K a multiple of 64)."""
+        plans = [p for p in self.mma_plans.values() if p.get("wg")]
+        return WGMMA_SWIZZLE == 128 and bool(plans) and all(p["k"] % 64 == 0 for p in plans)
+
     def _dot_wgmma(self, op, plan) -> LV:
         """dot(x, trans(w)) as warpgroup MMAs with the operands' roles swapped ("swap AB"): w's (n, k) rows
         are wgmma's A (64-row blocks, one warpgroup each in turn), x's m rows (tokens) its B (N = m), both
@@ -1561,12 +1584,13 @@ class GpuLowering(LlvmEmitter):
         b = self.get(plan["b"])
         g = self._mma_geometry(plan)
         self.barrier()
+        al = 1024 if self._wgmma_swizzled() else 128      # swizzle atoms must sit at 1024-byte addresses
         off, offs_a = 0, []
         for p in parts:
             offs_a.append(off)
-            off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k)) // 128) * 128
+            off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k)) // al) * al
         offb = off
-        offc = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // 128) * 128
+        offc = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // al) * al
         self._claim(offc, g["csize"])
         self.hooks.fence_async_smem(self)
         self.barrier()
@@ -1588,9 +1612,19 @@ class GpuLowering(LlvmEmitter):
         wg = self.val(f"udiv i32 {warp.ref}, 4", "i32", 0)
         smem = self.hooks.smem_address(self)
         row_block = 8 * (k // 8) * 128              # bytes of one 64-row block of w
-        # descriptor constant part: leading byte offset (core matrices adjacent in K) 128, stride byte offset
-        # (adjacent 8-row groups) k / 8 * 128, no swizzle, base offset 0
-        cdesc = ((128 >> 4) << 16) | (((k // 8) * 128 >> 4) << 32)
+        sw = self._wgmma_swizzled()
+        if sw:
+            # 128-byte swizzle (mode 1, bits 62-63): stride byte offset 1024 (8-row groups), leading byte
+            # offset unused (1); K step s starts (s % 4) * 32 bytes into atom s // 4
+            cdesc = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
+        else:
+            # no swizzle: leading byte offset (core matrices adjacent in K) 128, stride byte offset (adjacent
+            # 8-row groups) k / 8 * 128, base offset 0
+            cdesc = ((128 >> 4) << 16) | (((k // 8) * 128 >> 4) << 32)
+
+        def kstep(rows, s_):
+            """Byte offset of K step s_ in an operand region of `rows` rows."""
+            return (s_ // 4) * (rows // 8) * 1024 + (s_ % 4) * 32 if sw else s_ * 256
 
         def desc(byte_ref):
             a_ = self.val(f"lshr i32 {byte_ref}, 4", "i32", 0)
@@ -1598,15 +1632,19 @@ class GpuLowering(LlvmEmitter):
             w_ = self.val(f"zext i32 {a_.ref} to i64", "i64", 0)
             return self.val(f"or i64 {w_.ref}, {cdesc}", "i64", 0).ref
 
-        wbase = self.val(f"mul i32 {wg.ref}, {g['per_wg'] * row_block}", "i32", 0)
+        n = plan["n"]
+        wbase = self.val(f"mul i32 {wg.ref}, {g['per_wg'] * (8 * 1024 if sw else row_block)}", "i32", 0)
         wbase = self.val(f"add i32 {wbase.ref}, {smem}", "i32", 0).ref
         regs = self.hooks.wgmma_fence(self, regs)
         for s_ in range(k // 16):
             for blk in range(g["per_wg"]):
-                wa = self.val(f"add i32 {wbase}, {offb + blk * row_block + s_ * 256}", "i32", 0).ref
+                # (swizzled: w's 64-row blocks are 8 row groups of 1024 bytes in each K atom, so a block's
+                # atom-0 rows start blk * 8 KiB in and its K step adds the atom's n / 8 * 1024 stride)
+                wblk = blk * 8 * 1024 if sw else blk * row_block
+                wa = self.val(f"add i32 {wbase}, {offb + wblk + kstep(n, s_)}", "i32", 0).ref
                 da = desc(wa)
                 for pi, pa in enumerate(offs_a):
-                    xa = self.val(f"add i32 {smem}, {pa + s_ * 256}", "i32", 0).ref
+                    xa = self.val(f"add i32 {smem}, {pa + kstep(m, s_)}", "i32", 0).ref
                     base = (blk * len(offs_a) + pi) * nr
                     regs[base:base + nr] = self.hooks.wgmma(self, kind, m, da, desc(xa), regs[base:base + nr])
         return self.hooks.wgmma_commit_wait(self, regs)
