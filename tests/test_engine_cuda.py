@@ -67,7 +67,9 @@ def _cpu_side(func_name, *args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _cpu_greedy(path, prompts, n, kv_cache_dtype="f32"):
+def _cpu_greedy(path, prompts, n, kv_cache_dtype="auto"):
+    # "auto" as the device engines in these tests: both sides resolve the same KV type from the same checkpoint
+    # (f16 for the bf16 / f16 ones), so the comparison stays like for like
     from engine.llm import LLM
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype,
               device="cpu")

@@ -81,7 +81,10 @@ def _write_pair(tmp_path, layout):
 
 
 def _run(path, prompts):
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_logprobs=-1)
+    # an f32 KV cache on both sides: kv_cache_dtype "auto" would give the FP8 checkpoint an f16 cache and its
+    # float32 twin an f32 one, and this comparison is of the weight paths (only the summation order may differ)
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_logprobs=-1,
+              kv_cache_dtype="float32")
     try:
         plp = llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
                                                         detokenize=False))[0].prompt_logprobs
