@@ -118,7 +118,8 @@ def _toolchain_key(target) -> tuple:
     if target.is_cuda:
         from .backends import gpu
         return (() if gpu.LDMATRIX else ("no-ldmatrix",)) + \
-            ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ())
+            ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ()) + \
+            (("wgmma-pipe",) if gpu.WGMMA_PIPE else ())
     if target.is_hip:
         from .backends.amdgpu import find_lld, lld_version
         return ("ld.lld", lld_version(find_lld()))

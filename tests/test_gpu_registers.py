@@ -110,8 +110,8 @@ def test_engine_linear_tiles_assemble_without_spills(tmp_path):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
-@pytest.mark.parametrize("swizzle", [0, 128])
-def test_wgmma_linear_tiles_assemble(tmp_path, monkeypatch, swizzle):
+@pytest.mark.parametrize("swizzle,pipe", [(0, False), (128, False), (128, True)])
+def test_wgmma_linear_tiles_assemble(tmp_path, monkeypatch, swizzle, pipe):
     """The `wgmma` launch option turns every engine tile's dots into warpgroup MMAs (m64nNk16 with N = the
     tile's tokens; one per K step of 16, 64-row weight block and activation part, in both dots of the
     pipelined K loop), behind the async-proxy fence, and ptxas takes them for sm_90a. No spills with 16-bit
@@ -120,7 +120,8 @@ def test_wgmma_linear_tiles_assemble(tmp_path, monkeypatch, swizzle):
     from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     from targets import get_target
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)     # (in the compile cache key)
+    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)     # (both in the compile cache key)
+    monkeypatch.setattr(gpu, "WGMMA_PIPE", pipe)
     T = get_target("sm_90a")
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
     tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
@@ -131,6 +132,8 @@ def test_wgmma_linear_tiles_assemble(tmp_path, monkeypatch, swizzle):
             n_mma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{BM}k16\.f32\.bf16\.bf16 ", ptx))
             assert n_mma == 2 * (BK // 16) * (BN // 64 // (W // 4)) * (2 if act == 0 else 1), (t, act, n_mma)
             assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
+            # pipelined: the loop's dot commits without waiting; dots wait for all but the latest group first
+            assert ("wgmma.wait_group.sync.aligned 1" in ptx) == pipe
             assert "mma.sync" not in ptx
             # 128-byte swizzled atoms need a 1024-byte aligned shared window
             assert f".extern .shared .align {1024 if swizzle else 16} .b8 __jk_smem[]" in ptx

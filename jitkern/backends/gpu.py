@@ -178,6 +178,11 @@ LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
 # 128 = 128-byte swizzled rows of 64 elements (conflict-free stores; needs K % 64 == 0). An A/B switch until
 # perf/probe_wgmma.py has run on the GPU (part of the cache key, jitkern/compiler.py _toolchain_key)
 WGMMA_SWIZZLE = int(os.environ.get("JITKERN_WGMMA_SWIZZLE", "0"))
+# JITKERN_WGMMA_PIPE=1: a warpgroup-MMA dot whose accumulator stays in registers (a K loop's) commits its MMAs
+# without waiting for them; the next dot waits until at most one group runs (wgmma.wait_group 1) and stages
+# into the other of two buffers (by the loop's iteration parity), so staging step i + 1 overlaps the MMAs of
+# step i (GpuLowering._dot_wgmma). An A/B switch like the one above (in the cache key)
+WGMMA_PIPE = os.environ.get("JITKERN_WGMMA_PIPE", "0") == "1"
 
 
 class _LaneExpr:
@@ -452,6 +457,8 @@ class GpuLowering(LlvmEmitter):
                 if o is not None:
                     self.users.setdefault(o.id, []).append((op, i))
         self._frag_yields = {}      # (id(yield op), slot) -> accumulator layout carried in registers
+        self._frag_loops = []       # (iv, lb, step) of the register-accumulator loops being lowered
+        self._wg_regions = None     # id(dot) -> (byte offset, bytes, buffers) of pipelined wgmma operands
         self.lazy = set()           # values lowered by the dot that consumes them (see _mma_plan)
         self.mma_plans = {}
         if h.mma_shape:
@@ -1071,7 +1078,9 @@ class GpuLowering(LlvmEmitter):
                 self.vals[arg.id] = MmaAcc(c[2], c[1], c[3])
             else:
                 self.vals[arg.id] = self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape))
+        self._frag_loops.append((iv, lb, step))
         ys = self.lower_block(body)
+        self._frag_loops.pop()
         ys_r = []
         for j, (y, v) in enumerate(zip(ys, inits)):
             if j in slots:
@@ -1522,7 +1531,7 @@ class GpuLowering(LlvmEmitter):
         return parts
 
     # ---------------------------------------------------------------------- dot as warpgroup MMAs (sm_90a)
-    def _smem_write_cores(self, x: LV, off: int, shape) -> int:
+    def _smem_write_cores(self, x: LV, off: int, shape, dyn=None) -> int:
         """Writes an (R0, C0) 16-bit tile K-major as wgmma's core matrices without swizzle: 8 rows x 8
         elements (16 bytes a row) in 128 contiguous bytes, core matrices adjacent along C0 (K) next to each
         other (128 bytes apart), row blocks of 8 C0 / 8 * 128 bytes apart. Element (r, c) goes to element
@@ -1557,6 +1566,8 @@ class GpuLowering(LlvmEmitter):
                          "i32", n)
         a = self.hooks.smem_as
         base = self.smem_ptr(off)
+        if dyn is not None:
+            base = self.val(f"getelementptr i8, ptr addrspace({a}) {base}, i32 {dyn}", "ptr", 0).ref
         step = V if V > 1 and C0 % V == 0 and 8 % V == 0 else 1
         vt = vty(x.et, step) if step > 1 else x.et
         for j in range(0, n, step):
@@ -1577,33 +1588,91 @@ class GpuLowering(LlvmEmitter):
         are wgmma's A (64-row blocks, one warpgroup each in turn), x's m rows (tokens) its B (N = m), both
         staged K-major as core matrices; f32 x as hi + lo parts in separate accumulators, as the mma.sync path
         does. Per output the K steps run in order as chains of m64nNk16 MMAs whatever the tile, so a
-        token's result should not depend on the others (to be verified on the GPU: perf/probe_wgmma.py)."""
+        token's result should not depend on the others (to be verified on the GPU: perf/probe_wgmma.py).
+        WGMMA_PIPE: operands in this dot's own buffers (two inside a register-accumulator loop, by iteration
+        parity), a wait for all but the latest group before staging, and no wait after the MMAs while the
+        accumulator stays in registers (its consumers wait: _materialise, the next dot)."""
         m, n, k = plan["m"], plan["n"], plan["k"]
+        g = self._mma_geometry(plan)
+        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
+        pipe = WGMMA_PIPE
+        regs_in = frag_in.regs if frag_in is not None else None
+        if pipe and regs_in is not None:
+            # the group that last read the buffer staged next has finished (only the latest may still run)
+            regs_in = self.hooks.wgmma_wait(self, 1, regs_in)
+        elif pipe:
+            self.hooks.wgmma_wait(self, 1, [])
         a = self.get(plan["a"])
         parts = self._a_parts(a, plan)
         b = self.get(plan["b"])
-        g = self._mma_geometry(plan)
         self.barrier()
         al = 1024 if self._wgmma_swizzled() else 128      # swizzle atoms must sit at 1024-byte addresses
-        off, offs_a = 0, []
+        base, dyn = 0, None
+        if pipe:
+            base, size, nbuf = self._wg_region(op, plan, al)
+            if nbuf == 2 and self._frag_loops:
+                iv, lb, step = self._frag_loops[-1]
+                t = lb.et
+                d_ = self.val(f"sub {t} {iv}, {lb.ref}", t, 0)
+                d_ = self.val(f"sdiv {t} {d_.ref}, {step.ref}", t, 0)
+                d_ = self.val(f"and {t} {d_.ref}, 1", t, 0)
+                if t != "i32":
+                    d_ = self.val(f"trunc {t} {d_.ref} to i32", "i32", 0)
+                dyn = self.val(f"mul i32 {d_.ref}, {size}", "i32", 0).ref
+        off, offs_a = base, []
         for p in parts:
             offs_a.append(off)
-            off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k)) // al) * al
+            off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), dyn) // al) * al
         offb = off
-        offc = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // al) * al
+        off = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k), dyn) // al) * al
+        offc = self._wg_c_offset(al) if pipe else off
         self._claim(offc, g["csize"])
         self.hooks.fence_async_smem(self)
         self.barrier()
-        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
-        regs = self._wgmma_run(plan, g, offs_a, offb, frag_in.regs if frag_in is not None else None)
-        if (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"]):
+        regs = self._wgmma_run(plan, g, offs_a, offb, regs_in, dyn)
+        keep = (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"])
+        if keep and pipe:
+            return MmaAcc(g["key"], self.hooks.wgmma_commit(self, regs), plan)
+        regs = self.hooks.wgmma_commit_wait(self, regs)
+        if keep:
             return MmaAcc(g["key"], regs, plan)
+        if pipe:
+            self.barrier()          # every warpgroup's MMAs are done before any writes the C region
         self._wgmma_store(plan, g, regs, offc)
         self.barrier()
         return self._add_tile_acc(self._tile_read_back(offc, (m, n)), acc_op, acc_val, frag_in, (m, n))
 
-    def _wgmma_run(self, plan, g, offs_a, offb, init) -> list:
-        """The K steps of one staged dot: registers [block][part][m / 2], from `init` or 0.0."""
+    def _wg_region(self, op, plan, al) -> tuple:
+        """(byte offset, bytes of one buffer, buffers) of a pipelined wgmma dot's operand buffers: every such
+        dot of the kernel has its own (two for a dot inside a loop), laid out once in program order, so no
+        dot stages over operands a still-running group of another dot reads."""
+        if self._wg_regions is None:
+            self._wg_regions = {}
+            off = 0
+
+            def walk(block, in_loop):
+                nonlocal off
+                for o in block.ops:
+                    pl = self.mma_plans.get(id(o))
+                    if o.name == "dot" and pl is not None and pl.get("wg"):
+                        parts = 2 if pl["split"] else 1
+                        sz = parts * (-(-pl["m"] * pl["k"] * 2 // al) * al) + -(-pl["n"] * pl["k"] * 2 // al) * al
+                        nb = 2 if in_loop else 1
+                        self._wg_regions[id(o)] = (off, sz, nb)
+                        off += sz * nb
+                    for r in o.regions:
+                        walk(r, in_loop or o.name == "for")
+            walk(self.fn.body, False)
+            self._wg_end = off
+        return self._wg_regions[id(op)]
+
+    def _wg_c_offset(self, al) -> int:
+        """The C (result) region of pipelined wgmma dots: past every operand buffer."""
+        return -(-self._wg_end // al) * al
+
+    def _wgmma_run(self, plan, g, offs_a, offb, init, dyn=None) -> list:
+        """The K steps of one staged dot (not yet committed): registers [block][part][m / 2], from `init` or
+        0.0; dyn: an i32 byte offset added to the staged regions' addresses (a pipelined dot's buffer)."""
         m, k = plan["m"], plan["k"]
         kind = "bf16" if plan["kind"] == ir.bf16 else "f16"
         nr = m // 2
@@ -1635,6 +1704,9 @@ class GpuLowering(LlvmEmitter):
         n = plan["n"]
         wbase = self.val(f"mul i32 {wg.ref}, {g['per_wg'] * (8 * 1024 if sw else row_block)}", "i32", 0)
         wbase = self.val(f"add i32 {wbase.ref}, {smem}", "i32", 0).ref
+        if dyn is not None:
+            smem = self.val(f"add i32 {smem}, {dyn}", "i32", 0).ref
+            wbase = self.val(f"add i32 {wbase}, {dyn}", "i32", 0).ref
         regs = self.hooks.wgmma_fence(self, regs)
         for s_ in range(k // 16):
             for blk in range(g["per_wg"]):
@@ -1647,7 +1719,7 @@ class GpuLowering(LlvmEmitter):
                     xa = self.val(f"add i32 {smem}, {pa + kstep(m, s_)}", "i32", 0).ref
                     base = (blk * len(offs_a) + pi) * nr
                     regs[base:base + nr] = self.hooks.wgmma(self, kind, m, da, desc(xa), regs[base:base + nr])
-        return self.hooks.wgmma_commit_wait(self, regs)
+        return regs
 
     def _wgmma_store(self, plan, g, regs, offc) -> None:
         """Accumulators to the (m, n) f32 tile at byte offset offc, parts summed in order (hi + lo). m64nNk16
@@ -1734,9 +1806,12 @@ class GpuLowering(LlvmEmitter):
         plan = acc.plan
         g = self._mma_geometry(plan)
         if plan["wg"]:
+            regs = acc.regs
+            if WGMMA_PIPE:
+                regs = self.hooks.wgmma_wait(self, 0, regs)     # (its last group was committed, not waited)
             self.barrier()
             self._claim(0, g["csize"])
-            self._wgmma_store(plan, g, acc.regs, 0)
+            self._wgmma_store(plan, g, regs, 0)
             self.barrier()
             return self._tile_read_back(0, (plan["m"], plan["n"]))
         ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)

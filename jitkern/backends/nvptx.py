@@ -115,6 +115,10 @@ class NvptxHooks(GpuHooks):
     def _tied_asm(self, low, text: str, regs: list, extra_cons=(), extra_args=()) -> list:
         """An asm statement that takes `regs` (f32 refs) as in/out operands (after its own outputs none)."""
         n = len(regs)
+        if n == 0:
+            assert not extra_cons
+            low.emit(f'call void asm sideeffect "{text}", "~{{memory}}"()')
+            return []
         sty = "{ " + ", ".join(["float"] * n) + " }"
         cons = ",".join(["=f"] * n + list(extra_cons) + [str(i) for i in range(n)] + ["~{memory}"])
         args = ", ".join(list(extra_args) + [f"float {r}" for r in regs])
@@ -137,6 +141,14 @@ class NvptxHooks(GpuHooks):
 
     def wgmma_commit_wait(self, low, regs: list) -> list:
         return self._tied_asm(low, "wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0;", regs)
+
+    def wgmma_commit(self, low, regs: list) -> list:
+        return self._tied_asm(low, "wgmma.commit_group.sync.aligned;", regs)
+
+    def wgmma_wait(self, low, pending: int, regs: list) -> list:
+        """wait until at most `pending` committed groups are still running; regs: accumulators the groups
+        write (tied, so no use of them moves above the wait)."""
+        return self._tied_asm(low, f"wgmma.wait_group.sync.aligned {pending};", regs)
 
     def smem_address(self, low) -> str:
         """The shared window address of @__jk_smem (i32), for wgmma descriptors."""
