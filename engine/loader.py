@@ -254,9 +254,18 @@ class Checkpoint:
     def weight_kinds(self) -> frozenset[str]:
         """The storage types of the weight matrices (tensors of two or more dimensions that hold weights: 1-D
         norms and biases, integer and bool buffers left out), as the loader named them on each TensorRef:
-        "f32", "f64", "f16", "bf16", "f8_e4m3" or a GGUF quant type. What "auto" settings are decided from
-        before the model is built (engine.sizing.resolve_kv_cache_dtype)."""
-        return frozenset(t.dtype for t in self.tensors.values() if len(t.shape) >= 2 and t.dtype in _WEIGHT_KINDS)
+        "f32", "f64", "f16", "bf16", "f8_e4m3" or a GGUF quant type; gpt-oss's MXFP4 safetensors experts
+        (uint8 `*_blocks`, engine.models.moe._gpt_oss_experts) count as "mxfp4", as their GGUF conversion does.
+        What "auto" settings are decided from before the model is built (engine.sizing.resolve_kv_cache_dtype)."""
+        kinds = set()
+        for t in self.tensors.values():
+            if len(t.shape) < 2:
+                continue
+            if t.dtype in _WEIGHT_KINDS:
+                kinds.add(t.dtype)
+            elif t.dtype == "u8" and t.name.endswith("_blocks"):
+                kinds.add("mxfp4")
+        return frozenset(kinds)
 
 
 def load_checkpoint(path: str | os.PathLike, *, tokenizer_config: str | os.PathLike | None = None,

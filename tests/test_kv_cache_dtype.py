@@ -27,6 +27,30 @@ def test_the_rule_on_weight_kinds():
             assert resolve_kv_cache_dtype(name, kinds) == "f16"
 
 
+def test_weight_kinds_are_the_matrices_kinds():
+    from pathlib import Path
+
+    from engine.loader import Checkpoint, TensorRef
+
+    def ref(name, shape, dtype):
+        return TensorRef(name=name, shape=shape, dtype=dtype, raw=np.zeros(1, np.uint8), file=Path("x"), offset=0)
+
+    def kinds(*refs):
+        return Checkpoint(path=Path("x"), format="safetensors", files=[], config=None,
+                          tensors={r.name: r for r in refs}).weight_kinds()
+
+    f32_model = [ref("embed.weight", (64, 8), "f32"), ref("norm.weight", (8,), "bf16"), ref("pos_ids", (1, 64), "i64"),
+                 ref("mask", (1, 1, 4, 4), "bool")]
+    assert kinds(*f32_model) == {"f32"}            # 1-D tensors and integer / bool buffers do not count
+    assert resolve_kv_cache_dtype("auto", kinds(*f32_model)) == "f32"
+    # gpt-oss MXFP4 safetensors: uint8 expert blocks + scales beside f32 attention -> "mxfp4" (as its GGUF: f16)
+    gpt_oss = f32_model + [ref("experts.down_proj_blocks", (2, 8, 1, 16), "u8"),
+                           ref("experts.down_proj_scales", (2, 8, 1), "u8")]
+    assert kinds(*gpt_oss) == {"f32", "mxfp4"}
+    assert resolve_kv_cache_dtype("auto", kinds(*gpt_oss)) == "f16"
+    assert kinds(ref("w", (8, 8), "f8_e4m3"), ref("w_scale_inv", (1, 1), "f32")) == {"f8_e4m3", "f32"}
+
+
 @pytest.mark.parametrize("bad", ["bf16", "bfloat16", "fp8", "float", "F16", "Auto", "", 16])
 def test_a_bad_value_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=r"^kv_cache_dtype=.* is not supported \(expected one of auto, f32, "):
