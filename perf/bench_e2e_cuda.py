@@ -8,7 +8,7 @@ transformers' on the first prompt.
 
 Options: --concurrency 1 64 (prompts per batch; each batch is timed as one generate call), --input-len 128,
 --output-len 128, --systems hf gpt_fast ours, --json FILE, --no-f32-check, --no-compile (peer eager),
---kv-cache-dtype f32|f16 (ours), --compile-prefill (peer; e.g. for a TTFT run: --input-len 1024
+--kv-cache-dtype auto|f32|f16 (ours; auto: the engine's default, f16 for 16-bit or quantised weights), --compile-prefill (peer; e.g. for a TTFT run: --input-len 1024
 --output-len 1 --concurrency 1).
 
 Each system runs in its own subprocess (one model in GPU memory at a time; a crash or an LLVM abort in one does
@@ -141,7 +141,7 @@ def worker_ours(a, prompts, dtype="auto") -> dict:
     llm = LLM(a.model, device=a.device, block_size=16, num_blocks=top * blocks_per_seq + 64, max_num_seqs=top,
               max_model_len=seq + 16, enable_prefix_caching=False, kv_cache_dtype=a.kv_cache_dtype, dtype=dtype)
     res = {"load_s": time.perf_counter() - t0, "runs": {}, "variant": f"LLM(device={a.device!r}), "
-           f"kv_cache_dtype={a.kv_cache_dtype}, dtype={dtype}"}
+           f"kv_cache_dtype={a.kv_cache_dtype} ({llm.engine.args.kv_cache_dtype}), dtype={dtype}"}
     try:
         sp = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True, detokenize=False)
         warm_sp = SamplingParams(max_tokens=min(a.output_len, 8), temperature=0, ignore_eos=True, detokenize=False)
@@ -231,7 +231,7 @@ def parse(argv=None):
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
-    ap.add_argument("--kv-cache-dtype", default="f32", choices=("f32", "f16"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "f32", "f16"))
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="run the peer eager")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="also torch.compile the peer's prefill (dynamic shapes; for TTFT runs)")
