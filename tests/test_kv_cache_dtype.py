@@ -193,3 +193,16 @@ def test_embedded_smollm2_auto_is_an_f16_cache():
     assert (f32[0], f32[1]) == ("f32", np.float32)
     assert auto[3] == f16[3]
     assert auto[3] != f32[3]
+
+
+def test_tensor_parallel_ranks_take_the_resolved_dtype(tiny_paths):
+    # rank 0 here and rank 1 in its own process get "f16" for the bf16 checkpoint (a rank handed "auto" would fail
+    # to start: build_model refuses it), and the sharded greedy tokens equal the unsharded engine's
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, detokenize=False)
+    prompts = [[5, 17, 33, 2, 9], [7, 8, 9, 10, 11, 12, 13]]
+    with LLM(tiny_paths["bf16"], **ENGINE) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    with LLM(tiny_paths["bf16"], tensor_parallel_size=2, tensor_parallel_backend="cpu-pipes", **ENGINE) as llm:
+        assert llm.engine.args.kv_cache_dtype == "f16" and llm.engine.model.tensor_parallel_size == 2
+        assert _kv_np_dtype(llm.engine.model) == np.float16          # rank 0's shard
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
