@@ -363,21 +363,24 @@ def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("swizzle,pipe", [(0, False), (128, False), (128, True)])
+@pytest.mark.parametrize("swizzle,pipe,min_bm", [(0, False, 0), (128, False, 0), (128, True, 0), (0, False, 64)])
 @pytest.mark.parametrize("activations", ["f32", "16bit"])
 @pytest.mark.parametrize("N,K", [(512, 512), (4096, 1024)])
-def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, activations, N, K, swizzle, pipe):
+def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, activations, N, K, swizzle, pipe,
+                                                             min_bm):
     """The opt-in warpgroup-MMA linear (JITKERN_WGMMA=1, sm_90a: the dots as wgmma with weights as the 64-row
     operand and tokens as N): every tile the token count picks (decode 16, tall 32, mid / big 64) matches
     float64, and a token's row has the same bits whichever tile and batch it went through (narrow and wide
     weights: K split in 4 and in 2), with the operands staged as plain core matrices and 128-byte swizzled,
-    and with the K loop's MMAs overlapping the next step's staging (WGMMA_PIPE)."""
+    and with the K loop's MMAs overlapping the next step's staging (WGMMA_PIPE); min_bm 64: wgmma for the 64-row
+    tiles only, mma.sync below (equal bits across that switch or the mode is unusable)."""
     from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA", True)
     monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)
     monkeypatch.setattr(gpu, "WGMMA_PIPE", pipe)
+    monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", min_bm)
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", activations)
     case = _tiled_linear_case if activations == "f32" else _tiled_linear_case16
     M = 160

@@ -418,12 +418,15 @@ GPU_LINEAR_MAXNREG = None
 # every token count: OFF by default and opt-in with JITKERN_WGMMA=1 until perf/probe_wgmma.py and the GPU tests
 # have run it on an H200 (its layouts and its batch invariance are not yet verified on hardware)
 GPU_LINEAR_WGMMA = os.environ.get("JITKERN_WGMMA", "0") == "1"
+# ... for tiles of at least this many tokens only (smaller ones keep mma.sync): batch invariant only if wgmma
+# and mma.sync give a token the same bits (perf/probe_wgmma.py tells; the GPU test checks rows across tiles)
+GPU_LINEAR_WGMMA_MIN_BM = int(os.environ.get("JITKERN_WGMMA_MIN_BM", "0"))
 
 
-def _mma_regs(T) -> dict:
-    """Launch options of the tensor-core linear: `maxnreg`, `wgmma`."""
+def _mma_regs(T, BM: int = 0) -> dict:
+    """Launch options of the tensor-core linear with a tile of BM tokens: `maxnreg`, `wgmma`."""
     out = {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
-    if GPU_LINEAR_WGMMA and T.is_cuda and T.mma == "wgmma":
+    if GPU_LINEAR_WGMMA and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM:
         out["wgmma"] = 1
     return out
 
@@ -704,7 +707,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0):
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (xc, warg, oc, parts, mc, N, K, xc.strides[0] // 4, N),
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
-                     **_mma_regs(T)), T)
+                     **_mma_regs(T, BM)), T)
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
                 (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
@@ -746,7 +749,7 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=_act16_for(dt, activations), **_mma_regs(T)), T)
+                                 ACT16=_act16_for(dt, activations), **_mma_regs(T, BM)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
