@@ -1656,7 +1656,9 @@ class GpuLowering(LlvmEmitter):
                     pl = self.mma_plans.get(id(o))
                     if o.name == "dot" and pl is not None and pl.get("wg"):
                         parts = 2 if pl["split"] else 1
-                        sz = parts * (-(-pl["m"] * pl["k"] * 2 // al) * al) + -(-pl["n"] * pl["k"] * 2 // al) * al
+                        # (+ 16 bytes: padding lanes of _smem_write_cores store just past each operand)
+                        sz = parts * (-(-(pl["m"] * pl["k"] * 2 + 16) // al) * al) \
+                            + -(-(pl["n"] * pl["k"] * 2 + 16) // al) * al
                         nb = 2 if in_loop else 1
                         self._wg_regions[id(o)] = (off, sz, nb)
                         off += sz * nb
