@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU compute precision of a 16-bit checkpoint (vLLM's --dtype): auto / bfloat16 / float16 feed "
                         "the matrix units 16-bit activations as vLLM does; float32 keeps f32 activations (hi + lo "
                         "parts, twice the matrix-unit work). The CPU computes in float32 either way")
+    from engine.sizing import KV_CACHE_DTYPES
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV-cache element type (default auto: the model's dtype, f16 for a 16-bit (bf16/f16) or "
+                        "quantised (GGUF, FP8) checkpoint, f32 for an f32 one; f32/float32/fp32 or "
+                        "f16/float16/fp16 force it)")
     p.add_argument("--enable-jump-forward", action="store_true",
                    help="structured outputs: append the tokens a grammar forces without a forward step each")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -118,7 +123,7 @@ def _main(argv) -> int:
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
                   enable_jump_forward=args.enable_jump_forward,
                   device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size,
-                  dtype=args.dtype)
+                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     except ModelLoadError as e:
         return _fail(str(e))
     except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary

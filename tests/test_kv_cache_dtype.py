@@ -63,8 +63,11 @@ def test_the_server_and_cli_take_the_same_spellings():
     from server.cli import build_parser
     from server.settings import ServerSettings, SettingsError
     assert KV_CACHE_DTYPES == ("auto", "f32", "float32", "fp32", "f16", "float16", "fp16")
+    from engine.cli import build_parser as engine_parser
+    assert engine_parser().parse_args(["--prompt", "x"]).kv_cache_dtype == "auto"
     for name in KV_CACHE_DTYPES:
         assert build_parser().parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name
+        assert engine_parser().parse_args(["--prompt", "x", "--kv-cache-dtype", name]).kv_cache_dtype == name
         s = ServerSettings.from_env({"JITKERN_KV_CACHE_DTYPE": name})
         assert s.engine_kwargs()["kv_cache_dtype"] == name
     with pytest.raises(SettingsError, match="JITKERN_KV_CACHE_DTYPE='bf16'"):
