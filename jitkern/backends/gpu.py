@@ -1443,6 +1443,10 @@ class GpuLowering(LlvmEmitter):
         if plan["wg"]:
             return self._dot_wgmma(op, plan)
         m, n, k, d16 = plan["m"], plan["n"], plan["k"], plan["kind"]
+        g = self._mma_geometry(plan)
+        # first: an accumulator in another register layout becomes a tile value through shared memory, which
+        # must happen before this dot stages its operands there
+        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
         a = self.get(plan["a"])
         parts = self._a_parts(a, plan)
         b = self.get(plan["b"])
@@ -1456,11 +1460,9 @@ class GpuLowering(LlvmEmitter):
         off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                                    (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
         offc = off
-        g = self._mma_geometry(plan)
         self._claim(offc, g["csize"])
         self.barrier()
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
-        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
         if g["fused"]:
             # every warp has per_warp units: one K loop for all of them, no branches
             us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
