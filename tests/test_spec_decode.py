@@ -271,6 +271,19 @@ def test_greedy_is_token_identical_with_mixed_requests(tiny_models, adaptive, mo
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("fake_or_cuda", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
+def test_greedy_is_token_identical_on_the_device_path(tiny_models, fake_or_cuda):
+    """Speculative decoding on the engine's device path (device arrays, staged inputs, the verification step
+    run eagerly there; `fake`: the host-memory stand-in device, `cuda`: the GPU): greedy tokens equal
+    speculation off on the same device, and drafts are accepted."""
+    path = tiny_models["llama"]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, detokenize=False)
+    base, _, _ = _run(path, PROMPTS, sp, device="cuda")
+    spec, _, snap = _run(path, PROMPTS, sp, spec={**NGRAM, "num_speculative_tokens": 7}, device="cuda")
+    assert spec == base
+    assert snap["spec_decode_num_accepted_tokens"] > 20
+
+
 def test_adaptive_draft_counts_follow_acceptance(tiny_models):
     """With adaptive drafting each request starts at START_LEVEL drafts, and the drafts of its next step are
     2l + 1 after a step that accepted all of its l drafts and, after a rejection, l // 2 (backoff "halve") or 1
