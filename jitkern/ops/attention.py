@@ -129,6 +129,7 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
     whole K tile live across the heads and spilling it to the stack.
     """
     n = jk.arange(0, BS)
+    d = jk.arange(0, D)
     j = jk.arange(0, w)
     r = r0 + jk.arange(0, G)
     l_i = jk.load(st_l + r[:, None] * BS + n[None, :])
@@ -138,19 +139,7 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
             qc = qc + (jk.load(qrow + g * q_hs + c * w + j),)
         ks = _load_chunks(k_ptr, n, kv_stride, D, w)
         jk.store(st_l + (r0 + g) * BS + n, _chunk_dots(ks, qc, BS, w))
-    _block_update(jk.load(st_l + r[:, None] * BS + n[None, :]), l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc,
-                  r0, scale, softcap, G, D, BS, SOFTCAP)
-
-
-@jk.jit
-def _block_update(scores, l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, scale, softcap, G, D, BS,
-                  SOFTCAP):
-    """The online-softmax update of _attend_block from the (G, BS) raw scores q.k of the block: shared by
-    the per-token step and the prefill kernel's token groups (_group_scores), so both give the same bits."""
-    n = jk.arange(0, BS)
-    d = jk.arange(0, D)
-    r = r0 + jk.arange(0, G)
-    s = scores * scale
+    s = jk.load(st_l + r[:, None] * BS + n[None, :]) * scale
     if SOFTCAP:
         s = softcap * jk.tanh(s / softcap)
     s = jk.where(valid[None, :], s, NEG)
@@ -163,35 +152,6 @@ def _block_update(scores, l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, 
     jk.store(st_m + r, m_new)
     jk.store(st_l + r[:, None] * BS + n[None, :], l_i * alpha[:, None] + p)
     jk.store(st_acc + r[:, None] * D + d[None, :], acc)
-
-
-@jk.jit
-def _group_scores(qt, sc, k_ptr, kv_stride, G, D, BS, w, TQ):
-    """Raw scores q.k of TQ query tokens x G heads against one block of BS keys, the tokens in the vector
-    lanes: qt holds the tokens' q transposed, (G, D, TQ); the scores go to sc as (TQ, G, BS). Each score is
-    the exact arithmetic of _chunk_dots (per lane j of w: a product, then FMAs over the D / w chunks in order;
-    then lanes j and j + w / 2, ... added pairwise), so a token's bits equal its per-token step's, while a
-    key's K values are loaded once for TQ tokens and no lane fold needs shuffles."""
-    tq = jk.arange(0, TQ)
-    for g in jk.static_range(G):
-        for key in range(0, BS):
-            jk.store(sc + tq * (G * BS) + g * BS + key, _key_scores(k_ptr + key * kv_stride, qt + g * D * TQ, D, w, TQ))
-
-
-@jk.jit
-def _key_scores(krow, qtg, D, w, TQ):
-    """(TQ,) scores of one key row against TQ tokens' q (qtg: (D, TQ)), in _chunk_dots' order."""
-    jw = jk.arange(0, w)
-    tq = jk.arange(0, TQ)
-    y = jk.load(krow + jw).to(jk.f32)[:, None] * jk.load(qtg + jw[:, None] * TQ + tq[None, :])
-    for c in jk.static_range(1, D // w):
-        kc = jk.load(krow + c * w + jw).to(jk.f32)
-        y = jk.fma(kc[:, None], jk.load(qtg + (c * w + jw)[:, None] * TQ + tq[None, :]), y)
-    half = w
-    for _ in jk.static_range(w.bit_length() - 1):
-        half = half // 2
-        y = jk.sum(jk.reshape(y, (2, half, TQ)), axis=0)
-    return jk.reshape(y, (TQ,))
 
 
 @jk.jit
@@ -422,22 +382,16 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, win
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
 def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
-                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks, tq_ws,
+                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
                    PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr,
-                   SINKS: jk.constexpr, TQ: jk.constexpr = 0):
+                   SINKS: jk.constexpr):
     """Program (query tile of BQ tokens of one sequence, KV head): each token of the tile attends, for the
     G query heads of the KV head, to the blocks of its causal (and window) range, split into partitions
     and merged exactly as a decode of the same position would be (bit-identical results whichever kernel
     or batch a token lands in); the K/V blocks a tile shares stay in cache from one token to the next.
     The softmax state goes through the st_* workspace (L1-resident): as loop-carried values, odd-sized
-    state vectors compiled to much slower code.
-
-    TQ > 0 (CPU tiers): TQ consecutive tokens whose positions share a cache block (so the same key range and
-    partitions; no sliding window) go through the blocks together: their scores for a block come from
-    _group_scores (tokens in the vector lanes, the same arithmetic per score), then each token's softmax
-    update is _block_update as in the per-token step. tq_ws: per program (G, D, TQ) transposed q and (TQ, G,
-    BS) scores; the state rows hold TQ tokens."""
+    state vectors compiled to much slower code."""
     qb = jk.program_id(0)
     h = jk.program_id(1)
     w = _vec_width(D)
@@ -448,14 +402,8 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
     n = jk.arange(0, BS)
     gi = jk.arange(0, G)
     bt_row = block_table + seq.to(jk.i64) * bt_stride
-    TS = max(TQ, 1)                                 # token slots of state rows a program has
-    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G * TS)   # state rows: token slot u, partition p, head g at
-    if TQ > 0:                                          # r0 + u * MAXP * G + p * G + g
-        _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row, q0, t0, n_rows, first_pos,
-                        window, qb, h, r0, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
-                        KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w)
-    g_done = _grouped_rows(n_rows, first_pos, window, BS, TQ)
-    for t in range(g_done, n_rows):
+    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G)     # this program's state rows: partition p, head g at
+    for t in range(0, n_rows):                       # r0 + p * G + g
         tok = (q0 + t0 + t).to(jk.i64)
         qpos = first_pos + t
         lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
@@ -480,69 +428,6 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
             for g in range(0, G):      # a run-time loop: one copy of the (MAXP, D) merge code
                 jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS,
                                                            jk.load(sinks + h * G + g), SINKS))
-
-
-@jk.jit
-def _grouped_rows(n_rows, first_pos, window, BS, TQ):
-    """How many of a tile's first rows _prefill_groups handles: whole groups of TQ tokens from the tile's
-    start while each group's positions share a cache block (0 with a sliding window or TQ = 0)."""
-    if TQ == 0:
-        return n_rows * 0
-    done = n_rows * 0
-    go = window == 0
-    for gs in range(0, n_rows // TQ):
-        p0 = first_pos + gs * TQ
-        go = go & (p0 // BS == (p0 + TQ - 1) // BS)
-        done = jk.where(go, (gs + 1) * TQ, done)
-    return done
-
-
-@jk.jit
-def _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row, q0, t0, n_rows, first_pos,
-                    window, qb, h, r0, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
-                    KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w):
-    """prefill_kernel's token groups (see its TQ): groups of TQ tokens from the tile's start, each group's
-    positions in one cache block, all attending to blocks 0 .. (position // BS) with the same partitions."""
-    d = jk.arange(0, D)
-    n = jk.arange(0, BS)
-    gi = jk.arange(0, G)
-    tq = jk.arange(0, TQ)
-    qt = tq_ws + (qb * KVH + h).to(jk.i64) * (G * D * TQ + TQ * G * BS)
-    sc = qt + G * D * TQ
-    ngroups = _grouped_rows(n_rows, first_pos, window, BS, TQ) // TQ
-    for gs in range(0, ngroups):
-        tg = t0 + gs * TQ                               # the group's first row within the sequence
-        qpos0 = first_pos + gs * TQ
-        nb = qpos0 // BS + 1
-        parts, per = _split(nb, PB, MAXP)
-        # q of the group's tokens, transposed to (G, D, TQ)
-        for u in range(0, TQ):
-            qrow = q + (q0 + tg + u).to(jk.i64) * q_ts + h * G * q_hs
-            x = jk.load(qrow + gi[:, None] * q_hs + d[None, :])
-            jk.store(qt + (gi[:, None] * D + d[None, :]) * TQ + u, x)
-        for p in range(0, parts):
-            for u in range(0, TQ):
-                _init_state(st_m, st_l, st_acc, r0 + u * (MAXP * G) + p * G + gi, G, D, BS, True)
-            b0 = p * per
-            for b in range(b0, jk.minimum(b0 + per, nb)):
-                base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
-                pos = b * BS + n
-                _group_scores(qt, sc, k_cache + base, KVH * D, G, D, BS, w, TQ)
-                for u in range(0, TQ):
-                    rp = r0 + u * (MAXP * G) + p * G
-                    _block_update(jk.load(sc + u * (G * BS) + gi[:, None] * BS + n[None, :]),
-                                  jk.load(st_l + (rp + gi)[:, None] * BS + n[None, :]), v_cache + base, KVH * D,
-                                  pos <= qpos0 + u, st_m, st_l, st_acc, rp, scale, softcap, G, D, BS, SOFTCAP)
-        for u in range(0, TQ):
-            ru = r0 + u * (MAXP * G)
-            orow = out + (q0 + tg + u).to(jk.i64) * o_ts + h * G * o_hs
-            if parts == 1:
-                jk.store(orow + gi[:, None] * o_hs + d[None, :],
-                         _finish_state(st_m, st_l, st_acc, ru + gi, G, D, BS, jk.load(sinks + h * G + gi), SINKS))
-            else:
-                for g in range(0, G):
-                    jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, ru + g, G, parts, MAXP, D, BS,
-                                                               jk.load(sinks + h * G + g), SINKS))
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
@@ -996,28 +881,13 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None):
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
-    T = resolve_target(target, q)           # None: this host's CPU tier
-    # token groups (prefill_kernel's TQ) on CPU tiers, for tiles that can hold one
-    tq = PREFILL_TOKEN_GROUP if (T is None or T.is_cpu) and block_q >= PREFILL_TOKEN_GROUP else 0
-    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads * max(tq, 1), st.bs, st.dim, like=q)
-    if tq:
-        n = programs * st.kvh * (st.G * st.dim * tq + tq * st.G * st.bs)
-        if ws.get("prefill_tq") is None or ws["prefill_tq"].size < n:
-            ws["prefill_tq"] = empty_like_dev(q, n, np.float32)
-        tq_ws = ws["prefill_tq"]
-    else:
-        tq_ws = st.out
+    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads, st.bs, st.dim, like=q)
     run(prefill_kernel, (programs, st.kvh),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
          int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
-         st.cap, st.sinks, tq_ws),
+         st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
-        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks, TQ=tq)
-
-
-# prefill_kernel's token groups on CPU tiers (0: every token alone): TQ tokens whose positions share a cache
-# block compute their scores for a block together, the tokens in the vector lanes (bit-identical)
-PREFILL_TOKEN_GROUP = 8
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks)
 
 
 # GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel) by default. A/B switches:

@@ -199,36 +199,6 @@ def test_batch_invariance(tier):
         np.testing.assert_array_equal(gen, full)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
-def test_prefill_token_groups_are_bit_identical_to_single_tokens(tier, dtype, monkeypatch):
-    """CPU tiers run a prefill tile's tokens in groups of PREFILL_TOKEN_GROUP whose positions share a cache
-    block (their scores computed together, the tokens in the vector lanes): every row equals the kernel with
-    groups off and the decode of that position, bit for bit: whole prompts (partitions from 256 tokens),
-    chunks starting mid-block, sinks; a sliding window runs every token alone."""
-    if getattr(tier, "is_gpu", False):
-        pytest.skip("token groups are a CPU-tier path")
-    rng = np.random.default_rng(21)
-    H, KVH, D = 9, 3, 64
-    seqs = [(700, 700), (300, 37), (45, 29), (5, 5)]
-    q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, dtype)
-    sinks = rng.standard_normal(H).astype(np.float32)
-    for kw in (dict(), dict(sinks=sinks), dict(sliding_window=100)):
-        grouped = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
-        monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", 0)
-        alone = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
-        monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", 8)
-        np.testing.assert_array_equal(grouped, alone, err_msg=str(kw))
-        if not kw:
-            check(grouped, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
-        for i, row in ((0, 8), (0, 300), (0, 699), (1, 20), (2, 3)):     # rows inside groups, as decodes
-            L, ql = seqs[i]
-            pos = L - ql + row
-            dec = A.paged_attention(q[qs[i] + row:qs[i] + row + 1], kc, vc, np.array([0, 1], np.int32),
-                                    np.array([pos + 1], np.int32), np.ascontiguousarray(bt[i:i + 1]), scale=0.125,
-                                    target=tier, **kw)
-            np.testing.assert_array_equal(dec[0], grouped[qs[i] + row], err_msg=f"{kw} seq {i} row {row}")
-
-
 def test_prefill_kernel_handles_every_sequence(tier):
     """paged_prefill_attention runs the general kernel alone, decodes included."""
     rng = np.random.default_rng(5)
