@@ -12,9 +12,9 @@ set -u
 echo "== probe"
 timeout 120 python3 perf/probe_wgmma.py 2>&1 | tail -90
 echo "== this session's other GPU tests (mismatched MMA layouts, speculative decoding on CUDA, the f16 KV default)"
+timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_dsl.py -k another_register_layout 2>&1 | tail -3
 JITKERN_TEST_GGUF=.models/smollm2-8l.gguf timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_dsl.py -k another_register_layout tests/test_spec_decode.py tests/test_engine_cuda.py \
-    tests/test_fp8_checkpoint.py 2>&1 | tail -8
+    tests/test_spec_decode.py tests/test_engine_cuda.py tests/test_fp8_checkpoint.py 2>&1 | tail -8
 echo "== GPU tests"
 out=$(timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k wgmma 2>&1)
 echo "$out" | tail -25
