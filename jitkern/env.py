@@ -34,6 +34,13 @@ Settings (all optional):
                                 (contiguous chunks, or chunks claimed from a shared counter).
     JITKERN_CUDA_GRAPH_MAX_TOKENS  the largest padded token count of a CUDA prefill / mixed step recorded as a
                                 graph, an integer >= 0 (default 512, as vLLM's max_capture_size; 0: eager).
+    JITKERN_WGMMA               0 or 1: the bf16 linear's dots as warpgroup MMAs on sm_90a (default 0: not yet
+                                verified on a GPU; A/B switch).
+    JITKERN_WGMMA_SWIZZLE       0 or 128: how warpgroup-MMA operands are staged (plain core matrices or
+                                128-byte swizzled rows; default 0).
+    JITKERN_WGMMA_PIPE          0 or 1: a K loop's warpgroup MMAs overlap the next step's staging (default 0).
+    JITKERN_WGMMA_MIN_BM        wgmma only for linear tiles of at least this many tokens, an integer >= 0
+                                (default 0: every tile).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -51,7 +58,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_COMPILE_WORKERS", "JITKERN_COMPILE_TIMEOUT", "JITKERN_COMPILE_INPROCESS",
             "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS", "JITKERN_PREFIX_CACHING_HASH_SEED",
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
-            "JITKERN_SPEC_BACKOFF")
+            "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
+            "JITKERN_WGMMA_MIN_BM")
 
 
 class SettingError(JitkernError, ValueError):
@@ -130,6 +138,22 @@ def pool_split(default: str, environ=None) -> str:
 def cuda_graph_max_tokens(default: int, environ=None) -> int:
     v = env_int("JITKERN_CUDA_GRAPH_MAX_TOKENS", 0, environ)
     return default if v is None else v
+
+
+def wgmma(environ=None) -> bool:
+    return env_choice("JITKERN_WGMMA", ("0", "1"), environ) == "1"
+
+
+def wgmma_swizzle(environ=None) -> int:
+    return int(env_choice("JITKERN_WGMMA_SWIZZLE", ("0", "128"), environ) or 0)
+
+
+def wgmma_pipe(environ=None) -> bool:
+    return env_choice("JITKERN_WGMMA_PIPE", ("0", "1"), environ) == "1"
+
+
+def wgmma_min_bm(environ=None) -> int:
+    return env_int("JITKERN_WGMMA_MIN_BM", 0, environ) or 0
 
 
 def env_flag(name: str, environ=None) -> bool:
@@ -214,6 +238,10 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     spec_backoff("halve", environ)
     cuda_graph_max_tokens(0, environ)
     pool_split("static", environ)
+    wgmma(environ)
+    wgmma_swizzle(environ)
+    wgmma_pipe(environ)
+    wgmma_min_bm(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

@@ -75,6 +75,9 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_SPEC_BACKOFF", "slow", ["JITKERN_SPEC_BACKOFF='slow'", "not one of halve, reset, keep"]),
     ("JITKERN_CUDA_GRAPH_MAX_TOKENS", "-8", ["JITKERN_CUDA_GRAPH_MAX_TOKENS='-8'", ">= 0"]),
     ("JITKERN_POOL_SPLIT", "guided", ["JITKERN_POOL_SPLIT='guided'", "not one of static, dynamic"]),
+    ("JITKERN_WGMMA_SWIZZLE", "64", ["JITKERN_WGMMA_SWIZZLE='64'", "not one of 0, 128"]),
+    ("JITKERN_WGMMA_MIN_BM", "x", ["JITKERN_WGMMA_MIN_BM='x'", "not an integer"]),
+    ("JITKERN_WGMMA", "yes", ["JITKERN_WGMMA='yes'", "not one of 0, 1"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):
     r = _engine_cli(tmp_path, "--prompt", "hi", **{setting: value})

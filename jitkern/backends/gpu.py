@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 
+from .. import env as _env
 from .. import ir
 from ..language import CompilationError
 from .emitter import LV, PT, Aff, LlvmEmitter, _prod, elem_ty, vty
@@ -177,12 +178,12 @@ LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
 # how warpgroup-MMA operands are staged (GpuLowering._smem_write_cores): 0 = core matrices without swizzle,
 # 128 = 128-byte swizzled rows of 64 elements (conflict-free stores; needs K % 64 == 0). An A/B switch until
 # perf/probe_wgmma.py has run on the GPU (part of the cache key, jitkern/compiler.py _toolchain_key)
-WGMMA_SWIZZLE = int(os.environ.get("JITKERN_WGMMA_SWIZZLE", "0"))
+WGMMA_SWIZZLE = _env.wgmma_swizzle()
 # JITKERN_WGMMA_PIPE=1: a warpgroup-MMA dot whose accumulator stays in registers (a K loop's) commits its MMAs
 # without waiting for them; the next dot waits until at most one group runs (wgmma.wait_group 1) and stages
 # into the other of two buffers (by the loop's iteration parity), so staging step i + 1 overlaps the MMAs of
 # step i (GpuLowering._dot_wgmma). An A/B switch like the one above (in the cache key)
-WGMMA_PIPE = os.environ.get("JITKERN_WGMMA_PIPE", "0") == "1"
+WGMMA_PIPE = _env.wgmma_pipe()
 
 
 class _LaneExpr:

@@ -35,11 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import os
-
 import numpy as np
 
 import jitkern as jk
+from jitkern import env as _env
 from jitkern.ir import bf16 as _BF16
 from jitkern.jit import Pointer, as_pointer
 from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
@@ -417,10 +416,10 @@ GPU_LINEAR_MAXNREG = None
 # the tensor-core linear's dots as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma) for
 # every token count: OFF by default and opt-in with JITKERN_WGMMA=1 until perf/probe_wgmma.py and the GPU tests
 # have run it on an H200 (its layouts and its batch invariance are not yet verified on hardware)
-GPU_LINEAR_WGMMA = os.environ.get("JITKERN_WGMMA", "0") == "1"
+GPU_LINEAR_WGMMA = _env.wgmma()
 # ... for tiles of at least this many tokens only (smaller ones keep mma.sync): batch invariant only if wgmma
 # and mma.sync give a token the same bits (perf/probe_wgmma.py tells; the GPU test checks rows across tiles)
-GPU_LINEAR_WGMMA_MIN_BM = int(os.environ.get("JITKERN_WGMMA_MIN_BM", "0"))
+GPU_LINEAR_WGMMA_MIN_BM = _env.wgmma_min_bm()
 
 
 def _mma_regs(T, BM: int = 0) -> dict:
