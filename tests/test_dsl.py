@@ -707,7 +707,10 @@ def test_dot_f32_by_bf16_rows_work_splits(tier, M, N, K, warps):
 @jk.kernel
 def _k_loop_dot(x, w, c, K, M: jk.constexpr, N: jk.constexpr, BK: jk.constexpr, EPI: jk.constexpr):
     # acc = dot(x, trans(w), acc) over K steps (on matrix units the accumulator stays in the MMA registers
-    # around the loop); EPI: one more dot after the loop takes the loop's accumulator
+    # around the loop); EPI: one more dot after the loop takes the loop's accumulator. EPI == 2: that dot's x
+    # is rounded to bf16 (one MMA chain, where the loop's f32 x has hi + lo chains): the registers' layouts
+    # differ, so it turns the accumulator into a tile value first (GpuLowering._frag_acc_in), which must not
+    # clobber its own staged operands
     rm = jk.arange(0, M)
     rn = jk.arange(0, N)
     rk = jk.arange(0, BK)
@@ -718,6 +721,8 @@ def _k_loop_dot(x, w, c, K, M: jk.constexpr, N: jk.constexpr, BK: jk.constexpr, 
         acc = jk.dot(xv, jk.trans(wv), acc)
     if EPI:
         xv = jk.load(x + rm[:, None] * K + rk[None, :])
+        if EPI == 2:
+            xv = xv.to(jk.bf16)
         wv = jk.load(w + rn[:, None] * K + rk[None, :])
         acc = jk.dot(xv, jk.trans(wv), acc)
     jk.store(c + rm[:, None] * N + rn[None, :], acc + 1.0)
@@ -751,39 +756,20 @@ def test_dot_accumulator_carried_around_a_k_loop(tier, M, N, BK, K, warps, epi):
     assert (err <= (2.0 ** -16 + (K + BK + 2) * 2.0 ** -24) * mag).all(), float((err / mag).max())
 
 
-@jk.kernel
-def _k_loop_then_16bit_dot(x, w, c, K, M: jk.constexpr, N: jk.constexpr, BK: jk.constexpr):
-    # a K loop of f32-activation dots (hi + lo: two accumulator chains on matrix units) whose accumulator then
-    # feeds a dot with bf16 activations (one chain): the registers' layouts differ, so the second dot turns
-    # the accumulator into a tile value first (GpuLowering._frag_acc_in), which must not clobber its own
-    # staged operands
-    rm = jk.arange(0, M)
-    rn = jk.arange(0, N)
-    rk = jk.arange(0, BK)
-    acc = jk.zeros((M, N), jk.f32)
-    for k in range(0, K, BK):
-        xv = jk.load(x + rm[:, None] * K + (k + rk)[None, :])
-        wv = jk.load(w + rn[:, None] * K + (k + rk)[None, :])
-        acc = jk.dot(xv, jk.trans(wv), acc)
-    xv = jk.load(x + rm[:, None] * K + rk[None, :]).to(jk.bf16)
-    wv = jk.load(w + rn[:, None] * K + rk[None, :])
-    acc = jk.dot(xv, jk.trans(wv), acc)
-    jk.store(c + rm[:, None] * N + rn[None, :], acc)
-
-
 def test_dot_accumulator_handed_to_a_dot_of_another_register_layout(tier):
+    """A K loop of f32-activation dots whose accumulator feeds a bf16-activation dot (_k_loop_dot, EPI 2)."""
+    from tests.ops.ref_basic import from_bf16, to_bf16
     rng = np.random.default_rng(91)
     M, N, BK, K = 16, 16, 32, 96
     x = rng.standard_normal((M, K)).astype(np.float32)
-    w_bits = (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    w64 = (w_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    w_bits = to_bf16(rng.standard_normal((N, K)))
+    w64 = from_bf16(w_bits).astype(np.float64)
     c = np.full((M, N), np.nan, np.float32)
-    _run(_k_loop_then_16bit_dot, (1,), tier, x, jk.as_pointer(w_bits, "bf16"), c, K, M=M, N=N, BK=BK)
+    _run(_k_loop_dot, (1,), tier, x, jk.as_pointer(w_bits, "bf16"), c, K, M=M, N=N, BK=BK, EPI=2)
     x64 = x.astype(np.float64)
-    xb = ((x[:, :BK].view(np.uint32) + 0x7FFF + ((x[:, :BK].view(np.uint32) >> 16) & 1)) >> 16 << 16)
-    xb64 = xb.astype(np.uint32).view(np.float32).astype(np.float64)       # x rounded to bf16 (nearest even)
-    want = x64 @ w64.T + xb64 @ w64[:, :BK].T
-    mag = np.abs(x64) @ np.abs(w64).T + np.abs(xb64) @ np.abs(w64[:, :BK]).T
+    xb64 = from_bf16(to_bf16(x[:, :BK])).astype(np.float64)          # the epilogue's x rounded to bf16
+    want = x64 @ w64.T + xb64 @ w64[:, :BK].T + 1.0
+    mag = np.abs(x64) @ np.abs(w64).T + np.abs(xb64) @ np.abs(w64[:, :BK]).T + 1.0
     assert np.isfinite(c).all()
     assert (np.abs(c - want) <= (2.0 ** -16 + (K + BK + 2) * 2.0 ** -24) * mag).all()
 
