@@ -1675,6 +1675,15 @@ class GpuLowering(LlvmEmitter):
         """The C (result) region of pipelined wgmma dots: past every operand buffer."""
         return -(-self._wg_end // al) * al
 
+    def _warpgroup_ids(self) -> tuple:
+        """(warp, lane, warpgroup, warp within the warpgroup) of this thread, as i32 refs."""
+        ws = self.target.warp_size
+        warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0).ref
+        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0).ref
+        wg = self.val(f"udiv i32 {warp}, 4", "i32", 0).ref
+        q = self.val(f"urem i32 {warp}, 4", "i32", 0).ref
+        return warp, lane, wg, q
+
     def _wgmma_run(self, plan, g, offs_a, offb, init, dyn=None) -> list:
         """The K steps of one staged dot (not yet committed): registers [block][part][m / 2], from `init` or
         0.0; dyn: an i32 byte offset added to the staged regions' addresses (a pipelined dot's buffer)."""
@@ -1682,8 +1691,7 @@ class GpuLowering(LlvmEmitter):
         kind = "bf16" if plan["kind"] == ir.bf16 else "f16"
         nr = m // 2
         regs = list(init) if init is not None else ["0.0"] * g["nregs"]
-        warp = self.val(f"udiv i32 {self.tid}, {self.target.warp_size}", "i32", 0)
-        wg = self.val(f"udiv i32 {warp.ref}, 4", "i32", 0)
+        wg = self._warpgroup_ids()[2]
         smem = self.hooks.smem_address(self)
         row_block = 8 * (k // 8) * 128              # bytes of one 64-row block of w
         sw = self._wgmma_swizzled()
@@ -1707,7 +1715,7 @@ class GpuLowering(LlvmEmitter):
             return self.val(f"or i64 {w_.ref}, {cdesc}", "i64", 0).ref
 
         n = plan["n"]
-        wbase = self.val(f"mul i32 {wg.ref}, {g['per_wg'] * (8 * 1024 if sw else row_block)}", "i32", 0)
+        wbase = self.val(f"mul i32 {wg}, {g['per_wg'] * (8 * 1024 if sw else row_block)}", "i32", 0)
         wbase = self.val(f"add i32 {wbase.ref}, {smem}", "i32", 0).ref
         if dyn is not None:
             smem = self.val(f"add i32 {smem}, {dyn}", "i32", 0).ref
@@ -1733,11 +1741,7 @@ class GpuLowering(LlvmEmitter):
         m, n = plan["m"], plan["n"]
         nr = m // 2
         nparts = g["nparts"]
-        ws = self.target.warp_size
-        warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0).ref
-        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0).ref
-        wg = self.val(f"udiv i32 {warp}, 4", "i32", 0).ref
-        q = self.val(f"urem i32 {warp}, 4", "i32", 0).ref
+        _, lane, wg, q = self._warpgroup_ids()
         row0 = self.val(f"mul i32 {q}, 16", "i32", 0).ref
         g4 = self.val(f"udiv i32 {lane}, 4", "i32", 0).ref
         row0 = self.val(f"add i32 {row0}, {g4}", "i32", 0).ref
