@@ -1,7 +1,10 @@
 """Registers and spills (ptxas -v) of the engine's big NVIDIA kernels: the tensor-core linear's tiles and the
 flash attention kernels. Needs ptxas, not a GPU.
 
-    python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168] [--16bit] [--tiles 64,256,32,4 ...]
+    python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168] [--16bit] [--wgmma] [--tiles 64,256,32,4 ...]
+
+--wgmma: the linear tiles with the `wgmma` launch option (warpgroup MMAs; staging from JITKERN_WGMMA_SWIZZLE /
+JITKERN_WGMMA_PIPE).
 """
 import argparse
 import os
@@ -43,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="compile with this `maxnreg` launch option")
     ap.add_argument("--16bit", dest="sixteen", action="store_true",
                     help="16-bit matrix-unit inputs (the engine's dtype auto): ACT16=1 / OPS16=True")
+    ap.add_argument("--wgmma", action="store_true", help="the linear tiles as warpgroup MMAs (sm_90a)")
     ap.add_argument("--tiles", nargs="*", default=None, metavar="BM,BN,BK,WARPS",
                     help="only these linear tiles (no flash kernels), e.g. 64,256,32,4")
     args = ap.parse_args(argv)
@@ -61,6 +65,8 @@ def main(argv=None) -> int:
         for name, kname, sig, consts in todo:
             if args.maxnreg:
                 consts = consts + [f"maxnreg={args.maxnreg}"]
+            if args.wgmma and name.startswith("linear"):
+                consts = consts + ["wgmma=1"]
             if args.sixteen:
                 consts = consts + (["ACT16=1"] if name.startswith("linear") else ["OPS16=True"])
             k = load_kernel(kname)
