@@ -271,7 +271,6 @@ def test_greedy_is_token_identical_with_mixed_requests(tiny_models, adaptive, mo
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("fake_or_cuda", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
 def test_greedy_is_token_identical_on_the_device_path(tiny_models, fake_or_cuda):
     """Speculative decoding on the engine's device path (device arrays, staged inputs, the verification step
     run eagerly there; `fake`: the host-memory stand-in device, `cuda`: the GPU): greedy tokens equal
