@@ -4,6 +4,7 @@ and JITKERN_GPU_PROFILE=1 (each launch timed between synchronisations), per kern
     JITKERN_GPU_PROFILE=1 python3 perf/profile_engine_cuda.py [--layers 4] [--tokens 16]
     python3 perf/profile_engine_cuda.py --host [--layers 8] [--tokens 64] [--concurrency 1 64] [--overlap off on]
                                           [--repeats 3] [--profile] [--smoke]
+    python3 perf/profile_engine_cuda.py --cupti [--layers 8] [--concurrency 1 64] [--prompt-len 1024]
 
 Also prints the wall time per step with graphs on for the same batch, so host overhead shows as the difference
 between that and the sum of the kernels. --host: graphs on only; per concurrency the decode step's wall time,
@@ -12,12 +13,16 @@ GPU wait), with LLMEngine's overlap_output off and on (a step's output work done
 step) in the same run, interleaved, and the engine's decode tok/s for each (a decode step: the median wall
 time of LLMEngine.step() calls in the steady state); --profile adds a cProfile of the
 host side of the decode steps (top functions by own time). --smoke: the fake device and a tiny model (CPU).
+--cupti: graphs on, no synchronisation between kernels: each concurrency's recorded decode graph replayed under
+torch.profiler (CUPTI sees every kernel, whoever launched it), and one --prompt-len prefill; per kernel name its
+launches and device time per step, so the table is what a real step spends (needs torch with CUDA).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -38,11 +43,16 @@ def main(argv=None) -> int:
                     help="--host: LLMEngine overlap_output modes to time in the same run (default both)")
     ap.add_argument("--repeats", type=int, default=3, help="--host: timed runs per mode (interleaved; median)")
     ap.add_argument("--profile", action="store_true", help="--host: also a cProfile of one more decode run")
+    ap.add_argument("--cupti", action="store_true",
+                    help="graphs on: per-kernel device time of a replayed decode graph and of a prefill (torch.profiler)")
+    ap.add_argument("--prompt-len", type=int, default=1024, help="--cupti: the prefill's prompt length")
     ap.add_argument("--smoke", action="store_true",
                     help="--host on the fake CUDA device (tests/fake_cuda.py) with a tiny model: checks the script")
     args = ap.parse_args(argv)
     if args.host:
         return _host(args)
+    if args.cupti:
+        return _cupti(args)
     os.environ.setdefault("JITKERN_GPU_PROFILE", "1")
     from jitkern.runtime import gpu_profile
     from jitkern.ops import attention
@@ -171,6 +181,73 @@ def _host(args) -> int:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         print("\n=== summary (engine decode tok/s, overlap_output off vs on)")
         print("\n".join(summary), flush=True)
+        llm.close()
+    return 0
+
+
+def _kernel_table(prof, per: int, title: str) -> None:
+    """Kernel rows of a torch.profiler run: name (the specialisation hash cut), launches and device us per `per`."""
+    rows = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+            continue
+        name = re.sub(r"_[0-9a-f]{8,}$", "", e.name)
+        n, t = rows.get(name, (0, 0.0))
+        rows[name] = (n + 1, t + e.time_range.elapsed_us())
+    total = sum(t for _, t in rows.values()) / per
+    launches = sum(n for n, _ in rows.values()) / per
+    print(f"\n=== {title}: {total:.1f} us of kernels, {launches:.0f} launches")
+    for name, (n, t) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {t / per:9.1f} us {t / per / max(total, 1e-9):6.1%} {n / per:6.1f}x  {name[:110]}")
+
+
+def _cupti(args) -> int:
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from jitkern.runtime import cuda
+    from perf.peers.make_random_model import write_model
+    dev = cuda.get_device()
+    torch.cuda.init()
+    with tempfile.TemporaryDirectory(prefix="jk-prof-") as d:
+        write_model(d, "llama3-8b", layers=args.layers, device="cuda", quiet=True)
+        rng = np.random.default_rng(0)
+        llm = LLM(model=d, device="cuda", use_graphs=True)
+        runner = llm.engine.runner
+        vocab = llm.engine.config.vocab_size
+        for c in args.concurrency:
+            prompts = [rng.integers(10, min(1000, vocab), 128).tolist() for _ in range(c)]
+            llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            g = None
+            for key, ent in runner._graphs.items():
+                if not (isinstance(key, tuple) and isinstance(key[0], str)) and \
+                        (key[0] if isinstance(key, tuple) else key) >= c:
+                    g = ent[0]
+                    break
+            if g is None:
+                print(f"concurrency {c}: no decode graph recorded ({list(runner._graphs)})")
+                continue
+            reps = 10
+            g.replay()
+            dev.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    g.replay()
+                dev.synchronize()
+            _kernel_table(prof, reps, f"decode step, concurrency {c}, {args.layers} layers (graph replay)")
+        prompt = rng.integers(10, min(1000, vocab), args.prompt_len).tolist()
+        sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt], sp1)                           # warm-up: compiles this token count's kernels
+        t0 = time.perf_counter()
+        llm.generate([rng.integers(10, min(1000, vocab), args.prompt_len).tolist()], sp1)
+        wall = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate([rng.integers(10, min(1000, vocab), args.prompt_len).tolist()], sp1)
+            dev.synchronize()
+        print(f"\nprefill of {args.prompt_len} tokens, {args.layers} layers: {wall * 1e3:.1f} ms wall (unprofiled)")
+        _kernel_table(prof, 1, f"prefill of {args.prompt_len} tokens")
         llm.close()
     return 0
 

@@ -20,37 +20,57 @@ from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store
 
 @jk.kernel
 def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
-                    HAS_RES: jk.constexpr, BLOCK: jk.constexpr, RES_COPY: jk.constexpr = False):
+                    HAS_RES: jk.constexpr, BLOCK: jk.constexpr, RES_COPY: jk.constexpr = False,
+                    ONE: jk.constexpr = False):
     """One program per row (grid (R0, R1)): row (p0, p1) starts at base + p0*s0 + p1*s1. HAS_RES: residual += x,
-    the sum normalised; with RES_COPY residual = x instead (a first layer's residual stream)."""
+    the sum normalised; with RES_COPY residual = x instead (a first layer's residual stream). ONE (n <= BLOCK):
+    the row is one tile kept in registers for the second pass (the same arithmetic without the second pass's
+    loads: a GPU's 4096-wide row otherwise waits on two more dependent global round trips)."""
     p0 = jk.program_id(0)
     p1 = jk.program_id(1)
     xb = p0.to(jk.i64) * x_s0 + p1.to(jk.i64) * x_s1
     ob = p0.to(jk.i64) * o_s0 + p1.to(jk.i64) * o_s1
     rb = p0.to(jk.i64) * r_s0 + p1.to(jk.i64) * r_s1
     offs = jk.arange(0, BLOCK)
-    acc = jk.zeros((BLOCK,), jk.f32)
-    for c in range(0, n, BLOCK):
-        cols = c + offs
-        m = cols < n
-        v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+    if ONE:
+        m = offs < n
+        wv = jk.load(w + offs, mask=m, other=0.0).to(jk.f32) + w_off
+        v = jk.load(x + xb + offs, mask=m, other=0.0).to(jk.f32)
         if HAS_RES:
             if not RES_COPY:
-                v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
-            jk.store(res + rb + cols, v, mask=m)
-            # normalise the sum as stored (rounded to the residual's dtype), as vLLM does
-            v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
-        acc += v * v
-    inv = jk.rsqrt(jk.sum(acc, axis=0) / n + eps)
-    for c in range(0, n, BLOCK):
-        cols = c + offs
-        m = cols < n
-        if HAS_RES:
-            v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
-        else:
+                v = v + jk.load(res + rb + offs, mask=m, other=0.0).to(jk.f32)
+            jk.store(res + rb + offs, v, mask=m)
+            v = jk.load(res + rb + offs, mask=m, other=0.0).to(jk.f32)     # the sum as stored (its dtype)
+        inv = jk.rsqrt(jk.sum(v * v, axis=0) / n + eps)
+        jk.store(out + ob + offs, v * inv * wv, mask=m)
+    else:
+        acc = jk.zeros((BLOCK,), jk.f32)
+        for c in range(0, n, BLOCK):
+            cols = c + offs
+            m = cols < n
             v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
-        wv = jk.load(w + cols, mask=m, other=0.0).to(jk.f32) + w_off
-        jk.store(out + ob + cols, v * inv * wv, mask=m)
+            if HAS_RES:
+                if not RES_COPY:
+                    v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+                jk.store(res + rb + cols, v, mask=m)
+                # normalise the sum as stored (rounded to the residual's dtype), as vLLM does
+                v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+            acc += v * v
+        inv = jk.rsqrt(jk.sum(acc, axis=0) / n + eps)
+        for c in range(0, n, BLOCK):
+            cols = c + offs
+            m = cols < n
+            if HAS_RES:
+                v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+            else:
+                v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+            wv = jk.load(w + cols, mask=m, other=0.0).to(jk.f32) + w_off
+            jk.store(out + ob + cols, v * inv * wv, mask=m)
+
+
+def _one_tile(n: int, block: int) -> dict:
+    """rms_norm_kernel's BLOCK, with ONE where a row fits one tile."""
+    return dict(BLOCK=block, **({"ONE": True} if n <= block else {}))
 
 
 @jk.kernel
@@ -175,10 +195,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
         rp = fptr(residual, "rms_norm: residual")
     else:
         rs, rp = 0, fptr(x, "rms_norm: x")
+    block = block_for(n, _MAX_BLOCK, target, has_half(x, weight, out, residual))
     run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, wp, fptr(out, "rms_norm: out"), os_, 0,
                                   rp, rs, 0, n, float(eps), float(weight_offset)),
         target, HAS_RES=residual is not None, **({"RES_COPY": True} if residual is not None and residual_copy else {}),
-        BLOCK=block_for(n, _MAX_BLOCK, target, has_half(x, weight, out, residual)))
+        **_one_tile(n, block))
     return out
 
 
@@ -197,7 +218,7 @@ def rms_norm_heads(x: np.ndarray, weight: np.ndarray, eps: float, *, weight_offs
     wp = _check_weight(weight, D, "rms_norm_heads: weight")
     xp = fptr(x, "rms_norm_heads: x")
     run(rms_norm_kernel, (T, H), (xp, s0, s1, wp, xp, s0, s1, xp, 0, 0, D, float(eps), float(weight_offset)),
-        target, HAS_RES=False, BLOCK=block_for(D, _MAX_BLOCK, target, has_half(x, weight)))
+        target, HAS_RES=False, **_one_tile(D, block_for(D, _MAX_BLOCK, target, has_half(x, weight))))
     return x
 
 

@@ -83,6 +83,53 @@ def _rot_gptj_to(src, dst, j, m, even, c2, s2):
 
 
 @jk.kernel
+def rope_cache_head_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, positions, cache, max_pos,
+                           k_cache, v_cache, slot_mapping, HALF: jk.constexpr, NEOX: jk.constexpr,
+                           BLOCK: jk.constexpr, D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr):
+    """rope_cache_kernel with grid (tokens, n_q + n_k) for GPUs: program (t, h) rotates query head h < n_q in
+    place, else rotates key head h - n_q and copies value head h - n_q into the caches (the other kind's
+    loads and stores masked off); the same arithmetic per element. A token's heads run side by side instead of
+    one after another: one program looping over Llama-3-8B's 48 heads took ~12 us of dependent loads on the
+    H200 at one token."""
+    t = jk.program_id(0)
+    h = jk.program_id(1)
+    tt = t.to(jk.i64)
+    pos = jk.load(positions + t)
+    pos = jk.minimum(jk.maximum(pos, 0), max_pos - 1)     # memory safety; the wrapper checks the range
+    cb = cache + pos.to(jk.i64) * (2 * HALF)
+    slot = jk.load(slot_mapping + t)
+    isq = h < n_q
+    ok = (h >= n_q) & (slot >= 0)
+    hq = jk.minimum(h, n_q - 1)
+    hk = jk.minimum(jk.maximum(h - n_q, 0), n_k - 1)
+    dst = jk.maximum(slot, 0).to(jk.i64) * (n_k * D) + hk * D
+    qh = q + tt * q_st + hq * q_sh
+    kh = k + tt * k_st + hk * k_sh
+    i = jk.arange(0, BLOCK)
+    dd = jk.arange(0, BD)
+    dm = dd < D
+    if NEOX:
+        m = i < HALF
+        c = jk.load(cb + i, mask=m, other=0.0)
+        s = jk.load(cb + HALF + i, mask=m, other=0.0)
+        _rot_neox_to(qh, qh, i, m & isq, c, s, HALF)
+        _rot_neox_to(kh, k_cache + dst, i, m & ok, c, s, HALF)
+    else:
+        m = i < 2 * HALF
+        even = (i % 2) == 0
+        c2 = jk.load(cb + i // 2, mask=m, other=0.0)
+        s2 = jk.load(cb + HALF + i // 2, mask=m, other=0.0)
+        s2 = jk.where(even, -s2, s2)
+        _rot_gptj_to(qh, qh, i, m & isq, even, c2, s2)
+        _rot_gptj_to(kh, k_cache + dst, i, m & ok, even, c2, s2)
+    if TAIL:
+        tc = 2 * HALF + dd
+        tm = (tc < D) & ok
+        jk.store(k_cache + dst + tc, jk.load(kh + tc, mask=tm, other=0.0), mask=tm)
+    jk.store(v_cache + dst + dd, jk.load(v + tt * v_st + hk * v_sh + dd, mask=dm & ok, other=0.0), mask=dm & ok)
+
+
+@jk.kernel
 def rope_cache_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, positions, cache, max_pos,
                       k_cache, v_cache, slot_mapping, HALF: jk.constexpr, NEOX: jk.constexpr, BLOCK: jk.constexpr,
                       D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr):
@@ -90,7 +137,8 @@ def rope_cache_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, pos
     heads rotated, and its value heads, into the paged caches at slot_mapping[t] (-1: no cache write), as
     rope_kernel followed by reshape_and_cache_kernel would (the same f32 arithmetic, rounded once to the cache
     dtype). Dimensions past the rotary ones (TAIL: HALF * 2 < D) are copied unrotated. The key rows in `k`
-    are left as they were (nothing reads them after this)."""
+    are left as they were (nothing reads them after this).
+    GPUs run rope_cache_head_kernel instead (the same arithmetic, one program per token and head)."""
     t = jk.program_id(0)
     tt = t.to(jk.i64)
     pos = jk.load(positions + t)
@@ -225,7 +273,8 @@ def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
         raise ValueError(f"rope_and_cache: positions must lie in [0, {max_pos}) (the cos/sin cache length); got "
                          f"[{int(positions.min())}, {int(positions.max())}]")
     half = rotary_dim // 2
-    run(rope_cache_kernel, (T,), (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
+    per_head = bool(target is not None and target.is_gpu)
+    run(rope_cache_head_kernel if per_head else rope_cache_kernel, (T, q.shape[1] + kvh) if per_head else (T,), (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
                                  kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),
         target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16),
         D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim)
