@@ -79,10 +79,11 @@ def _cpu_greedy(path, prompts, n, kv_cache_dtype="auto"):
         llm.close()
 
 
-def _smollm2_run(path, prompts, dev):
+def _smollm2_run(path, prompts, dev, kv_cache_dtype="auto"):
     from engine.llm import LLM
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=256, device=dev)
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=256, device=dev,
+              kv_cache_dtype=kv_cache_dtype)
     try:
         outs = llm.generate(prompts, sp)
         texts = [o.outputs[0].text for o in outs]
@@ -92,11 +93,12 @@ def _smollm2_run(path, prompts, dev):
         llm.close()
 
 
-def _greedy_margins(path, runs):
+def _greedy_margins(path, runs, kv_cache_dtype="auto"):
     """For each (prompt ids, another device's greedy continuation): per generated token, how far below this
     engine's (CPU's) best logprob at that position the chosen token lies (0 where the CPU would pick it too)."""
     from engine.llm import LLM
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=256, device="cpu")
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=256, device="cpu",
+              kv_cache_dtype=kv_cache_dtype)
     try:
         out = []
         for prompt, cont in runs:
@@ -224,17 +226,22 @@ def test_greedy_margins_measure_ties_and_catch_wrong_tokens():
     assert max(_greedy_margins(path, [(prompt, wrong)])[0]) > 1.0
 
 
-def test_smollm2_on_the_device_matches_the_cpu(device):
+@pytest.mark.parametrize("kv,near_tie", [("f32", 0.05), ("auto", 0.1)])
+def test_smollm2_on_the_device_matches_the_cpu(device, kv, near_tie):
+    # kv "auto" is the f16 cache (the GGUF's default); f32 keeps the comparison free of the cache's rounding
     path = _smollm2_path()
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    res = {"cpu": _cpu_side("_smollm2_run", path, prompts, "cpu"), "cuda": _smollm2_run(path, prompts, "cuda")}
+    res = {"cpu": _cpu_side("_smollm2_run", path, prompts, "cpu", kv),
+           "cuda": _smollm2_run(path, prompts, "cuda", kv)}
     if list(res["cuda"][0]) != list(res["cpu"][0]):
         # The devices sum in different orders (GPU attention and row kernels), so greedy text may part at a
         # near tie (seen on the H200 with the 8-layer truncated SmolLM2, whose logits are close together):
-        # then every token the device picked must be within 0.05 nats of the CPU's own best at that position.
-        margins = _cpu_side("_greedy_margins", path, res["cuda"][2])
+        # then every token the device picked must be within `near_tie` nats of the CPU's own best there. H200,
+        # 2026-12-02 (scratch diagnosis, both prompts, 16 tokens): worst 0.022 with an f32 cache, 0.062 with
+        # f16 (a key or value rounds to the other side of an f16 step), NLLs within 0.06% either way.
+        margins = _cpu_side("_greedy_margins", path, res["cuda"][2], kv)
         worst = max(max(m) for m in margins)
-        assert worst <= 0.05, (res["cuda"][0], res["cpu"][0], margins)
+        assert worst <= near_tie, (res["cuda"][0], res["cpu"][0], margins)
     cpu_nll, dev_nll = res["cpu"][1], res["cuda"][1]
     assert np.isfinite(cpu_nll) and cpu_nll > 0.5
     assert abs(dev_nll - cpu_nll) <= 0.01 * cpu_nll, (dev_nll, cpu_nll)
