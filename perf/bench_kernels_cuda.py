@@ -66,6 +66,13 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-bs64-pb1": {"BLOCK": 64, "GPU_PARTITION_BLOCKS": 1},
                  "flash-16bit": {"GPU_FLASH_OPERANDS": "16bit"},
                  "flash-16bit-w2": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_WARPS": (2, 8)},
+                 # decode partitions of 1 / 2 / 8 blocks (more programs at small batches, more merging), and the
+                 # decode kernel at 4 warps however wide the launch
+                 "flash-16bit-pb1": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 1},
+                 "flash-16bit-pb2": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 2},
+                 "flash-16bit-pb8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 8},
+                 "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
+                 "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 
@@ -550,6 +557,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per variant")
     ap.add_argument("--m", type=int, nargs="+", default=None, help="GEMM M values (default 1 16 64 256 2048 8192)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode-cases", nargs="+", default=None, metavar="BxCTX",
+                    help="attn: decode cases as sequences x context, e.g. 1x136 64x136 (default: %s)"
+                    % " ".join(f"{b}x{c}" for b, c in DECODE_CASES))
+    ap.add_argument("--prefill-cases", nargs="*", default=None, metavar="BxS",
+                    help="attn: prefill cases as sequences x tokens (none: skip prefill; default: %s)"
+                    % " ".join(f"{b}x{c}" for b, c in PREFILL_CASES))
     ap.add_argument("--attn-variants", nargs="+", choices=list(ATTN_VARIANTS), default=["flash", "token"],
                     help="GPU attention paths to time in the attn section (default: flash token)")
     a = ap.parse_args(argv)
@@ -585,6 +598,10 @@ def _run(a) -> int:
     else:
         Ms, NKs = a.m or GEMM_M, GEMM_NK
         pre, dec = PREFILL_CASES, DECODE_CASES
+    if a.decode_cases is not None:
+        dec = tuple(tuple(int(v) for v in c.split("x")) for c in a.decode_cases)
+    if a.prefill_cases is not None:
+        pre = tuple(tuple(int(v) for v in c.split("x")) for c in a.prefill_cases)
         copy_mib, elem = 1024, (8192, 4096, 14336)
     t0 = time.perf_counter()
     with torch.no_grad():

@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="one small shape, two configs")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap of the tensor-core linear (matmul.GPU_LINEAR_MAXNREG; e.g. 168, 128)")
+    ap.add_argument("--x16", action="store_true",
+                    help="x handed over in bf16 (linear's x_dtype='bf16': half the bytes of x; implies --activations "
+                         "16bit, the same bits)")
     ap.add_argument("--activations", choices=("f32", "16bit"), default=None,
                     help="A operand of the tensor-core linear (matmul.GPU_LINEAR_ACTIVATIONS): f32 split hi + lo, "
                          "or rounded to the weights' 16-bit type (one MMA chain)")
@@ -59,6 +62,8 @@ def main(argv=None) -> int:
     from jitkern.ops import matmul
     if args.maxnreg:
         matmul.GPU_LINEAR_MAXNREG = args.maxnreg
+    if args.x16:
+        args.activations = "16bit"
     if args.activations:
         matmul.GPU_LINEAR_ACTIVATIONS = args.activations
         print(f"tensor-core linear activations: {args.activations}")
@@ -90,7 +95,9 @@ def main(argv=None) -> int:
             if M > 256 and N * K > 6144 * 4096 and not args.all_shapes:
                 continue
             host_x = rng.standard_normal((M, K), dtype=np.float32)
-            x = cuda.to_device(host_x)
+            x = cuda.to_device(to_bf16(host_x) if args.x16 else host_x)
+            xkw = {"x_dtype": "bf16"} if args.x16 else {}
+            xbytes = M * K * (2 if args.x16 else 4)
             y = cuda.DeviceArray.empty((M, N), np.float32)
             L = args.launches if M <= 64 else max(3, args.launches // 4) if M <= 256 else 3
             rows = []
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
                     matmul.GPU_LINEAR_MMA_TILE = cfg[1:5] + (split,) if split else cfg[1:]
                 else:
                     matmul.GPU_LINEAR_MMA_TILE, matmul.GPU_LINEAR_TILE = None, cfg[1:]
-                matmul.linear(x, ws[0], out=y, w_dtype="bf16")      # compile + load outside the capture
+                matmul.linear(x, ws[0], out=y, w_dtype="bf16", **xkw)      # compile + load outside the capture
                 dev.synchronize()
                 if ref is not None:
                     err = float(np.max(np.abs(y.numpy() - ref)) / (np.max(np.abs(ref)) + 1e-30))
@@ -118,9 +125,9 @@ def main(argv=None) -> int:
                         print(f"  WRONG RESULT for config {cfg}: max rel err {err:.2e}")
                 with jk.capture() as g:
                     for i in range(L):
-                        matmul.linear(x, ws[i % copies], out=y, w_dtype="bf16")
+                        matmul.linear(x, ws[i % copies], out=y, w_dtype="bf16", **xkw)
                 t = _best(g.replay, dev.synchronize) / L
-                gbs = (wbytes + M * K * 4 + M * N * 4) / t / 1e9
+                gbs = (wbytes + xbytes + M * N * 4) / t / 1e9
                 rows.append((cfg, t, gbs))
             tx = torch.from_numpy(host_x).cuda().to(torch.bfloat16)
             ty = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")

@@ -297,6 +297,33 @@ def test_linear_16bit_activations(backend, monkeypatch):
     assert (mm._act16_for("bf16"), mm._act16_for("f16")) == (1, 2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tile", [(16, 32, 64, 4, 2), (16, 32, 64, 4)], ids=["splitk", "whole"])
+def test_linear_16bit_x_gives_the_16bit_activations_bits(backend, monkeypatch, tile):
+    """x already in bf16 (x_dtype="bf16": what a producer writing the linear's input in 16 bits hands over) gives
+    bit for bit the f32 x with activations "16bit" (the kernel rounds x to bf16 first), through the split-K
+    path and the whole-K one, alone and in a batch; the wrong storage or a path without the kernel is an error
+    naming the field."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", tile)
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(37), 19, 96, 256)
+    want = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16", activations="16bit").numpy()
+    x16 = to_bf16(x)
+    mm._LAST.clear()
+    got = mm.linear(_dev(cuda_mod, x16), dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+    assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["ACT16"] == 1
+    np.testing.assert_array_equal(got, want)
+    part = mm.linear(_dev(cuda_mod, x16[3:4]), dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+    np.testing.assert_array_equal(part, want[3:4])
+    ref = (x16.astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="x: expected uint16 storage for x_dtype='bf16'"):
+        mm.linear(_dev(cuda_mod, x), dw, w_dtype="bf16", x_dtype="bf16")
+    with pytest.raises(ValueError, match="x_dtype='f16' needs the tensor-core GPU linear with f16 weights"):
+        mm.linear(_dev(cuda_mod, x.astype(np.float16)), dw, w_dtype="bf16", x_dtype="f16")
+
+
 def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
     """A bf16 linear case of M tokens launched whole: checks it took a tile of bm rows and matches float64;
     returns (x, weights, bias on the device, the result, the float64 reference)."""

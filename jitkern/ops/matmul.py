@@ -519,22 +519,34 @@ def _bf16_pointer(arr: np.ndarray) -> Pointer:
     return Pointer(arr.__array_interface__["data"][0], _BF16, arr)
 
 
-def _as_x(x, K, name="x"):
+_X_STORAGE = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}
+
+
+def _as_x(x, K, name="x", x_dtype="f32"):
     if not is_array(x):
         raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
-    if x.dtype != np.float32:
-        raise ValueError(f"{name}: expected float32, got {x.dtype}")
+    if x_dtype not in _X_STORAGE:
+        raise ValueError(f"x_dtype must be one of {sorted(_X_STORAGE)}, got {x_dtype!r}")
+    if x.dtype != np.dtype(_X_STORAGE[x_dtype]):
+        raise ValueError(f"{name}: expected {np.dtype(_X_STORAGE[x_dtype])}"
+                         f"{' storage for x_dtype=' + repr(x_dtype) if x_dtype != 'f32' else ''}, got {x.dtype}")
+    es = x.dtype.itemsize
     squeeze = x.ndim == 1
     x2 = x.reshape(1, -1) if squeeze else x
     if x2.ndim != 2:
         raise ValueError(f"{name}: expected a 1-D or 2-D array, got shape {x.shape}")
     if x2.shape[1] != K:
         raise ValueError(f"{name}: has {x2.shape[1]} columns but the weight has K={K}")
-    if x2.strides[1] != 4 or x2.strides[0] % 4 or x2.strides[0] < 4 * K:
+    if x2.strides[1] != es or x2.strides[0] % es or x2.strides[0] < es * K:
         if is_device(x2):
             raise ValueError(f"{name}: a device array needs contiguous rows (strides {x2.strides})")
         x2 = np.ascontiguousarray(x2)
     return x2, squeeze
+
+
+def _x_arg(x2, x_dtype):
+    """The kernel argument of x rows (bf16 storage as a bf16 pointer)."""
+    return _bf16_pointer(x2) if x_dtype == "bf16" else x2
 
 
 def _out(out, M, N, squeeze, name="out", like=None):
@@ -694,9 +706,10 @@ def _rows_tiles(M, N, target):
     return BM, BN, V
 
 
-def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0):
+def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32"):
     """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
     Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk)."""
+    es = x2.dtype.itemsize
     for m0 in range(0, M, GPU_SPLITK_MAX_M):
         m1 = min(M, m0 + GPU_SPLITK_MAX_M)
         mc = m1 - m0
@@ -704,7 +717,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0):
         parts = device_scratch(x2, "linear_splitk", (S * mc, N), np.float32) if is_device(x2) \
             else np.empty((S * mc, N), np.float32)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
-                (xc, warg, oc, parts, mc, N, K, xc.strides[0] // 4, N),
+                (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N),
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
                      **_mma_regs(T, BM)), T)
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -712,7 +725,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0):
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
 
 
-def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None):
+def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None, x_dtype="f32"):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
@@ -723,11 +736,21 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
     large M (prefill), `pack_weight` once + `linear_packed` is faster. `out`: an optional float32 array of the
     result's shape (rows may be strided). `activations` ("f32" | "16bit", default GPU_LINEAR_ACTIVATIONS): the
     A operand of the tensor-core kernel on GPUs with matrix units (16-bit weights); elsewhere no effect.
+    `x_dtype` "bf16" (uint16 storage) / "f16": x already in the weights' 16-bit type, for that kernel only: the
+    same result as f32 x with activations "16bit" (which rounds x to that type first), from half the bytes of x.
     """
     T = _target(resolve_target(target, x, w))
     arr, dt, warg = _as_weight(w, w_dtype)
     N, K = arr.shape
-    x2, squeeze = _as_x(x, K)
+    x2, squeeze = _as_x(x, K, x_dtype=x_dtype)
+    es = x2.dtype.itemsize
+    tensor_cores = bool(T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in _LINEAR_MMA_UNITS
+                        and dt in ("bf16", "f16") and K % 16 == 0)
+    if x_dtype != "f32":
+        if not tensor_cores or x_dtype != dt:
+            raise ValueError(f"x_dtype={x_dtype!r} needs the tensor-core GPU linear with {x_dtype} weights "
+                             f"(here: {dt} weights on {T.name})")
+        activations = "16bit"
     M = x2.shape[0]
     o2 = _out(out, M, N, squeeze, like=x2)
     b = _as_bias(bias, N)
@@ -735,16 +758,16 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
         if K == 0:
             o2[...] = 0.0 if b is None else b[None, :]
         else:
-            args = (x2, warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // 4, o2.strides[0] // 4)
-            if T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in _LINEAR_MMA_UNITS \
-                    and dt in ("bf16", "f16") and K % 16 == 0:
+            args = (_x_arg(x2, x_dtype), warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // es,
+                    o2.strides[0] // 4)
+            if tensor_cores:
                 tile = _mma_tile_for(T, N, K, M)
                 BM, BN, BK, NW = tile[:4]
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
                 if S > 1 and even and K % (S * BK) == 0:
                     _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T,
-                                   _act16_for(dt, activations))
+                                   _act16_for(dt, activations), x_dtype)
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
