@@ -338,3 +338,37 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
         assert cpu.engine.model.compute16 is False
     finally:
         cpu.close()
+
+
+@pytest.mark.gpu
+def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch):
+    """GPU_X16 (CUDA, dtype auto, bf16 checkpoint): the norms and the gated activation write the q/k/v, gate/up
+    and down projections' inputs in bf16 (Linear.x16), which the tensor-core linear would round f32 x to anyway:
+    greedy tokens and every prompt logprob are bit-identical to the f32 inputs, batch and alone."""
+    if not _real_gpu():
+        pytest.skip("no CUDA device here")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    from engine.llm import LLM
+    from engine.models import decoder
+    from tests.model_fixtures import make_model_dir
+    hf = make_model_dir("llama", str(tmp_path), seed=7).to(torch.bfloat16)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    prompts = _prompts(4, seed=9)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(decoder, "GPU_X16", on)
+        llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
+        try:
+            L = llm.engine.model.layers[0]
+            assert [lin.x16 for lin in (L.qkv, L.gate_up, L.down)] == [np.uint16 if on else None] * 3
+            outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+            got[on] = [(list(o.outputs[0].token_ids),
+                        [None if d is None else sorted((k, v.logprob) for k, v in d.items()) for d in o.prompt_logprobs])
+                       for o in outs]
+        finally:
+            llm.close()
+    assert got[True] == got[False]
+    assert got[True][0][0] == got[True][-1][0]          # the first prompt's tokens alone as in the batch

@@ -22,6 +22,11 @@ from engine.models.weights import Linear, linear_from, vector_f32
 
 
 # logical name -> candidate checkpoint names ({i} = layer index)
+# CUDA with 16-bit compute (dtype "auto"): the norms / activation before a tensor-core linear write its input in
+# the weights' 16-bit type (Linear.x16), the same bits the linear would round f32 x to, from half the bytes
+# (H200, perf/tune_gemv_cuda.py --x16: 1.04-1.10x at 64 tokens, 1.08-1.15x at 256-1024)
+GPU_X16 = True
+
 _NAMES = {
     "embed": ["token_embd.weight", "model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
               "model.language_model.embed_tokens.weight"],
@@ -215,6 +220,7 @@ class DecoderLM:
                     lin.to_device(up)
                     if self.compute16:
                         lin.activations = "16bit"
+                        lin.x16 = self._x16_storage(lin)
             if L.moe is not None:
                 L.moe.to_device(up)
         self.lm_head.to_device(up)
@@ -381,6 +387,24 @@ class DecoderLM:
             return layer_norm(x, w, b, self.eps, out=out)
         return rms_norm(x, w, self.eps, out=out, residual=residual, weight_offset=self.norm_offset)
 
+    def _x16_storage(self, lin):
+        """Linear.x16 for `lin` on this model's device: the 16-bit storage its input may come in (CUDA, a plain
+        16-bit Linear on the tensor-core path, after an RMSNorm or the gated activation), else None."""
+        if not GPU_X16 or self.device != "cuda" or type(lin) is not Linear or self.layernorm:
+            return None
+        from jitkern.ops._hostargs import resolve_target
+        from jitkern.ops.matmul import takes_16bit_x
+        if not takes_16bit_x(lin.kind, lin.k, resolve_target(None, lin.weight)):
+            return None
+        return np.uint16 if lin.kind == "bf16" else np.float16
+
+    def _x_for(self, lin, norm_w, x, buf):
+        """The buffer the pre-norm writes `lin`'s input into: x (f32), or its 16-bit twin when lin takes it."""
+        st = getattr(lin, "x16", None)
+        if st is None or norm_w is None:
+            return x
+        return buf.get("x16", x.shape, st)
+
     def _q8_bufs(self, buf, T: int, K: int, rep4: bool):
         """Activation buffers for int8 inputs of K columns (quantize_q8's arrays; the repeated scales with rep4)."""
         o8 = (buf.get(f"q8x{K}", (T, K), np.int8), buf.get(f"q8d{K}", (T, K // 32)), buf.get(f"q8s{K}", (T, K // 32)))
@@ -454,7 +478,8 @@ class DecoderLM:
         for li, L in enumerate(self.layers):
             # attention block (pre-norm; the residual add is fused into the norm, and into the quantisation of
             # the q/k/v projection's input for GGUF weights)
-            self._norm_linear(h, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out, x, buf, residual=residual, first=first)
+            self._norm_linear(h, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out, self._x_for(L.qkv, L.attn_norm, x, buf),
+                              buf, residual=residual, first=first)
             first = False
             q = _heads(qkv_out, 0, H, D)
             k = _heads(qkv_out, H * D, KVH, D)
@@ -497,7 +522,8 @@ class DecoderLM:
                 L.moe(x, h, buf)
             elif L.gate_up is not None:
                 gu = buf.get("gu", (T, L.gate_up.n))
-                self._norm_linear(o, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu, x, buf, residual=residual)
+                self._norm_linear(o, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu,
+                                  self._x_for(L.gate_up, L.ffn_norm, x, buf), buf, residual=residual)
                 gelu = self.cfg.hidden_act.startswith("gelu")
                 down_q8 = L.down.q8_input(T) if self.fuse_decode else None
                 if down_q8 is not None:
@@ -506,7 +532,9 @@ class DecoderLM:
                     o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
                     L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
                 else:
-                    act = buf.get("act", (T, L.gate_up.n // 2))
+                    st = getattr(L.down, "x16", None)
+                    act = buf.get("act", (T, L.gate_up.n // 2)) if st is None else \
+                        buf.get("act16", (T, L.gate_up.n // 2), st)
                     (gelu_tanh_and_mul if gelu else silu_and_mul)(gu, out=act)
             else:
                 self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)

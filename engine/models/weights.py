@@ -46,6 +46,10 @@ class Linear:
         self.bias = bias
         self.name = name
         self.activations = None     # 16-bit weights on a GPU with matrix units: "f32" | "16bit" (ops.matmul.linear)
+        # the numpy storage of a 16-bit x this linear takes as it is (uint16 = bf16, float16), None: f32 only.
+        # Set with activations "16bit" on the tensor-core GPU path, where the kernel rounds f32 x to the
+        # weights' type first anyway: a producer writing x in that type gives the same bits from half the bytes
+        self.x16 = None
 
     def to_device(self, upload) -> None:
         """Weight (raw GGUF blocks as they are, or f32/f16/bf16 rows) and bias onto the GPU (`upload`:
@@ -70,8 +74,9 @@ class Linear:
                 add(y, _bias_rows(self.bias, y.shape[0]), out=y)
             return y
         from jitkern.ops.matmul import linear
+        xkw = {"x_dtype": self.kind} if x.dtype != np.float32 else {}
         return linear(x, self.weight, bias=self.bias, out=out, activations=self.activations,
-                      **({"w_dtype": "bf16"} if self.kind == "bf16" else {}))
+                      **({"w_dtype": "bf16"} if self.kind == "bf16" else {}), **xkw)
 
 
     def q8_input(self, M: int):

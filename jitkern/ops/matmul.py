@@ -725,6 +725,14 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
 
 
+def takes_16bit_x(w_dtype: str, K: int, target=None) -> bool:
+    """Whether `linear` on `target` takes x already in the weights' 16-bit type (x_dtype=w_dtype): the
+    tensor-core GPU path (16-bit weights, K a multiple of 16)."""
+    T = _target(target)
+    return bool(T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in _LINEAR_MMA_UNITS and w_dtype in ("bf16", "f16")
+                and K % 16 == 0)
+
+
 def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None, x_dtype="f32"):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
@@ -744,8 +752,7 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
     N, K = arr.shape
     x2, squeeze = _as_x(x, K, x_dtype=x_dtype)
     es = x2.dtype.itemsize
-    tensor_cores = bool(T.is_gpu and GPU_LINEAR_MMA_TILE and T.mma in _LINEAR_MMA_UNITS
-                        and dt in ("bf16", "f16") and K % 16 == 0)
+    tensor_cores = takes_16bit_x(dt, K, T)
     if x_dtype != "f32":
         if not tensor_cores or x_dtype != dt:
             raise ValueError(f"x_dtype={x_dtype!r} needs the tensor-core GPU linear with {x_dtype} weights "
