@@ -6,8 +6,8 @@ Default: the embedded SmolLM2 engine (decode graphs off, so every launch is time
 ids (one request, one output token) once untimed, then --rounds times with every kernel launch timed by kernel
 name (CPU launches return when the kernel is done); prints the prefill's wall time and the per-kernel sums.
 --ops: the ops alone at SmolLM2's shapes instead: paged prefill attention of one --tokens-token sequence (9 query
-/ 3 KV heads, head_dim 64, random block table; f32 and f16 caches) and the four q4_1 linears at M = --tokens,
-best of 3 each, with their 30-layer totals.
+/ 3 KV heads, head_dim 64, random block table; f32 and f16 caches; one workspace kept across calls) and the four
+q4_1 linears at M = --tokens, best of 3 each, with their 30-layer totals.
 """
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def ops(S: int) -> None:
         qs, sl = np.array([0, S], np.int32), np.array([S], np.int32)
         bt = rng.permutation(nb + 4)[:nb].astype(np.int32)[None, :]
         out = np.empty_like(q)
-        t = _best(lambda: paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out))
+        ws = {}      # the softmax-state workspace kept across calls, as the engine does (a fresh one each call
+        #              timed its allocation and first-touch page faults too)
+        t = _best(lambda: paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, workspace=ws))
         print(f"prefill attention, {S} tokens, {np.dtype(dt).name} cache: {t * 1e3:.1f} ms a layer, "
               f"{t * layers:.2f} s for {layers} layers, {2 * S * S * H * D / t / 1e9:.1f} GFLOP/s")
     for N, K in ((960, 576), (576, 576), (3072, 576), (576, 1536)):

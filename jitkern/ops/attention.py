@@ -129,7 +129,6 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
     whole K tile live across the heads and spilling it to the stack.
     """
     n = jk.arange(0, BS)
-    d = jk.arange(0, D)
     j = jk.arange(0, w)
     r = r0 + jk.arange(0, G)
     l_i = jk.load(st_l + r[:, None] * BS + n[None, :])
@@ -139,7 +138,19 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
             qc = qc + (jk.load(qrow + g * q_hs + c * w + j),)
         ks = _load_chunks(k_ptr, n, kv_stride, D, w)
         jk.store(st_l + (r0 + g) * BS + n, _chunk_dots(ks, qc, BS, w))
-    s = jk.load(st_l + r[:, None] * BS + n[None, :]) * scale
+    _block_update(jk.load(st_l + r[:, None] * BS + n[None, :]), l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc,
+                  r0, scale, softcap, G, D, BS, SOFTCAP)
+
+
+@jk.jit
+def _block_update(scores, l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, scale, softcap, G, D, BS,
+                  SOFTCAP):
+    """The online-softmax update of _attend_block from the (G, BS) raw scores q.k of the block: shared by
+    the per-token step and the prefill kernel's token groups (_group_scores), so both give the same bits."""
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    r = r0 + jk.arange(0, G)
+    s = scores * scale
     if SOFTCAP:
         s = softcap * jk.tanh(s / softcap)
     s = jk.where(valid[None, :], s, NEG)
@@ -152,6 +163,98 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
     jk.store(st_m + r, m_new)
     jk.store(st_l + r[:, None] * BS + n[None, :], l_i * alpha[:, None] + p)
     jk.store(st_acc + r[:, None] * D + d[None, :], acc)
+
+
+@jk.jit
+def _block_update_chunks(scores, l_i, vf, ps, valid, st_m, st_l, st_acc, r0, scale, softcap, G, D, BS, w, SOFTCAP):
+    """_block_update with the block's V as f32 rows at vf ((BS, D), contiguous) and the P @ V product one
+    w-wide column chunk of the accumulator at a time: per output element the same operations as the dot of
+    _block_update (p[0] * v[0], then FMAs over the keys in order, then + acc * alpha), so the same bits, with
+    a chunk's G accumulators in registers and the probabilities broadcast from ps (G * BS floats of scratch)
+    instead of the (G, D) accumulator tile spilled around every key."""
+    n = jk.arange(0, BS)
+    jw = jk.arange(0, w)
+    r = r0 + jk.arange(0, G)
+    s = scores * scale
+    if SOFTCAP:
+        s = softcap * jk.tanh(s / softcap)
+    s = jk.where(valid[None, :], s, NEG)
+    m_i = jk.load(st_m + r)
+    m_new = jk.maximum(m_i, _row_max(s, G, BS))
+    alpha = jk.exp(m_i - m_new)
+    p = jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
+    jk.store(ps + jk.arange(0, G)[:, None] * BS + n[None, :], p)
+    jk.store(ps + G * BS + jk.arange(0, G), alpha)
+    jk.store(st_m + r, m_new)
+    jk.store(st_l + r[:, None] * BS + n[None, :], l_i * alpha[:, None] + p)
+    CG = 2 if (D // w) % 2 == 0 else 1          # column chunks at a time: 2 * G independent FMA chains
+    for c0 in jk.static_range(0, D // w, CG):
+        acc = ()
+        for c in jk.static_range(c0, c0 + CG):
+            for g in jk.static_range(G):
+                acc = acc + (jk.load(ps + g * BS) * jk.load(vf + c * w + jw),)
+        for kk in jk.static_range(1, BS):
+            nxt = ()
+            for c in jk.static_range(c0, c0 + CG):
+                vk = jk.load(vf + kk * D + c * w + jw)
+                for g in jk.static_range(G):
+                    nxt = nxt + (jk.fma(jk.load(ps + g * BS + kk), vk, acc[(c - c0) * G + g]),)
+            acc = nxt
+        for c in jk.static_range(c0, c0 + CG):
+            for g in jk.static_range(G):
+                row = st_acc + (r0 + g) * D + c * w + jw
+                jk.store(row, acc[(c - c0) * G + g] + jk.load(row) * jk.load(ps + G * BS + g))
+
+
+@jk.jit
+def _transpose_block(k_ptr, kv_stride, kt, D, BS, w):
+    """A block's (BS, D) K rows (f32 or f16) as f32 K^T (D, BS) at kt: the keys of a dimension contiguous."""
+    jw = jk.arange(0, w)
+    for kh in jk.static_range(BS // w):          # (w, w) sub-blocks: shuffles within registers
+        for c in jk.static_range(D // w):
+            x = jk.load(k_ptr + (kh * w + jw)[:, None] * kv_stride + (c * w + jw)[None, :]).to(jk.f32)
+            jk.store(kt + (c * w + jw)[:, None] * BS + (kh * w + jw)[None, :], jk.trans(x))
+
+
+@jk.jit
+def _lane_scores(qrow, q_hs, kt, dst, part, G, D, BS, w):
+    """The (G, BS) raw scores q.k of G query heads (rows qrow + g * q_hs) against a block whose K^T (D, BS)
+    f32 is at kt, stored at dst + g * BS; the keys in the vector lanes. Each score is the exact arithmetic
+    of _chunk_dots: lane j of w holds a product then FMAs over the D / w chunks in order (here the chain j
+    of every head and key, fed by broadcasts of q's element c * w + j, each K^T row loaded once for the G
+    heads; the chains go to `part`, G * w * BS floats of scratch), then lanes j and j + w / 2, ... are added
+    pairwise (here whole chain vectors: no shuffles), so the bits equal the per-token step's."""
+    KH = BS // w
+    jw = jk.arange(0, w)
+    for j in jk.static_range(w):
+        acc = ()
+        for kh in jk.static_range(KH):
+            kv = jk.load(kt + j * BS + kh * w + jw)
+            for g in jk.static_range(G):
+                acc = acc + (jk.load(qrow + g * q_hs + j) * kv,)
+        for c in jk.static_range(1, D // w):
+            nxt = ()
+            for kh in jk.static_range(KH):
+                kv = jk.load(kt + (c * w + j) * BS + kh * w + jw)
+                for g in jk.static_range(G):
+                    nxt = nxt + (jk.fma(jk.load(qrow + g * q_hs + c * w + j), kv, acc[kh * G + g]),)
+            acc = nxt
+        for kh in jk.static_range(KH):
+            for g in jk.static_range(G):
+                jk.store(part + (g * w + j) * BS + kh * w + jw, acc[kh * G + g])
+    n = jk.arange(0, BS)
+    for g in jk.static_range(G):
+        y = ()
+        for j in jk.static_range(w):
+            y = y + (jk.load(part + (g * w + j) * BS + n),)
+        half = w
+        for _ in jk.static_range(w.bit_length() - 1):
+            half = half // 2
+            nxt = ()
+            for j in jk.static_range(half):
+                nxt = nxt + (y[j] + y[j + half],)
+            y = nxt
+        jk.store(dst + g * BS + n, y[0])
 
 
 @jk.jit
@@ -380,19 +483,40 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, win
     jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + jk.arange(0, D), o, mask=parts > 1)
 
 
+@jk.jit
+def _balanced_tile(p0, n0, BALANCE):
+    """The query tile that program p0 of a prefill grid's n0 runs. BALANCE: tiles in the order 0, n0 - 1, 1,
+    n0 - 2, ...: a causal prompt's tiles cost in proportion to their position, and the CPU pool gives each
+    thread a contiguous range of flat program ids (p0 + n0 * KV head), which in grid order left the thread
+    holding the last tiles with ~1.17x the other's work (2 threads, one long prompt); in this order every
+    range pairs early tiles with late ones. A KV head's tiles stay together (they read the same cache
+    blocks). Only which program runs a tile changes, never its arithmetic."""
+    if BALANCE:
+        half = p0 // 2
+        return jk.where(p0 % 2 == 0, half, n0 - 1 - half)
+    return p0
+
+
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
 def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq_lens, block_table,
-                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
+                   num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks, tq_ws,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
                    PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr,
-                   SINKS: jk.constexpr):
-    """Program (query tile of BQ tokens of one sequence, KV head): each token of the tile attends, for the
+                   SINKS: jk.constexpr, TQ: jk.constexpr = 0, BALANCE: jk.constexpr = False):
+    """Program (query tile of BQ tokens of one sequence, KV head; the tiles dealt to the programs by
+    _balanced_tile): each token of the tile attends, for the
     G query heads of the KV head, to the blocks of its causal (and window) range, split into partitions
     and merged exactly as a decode of the same position would be (bit-identical results whichever kernel
     or batch a token lands in); the K/V blocks a tile shares stay in cache from one token to the next.
     The softmax state goes through the st_* workspace (L1-resident): as loop-carried values, odd-sized
-    state vectors compiled to much slower code."""
-    qb = jk.program_id(0)
+    state vectors compiled to much slower code.
+
+    TQ > 0 (CPU tiers): TQ consecutive tokens whose positions share a cache block (so the same key range and
+    partitions; no sliding window) go through the blocks together: their scores for a block come from
+    _group_scores (tokens in the vector lanes, the same arithmetic per score), then each token's softmax
+    update is _block_update as in the per-token step. tq_ws: per program (G, D, TQ) transposed q and (TQ, G,
+    BS) scores; the state rows hold TQ tokens."""
+    qb = _balanced_tile(jk.program_id(0), jk.num_programs(0), BALANCE)
     h = jk.program_id(1)
     w = _vec_width(D)
     seq, q0, q_len, seq_len, t0, n_rows, first_pos = _query_tile(query_start, seq_lens, num_seqs, search_steps,
@@ -402,8 +526,14 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
     n = jk.arange(0, BS)
     gi = jk.arange(0, G)
     bt_row = block_table + seq.to(jk.i64) * bt_stride
-    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G)     # this program's state rows: partition p, head g at
-    for t in range(0, n_rows):                       # r0 + p * G + g
+    TS = max(TQ, 1)                                 # token slots of state rows a program has
+    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G * TS)   # state rows: token slot u, partition p, head g at
+    if TQ > 0:                                          # r0 + u * MAXP * G + p * G + g
+        _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row, q0, t0, n_rows, first_pos,
+                        window, qb, h, r0, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
+                        KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w)
+    g_done = _grouped_rows(n_rows, window, BS, TQ, w)
+    for t in range(g_done, n_rows):
         tok = (q0 + t0 + t).to(jk.i64)
         qpos = first_pos + t
         lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
@@ -428,6 +558,76 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
             for g in range(0, G):      # a run-time loop: one copy of the (MAXP, D) merge code
                 jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS,
                                                            jk.load(sinks + h * G + g), SINKS))
+
+
+@jk.jit
+def _grouped_rows(n_rows, window, BS, TQ, w):
+    """How many of a tile's rows _prefill_groups handles: all of them, or none with a sliding window (each
+    token's key range starts elsewhere), TQ = 0, or blocks narrower than a vector of keys."""
+    if TQ == 0 or BS % w != 0:
+        return n_rows * 0
+    return jk.where(window == 0, n_rows, 0)
+
+
+@jk.jit
+def _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row, q0, t0, n_rows, first_pos,
+                    window, qb, h, r0, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
+                    KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w):
+    """prefill_kernel's token groups (see its TQ): the tile's rows in groups of at most TQ consecutive tokens
+    whose positions lie in one cache block (a tile starting mid-block has one more group), so a group's
+    tokens attend to the same blocks 0 .. position // BS with the same partitions, the last block masked per
+    token. A block's K is transposed and its V converted to f32 once for the group (tq_ws: this program's
+    scratch); each token's scores come from _lane_scores into its state's l rows (as _attend_block stores
+    them) and its softmax update from _block_update_chunks: both the per-token step's bits."""
+    d = jk.arange(0, D)
+    n = jk.arange(0, BS)
+    gi = jk.arange(0, G)
+    # this program's scratch: K^T and V as f32, the probabilities and alphas, the score chains
+    kt = tq_ws + (qb * KVH + h).to(jk.i64) * (2 * D * BS + G * BS + G + G * w * BS)
+    vf = kt + D * BS
+    ps = vf + D * BS
+    part = ps + G * BS + G
+    rows = _grouped_rows(n_rows, window, BS, TQ, w)
+    fb = first_pos // BS
+    nblk = jk.where(rows > 0, (first_pos + rows - 1) // BS - fb + 1, 0)
+    for kb in range(0, nblk):
+        r_lo = jk.maximum((fb + kb) * BS, first_pos) - first_pos      # the block's rows of the tile
+        r_hi = jk.minimum((fb + kb + 1) * BS, first_pos + rows) - first_pos
+        nb = fb + kb + 1
+        parts, per = _split(nb, PB, MAXP)
+        for sg in range(0, (r_hi - r_lo + TQ - 1) // TQ):
+            s0 = r_lo + sg * TQ                         # the group's first row within the tile
+            gsz = jk.minimum(TQ, r_hi - s0)
+            qpos0 = first_pos + s0
+            for p in range(0, parts):
+                for u in range(0, gsz):
+                    _init_state(st_m, st_l, st_acc, r0 + u * (MAXP * G) + p * G + gi, G, D, BS, True)
+                b0 = p * per
+                for b in range(b0, jk.minimum(b0 + per, nb)):
+                    base = jk.load(bt_row + b).to(jk.i64) * (BS * KVH * D) + h * D
+                    pos = b * BS + n
+                    _transpose_block(k_cache + base, KVH * D, kt, D, BS, w)
+                    jk.store(vf + n[:, None] * D + d[None, :],
+                             jk.load(v_cache + base + n[:, None] * (KVH * D) + d[None, :]).to(jk.f32))
+                    for u in range(0, gsz):
+                        rp = r0 + u * (MAXP * G) + p * G
+                        qrow = q + (q0 + t0 + s0 + u).to(jk.i64) * q_ts + h * G * q_hs
+                        l_i = jk.load(st_l + (rp + gi)[:, None] * BS + n[None, :])
+                        _lane_scores(qrow, q_hs, kt, st_l + rp * BS, part, G, D, BS, w)
+                        _block_update_chunks(jk.load(st_l + (rp + gi)[:, None] * BS + n[None, :]), l_i, vf, ps,
+                                             pos <= qpos0 + u, st_m, st_l, st_acc, rp, scale, softcap, G, D, BS,
+                                             w, SOFTCAP)
+            for u in range(0, gsz):
+                ru = r0 + u * (MAXP * G)
+                orow = out + (q0 + t0 + s0 + u).to(jk.i64) * o_ts + h * G * o_hs
+                if parts == 1:
+                    jk.store(orow + gi[:, None] * o_hs + d[None, :],
+                             _finish_state(st_m, st_l, st_acc, ru + gi, G, D, BS, jk.load(sinks + h * G + gi),
+                                           SINKS))
+                else:
+                    for g in range(0, G):
+                        jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, ru + g, G, parts, MAXP, D,
+                                                                   BS, jk.load(sinks + h * G + g), SINKS))
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
@@ -881,13 +1081,35 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None):
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
-    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads, st.bs, st.dim, like=q)
+    T = resolve_target(target, q)           # None: this host's CPU tier
+    # token groups (prefill_kernel's TQ) on CPU tiers, for tiles that can hold one
+    tq = min(PREFILL_TOKEN_GROUP, block_q) if T is None or T.is_cpu else 0
+    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads * max(tq, 1), st.bs, st.dim, like=q)
+    if tq:
+        n = programs * st.kvh * (2 * st.dim * st.bs + st.G * st.bs + st.G + st.G * 16 * st.bs)   # w <= 16
+        if ws.get("prefill_tq") is None or ws["prefill_tq"].size < n:
+            ws["prefill_tq"] = empty_like_dev(q, n, np.float32)
+        tq_ws = ws["prefill_tq"]
+    else:
+        tq_ws = st.out
     run(prefill_kernel, (programs, st.kvh),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
          int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
-         st.cap, st.sinks),
+         st.cap, st.sinks, tq_ws),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
-        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks)
+        MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks, TQ=tq,
+        BALANCE=PREFILL_BALANCE and (T is None or T.is_cpu))
+
+
+# prefill_kernel's token groups on CPU tiers (0: every token alone): TQ tokens whose positions share a cache
+# block compute their scores for a block together, the tokens in the vector lanes (bit-identical)
+PREFILL_TOKEN_GROUP = 16
+
+
+
+# prefill_kernel's programs in _balanced_tile's order on CPU tiers (threads get about equal work on a causal
+# prompt; same bits); False: grid order
+PREFILL_BALANCE = True
 
 
 # GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel) by default. A/B switches:

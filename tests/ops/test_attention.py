@@ -199,6 +199,44 @@ def test_batch_invariance(tier):
         np.testing.assert_array_equal(gen, full)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_prefill_token_groups_are_bit_identical_to_single_tokens(tier, dtype, monkeypatch):
+    """CPU tiers run a prefill tile's tokens in groups of PREFILL_TOKEN_GROUP whose positions share a cache
+    block (K^T of a block once per group, scores with the keys in the vector lanes, P @ V a column chunk at
+    a time), and deal the tiles in _balanced_tile's order: every row equals the kernel with groups off and
+    in grid order, and the decode of that position, bit for bit: whole prompts (partitions from 256 tokens),
+    chunks starting mid-block (a group per block the tile touches), sinks, softcap, groups smaller than a
+    tile, head_dim 48; a sliding window runs every token alone."""
+    if getattr(tier, "is_gpu", False):
+        pytest.skip("token groups are a CPU-tier path")
+    rng = np.random.default_rng(21)
+    seqs = [(700, 700), (300, 37), (45, 29), (5, 5)]
+    for H, KVH, D, tq, kws in ((9, 3, 64, 16, ("", "sinks", "window")), (8, 2, 48, 8, ("softcap",))):
+        q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, dtype)
+        sinks = rng.standard_normal(H).astype(np.float32)
+        monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", tq)
+        every = {"": dict(), "sinks": dict(sinks=sinks), "softcap": dict(softcap=2.5),
+                 "window": dict(sliding_window=100)}
+        for kw in (every[k] for k in kws):
+            what = f"H={H} KVH={KVH} D={D} TQ={tq} {kw}"
+            grouped = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
+            monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", 0)
+            monkeypatch.setattr(A, "PREFILL_BALANCE", False)
+            alone = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
+            monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", tq)
+            monkeypatch.setattr(A, "PREFILL_BALANCE", True)
+            np.testing.assert_array_equal(grouped, alone, err_msg=what)
+            if not kw:
+                check(grouped, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+            for i, row in ((0, 8), (0, 300), (0, 699), (1, 20), (2, 3)):     # rows inside groups, as decodes
+                L, ql = seqs[i]
+                pos = L - ql + row
+                dec = A.paged_attention(q[qs[i] + row:qs[i] + row + 1], kc, vc, np.array([0, 1], np.int32),
+                                        np.array([pos + 1], np.int32), np.ascontiguousarray(bt[i:i + 1]),
+                                        scale=0.125, target=tier, **kw)
+                np.testing.assert_array_equal(dec[0], grouped[qs[i] + row], err_msg=f"{what} seq {i} row {row}")
+
+
 def test_prefill_kernel_handles_every_sequence(tier):
     """paged_prefill_attention runs the general kernel alone, decodes included."""
     rng = np.random.default_rng(5)
