@@ -324,6 +324,47 @@ def test_linear_16bit_x_gives_the_16bit_activations_bits(backend, monkeypatch, t
         mm.linear(_dev(cuda_mod, x.astype(np.float16)), dw, w_dtype="bf16", x_dtype="f16")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_k_sum_folded_into_the_norm_and_the_activation(backend, monkeypatch):
+    """linear(fold_sum=True) leaves a split-K linear's slabs to its consumer (matmul.SplitK): rms_norm (with the
+    residual add) and silu_and_mul sum them in slab order, bit for bit what the sum kernel + the op give; no
+    split (one K range), a bias, or too many tokens give the ordinary result."""
+    from jitkern.ops import matmul as mm
+    from jitkern.ops.activation import silu_and_mul
+    from jitkern.ops.norm import rms_norm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 4))
+    rng = np.random.default_rng(41)
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, rng, 19, 96, 256)
+    xd = _dev(cuda_mod, x)
+    y = mm.linear(xd, dw, w_dtype="bf16")
+    folded = mm.linear(xd, dw, w_dtype="bf16", fold_sum=True)
+    assert isinstance(folded, mm.SplitK) and folded.S == 4 and folded.shape == (19, 96)
+    nw = _dev(cuda_mod, rng.standard_normal(96).astype(np.float32))
+    res0 = rng.standard_normal((19, 96)).astype(np.float32)
+    outs = []
+    for src in (y, folded):
+        res, out = _dev(cuda_mod, res0), _dev(cuda_mod, np.zeros((19, 96), np.float32))
+        rms_norm(src, nw, 1e-5, out=out, residual=res)
+        outs.append((out.numpy(), res.numpy()))
+    np.testing.assert_array_equal(outs[1][0], outs[0][0])
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
+    np.testing.assert_array_equal(outs[0][1], res0 + y.numpy())
+    plain = _dev(cuda_mod, np.zeros((19, 96), np.float32))
+    rms_norm(mm.linear(xd, dw, w_dtype="bf16", fold_sum=True), nw, 1e-5, out=plain)
+    want = rms_norm(y, nw, 1e-5).numpy()
+    np.testing.assert_array_equal(plain.numpy(), want)
+    a0 = silu_and_mul(y).numpy()
+    a1 = silu_and_mul(mm.linear(xd, dw, w_dtype="bf16", fold_sum=True)).numpy()
+    np.testing.assert_array_equal(a1, a0)
+    assert not isinstance(mm.linear(xd, dw, bias=db, w_dtype="bf16", fold_sum=True), mm.SplitK)
+    monkeypatch.setattr(mm, "GPU_SPLITK_MAX_M", 8)
+    assert not isinstance(mm.linear(xd, dw, w_dtype="bf16", fold_sum=True), mm.SplitK)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4))
+    r = mm.linear(xd, dw, w_dtype="bf16", fold_sum=True)
+    assert not isinstance(r, mm.SplitK)
+
+
 def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
     """A bf16 linear case of M tokens launched whole: checks it took a tile of bm rows and matches float64;
     returns (x, weights, bias on the device, the result, the float64 reference)."""

@@ -341,10 +341,13 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
 
 
 @pytest.mark.gpu
-def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tile", [None, (16, 32, 16, 4, 2)], ids=["engine-tiles", "split-k"])
+def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, tile):
     """GPU_X16 (CUDA, dtype auto, bf16 checkpoint): the norms and the gated activation write the q/k/v, gate/up
-    and down projections' inputs in bf16 (Linear.x16), which the tensor-core linear would round f32 x to anyway:
-    greedy tokens and every prompt logprob are bit-identical to the f32 inputs, batch and alone."""
+    and down projections' inputs in bf16 (Linear.x16), which the tensor-core linear would round f32 x to anyway;
+    GPU_FOLD_SPLITK: split-K linears hand their slabs to the add-norm / activation after them (a tile that splits
+    the tiny model's K, so the fold runs). Greedy tokens and every prompt logprob are bit-identical to both off,
+    batch and alone. (Checked on the fake sm_90a device too, where it compiles for minutes.)"""
     if not _real_gpu():
         pytest.skip("no CUDA device here")
     pytest.importorskip("torch")
@@ -357,9 +360,20 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch):
     hf.save_pretrained(str(tmp_path), safe_serialization=True)
     prompts = _prompts(4, seed=9)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+    from jitkern.ops import matmul as mm
+    if tile is not None:
+        monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", tile)
+    folded = []
+    real_init = mm.SplitK.__init__
+
+    def spy(self, parts):
+        folded.append(parts.shape)
+        real_init(self, parts)
+    monkeypatch.setattr(mm.SplitK, "__init__", spy)
     got = {}
     for on in (True, False):
         monkeypatch.setattr(decoder, "GPU_X16", on)
+        monkeypatch.setattr(decoder, "GPU_FOLD_SPLITK", on)
         llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
         try:
             L = llm.engine.model.layers[0]
@@ -372,3 +386,5 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch):
             llm.close()
     assert got[True] == got[False]
     assert got[True][0][0] == got[True][-1][0]          # the first prompt's tokens alone as in the batch
+    if tile is not None:
+        assert folded                                   # the fold ran

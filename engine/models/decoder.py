@@ -26,6 +26,9 @@ from engine.models.weights import Linear, linear_from, vector_f32
 # the weights' 16-bit type (Linear.x16), the same bits the linear would round f32 x to, from half the bytes
 # (H200, perf/tune_gemv_cuda.py --x16: 1.04-1.10x at 64 tokens, 1.08-1.15x at 256-1024)
 GPU_X16 = True
+# CUDA: a split-K linear (o, gate/up, down) leaves its slabs to the op after it (rms_norm with the residual add,
+# the gated activation), which sums them in the sum kernel's order: the same bits, one launch a linear fewer
+GPU_FOLD_SPLITK = True
 
 _NAMES = {
     "embed": ["token_embd.weight", "model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
@@ -409,19 +412,32 @@ class DecoderLM:
             return x
         return buf.get("x16", x.shape, st)
 
+    def _folds(self) -> bool:
+        """Whether this model's split-K sums may go into the next op (GPU_FOLD_SPLITK): CUDA, RMSNorm pre-norms on
+        every layer and at the end (the ops that take a matmul.SplitK)."""
+        return bool(GPU_FOLD_SPLITK and self.device == "cuda" and not self.layernorm and self.final_norm is not None
+                    and all(L.attn_norm is not None and L.ffn_norm is not None for L in self.layers))
+
+    @staticmethod
+    def _fold_kw(lin, ok: bool) -> dict:
+        return {"fold_sum": True} if ok and type(lin) is Linear and not lin.quantized else {}
+
     def _q8_bufs(self, buf, T: int, K: int, rep4: bool):
         """Activation buffers for int8 inputs of K columns (quantize_q8's arrays; the repeated scales with rep4)."""
         o8 = (buf.get(f"q8x{K}", (T, K), np.int8), buf.get(f"q8d{K}", (T, K // 32)), buf.get(f"q8s{K}", (T, K // 32)))
         o4 = (buf.get(f"q8d4_{K}", (T, K // 8)), buf.get(f"q8s4_{K}", (T, K // 8))) if rep4 else None
         return o8, o4
 
-    def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False):
+    def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False, fold=False):
         """lin(norm(src)) into `out`, the pre-norm's residual handling as `_norm` (`first`: residual = src, the
         first layer's residual stream). A GGUF-quantised `lin` after an RMSNorm gets its int8 input straight from
         the norm kernel (jitkern.ops.norm.rms_norm_q8): one launch instead of norm + quantise; else the norm
-        writes `x` and lin reads it."""
+        writes `x` and lin reads it. `src` may be a split-K linear's slabs (matmul.SplitK); `fold`: lin may
+        return its own (see GPU_FOLD_SPLITK)."""
         T = src.shape[0]
         spec = None if (self.layernorm or w is None or not self.fuse_decode) else lin.q8_input(T)
+        if spec is not None and not isinstance(src, np.ndarray) and hasattr(src, "sum_into"):
+            src = src.sum_into(buf.get("hsum", src.shape))       # rms_norm_q8 reads a plain array
         if spec is None:
             if first and w is not None and not self.layernorm and self.fuse_decode:
                 from jitkern.ops.norm import rms_norm        # residual = src and its norm: one launch
@@ -432,7 +448,7 @@ class DecoderLM:
                 self._norm(residual, w, b, x)
             else:
                 self._norm(src, w, b, x, residual=residual)
-            return lin(x, out=out)
+            return lin(x, out=out, **self._fold_kw(lin, fold))
         from jitkern.ops.norm import rms_norm_q8
         layout, rep4 = spec
         o8, o4 = self._q8_bufs(buf, T, lin.k, rep4)
@@ -479,11 +495,13 @@ class DecoderLM:
         host_step = (b.host.query_start[: b.num_seqs + 1], b.host.seq_lens[: b.num_seqs]) \
             if b.host is not None else None
         first = True
+        fold = tp is None and self.residual_scale is None and self._folds()
+        hsrc = h                             # the residual stream's next input: h, or the down projection's slabs
         for li, L in enumerate(self.layers):
             # attention block (pre-norm; the residual add is fused into the norm, and into the quantisation of
             # the q/k/v projection's input for GGUF weights)
-            self._norm_linear(h, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out, self._x_for(L.qkv, L.attn_norm, x, buf),
-                              buf, residual=residual, first=first)
+            self._norm_linear(hsrc, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out,
+                              self._x_for(L.qkv, L.attn_norm, x, buf), buf, residual=residual, first=first)
             first = False
             q = _heads(qkv_out, 0, H, D)
             k = _heads(qkv_out, H * D, KVH, D)
@@ -512,7 +530,7 @@ class DecoderLM:
                             # the full partition axis: a recorded decode graph stays valid as contexts grow
                             # (each sequence uses only the partitions its own length needs)
                             num_partitions=MAX_PARTITIONS, host_step=host_step, operands=self._attn_operands)
-            L.o(attn, out=o)
+            osrc = L.o(attn, out=o, **self._fold_kw(L.o, fold and L.post_attn_norm is None))
             if tp is not None:               # row-parallel o: partial sums
                 tp.all_reduce(o)
             if self.residual_scale is not None:
@@ -522,14 +540,15 @@ class DecoderLM:
             # MLP block
             down_q8 = None
             if L.moe is not None:
-                self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
+                self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 L.moe(x, h, buf)
             elif L.gate_up is not None:
                 gu = buf.get("gu", (T, L.gate_up.n))
-                self._norm_linear(o, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu,
-                                  self._x_for(L.gate_up, L.ffn_norm, x, buf), buf, residual=residual)
-                gelu = self.cfg.hidden_act.startswith("gelu")
                 down_q8 = L.down.q8_input(T) if self.fuse_decode else None
+                gu = self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu,
+                                       self._x_for(L.gate_up, L.ffn_norm, x, buf), buf, residual=residual,
+                                       fold=fold and down_q8 is None)
+                gelu = self.cfg.hidden_act.startswith("gelu")
                 if down_q8 is not None:
                     # the activation writes the down projection's int8 input directly: one launch fewer
                     from jitkern.ops.activation import act_and_mul_q8
@@ -541,13 +560,14 @@ class DecoderLM:
                         buf.get("act16", (T, L.gate_up.n // 2), st)
                     (gelu_tanh_and_mul if gelu else silu_and_mul)(gu, out=act)
             else:
-                self._norm(o, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
+                self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 act = buf.get("act", (T, L.up.n))
                 L.up(x, out=act)
                 gelu_tanh(act, out=act)
+            hsrc = h
             if L.moe is None:
                 if down_q8 is None:
-                    L.down(act, out=h)
+                    hsrc = L.down(act, out=h, **self._fold_kw(L.down, fold and L.post_ffn_norm is None))
                 if tp is not None:           # row-parallel down: partial sums
                     tp.all_reduce(h)
             if L.post_ffn_norm is not None:
@@ -562,9 +582,9 @@ class DecoderLM:
                 np.array_equal(rows, np.arange(T)):
             # every row wants logits (decode): the final norm writes the LM head's int8 input directly
             logits = buf.get("logits", (R, self.vocab))
-            self._norm_linear(h, self.final_norm, self.final_norm_b, self.lm_head, logits, x, buf, residual=residual)
+            self._norm_linear(hsrc, self.final_norm, self.final_norm_b, self.lm_head, logits, x, buf, residual=residual)
             return self._finish_logits(logits)
-        self._norm(h, self.final_norm, self.final_norm_b, x, residual=residual)
+        self._norm(hsrc, self.final_norm, self.final_norm_b, x, residual=residual)
         if R == 0:
             return np.zeros((0, self.vocab), np.float32)
         xs = self._logit_rows(x, b, buf)

@@ -30,14 +30,19 @@ def gelu_tanh_f(x):
 
 
 @jk.kernel
-def act_and_mul_kernel(gu, gu_s, out, o_s, n, ACT: jk.constexpr, BLOCK: jk.constexpr):
-    """out[t, j] = ACT(gu[t, j]) * gu[t, n + j]; grid (T, cdiv(n, BLOCK))."""
+def act_and_mul_kernel(gu, gu_s, gu_ps, out, o_s, n, ACT: jk.constexpr, BLOCK: jk.constexpr,
+                       PARTS: jk.constexpr = 1):
+    """out[t, j] = ACT(gu[t, j]) * gu[t, n + j]; grid (T, cdiv(n, BLOCK)). PARTS > 1: gu is a split-K linear's
+    slabs gu_ps elements apart, added in slab order first (matmul.SplitK: its sum kernel's bits)."""
     t = jk.program_id(0)
     cols = jk.program_id(1) * BLOCK + jk.arange(0, BLOCK)
     m = cols < n
     base = gu + t.to(jk.i64) * gu_s
     g = jk.load(base + cols, mask=m, other=0.0).to(jk.f32)
     u = jk.load(base + n + cols, mask=m, other=0.0).to(jk.f32)
+    for z in jk.static_range(1, PARTS):
+        g = g + jk.load(base + z * gu_ps.to(jk.i64) + cols, mask=m, other=0.0)
+        u = u + jk.load(base + z * gu_ps.to(jk.i64) + n + cols, mask=m, other=0.0)
     jk.store(out + t.to(jk.i64) * o_s + cols, ACT(g) * u, mask=m)
 
 
@@ -155,6 +160,13 @@ def _as_rows(a: np.ndarray, what: str):
 
 
 def _act_and_mul(name, act, gate_up, out, target):
+    from .matmul import SplitK
+    parts, ps = 1, 0
+    if isinstance(gate_up, SplitK):
+        # a split-K linear's slabs: summed in the kernel in slab order (its sum kernel's bits)
+        parts, (R0, N0) = gate_up.S, gate_up.shape
+        ps = R0 * N0
+        gate_up = gate_up.parts.reshape(parts * R0, N0)[:R0]
     target = resolve_target(target, gate_up)
     R, n2, gs, gp = _as_rows(gate_up, f"{name}: gate_up")
     if gate_up.ndim != 2 or n2 % 2:
@@ -169,7 +181,8 @@ def _act_and_mul(name, act, gate_up, out, target):
         # elementwise: 1024-wide programs (8 elements a thread) spread a decode step's one row over the SMs;
         # the row-reduction width (4096) gave Llama-3-8B's 14336-wide row 4 programs, 5.3 us on the H200
         B = min(B, GPU_ELEMENTWISE_BLOCK)
-    run(act_and_mul_kernel, (R, jk.cdiv(n, B)), (gp, gs, op, os_, n), target, ACT=act, BLOCK=B)
+    run(act_and_mul_kernel, (R, jk.cdiv(n, B)), (gp, gs, ps, op, os_, n), target, ACT=act, BLOCK=B,
+        **({"PARTS": parts} if parts > 1 else {}))
     return out
 
 

@@ -706,9 +706,45 @@ def _rows_tiles(M, N, target):
     return BM, BN, V
 
 
-def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32"):
+class SplitK:
+    """The [M, N] f32 result of a split-K linear whose ordered sum was left to its consumer (`linear(...,
+    fold_sum=True)`): y = ((parts[0] + parts[1]) + ...) + parts[S - 1], exactly what _gpu_splitk_sum_kernel would
+    store. rms_norm and act_and_mul take it as their input and add the slabs in that order (one launch and one
+    round trip of y fewer). The slabs live in the linears' shared split-K workspace: consume before the next
+    split linear runs."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts):
+        self.parts = parts                  # (S, M, N) float32, contiguous
+
+    @property
+    def S(self) -> int:
+        return self.parts.shape[0]
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.parts.shape[1:])
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def sum_into(self, out):
+        """The ordered sum into `out` [M, N] f32 (rows contiguous): what the linear would have written."""
+        S, (M, N) = self.S, self.shape
+        o2 = _out(out, M, N, False)
+        T = _target(resolve_target(None, self.parts))
+        _launch(_gpu_splitk_sum_kernel, (M, -(-N // 256)),
+                (self.parts.reshape(S * M, N), o2, o2, M, N, o2.strides[0] // 4),
+                dict(HAS_BIAS=False, SPLIT=S, BLOCK=256, num_warps=2), T)
+        return out
+
+
+def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32", fold=False):
     """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
-    Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk)."""
+    Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk). fold (one chunk,
+    no bias): the sum is left to the consumer, returned as SplitK."""
     es = x2.dtype.itemsize
     for m0 in range(0, M, GPU_SPLITK_MAX_M):
         m1 = min(M, m0 + GPU_SPLITK_MAX_M)
@@ -720,6 +756,8 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
                 (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N),
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
                      **_mma_regs(T, BM)), T)
+        if fold:
+            return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
                 (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
@@ -733,7 +771,8 @@ def takes_16bit_x(w_dtype: str, K: int, target=None) -> bool:
                 and K % 16 == 0)
 
 
-def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None, x_dtype="f32"):
+def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None, x_dtype="f32",
+           fold_sum=False):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
@@ -746,6 +785,8 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
     A operand of the tensor-core kernel on GPUs with matrix units (16-bit weights); elsewhere no effect.
     `x_dtype` "bf16" (uint16 storage) / "f16": x already in the weights' 16-bit type, for that kernel only: the
     same result as f32 x with activations "16bit" (which rounds x to that type first), from half the bytes of x.
+    `fold_sum`: where the GPU kernel splits K (and M <= GPU_SPLITK_MAX_M, no bias), return a SplitK (the slabs,
+    `out` untouched) for a consumer that sums them itself (rms_norm, act_and_mul); elsewhere the result as usual.
     """
     T = _target(resolve_target(target, x, w))
     arr, dt, warg = _as_weight(w, w_dtype)
@@ -773,8 +814,11 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
                 if S > 1 and even and K % (S * BK) == 0:
-                    _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T,
-                                   _act16_for(dt, activations), x_dtype)
+                    fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
+                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T,
+                                       _act16_for(dt, activations), x_dtype, fold)
+                    if fold:
+                        return r
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,

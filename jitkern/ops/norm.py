@@ -18,14 +18,24 @@ _MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measu
 from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store_scales  # noqa: E402
 
 
+@jk.jit
+def _row_in(x, xb, x_ps, cols, m, PARTS):
+    """A row chunk of x as f32; PARTS > 1: the sum of PARTS slabs x_ps elements apart, in slab order."""
+    v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+    for z in jk.static_range(1, PARTS):
+        v = v + jk.load(x + z * x_ps.to(jk.i64) + xb + cols, mask=m, other=0.0)
+    return v
+
+
 @jk.kernel
-def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
+def rms_norm_kernel(x, x_s0, x_s1, x_ps, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
                     HAS_RES: jk.constexpr, BLOCK: jk.constexpr, RES_COPY: jk.constexpr = False,
-                    ONE: jk.constexpr = False):
+                    ONE: jk.constexpr = False, PARTS: jk.constexpr = 1):
     """One program per row (grid (R0, R1)): row (p0, p1) starts at base + p0*s0 + p1*s1. HAS_RES: residual += x,
     the sum normalised; with RES_COPY residual = x instead (a first layer's residual stream). ONE (n <= BLOCK):
     the row is one tile kept in registers for the second pass (the same arithmetic without the second pass's
-    loads: a GPU's 4096-wide row otherwise waits on two more dependent global round trips)."""
+    loads: a GPU's 4096-wide row otherwise waits on two more dependent global round trips). PARTS > 1: x is a
+    split-K linear's slabs, x_ps elements apart, added in order first (matmul.SplitK: its sum kernel's bits)."""
     p0 = jk.program_id(0)
     p1 = jk.program_id(1)
     xb = p0.to(jk.i64) * x_s0 + p1.to(jk.i64) * x_s1
@@ -35,7 +45,7 @@ def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, 
     if ONE:
         m = offs < n
         wv = jk.load(w + offs, mask=m, other=0.0).to(jk.f32) + w_off
-        v = jk.load(x + xb + offs, mask=m, other=0.0).to(jk.f32)
+        v = _row_in(x, xb, x_ps, offs, m, PARTS)
         if HAS_RES:
             if not RES_COPY:
                 v = v + jk.load(res + rb + offs, mask=m, other=0.0).to(jk.f32)
@@ -48,7 +58,7 @@ def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, 
         for c in range(0, n, BLOCK):
             cols = c + offs
             m = cols < n
-            v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+            v = _row_in(x, xb, x_ps, cols, m, PARTS)
             if HAS_RES:
                 if not RES_COPY:
                     v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
@@ -63,7 +73,7 @@ def rms_norm_kernel(x, x_s0, x_s1, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, 
             if HAS_RES:
                 v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
             else:
-                v = jk.load(x + xb + cols, mask=m, other=0.0).to(jk.f32)
+                v = _row_in(x, xb, x_ps, cols, m, PARTS)
             wv = jk.load(w + cols, mask=m, other=0.0).to(jk.f32) + w_off
             jk.store(out + ob + cols, v * inv * wv, mask=m)
 
@@ -178,11 +188,21 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     contiguous); `out` may be `x` itself. Dtypes: float32, float16, uint16 (= bf16) for each array
     independently. Returns `out` (allocated like `x` when not given).
     """
+    from .matmul import SplitK
+    parts = 1
+    if isinstance(x, SplitK):
+        # a split-K linear's slabs: summed here in slab order (its sum kernel's bits), then as below
+        parts, x = x.S, x.parts
+        T, n = x.shape[1:]
+        x_ps = T * n
+        x = x.reshape(parts * T, n)[:T]
     target = resolve_target(target, x)
     if not is_array(x) or x.ndim != 2:
         raise ValueError(f"rms_norm: x must be a 2-D array [tokens, hidden], got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     T, n = x.shape
+    if parts == 1:
+        x_ps = 0
     xs = row_stride(x, "rms_norm: x")
     wp = _check_weight(weight, n, "rms_norm: weight")
     if out is None:
@@ -196,10 +216,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     else:
         rs, rp = 0, fptr(x, "rms_norm: x")
     block = block_for(n, _MAX_BLOCK, target, has_half(x, weight, out, residual))
-    run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, wp, fptr(out, "rms_norm: out"), os_, 0,
+    run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, x_ps, wp, fptr(out, "rms_norm: out"), os_, 0,
                                   rp, rs, 0, n, float(eps), float(weight_offset)),
         target, HAS_RES=residual is not None, **({"RES_COPY": True} if residual is not None and residual_copy else {}),
-        **_one_tile(n, block))
+        **_one_tile(n, block), **({"PARTS": parts} if parts > 1 else {}))
     return out
 
 
@@ -217,7 +237,7 @@ def rms_norm_heads(x: np.ndarray, weight: np.ndarray, eps: float, *, weight_offs
     s0, s1, _ = elem_strides(x, "rms_norm_heads: x")
     wp = _check_weight(weight, D, "rms_norm_heads: weight")
     xp = fptr(x, "rms_norm_heads: x")
-    run(rms_norm_kernel, (T, H), (xp, s0, s1, wp, xp, s0, s1, xp, 0, 0, D, float(eps), float(weight_offset)),
+    run(rms_norm_kernel, (T, H), (xp, s0, s1, 0, wp, xp, s0, s1, xp, 0, 0, D, float(eps), float(weight_offset)),
         target, HAS_RES=False, **_one_tile(D, block_for(D, _MAX_BLOCK, target, has_half(x, weight))))
     return x
 
