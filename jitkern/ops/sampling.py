@@ -42,44 +42,18 @@ def _check_rows(a, B, dtype, what):
 
 # ----------------------------------------------------------------------------------------------- argmax
 @jk.kernel
-def argmax_kernel(x, x_s, n, out, BLOCK: jk.constexpr, UNROLL: jk.constexpr = 1):
-    # UNROLL 1 or 4. 4 (GPUs): each step loads 4 chunks before comparing them in column order, so their loads are in
-    # flight together (a 128k-vocabulary row was ~63 dependent load latencies, 18.6 us on the H200); the same
-    # first maximum
+def argmax_kernel(x, x_s, n, out, BLOCK: jk.constexpr):
     row = jk.program_id(0)
     xb = row.to(jk.i64) * x_s
     offs = jk.arange(0, BLOCK)
     bv = jk.full((BLOCK,), -float("inf"), jk.f32)
     bi = jk.zeros((BLOCK,), jk.i32)
-    if UNROLL == 4:
-        for c in range(0, n, BLOCK * 4):
-            c1 = c + BLOCK
-            c2 = c1 + BLOCK
-            c3 = c2 + BLOCK
-            v0 = jk.load(x + xb + c + offs, mask=c + offs < n, other=-float("inf"))
-            v1 = jk.load(x + xb + c1 + offs, mask=c1 + offs < n, other=-float("inf"))
-            v2 = jk.load(x + xb + c2 + offs, mask=c2 + offs < n, other=-float("inf"))
-            v3 = jk.load(x + xb + c3 + offs, mask=c3 + offs < n, other=-float("inf"))
-            # then compared in column order, as the loop below does one chunk at a time
-            upd = v0 > bv
-            bv = jk.where(upd, v0, bv)
-            bi = jk.where(upd, c + offs, bi)
-            upd = v1 > bv
-            bv = jk.where(upd, v1, bv)
-            bi = jk.where(upd, c1 + offs, bi)
-            upd = v2 > bv
-            bv = jk.where(upd, v2, bv)
-            bi = jk.where(upd, c2 + offs, bi)
-            upd = v3 > bv
-            bv = jk.where(upd, v3, bv)
-            bi = jk.where(upd, c3 + offs, bi)
-    else:
-        for c in range(0, n, BLOCK):
-            cols = c + offs
-            v = jk.load(x + xb + cols, mask=cols < n, other=-float("inf"))
-            upd = v > bv                       # strict: each lane keeps its first maximum
-            bv = jk.where(upd, v, bv)
-            bi = jk.where(upd, cols, bi)
+    for c in range(0, n, BLOCK):
+        cols = c + offs
+        v = jk.load(x + xb + cols, mask=cols < n, other=-float("inf"))
+        upd = v > bv                       # strict: each lane keeps its first maximum
+        bv = jk.where(upd, v, bv)
+        bi = jk.where(upd, cols, bi)
     best = jk.max(bv, axis=0)
     jk.store(out + row, jk.min(jk.where(bv == best, bi, 2147483647), axis=0))
 
@@ -95,7 +69,7 @@ def argmax_rows(logits: np.ndarray, out: np.ndarray | None = None, *, target=Non
     if target is not None and target.is_gpu:
         # one CTA per row: 64-wide steps left most of its threads idle over ~2000 serial steps of a 128k
         # vocabulary (0.74 ms a row on the H200); the first maximum does not depend on the width
-        run(argmax_kernel, (B,), (logits, xs, V, out), target, BLOCK=2048, num_warps=8, UNROLL=4)
+        run(argmax_kernel, (B,), (logits, xs, V, out), target, BLOCK=2048, num_warps=8)
     else:
         run(argmax_kernel, (B,), (logits, xs, V, out), target, BLOCK=_BLOCK)
     return out

@@ -32,26 +32,6 @@ def test_argmax_rows(tier):
     assert got[1] == 10 and got[2] == 0 and got[3] == 49152 and got[4] == 0
 
 
-def test_argmax_kernel_unrolled_keeps_the_first_maximum(tier):
-    # the GPUs' UNROLL (several chunks loaded before they are compared) on every tier: ties across the unrolled
-    # chunks, in a partial last step, all -inf and all equal rows give np.argmax's first maximum
-    from jitkern.ops._hostargs import run
-    from jitkern.ops.sampling import argmax_kernel
-    rng = _rng(tier, "argmax-unroll")
-    B, V, BLOCK = 6, 1000, 64
-    x = (rng.standard_normal((B, V)) * 3).astype(np.float32)
-    x[1, [70, 130, 999]] = 50.0                 # chunks 1 and 2 of the first step, the tail
-    x[2, :] = -np.inf
-    x[3, 999] = 1e9
-    x[4, :] = 2.5
-    x[5, [5, 69]] = 40.0                        # same lane (5 and 5 + 64) in adjacent chunks
-    x[0, 300] = np.nan                          # ignored, as the one-chunk loop does
-    out = np.full(B, -1, np.int32)
-    run(argmax_kernel, (B,), (x, V, V, out), tier, BLOCK=BLOCK, UNROLL=4)
-    want = np.where(np.isnan(x), -np.inf, x).argmax(1)
-    assert np.array_equal(out, want), (out, want)
-
-
 
 def test_gather_rows(tier):
     from jitkern.ops.sampling import gather_rows
