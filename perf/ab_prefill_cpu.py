@@ -3,9 +3,10 @@
     JITKERN_NUM_THREADS=2 .venv/bin/python perf/ab_prefill_cpu.py [--tokens 2048] [--rounds 4] [--ops] VARIANT...
 
 A VARIANT is NAME[:ATTR=INT...]: module attributes of jitkern.ops.attention set before each of its runs (e.g.
-`before:PREFILL_TOKEN_GROUP=0:PREFILL_BALANCE=0 after`); in the engine, `layer_ws=1` gives every layer its own
-attention workspace (DecoderLM's layout before 4fff2e7) instead of the model's one shared dict. Each variant keeps
-its own workspaces, so switching variants never reallocates another's (a reallocation would time page faults).
+`before:PREFILL_TOKEN_GROUP=0:PREFILL_BALANCE=0 after`; an attribute a variant leaves out keeps the module's value);
+in the engine, `layer_ws=1` gives every layer its own attention workspace (DecoderLM's layout before 4fff2e7)
+instead of the model's one shared dict. Each variant keeps its own workspaces, so switching variants never
+reallocates another's (a reallocation would time page faults).
 Engine: the embedded SmolLM2 (graphs off, so every launch is timed) prefills --tokens random ids once per variant
 untimed, then --rounds alternations (ABBA order) each timing one prefill: its wall time and prefill_kernel's wall
 and process-CPU time. --ops: paged attention of one --tokens-token sequence at SmolLM2's shapes (q the engine's
@@ -36,11 +37,21 @@ def _variants(specs):
     return out
 
 
-def _set(A, kw):
+_DEFAULTS = {}
+
+
+def _set(A, kw, variants):
+    """The module's own values for every attribute any variant sets, then this variant's."""
+    for _, other in variants:
+        for k in other:
+            if k != "layer_ws" and k not in _DEFAULTS:
+                if not hasattr(A, k):
+                    sys.exit(f"error: jitkern.ops.attention has no {k}")
+                _DEFAULTS[k] = getattr(A, k)
+    for k, v in _DEFAULTS.items():
+        setattr(A, k, v)
     for k, v in kw.items():
         if k != "layer_ws":
-            if not hasattr(A, k):
-                sys.exit(f"error: jitkern.ops.attention has no {k}")
             setattr(A, k, v)
 
 
@@ -72,7 +83,7 @@ def ops(args, variants):
     res.labels = ("wall ms", "cpu ms")
     for r in range(args.rounds + 1):
         for name, kw in (variants if r % 2 == 0 else variants[::-1]):
-            _set(A, kw)
+            _set(A, kw, variants)
             out = np.empty((S, H, D), np.float32)
             t, c = time.perf_counter(), time.process_time()
             A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, workspace=ws[name], num_partitions=16)
@@ -116,7 +127,7 @@ def engine(args, variants):
     n = [0]
 
     def prefill(name, kw):
-        _set(A, kw)
+        _set(A, kw, variants)
         model._attn_ws = ws[name]
         n[0] += 1
         eng.add_request(f"r{n[0]}", rng.integers(100, 40000, args.tokens).tolist(), sp)
