@@ -351,6 +351,59 @@ def _merge_parts(st_m, st_l, st_acc, row0, stride, parts, NP, D, BS, sink, SINKS
 
 
 @jk.jit
+def _merge_rows(st_m, st_l, st_acc, row0, stride, parts, pad, NP, D, BS, sink, SINKS):
+    """_merge_parts with the same operations per output element (so the same bits), shaped for CPU tiers: the
+    (NP, D) products one (D,) row at a time, added in the pairwise tree that sum(axis=0) of an (NP, D) tile
+    uses ((0 + 1) + (2 + 3)) + ...; the (NP,) vectors (maxima, sums, weights) as in _merge_parts. A partition
+    p >= parts reads its accumulator row from row `pad` (all -0.0, the caller's), so its product is
+    0.0 * -0.0 = -0.0, _merge_parts's select value, with no mask: _merge_parts's (NP, D) select with
+    ok[:, None] compiled, in the prefill kernel, to masks rebuilt from scalar bits for every 8-lane vector
+    (~9 instructions each; a scalar condition per row compiled the same way)."""
+    pi = jk.arange(0, NP)
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    ok = pi < parts
+    r = row0 + pi.to(jk.i64) * stride
+    m = jk.where(ok, jk.load(st_m + r), NEG)
+    l = jk.where(ok, jk.sum(jk.load(st_l + r[:, None] * BS + n[None, :]), axis=1), 0.0)
+    mx = jk.max(m, axis=0)
+    wgt = jk.where(ok, jk.exp(m - mx), 0.0)
+    den = jk.sum(jk.where(ok, wgt * l, -0.0), axis=0)
+    terms = ()
+    for p in jk.static_range(NP):
+        w_p = jk.sum(jk.where(pi == p, wgt, -0.0), axis=0)     # lane p exactly (w + -0.0 == w)
+        row = jk.where(parts > p, row0 + p * stride, pad)
+        terms = terms + (w_p * jk.load(st_acc + row * D + d),)
+    k = NP
+    for _ in jk.static_range(NP.bit_length() - 1):
+        k = k // 2
+        nxt = ()
+        for i in jk.static_range(k):
+            nxt = nxt + (terms[2 * i] + terms[2 * i + 1],)
+        terms = nxt
+    if SINKS:
+        den = den + jk.exp(sink - mx)
+    return terms[0] / den
+
+
+@jk.jit
+def _merge_store(dst, st_m, st_l, st_acc, row0, stride, parts, pad, MAXP, D, BS, sink, SINKS, MERGE):
+    """Stores at dst the (D,) merge of a query head's parts >= 2 partition states (rows row0 + p * stride).
+    MERGE 0: _merge_parts over MAXP lanes. MERGE 1 (CPU tiers): _merge_rows over the smallest power of two
+    NP >= parts (a run-time branch per NP), `pad` a row of -0.0: the lanes NP .. MAXP - 1 would add only
+    -0.0, so the bits are the same (see _merge_parts), without the loads and products of those lanes."""
+    d = jk.arange(0, D)
+    if MERGE == 0:
+        jk.store(dst + d, _merge_parts(st_m, st_l, st_acc, row0, stride, parts, MAXP, D, BS, sink, SINKS))
+    else:
+        for i in jk.static_range(1, MAXP.bit_length()):
+            NP = 1 << i
+            if (parts <= NP) & (parts > NP // 2):
+                jk.store(dst + d, _merge_rows(st_m, st_l, st_acc, row0, stride, parts, pad, NP, D, BS, sink,
+                                              SINKS))
+
+
+@jk.jit
 def _vec_width(D):
     """Chunk width for head_dim D: the target's f32 lanes per vector register, halved until it divides D
     (GPUs have no vector registers in this sense: 4, a 16-byte access per thread)."""
@@ -502,7 +555,8 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
                    num_seqs, search_steps, q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks, tq_ws,
                    KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, BQ: jk.constexpr,
                    PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr, SKIP_DECODE: jk.constexpr,
-                   SINKS: jk.constexpr, TQ: jk.constexpr = 0, BALANCE: jk.constexpr = False):
+                   SINKS: jk.constexpr, TQ: jk.constexpr = 0, BALANCE: jk.constexpr = False,
+                   MERGE: jk.constexpr = 0):
     """Program (query tile of BQ tokens of one sequence, KV head; the tiles dealt to the programs by
     _balanced_tile): each token of the tile attends, for the
     G query heads of the KV head, to the blocks of its causal (and window) range, split into partitions
@@ -527,11 +581,16 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
     gi = jk.arange(0, G)
     bt_row = block_table + seq.to(jk.i64) * bt_stride
     TS = max(TQ, 1)                                 # token slots of state rows a program has
-    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G * TS)   # state rows: token slot u, partition p, head g at
-    if TQ > 0:                                          # r0 + u * MAXP * G + p * G + g
+    # state rows: token slot u, partition p, head g at r0 + u * MAXP * G + p * G + g; with MERGE one more
+    # row, pad, of -0.0 (the accumulator _merge_rows reads for partitions that do not exist)
+    r0 = (qb * KVH + h).to(jk.i64) * (MAXP * G * TS + MERGE)
+    pad = r0 + MAXP * G * TS
+    if MERGE:
+        jk.store(st_acc + pad * D + d, jk.full((D,), -0.0, jk.f32))
+    if TQ > 0:
         _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row, q0, t0, n_rows, first_pos,
-                        window, qb, h, r0, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
-                        KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w)
+                        window, qb, h, r0, pad, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
+                        KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w, MERGE)
     g_done = _grouped_rows(n_rows, window, BS, TQ, w)
     for t in range(g_done, n_rows):
         tok = (q0 + t0 + t).to(jk.i64)
@@ -556,8 +615,8 @@ def prefill_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, se
                                                                            jk.load(sinks + h * G + gi), SINKS))
         else:
             for g in range(0, G):      # a run-time loop: one copy of the (MAXP, D) merge code
-                jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, r0 + g, G, parts, MAXP, D, BS,
-                                                           jk.load(sinks + h * G + g), SINKS))
+                _merge_store(orow + g * o_hs, st_m, st_l, st_acc, r0 + g, G, parts, pad, MAXP, D, BS,
+                             jk.load(sinks + h * G + g), SINKS, MERGE)
 
 
 @jk.jit
@@ -571,8 +630,8 @@ def _grouped_rows(n_rows, window, BS, TQ, w):
 
 @jk.jit
 def _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row, q0, t0, n_rows, first_pos,
-                    window, qb, h, r0, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
-                    KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w):
+                    window, qb, h, r0, pad, q_ts, q_hs, o_ts, o_hs, scale, softcap, sinks,
+                    KVH, G, D, BS, PB, MAXP, SOFTCAP, SINKS, TQ, w, MERGE):
     """prefill_kernel's token groups (see its TQ): the tile's rows in groups of at most TQ consecutive tokens
     whose positions lie in one cache block (a tile starting mid-block has one more group), so a group's
     tokens attend to the same blocks 0 .. position // BS with the same partitions, the last block masked per
@@ -626,8 +685,8 @@ def _prefill_groups(q, k_cache, v_cache, out, st_m, st_l, st_acc, tq_ws, bt_row,
                                            SINKS))
                 else:
                     for g in range(0, G):
-                        jk.store(orow + g * o_hs + d, _merge_parts(st_m, st_l, st_acc, ru + g, G, parts, MAXP, D,
-                                                                   BS, jk.load(sinks + h * G + g), SINKS))
+                        _merge_store(orow + g * o_hs, st_m, st_l, st_acc, ru + g, G, parts, pad, MAXP, D, BS,
+                                     jk.load(sinks + h * G + g), SINKS, MERGE)
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
@@ -1084,7 +1143,9 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
     T = resolve_target(target, q)           # None: this host's CPU tier
     # token groups (prefill_kernel's TQ) on CPU tiers, for tiles that can hold one
     tq = min(PREFILL_TOKEN_GROUP, block_q) if T is None or T.is_cpu else 0
-    m, l, acc = _workspace(ws, "prefill", programs * MAX_PARTITIONS * st.heads * max(tq, 1), st.bs, st.dim, like=q)
+    merge = PREFILL_MERGE if T is None or T.is_cpu else 0
+    m, l, acc = _workspace(ws, "prefill", programs * st.kvh * (MAX_PARTITIONS * st.G * max(tq, 1) + merge), st.bs,
+                           st.dim, like=q)
     if tq:
         n = programs * st.kvh * (2 * st.dim * st.bs + st.G * st.bs + st.G + st.G * 16 * st.bs)   # w <= 16
         if ws.get("prefill_tq") is None or ws["prefill_tq"].size < n:
@@ -1098,7 +1159,7 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
          st.cap, st.sinks, tq_ws),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks, TQ=tq,
-        BALANCE=PREFILL_BALANCE and (T is None or T.is_cpu))
+        BALANCE=PREFILL_BALANCE and (T is None or T.is_cpu), MERGE=merge)
 
 
 # prefill_kernel's token groups on CPU tiers (0: every token alone): TQ tokens whose positions share a cache
@@ -1110,6 +1171,10 @@ PREFILL_TOKEN_GROUP = 16
 # prefill_kernel's programs in _balanced_tile's order on CPU tiers (threads get about equal work on a causal
 # prompt; same bits); False: grid order
 PREFILL_BALANCE = True
+
+# prefill_kernel's partition merge on CPU tiers: 1 = _merge_rows over the smallest power of two of partitions
+# that holds the token's (run-time branch), 0 = _merge_parts over MAX_PARTITIONS lanes (same bits)
+PREFILL_MERGE = 1
 
 
 # GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel) by default. A/B switches:

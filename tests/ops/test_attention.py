@@ -417,3 +417,33 @@ def _check_head_split(tier, monkeypatch):
             want[split] = out.copy()
         np.testing.assert_array_equal(want[True], want[False])
         check(want[True], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+
+
+@pytest.mark.parametrize("tq", [16, 0], ids=["groups", "alone"])
+def test_prefill_merge_rows_is_bit_identical(tier, tq, monkeypatch):
+    """CPU tiers merge a prefill token's partitions with _merge_rows over the smallest power of two that holds
+    them (PREFILL_MERGE = 1; partitions that do not exist read a row of -0.0): every row equals
+    _merge_parts over MAX_PARTITIONS lanes (PREFILL_MERGE = 0) and the decode of its position, bit for bit,
+    for 2 .. 16 partitions (contexts of 300 to 4,100 tokens: NP 2, 4, 8 and 16, full and padded), with
+    groups and per token, with sinks and a sliding window."""
+    if getattr(tier, "is_gpu", False):
+        pytest.skip("the row merge is a CPU-tier path")
+    rng = np.random.default_rng(33)
+    seqs = [(4100, 20), (2100, 7), (3000, 33), (1500, 30), (700, 17), (300, 5)]   # partitions 16, 9, 12, 6, 3, 2
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, 9, 3, 64, np.float16)
+    sinks = rng.standard_normal(9).astype(np.float32)
+    monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", tq)
+    for kw in (dict(), dict(sinks=sinks), dict(sliding_window=2500)):
+        monkeypatch.setattr(A, "PREFILL_MERGE", 1)
+        rows = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
+        monkeypatch.setattr(A, "PREFILL_MERGE", 0)
+        lanes = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
+        np.testing.assert_array_equal(rows, lanes, err_msg=str(kw))
+        if not kw:
+            check(rows, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+        for i, row in ((0, 19), (1, 0), (2, 17), (3, 29), (4, 8), (5, 4)):
+            pos = seqs[i][0] - seqs[i][1] + row
+            dec = A.paged_attention(q[qs[i] + row:qs[i] + row + 1], kc, vc, np.array([0, 1], np.int32),
+                                    np.array([pos + 1], np.int32), np.ascontiguousarray(bt[i:i + 1]), scale=0.125,
+                                    target=tier, **kw)
+            np.testing.assert_array_equal(dec[0], rows[qs[i] + row], err_msg=f"{kw} seq {i} row {row}")
