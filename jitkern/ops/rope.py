@@ -82,6 +82,36 @@ def _rot_gptj_to(src, dst, j, m, even, c2, s2):
     jk.store(dst + j, x * c2 + jk.where(even, nxt, prv) * s2, mask=m)
 
 
+@jk.jit
+def _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX):
+    """Token t's rotation coefficients over lanes i: (lane mask, cos, sin, even lanes). NeoX: lane j < HALF
+    pairs (j, j + HALF); GPT-J: lane j of the 2 * HALF rotated ones, sin negated on even lanes."""
+    pos = jk.load(positions + t)
+    pos = jk.minimum(jk.maximum(pos, 0), max_pos - 1)     # memory safety; the wrapper checks the range
+    cb = cache + pos.to(jk.i64) * (2 * HALF)
+    if NEOX:
+        m = i < HALF
+        even = m                                          # (unused by the NeoX rotation)
+        c = jk.load(cb + i, mask=m, other=0.0)
+        s = jk.load(cb + HALF + i, mask=m, other=0.0)
+    else:
+        m = i < 2 * HALF
+        even = (i % 2) == 0
+        c = jk.load(cb + i // 2, mask=m, other=0.0)
+        s = jk.load(cb + HALF + i // 2, mask=m, other=0.0)
+        s = jk.where(even, -s, s)
+    return m, c, s, even
+
+
+@jk.jit
+def _rot_to(src, dst, i, m, c, s, even, HALF, NEOX):
+    """One head's rotation from src to dst with _rope_coeffs's (mask, cos, sin, even)."""
+    if NEOX:
+        _rot_neox_to(src, dst, i, m, c, s, HALF)
+    else:
+        _rot_gptj_to(src, dst, i, m, even, c, s)
+
+
 ROPE_CACHE_PER_HEAD_MAX_T = 256
 
 
@@ -97,9 +127,6 @@ def rope_cache_head_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
     t = jk.program_id(0)
     h = jk.program_id(1)
     tt = t.to(jk.i64)
-    pos = jk.load(positions + t)
-    pos = jk.minimum(jk.maximum(pos, 0), max_pos - 1)     # memory safety; the wrapper checks the range
-    cb = cache + pos.to(jk.i64) * (2 * HALF)
     slot = jk.load(slot_mapping + t)
     isq = h < n_q
     ok = (h >= n_q) & (slot >= 0)
@@ -111,20 +138,9 @@ def rope_cache_head_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
     i = jk.arange(0, BLOCK)
     dd = jk.arange(0, BD)
     dm = dd < D
-    if NEOX:
-        m = i < HALF
-        c = jk.load(cb + i, mask=m, other=0.0)
-        s = jk.load(cb + HALF + i, mask=m, other=0.0)
-        _rot_neox_to(qh, qh, i, m & isq, c, s, HALF)
-        _rot_neox_to(kh, k_cache + dst, i, m & ok, c, s, HALF)
-    else:
-        m = i < 2 * HALF
-        even = (i % 2) == 0
-        c2 = jk.load(cb + i // 2, mask=m, other=0.0)
-        s2 = jk.load(cb + HALF + i // 2, mask=m, other=0.0)
-        s2 = jk.where(even, -s2, s2)
-        _rot_gptj_to(qh, qh, i, m & isq, even, c2, s2)
-        _rot_gptj_to(kh, k_cache + dst, i, m & ok, even, c2, s2)
+    m, c, s, even = _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX)
+    _rot_to(qh, qh, i, m & isq, c, s, even, HALF, NEOX)
+    _rot_to(kh, k_cache + dst, i, m & ok, c, s, even, HALF, NEOX)
     if TAIL:
         tc = 2 * HALF + dd
         tm = (tc < D) & ok
@@ -144,35 +160,18 @@ def rope_cache_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, pos
     GPUs run rope_cache_head_kernel instead (the same arithmetic, one program per token and head)."""
     t = jk.program_id(0)
     tt = t.to(jk.i64)
-    pos = jk.load(positions + t)
-    pos = jk.minimum(jk.maximum(pos, 0), max_pos - 1)     # memory safety; the wrapper checks the range
-    cb = cache + pos.to(jk.i64) * (2 * HALF)
     slot = jk.load(slot_mapping + t)
     ok = slot >= 0
     dst = jk.maximum(slot, 0).to(jk.i64) * (n_k * D)
     i = jk.arange(0, BLOCK)
     dd = jk.arange(0, BD)
     dm = dd < D
-    if NEOX:
-        m = i < HALF
-        c = jk.load(cb + i, mask=m, other=0.0)
-        s = jk.load(cb + HALF + i, mask=m, other=0.0)
-        for h in range(0, n_q):
-            qh = q + tt * q_st + h * q_sh
-            _rot_neox_to(qh, qh, i, m, c, s, HALF)
-        for h in range(0, n_k):
-            _rot_neox_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, c, s, HALF)
-    else:
-        m = i < 2 * HALF
-        even = (i % 2) == 0
-        c2 = jk.load(cb + i // 2, mask=m, other=0.0)
-        s2 = jk.load(cb + HALF + i // 2, mask=m, other=0.0)
-        s2 = jk.where(even, -s2, s2)
-        for h in range(0, n_q):
-            qh = q + tt * q_st + h * q_sh
-            _rot_gptj_to(qh, qh, i, m, even, c2, s2)
-        for h in range(0, n_k):
-            _rot_gptj_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, even, c2, s2)
+    m, c, s, even = _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX)
+    for h in range(0, n_q):
+        qh = q + tt * q_st + h * q_sh
+        _rot_to(qh, qh, i, m, c, s, even, HALF, NEOX)
+    for h in range(0, n_k):
+        _rot_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, c, s, even, HALF, NEOX)
     for h in range(0, n_k):
         if TAIL:
             tc = 2 * HALF + dd
