@@ -143,13 +143,10 @@ def _attend_block(qrow, q_hs, k_ptr, v_ptr, kv_stride, valid, st_m, st_l, st_acc
 
 
 @jk.jit
-def _block_update(scores, l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, scale, softcap, G, D, BS,
-                  SOFTCAP):
-    """The online-softmax update of _attend_block from the (G, BS) raw scores q.k of the block: shared by
-    the per-token step and the prefill kernel's token groups (_group_scores), so both give the same bits."""
-    n = jk.arange(0, BS)
-    d = jk.arange(0, D)
-    r = r0 + jk.arange(0, G)
+def _softmax_step(scores, valid, st_m, r, scale, softcap, G, BS, SOFTCAP):
+    """The online-softmax statistics of one block for state rows r from the (G, BS) raw scores: (the new row
+    maxima, the old state's factor alpha, the probabilities p); masked keys get p = 0. Shared by both block
+    updates so they give the same bits."""
     s = scores * scale
     if SOFTCAP:
         s = softcap * jk.tanh(s / softcap)
@@ -157,7 +154,18 @@ def _block_update(scores, l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, 
     m_i = jk.load(st_m + r)
     m_new = jk.maximum(m_i, _row_max(s, G, BS))
     alpha = jk.exp(m_i - m_new)
-    p = jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
+    return m_new, alpha, jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
+
+
+@jk.jit
+def _block_update(scores, l_i, v_ptr, kv_stride, valid, st_m, st_l, st_acc, r0, scale, softcap, G, D, BS,
+                  SOFTCAP):
+    """The online-softmax update of _attend_block from the (G, BS) raw scores q.k of the block: shared by
+    the per-token step and the prefill kernel's token groups (_group_scores), so both give the same bits."""
+    n = jk.arange(0, BS)
+    d = jk.arange(0, D)
+    r = r0 + jk.arange(0, G)
+    m_new, alpha, p = _softmax_step(scores, valid, st_m, r, scale, softcap, G, BS, SOFTCAP)
     vt = jk.load(v_ptr + n[:, None] * kv_stride + d[None, :]).to(jk.f32)
     acc = jk.dot(p, vt, jk.load(st_acc + r[:, None] * D + d[None, :]) * alpha[:, None])
     jk.store(st_m + r, m_new)
@@ -175,14 +183,7 @@ def _block_update_chunks(scores, l_i, vf, ps, valid, st_m, st_l, st_acc, r0, sca
     n = jk.arange(0, BS)
     jw = jk.arange(0, w)
     r = r0 + jk.arange(0, G)
-    s = scores * scale
-    if SOFTCAP:
-        s = softcap * jk.tanh(s / softcap)
-    s = jk.where(valid[None, :], s, NEG)
-    m_i = jk.load(st_m + r)
-    m_new = jk.maximum(m_i, _row_max(s, G, BS))
-    alpha = jk.exp(m_i - m_new)
-    p = jk.where(valid[None, :], jk.exp(s - m_new[:, None]), 0.0)
+    m_new, alpha, p = _softmax_step(scores, valid, st_m, r, scale, softcap, G, BS, SOFTCAP)
     jk.store(ps + jk.arange(0, G)[:, None] * BS + n[None, :], p)
     jk.store(ps + G * BS + jk.arange(0, G), alpha)
     jk.store(st_m + r, m_new)
