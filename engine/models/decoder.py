@@ -206,6 +206,7 @@ class DecoderLM:
         self._attn_operands = "16bit" if self.compute16 else None
         if device in ("cuda", "vulkan"):
             self._to_device()
+        self._fold_splitk = self._folds()             # fixed by the architecture and device: decided once
 
     def _to_device(self) -> None:
         """Uploads every weight once (from the memory map; GGUF blocks stay compressed) and drops the host
@@ -495,7 +496,7 @@ class DecoderLM:
         host_step = (b.host.query_start[: b.num_seqs + 1], b.host.seq_lens[: b.num_seqs]) \
             if b.host is not None else None
         first = True
-        fold = tp is None and self.residual_scale is None and self._folds()
+        fold = tp is None and self.residual_scale is None and self._fold_splitk
         hsrc = h                             # the residual stream's next input: h, or the down projection's slabs
         for li, L in enumerate(self.layers):
             # attention block (pre-norm; the residual add is fused into the norm, and into the quantisation of
