@@ -119,10 +119,12 @@ def _toolchain_key(target) -> tuple:
         from .backends import gpu
         return (() if gpu.LDMATRIX else ("no-ldmatrix",)) + \
             ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ()) + \
-            (("wgmma-pipe",) if gpu.WGMMA_PIPE else ())
+            (("wgmma-pipe",) if gpu.WGMMA_PIPE else ()) + \
+            (() if gpu.FRAG_OPS else ("no-frag-ops",))
     if target.is_hip:
+        from .backends import gpu
         from .backends.amdgpu import find_lld, lld_version
-        return ("ld.lld", lld_version(find_lld()))
+        return ("ld.lld", lld_version(find_lld())) + (() if gpu.FRAG_OPS else ("no-frag-ops",))
     return ()
 
 

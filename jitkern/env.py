@@ -41,6 +41,8 @@ Settings (all optional):
     JITKERN_WGMMA_PIPE          0 or 1: a K loop's warpgroup MMAs overlap the next step's staging (default 0).
     JITKERN_WGMMA_MIN_BM        wgmma only for linear tiles of at least this many tokens, an integer >= 0
                                 (default 0: every tile).
+    JITKERN_FRAG_OPS            0 or 1: elementwise ops on MMA accumulators run in the accumulators' registers
+                                (default 1; 0 goes through the tile layout in shared memory, an A/B switch).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -59,7 +61,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS", "JITKERN_PREFIX_CACHING_HASH_SEED",
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
-            "JITKERN_WGMMA_MIN_BM")
+            "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS")
 
 
 class SettingError(JitkernError, ValueError):
@@ -152,6 +154,12 @@ def wgmma_pipe(environ=None) -> bool:
     return env_choice("JITKERN_WGMMA_PIPE", ("0", "1"), environ) == "1"
 
 
+def frag_ops(environ=None) -> bool:
+    """JITKERN_FRAG_OPS=0: elementwise ops on MMA accumulators go through the tile layout (shared memory), as
+    before fragment-layout values (backends/gpu.py FragV); an A/B switch, default on."""
+    return env_choice("JITKERN_FRAG_OPS", ("0", "1"), environ) != "0"
+
+
 def wgmma_min_bm(environ=None) -> int:
     return env_int("JITKERN_WGMMA_MIN_BM", 0, environ) or 0
 
@@ -242,6 +250,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     wgmma_swizzle(environ)
     wgmma_pipe(environ)
     wgmma_min_bm(environ)
+    frag_ops(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

@@ -171,6 +171,19 @@ class MmaAcc:
         self.key, self.regs, self.plan = key, regs, plan
 
 
+class FragV:
+    """An (m, n) f32 value held the way the MMA units hold a dot's accumulator (layout `key`, as MmaAcc), not
+    in the tile layout: `lv` has one lane per accumulator register (MmaAcc.regs' order: warp-unit, C
+    register) and shape (m, n). Dot results whose accumulator is one, elementwise ops on them with constants,
+    splats and broadcasts (a row's alpha: `acc * alpha[:, None]`), and loop slots carrying them stay in
+    registers (GpuLowering._frag_analysis decides which); any other use gets the tile value through shared
+    memory (GpuLowering.get). Per element the same IEEE operations run as on the tile, so bits do not move."""
+    __slots__ = ("key", "lv")
+
+    def __init__(self, key, lv):
+        self.key, self.lv = key, lv
+
+
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
 # MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
 # (an A/B switch: part of the compiled kernels' cache key, jitkern/compiler.py _toolchain_key)
@@ -184,6 +197,9 @@ WGMMA_SWIZZLE = _env.wgmma_swizzle()
 # into the other of two buffers (by the loop's iteration parity), so staging step i + 1 overlaps the MMAs of
 # step i (GpuLowering._dot_wgmma). An A/B switch like the one above (in the cache key)
 WGMMA_PIPE = _env.wgmma_pipe()
+# JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
+# tile layout in shared memory (an A/B switch, in the cache key)
+FRAG_OPS = _env.frag_ops()
 
 
 class _LaneExpr:
@@ -243,6 +259,7 @@ def _ops_of(block: ir.Block):
 
 
 class GpuLowering(LlvmEmitter):
+    _flat_override = None           # (shape, flat index LV) while an operand is evaluated in a fragment layout
     def __init__(self, fn: ir.Function, target, hooks: GpuHooks):
         super().__init__(fn, target)
         self.x86 = False
@@ -257,6 +274,9 @@ class GpuLowering(LlvmEmitter):
         self.pending_read = False
         self._flat = {}
         self._flat_parts = {}       # flat index ref -> (thread part t * V, lanes, V)
+        self._flat_override = None  # (shape, flat index LV): tiles of that shape take a fragment layout
+        self.frag_keys = {}         # value id -> layout key of the values held as FragV (_frag_analysis)
+        self._lazy_ops = {}         # value id -> op lowered only where a tile-layout user asks (_frag_analysis)
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
     # ------------------------------------------------------------------------------ layout helpers
@@ -271,12 +291,19 @@ class GpuLowering(LlvmEmitter):
         """Lanes per thread of a tile of this shape (0 for a scalar)."""
         if not shape:
             return 0
+        fo = self._flat_override
+        if fo is not None and tuple(shape) == fo[0]:
+            return fo[1].n
         V = self.vec(shape)
         return -(-_prod(shape) // (self.T * V)) * V
 
     def flat_index(self, shape) -> LV:
         """i32 vector: the flat element index each of this thread's lanes holds. Lane j of thread t holds
         element ((j // V) * T + t) * V + j % V: chunks of V consecutive elements dealt cyclically."""
+        fo = self._flat_override
+        if fo is not None and tuple(shape) == fo[0]:
+            # a fragment layout's elements (_frag_flat), while an operand is evaluated in it (_frag_operand)
+            return LV(fo[1].ref, "i32", fo[1].n, tuple(shape))
         R, V = self.lanes(shape), self.vec(shape)
         hit = self._flat.get((R, V))
         if hit is not None:
@@ -469,6 +496,7 @@ class GpuLowering(LlvmEmitter):
                     if plan is not None:
                         self.mma_plans[id(op)] = plan
                         self.lazy.update(plan["lazy"])
+            self._frag_analysis()
         self.start_block("entry")
         h.entry(self)
         self.tid = h.thread_id(self)
@@ -999,7 +1027,8 @@ class GpuLowering(LlvmEmitter):
         self.pending_write |= stores
         self.pending_read |= loads
         slots = self._frag_slots(op)
-        res = self._for_with_frags(op, slots) if slots else super().op_for(op)
+        fslots = {j: self.frag_keys[a.id] for j, a in enumerate(op.regions[0].args[1:]) if a.id in self.frag_keys}
+        res = self._for_with_frags(op, slots, fslots) if slots or fslots else super().op_for(op)
         self.pending_write |= stores or before[0]
         self.pending_read |= loads or before[1]
         return res
@@ -1035,10 +1064,12 @@ class GpuLowering(LlvmEmitter):
             self._frag_yields[(id(yop), j)] = key
         return slots
 
-    def _for_with_frags(self, op, slots):
+    def _for_with_frags(self, op, slots, fslots=None):
         """The counted loop of LlvmEmitter.op_for with the `slots` carried as MMA registers (one phi per
         register, starting at 0.0); afterwards each stays in registers if only dots of its layout use it,
-        else it becomes a tile value at the loop's exit."""
+        else it becomes a tile value at the loop's exit. `fslots` (slot -> layout key) are carried as FragV:
+        one vector phi each, from the constant the slot starts at."""
+        fslots = fslots or {}
         lb, ub, step = (self.get(o) for o in op.operands[:3])
         inits = [self.get(o) for o in op.operands[3:]]
         body = op.regions[0]
@@ -1052,6 +1083,7 @@ class GpuLowering(LlvmEmitter):
                 continue
             lay = self.hooks.mma_layout(_LaneExpr(self, self.tid), "bf16" if plan["kind"] == ir.bf16 else "f16")
             nregs[j] = g["per_warp"] * g["nparts"] * len(lay["c"])
+        finit = {j: self._frag_const(op.operands[3 + j], key) for j, key in fslots.items()}
         pred = self.block
         self.emit(f"br label %{hdr}")
         self.start_block(hdr)
@@ -1066,6 +1098,10 @@ class GpuLowering(LlvmEmitter):
                 phs = [self.tmp("f") for _ in range(nregs[j])]
                 self.lines.extend([None] * nregs[j])
                 carried.append(("frag", phs, key, plan))
+            elif j in fslots:
+                ph = self.tmp("fv")
+                self.lines.append(None)
+                carried.append(("flv", ph, fslots[j], finit[j]))
             else:
                 ph = self.tmp("c")
                 self.lines.append(None)
@@ -1077,6 +1113,8 @@ class GpuLowering(LlvmEmitter):
         for arg, v, c in zip(body.args[1:], inits, carried):
             if c[0] == "frag":
                 self.vals[arg.id] = MmaAcc(c[2], c[1], c[3])
+            elif c[0] == "flv":
+                self.vals[arg.id] = FragV(c[2], LV(c[1], "float", c[3].n, tuple(arg.type.shape)))
             else:
                 self.vals[arg.id] = self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape))
         self._frag_loops.append((iv, lb, step))
@@ -1089,6 +1127,12 @@ class GpuLowering(LlvmEmitter):
                     raise CompilationError("internal lowering error: a register accumulator left its layout",
                                            op.loc)
                 ys_r.append(y)
+                continue
+            if j in fslots:
+                if not isinstance(y, FragV) or y.key != fslots[j]:
+                    raise CompilationError("internal lowering error: a fragment-layout slot left its layout",
+                                           op.loc)
+                ys_r.append(y.lv)
                 continue
             if isinstance(v, PT) and (not isinstance(y, PT) or y.base != v.base):
                 raise CompilationError("a loop-carried pointer tile must keep its base pointer", op.loc)
@@ -1103,6 +1147,9 @@ class GpuLowering(LlvmEmitter):
                 for ph, yr in zip(c[1], y.regs):
                     self.lines[k] = f"  {ph} = phi float [ 0.0, %{pred} ], [ {yr}, %{latch} ]"
                     k += 1
+            elif c[0] == "flv":
+                self.lines[k] = f"  {c[1]} = phi {c[3].ty} [ {c[3].ref}, %{pred} ], [ {y.ref}, %{latch} ]"
+                k += 1
             else:
                 self.lines[k] = f"  {c[1]} = phi {c[2].ty} [ {c[2].ref}, %{pred} ], [ {y.ref}, %{latch} ]"
                 k += 1
@@ -1112,6 +1159,8 @@ class GpuLowering(LlvmEmitter):
             if c[0] == "frag":
                 acc = MmaAcc(c[2], c[1], c[3])
                 out.append(acc if self._keep_frag(op.results[j], c[2], to_dots=True) else self._materialise(acc))
+            elif c[0] == "flv":
+                out.append(FragV(c[2], LV(c[1], "float", c[3].n, tuple(op.results[j].type.shape))))
             else:
                 out.append(self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape)))
         return out
@@ -1445,6 +1494,9 @@ class GpuLowering(LlvmEmitter):
             return self._dot_wgmma(op, plan)
         m, n, k, d16 = plan["m"], plan["n"], plan["k"], plan["kind"]
         g = self._mma_geometry(plan)
+        fkey = self.frag_keys.get(op.results[0].id)
+        if fkey is not None:
+            return self._dot_frag(op, plan, g, fkey)
         # first: an accumulator in another register layout becomes a tile value through shared memory, which
         # must happen before this dot stages its operands there
         acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
@@ -1488,11 +1540,332 @@ class GpuLowering(LlvmEmitter):
         self.barrier()
         return self._add_tile_acc(ctx.read_back(offc), acc_op, acc_val, frag_in, (m, n))
 
+    # ------------------------------------------------ elementwise ops on MMA accumulators (FragV values)
+    _FRAG_EW = ("binary", "select", "unary")
+    _FRAG_BIN = ("add", "sub", "mul", "div", "max", "min")
+    _FRAG_TOP = "?"
+
+    def _frag_analysis(self) -> None:
+        """Which (m, n) f32 values are held as FragV (self.frag_keys: value id -> layout key): the result of a
+        planned mma.sync dot (16-bit A, a layout where every warp has the same units) whose accumulator is
+        one; an elementwise op (binary, select, unary) with at least one such operand, all of one layout,
+        and otherwise only "cheap" operands (constants, splats, broadcasts of fewer elements and elementwise
+        ops of those, evaluated in the fragment layout); a loop slot starting at a constant whose yield is
+        one (and the loop's result). Loop slots are assumed held (optimistic) and dropped until the yields
+        agree. The flash kernels' online-softmax accumulator (`acc * alpha[:, None]` into dot(p, v, .))
+        then never leaves the MMA registers; the K loops' `acc = dot(a, b, acc)` keep MmaAcc (_frag_slots)."""
+        self.frag_keys, self._frag_plans, self._frag_keep, self._lazy_ops = {}, {}, {}, {}
+        if not FRAG_OPS:
+            return
+        dots = {}
+        for op in _ops_of(self.fn.body):
+            plan = self.mma_plans.get(id(op))
+            if op.name != "dot" or plan is None or plan["wg"] or plan["split"] or len(op.operands) < 3 \
+                    or op.operands[2] is None:
+                continue
+            key = self._mma_geometry(plan)["key"]
+            if key is not None:
+                dots[id(op)] = key
+                self._frag_plans.setdefault(key, plan)
+        if not dots:
+            return
+        TOP = self._FRAG_TOP
+        fk = {}
+        slots = []                      # (slot arg, yielded value, loop result, yield op, slot index)
+        for op in _ops_of(self.fn.body):
+            if op.name != "for":
+                continue
+            body = op.regions[0]
+            yop = body.ops[-1] if body.ops and body.ops[-1].name == "yield" else None
+            if yop is None:
+                continue
+            old = self._frag_slots(op)
+            for j, arg in enumerate(body.args[1:]):
+                t = arg.type
+                d = self.defs.get(op.operands[3 + j].id)
+                if j in old or t.elem != ir.f32 or len(t.shape) != 2 or d is None or d.name != "const":
+                    continue
+                fk[arg.id] = TOP
+                slots.append((arg, yop.operands[j], op.results[j], yop, j))
+        cheap_memo = {}
+
+        def cheap(v, depth=0) -> bool:
+            if v.id in cheap_memo:
+                return cheap_memo[v.id]
+            d = self.defs.get(v.id)
+            ok = False
+            if d is None or v.type.is_ptr:
+                ok = False
+            elif d.name in ("const", "splat"):
+                ok = True
+            elif d.name == "broadcast":
+                ok = _prod(d.operands[0].type.shape) < _prod(v.type.shape)
+            elif d.name in ("binary", "select", "unary", "cmp", "cast") and depth < 6 and v.type.shape:
+                ok = all(o is not None and cheap(o, depth + 1) for o in d.operands)
+            cheap_memo[v.id] = ok
+            return ok
+
+        def rule(op):
+            t = op.results[0].type
+            if id(op) in dots:
+                k = dots[id(op)]
+                return k if fk.get(op.operands[2].id) in (k, TOP) else None
+            if t.elem != ir.f32 or len(t.shape) != 2:
+                return None
+            if op.name == "binary" and op.attrs["op"] not in self._FRAG_BIN:
+                return None
+            ks = set()
+            for o in op.operands:
+                k = fk.get(o.id)
+                if k is not None:
+                    ks.add(k)
+                elif not cheap(o):
+                    return None
+            concrete = ks - {TOP}
+            if len(concrete) > 1:
+                return None
+            if concrete:
+                k = concrete.pop()
+                return k if (k[0], k[1]) == tuple(t.shape) else None
+            return TOP if ks else None
+
+        ops = [op for op in _ops_of(self.fn.body) if len(op.results) == 1 and op.results[0] is not None
+               and (id(op) in dots or op.name in self._FRAG_EW)]
+        while True:
+            changed = True
+            while changed:
+                changed = False
+                for op in ops:
+                    rid = op.results[0].id
+                    k = rule(op)
+                    if fk.get(rid) != k:
+                        changed = True
+                        if k is None:
+                            fk.pop(rid, None)
+                        else:
+                            fk[rid] = k
+                for arg, y, res, _, _ in slots:
+                    cur = fk.get(arg.id)
+                    if cur is None:
+                        continue
+                    yk = fk.get(y.id)
+                    new = yk if cur == TOP else (cur if yk in (cur, TOP) else None)
+                    if new != cur:
+                        changed = True
+                        if new is None:
+                            fk.pop(arg.id, None)
+                        else:
+                            fk[arg.id] = new
+                    if fk.get(res.id) != fk.get(arg.id):
+                        changed = True
+                        if fk.get(arg.id) is None:
+                            fk.pop(res.id, None)
+                        else:
+                            fk[res.id] = fk[arg.id]
+            stuck = [arg for arg, *_ in slots if fk.get(arg.id) == TOP]
+            if not stuck:
+                break
+            for arg in stuck:               # a slot only ever yielding itself (or another undecided one)
+                fk.pop(arg.id)
+        self.frag_keys = {v: k for v, k in fk.items() if k != TOP}
+        for arg, y, res, yop, j in slots:
+            if arg.id in self.frag_keys:
+                self._frag_keep.setdefault(id(yop), set()).add(j)
+        # operands that only fragment-layout ops use (alpha[:, None], masks) are evaluated there from the IR
+        # (_frag_operand); lowering them in the tile layout too would cost a broadcast through shared memory
+        # that nothing reads, so they are lowered only where something else asks for them (get)
+        self._lazy_ops = {}
+        pure = ("broadcast", "reshape", "splat", "const", "binary", "cmp", "select", "unary", "cast")
+        allops = list(_ops_of(self.fn.body))
+        changed = True
+        while changed:
+            changed = False
+            for op in reversed(allops):
+                if op.name not in pure or len(op.results) != 1 or op.results[0] is None:
+                    continue
+                r = op.results[0]
+                if r.id in self._lazy_ops or r.id in self.frag_keys or not r.type.shape or r.type.is_ptr:
+                    continue
+                us = self.users.get(r.id, [])
+                if us and all((u.name in self._FRAG_EW and len(u.results) == 1
+                               and u.results[0].id in self.frag_keys)
+                              or (len(u.results) == 1 and u.results[0].id in self._lazy_ops) for u, _ in us):
+                    self._lazy_ops[r.id] = op
+                    changed = True
+
+    def get(self, v):
+        x = self.vals.get(v.id)
+        if x is None:
+            op = self._lazy_ops.get(v.id)
+            if op is None:
+                raise KeyError(v.id)
+            # lowered where it is used, not kept: the use may sit in a region the next one does not see
+            x = getattr(self, "op_" + op.name)(op)
+            return x[0] if isinstance(x, (list, tuple)) else x
+        if isinstance(x, FragV):
+            return self._frag_materialise(x)
+        return x
+
+    def lower_block(self, block: ir.Block):
+        if not self.frag_keys:
+            return super().lower_block(block)
+        for op in block.ops:
+            if op.name == "yield":
+                keep = self._frag_keep.get(id(op), ())
+                return [self.vals[o.id] if j in keep else self.get(o) for j, o in enumerate(op.operands)]
+            k = self.frag_keys.get(op.results[0].id) if len(op.results) == 1 and op.results[0] is not None \
+                else None
+            if k is None and len(op.results) == 1 and op.results[0] is not None \
+                    and op.results[0].id in self._lazy_ops:
+                continue
+            try:
+                if k is not None and op.name in self._FRAG_EW:
+                    res = self._frag_elementwise(op, k)
+                else:
+                    res = getattr(self, "op_" + op.name)(op)
+            except CompilationError:
+                raise
+            except KeyError as e:
+                raise CompilationError(f"internal lowering error for {op.name}: missing value {e}", op.loc) from None
+            if op.results:
+                if not isinstance(res, (list, tuple)):
+                    res = [res]
+                for r, lv in zip(op.results, res):
+                    self.vals[r.id] = lv
+        return []
+
+    def _frag_flat(self, key) -> LV:
+        """i32 lanes: the flat (m, n) element index of each accumulator register of layout `key`."""
+        plan = self._frag_plans[key]
+        g = self._mma_geometry(plan)
+        ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)
+        us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
+              for i in range(g["per_warp"])]
+        refs = ctx.flat_units(us)
+        return self._vector_of(refs, "i32", (g["m"], g["n"]))
+
+    def _vector_of(self, refs, et: str, shape) -> LV:
+        n = len(refs)
+        cur = "poison"
+        for j, r in enumerate(refs):
+            cur = self.val(f"insertelement {vty(et, n)} {cur}, {et} {r}, i32 {j}", et, n).ref
+        return LV(cur, et, n, tuple(shape))
+
+    def _frag_const(self, v, key) -> LV:
+        d = self.defs[v.id]
+        plan = self._frag_plans[key]
+        g = self._mma_geometry(plan)
+        n = g["per_warp"] * len(self.hooks.mma_layout(_LaneExpr(self, self.tid), "f16")["c"])
+        return self.const(float(d.attrs["value"]), "float", n, tuple(v.type.shape))
+
+    def _with_flat(self, shape, F, fn):
+        saved = self._flat_override
+        self._flat_override = (tuple(shape), F)
+        try:
+            return fn()
+        finally:
+            self._flat_override = saved
+
+    def _frag_operand(self, v, key, F) -> LV:
+        """Operand v of a fragment-layout op as lanes of the layout F (a FragV's own lanes, or a cheap value
+        evaluated there: constants and splats directly, broadcasts recomputed (index math) or gathered from
+        shared memory, elementwise ops of those recursively)."""
+        x = self.vals.get(v.id)
+        if isinstance(x, FragV):
+            if x.key != key:
+                raise CompilationError("internal lowering error: fragment layouts differ", None)
+            return x.lv
+        shape = tuple(v.type.shape)
+        if not shape:
+            return x
+        d = self.defs.get(v.id)
+        if d is not None and d.name == "const":
+            return self._with_flat(shape, F, lambda: self.op_const(d))
+        if d is not None and d.name == "splat":
+            return self._with_flat(shape, F, lambda: self.op_splat(d))
+        if d is not None and d.name == "broadcast":
+            src = d.operands[0]
+            sshape = src.type.shape
+            index = self._broadcast_index(sshape, shape)
+
+            def bc():
+                r = self._remat_move(src, shape, index)
+                return r if r is not None else self._move(self.get(src), sshape, shape, index)
+            return self._with_flat(shape, F, bc)
+        if d is not None and d.name in ("binary", "select", "unary", "cmp", "cast"):
+            return self._frag_apply(d, key, F)
+        # any other tile: through shared memory into the fragment layout
+        t = self.get(v)
+        self.barrier()
+        self.smem_write(t, 0)
+        self.barrier()
+        return self.smem_read(t.et, 0, self.umin(F, _prod(shape) - 1), shape)
+
+    def _frag_apply(self, op, key, F) -> LV:
+        subs = {o.id: self._frag_operand(o, key, F) for o in op.operands}
+        saved = {i: self.vals.get(i) for i in subs}
+        self.vals.update(subs)
+        try:
+            res = self._with_flat(op.results[0].type.shape, F, lambda: getattr(self, "op_" + op.name)(op))
+        finally:
+            for i, old in saved.items():
+                if old is None:
+                    self.vals.pop(i, None)
+                else:
+                    self.vals[i] = old
+        return LV(res.ref, res.et, res.n, tuple(op.results[0].type.shape))
+
+    def _frag_elementwise(self, op, key) -> FragV:
+        return FragV(key, self._frag_apply(op, key, self._frag_flat(key)))
+
+    def _frag_materialise(self, fv: FragV) -> LV:
+        """A FragV as the tile layout's value (through shared memory)."""
+        shape = tuple(fv.lv.shape)
+        F = self._frag_flat(fv.key)
+        self.barrier()
+        self._with_flat(shape, F, lambda: self.smem_write(fv.lv, 0))
+        self.barrier()
+        return self.smem_read("float", 0, self.umin(self.flat_index(shape), _prod(shape) - 1), shape)
+
+    def _dot_frag(self, op, plan, g, key) -> FragV:
+        """A planned dot whose accumulator is a FragV of its own layout: the MMA chain from zero, then the
+        accumulator added per register (the tile path's `mma + acc`, so the same bits), kept as a FragV."""
+        acc = self.vals[op.operands[2].id]
+        if not isinstance(acc, FragV) or acc.key != key:
+            raise CompilationError("internal lowering error: a fragment accumulator left its layout", op.loc)
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        a = self.get(plan["a"])
+        parts = self._a_parts(a, plan)
+        b = self.get(plan["b"])
+        KP = k + 8
+        self.barrier()
+        off, offs_a = 0, []
+        for p in parts:
+            offs_a.append(off)
+            off = self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
+        offb = off
+        self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
+                              (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
+        self.barrier()
+        ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
+        us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
+              for i in range(g["per_warp"])]
+        regs = ctx.run_units(us, None)
+        if len(regs) != acc.lv.n:
+            raise CompilationError("internal lowering error: fragment register counts differ", op.loc)
+        outs = []
+        for j, r in enumerate(regs):
+            x = self.extract(acc.lv, j)
+            outs.append(self.val(f"fadd float {r}, {x.ref}", "float", 0).ref)
+        return FragV(key, self._vector_of(outs, "float", (m, n)))
+
     def _frag_acc_in(self, op, g):
         """(acc operand, its value, the MmaAcc to start from or None): an accumulator in registers of another
         layout becomes a tile value first."""
         acc_op = op.operands[2] if len(op.operands) > 2 and op.operands[2] is not None else None
         acc_val = self.vals.get(acc_op.id) if acc_op is not None else None
+        if isinstance(acc_val, FragV):
+            acc_val = self._frag_materialise(acc_val)
         frag_in = None
         if isinstance(acc_val, MmaAcc):
             if acc_val.key == g["key"]:
@@ -1996,7 +2369,13 @@ class GpuLowering(LlvmEmitter):
             idx = low.umin(low.flat_index(oshape), m * n - 1)
             return low.smem_read("float", offc, idx, oshape)
 
+        def flat_units(us):
+            """Per unit and C register (store_units' order): the flat (m, n) index of its element."""
+            return [add(mul(add(u["rows"][rr], rc), n), add(u["cols"][cr], cc))
+                    for u in us for (rr, rc), (cr, cc) in zip(c_rows, c_cols)]
+
         ctx.setup, ctx.run_units, ctx.store_units, ctx.read_back = setup, run_units, store_units, read_back
+        ctx.flat_units = flat_units
         return ctx
 
     def _int_products(self, a_et_signed: bool, av: LV, bv: LV, b_signed=True, wide="i32") -> LV:

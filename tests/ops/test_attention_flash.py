@@ -179,6 +179,33 @@ def test_flash_16bit_operands(tier, dtype, split, monkeypatch):
         _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25)
 
 
+@pytest.mark.parametrize("dtype,split,ops", [(np.float16, False, "16bit"), (np.float32, True, "16bit"),
+                                              (np.float16, False, "f32")], ids=["f16", "f32-split", "f16-f32ops"])
+def test_flash_fragment_ops_give_the_same_bits(tier, dtype, split, ops, monkeypatch):
+    """The online-softmax accumulator kept in the MMA registers (backends/gpu.py FragV: `acc * alpha[:, None]`,
+    the prefill tile's partition fold, dot(p, v, acc) adding acc after the MMA chain as the tile path does)
+    against the tile path (gpu.FRAG_OPS off): the same bits for decodes, prefill tiles and windows, with
+    16-bit operands (where the fragment path applies) and f32 ones (where it does not: p is split in hi + lo)."""
+    if not tier.is_gpu or tier.is_vulkan:
+        pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
+    from jitkern.backends import gpu
+    monkeypatch.setenv("JITKERN_COMPILE_INPROCESS", "1")      # gpu.FRAG_OPS as patched here, not a worker's
+    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", ops)
+    rng = np.random.default_rng(33)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, dtype)
+    for window in (0, 40):
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(gpu, "FRAG_OPS", on)
+            for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
+                monkeypatch.setattr(k, "_plans", {})          # launch plans memoise the compiled kernel
+            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=8,
+                               split=split))
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
+        assert np.abs(outs[1] - want).max() < 3e-3 * np.abs(want).max()
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_flash_pipelined_loads_give_the_same_bits(tier):
     """The software-pipelined block loop (next block's K/V loaded before the current step: the GPU default)
     against the plain loop, decodes and chunks, with a window that skips blocks."""
