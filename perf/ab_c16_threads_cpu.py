@@ -3,11 +3,13 @@ round by round: "before" = the attention module at 06c0a37 (decode grid (sequenc
 token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. `split`: the CPU pool's static split ("before")
 against its dynamic split (CpuPool.dynamic, "after"), the tree's kernels in both; `heads`: decode attention
 without (before) and with (after) the per-KV-head programs for batches smaller than the thread count
-(attention.DECODE_HEAD_SPLIT; use --concurrency 1). Decode tok/s of C (default 16) random 37-token prompts from
+(attention.DECODE_HEAD_SPLIT; use --concurrency 1); `flag`: any module attribute, --flag module.attr set to the first of
+--values (before) and to the second (after), e.g. `flag --flag jitkern.ops.quant.QMM_TILE_OVERRIDE --values None
+"(8, 4)"` (Python literals). Decode tok/s of C (default 16) random 37-token prompts from
 the moment every request has its first token; greedy tokens compared between variants.
 
     .venv/bin/python perf/ab_c16_threads_cpu.py [both|attn|rows|split|heads] [--rounds 5] [--output-len 128]
-        [--threads 2] [--concurrency 16]
+        [--threads 2] [--concurrency 16] [--flag module.attr --values A B]
 
 Needs git (reads the old module with `git show`). Wall clock: on a shared host, note the load it prints.
 """
@@ -27,12 +29,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows", "split", "heads"))
+    ap.add_argument("which", nargs="?", default="both", choices=("both", "attn", "rows", "split", "heads",
+                                                                      "flag"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--flag", help="module.attribute for `flag`")
+    ap.add_argument("--values", nargs=2, metavar=("BEFORE", "AFTER"), help="Python literals for `flag`")
     args = ap.parse_args(argv)
+    if args.which == "flag" and not (args.flag and args.values):
+        ap.error("flag needs --flag module.attr and --values BEFORE AFTER")
     os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "perf"))
@@ -55,8 +62,18 @@ def main(argv=None):
         return old.paged_attention(*a, **k)
 
     from jitkern.runtime.cpu_pool import get_pool
+    if args.which == "flag":
+        import ast
+        fmod, fattr = args.flag.rsplit(".", 1)
+        fmod = importlib.import_module(fmod)
+        if not hasattr(fmod, fattr):
+            raise SystemExit(f"{args.flag}: no such attribute")
+        fvals = [ast.literal_eval(v) for v in args.values]
 
     def before():
+        if args.which == "flag":
+            setattr(fmod, fattr, fvals[0])
+            return
         if args.which in ("both", "attn"):
             A.paged_attention = old_attention
         if args.which in ("both", "rows"):
@@ -67,6 +84,9 @@ def main(argv=None):
             A.DECODE_HEAD_SPLIT = False
 
     def after():
+        if args.which == "flag":
+            setattr(fmod, fattr, fvals[1])
+            return
         A.paged_attention = new_attention
         Q.QMM_ROWS_OUTER = True
         if args.which == "split":

@@ -4,7 +4,10 @@ engine, then the two replayed alternately; per kernel, each pool thread's busy t
 (program order, tiles, prefetches): both graphs replay on the same engine buffers.
 
     JITKERN_NUM_THREADS=2 .venv/bin/python perf/ab_decode_graph_cpu.py jitkern.ops.quant.QMM_ROWS_OUTER \
-        [--concurrency 16] [--steps 60] [--rounds 30]
+        [--concurrency 16] [--steps 60] [--rounds 30] [--values A B]
+
+--values A B: Python literals for the two variants instead of False / True, e.g.
+`jitkern.ops.quant.QMM_TILE_OVERRIDE --values None "(8, 4)"`.
 
 The off graph is recorded after --steps decode steps and the on graph after --steps more, so both replay at
 context input-len + 2 x steps. Output per variant: the plain graph's best / median replay, the sum over
@@ -34,7 +37,11 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=37)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--values", nargs=2, default=None, metavar=("A", "B"),
+                    help="Python literals for the two variants (default False True)")
     args = ap.parse_args(argv)
+    import ast
+    vals = tuple(ast.literal_eval(v) for v in args.values) if args.values else (False, True)
     import profile_decode_cpu
     import profile_threads_cpu
     labels = profile_decode_cpu._names()
@@ -55,12 +62,12 @@ def main(argv=None):
                         SamplingParams(max_tokens=2 * args.steps + 64, temperature=0.0, ignore_eos=True,
                                        detokenize=False))
     graphs = {}
-    for val in (False, True):
+    for i, val in enumerate(vals):
         setattr(mod, attr, val)
         eng.runner._graphs.clear()
         for _ in range(max(2, args.steps)):
             eng.step()
-        graphs[val] = eng.runner._graphs[C][0]
+        graphs[i] = eng.runner._graphs[C][0]
     setattr(mod, attr, orig)
     pool = get_pool()
     T = pool.num_threads
@@ -81,7 +88,7 @@ def main(argv=None):
         return {"ents": ents, "rec": rec, "blocks": blocks, "timed": timed, "plain": plain, "walls": [], "recs": []}
     V = {k: prep(g) for k, g in graphs.items()}
     for r in range(args.rounds):
-        for k in ((False, True) if r % 2 == 0 else (True, False)):
+        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
             v = V[k]
             t = time.perf_counter()
             pool.launch_tasks(v["plain"])
@@ -91,14 +98,14 @@ def main(argv=None):
             v["recs"].append(v["rec"].copy())
     print(f"load average {os.getloadavg()[0]:.2f}; {C} sequences at context {args.input_len + 2 * args.steps}; {T} "
           f"threads; {args.rounds} rounds alternating")
-    for k in (False, True):
+    for k in (0, 1):
         v = V[k]
         L = len(v["ents"])
         R = np.stack(v["recs"]).astype(np.float64).reshape(args.rounds, L, T, 2) / (ghz * 1e6)
         ran = R[..., 1] > 0
         busy = np.where(ran, R[..., 1] - R[..., 0], 0.0)
         span = np.where(ran, R[..., 1], -np.inf).max(-1) - np.where(ran, R[..., 0], np.inf).min(-1)
-        print(f"\n{attr}={k}: plain graph best {1e3 * min(v['walls']):.2f} ms, median "
+        print(f"\n{attr}={vals[k]!r}: plain graph best {1e3 * min(v['walls']):.2f} ms, median "
               f"{1e3 * statistics.median(v['walls']):.2f} ms; per-launch minimum: span sum {span.min(0).sum():.2f} ms, "
               "busy per thread " + " / ".join(f"{x:.2f}" for x in busy.min(0).sum(0)) + " ms")
         labs = [labels.get(a, hex(a)) + f" [{n} programs]" for a, b, n in v["ents"]]

@@ -7,7 +7,8 @@ recorded as a graph, replayed alternately round by round (ROUNDS, default 7), on
 CFG: comma-separated switches, empty = the current defaults: halves=0/1 (q8_0 'halves' order, `_q8_halves`),
 fold=0/1 (2 float lanes for q4 on 256-bit tiers, `_fold_lanes`), tt=0/1 (tokens in the lanes for one-row
 q8_0 tiles, `_TOKEN_LANES`), tile=BMxR (QMM_TILE_OVERRIDE), pf=ROWS
-(the M = 1 GEMV's prefetch distance in rows, 0 = off: GEMV_PREFETCH_ROWS), pfl=0..3 (its locality). Prints ms, GOP/s and the largest difference from
+(the M = 1 GEMV's prefetch distance in rows, 0 = off: GEMV_PREFETCH_ROWS), pfl=0..3 (its locality),
+route=madd/dot4 (the 4-bit GEMM's integer-dot route, QMM_GEMM_DOT_ROUTE). Prints ms, GOP/s and the largest difference from
 the first configuration's output (0 where only the integer route changed)."""
 import os, sys, time
 os.environ.setdefault("JITKERN_NUM_THREADS", "1")
@@ -35,6 +36,7 @@ def setcfg(c):
     quant.QMM_TILE_OVERRIDE = tuple(int(v) for v in d["tile"].split("x")) if "tile" in d else None
     quant.GEMV_PREFETCH_ROWS = int(d["pf"]) if "pf" in d else orig_pf[0]
     quant.GEMV_PREFETCH_LOCALITY = int(d["pfl"]) if "pfl" in d else orig_pf[1]
+    quant.QMM_GEMM_DOT_ROUTE = d.get("route")
 graphs = []
 for c in cfgs:
     setcfg(c)

@@ -1011,6 +1011,14 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     if M == 1:
         return 1, 1, max(1, min(8, N)), S
     BM = 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4
+    if vbytes >= 64 and target.has("avx512vnni"):
+        # VNNI's dot4 keeps one i32 vector per (token, row) live until the 4-row transpose-and-add, and LLVM
+        # schedules every token's vpdpbusd before the adds: 16 x 4 tiles spilled ~4x more than 8 x 4 (stack
+        # accesses in the kernel 300 vs 86). znver5, avx512-vnni, M = 16, 1 thread (perf/ab_quant_cpu.py
+        # ... 16 "" "tile=8x4"): q4_1 3072 x 576 0.25-0.34 -> 0.18-0.21 ms, 576 x 1536 0.13 -> 0.09 ms, the
+        # q8_0 49152 x 576 head 3.9-4.6 -> 3.5 ms; the madd tiers (avx512) lose nothing at 16
+        BM = 8
+
     # q8_0 on 256-bit tiers: one weight row per tile. With 4 rows the tile's 32-byte blocks and the token
     # accumulators overflow the 16 ymm registers (SmolLM2's 49152 x 576 head, 1 thread: M = 2 / 4 / 64 took
     # 14.7 / 17.8 / 204 ms with R = 4, 5.3 / 9.8 / 175 ms with R = 1; GEMV 3.9 ms). Small-M GEMMs are what

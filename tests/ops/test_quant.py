@@ -402,3 +402,29 @@ def test_gemm_rows_outer_order_same_bits_and_splits_rows(tier, qtype, monkeypatc
         assert np.isnan(out[:, N // 2:]).all()
         run(addr)(block.__array_interface__["data"][0], n // 2, n)
         np.testing.assert_array_equal(out, on)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_gemm_token_tile_of_the_vnni_tiers_same_bits(tier, qtype, monkeypatch):
+    # 512-bit VNNI tiers run M > 1 in 8-token tiles (16 spilled): the tile never changes an output's arithmetic,
+    # so 16 tokens in one tile of 16, two of 8 (the default there) and four of 4 give the same bits, and the
+    # whole batch equals each token alone (the GEMV)
+    if not tier.is_cpu:
+        pytest.skip("CPU token tiles")
+    rng = np.random.default_rng(60 + ["q8_0", "q4_1"].index(qtype))
+    launches = _record_launches(monkeypatch)
+    N, M = 44, 16
+    for K in KS[qtype]:
+        raw, _ = make_weight(qtype, N, K, rng)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        default = Q.matmul_q(x, raw, qtype, N, K, target=tier)
+        bm = [c for k, a, c in launches[-3:] if k is Q._qmm_kernel][-1]["BM"]
+        if tier.has("avx512vnni") and tier.vector_bits >= 512:
+            assert bm == 8, bm
+        alone = np.stack([Q.matmul_q(x[i], raw, qtype, N, K, target=tier) for i in range(M)])
+        np.testing.assert_array_equal(default, alone, err_msg=f"{qtype} K={K} default tile vs GEMV")
+        for tile in ((16, 4), (4, 4)):
+            monkeypatch.setattr(Q, "QMM_TILE_OVERRIDE", tile)
+            np.testing.assert_array_equal(Q.matmul_q(x, raw, qtype, N, K, target=tier), default,
+                                          err_msg=f"{qtype} K={K} tile {tile}")
+        monkeypatch.setattr(Q, "QMM_TILE_OVERRIDE", None)
