@@ -1211,7 +1211,20 @@ class GpuLowering(LlvmEmitter):
         return self.val(f"or {eq.ty} {strict.ref}, {tie.ref}", "i1", v.n)
 
     def _reduce_common(self, op, arg: bool):
-        x = self.get(op.operands[0])
+        fv = self.vals.get(op.operands[0].id)
+        if isinstance(fv, FragV) and fv.lv.et == "float":
+            # accumulator registers go straight to the staging the reduction reads (each at its flat
+            # element), so the tile layout's round trip is skipped and the order of operations is the same
+            F = self._frag_flat(fv.key)
+            saved = self._flat_override
+            self._flat_override = (tuple(fv.lv.shape), F)
+            try:
+                return self._reduce_lanes(op, arg, fv.lv)
+            finally:
+                self._flat_override = saved
+        return self._reduce_lanes(op, arg, self.get(op.operands[0]))
+
+    def _reduce_lanes(self, op, arg: bool, x):
         d = op.operands[0].type.elem
         kind, ax = op.attrs["kind"], op.attrs["axis"]
         half = d in (ir.f16, ir.bf16)
@@ -1441,7 +1454,10 @@ class GpuLowering(LlvmEmitter):
         a = self.hooks.smem_as
         base = self.smem_ptr(off)
         pad_lanes = _prod(shape) % (self.T * V) != 0
-        if not transpose and C0 % V == 0 and V > 1:
+        frag = self._flat_override is not None and self._flat_override[0] == tuple(shape)
+        if frag:
+            pad_lanes = False                             # a fragment layout's lanes are all elements
+        if not transpose and C0 % V == 0 and V > 1 and not frag:
             # chunks of V consecutive elements stay within one row: one vector store each
             vt = vty(x.et, V)
             fc = self._flat_coords(flat, shape)
@@ -1500,7 +1516,7 @@ class GpuLowering(LlvmEmitter):
         # first: an accumulator in another register layout becomes a tile value through shared memory, which
         # must happen before this dot stages its operands there
         acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
-        a = self.get(plan["a"])
+        a, aflat = self._dot_a(plan)
         parts = self._a_parts(a, plan)
         b = self.get(plan["b"])
         KP = k + 8
@@ -1508,7 +1524,9 @@ class GpuLowering(LlvmEmitter):
         off, offs_a = 0, []
         for p in parts:
             offs_a.append(off)
-            off = self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
+            off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
+                LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
+                self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
         offb = off
         off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                                    (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
@@ -1541,7 +1559,7 @@ class GpuLowering(LlvmEmitter):
         return self._add_tile_acc(ctx.read_back(offc), acc_op, acc_val, frag_in, (m, n))
 
     # ------------------------------------------------ elementwise ops on MMA accumulators (FragV values)
-    _FRAG_EW = ("binary", "select", "unary")
+    _FRAG_EW = ("binary", "select", "unary", "cast")
     _FRAG_BIN = ("add", "sub", "mul", "div", "max", "min")
     _FRAG_TOP = "?"
 
@@ -1557,16 +1575,23 @@ class GpuLowering(LlvmEmitter):
         self.frag_keys, self._frag_plans, self._frag_keep, self._lazy_ops = {}, {}, {}, {}
         if not FRAG_OPS:
             return
-        dots = {}
+        dots, fresh = {}, set()
         for op in _ops_of(self.fn.body):
             plan = self.mma_plans.get(id(op))
-            if op.name != "dot" or plan is None or plan["wg"] or plan["split"] or len(op.operands) < 3 \
-                    or op.operands[2] is None:
+            if op.name != "dot" or plan is None or plan["wg"] or plan["split"]:
                 continue
             key = self._mma_geometry(plan)["key"]
-            if key is not None:
-                dots[id(op)] = key
-                self._frag_plans.setdefault(key, plan)
+            if key is None:
+                continue
+            if len(op.operands) < 3 or op.operands[2] is None:
+                # a dot without accumulator (the flash kernels' scores) stays in registers when only
+                # elementwise ops and reductions use it
+                us = self.users.get(op.results[0].id, [])
+                if not us or any(u.name not in self._FRAG_EW + ("reduce",) for u, _ in us):
+                    continue
+                fresh.add(id(op))
+            dots[id(op)] = key
+            self._frag_plans.setdefault(key, plan)
         if not dots:
             return
         TOP = self._FRAG_TOP
@@ -1609,8 +1634,10 @@ class GpuLowering(LlvmEmitter):
             t = op.results[0].type
             if id(op) in dots:
                 k = dots[id(op)]
-                return k if fk.get(op.operands[2].id) in (k, TOP) else None
-            if t.elem != ir.f32 or len(t.shape) != 2:
+                return k if id(op) in fresh or fk.get(op.operands[2].id) in (k, TOP) else None
+            if len(t.shape) != 2 or not (t.elem == ir.f32 or op.name == "cast" and t.elem in (ir.f16, ir.bf16)):
+                return None
+            if op.name == "cast" and (op.operands[0].type.elem != ir.f32 or op.attrs.get("bitcast")):
                 return None
             if op.name == "binary" and op.attrs["op"] not in self._FRAG_BIN:
                 return None
@@ -1825,16 +1852,16 @@ class GpuLowering(LlvmEmitter):
         self.barrier()
         self._with_flat(shape, F, lambda: self.smem_write(fv.lv, 0))
         self.barrier()
-        return self.smem_read("float", 0, self.umin(self.flat_index(shape), _prod(shape) - 1), shape)
+        return self.smem_read(fv.lv.et, 0, self.umin(self.flat_index(shape), _prod(shape) - 1), shape)
 
     def _dot_frag(self, op, plan, g, key) -> FragV:
         """A planned dot whose accumulator is a FragV of its own layout: the MMA chain from zero, then the
         accumulator added per register (the tile path's `mma + acc`, so the same bits), kept as a FragV."""
-        acc = self.vals[op.operands[2].id]
-        if not isinstance(acc, FragV) or acc.key != key:
+        acc = self.vals[op.operands[2].id] if len(op.operands) > 2 and op.operands[2] is not None else None
+        if acc is not None and (not isinstance(acc, FragV) or acc.key != key):
             raise CompilationError("internal lowering error: a fragment accumulator left its layout", op.loc)
         m, n, k = plan["m"], plan["n"], plan["k"]
-        a = self.get(plan["a"])
+        a, aflat = self._dot_a(plan)
         parts = self._a_parts(a, plan)
         b = self.get(plan["b"])
         KP = k + 8
@@ -1842,7 +1869,9 @@ class GpuLowering(LlvmEmitter):
         off, offs_a = 0, []
         for p in parts:
             offs_a.append(off)
-            off = self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
+            off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
+                LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
+                self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
         offb = off
         self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                               (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
@@ -1851,6 +1880,8 @@ class GpuLowering(LlvmEmitter):
         us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
               for i in range(g["per_warp"])]
         regs = ctx.run_units(us, None)
+        if acc is None:
+            return FragV(key, self._vector_of(regs, "float", (m, n)))
         if len(regs) != acc.lv.n:
             raise CompilationError("internal lowering error: fragment register counts differ", op.loc)
         outs = []
@@ -1858,6 +1889,15 @@ class GpuLowering(LlvmEmitter):
             x = self.extract(acc.lv, j)
             outs.append(self.val(f"fadd float {r}, {x.ref}", "float", 0).ref)
         return FragV(key, self._vector_of(outs, "float", (m, n)))
+
+    def _dot_a(self, plan):
+        """A dot's A operand for staging: (its lanes, None) in the tile layout, or (a FragV's lanes, their flat
+        indices) when it is held in accumulator registers (the probabilities p of the flash kernels): the
+        staging then writes each register at its element, with no round trip into the tile layout."""
+        x = self.vals.get(plan["a"].id)
+        if isinstance(x, FragV):
+            return x.lv, self._frag_flat(x.key)
+        return self.get(plan["a"]), None
 
     def _frag_acc_in(self, op, g):
         """(acc operand, its value, the MmaAcc to start from or None): an accumulator in registers of another
