@@ -73,6 +73,10 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-pb8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 8},
                  "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
+                 # cache blocks of 32 / 64 tokens with 16-bit operands (the online-softmax state in the MMA
+                 # registers since the fragment-layout values, so larger steps may fit now)
+                 "flash-16bit-bs32": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 32},
+                 "flash-16bit-bs64": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 64},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 
