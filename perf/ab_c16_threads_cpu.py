@@ -40,10 +40,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.which == "flag" and not (args.flag and args.values):
         ap.error("flag needs --flag module.attr and --values BEFORE AFTER")
-    os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "perf"))
     import ab_engine_cpu
+    # after that import: ab_engine_cpu sets 1 kernel thread for its own scripts (before this, every run of this
+    # script had 1 thread whatever --threads said); the pool starts at the first launch and reads it then
+    os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
     import jitkern.ops.attention as A
     import jitkern.ops.quant as Q
     C, OUT = args.concurrency, args.output_len
@@ -111,6 +113,8 @@ def main(argv=None):
             print(f"round {r}: " + ", ".join(f"{n} {res[n][-1][0]:.1f} tok/s (load {res[n][-1][1]:.2f})"
                                              for n in names), flush=True)
     after()
+    if get_pool().num_threads != args.threads:
+        raise SystemExit(f"the kernel pool ran {get_pool().num_threads} threads, not --threads {args.threads}")
     xa, xb = [v for v, _ in res["before"]], [v for v, _ in res["after"]]
     print(f"c={C} decode tok/s ({args.which}; wall, {args.threads} threads, {OUT} output tokens): before best / median "
           f"{max(xa):.1f} / {statistics.median(xa):.1f}; after {max(xb):.1f} / {statistics.median(xb):.1f}; ratio "
