@@ -8,7 +8,8 @@ CFG: comma-separated switches, empty = the current defaults: halves=0/1 (q8_0 'h
 fold=0/1 (2 float lanes for q4 on 256-bit tiers, `_fold_lanes`), tt=0/1 (tokens in the lanes for one-row
 q8_0 tiles, `_TOKEN_LANES`), tile=BMxR (QMM_TILE_OVERRIDE), pf=ROWS
 (the M = 1 GEMV's prefetch distance in rows, 0 = off: GEMV_PREFETCH_ROWS), pfl=0..3 (its locality),
-route=madd/dot4 (the 4-bit GEMM's integer-dot route, QMM_GEMM_DOT_ROUTE). Prints ms, GOP/s and the largest difference from
+route=madd/dot4 (the 4-bit GEMM's integer-dot route, QMM_GEMM_DOT_ROUTE), tg=N (tokens per group of the VNNI
+GEMM tiles, 0 = off: QMM_TOKEN_GROUP). Prints ms, GOP/s and the largest difference from
 the first configuration's output (0 where only the integer route changed)."""
 import os, sys, time
 os.environ.setdefault("JITKERN_NUM_THREADS", "1")
@@ -28,6 +29,7 @@ x = rng.standard_normal((M, K)).astype(np.float32)
 orig_halves = quant._q8_halves
 orig_fold = quant._fold_lanes
 orig_pf = (quant.GEMV_PREFETCH_ROWS, quant.GEMV_PREFETCH_LOCALITY)
+orig_tg = quant.QMM_TOKEN_GROUP
 def setcfg(c):
     d = dict(kv.split("=") for kv in c.split(",") if kv)
     quant._TOKEN_LANES = d.get("tt", "1") == "1"
@@ -37,6 +39,7 @@ def setcfg(c):
     quant.GEMV_PREFETCH_ROWS = int(d["pf"]) if "pf" in d else orig_pf[0]
     quant.GEMV_PREFETCH_LOCALITY = int(d["pfl"]) if "pfl" in d else orig_pf[1]
     quant.QMM_GEMM_DOT_ROUTE = d.get("route")
+    quant.QMM_TOKEN_GROUP = int(d["tg"]) if "tg" in d else orig_tg
 graphs = []
 for c in cfgs:
     setcfg(c)

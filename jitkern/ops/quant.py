@@ -783,6 +783,27 @@ def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, R
 
 
 @jk.jit
+def _qmm_group_fmas(q, sc, c, xq, xd, xs, toks, K: jk.constexpr, b0, acc, BM: jk.constexpr, R: jk.constexpr,
+                    S: jk.constexpr, RI: jk.constexpr, ROUTE: jk.constexpr = 0):
+    """_qmm_step's default path (no HS / FOLD / TT) for the BM tokens `toks` on weights decoded by the caller
+    (q, sc, c of blocks b0 .. b0 + S): the same loads, integer dots and FMAs per output (TG: the kernel decodes
+    a step's weights once and runs this per group of tokens)."""
+    RQ = R // RI
+    x = jk.load(xq + (toks * K)[:, None] + b0 * 32 + jk.arange(0, S * 32)[None, :])
+    pb = _block_dots(q, x, BM, R, S, RI, ROUTE=ROUTE).to(jk.f32)
+    blk = (toks * (K // 32))[:, None] * RI + b0 * RI + jk.arange(0, S * RI)[None, :]
+    shape = (BM, RQ, S, RI)
+    sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))
+    dx = jk.reshape(jk.load(xd + blk), (BM, 1, S, RI))
+    acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx, shape), acc)
+    if c is not None:
+        cw = jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))
+        acc = jk.fma(jk.broadcast_to(cw[None, :, :, :], shape),
+                     jk.broadcast_to(jk.reshape(jk.load(xs + blk), (BM, 1, S, RI)), shape), acc)
+    return acc
+
+
+@jk.jit
 def _half_blocks(v, h: jk.constexpr, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr, RI: jk.constexpr):
     """Blocks [h * S/2, (h + 1) * S/2) of a (BM, RQ, S, RI) f32 tile: the other half replaced by -0.0 and added
     (x + -0.0 == x exactly; the select and add fold to a shuffle)."""
@@ -804,7 +825,8 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
                 BM: jk.constexpr, R: jk.constexpr, RI: jk.constexpr, RS: jk.constexpr, S: jk.constexpr,
                 LOGS: jk.constexpr, PAIR_TAIL: jk.constexpr, ONE_TAIL: jk.constexpr, SPLIT: jk.constexpr = False,
                 FOLD: jk.constexpr = False, TT: jk.constexpr = False, PF: jk.constexpr = 0,
-                PFL: jk.constexpr = 2, ROWS_OUTER: jk.constexpr = False, ROUTE: jk.constexpr = 0):
+                PFL: jk.constexpr = 2, ROWS_OUTER: jk.constexpr = False, ROUTE: jk.constexpr = 0,
+                TG: jk.constexpr = 0):
     # y[m, n] for BM tokens x RS tiles of R weight rows, run one after the other (a GEMV program, BM = R = 1,
     # reads one monotonic weight stream); grid (N / (RS R), M / BM) over tokens M0 .. M0 + M, the last tile of
     # each axis shifted back to end at N (M0 + M). K is a compile-time constant: token rows are constant offsets from one pointer, the
@@ -879,13 +901,40 @@ def _qmm_kernel(w, wh, xq, xd, xs, y, M0, M, N, K: jk.constexpr, DEC: jk.constex
                 acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI,
                                 FOLD=True, ROUTE=ROUTE)
             res = _block_sum(acc, BM, RQ, S // 2, RI, LOGS - 1)
+        elif TG:
+            # the tile's tokens in groups of TG (`_token_group`): a step's weights decoded once, then each group's
+            # dots, lane sums and FMAs in turn, so only one group's (TG, R) integer dots are live at a time (the
+            # whole tile's were, and spilled); per output the same operations as the path below
+            accs = ()
+            for g in jk.static_range(BM // TG):
+                accs = accs + (jk.zeros((TG, RQ, S, RI), jk.f32),)
+            for st in range(0, NB // S):
+                q, sc, c, _ = DEC(w, wh, rows, st.to(jk.i64), RB, R, S)
+                nxt = ()
+                for g in jk.static_range(BM // TG):
+                    tg = (m0 + g * TG + jk.arange(0, TG)).to(jk.i64)
+                    nxt = nxt + (_qmm_group_fmas(q, sc, c, xq, xd, xs, tg, K, st.to(jk.i64) * S, accs[g], TG, R,
+                                                 S, RI, ROUTE),)
+                accs = nxt
+            for g in jk.static_range(BM // TG):
+                tg = (m0 + g * TG + jk.arange(0, TG)).to(jk.i64)
+                rg = _block_sum(accs[g], TG, RQ, S, RI, LOGS)
+                if PAIR_TAIL:
+                    acc2 = _qmm_step(w, wh, xq, xd, xs, rows, tg * K, tg * NB, (NB // S * S) // 2,
+                                     jk.zeros((TG, RQ, 2, RI), jk.f32), DEC, RB, TG, R, 2, RI, ROUTE=ROUTE)
+                    rg += _block_sum(acc2, TG, RQ, 2, RI, 1)
+                if ONE_TAIL:
+                    acc1 = _qmm_step(w, wh, xq, xd, xs, rows, tg * K, tg * NB, NB - 1,
+                                     jk.zeros((TG, RQ, 1, RI), jk.f32), DEC, RB, TG, R, 1, RI, ROUTE=ROUTE)
+                    rg += jk.reshape(acc1, (TG, RQ, RI))
+                jk.store(y + tg[:, None] * N + rows[None, :], jk.reshape(rg, (TG, R)))
         else:
             acc = jk.zeros((BM, RQ, S, RI), jk.f32)
             for st in range(0, NB // S):
                 acc = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st.to(jk.i64), acc, DEC, RB, BM, R, S, RI,
                                 ROUTE=ROUTE)
             res = _block_sum(acc, BM, RQ, S, RI, LOGS)
-        if not TT:
+        if not TT and not TG:
             if PAIR_TAIL:
                 acc2 = _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, (NB // S * S) // 2,
                                  jk.zeros((BM, RQ, 2, RI), jk.f32), DEC, RB, BM, R, 2, RI, ROUTE=ROUTE)
@@ -953,6 +1002,24 @@ def _gemm_route(RI: int, target) -> dict:
 # route on every CPU tier (madd has no arm64 instruction: it takes the generic widening path there). The dots
 # are exact either way, so the outputs are the same bits (tests/test_vnni.py).
 QMM_GEMM_DOT_ROUTE = None
+
+
+def _token_group(q: QType, bm: int, R: int, target) -> dict:
+    """{'TG': tokens per group} for `_qmm_kernel` GEMM tiles on 512-bit VNNI tiers (QMM_TOKEN_GROUP; the tile's
+    weights decoded once per step, its tokens' dots and FMAs a group at a time), else {} (the kernel's
+    specialisations and cache entries as before)."""
+    tg = QMM_TOKEN_GROUP
+    if not tg or bm <= tg or bm % tg or R % 4 or q.name not in ("q4_0", "q4_1"):
+        return {}
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    if not (target.is_cpu and target.vector_bits >= 512 and target.has("avx512vnni")):
+        return {}
+    return {"TG": tg}
+
+
+QMM_TOKEN_GROUP = 4
 
 
 def _rows_outer(mn: int, bm: int, K: int, target) -> bool:
@@ -1192,7 +1259,7 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
                      LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1,
                      SPLIT=_split_steps(q, M, S, T), FOLD=_fold_lanes(q, S, T), TT=_token_lanes(q, R, bm, T),
                      ROWS_OUTER=_rows_outer(mn, bm, K, T), **_gemv_prefetch(M, row_bytes(q, K), T),
-                     **_gemm_route(RI, T))
+                     **_gemm_route(RI, T), **_token_group(q, bm, R, T))
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
     ck = run(_kq_kernel, (-(-N // (RS * R)), -(-M // BM)),

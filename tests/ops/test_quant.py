@@ -406,9 +406,9 @@ def test_gemm_rows_outer_order_same_bits_and_splits_rows(tier, qtype, monkeypatc
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
 def test_gemm_token_tile_of_the_vnni_tiers_same_bits(tier, qtype, monkeypatch):
-    # 512-bit VNNI tiers run M > 1 in 8-token tiles (16 spilled): the tile never changes an output's arithmetic,
-    # so 16 tokens in one tile of 16, two of 8 (the default there) and four of 4 give the same bits, and the
-    # whole batch equals each token alone (the GEMV)
+    # 512-bit VNNI tiers run M > 1 in 8-token tiles (16 spilled), the 4-bit types' in groups of 4 tokens: neither
+    # the tile nor the groups ever change an output's arithmetic, so 16 tokens in one tile of 16, two of 8 (the
+    # default there) and four of 4 give the same bits, and the whole batch equals each token alone (the GEMV)
     if not tier.is_cpu:
         pytest.skip("CPU token tiles")
     rng = np.random.default_rng(60 + ["q8_0", "q4_1"].index(qtype))
@@ -428,3 +428,16 @@ def test_gemm_token_tile_of_the_vnni_tiers_same_bits(tier, qtype, monkeypatch):
             np.testing.assert_array_equal(Q.matmul_q(x, raw, qtype, N, K, target=tier), default,
                                           err_msg=f"{qtype} K={K} tile {tile}")
         monkeypatch.setattr(Q, "QMM_TILE_OVERRIDE", None)
+        # token groups (QMM_TOKEN_GROUP: one weight decode per step, the tokens' FMAs a group at a time): the
+        # same bits with groups of 4 (the default), 2 and none, in 8- and 16-token tiles
+        for tile in (None, (16, 4)):
+            monkeypatch.setattr(Q, "QMM_TILE_OVERRIDE", tile)
+            for tg in (0, 2, 4):
+                monkeypatch.setattr(Q, "QMM_TOKEN_GROUP", tg)
+                got = Q.matmul_q(x, raw, qtype, N, K, target=tier)
+                last = [c for k, a, c in launches[-3:] if k is Q._qmm_kernel][-1]
+                if tier.has("avx512vnni") and tier.vector_bits >= 512 and qtype == "q4_1":
+                    assert last.get("TG", 0) == tg, (tg, last)
+                np.testing.assert_array_equal(got, default, err_msg=f"{qtype} K={K} tile {tile} groups of {tg}")
+        monkeypatch.setattr(Q, "QMM_TILE_OVERRIDE", None)
+        monkeypatch.setattr(Q, "QMM_TOKEN_GROUP", 4)
