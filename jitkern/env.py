@@ -41,6 +41,11 @@ Settings (all optional):
     JITKERN_WGMMA_PIPE          0 or 1: a K loop's warpgroup MMAs overlap the next step's staging (default 0).
     JITKERN_WGMMA_MIN_BM        wgmma only for linear tiles of at least this many tokens, an integer >= 0
                                 (default 0: every tile).
+    JITKERN_CP_ASYNC            0 or 1: every K loop's prefetched dot operands go global -> shared memory by
+                                cp.async into two buffers, or none do (default: the kernels launched with
+                                num_stages=2, the tensor-core linear's tiles of 64+ tokens; an A/B switch).
+    JITKERN_MMA_UNROLL          copies of an MMA K loop's step to unroll to, an integer >= 0 (default 0: the
+                                target's choice; an A/B switch).
     JITKERN_FRAG_OPS            0 or 1: elementwise ops on MMA accumulators run in the accumulators' registers
                                 (default 1; 0 goes through the tile layout in shared memory, an A/B switch).
 
@@ -61,7 +66,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS", "JITKERN_PREFIX_CACHING_HASH_SEED",
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
-            "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS")
+            "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
+            "JITKERN_MMA_UNROLL")
 
 
 class SettingError(JitkernError, ValueError):
@@ -152,6 +158,19 @@ def wgmma_swizzle(environ=None) -> int:
 
 def wgmma_pipe(environ=None) -> bool:
     return env_choice("JITKERN_WGMMA_PIPE", ("0", "1"), environ) == "1"
+
+
+def cp_async(environ=None):
+    """JITKERN_CP_ASYNC: 1 copies the tiles every K loop prefetches for its dot global -> shared memory by
+    cp.async (backends/gpu.py AsyncTile), 0 never; unset (None): kernels launched with num_stages >= 2."""
+    v = env_choice("JITKERN_CP_ASYNC", ("0", "1"), environ)
+    return None if v is None else v == "1"
+
+
+def mma_unroll(environ=None) -> int:
+    """JITKERN_MMA_UNROLL=N: copies of an MMA K loop's step LLVM may unroll to (0: the target's default; an
+    A/B switch, in the cache key)."""
+    return env_int("JITKERN_MMA_UNROLL", 0, environ) or 0
 
 
 def frag_ops(environ=None) -> bool:
@@ -251,6 +270,8 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     wgmma_pipe(environ)
     wgmma_min_bm(environ)
     frag_ops(environ)
+    cp_async(environ)
+    mma_unroll(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

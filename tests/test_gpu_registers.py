@@ -60,14 +60,14 @@ def test_chunk_steps_need_an_affine_form_and_power_of_two_sizes():
 LINEAR_SIG = "x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16"
 
 
-def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2):
+def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2, sig=None):
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
     from jitkern.ops.matmul import _gpu_linear_mma_kernel
     from targets import get_target
     consts = ["HAS_BIAS=False", f"BM={BM}", f"BN={BN}", f"BK={BK}", "EVEN=True", f"SPLIT={split}",
               f"num_warps={warps}", *extra]
-    params, cx = parse_sig(_gpu_linear_mma_kernel, LINEAR_SIG, consts)
+    params, cx = parse_sig(_gpu_linear_mma_kernel, sig or LINEAR_SIG, consts)
     ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, get_target("sm_90a"), load=False)
     return ck.artifacts["kernel.ptx"].decode()
 
@@ -190,3 +190,42 @@ def test_dense_linear_fragments_by_ldmatrix(monkeypatch):
     assert "ldmatrix" not in ptx0
     assert with_ldm[0] > 0 and with_ldm[1] > 0
     assert with_ldm[2] + 3 * with_ldm[0] + with_ldm[1] <= len(re.findall(r"ld\.shared", ptx0)), with_ldm
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_cp_async_linear_tiles(tmp_path, monkeypatch):
+    """num_stages=2 (the engine launches its linear tiles of GPU_LINEAR_ASYNC_MIN_BM+ tokens so; JITKERN_CP_ASYNC=0
+    turns it off): the tensor-core linear's prefetched tiles go global -> shared memory by cp.async straight
+    into the dot's staging rows, two buffers, one 8-byte copy per chunk of 4 elements (the
+    prologue's and the loop's), waited for before each dot (all but the step's own groups in the loop, all
+    after it). With bf16 x both operands are copied: no tile is held in registers, so ptxas needs far fewer,
+    and the buffers share shared memory with the C tile written after the last dot. With f32 x only the
+    weights are (x is rounded to bf16 on the way; about as many registers as without). Off: no cp.async."""
+    from jitkern.backends import gpu
+    from jitkern.ops import matmul as mm
+    from targets import get_target
+    T = get_target("sm_90a")
+    ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
+    tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
+    sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
+    assert sig16 != LINEAR_SIG
+    for t in sorted(tiles):
+        BM, BN, BK, W, S = t
+        threads = 32 * W
+        for x16 in (True, False):
+            sig = sig16 if x16 else LINEAR_SIG
+            monkeypatch.setattr(gpu, "CP_ASYNC", None)          # the default: per launch (num_stages)
+            off = _linear_ptx(BM, BN, BK, extra=("ACT16=1",), warps=W, split=S, sig=sig)
+            on = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "num_stages=2"), warps=W, split=S, sig=sig)
+            monkeypatch.setattr(gpu, "CP_ASYNC", False)         # JITKERN_CP_ASYNC=0 wins over the option
+            never = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "num_stages=2"), warps=W, split=S, sig=sig)
+            assert "cp.async" not in off and "cp.async" not in never
+            assert ("num_stages" in mm._mma_regs(T, BM)) == (BM >= mm.GPU_LINEAR_ASYNC_MIN_BM)
+            rows = BM + BN if x16 else BN
+            copies = len(re.findall(r"cp\.async\.ca\.shared\.global \[", on))
+            assert copies == 2 * rows * BK // (4 * threads), (t, x16, copies)
+            assert len(re.findall(r"cp\.async\.commit_group", on)) == (4 if x16 else 2)
+            assert re.search(r"cp\.async\.wait_group\s+0;", on) and re.search(r"cp\.async\.wait_group\s+\d;", on)
+            regs_on, spill_on = _ptxas_usage(on, tmp_path)
+            regs_off, _ = _ptxas_usage(off, tmp_path)
+            assert spill_on == 0 and (regs_on < regs_off or not x16), (t, x16, regs_on, regs_off)

@@ -133,6 +133,20 @@ class GpuHooks:
         align = 1024 if low._wgmma_swizzled() else 16
         return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align {align}"]
 
+    has_cp_async = False     # global -> shared copies that run while the thread goes on (cp.async)
+
+    def cp_async(self, low, dst: str, src: str, nbytes: int, src_bytes: str) -> None:
+        """Copies nbytes from global pointer src (a global-space ptr ref) to shared pointer dst, reading
+        src_bytes of them (i32 ref; the rest zero-filled)."""
+        raise NotImplementedError
+
+    def cp_async_commit(self, low) -> None:
+        raise NotImplementedError
+
+    def cp_async_wait(self, low, pending: int) -> None:
+        """Waits until at most `pending` committed copy groups of this thread are still running."""
+        raise NotImplementedError
+
     def load(self, low, p, shape, mask, other):
         """An LV loaded through pointer tile p (mask: the user's i1 mask or None; lanes past the tile are
         the hook's to mask, with low._gpu_mask), or None for the lowering's own code."""
@@ -184,6 +198,18 @@ class FragV:
         self.key, self.lv = key, lv
 
 
+class AsyncTile:
+    """A 16-bit tile a K loop prefetches for its dot, copied global -> shared memory by cp.async straight into
+    the dot's staging layout (rows of k + 8 elements) in one of two buffers of region `spec`
+    (GpuLowering._async_analysis); `buf` is the buffer (an i32 ref: the loop carries it as a phi)."""
+    __slots__ = ("spec", "buf")
+
+    def __init__(self, spec, buf):
+        self.spec, self.buf = spec, buf
+
+
+_ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known once the rest is laid out
+
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
 # MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
 # (an A/B switch: part of the compiled kernels' cache key, jitkern/compiler.py _toolchain_key)
@@ -200,6 +226,11 @@ WGMMA_PIPE = _env.wgmma_pipe()
 # JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
 # tile layout in shared memory (an A/B switch, in the cache key)
 FRAG_OPS = _env.frag_ops()
+# JITKERN_CP_ASYNC: 1 = prefetched dot operands of every K loop are copied global -> shared by cp.async
+# (AsyncTile), 0 = never, unset (None) = in kernels launched with num_stages >= 2 (an A/B switch, in the cache key)
+CP_ASYNC = _env.cp_async()
+# JITKERN_MMA_UNROLL=N: the MMA K loops' unroll count instead of the target's (an A/B switch, in the cache key)
+MMA_UNROLL = _env.mma_unroll()
 
 
 class _LaneExpr:
@@ -260,6 +291,8 @@ def _ops_of(block: ir.Block):
 
 class GpuLowering(LlvmEmitter):
     _flat_override = None           # (shape, flat index LV) while an operand is evaluated in a fragment layout
+    _async_live = False             # (see __init__)
+
     def __init__(self, fn: ir.Function, target, hooks: GpuHooks):
         super().__init__(fn, target)
         self.x86 = False
@@ -277,6 +310,12 @@ class GpuLowering(LlvmEmitter):
         self._flat_override = None  # (shape, flat index LV): tiles of that shape take a fragment layout
         self.frag_keys = {}         # value id -> layout key of the values held as FragV (_frag_analysis)
         self._lazy_ops = {}         # value id -> op lowered only where a tile-layout user asks (_frag_analysis)
+        self._async_loads = {}      # id(load) -> (async region spec, slot arg or None) (_async_analysis)
+        self._async_slots = {}      # (id(for), slot) -> async region spec
+        self._async_bytes = 0
+        self._async_issued = []     # per loop being lowered: cp.async groups committed in this step so far
+        self._async_live = False    # from the first cp.async until the last dot reading async buffers
+        self._async_shared = False  # something claimed shared memory meanwhile
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
     # ------------------------------------------------------------------------------ layout helpers
@@ -373,6 +412,8 @@ class GpuLowering(LlvmEmitter):
 
     def _claim(self, off: int, nbytes: int) -> int:
         """Reserves [off, off + nbytes) of shared memory for one op; returns the next 16-byte aligned offset."""
+        if self._async_live:
+            self._async_shared = True       # the async regions cannot overlap this one (see lower())
         end = off + nbytes
         self.smem_bytes = max(self.smem_bytes, end)
         return -(-end // 16) * 16
@@ -497,6 +538,7 @@ class GpuLowering(LlvmEmitter):
                         self.mma_plans[id(op)] = plan
                         self.lazy.update(plan["lazy"])
             self._frag_analysis()
+            self._async_analysis()
         self.start_block("entry")
         h.entry(self)
         self.tid = h.thread_id(self)
@@ -522,6 +564,13 @@ class GpuLowering(LlvmEmitter):
         self.lower_block(fn.body)
         self.emit("ret void")
         self.lines[splice_at:splice_at] = self.entry_defs
+        if self._async_bytes:
+            # the async regions overlap the rest when nothing else claims shared memory while they are live
+            # (the tensor-core linear: its C tile is written after the last dot's barrier)
+            base = -(-self.smem_bytes // 128) * 128 if self._async_shared else 0
+            self.lines = [ln.replace(_ASYNC_BASE, str(base)) if ln and _ASYNC_BASE in ln else ln
+                          for ln in self.lines]
+            self.smem_bytes = max(self.smem_bytes, base + self._async_bytes)
         if self.smem_bytes > h.max_smem_bytes:
             raise CompilationError(
                 f"kernel {fn.name} needs {self.smem_bytes} bytes of shared memory for its layout changes, more "
@@ -774,6 +823,9 @@ class GpuLowering(LlvmEmitter):
         return self.val(f"getelementptr inbounds {et}, ptr {p.base}, {offs.ty} {offs.ref}", "ptr", R, shape)
 
     def op_load(self, op):
+        hit = self._async_loads.get(id(op)) if self._async_loads else None
+        if hit is not None:
+            return self._async_load(op, *hit)
         if self.pending_write:
             self.barrier()
         self.pending_read = True
@@ -1028,7 +1080,8 @@ class GpuLowering(LlvmEmitter):
         self.pending_read |= loads
         slots = self._frag_slots(op)
         fslots = {j: self.frag_keys[a.id] for j, a in enumerate(op.regions[0].args[1:]) if a.id in self.frag_keys}
-        res = self._for_with_frags(op, slots, fslots) if slots or fslots else super().op_for(op)
+        aslots = {j: sp for (o, j), sp in self._async_slots.items() if o == id(op)}
+        res = self._for_with_frags(op, slots, fslots, aslots) if slots or fslots or aslots else super().op_for(op)
         self.pending_write |= stores or before[0]
         self.pending_read |= loads or before[1]
         return res
@@ -1064,17 +1117,18 @@ class GpuLowering(LlvmEmitter):
             self._frag_yields[(id(yop), j)] = key
         return slots
 
-    def _for_with_frags(self, op, slots, fslots=None):
+    def _for_with_frags(self, op, slots, fslots=None, aslots=None):
         """The counted loop of LlvmEmitter.op_for with the `slots` carried as MMA registers (one phi per
         register, starting at 0.0); afterwards each stays in registers if only dots of its layout use it,
         else it becomes a tile value at the loop's exit. `fslots` (slot -> layout key) are carried as FragV:
         one vector phi each, from the constant the slot starts at."""
         fslots = fslots or {}
+        aslots = aslots or {}
         lb, ub, step = (self.get(o) for o in op.operands[:3])
         inits = [self.get(o) for o in op.operands[3:]]
         body = op.regions[0]
         hdr, bb, ex = self.label("for_hdr"), self.label("for_body"), self.label("for_exit")
-        inits_r = [self._phi_repr(v) for v in inits]
+        inits_r = [None if j in aslots else self._phi_repr(v) for j, v in enumerate(inits)]
         nregs = {}
         for j, (key, plan) in slots.items():       # (before the header: mma_layout may emit lane math)
             g = self._mma_geometry(plan)
@@ -1102,6 +1156,12 @@ class GpuLowering(LlvmEmitter):
                 ph = self.tmp("fv")
                 self.lines.append(None)
                 carried.append(("flv", ph, fslots[j], finit[j]))
+            elif j in aslots:
+                if not isinstance(inits[j], AsyncTile):
+                    raise CompilationError("internal lowering error: an async slot's first tile is not async", op.loc)
+                ph = self.tmp("ab")
+                self.lines.append(None)
+                carried.append(("async", ph, aslots[j], inits[j].buf))
             else:
                 ph = self.tmp("c")
                 self.lines.append(None)
@@ -1115,10 +1175,14 @@ class GpuLowering(LlvmEmitter):
                 self.vals[arg.id] = MmaAcc(c[2], c[1], c[3])
             elif c[0] == "flv":
                 self.vals[arg.id] = FragV(c[2], LV(c[1], "float", c[3].n, tuple(arg.type.shape)))
+            elif c[0] == "async":
+                self.vals[arg.id] = AsyncTile(c[2], c[1])
             else:
                 self.vals[arg.id] = self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape))
         self._frag_loops.append((iv, lb, step))
+        self._async_issued.append(0)
         ys = self.lower_block(body)
+        self._async_issued.pop()
         self._frag_loops.pop()
         ys_r = []
         for j, (y, v) in enumerate(zip(ys, inits)):
@@ -1127,6 +1191,11 @@ class GpuLowering(LlvmEmitter):
                     raise CompilationError("internal lowering error: a register accumulator left its layout",
                                            op.loc)
                 ys_r.append(y)
+                continue
+            if j in aslots:
+                if not isinstance(y, AsyncTile) or y.spec is not aslots[j]:
+                    raise CompilationError("internal lowering error: an async slot's tile is not async", op.loc)
+                ys_r.append(LV(y.buf, "i32", 0))
                 continue
             if j in fslots:
                 if not isinstance(y, FragV) or y.key != fslots[j]:
@@ -1150,6 +1219,9 @@ class GpuLowering(LlvmEmitter):
             elif c[0] == "flv":
                 self.lines[k] = f"  {c[1]} = phi {c[3].ty} [ {c[3].ref}, %{pred} ], [ {y.ref}, %{latch} ]"
                 k += 1
+            elif c[0] == "async":
+                self.lines[k] = f"  {c[1]} = phi i32 [ {c[3]}, %{pred} ], [ {y.ref}, %{latch} ]"
+                k += 1
             else:
                 self.lines[k] = f"  {c[1]} = phi {c[2].ty} [ {c[2].ref}, %{pred} ], [ {y.ref}, %{latch} ]"
                 k += 1
@@ -1161,6 +1233,8 @@ class GpuLowering(LlvmEmitter):
                 out.append(acc if self._keep_frag(op.results[j], c[2], to_dots=True) else self._materialise(acc))
             elif c[0] == "flv":
                 out.append(FragV(c[2], LV(c[1], "float", c[3].n, tuple(op.results[j].type.shape))))
+            elif c[0] == "async":
+                out.append(AsyncTile(c[2], c[1]))
             else:
                 out.append(self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape)))
         return out
@@ -1516,23 +1590,15 @@ class GpuLowering(LlvmEmitter):
         # first: an accumulator in another register layout becomes a tile value through shared memory, which
         # must happen before this dot stages its operands there
         acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
-        a, aflat = self._dot_a(plan)
-        parts = self._a_parts(a, plan)
-        b = self.get(plan["b"])
         KP = k + 8
-        self.barrier()
-        off, offs_a = 0, []
-        for p in parts:
-            offs_a.append(off)
-            off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
-                LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
-                self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
-        offb = off
-        off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
-                                   (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
-        offc = off
-        self._claim(offc, g["csize"])
-        self.barrier()
+        was_live = self._async_live
+        offs_a, offb, offc = self._stage_mma_operands(plan)
+        last = was_live and not self._async_issued and g["fused"]
+        if last:
+            # the last dot on async buffers (after their loop: every copy waited for): shared memory claimed
+            # from here on may overlap them (its C tile, after a barrier: these MMAs read them)
+            self._async_live = False
+            offc = 0
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
         if g["fused"]:
             # every warp has per_warp units: one K loop for all of them, no branches
@@ -1543,8 +1609,12 @@ class GpuLowering(LlvmEmitter):
                 # the accumulator stays in the MMA registers (a loop-carried acc, or the acc of the next dot);
                 # a tile-valued acc operand is added after the read-back below instead
                 return MmaAcc(g["key"], regs, plan)
+            if last:
+                self.barrier()
+            self._claim(offc, g["csize"])
             ctx.store_units(us, regs, offc)
         else:
+            self._claim(offc, g["csize"])
             for i in range(g["per_warp"]):
                 q = self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0)
                 yes, done = self.label("mma_tile"), self.label("mma_done")
@@ -1557,6 +1627,182 @@ class GpuLowering(LlvmEmitter):
                 self.start_block(done)
         self.barrier()
         return self._add_tile_acc(ctx.read_back(offc), acc_op, acc_val, frag_in, (m, n))
+
+    # -------------------------------------------- cp.async: K-loop operands copied global -> shared memory
+    def _async_analysis(self) -> None:
+        """In kernels launched with num_stages >= 2 (Triton's option; two stages here) on targets with cp.async:
+        K-loop slots whose tiles go global -> shared memory by cp.async (AsyncTile), straight into the dot's
+        staging layout, in two buffers: the prefetching loop `v = load(k0); for k: n = load(k + BK); acc =
+        dot(v, trans(w), acc); v = n; ...; acc = dot(v, ...)`. A slot qualifies when a 16-bit 2-D load before
+        the loop starts it and another load in the body is its yield (each used once), the slot is used only
+        as one planned mma.sync dot's A operand (or, through a single-use trans, its B rows), the loop's
+        result only so by one dot after the loop, with the same staging shape, and both loads are whole
+        aligned chunks (axis analysis) with a chunk-constant mask and zero fill. The copy of step k + 1 then
+        runs while step k's MMAs do, without passing through registers."""
+        self._async_loads, self._async_slots, self._async_bytes = {}, {}, 0
+        wanted = CP_ASYNC if CP_ASYNC is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
+        if not wanted or not self.hooks.has_cp_async:
+            return
+        for op in _ops_of(self.fn.body):
+            if op.name != "for":
+                continue
+            body = op.regions[0]
+            yop = body.ops[-1] if body.ops and body.ops[-1].name == "yield" else None
+            if yop is None:
+                continue
+            for j, arg in enumerate(body.args[1:]):
+                init, y, res = op.operands[3 + j], yop.operands[j], op.results[j]
+                li, ly = self.defs.get(init.id), self.defs.get(y.id)
+                t = arg.type
+                if li is None or ly is None or li.name != "load" or ly.name != "load" \
+                        or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
+                        or t.elem not in (ir.bf16, ir.f16) \
+                        or self.uses.get(init.id) != 1 or self.uses.get(y.id) != 1:
+                    continue
+                r_in, r_out = self._async_role(arg), self._async_role(res)
+                if r_in is None or r_in != r_out or tuple(t.shape) != r_in[1] \
+                        or not self._async_loadable(li) or not self._async_loadable(ly):
+                    continue
+                rows, k = r_in[1]
+                KP = k + 8
+                size = -(-rows * KP * 2 // 128) * 128
+                spec = dict(off=self._async_bytes, size=size, KP=KP)
+                self._async_bytes += 2 * size
+                self._async_loads[id(li)] = (spec, None)
+                self._async_loads[id(ly)] = (spec, arg)
+                self._async_slots[(id(op), j)] = spec
+
+    def _async_role(self, v):
+        """("a", (m, k)) / ("b", (n, k)) when v's one use is a planned mma.sync dot's A operand / (through a
+        single-use trans) its B rows, else None."""
+        us = self.users.get(v.id, [])
+        if len(us) != 1:
+            return None
+        u, idx = us[0]
+
+        def plan_of(d):
+            plan = self.mma_plans.get(id(d))
+            ok = plan is not None and not plan["wg"] and not plan["split"] and d.results[0].id not in self.frag_keys
+            return plan if ok else None
+        if u.name == "dot" and idx == 0:
+            plan = plan_of(u)
+            if plan is not None and plan["a"] is v:
+                return ("a", (plan["m"], plan["k"]))
+        if u.name == "trans" and tuple(u.attrs.get("perm", (1, 0))) == (1, 0):
+            tu = self.users.get(u.results[0].id, [])
+            if len(tu) == 1 and tu[0][0].name == "dot" and tu[0][1] == 1:
+                plan = plan_of(tu[0][0])
+                if plan is not None and plan["nk"] and plan["b"] is v:
+                    return ("b", (plan["n"], plan["k"]))
+        return None
+
+    def _async_loadable(self, op) -> bool:
+        shape = tuple(op.results[0].type.shape)
+        mask = op.operands[1] if len(op.operands) > 1 else None
+        V = self._chunk_vector(op.operands[0], mask, shape, op.results[0].type.elem)
+        if not V or V * 2 not in (4, 8, 16) or _prod(shape) % (self.T * V):
+            return False
+        if len(op.operands) > 2 and op.operands[2] is not None:
+            d = self.defs.get(op.operands[2].id)
+            if d is not None and d.name == "splat":
+                d = self.defs.get(d.operands[0].id)
+            if d is None or d.name != "const" or float(d.attrs["value"]) != 0.0:
+                return False
+        return True
+
+    def _async_region(self, spec, buf: str) -> str:
+        """Byte offset (i32 ref) of buffer `buf` of an async region; the regions sit above everything else
+        (_ASYNC_BASE is filled in at the end of lower())."""
+        t = self.val(f"mul i32 {buf}, {spec['size']}", "i32", 0).ref
+        t = self.val(f"add i32 {t}, {spec['off']}", "i32", 0).ref
+        return self.val(f"add i32 {t}, {_ASYNC_BASE}", "i32", 0).ref
+
+    def _async_load(self, op, spec, slot) -> AsyncTile:
+        """cp.async of a load's chunks into buffer 0 (the loop's first tile) or into the buffer the slot's
+        current tile is not in, at the dot's staging addresses (rows of KP elements); masked-off chunks read
+        nothing and are zero-filled. One commit group per load."""
+        if self.pending_write:
+            self.barrier()
+        self.pending_read = True
+        buf = "0" if slot is None else self.val(f"xor i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
+        if not self._async_issued or self._async_issued[-1] == 0:
+            self.barrier()      # the buffer's last readers (the previous step's MMAs) are done
+        self._async_live = True
+        shape = tuple(op.results[0].type.shape)
+        p = self.get(op.operands[0])
+        mask = self.get(op.operands[1]) if len(op.operands) > 1 and op.operands[1] is not None else None
+        et = elem_ty(p.elem)
+        esize = p.elem.itemsize
+        V = self._chunk_vector(op.operands[0], op.operands[1] if len(op.operands) > 1 else None, shape, p.elem)
+        ptrs = self._ptr_vec(p, shape)
+        m = self._gpu_mask(shape, mask)
+        steps = self._chunk_steps(p, shape, V)
+        flat = self.flat_index(shape)
+        C0, KP = shape[1], spec["KP"]
+        region = self._async_region(spec, buf)
+        a3, gas = self.hooks.smem_as, self.hooks.global_as
+        safe = None
+        gp = None
+        for c in range(ptrs.n // V):
+            pty, pc, gp = self._chunk_ptr(ptrs, c * V, gp if steps and c else None,
+                                          steps[c - 1] if steps and c else None, et)
+            e = self.extract(flat, c * V).ref
+            r = self.val(f"udiv i32 {e}, {C0}", "i32", 0).ref
+            col = self.val(f"urem i32 {e}, {C0}", "i32", 0).ref
+            d = self.val(f"mul i32 {r}, {KP}", "i32", 0).ref
+            d = self.val(f"add i32 {d}, {col}", "i32", 0).ref
+            d = self.val(f"shl i32 {d}, 1", "i32", 0).ref
+            d = self.val(f"add i32 {d}, {region}", "i32", 0).ref
+            dst = self.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {d}", "ptr", 0).ref
+            src, nread = pc.ref, str(V * esize)
+            if m is not None:
+                mc = self.extract(m, c * V).ref
+                if safe is None:
+                    safe = self.val(f"addrspacecast ptr {p.base} to {pty}", "ptr", 0).ref if gas else p.base
+                src = self.val(f"select i1 {mc}, {pty} {pc.ref}, {pty} {safe}", "ptr", 0).ref
+                nread = self.val(f"select i1 {mc}, i32 {V * esize}, i32 0", "i32", 0).ref
+            self.hooks.cp_async(self, dst, src, V * esize, nread)
+        self.hooks.cp_async_commit(self)
+        if self._async_issued:
+            self._async_issued[-1] += 1
+        return AsyncTile(spec, buf)
+
+    def _stage_mma_operands(self, plan):
+        """Stages a planned dot's A (parts) and B in shared memory as padded rows of k + 8 elements; operands
+        already there (AsyncTile: copied by cp.async) are waited for instead. Returns (A regions, B region,
+        end of what was staged); regions are byte offsets (ints, or i32 refs for async buffers)."""
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        KP = k + 8
+        av, bv = self.vals.get(plan["a"].id), self.vals.get(plan["b"].id)
+        a_async = av if isinstance(av, AsyncTile) else None
+        b_async = bv if isinstance(bv, AsyncTile) else None
+        if a_async is None:
+            a, aflat = self._dot_a(plan)
+            parts = self._a_parts(a, plan)
+        if b_async is None:
+            b = self.get(plan["b"])
+        if a_async is None or b_async is None:
+            self.barrier()
+        off, offs_a = 0, []
+        if a_async is not None:
+            offs_a = [self._async_region(a_async.spec, a_async.buf)]
+        else:
+            for p in parts:
+                offs_a.append(off)
+                off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
+                    LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
+                    self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
+        if b_async is not None:
+            offb = self._async_region(b_async.spec, b_async.buf)
+        else:
+            offb = off
+            off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
+                                       (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
+        if a_async is not None or b_async is not None:
+            # the copies of this step's tiles (committed before the ones issued since the loop step began)
+            self.hooks.cp_async_wait(self, self._async_issued[-1] if self._async_issued else 0)
+        self.barrier()
+        return offs_a, offb, off
 
     # ------------------------------------------------ elementwise ops on MMA accumulators (FragV values)
     _FRAG_EW = ("binary", "select", "unary", "cast")
@@ -1861,21 +2107,8 @@ class GpuLowering(LlvmEmitter):
         if acc is not None and (not isinstance(acc, FragV) or acc.key != key):
             raise CompilationError("internal lowering error: a fragment accumulator left its layout", op.loc)
         m, n, k = plan["m"], plan["n"], plan["k"]
-        a, aflat = self._dot_a(plan)
-        parts = self._a_parts(a, plan)
-        b = self.get(plan["b"])
         KP = k + 8
-        self.barrier()
-        off, offs_a = 0, []
-        for p in parts:
-            offs_a.append(off)
-            off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
-                LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
-                self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
-        offb = off
-        self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
-                              (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
-        self.barrier()
+        offs_a, offb, _ = self._stage_mma_operands(plan)
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
         us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
               for i in range(g["per_warp"])]
@@ -2265,7 +2498,8 @@ class GpuLowering(LlvmEmitter):
         # each lane then holds exactly the registers mma_layout names (tests/test_gpu_registers.py models
         # both). Rows are 16-byte aligned: KP = k + 8 elements with k % 16 == 0, regions at 16-byte offsets
         ldm = (LDMATRIX and (MS, NS, KS) == (16, 8, 16) and lay["a_ty"] == "i32" and lay["b_ty"] == "i32"
-               and KP % 8 == 0 and all(o % 16 == 0 for o in list(offs_a or []) + ([offb] if offb is not None else []))
+               and KP % 8 == 0 and all(isinstance(o, str) or o % 16 == 0
+                                       for o in list(offs_a or []) + ([offb] if offb is not None else []))
                and self.hooks.has_ldmatrix)
         if ldm:
             la = self.hooks.ldmatrix_lanes(_LaneExpr(self, lane.ref))
@@ -2389,7 +2623,8 @@ class GpuLowering(LlvmEmitter):
                         base = (ui * nparts + pi) * nc
                         out += low.hooks.mma(low, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
                 return [LV(o, "float", 0) for o in out]
-            return [r.ref for r in low.emit_loop(ksteps, start, kstep, unroll=low.hooks.mma_unroll)]
+            return [r.ref for r in low.emit_loop(ksteps, start, kstep,
+                                                      unroll=MMA_UNROLL or low.hooks.mma_unroll)]
 
         def store_units(us, regs, offc):
             """Per register the parts summed in order (hi + lo), stored at its tile element."""

@@ -150,6 +150,26 @@ class NvptxHooks(GpuHooks):
         write (tied, so no use of them moves above the wait)."""
         return self._tied_asm(low, f"wgmma.wait_group.sync.aligned {pending};", regs)
 
+    # ---- cp.async (sm_80+): global -> shared copies that run asynchronously (GpuLowering AsyncTile)
+    @property
+    def has_cp_async(self):
+        return self.target.async_copy in ("cp.async", "tma")
+
+    def cp_async(self, low, dst: str, src: str, nbytes: int, src_bytes: str) -> None:
+        kind = "cg" if nbytes == 16 else "ca"           # .cg (L2 only) exists for 16-byte copies only
+        name = f"llvm.nvvm.cp.async.{kind}.shared.global.{nbytes}.s"
+        low.declare(name, "void", [f"ptr addrspace({self.smem_as})", f"ptr addrspace({self.global_as})", "i32"])
+        low.emit(f"call void @{name}(ptr addrspace({self.smem_as}) {dst}, ptr addrspace({self.global_as}) {src}, "
+                 f"i32 {src_bytes})")
+
+    def cp_async_commit(self, low) -> None:
+        low.declare("llvm.nvvm.cp.async.commit.group", "void", [])
+        low.emit("call void @llvm.nvvm.cp.async.commit.group()")
+
+    def cp_async_wait(self, low, pending: int) -> None:
+        low.declare("llvm.nvvm.cp.async.wait.group", "void", ["i32 immarg"])
+        low.emit(f"call void @llvm.nvvm.cp.async.wait.group(i32 {pending})")
+
     def smem_address(self, low) -> str:
         """The shared window address of @__jk_smem (i32), for wgmma descriptors."""
         return low.val(f"ptrtoint ptr addrspace({self.smem_as}) @__jk_smem to i32", "i32", 0).ref

@@ -423,11 +423,21 @@ GPU_LINEAR_WGMMA_MIN_BM = _env.wgmma_min_bm()
 
 
 def _mma_regs(T, BM: int = 0) -> dict:
-    """Launch options of the tensor-core linear with a tile of BM tokens: `maxnreg`, `wgmma`."""
+    """Launch options of the tensor-core linear with a tile of BM tokens: `maxnreg`, `wgmma`, `num_stages`."""
     out = {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
     if GPU_LINEAR_WGMMA and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM:
         out["wgmma"] = 1
+    if GPU_LINEAR_ASYNC_MIN_BM and T.is_cuda and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
+        out["num_stages"] = 2
     return out
+
+
+# Tiles of at least this many tokens are launched with num_stages=2: their K loop's x and weight tiles go
+# global -> shared memory by cp.async into two buffers (backends/gpu.py AsyncTile) instead of through registers.
+# H200 (BENCHMARKS.md session 9): the (64, 256, 64, 8) tile 1.06-1.12x at M = 64-1024 (128 instead of 255
+# registers, its buffers sharing shared memory with the C tile: two CTAs an SM); the M = 1 decode tile 0.84-0.95x,
+# so it keeps the register path. Same bits either way (the staged values are the same). 0 = never.
+GPU_LINEAR_ASYNC_MIN_BM = 64
 
 
 # the tensor-core linear's A operand: "f32" (x split into 16-bit hi + lo parts by the lowering: ~16 significant
