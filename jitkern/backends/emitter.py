@@ -201,9 +201,9 @@ class LlvmEmitter:
     def lower_block(self, block: ir.Block):
         for op in block.ops:
             if op.name == "yield":
-                return [self.get(o) for o in op.operands]
+                return self.yield_values(op)
             try:
-                res = getattr(self, "op_" + op.name)(op)
+                res = self.lower_op(op)
             except CompilationError:
                 raise
             except KeyError as e:
@@ -214,6 +214,13 @@ class LlvmEmitter:
                 for r, lv in zip(op.results, res):
                     self.vals[r.id] = lv
         return []
+
+    def yield_values(self, op) -> list:
+        """The values a region's yield hands back (a lowering may keep some in a layout of its own)."""
+        return [self.get(o) for o in op.operands]
+
+    def lower_op(self, op):
+        return getattr(self, "op_" + op.name)(op)
 
     # ---------------------------------------------------------------------------------- arithmetic
     def _aff_combine(self, a: Optional[Aff], b: Optional[Aff], et: str, sign: int) -> Optional[Aff]:

@@ -1628,6 +1628,14 @@ class GpuLowering(LlvmEmitter):
         self.barrier()
         return self._add_tile_acc(ctx.read_back(offc), acc_op, acc_val, frag_in, (m, n))
 
+    def _loops(self):
+        """(for op, its body, the body's yield) of every loop of the kernel."""
+        for op in _ops_of(self.fn.body):
+            if op.name == "for":
+                body = op.regions[0]
+                if body.ops and body.ops[-1].name == "yield":
+                    yield op, body, body.ops[-1]
+
     # -------------------------------------------- cp.async: K-loop operands copied global -> shared memory
     def _async_analysis(self) -> None:
         """In kernels launched with num_stages >= 2 (Triton's option; two stages here) on targets with cp.async:
@@ -1643,13 +1651,7 @@ class GpuLowering(LlvmEmitter):
         wanted = CP_ASYNC if CP_ASYNC is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
         if not wanted or not self.hooks.has_cp_async:
             return
-        for op in _ops_of(self.fn.body):
-            if op.name != "for":
-                continue
-            body = op.regions[0]
-            yop = body.ops[-1] if body.ops and body.ops[-1].name == "yield" else None
-            if yop is None:
-                continue
+        for op, body, yop in self._loops():
             for j, arg in enumerate(body.args[1:]):
                 init, y, res = op.operands[3 + j], yop.operands[j], op.results[j]
                 li, ly = self.defs.get(init.id), self.defs.get(y.id)
@@ -1843,13 +1845,7 @@ class GpuLowering(LlvmEmitter):
         TOP = self._FRAG_TOP
         fk = {}
         slots = []                      # (slot arg, yielded value, loop result, yield op, slot index)
-        for op in _ops_of(self.fn.body):
-            if op.name != "for":
-                continue
-            body = op.regions[0]
-            yop = body.ops[-1] if body.ops and body.ops[-1].name == "yield" else None
-            if yop is None:
-                continue
+        for op, body, yop in self._loops():
             old = self._frag_slots(op)
             for j, arg in enumerate(body.args[1:]):
                 t = arg.type
@@ -1979,33 +1975,19 @@ class GpuLowering(LlvmEmitter):
             return self._frag_materialise(x)
         return x
 
-    def lower_block(self, block: ir.Block):
-        if not self.frag_keys:
-            return super().lower_block(block)
-        for op in block.ops:
-            if op.name == "yield":
-                keep = self._frag_keep.get(id(op), ())
-                return [self.vals[o.id] if j in keep else self.get(o) for j, o in enumerate(op.operands)]
-            k = self.frag_keys.get(op.results[0].id) if len(op.results) == 1 and op.results[0] is not None \
-                else None
-            if k is None and len(op.results) == 1 and op.results[0] is not None \
-                    and op.results[0].id in self._lazy_ops:
-                continue
-            try:
-                if k is not None and op.name in self._FRAG_EW:
-                    res = self._frag_elementwise(op, k)
-                else:
-                    res = getattr(self, "op_" + op.name)(op)
-            except CompilationError:
-                raise
-            except KeyError as e:
-                raise CompilationError(f"internal lowering error for {op.name}: missing value {e}", op.loc) from None
-            if op.results:
-                if not isinstance(res, (list, tuple)):
-                    res = [res]
-                for r, lv in zip(op.results, res):
-                    self.vals[r.id] = lv
-        return []
+    def yield_values(self, op) -> list:
+        keep = self._frag_keep.get(id(op), ()) if self.frag_keys else ()
+        return [self.vals[o.id] if j in keep else self.get(o) for j, o in enumerate(op.operands)]
+
+    def lower_op(self, op):
+        r = op.results[0] if len(op.results) == 1 else None
+        if r is not None and self.frag_keys:
+            k = self.frag_keys.get(r.id)
+            if k is not None and op.name in self._FRAG_EW:
+                return self._frag_elementwise(op, k)
+            if r.id in self._lazy_ops:
+                return None                 # lowered where a tile-layout user asks for it (get)
+        return getattr(self, "op_" + op.name)(op)
 
     def _frag_flat(self, key) -> LV:
         """i32 lanes: the flat (m, n) element index of each accumulator register of layout `key`."""
