@@ -46,6 +46,8 @@ Settings (all optional):
                                 num_stages=2, the tensor-core linear's tiles of 64+ tokens; an A/B switch).
     JITKERN_MMA_UNROLL          copies of an MMA K loop's step to unroll to, an integer >= 0 (default 0: the
                                 target's choice; an A/B switch).
+    JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
+                                computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_FRAG_OPS            0 or 1: elementwise ops on MMA accumulators run in the accumulators' registers
                                 (default 1; 0 goes through the tile layout in shared memory, an A/B switch).
 
@@ -67,7 +69,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
-            "JITKERN_MMA_UNROLL")
+            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS")
 
 
 class SettingError(JitkernError, ValueError):
@@ -173,6 +175,12 @@ def mma_unroll(environ=None) -> int:
     return env_int("JITKERN_MMA_UNROLL", 0, environ) or 0
 
 
+def row_slots(environ=None) -> bool:
+    """JITKERN_ROW_SLOTS=1: row vectors broadcast into MMA fragment layouts are written to shared memory where
+    they are computed, so one barrier serves several (backends/gpu.py _row_slots; default 0: A/B switch)."""
+    return env_choice("JITKERN_ROW_SLOTS", ("0", "1"), environ) == "1"
+
+
 def frag_ops(environ=None) -> bool:
     """JITKERN_FRAG_OPS=0: elementwise ops on MMA accumulators go through the tile layout (shared memory), as
     before fragment-layout values (backends/gpu.py FragV); an A/B switch, default on."""
@@ -272,6 +280,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     frag_ops(environ)
     cp_async(environ)
     mma_unroll(environ)
+    row_slots(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

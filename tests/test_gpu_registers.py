@@ -229,3 +229,33 @@ def test_cp_async_linear_tiles(tmp_path, monkeypatch):
             regs_on, spill_on = _ptxas_usage(on, tmp_path)
             regs_off, _ = _ptxas_usage(off, tmp_path)
             assert spill_on == 0 and (regs_on < regs_off or not x16), (t, x16, regs_on, regs_off)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
+    """gpu.ROW_SLOTS: the flash kernels' row broadcasts into the accumulator registers share barriers (fewer
+    bar.sync in the PTX than without) and ptxas still takes the kernels (16-bit operands: the engine's)."""
+    from jitkern.backends import gpu
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from targets import get_target
+    dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
+            "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
+            "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
+    psig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,query_start=*i32:16,seq_lens=*i32,"
+            "block_table=*i32,num_seqs=i32,search_steps=i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
+            "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
+    common = ["KVH=8", "G=4", "D=128", "PB=4", "MAXP=16", "SOFTCAP=False", "SINKS=False", "SPLIT=False",
+              "PIPE=True", "BS=16", "OPS16=True"]
+    cases = [("flash_decode_kernel", dsig, ["num_warps=2", "R=16", "NUM_PARTS=16"]),
+             ("flash_prefill_kernel", psig, ["num_warps=8", "GP=4", "BM=16", "SKIP_DECODE=True"])]
+    for name, sig, extra in cases:
+        k = load_kernel(f"jitkern.ops.attention:{name}")
+        counts = []
+        for on in (False, True):
+            monkeypatch.setattr(gpu, "ROW_SLOTS", on)
+            params, cx = parse_sig(k, sig, common + extra)
+            ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+            counts.append(len(re.findall(r"\bbar(rier)?\.sync", ptx)))
+            _ptxas_usage(ptx, tmp_path)
+        assert counts[1] < counts[0], (name, counts)

@@ -209,6 +209,7 @@ class AsyncTile:
 
 
 _ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known once the rest is laid out
+_ROWS_BASE = "__jk_rows_base__"        # the row slots' byte offset (after the async regions)
 
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
 # MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
@@ -231,6 +232,9 @@ FRAG_OPS = _env.frag_ops()
 CP_ASYNC = _env.cp_async()
 # JITKERN_MMA_UNROLL=N: the MMA K loops' unroll count instead of the target's (an A/B switch, in the cache key)
 MMA_UNROLL = _env.mma_unroll()
+# JITKERN_ROW_SLOTS=1: row vectors broadcast into fragment layouts are staged in shared memory where they are
+# computed, so one barrier serves several broadcasts (GpuLowering._row_slot_analysis; A/B switch, cache key)
+ROW_SLOTS = _env.row_slots()
 
 
 class _LaneExpr:
@@ -292,6 +296,8 @@ def _ops_of(block: ir.Block):
 class GpuLowering(LlvmEmitter):
     _flat_override = None           # (shape, flat index LV) while an operand is evaluated in a fragment layout
     _async_live = False             # (see __init__)
+    _rows_dirty = False
+    _rows_read = frozenset()
 
     def __init__(self, fn: ir.Function, target, hooks: GpuHooks):
         super().__init__(fn, target)
@@ -315,6 +321,12 @@ class GpuLowering(LlvmEmitter):
         self._async_bytes = 0
         self._async_issued = []     # per loop being lowered: cp.async groups committed in this step so far
         self._async_live = False    # from the first cp.async until the last dot reading async buffers
+        self._row_slots = {}        # id of a (R, 1) broadcast source -> (its (R,) value id, slot byte offset)
+        self._row_of = {}           # id of that (R,) value -> slot byte offset
+        self._rows_bytes = 0
+        self._rows_written = set()  # (R,) values whose slot holds them
+        self._rows_dirty = False    # slots written since the last barrier
+        self._rows_read = set()     # slots read since the last barrier
         self._async_shared = False  # something claimed shared memory meanwhile
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
@@ -403,6 +415,8 @@ class GpuLowering(LlvmEmitter):
     def barrier(self) -> None:
         self.hooks.barrier(self)
         self.pending_write = self.pending_read = False
+        self._rows_dirty = False
+        self._rows_read = set()
 
     # ------------------------------------------------------------------------------ shared memory
     def smem_ptr(self, byte_off: int) -> str:
@@ -421,15 +435,16 @@ class GpuLowering(LlvmEmitter):
     def _st_et(self, et: str) -> str:
         return "i8" if et == "i1" else et
 
-    def smem_write(self, x: LV, off: int) -> int:
+    def smem_write(self, x: LV, off: int, claim: bool = True) -> int:
         """Writes every lane of tile x at its flat index into shared memory at byte offset `off` (padding lanes
-        land in the padded tail, so no mask is needed); returns the end offset of the region."""
+        land in the padded tail, so no mask is needed); returns the end offset of the region (claim=False: a
+        region reserved elsewhere, `off` may be a placeholder; returns None)."""
         et = self._st_et(x.et)
         R = x.n
         v = x if x.et != "i1" else self.val(f"zext {x.ty} {x.ref} to {vty('i8', R)}", "i8", R, x.shape)
         idx = self.flat_index(x.shape)
         if self.hooks.smem_store(self, et, off, idx, v):
-            return self._claim(off, self.T * R * _ES[et])
+            return self._claim(off, self.T * R * _ES[et]) if claim else None
         base = self.smem_ptr(off)
         a = self.hooks.smem_as
         ptrs = self.val(f"getelementptr {et}, ptr addrspace({a}) {base}, {idx.ty} {idx.ref}", "ptr", R)
@@ -438,7 +453,7 @@ class GpuLowering(LlvmEmitter):
         self.declare(name, "void", [vty(et, R), pv, "i32", vty("i1", R)])
         self.emit(f"call void @{name}({vty(et, R)} {v.ref}, {pv} {ptrs.ref}, i32 {_ES[et]}, "
                   f"{vty('i1', R)} {self.const(1, 'i1', R).ref})")
-        return self._claim(off, self.T * R * _ES[et])
+        return self._claim(off, self.T * R * _ES[et]) if claim else None
 
     def smem_read(self, et_val: str, off: int, idx: LV, shape) -> LV:
         """Gathers elements at flat indices `idx` (i32 lanes, clamped by the caller) from shared memory."""
@@ -571,6 +586,11 @@ class GpuLowering(LlvmEmitter):
             self.lines = [ln.replace(_ASYNC_BASE, str(base)) if ln and _ASYNC_BASE in ln else ln
                           for ln in self.lines]
             self.smem_bytes = max(self.smem_bytes, base + self._async_bytes)
+        if self._rows_bytes:
+            base = -(-self.smem_bytes // 16) * 16
+            self.lines = [ln.replace(_ROWS_BASE, str(base)) if ln and _ROWS_BASE in ln else ln
+                          for ln in self.lines]
+            self.smem_bytes = base + self._rows_bytes
         if self.smem_bytes > h.max_smem_bytes:
             raise CompilationError(
                 f"kernel {fn.name} needs {self.smem_bytes} bytes of shared memory for its layout changes, more "
@@ -1078,12 +1098,19 @@ class GpuLowering(LlvmEmitter):
         before = (self.pending_write, self.pending_read)
         self.pending_write |= stores
         self.pending_read |= loads
+        # row slots: the previous iteration may have read any slot after the body's last barrier, and the loop
+        # may run no iteration at all (so what was written before stays unsynchronised after it)
+        rows_before = (self._rows_dirty, set(self._rows_read))
+        if self._row_of:
+            self._rows_read = set(self._row_of.values())
         slots = self._frag_slots(op)
         fslots = {j: self.frag_keys[a.id] for j, a in enumerate(op.regions[0].args[1:]) if a.id in self.frag_keys}
         aslots = {j: sp for (o, j), sp in self._async_slots.items() if o == id(op)}
         res = self._for_with_frags(op, slots, fslots, aslots) if slots or fslots or aslots else super().op_for(op)
         self.pending_write |= stores or before[0]
         self.pending_read |= loads or before[1]
+        self._rows_dirty = self._rows_dirty or rows_before[0]
+        self._rows_read = set(self._rows_read) | rows_before[1]
         return res
 
     def _frag_slots(self, op) -> dict:
@@ -1240,15 +1267,18 @@ class GpuLowering(LlvmEmitter):
         return out
 
     def _branch_state(self):
-        return (self.pending_write, self.pending_read)
+        return (self.pending_write, self.pending_read, self._rows_dirty, frozenset(self._rows_read))
 
     def _enter_branch(self, state) -> None:
-        self.pending_write, self.pending_read = state
+        self.pending_write, self.pending_read, self._rows_dirty, rows_read = state
+        self._rows_read = set(rows_read)
 
     def _merge_branches(self, states: list) -> None:
         # after the `if`, whatever either branch left pending stays pending
-        self.pending_write = any(w for w, _ in states)
-        self.pending_read = any(r for _, r in states)
+        self.pending_write = any(s_[0] for s_ in states)
+        self.pending_read = any(s_[1] for s_ in states)
+        self._rows_dirty = any(s_[2] for s_ in states)
+        self._rows_read = set().union(*(s_[3] for s_ in states))
 
     def _phi_repr(self, v):
         if isinstance(v, PT):
@@ -1961,6 +1991,53 @@ class GpuLowering(LlvmEmitter):
                               or (len(u.results) == 1 and u.results[0].id in self._lazy_ops) for u, _ in us):
                     self._lazy_ops[r.id] = op
                     changed = True
+        if ROW_SLOTS:
+            self._row_slot_analysis()
+
+    def _row_slot_analysis(self) -> None:
+        """Row vectors (R,) broadcast (through an (R, 1) reshape) only into fragment-layout ops, with float
+        data (not rematerialisable index math), get a slot of their own in shared memory: the value is written
+        there right where it is computed (no barrier), and a broadcast reads its rows after a barrier only if
+        a slot was written since the last one. The online softmax's new maxima and alpha, and the prefill
+        fold's factors, then share barriers instead of two each."""
+        for bid, op in self._lazy_ops.items():
+            if op.name != "broadcast":
+                continue
+            src = op.operands[0]
+            d = self.defs.get(src.id)
+            st = src.type
+            if d is None or d.name != "reshape" or len(st.shape) != 2 or st.shape[1] != 1 or st.elem != ir.f32:
+                continue
+            v = d.operands[0]
+            if len(v.type.shape) != 1 or v.id not in self.defs or self._remat_ok(src, set()):
+                continue
+            off = self._row_of.get(v.id)
+            if off is None:
+                off = self._row_of[v.id] = self._rows_bytes
+                self._rows_bytes += -(-self.T * self.lanes(v.type.shape) * 4 // 16) * 16
+            self._row_slots[src.id] = (v.id, off)
+
+    def _row_slot_ptr(self, off: int) -> str:
+        """Byte offset (i32 ref) of a row slot (the slots sit above everything else; _ROWS_BASE is filled in at
+        the end of lower())."""
+        return self.val(f"add i32 {off}, {_ROWS_BASE}", "i32", 0).ref
+
+    def _row_write(self, vid, x: LV) -> None:
+        off = self._row_of[vid]
+        if off in self._rows_read:
+            self.barrier()              # this iteration's readers of the slot's previous value are done
+        self.smem_write(x, self._row_slot_ptr(off), claim=False)
+        self._rows_written.add(vid)
+        self._rows_dirty = True
+
+    def _row_gather(self, vid, F: LV, n: int, shape) -> LV:
+        """The rows of each register of fragment layout F (flat indices of an (m, n) tile) from v's slot."""
+        off = self._row_of[vid]
+        if self._rows_dirty:
+            self.barrier()              # one barrier for every slot written since the last
+        rows = self.ibin("udiv", LV(F.ref, "i32", F.n), n) if n > 1 else LV(F.ref, "i32", F.n)
+        self._rows_read = set(self._rows_read) | {off}
+        return self.smem_read("float", self._row_slot_ptr(off), rows, shape)
 
     def get(self, v):
         x = self.vals.get(v.id)
@@ -1987,7 +2064,10 @@ class GpuLowering(LlvmEmitter):
                 return self._frag_elementwise(op, k)
             if r.id in self._lazy_ops:
                 return None                 # lowered where a tile-layout user asks for it (get)
-        return getattr(self, "op_" + op.name)(op)
+        res = getattr(self, "op_" + op.name)(op)
+        if r is not None and r.id in self._row_of and isinstance(res, LV):
+            self._row_write(r.id, res)      # staged now: its fragment-layout broadcasts share a barrier
+        return res
 
     def _frag_flat(self, key) -> LV:
         """i32 lanes: the flat (m, n) element index of each accumulator register of layout `key`."""
@@ -2040,6 +2120,9 @@ class GpuLowering(LlvmEmitter):
             return self._with_flat(shape, F, lambda: self.op_splat(d))
         if d is not None and d.name == "broadcast":
             src = d.operands[0]
+            slot = self._row_slots.get(src.id)
+            if slot is not None and slot[0] in self._rows_written:
+                return self._row_gather(slot[0], F, shape[1], shape)
             sshape = src.type.shape
             index = self._broadcast_index(sshape, shape)
 

@@ -206,6 +206,31 @@ def test_flash_fragment_ops_give_the_same_bits(tier, dtype, split, ops, monkeypa
         np.testing.assert_array_equal(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("dtype,split", [(np.float16, False), (np.float32, True)], ids=["f16", "f32-split"])
+def test_flash_row_slots_give_the_same_bits(tier, dtype, split, monkeypatch):
+    """gpu.ROW_SLOTS (JITKERN_ROW_SLOTS=1): the row vectors the online softmax broadcasts into the accumulator
+    registers (new maxima, alpha, the prefill fold's factors) are staged where they are computed and read
+    after one shared barrier; the values read are the same, so the bits must be (decodes, prefill tiles,
+    windows; 16-bit operands, where the fragment path applies)."""
+    if not tier.is_gpu or tier.is_vulkan:
+        pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
+    from jitkern.backends import gpu
+    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "16bit")
+    rng = np.random.default_rng(35)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, dtype)
+    for window in (0, 40):
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(gpu, "ROW_SLOTS", on)
+            for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
+                monkeypatch.setattr(k, "_plans", {})          # launch plans memoise the compiled kernel
+            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=8,
+                               split=split))
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
+        assert np.abs(outs[1] - want).max() < 3e-3 * np.abs(want).max()
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_flash_pipelined_loads_give_the_same_bits(tier):
     """The software-pipelined block loop (next block's K/V loaded before the current step: the GPU default)
     against the plain loop, decodes and chunks, with a window that skips blocks."""
