@@ -48,6 +48,8 @@ Settings (all optional):
                                 target's choice; an A/B switch).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
+    JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
+                                the loop (default 0: not yet run on a GPU).
     JITKERN_FRAG_OPS            0 or 1: elementwise ops on MMA accumulators run in the accumulators' registers
                                 (default 1; 0 goes through the tile layout in shared memory, an A/B switch).
 
@@ -69,7 +71,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
-            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS")
+            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS")
 
 
 class SettingError(JitkernError, ValueError):
@@ -181,6 +183,12 @@ def row_slots(environ=None) -> bool:
     return env_choice("JITKERN_ROW_SLOTS", ("0", "1"), environ) == "1"
 
 
+def pin_operands(environ=None) -> bool:
+    """JITKERN_PIN_OPERANDS=1: a loop's dots stage an A operand defined outside the loop once, before it
+    (backends/gpu.py _pin_analysis; default 0: A/B switch)."""
+    return env_choice("JITKERN_PIN_OPERANDS", ("0", "1"), environ) == "1"
+
+
 def frag_ops(environ=None) -> bool:
     """JITKERN_FRAG_OPS=0: elementwise ops on MMA accumulators go through the tile layout (shared memory), as
     before fragment-layout values (backends/gpu.py FragV); an A/B switch, default on."""
@@ -281,6 +289,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     cp_async(environ)
     mma_unroll(environ)
     row_slots(environ)
+    pin_operands(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

@@ -234,7 +234,8 @@ def test_cp_async_linear_tiles(tmp_path, monkeypatch):
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
     """gpu.ROW_SLOTS: the flash kernels' row broadcasts into the accumulator registers share barriers (fewer
-    bar.sync in the PTX than without) and ptxas still takes the kernels (16-bit operands: the engine's)."""
+    bar.sync in the PTX than without); gpu.PIN_OPERANDS: the query tile is staged once, before the block loop
+    (fewer shared stores in the loop). ptxas takes the kernels either way (16-bit operands: the engine's)."""
     from jitkern.backends import gpu
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
@@ -251,11 +252,35 @@ def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
              ("flash_prefill_kernel", psig, ["num_warps=8", "GP=4", "BM=16", "SKIP_DECODE=True"])]
     for name, sig, extra in cases:
         k = load_kernel(f"jitkern.ops.attention:{name}")
-        counts = []
-        for on in (False, True):
-            monkeypatch.setattr(gpu, "ROW_SLOTS", on)
+        counts, stores = [], []
+        for switch in (None, "ROW_SLOTS", "PIN_OPERANDS"):
+            monkeypatch.setattr(gpu, "ROW_SLOTS", switch == "ROW_SLOTS")
+            monkeypatch.setattr(gpu, "PIN_OPERANDS", switch == "PIN_OPERANDS")
             params, cx = parse_sig(k, sig, common + extra)
-            ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+            art = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts
+            ptx = art["kernel.ptx"].decode()
             counts.append(len(re.findall(r"\bbar(rier)?\.sync", ptx)))
+            stores.append(_block_loop_smem_stores(art["kernel.ll"].decode()))
             _ptxas_usage(ptx, tmp_path)
         assert counts[1] < counts[0], (name, counts)
+        # pinned: the query tile (R x 128 f16) is staged before the block loop, not in it
+        assert stores[2] < stores[0] == stores[1], (name, stores)
+
+
+def _block_loop_smem_stores(ll: str) -> int:
+    """Shared-memory stores in the body of the loop that holds the MMAs (between its for_body and for_exit)."""
+    lines = ll.split("\n")
+    labels = [(i, ln.split(":")[0]) for i, ln in enumerate(lines) if re.match(r"^for_(body|exit)\d+:", ln)]
+    best = None
+    for i, lab in labels:
+        if not lab.startswith("for_body"):
+            continue
+        n = int(lab[len("for_body"):])
+        end = next((j for j, lb in labels if lb == f"for_exit{n + 1}"), None)
+        if end is None:
+            continue
+        seg = lines[i:end]
+        if any("mma.sync" in x for x in seg) and (best is None or end - i > best[1] - best[0]):
+            best = (i, end)
+    assert best is not None
+    return sum(1 for x in lines[best[0]:best[1]] if re.search(r"store .*addrspace\(3\)", x))

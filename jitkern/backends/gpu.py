@@ -210,6 +210,7 @@ class AsyncTile:
 
 _ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known once the rest is laid out
 _ROWS_BASE = "__jk_rows_base__"        # the row slots' byte offset (after the async regions)
+_PIN_BASE = "__jk_pin_base__"          # the pinned operands' byte offset (after the row slots)
 
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
 # MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
@@ -235,6 +236,9 @@ MMA_UNROLL = _env.mma_unroll()
 # JITKERN_ROW_SLOTS=1: row vectors broadcast into fragment layouts are staged in shared memory where they are
 # computed, so one barrier serves several broadcasts (GpuLowering._row_slot_analysis; A/B switch, cache key)
 ROW_SLOTS = _env.row_slots()
+# JITKERN_PIN_OPERANDS=1: a loop's dot stages an A operand defined outside the loop once, before it
+# (GpuLowering._pin_analysis; A/B switch, cache key)
+PIN_OPERANDS = _env.pin_operands()
 
 
 class _LaneExpr:
@@ -327,6 +331,9 @@ class GpuLowering(LlvmEmitter):
         self._rows_written = set()  # (R,) values whose slot holds them
         self._rows_dirty = False    # slots written since the last barrier
         self._rows_read = set()     # slots read since the last barrier
+        self._pins = {}             # id(loop) -> [(A value, plan, byte offset, parts)] (_pin_analysis)
+        self._pin_bytes = 0
+        self._pinned = {}           # A value id -> region refs (one per part), while its loop is lowered
         self._async_shared = False  # something claimed shared memory meanwhile
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
@@ -554,6 +561,7 @@ class GpuLowering(LlvmEmitter):
                         self.lazy.update(plan["lazy"])
             self._frag_analysis()
             self._async_analysis()
+            self._pin_analysis()
         self.start_block("entry")
         h.entry(self)
         self.tid = h.thread_id(self)
@@ -586,11 +594,18 @@ class GpuLowering(LlvmEmitter):
             self.lines = [ln.replace(_ASYNC_BASE, str(base)) if ln and _ASYNC_BASE in ln else ln
                           for ln in self.lines]
             self.smem_bytes = max(self.smem_bytes, base + self._async_bytes)
+        if self._pin_bytes:
+            base = -(-(self.smem_bytes + self._rows_bytes) // 16) * 16
+            self.lines = [ln.replace(_PIN_BASE, str(base)) if ln and _PIN_BASE in ln else ln
+                          for ln in self.lines]
+            pin_end = base + self._pin_bytes
         if self._rows_bytes:
             base = -(-self.smem_bytes // 16) * 16
             self.lines = [ln.replace(_ROWS_BASE, str(base)) if ln and _ROWS_BASE in ln else ln
                           for ln in self.lines]
             self.smem_bytes = base + self._rows_bytes
+        if self._pin_bytes:
+            self.smem_bytes = max(self.smem_bytes, pin_end)
         if self.smem_bytes > h.max_smem_bytes:
             raise CompilationError(
                 f"kernel {fn.name} needs {self.smem_bytes} bytes of shared memory for its layout changes, more "
@@ -1090,6 +1105,7 @@ class GpuLowering(LlvmEmitter):
         return cur
 
     def op_for(self, op):
+        pinned_here = self._pin_stage(op)         # (first: its barrier must not clear the loop's own flags)
         body_ops = list(_ops_of(op.regions[0]))
         stores = any(o.name == "store" for o in body_ops)
         loads = any(o.name == "load" for o in body_ops)
@@ -1111,6 +1127,8 @@ class GpuLowering(LlvmEmitter):
         self.pending_read |= loads or before[1]
         self._rows_dirty = self._rows_dirty or rows_before[0]
         self._rows_read = set(self._rows_read) | rows_before[1]
+        for vid in pinned_here:
+            self._pinned.pop(vid, None)
         return res
 
     def _frag_slots(self, op) -> dict:
@@ -1545,7 +1563,7 @@ class GpuLowering(LlvmEmitter):
         return (plan["nk"] and self.num_warps % 4 == 0 and n % 64 == 0 and (n // 64) % wgs == 0
                 and m % 8 == 0 and 8 <= m <= 256 and k % 16 == 0)
 
-    def _smem_write_rows(self, x: LV, off: int, shape, KP: int, transpose: bool) -> int:
+    def _smem_write_rows(self, x: LV, off: int, shape, KP: int, transpose: bool, claim: bool = True) -> int:
         """Writes a 2-D 16-bit tile to shared memory as rows of KP elements: element (r, c) at r * KP + c, or
         at c * KP + r with `transpose`. The padding (KP = row length + 8) shifts consecutive rows by 16 bytes,
         so the MMA fragment loads (8 rows x 4 pairs per warp) hit 32 different banks."""
@@ -1600,7 +1618,7 @@ class GpuLowering(LlvmEmitter):
                 ptr = self.val(f"getelementptr {x.et}, ptr addrspace({a}) {base}, i32 {dj.ref}", "ptr", 0)
                 self.emit(f"store {x.et} {self.extract(x, j).ref}, ptr addrspace({a}) {ptr.ref}, "
                           f"align {_ES[x.et]}")
-        return self._claim(off, (scratch + V) * _ES[x.et])
+        return self._claim(off, (scratch + V) * _ES[x.et]) if claim else None
 
     def _dot_mma_plan(self, op, plan) -> LV:
         """(m, k) x (k, n) -> f32 on the matrix units: operands staged in shared memory as padded rows along
@@ -1657,6 +1675,55 @@ class GpuLowering(LlvmEmitter):
                 self.start_block(done)
         self.barrier()
         return self._add_tile_acc(ctx.read_back(offc), acc_op, acc_val, frag_in, (m, n))
+
+    def _pin_analysis(self) -> None:
+        """Dots directly in a loop's body whose A operand (16-bit, or f32 split in parts) is defined outside the
+        loop: the flash kernels' query tile, the same every block. Each such value gets a region of its own
+        (above everything else, _PIN_BASE), written once before the loop (_pin_stage); the dots then stage
+        only B each step. Off unless PIN_OPERANDS."""
+        self._pins = {}
+        if not PIN_OPERANDS:
+            return
+        for op, body, _ in self._loops():
+            inside = {r.id for o in _ops_of(body) for r in o.results if r is not None}
+            inside |= {a.id for a in body.args}
+            seen = {}
+            for d in body.ops:
+                plan = self.mma_plans.get(id(d))
+                if d.name != "dot" or plan is None or plan["wg"] or plan["a"].id in inside \
+                        or plan["a"].id in self.frag_keys:
+                    continue
+                a = plan["a"]
+                if a.id in seen:
+                    continue
+                m, k = plan["m"], plan["k"]
+                KP = k + 8
+                nparts = 2 if plan["split"] else 1
+                size = -(-((m * KP + 4) * 2) // 16) * 16     # rows of KP + the padding lanes' scratch
+                offs = []
+                for _ in range(nparts):
+                    offs.append(self._pin_bytes)
+                    self._pin_bytes += size
+                seen[a.id] = True
+                self._pins.setdefault(id(op), []).append((a, plan, offs))
+
+    def _pin_stage(self, loop) -> list:
+        """Stages the pinned A operands of `loop`'s dots before it; returns their value ids."""
+        out = []
+        pins = self._pins.get(id(loop), ())
+        if pins:
+            self.barrier()              # an earlier run of this loop's dots may still read the regions
+        for a, plan, offs in pins:
+            m, k = plan["m"], plan["k"]
+            parts = self._a_parts(self.get(a), plan)
+            refs = []
+            for p, rel in zip(parts, offs):
+                ref = self.val(f"add i32 {rel}, {_PIN_BASE}", "i32", 0).ref
+                self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), ref, (m, k), k + 8, False, claim=False)
+                refs.append(ref)
+            self._pinned[a.id] = refs
+            out.append(a.id)
+        return out
 
     def _loops(self):
         """(for op, its body, the body's yield) of every loop of the kernel."""
@@ -1808,16 +1875,19 @@ class GpuLowering(LlvmEmitter):
         av, bv = self.vals.get(plan["a"].id), self.vals.get(plan["b"].id)
         a_async = av if isinstance(av, AsyncTile) else None
         b_async = bv if isinstance(bv, AsyncTile) else None
-        if a_async is None:
+        pinned = self._pinned.get(plan["a"].id)
+        if a_async is None and pinned is None:
             a, aflat = self._dot_a(plan)
             parts = self._a_parts(a, plan)
         if b_async is None:
             b = self.get(plan["b"])
-        if a_async is None or b_async is None:
+        if (a_async is None and pinned is None) or b_async is None:
             self.barrier()
         off, offs_a = 0, []
         if a_async is not None:
             offs_a = [self._async_region(a_async.spec, a_async.buf)]
+        elif pinned is not None:
+            offs_a = list(pinned)               # staged once before the loop (_pin_stage)
         else:
             for p in parts:
                 offs_a.append(off)

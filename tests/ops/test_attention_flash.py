@@ -206,12 +206,14 @@ def test_flash_fragment_ops_give_the_same_bits(tier, dtype, split, ops, monkeypa
         np.testing.assert_array_equal(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("switch", ["ROW_SLOTS", "PIN_OPERANDS"])
 @pytest.mark.parametrize("dtype,split", [(np.float16, False), (np.float32, True)], ids=["f16", "f32-split"])
-def test_flash_row_slots_give_the_same_bits(tier, dtype, split, monkeypatch):
+def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypatch):
     """gpu.ROW_SLOTS (JITKERN_ROW_SLOTS=1): the row vectors the online softmax broadcasts into the accumulator
     registers (new maxima, alpha, the prefill fold's factors) are staged where they are computed and read
-    after one shared barrier; the values read are the same, so the bits must be (decodes, prefill tiles,
-    windows; 16-bit operands, where the fragment path applies)."""
+    after one shared barrier. gpu.PIN_OPERANDS (JITKERN_PIN_OPERANDS=1): the query tile is staged once before
+    the block loop instead of every block. The values read are the same either way, so the bits must be
+    (decodes, prefill tiles, windows; 16-bit operands, where the fragment path applies)."""
     if not tier.is_gpu or tier.is_vulkan:
         pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
     from jitkern.backends import gpu
@@ -221,7 +223,7 @@ def test_flash_row_slots_give_the_same_bits(tier, dtype, split, monkeypatch):
     for window in (0, 40):
         outs = []
         for on in (False, True):
-            monkeypatch.setattr(gpu, "ROW_SLOTS", on)
+            monkeypatch.setattr(gpu, switch, on)
             for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
                 monkeypatch.setattr(k, "_plans", {})          # launch plans memoise the compiled kernel
             outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=8,
