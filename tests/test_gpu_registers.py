@@ -284,3 +284,33 @@ def _block_loop_smem_stores(ll: str) -> int:
             best = (i, end)
     assert best is not None
     return sum(1 for x in lines[best[0]:best[1]] if re.search(r"store .*addrspace\(3\)", x))
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+@pytest.mark.parametrize("swizzle", [0, 128])
+def test_wgmma_linear_tiles_with_cp_async(tmp_path, monkeypatch, swizzle):
+    """`wgmma` with num_stages=2 (the engine's options for tiles of 64+ tokens under JITKERN_WGMMA=1): the K loop's
+    tiles are copied by cp.async straight into the warpgroup MMAs' core-matrix (or 128-byte swizzled) staging,
+    waited for and fenced for the async proxy before the MMAs read them in place; with bf16 x no tile is held
+    in registers (no spills, fewer registers than without cp.async)."""
+    from jitkern.backends import gpu
+    from jitkern.ops import matmul as mm
+    from targets import get_target
+    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)
+    monkeypatch.setattr(gpu, "CP_ASYNC", None)
+    T = get_target("sm_90a")
+    tiles = {mm._mma_tile_for(T, N, 4096, M) for N in (4096, 28672) for M in (mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)}
+    sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
+    for t in sorted(tiles):
+        BM, BN, BK, W, S = t
+        assert BM >= mm.GPU_LINEAR_ASYNC_MIN_BM
+        on = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1", "num_stages=2"), warps=W, split=S, sig=sig16)
+        off = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1"), warps=W, split=S, sig=sig16)
+        copies = len(re.findall(r"cp\.async\.ca\.shared\.global \[", on))
+        assert copies == 2 * (BM + BN) * BK // (4 * 32 * W), (t, copies)
+        n_mma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{BM}k16\.f32\.bf16\.bf16 ", on))
+        assert n_mma == 2 * (BK // 16) * (BN // 64 // (W // 4)), (t, n_mma)
+        assert "fence.proxy.async.shared::cta" in on and "mma.sync" not in on and "cp.async" not in off
+        regs_on, spill_on = _ptxas_usage(on, tmp_path)
+        regs_off, _ = _ptxas_usage(off, tmp_path)
+        assert spill_on == 0 and regs_on < regs_off, (t, regs_on, regs_off)

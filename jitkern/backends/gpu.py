@@ -590,7 +590,8 @@ class GpuLowering(LlvmEmitter):
         if self._async_bytes:
             # the async regions overlap the rest when nothing else claims shared memory while they are live
             # (the tensor-core linear: its C tile is written after the last dot's barrier)
-            base = -(-self.smem_bytes // 128) * 128 if self._async_shared else 0
+            al = getattr(self, "_async_align", 128)
+            base = -(-self.smem_bytes // al) * al if self._async_shared else 0
             self.lines = [ln.replace(_ASYNC_BASE, str(base)) if ln and _ASYNC_BASE in ln else ln
                           for ln in self.lines]
             self.smem_bytes = max(self.smem_bytes, base + self._async_bytes)
@@ -1745,6 +1746,7 @@ class GpuLowering(LlvmEmitter):
         aligned chunks (axis analysis) with a chunk-constant mask and zero fill. The copy of step k + 1 then
         runs while step k's MMAs do, without passing through registers."""
         self._async_loads, self._async_slots, self._async_bytes = {}, {}, 0
+        self._async_align = 128
         wanted = CP_ASYNC if CP_ASYNC is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
         if not wanted or not self.hooks.has_cp_async:
             return
@@ -1764,16 +1766,23 @@ class GpuLowering(LlvmEmitter):
                     continue
                 rows, k = r_in[1]
                 KP = k + 8
-                size = -(-rows * KP * 2 // 128) * 128
-                spec = dict(off=self._async_bytes, size=size, KP=KP)
+                if r_in[2]:
+                    # warpgroup MMAs read core matrices (128-byte swizzled atoms at 1024-byte addresses)
+                    al = 1024 if self._wgmma_swizzled() else 128
+                    size = -(-(rows * k * 2 + 16) // al) * al
+                    self._async_align = max(self._async_align, al)
+                    self._async_bytes = -(-self._async_bytes // al) * al
+                else:
+                    size = -(-rows * KP * 2 // 128) * 128
+                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows)
                 self._async_bytes += 2 * size
                 self._async_loads[id(li)] = (spec, None)
                 self._async_loads[id(ly)] = (spec, arg)
                 self._async_slots[(id(op), j)] = spec
 
     def _async_role(self, v):
-        """("a", (m, k)) / ("b", (n, k)) when v's one use is a planned mma.sync dot's A operand / (through a
-        single-use trans) its B rows, else None."""
+        """("a", (m, k), wg) / ("b", (n, k), wg) when v's one use is a planned dot's A operand / (through a
+        single-use trans) its B rows (wg: a warpgroup-MMA dot, whose staging is core matrices), else None."""
         us = self.users.get(v.id, [])
         if len(us) != 1:
             return None
@@ -1781,18 +1790,19 @@ class GpuLowering(LlvmEmitter):
 
         def plan_of(d):
             plan = self.mma_plans.get(id(d))
-            ok = plan is not None and not plan["wg"] and not plan["split"] and d.results[0].id not in self.frag_keys
+            ok = plan is not None and not (plan["wg"] and WGMMA_PIPE) and not plan["split"] \
+                and d.results[0].id not in self.frag_keys
             return plan if ok else None
         if u.name == "dot" and idx == 0:
             plan = plan_of(u)
             if plan is not None and plan["a"] is v:
-                return ("a", (plan["m"], plan["k"]))
+                return ("a", (plan["m"], plan["k"]), bool(plan["wg"]))
         if u.name == "trans" and tuple(u.attrs.get("perm", (1, 0))) == (1, 0):
             tu = self.users.get(u.results[0].id, [])
             if len(tu) == 1 and tu[0][0].name == "dot" and tu[0][1] == 1:
                 plan = plan_of(tu[0][0])
                 if plan is not None and plan["nk"] and plan["b"] is v:
-                    return ("b", (plan["n"], plan["k"]))
+                    return ("b", (plan["n"], plan["k"]), bool(plan["wg"]))
         return None
 
     def _async_loadable(self, op) -> bool:
@@ -1808,6 +1818,18 @@ class GpuLowering(LlvmEmitter):
             if d is None or d.name != "const" or float(d.attrs["value"]) != 0.0:
                 return False
         return True
+
+    def _core_elem(self, r: str, c: str, R0: int, C0: int) -> str:
+        """Element offset (i32 ref) of element (r, c) of an (R0, C0) tile in _smem_write_cores' layout (core
+        matrices, or 128-byte swizzled atoms with WGMMA_SWIZZLE)."""
+        def op(instr, x, y):
+            return self.val(f"{instr} i32 {x}, {y}", "i32", 0).ref
+        if self._wgmma_swizzled():
+            d = op("add", op("mul", op("lshr", c, 6), (R0 // 8) * 512), op("shl", r, 6))
+            j = op("xor", op("and", op("lshr", c, 3), 7), op("and", r, 7))
+            return op("add", op("add", d, op("shl", j, 3)), op("and", c, 7))
+        d = op("shl", op("add", op("mul", op("lshr", r, 3), C0 // 8), op("lshr", c, 3)), 6)
+        return op("add", op("add", d, op("shl", op("and", r, 7), 3)), op("and", c, 7))
 
     def _async_region(self, spec, buf: str) -> str:
         """Byte offset (i32 ref) of buffer `buf` of an async region; the regions sit above everything else
@@ -1848,8 +1870,11 @@ class GpuLowering(LlvmEmitter):
             e = self.extract(flat, c * V).ref
             r = self.val(f"udiv i32 {e}, {C0}", "i32", 0).ref
             col = self.val(f"urem i32 {e}, {C0}", "i32", 0).ref
-            d = self.val(f"mul i32 {r}, {KP}", "i32", 0).ref
-            d = self.val(f"add i32 {d}, {col}", "i32", 0).ref
+            if spec["wg"]:
+                d = self._core_elem(r, col, shape[0], C0)     # the warpgroup-MMA staging (_smem_write_cores)
+            else:
+                d = self.val(f"mul i32 {r}, {KP}", "i32", 0).ref
+                d = self.val(f"add i32 {d}, {col}", "i32", 0).ref
             d = self.val(f"shl i32 {d}, 1", "i32", 0).ref
             d = self.val(f"add i32 {d}, {region}", "i32", 0).ref
             dst = self.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {d}", "ptr", 0).ref
@@ -2386,6 +2411,9 @@ class GpuLowering(LlvmEmitter):
             regs_in = self.hooks.wgmma_wait(self, 1, regs_in)
         elif pipe:
             self.hooks.wgmma_wait(self, 1, [])
+        av, bv = self.vals.get(plan["a"].id), self.vals.get(plan["b"].id)
+        if isinstance(av, AsyncTile) or isinstance(bv, AsyncTile):
+            return self._dot_wgmma_async(op, plan, g, acc_op, acc_val, frag_in, regs_in, av, bv)
         a = self.get(plan["a"])
         parts = self._a_parts(a, plan)
         b = self.get(plan["b"])
@@ -2422,6 +2450,52 @@ class GpuLowering(LlvmEmitter):
             return MmaAcc(g["key"], regs, plan)
         if pipe:
             self.barrier()          # every warpgroup's MMAs are done before any writes the C region
+        self._wgmma_store(plan, g, regs, offc)
+        self.barrier()
+        return self._add_tile_acc(self._tile_read_back(offc, (m, n)), acc_op, acc_val, frag_in, (m, n))
+
+    def _dot_wgmma_async(self, op, plan, g, acc_op, acc_val, frag_in, regs_in, av, bv) -> LV:
+        """_dot_wgmma with operands cp.async copied into core-matrix staging (AsyncTile): the other operand
+        (if any) is staged as usual, the copies are waited for, made visible to the async proxy, and the
+        MMAs read the buffers in place (not with WGMMA_PIPE: _async_role)."""
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        al = 1024 if self._wgmma_swizzled() else 128
+        a_async = av if isinstance(av, AsyncTile) else None
+        b_async = bv if isinstance(bv, AsyncTile) else None
+        if a_async is None:
+            parts = self._a_parts(self.get(plan["a"]), plan)
+        if b_async is None:
+            b = self.get(plan["b"])
+        if a_async is None or b_async is None:
+            self.barrier()
+        off, offs_a = 0, []
+        if a_async is not None:
+            offs_a = [self._async_region(a_async.spec, a_async.buf)]
+        else:
+            for p in parts:
+                offs_a.append(off)
+                off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k)) // al) * al
+        if b_async is not None:
+            offb = self._async_region(b_async.spec, b_async.buf)
+        else:
+            offb = off
+            off = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // al) * al
+        self.hooks.cp_async_wait(self, self._async_issued[-1] if self._async_issued else 0)
+        self.hooks.fence_async_smem(self)
+        self.barrier()
+        regs = self._wgmma_run(plan, g, offs_a, offb, regs_in)
+        keep = (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"])
+        regs = self.hooks.wgmma_commit_wait(self, regs)
+        if keep:
+            return MmaAcc(g["key"], regs, plan)
+        self.barrier()              # every warpgroup's MMAs are done before any writes the C region
+        offc = -(-off // al) * al
+        if self._async_live and not self._async_issued:
+            # the last dot on async buffers (after their loop): after that barrier nothing reads them or the
+            # staged operand, so the C tile may overlap both
+            self._async_live = False
+            offc = 0
+        self._claim(offc, g["csize"])
         self._wgmma_store(plan, g, regs, offc)
         self.barrier()
         return self._add_tile_acc(self._tile_read_back(offc, (m, n)), acc_op, acc_val, frag_in, (m, n))
@@ -2507,10 +2581,18 @@ class GpuLowering(LlvmEmitter):
                 # (swizzled: w's 64-row blocks are 8 row groups of 1024 bytes in each K atom, so a block's
                 # atom-0 rows start blk * 8 KiB in and its K step adds the atom's n / 8 * 1024 stride)
                 wblk = blk * 8 * 1024 if sw else blk * row_block
-                wa = self.val(f"add i32 {wbase}, {offb + wblk + kstep(n, s_)}", "i32", 0).ref
+                if isinstance(offb, str):       # (a cp.async buffer: a run-time offset)
+                    wa = self.val(f"add i32 {wbase}, {offb}", "i32", 0).ref
+                    wa = self.val(f"add i32 {wa}, {wblk + kstep(n, s_)}", "i32", 0).ref
+                else:
+                    wa = self.val(f"add i32 {wbase}, {offb + wblk + kstep(n, s_)}", "i32", 0).ref
                 da = desc(wa)
                 for pi, pa in enumerate(offs_a):
-                    xa = self.val(f"add i32 {smem}, {pa + kstep(m, s_)}", "i32", 0).ref
+                    if isinstance(pa, str):
+                        xa = self.val(f"add i32 {smem}, {pa}", "i32", 0).ref
+                        xa = self.val(f"add i32 {xa}, {kstep(m, s_)}", "i32", 0).ref
+                    else:
+                        xa = self.val(f"add i32 {smem}, {pa + kstep(m, s_)}", "i32", 0).ref
                     base = (blk * len(offs_a) + pi) * nr
                     regs[base:base + nr] = self.hooks.wgmma(self, kind, m, da, desc(xa), regs[base:base + nr])
         return regs
