@@ -449,7 +449,8 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
                   q_ts, q_hs, o_ts, o_hs, bt_stride, scale, window, softcap, sinks,
                   KVH: jk.constexpr, G: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                   NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
-                  PREFETCH: jk.constexpr, SINKS: jk.constexpr, HSPLIT: jk.constexpr = False):
+                  PREFETCH: jk.constexpr, SINKS: jk.constexpr, HSPLIT: jk.constexpr = False,
+                  SKIP_IDLE: jk.constexpr = False):
     """Program (sequence, partition): every head of a q_len == 1 sequence over one partition of its blocks
     (HSPLIT: program (sequence, KV head, partition), one KV head's query heads each, grid axis 0 = KVH x
     NUM_PARTS: for batches of fewer sequences than pool threads, whose one partition would otherwise keep all
@@ -490,11 +491,28 @@ def decode_kernel(q, k_cache, v_cache, out, st_m, st_l, st_acc, query_start, seq
     mine = part < parts
     b0 = start_blk + part * per
     b1 = jk.where(mine, jk.minimum(b0 + per, start_blk + nb), b0)
+    slot = (seq * NUM_PARTS + part).to(jk.i64) * H
+    if SKIP_IDLE:
+        # a program past its sequence's partitions (most of a recorded graph's MAX_PARTITIONS axis) returns
+        # here instead of running the masked-off state init and output store below: what it wrote was nothing
+        if mine:
+            _decode_program(q, k_cache, v_cache, out, st_m, st_l, st_acc, q_ts, q_hs, o_ts, o_hs, bt_stride,
+                            scale, softcap, sinks, q0, q_len, seq_len, lo, seq, slot, h0, nh, b0, b1, parts, mine,
+                            block_table, KVH, G, D, BS, w, SOFTCAP, PREFETCH, SINKS)
+    else:
+        _decode_program(q, k_cache, v_cache, out, st_m, st_l, st_acc, q_ts, q_hs, o_ts, o_hs, bt_stride, scale,
+                        softcap, sinks, q0, q_len, seq_len, lo, seq, slot, h0, nh, b0, b1, parts, mine,
+                        block_table, KVH, G, D, BS, w, SOFTCAP, PREFETCH, SINKS)
 
+
+@jk.jit
+def _decode_program(q, k_cache, v_cache, out, st_m, st_l, st_acc, q_ts, q_hs, o_ts, o_hs, bt_stride, scale,
+                    softcap, sinks, q0, q_len, seq_len, lo, seq, slot, h0, nh, b0, b1, parts, mine, block_table,
+                    KVH, G, D, BS, w, SOFTCAP, PREFETCH, SINKS):
+    """decode_kernel's work for one (sequence, partition): blocks b0 .. b1 of KV heads h0 .. h0 + nh."""
     n = jk.arange(0, BS)
     d = jk.arange(0, D)
     gi = jk.arange(0, G)
-    slot = (seq * NUM_PARTS + part).to(jk.i64) * H
     for h in range(h0, h0 + nh):
         _init_state(st_m, st_l, st_acc, slot + h * G + gi, G, D, BS, mine)
     qrow = q + jk.maximum(jk.minimum(q0, q0 + q_len - 1), 0).to(jk.i64) * q_ts
@@ -1153,6 +1171,11 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touc
 # engine got depended on whether the allocator handed back recycled pages. False: the old behaviour (A/B).
 WORKSPACE_TOUCH = True
 
+# CPU decode_kernel programs without work (past their sequence's partitions) return at once (SKIP_IDLE) instead
+# of running masked-off stores: a recorded c=16 graph has 16 x 16 programs, 240 of them idle below 257 tokens of
+# context. False: the old kernel (A/B; the same outputs either way).
+DECODE_SKIP_IDLE = True
+
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
@@ -1429,7 +1452,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch), SINKS=st.use_sinks,
-        **({"HSPLIT": True} if hsplit else {}))
+        **({"HSPLIT": True} if hsplit else {}), **({"SKIP_IDLE": True} if DECODE_SKIP_IDLE and (target is None or target.is_cpu) else {}))
     if P > 1:
         run(merge_kernel, (st.num_seqs, st.heads),
             (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),

@@ -484,3 +484,19 @@ def test_decode_workspace_pages_are_written_at_allocation(monkeypatch):
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
     check(outs[0], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+
+
+def test_decode_idle_programs_skip_and_same_bits(tier, monkeypatch):
+    """CPU decode programs past their sequence's partitions return at once (DECODE_SKIP_IDLE): outputs equal the
+    kernel without the skip bit for bit, on a partition axis of MAX_PARTITIONS with 1 to 3 partitions a sequence."""
+    rng = np.random.default_rng(11)
+    q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)
+    outs = []
+    for skip in (False, True):
+        monkeypatch.setattr(A, "DECODE_SKIP_IDLE", skip)
+        out = np.full_like(q, np.nan)
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1,
+                          num_partitions=A.MAX_PARTITIONS, target=tier)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
