@@ -77,6 +77,13 @@ class PT:
         return math.prod(self.shape) if self.shape else 0
 
 
+def _ops_of(block: ir.Block):
+    for op in block.ops:
+        yield op
+        for r in op.regions:
+            yield from _ops_of(r)
+
+
 def _prod(s) -> int:
     return math.prod(s) if s else 1
 

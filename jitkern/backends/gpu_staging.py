@@ -1,0 +1,340 @@
+"""Operand staging of the GPU lowering beyond writing registers to shared memory (a mixin of backends/gpu.py
+GpuLowering).
+
+- cp.async (`AsyncTile`, `_async_analysis`): in kernels launched with num_stages >= 2, a K loop's prefetched dot
+  operands are copied global -> shared memory straight into the dot's staging layout (padded rows for mma.sync,
+  core matrices for wgmma), two buffers by parity, so the copy of step k + 1 runs during step k's MMAs.
+- Pinned operands (`_pin_analysis`, JITKERN_PIN_OPERANDS): a loop's dot whose A operand is defined outside the
+  loop has it staged once, before the loop.
+Regions of both sit above the rest of shared memory (placeholders filled in at the end of lower()), or overlap
+it when nothing else claims shared memory while they are live.
+"""
+from __future__ import annotations
+
+from .. import ir
+from .emitter import LV, _ops_of, _prod, elem_ty
+
+_ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known once the rest is laid out
+_ROWS_BASE = "__jk_rows_base__"        # the row slots' byte offset (after the async regions)
+_PIN_BASE = "__jk_pin_base__"          # the pinned operands' byte offset (after the row slots)
+
+
+def _gpu():
+    """backends/gpu.py (its switches are read there at call time: tests patch them there)."""
+    from . import gpu
+    return gpu
+
+
+class AsyncTile:
+    """A 16-bit tile a K loop prefetches for its dot, copied global -> shared memory by cp.async straight into
+    the dot's staging layout (rows of k + 8 elements) in one of two buffers of region `spec`
+    (GpuLowering._async_analysis); `buf` is the buffer (an i32 ref: the loop carries it as a phi)."""
+    __slots__ = ("spec", "buf")
+
+    def __init__(self, spec, buf):
+        self.spec, self.buf = spec, buf
+
+
+class Staging:
+    """GpuLowering's cp.async and pinned-operand staging (see the module docstring)."""
+
+    def _pin_analysis(self) -> None:
+        """Dots directly in a loop's body whose A operand (16-bit, or f32 split in parts) is defined outside the
+        loop: the flash kernels' query tile, the same every block. Each such value gets a region of its own
+        (above everything else, _PIN_BASE), written once before the loop (_pin_stage); the dots then stage
+        only B each step. Off unless PIN_OPERANDS."""
+        self._pins = {}
+        if not _gpu().PIN_OPERANDS:
+            return
+        for op, body, _ in self._loops():
+            inside = {r.id for o in _ops_of(body) for r in o.results if r is not None}
+            inside |= {a.id for a in body.args}
+            seen = {}
+            for d in body.ops:
+                plan = self.mma_plans.get(id(d))
+                if d.name != "dot" or plan is None or plan["wg"] or plan["a"].id in inside \
+                        or plan["a"].id in self.frag_keys:
+                    continue
+                a = plan["a"]
+                if a.id in seen:
+                    continue
+                m, k = plan["m"], plan["k"]
+                KP = k + 8
+                nparts = 2 if plan["split"] else 1
+                size = -(-((m * KP + 4) * 2) // 16) * 16     # rows of KP + the padding lanes' scratch
+                offs = []
+                for _ in range(nparts):
+                    offs.append(self._pin_bytes)
+                    self._pin_bytes += size
+                seen[a.id] = True
+                self._pins.setdefault(id(op), []).append((a, plan, offs))
+
+    def _pin_stage(self, loop) -> list:
+        """Stages the pinned A operands of `loop`'s dots before it; returns their value ids."""
+        out = []
+        pins = self._pins.get(id(loop), ())
+        if pins:
+            self.barrier()              # an earlier run of this loop's dots may still read the regions
+        for a, plan, offs in pins:
+            m, k = plan["m"], plan["k"]
+            parts = self._a_parts(self.get(a), plan)
+            refs = []
+            for p, rel in zip(parts, offs):
+                ref = self.val(f"add i32 {rel}, {_PIN_BASE}", "i32", 0).ref
+                self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), ref, (m, k), k + 8, False, claim=False)
+                refs.append(ref)
+            self._pinned[a.id] = refs
+            out.append(a.id)
+        return out
+
+    def _loops(self):
+        """(for op, its body, the body's yield) of every loop of the kernel."""
+        for op in _ops_of(self.fn.body):
+            if op.name == "for":
+                body = op.regions[0]
+                if body.ops and body.ops[-1].name == "yield":
+                    yield op, body, body.ops[-1]
+
+    def _async_analysis(self) -> None:
+        """In kernels launched with num_stages >= 2 (Triton's option; two stages here) on targets with cp.async:
+        K-loop slots whose tiles go global -> shared memory by cp.async (AsyncTile), straight into the dot's
+        staging layout, in two buffers: the prefetching loop `v = load(k0); for k: n = load(k + BK); acc =
+        dot(v, trans(w), acc); v = n; ...; acc = dot(v, ...)`. A slot qualifies when a 16-bit 2-D load before
+        the loop starts it and another load in the body is its yield (each used once), the slot is used only
+        as one planned mma.sync dot's A operand (or, through a single-use trans, its B rows), the loop's
+        result only so by one dot after the loop, with the same staging shape, and both loads are whole
+        aligned chunks (axis analysis) with a chunk-constant mask and zero fill. The copy of step k + 1 then
+        runs while step k's MMAs do, without passing through registers."""
+        self._async_loads, self._async_slots, self._async_bytes = {}, {}, 0
+        self._async_align = 128
+        forced = _gpu().CP_ASYNC
+        wanted = forced if forced is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
+        if not wanted or not self.hooks.has_cp_async:
+            return
+        for op, body, yop in self._loops():
+            for j, arg in enumerate(body.args[1:]):
+                init, y, res = op.operands[3 + j], yop.operands[j], op.results[j]
+                li, ly = self.defs.get(init.id), self.defs.get(y.id)
+                t = arg.type
+                if li is None or ly is None or li.name != "load" or ly.name != "load" \
+                        or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
+                        or t.elem not in (ir.bf16, ir.f16) \
+                        or self.uses.get(init.id) != 1 or self.uses.get(y.id) != 1:
+                    continue
+                r_in, r_out = self._async_role(arg), self._async_role(res)
+                if r_in is None or r_in != r_out or tuple(t.shape) != r_in[1] \
+                        or not self._async_loadable(li) or not self._async_loadable(ly):
+                    continue
+                rows, k = r_in[1]
+                KP = k + 8
+                if r_in[2]:
+                    # warpgroup MMAs read core matrices (128-byte swizzled atoms at 1024-byte addresses)
+                    al = 1024 if self._wgmma_swizzled() else 128
+                    size = -(-(rows * k * 2 + 16) // al) * al
+                    self._async_align = max(self._async_align, al)
+                    self._async_bytes = -(-self._async_bytes // al) * al
+                else:
+                    size = -(-rows * KP * 2 // 128) * 128
+                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows)
+                self._async_bytes += 2 * size
+                self._async_loads[id(li)] = (spec, None)
+                self._async_loads[id(ly)] = (spec, arg)
+                self._async_slots[(id(op), j)] = spec
+
+    def _async_role(self, v):
+        """("a", (m, k), wg) / ("b", (n, k), wg) when v's one use is a planned dot's A operand / (through a
+        single-use trans) its B rows (wg: a warpgroup-MMA dot, whose staging is core matrices), else None."""
+        us = self.users.get(v.id, [])
+        if len(us) != 1:
+            return None
+        u, idx = us[0]
+
+        def plan_of(d):
+            plan = self.mma_plans.get(id(d))
+            ok = plan is not None and not (plan["wg"] and _gpu().WGMMA_PIPE) and not plan["split"] \
+                and d.results[0].id not in self.frag_keys
+            return plan if ok else None
+        if u.name == "dot" and idx == 0:
+            plan = plan_of(u)
+            if plan is not None and plan["a"] is v:
+                return ("a", (plan["m"], plan["k"]), bool(plan["wg"]))
+        if u.name == "trans" and tuple(u.attrs.get("perm", (1, 0))) == (1, 0):
+            tu = self.users.get(u.results[0].id, [])
+            if len(tu) == 1 and tu[0][0].name == "dot" and tu[0][1] == 1:
+                plan = plan_of(tu[0][0])
+                if plan is not None and plan["nk"] and plan["b"] is v:
+                    return ("b", (plan["n"], plan["k"]), bool(plan["wg"]))
+        return None
+
+    def _async_loadable(self, op) -> bool:
+        shape = tuple(op.results[0].type.shape)
+        mask = op.operands[1] if len(op.operands) > 1 else None
+        V = self._chunk_vector(op.operands[0], mask, shape, op.results[0].type.elem)
+        if not V or V * 2 not in (4, 8, 16) or _prod(shape) % (self.T * V):
+            return False
+        if len(op.operands) > 2 and op.operands[2] is not None:
+            d = self.defs.get(op.operands[2].id)
+            if d is not None and d.name == "splat":
+                d = self.defs.get(d.operands[0].id)
+            if d is None or d.name != "const" or float(d.attrs["value"]) != 0.0:
+                return False
+        return True
+
+    def _core_elem(self, r: str, c: str, R0: int, C0: int) -> str:
+        """Element offset (i32 ref) of element (r, c) of an (R0, C0) tile in _smem_write_cores' layout (core
+        matrices, or 128-byte swizzled atoms with WGMMA_SWIZZLE)."""
+        def op(instr, x, y):
+            return self.val(f"{instr} i32 {x}, {y}", "i32", 0).ref
+        if self._wgmma_swizzled():
+            d = op("add", op("mul", op("lshr", c, 6), (R0 // 8) * 512), op("shl", r, 6))
+            j = op("xor", op("and", op("lshr", c, 3), 7), op("and", r, 7))
+            return op("add", op("add", d, op("shl", j, 3)), op("and", c, 7))
+        d = op("shl", op("add", op("mul", op("lshr", r, 3), C0 // 8), op("lshr", c, 3)), 6)
+        return op("add", op("add", d, op("shl", op("and", r, 7), 3)), op("and", c, 7))
+
+    def _async_region(self, spec, buf: str) -> str:
+        """Byte offset (i32 ref) of buffer `buf` of an async region; the regions sit above everything else
+        (_ASYNC_BASE is filled in at the end of lower())."""
+        t = self.val(f"mul i32 {buf}, {spec['size']}", "i32", 0).ref
+        t = self.val(f"add i32 {t}, {spec['off']}", "i32", 0).ref
+        return self.val(f"add i32 {t}, {_ASYNC_BASE}", "i32", 0).ref
+
+    def _async_load(self, op, spec, slot) -> AsyncTile:
+        """cp.async of a load's chunks into buffer 0 (the loop's first tile) or into the buffer the slot's
+        current tile is not in, at the dot's staging addresses (rows of KP elements); masked-off chunks read
+        nothing and are zero-filled. One commit group per load."""
+        if self.pending_write:
+            self.barrier()
+        self.pending_read = True
+        buf = "0" if slot is None else self.val(f"xor i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
+        if not self._async_issued or self._async_issued[-1] == 0:
+            self.barrier()      # the buffer's last readers (the previous step's MMAs) are done
+        self._async_live = True
+        shape = tuple(op.results[0].type.shape)
+        p = self.get(op.operands[0])
+        mask = self.get(op.operands[1]) if len(op.operands) > 1 and op.operands[1] is not None else None
+        et = elem_ty(p.elem)
+        esize = p.elem.itemsize
+        V = self._chunk_vector(op.operands[0], op.operands[1] if len(op.operands) > 1 else None, shape, p.elem)
+        ptrs = self._ptr_vec(p, shape)
+        m = self._gpu_mask(shape, mask)
+        steps = self._chunk_steps(p, shape, V)
+        flat = self.flat_index(shape)
+        C0, KP = shape[1], spec["KP"]
+        region = self._async_region(spec, buf)
+        a3, gas = self.hooks.smem_as, self.hooks.global_as
+        safe = None
+        gp = None
+        for c in range(ptrs.n // V):
+            pty, pc, gp = self._chunk_ptr(ptrs, c * V, gp if steps and c else None,
+                                          steps[c - 1] if steps and c else None, et)
+            e = self.extract(flat, c * V).ref
+            r = self.val(f"udiv i32 {e}, {C0}", "i32", 0).ref
+            col = self.val(f"urem i32 {e}, {C0}", "i32", 0).ref
+            if spec["wg"]:
+                d = self._core_elem(r, col, shape[0], C0)     # the warpgroup-MMA staging (_smem_write_cores)
+            else:
+                d = self.val(f"mul i32 {r}, {KP}", "i32", 0).ref
+                d = self.val(f"add i32 {d}, {col}", "i32", 0).ref
+            d = self.val(f"shl i32 {d}, 1", "i32", 0).ref
+            d = self.val(f"add i32 {d}, {region}", "i32", 0).ref
+            dst = self.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {d}", "ptr", 0).ref
+            src, nread = pc.ref, str(V * esize)
+            if m is not None:
+                mc = self.extract(m, c * V).ref
+                if safe is None:
+                    safe = self.val(f"addrspacecast ptr {p.base} to {pty}", "ptr", 0).ref if gas else p.base
+                src = self.val(f"select i1 {mc}, {pty} {pc.ref}, {pty} {safe}", "ptr", 0).ref
+                nread = self.val(f"select i1 {mc}, i32 {V * esize}, i32 0", "i32", 0).ref
+            self.hooks.cp_async(self, dst, src, V * esize, nread)
+        self.hooks.cp_async_commit(self)
+        if self._async_issued:
+            self._async_issued[-1] += 1
+        return AsyncTile(spec, buf)
+
+    def _stage_mma_operands(self, plan):
+        """Stages a planned dot's A (parts) and B in shared memory as padded rows of k + 8 elements; operands
+        already there (AsyncTile: copied by cp.async) are waited for instead. Returns (A regions, B region,
+        end of what was staged); regions are byte offsets (ints, or i32 refs for async buffers)."""
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        KP = k + 8
+        av, bv = self.vals.get(plan["a"].id), self.vals.get(plan["b"].id)
+        a_async = av if isinstance(av, AsyncTile) else None
+        b_async = bv if isinstance(bv, AsyncTile) else None
+        pinned = self._pinned.get(plan["a"].id)
+        if a_async is None and pinned is None:
+            a, aflat = self._dot_a(plan)
+            parts = self._a_parts(a, plan)
+        if b_async is None:
+            b = self.get(plan["b"])
+        if (a_async is None and pinned is None) or b_async is None:
+            self.barrier()
+        off, offs_a = 0, []
+        if a_async is not None:
+            offs_a = [self._async_region(a_async.spec, a_async.buf)]
+        elif pinned is not None:
+            offs_a = list(pinned)               # staged once before the loop (_pin_stage)
+        else:
+            for p in parts:
+                offs_a.append(off)
+                off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
+                    LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
+                    self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
+        if b_async is not None:
+            offb = self._async_region(b_async.spec, b_async.buf)
+        else:
+            offb = off
+            off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
+                                       (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
+        if a_async is not None or b_async is not None:
+            # the copies of this step's tiles (committed before the ones issued since the loop step began)
+            self.hooks.cp_async_wait(self, self._async_issued[-1] if self._async_issued else 0)
+        self.barrier()
+        return offs_a, offb, off
+
+
+    def _dot_wgmma_async(self, op, plan, g, acc_op, acc_val, frag_in, regs_in, av, bv) -> LV:
+        """_dot_wgmma with operands cp.async copied into core-matrix staging (AsyncTile): the other operand
+        (if any) is staged as usual, the copies are waited for, made visible to the async proxy, and the
+        MMAs read the buffers in place (not with WGMMA_PIPE: _async_role)."""
+        m, n, k = plan["m"], plan["n"], plan["k"]
+        al = 1024 if self._wgmma_swizzled() else 128
+        a_async = av if isinstance(av, AsyncTile) else None
+        b_async = bv if isinstance(bv, AsyncTile) else None
+        if a_async is None:
+            parts = self._a_parts(self.get(plan["a"]), plan)
+        if b_async is None:
+            b = self.get(plan["b"])
+        if a_async is None or b_async is None:
+            self.barrier()
+        off, offs_a = 0, []
+        if a_async is not None:
+            offs_a = [self._async_region(a_async.spec, a_async.buf)]
+        else:
+            for p in parts:
+                offs_a.append(off)
+                off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k)) // al) * al
+        if b_async is not None:
+            offb = self._async_region(b_async.spec, b_async.buf)
+        else:
+            offb = off
+            off = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // al) * al
+        self.hooks.cp_async_wait(self, self._async_issued[-1] if self._async_issued else 0)
+        self.hooks.fence_async_smem(self)
+        self.barrier()
+        regs = self._wgmma_run(plan, g, offs_a, offb, regs_in)
+        keep = (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"])
+        regs = self.hooks.wgmma_commit_wait(self, regs)
+        if keep:
+            return _gpu().MmaAcc(g["key"], regs, plan)
+        self.barrier()              # every warpgroup's MMAs are done before any writes the C region
+        offc = -(-off // al) * al
+        if self._async_live and not self._async_issued:
+            # the last dot on async buffers (after their loop): after that barrier nothing reads them or the
+            # staged operand, so the C tile may overlap both
+            self._async_live = False
+            offc = 0
+        self._claim(offc, g["csize"])
+        self._wgmma_store(plan, g, regs, offc)
+        self.barrier()
+        return self._add_tile_acc(self._tile_read_back(offc, (m, n)), acc_op, acc_val, frag_in, (m, n))
