@@ -78,6 +78,11 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_WGMMA_SWIZZLE", "64", ["JITKERN_WGMMA_SWIZZLE='64'", "not one of 0, 128"]),
     ("JITKERN_WGMMA_MIN_BM", "x", ["JITKERN_WGMMA_MIN_BM='x'", "not an integer"]),
     ("JITKERN_WGMMA", "yes", ["JITKERN_WGMMA='yes'", "not one of 0, 1"]),
+    ("JITKERN_FRAG_OPS", "on", ["JITKERN_FRAG_OPS='on'", "not one of 0, 1"]),
+    ("JITKERN_CP_ASYNC", "2", ["JITKERN_CP_ASYNC='2'", "not one of 0, 1"]),
+    ("JITKERN_MMA_UNROLL", "x", ["JITKERN_MMA_UNROLL='x'", "not an integer"]),
+    ("JITKERN_ROW_SLOTS", "true", ["JITKERN_ROW_SLOTS='true'", "not one of 0, 1"]),
+    ("JITKERN_PIN_OPERANDS", "yes", ["JITKERN_PIN_OPERANDS='yes'", "not one of 0, 1"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):
     r = _engine_cli(tmp_path, "--prompt", "hi", **{setting: value})
