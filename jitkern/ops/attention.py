@@ -540,8 +540,10 @@ def _decode_program(q, k_cache, v_cache, out, st_m, st_l, st_acc, q_ts, q_hs, o_
 @jk.kernel
 def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, window, sinks,
                  H: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, NUM_PARTS: jk.constexpr,
-                 PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr):
-    """Program (sequence, query head): combines the partial states of a decode sequence split in 2+."""
+                 PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr, SKIP_IDLE: jk.constexpr = False):
+    """Program (sequence, query head): combines the partial states of a decode sequence split in 2+.
+    SKIP_IDLE: a sequence of one partition (or none) returns at once instead of reading all NUM_PARTS states
+    and storing nothing."""
     seq = jk.program_id(0)
     hq = jk.program_id(1)
     q0 = jk.load(query_start + seq)
@@ -550,6 +552,16 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, win
     lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
     nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
     parts, per = _split(nb, PB, MAXP)
+    if SKIP_IDLE:
+        if parts > 1:
+            _merge_program(out, st_m, st_l, st_acc, sinks, o_ts, o_hs, q0, seq, hq, parts, H, D, BS, NUM_PARTS,
+                           SINKS)
+    else:
+        _merge_program(out, st_m, st_l, st_acc, sinks, o_ts, o_hs, q0, seq, hq, parts, H, D, BS, NUM_PARTS, SINKS)
+
+
+@jk.jit
+def _merge_program(out, st_m, st_l, st_acc, sinks, o_ts, o_hs, q0, seq, hq, parts, H, D, BS, NUM_PARTS, SINKS):
     o = _merge_parts(st_m, st_l, st_acc, seq.to(jk.i64) * NUM_PARTS * H + hq, H, parts, NUM_PARTS, D, BS,
                      jk.load(sinks + hq), SINKS)
     jk.store(out + q0.to(jk.i64) * o_ts + hq * o_hs + jk.arange(0, D), o, mask=parts > 1)
@@ -1173,7 +1185,8 @@ WORKSPACE_TOUCH = True
 
 # CPU decode_kernel programs without work (past their sequence's partitions) return at once (SKIP_IDLE) instead
 # of running masked-off stores: a recorded c=16 graph has 16 x 16 programs, 240 of them idle below 257 tokens of
-# context. False: the old kernel (A/B; the same outputs either way).
+# context; likewise merge_kernel's programs of sequences with one partition. False: the old kernels (A/B; the
+# same outputs either way).
 DECODE_SKIP_IDLE = True
 
 
@@ -1447,17 +1460,18 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
                              operands=operands)
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q, touch=True)
     hsplit = _decode_head_split(st)
+    skip = {"SKIP_IDLE": True} if DECODE_SKIP_IDLE and (target is None or target.is_cpu) else {}
     run(decode_kernel, (P * (st.kvh if hsplit else 1), st.num_seqs),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch), SINKS=st.use_sinks,
-        **({"HSPLIT": True} if hsplit else {}), **({"SKIP_IDLE": True} if DECODE_SKIP_IDLE and (target is None or target.is_cpu) else {}))
+        **({"HSPLIT": True} if hsplit else {}), **skip)
     if P > 1:
         run(merge_kernel, (st.num_seqs, st.heads),
             (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
             target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS, MAXP=MAX_PARTITIONS,
-            SINKS=st.use_sinks)
+            SINKS=st.use_sinks, **skip)
     if max_query_len > 1:
         _launch_prefill(st, q, k_cache, v_cache, ws, PREFILL_BLOCK_Q, True, target)
     return st.out

@@ -487,8 +487,9 @@ def test_decode_workspace_pages_are_written_at_allocation(monkeypatch):
 
 
 def test_decode_idle_programs_skip_and_same_bits(tier, monkeypatch):
-    """CPU decode programs past their sequence's partitions return at once (DECODE_SKIP_IDLE): outputs equal the
-    kernel without the skip bit for bit, on a partition axis of MAX_PARTITIONS with 1 to 3 partitions a sequence."""
+    """CPU decode programs past their sequence's partitions, and merge programs of sequences with one partition,
+    return at once (DECODE_SKIP_IDLE): outputs equal the kernels without the skip bit for bit, on a partition axis
+    of MAX_PARTITIONS with 0 to 3 partitions a sequence (so some sequences are merged and some are not)."""
     rng = np.random.default_rng(11)
     q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)
     outs = []
