@@ -433,10 +433,10 @@ def _mma_regs(T, BM: int = 0) -> dict:
 
 
 # Tiles of at least this many tokens are launched with num_stages=2: their K loop's x and weight tiles go
-# global -> shared memory by cp.async into two buffers (backends/gpu.py AsyncTile) instead of through registers.
-# H200 (BENCHMARKS.md session 9): the (64, 256, 64, 8) tile 1.06-1.12x at M = 64-1024 (128 instead of 255
-# registers, its buffers sharing shared memory with the C tile: two CTAs an SM); the M = 1 decode tile 0.84-0.95x,
-# so it keeps the register path. Same bits either way (the staged values are the same). 0 = never.
+# global -> shared memory by cp.async into two buffers (backends/gpu_staging.py AsyncTile) instead of through
+# registers. H200 (BENCHMARKS.md session 9): the (64, 256, 64, 8) tile 1.06-1.12x at M = 64-1024 (128 instead of
+# 176 registers with bf16 x, its buffers sharing shared memory with the C tile: two CTAs an SM); the M = 1 decode
+# tile 0.84-0.95x, so it keeps the register path. Same bits either way (the staged values are the same). 0 = never.
 GPU_LINEAR_ASYNC_MIN_BM = 64
 
 
