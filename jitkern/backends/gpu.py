@@ -291,6 +291,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._async_loads = {}      # id(load) -> (async region spec, slot arg or None) (_async_analysis)
         self._async_slots = {}      # (id(for), slot) -> async region spec
         self._async_bytes = 0
+        self._async_align = 128     # the async regions' alignment (1024 for swizzled wgmma atoms)
         self._async_issued = []     # per loop being lowered: cp.async groups committed in this step so far
         self._async_live = False    # from the first cp.async until the last dot reading async buffers
         self._row_slots = {}        # id of a (R, 1) broadcast source -> (its (R,) value id, slot byte offset)
@@ -558,7 +559,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         if self._async_bytes:
             # the async regions overlap the rest when nothing else claims shared memory while they are live
             # (the tensor-core linear: its C tile is written after the last dot's barrier)
-            al = getattr(self, "_async_align", 128)
+            al = self._async_align
             base = -(-self.smem_bytes // al) * al if self._async_shared else 0
             self.lines = [ln.replace(_ASYNC_BASE, str(base)) if ln and _ASYNC_BASE in ln else ln
                           for ln in self.lines]
@@ -740,21 +741,25 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 return self._flat_of(inc, src_shape, e)
             return self._remat(op.operands[0], dst_shape, lambda e: tindex(index(e)))
         # elementwise: evaluate the op on its operands rematerialised in the destination layout
-        subs = {o.id: self._remat(o, dst_shape, index) for o in op.operands}
+        res = self._lower_with(op, {o.id: self._remat(o, dst_shape, index) for o in op.operands})
+        if isinstance(res, PT):
+            return PT(res.base, res.elem, LV(res.offs.ref, res.offs.et, res.offs.n, tuple(dst_shape))
+                      if res.offs is not None else None, dst_shape)
+        return LV(res.ref, res.et, res.n, tuple(dst_shape))
+
+    def _lower_with(self, op, subs: dict, fn=None):
+        """op lowered with its operands' values replaced by `subs` (value id -> value) for the duration (fn: how,
+        default its op_ method); the values of record are restored afterwards."""
         saved = {k: self.vals.get(k) for k in subs}
         self.vals.update(subs)
         try:
-            res = getattr(self, "op_" + op.name)(op)
+            return fn() if fn is not None else getattr(self, "op_" + op.name)(op)
         finally:
             for k, old in saved.items():
                 if old is None:
                     self.vals.pop(k, None)
                 else:
                     self.vals[k] = old
-        if isinstance(res, PT):
-            return PT(res.base, res.elem, LV(res.offs.ref, res.offs.et, res.offs.n, tuple(dst_shape))
-                      if res.offs is not None else None, dst_shape)
-        return LV(res.ref, res.et, res.n, tuple(dst_shape))
 
     def _retag(self, x, shape):
         """Same flat order and element count: the layout is unchanged, only the shape."""

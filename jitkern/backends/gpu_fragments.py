@@ -343,16 +343,8 @@ class FragmentOps:
 
     def _frag_apply(self, op, key, F) -> LV:
         subs = {o.id: self._frag_operand(o, key, F) for o in op.operands}
-        saved = {i: self.vals.get(i) for i in subs}
-        self.vals.update(subs)
-        try:
-            res = self._with_flat(op.results[0].type.shape, F, lambda: getattr(self, "op_" + op.name)(op))
-        finally:
-            for i, old in saved.items():
-                if old is None:
-                    self.vals.pop(i, None)
-                else:
-                    self.vals[i] = old
+        res = self._lower_with(op, subs, lambda: self._with_flat(op.results[0].type.shape, F,
+                                                                 lambda: getattr(self, "op_" + op.name)(op)))
         return LV(res.ref, res.et, res.n, tuple(op.results[0].type.shape))
 
     def _frag_elementwise(self, op, key) -> FragV:
