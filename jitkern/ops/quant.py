@@ -774,6 +774,16 @@ def _qmm_step(w, wh, xq, xd, xs, rows, xrow, srow, st, acc, DEC: jk.constexpr, R
             if c is not None:
                 acc = jk.fma(_half_blocks(cw, h, BM, RQ, S, RI), _half_blocks(sx, h, BM, RQ, S, RI), acc)
         return acc
+    return _scale_fmas(pb, sw, dx, c, xs, blk, acc, BM, RQ, S, RI)
+
+
+@jk.jit
+def _scale_fmas(pb, sw, dx, c, xs, blk, acc, BM: jk.constexpr, RQ: jk.constexpr, S: jk.constexpr,
+                RI: jk.constexpr):
+    """acc + the block dots pb times the weight x activation scales (sw, dx), + c x the activations' block sums
+    (xs at blk) where the format has an offset: _qmm_step's plain (no FOLD) ending, shared with the token-group
+    path."""
+    shape = (BM, RQ, S, RI)
     acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx, shape), acc)
     if c is not None:
         cw = jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))
@@ -792,15 +802,9 @@ def _qmm_group_fmas(q, sc, c, xq, xd, xs, toks, K: jk.constexpr, b0, acc, BM: jk
     x = jk.load(xq + (toks * K)[:, None] + b0 * 32 + jk.arange(0, S * 32)[None, :])
     pb = _block_dots(q, x, BM, R, S, RI, ROUTE=ROUTE).to(jk.f32)
     blk = (toks * (K // 32))[:, None] * RI + b0 * RI + jk.arange(0, S * RI)[None, :]
-    shape = (BM, RQ, S, RI)
     sw = jk.trans(jk.reshape(sc, (RQ, RI, S)), (0, 2, 1))
     dx = jk.reshape(jk.load(xd + blk), (BM, 1, S, RI))
-    acc = jk.fma(pb, jk.broadcast_to(sw[None, :, :, :], shape) * jk.broadcast_to(dx, shape), acc)
-    if c is not None:
-        cw = jk.trans(jk.reshape(c, (RQ, RI, S)), (0, 2, 1))
-        acc = jk.fma(jk.broadcast_to(cw[None, :, :, :], shape),
-                     jk.broadcast_to(jk.reshape(jk.load(xs + blk), (BM, 1, S, RI)), shape), acc)
-    return acc
+    return _scale_fmas(pb, sw, dx, c, xs, blk, acc, BM, RQ, S, RI)
 
 
 @jk.jit
