@@ -179,31 +179,37 @@ def test_flash_16bit_operands(tier, dtype, split, monkeypatch):
         _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25)
 
 
-@pytest.mark.parametrize("dtype,split,ops", [(np.float16, False, "16bit"), (np.float32, True, "16bit"),
-                                              (np.float16, False, "f32")], ids=["f16", "f32-split", "f16-f32ops"])
-def test_flash_fragment_ops_give_the_same_bits(tier, dtype, split, ops, monkeypatch):
-    """The online-softmax accumulator kept in the MMA registers (backends/gpu.py FragV: `acc * alpha[:, None]`,
-    the prefill tile's partition fold, dot(p, v, acc) adding acc after the MMA chain as the tile path does)
-    against the tile path (gpu.FRAG_OPS off): the same bits for decodes, prefill tiles and windows, with
-    16-bit operands (where the fragment path applies) and f32 ones (where it does not: p is split in hi + lo)."""
+def _same_bits_with_switch(tier, switch, dtype, split, ops, seed, monkeypatch):
+    """The flash kernels with backends/gpu.py's `switch` off and on (compiled afresh each way: the lowering
+    reads it, the launch plans memoise the compiled kernel): decodes, prefill tiles and windows give the same
+    bits, and match the float64 reference within 16-bit rounding."""
     if not tier.is_gpu or tier.is_vulkan:
         pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
     from jitkern.backends import gpu
-    monkeypatch.setenv("JITKERN_COMPILE_INPROCESS", "1")      # gpu.FRAG_OPS as patched here, not a worker's
     monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", ops)
-    rng = np.random.default_rng(33)
+    rng = np.random.default_rng(seed)
     q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, dtype)
     for window in (0, 40):
         outs = []
         for on in (False, True):
-            monkeypatch.setattr(gpu, "FRAG_OPS", on)
+            monkeypatch.setattr(gpu, switch, on)
             for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
-                monkeypatch.setattr(k, "_plans", {})          # launch plans memoise the compiled kernel
+                monkeypatch.setattr(k, "_plans", {})
             outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=8,
                                split=split))
         want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
         assert np.abs(outs[1] - want).max() < 3e-3 * np.abs(want).max()
         np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("dtype,split,ops", [(np.float16, False, "16bit"), (np.float32, True, "16bit"),
+                                              (np.float16, False, "f32")], ids=["f16", "f32-split", "f16-f32ops"])
+def test_flash_fragment_ops_give_the_same_bits(tier, dtype, split, ops, monkeypatch):
+    """The online-softmax accumulator and scores kept in the MMA registers (backends/gpu_fragments.py FragV:
+    `acc * alpha[:, None]`, the prefill tile's partition fold, dot(p, v, acc) adding acc after the MMA chain as
+    the tile path does) against the tile path (gpu.FRAG_OPS off), with 16-bit operands (where the fragment path
+    applies) and f32 ones (where it does not: p is split in hi + lo)."""
+    _same_bits_with_switch(tier, "FRAG_OPS", dtype, split, ops, 33, monkeypatch)
 
 
 @pytest.mark.parametrize("switch", ["ROW_SLOTS", "PIN_OPERANDS"])
@@ -212,25 +218,9 @@ def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypa
     """gpu.ROW_SLOTS (JITKERN_ROW_SLOTS=1): the row vectors the online softmax broadcasts into the accumulator
     registers (new maxima, alpha, the prefill fold's factors) are staged where they are computed and read
     after one shared barrier. gpu.PIN_OPERANDS (JITKERN_PIN_OPERANDS=1): the query tile is staged once before
-    the block loop instead of every block. The values read are the same either way, so the bits must be
-    (decodes, prefill tiles, windows; 16-bit operands, where the fragment path applies)."""
-    if not tier.is_gpu or tier.is_vulkan:
-        pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
-    from jitkern.backends import gpu
-    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "16bit")
-    rng = np.random.default_rng(35)
-    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, dtype)
-    for window in (0, 40):
-        outs = []
-        for on in (False, True):
-            monkeypatch.setattr(gpu, switch, on)
-            for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
-                monkeypatch.setattr(k, "_plans", {})          # launch plans memoise the compiled kernel
-            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=8,
-                               split=split))
-        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
-        assert np.abs(outs[1] - want).max() < 3e-3 * np.abs(want).max()
-        np.testing.assert_array_equal(outs[1], outs[0])
+    the block loop instead of every block. The values read are the same either way (16-bit operands, where
+    the fragment path applies)."""
+    _same_bits_with_switch(tier, switch, dtype, split, "16bit", 35, monkeypatch)
 
 
 def test_flash_pipelined_loads_give_the_same_bits(tier):
