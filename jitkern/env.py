@@ -34,13 +34,13 @@ Settings (all optional):
                                 (contiguous chunks, or chunks claimed from a shared counter).
     JITKERN_CUDA_GRAPH_MAX_TOKENS  the largest padded token count of a CUDA prefill / mixed step recorded as a
                                 graph, an integer >= 0 (default 512, as vLLM's max_capture_size; 0: eager).
-    JITKERN_WGMMA               0 or 1: the bf16 linear's dots as warpgroup MMAs on sm_90a (default 0: not yet
-                                verified on a GPU; A/B switch).
+    JITKERN_WGMMA               0 or 1: the bf16 linear's dots as warpgroup MMAs on sm_90a (default 1, for
+                                the tiles of JITKERN_WGMMA_MIN_BM+ tokens; 0: mma.sync everywhere).
     JITKERN_WGMMA_SWIZZLE       0 or 128: how warpgroup-MMA operands are staged (plain core matrices or
-                                128-byte swizzled rows; default 0).
+                                128-byte swizzled rows; default 128).
     JITKERN_WGMMA_PIPE          0 or 1: a K loop's warpgroup MMAs overlap the next step's staging (default 0).
     JITKERN_WGMMA_MIN_BM        wgmma only for linear tiles of at least this many tokens, an integer >= 0
-                                (default 0: every tile).
+                                (default 64: the tiles fed by cp.async; 0: every tile).
     JITKERN_CP_ASYNC            0 or 1: every K loop's prefetched dot operands go global -> shared memory by
                                 cp.async into two buffers, or none do (default: the kernels launched with
                                 num_stages=2, the tensor-core linear's tiles of 64+ tokens; an A/B switch).
@@ -153,11 +153,11 @@ def cuda_graph_max_tokens(default: int, environ=None) -> int:
 
 
 def wgmma(environ=None) -> bool:
-    return env_choice("JITKERN_WGMMA", ("0", "1"), environ) == "1"
+    return env_choice("JITKERN_WGMMA", ("0", "1"), environ) != "0"
 
 
 def wgmma_swizzle(environ=None) -> int:
-    return int(env_choice("JITKERN_WGMMA_SWIZZLE", ("0", "128"), environ) or 0)
+    return int(env_choice("JITKERN_WGMMA_SWIZZLE", ("0", "128"), environ) or 128)
 
 
 def wgmma_pipe(environ=None) -> bool:
@@ -196,7 +196,8 @@ def frag_ops(environ=None) -> bool:
 
 
 def wgmma_min_bm(environ=None) -> int:
-    return env_int("JITKERN_WGMMA_MIN_BM", 0, environ) or 0
+    v = env_int("JITKERN_WGMMA_MIN_BM", 0, environ)
+    return 64 if v is None else v
 
 
 def env_flag(name: str, environ=None) -> bool:

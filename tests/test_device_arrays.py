@@ -411,6 +411,18 @@ def test_linear_tile_tiers_by_token_count():
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M - 1)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])
     assert mm._mma_tile_for(T, 384, 4096, 4096)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])    # 384 % 256 != 0
     assert mm._mma_tile_for(T, 576, 576, 4096) == mm._mma_tile_for(T, 576, 576, 1)        # 576 % 128 != 0
+    # the huge tile: from GPU_LINEAR_HUGE_M tokens where it runs on warpgroup MMAs (16-bit activations)
+    huge = tuple(mm.GPU_LINEAR_HUGE_TILE[:4])
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M, act16=1) == huge + (4,)
+    assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=1) == huge + (2,)
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=1)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
+    assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
+    assert "wgmma" in mm._mma_regs(T, huge[0], 1) and "wgmma" not in mm._mma_regs(T, huge[0], 0)
+    assert "wgmma" not in mm._mma_regs(T, 16, 1) and "wgmma" not in mm._mma_regs(get_target("sm_80"), 128, 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mm, "GPU_LINEAR_WGMMA", False)              # JITKERN_WGMMA=0: mma.sync, no huge tile
+        assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=1)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
+        assert "wgmma" not in mm._mma_regs(T, huge[0], 1)
 
 
 @pytest.mark.gpu
@@ -428,6 +440,27 @@ def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
         assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] in (16, mm.GPU_LINEAR_WIDE_TILE[0])
         np.testing.assert_array_equal(part, full[lo:hi])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(512, 512), (6144, 1024)])
+def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
+    """From GPU_LINEAR_HUGE_M tokens with 16-bit activations the linear takes the huge tile (128 tokens x 256
+    weight rows, two warpgroups of wgmma fed by cp.async, the defaults): it matches float64 and a token's row
+    is the same bits through it as through the big, mid, tall and decode tiles (mma.sync below 64 tokens)."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend("cuda", monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
+    M = mm.GPU_LINEAR_HUGE_M + 45
+    x, dw, db, full, _ = _tiled_linear_case16(cuda_mod, 17, M, N, K, mm.GPU_LINEAR_HUGE_TILE[0])
+    ck = mm.last_compiled("_gpu_linear_mma_kernel")
+    assert ck.constexprs.get("wgmma") == 1 and "wgmma.mma_async" in ck.ptx() and "cp.async" in ck.ptx()
+    seen = set()
+    for lo, hi in ((0, 1), (3, 19), (M - 70, M), (11, 150), (1, mm.GPU_LINEAR_HUGE_M - 1), (0, M - 1)):
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
+        seen.add(mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"])
+        np.testing.assert_array_equal(part, full[lo:hi], err_msg=f"tokens {lo}:{hi}")
+    assert seen == {16, 32, 64, 128}, seen
 
 
 @pytest.mark.gpu

@@ -299,7 +299,9 @@ def test_wgmma_linear_tiles_with_cp_async(tmp_path, monkeypatch, swizzle):
     monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)
     monkeypatch.setattr(gpu, "CP_ASYNC", None)
     T = get_target("sm_90a")
-    tiles = {mm._mma_tile_for(T, N, 4096, M) for N in (4096, 28672) for M in (mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)}
+    tiles = {mm._mma_tile_for(T, N, 4096, M, act16=1) for N in (4096, 28672)
+             for M in (mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M, mm.GPU_LINEAR_HUGE_M)}
+    assert tuple(mm.GPU_LINEAR_HUGE_TILE[:4]) + (4,) in tiles
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     for t in sorted(tiles):
         BM, BN, BK, W, S = t

@@ -326,15 +326,17 @@ GPU_LINEAR_MMA_TILE = "auto"
 _LINEAR_MMA_UNITS = ("mma.sync", "wgmma", "tcgen05", "mfma", "wmma")
 
 
-def _mma_tile_for(T, N: int, K: int, M: int = 1) -> tuple:
+def _mma_tile_for(T, N: int, K: int, M: int = 1, act16: int = 0) -> tuple:
     """gpu_linear_mma_tile(N, K) for target T: on WMMA (gfx1100, wave32) K steps of at most 64, since 128 with
     4 waves of 32 spills ~300 bytes of VGPRs per thread to scratch (LLVM 22; 64 does not). From
     GPU_LINEAR_WIDE_M tokens on NVIDIA, the taller GPU_LINEAR_WIDE_TILE (from GPU_LINEAR_BIG_M tokens
-    GPU_LINEAR_BIG_TILE) where it gives the same bits: all tiles keep their accumulators in the MMA
-    registers across the K loop (every warp a whole number of 16x8 tiles), so each output is the same chain
-    of m16n8k16 steps in K order, hi and lo chains apart, whatever the tile's height, width, warps or K step;
-    the K split (SPLIT) must be the same and taken by all (tests/test_device_arrays.py checks rows of the
-    tiles bit for bit on the GPU)."""
+    GPU_LINEAR_BIG_TILE, and with 16-bit activations (act16, _act16_for's) on warpgroup MMAs from
+    GPU_LINEAR_HUGE_M GPU_LINEAR_HUGE_TILE) where it gives the same bits: all tiles keep their accumulators in
+    the MMA registers across the K loop (every warp a whole number of 16x8 tiles), so each output is the same
+    chain of 16-deep MMA steps in K order, hi and lo chains apart, whatever the tile's height, width, warps or
+    K step, and wgmma gives the bits mma.sync does (perf/probe_wgmma.py on the H200); the K split (SPLIT) must
+    be the same and taken by all (tests/test_device_arrays.py checks rows of the tiles bit for bit on the
+    GPU)."""
     tile = tuple(gpu_linear_mma_tile(N, K))
     if T.mma == "wmma" and tile[2] > 64:
         tile = tile[:2] + (64,) + tile[3:]
@@ -346,6 +348,8 @@ def _mma_tile_for(T, N: int, K: int, M: int = 1) -> tuple:
             tiers.append(GPU_LINEAR_BIG_TILE if N >= GPU_LINEAR_MID_WIDE_N else GPU_LINEAR_MID_TILE)
         if GPU_LINEAR_BIG_TILE and M >= GPU_LINEAR_BIG_M:
             tiers.append(GPU_LINEAR_BIG_TILE)
+        if GPU_LINEAR_HUGE_TILE and M >= GPU_LINEAR_HUGE_M and _wgmma_for(T, GPU_LINEAR_HUGE_TILE[0], act16):
+            tiers.append(GPU_LINEAR_HUGE_TILE)
         for t in reversed(tiers):
             wide = tuple(t[:4]) + (S,)    # the same K split as the decode tile: the same bits
             if _takes_same_path(tile, wide, N, K) \
@@ -382,6 +386,12 @@ GPU_LINEAR_BIG_M = 128
 # down 60.6 [64.8] with (64, 128, 64, 8); qkv 29.5 [31.0], gate_up 100.7 [123.1], lm_head 402 [497] with the big
 # tile: a Llama-3-8B layer's linears 212 us at M = 64 against 242
 GPU_LINEAR_MID_TILE = (64, 128, 64, 8)
+# from GPU_LINEAR_HUGE_M tokens, where the tile runs on warpgroup MMAs (_wgmma_for): 128 tokens x 256 weight rows,
+# two warpgroups. H200 with bf16 x, cp.async and wgmma (perf/h200_wgmma_async.sh, BENCHMARKS.md session 10): at M =
+# 256 and 1024 it is the fastest swept tile on every Llama-3-8B projection, 1.17-1.58x the (64, 256) tile (M = 256:
+# 0.42-0.65x cuBLAS against 0.36-0.48x for the mma.sync big tile); at M = 64 it is the slowest (too few programs)
+GPU_LINEAR_HUGE_TILE = (128, 256, 64, 8)
+GPU_LINEAR_HUGE_M = 256
 GPU_LINEAR_MID_M = 48
 GPU_LINEAR_MID_WIDE_N = 6144
 
@@ -413,19 +423,27 @@ GPU_SPLITK4_MAX_TILES = 200
 GPU_LINEAR_MAXNREG = None
 
 
-# the tensor-core linear's dots as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma) for
-# every token count: OFF by default and opt-in with JITKERN_WGMMA=1 until perf/probe_wgmma.py and the GPU tests
-# have run it on an H200 (its layouts and its batch invariance are not yet verified on hardware)
+# the tensor-core linear's dots as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma), on by
+# default (JITKERN_WGMMA=0: mma.sync everywhere). On the H200 (BENCHMARKS.md sessions 8 and 10) a token's row has
+# the same bits as under mma.sync (perf/probe_wgmma.py; tests/test_device_arrays.py checks rows across tiles), and
+# fed by cp.async with 128-byte swizzled staging the (64, 256) tile runs 1.03-1.21x the mma.sync one
 GPU_LINEAR_WGMMA = _env.wgmma()
-# ... for tiles of at least this many tokens only (smaller ones keep mma.sync): batch invariant only if wgmma
-# and mma.sync give a token the same bits (perf/probe_wgmma.py tells; the GPU test checks rows across tiles)
+# ... for tiles of at least this many tokens only (default 64: the cp.async tiles, GPU_LINEAR_ASYNC_MIN_BM; the
+# M = 1 decode tile was slower on wgmma with register staging)
 GPU_LINEAR_WGMMA_MIN_BM = _env.wgmma_min_bm()
 
 
-def _mma_regs(T, BM: int = 0) -> dict:
-    """Launch options of the tensor-core linear with a tile of BM tokens: `maxnreg`, `wgmma`, `num_stages`."""
+def _wgmma_for(T, BM: int, act16: int) -> bool:
+    """Whether the tensor-core linear's tile of BM tokens runs on warpgroup MMAs on target T: with 16-bit
+    activations only (f32 ones keep hi and lo accumulators, which spill the 64-row tiles under wgmma)."""
+    return bool(GPU_LINEAR_WGMMA and act16 and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM)
+
+
+def _mma_regs(T, BM: int = 0, act16: int = 0) -> dict:
+    """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's): `maxnreg`,
+    `wgmma`, `num_stages`."""
     out = {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
-    if GPU_LINEAR_WGMMA and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM:
+    if _wgmma_for(T, BM, act16):
         out["wgmma"] = 1
     if GPU_LINEAR_ASYNC_MIN_BM and T.is_cuda and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
         out["num_stages"] = 2
@@ -765,7 +783,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N),
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
-                     **_mma_regs(T, BM)), T)
+                     **_mma_regs(T, BM, act16)), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -819,20 +837,20 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
             args = (_x_arg(x2, x_dtype), warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // es,
                     o2.strides[0] // 4)
             if tensor_cores:
-                tile = _mma_tile_for(T, N, K, M)
+                act16 = _act16_for(dt, activations)
+                tile = _mma_tile_for(T, N, K, M, act16)
                 BM, BN, BK, NW = tile[:4]
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
                 if S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
-                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T,
-                                       _act16_for(dt, activations), x_dtype, fold)
+                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold)
                     if fold:
                         return r
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=_act16_for(dt, activations), **_mma_regs(T, BM)), T)
+                                 ACT16=act16, **_mma_regs(T, BM, act16)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
