@@ -415,7 +415,8 @@ def test_linear_tile_tiers_by_token_count():
     huge = tuple(mm.GPU_LINEAR_HUGE_TILE[:4])
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M, act16=1) == huge + (4,)
     assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=1) == huge + (2,)
-    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=1)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
+    assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=1) == \
+        mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=0)
     assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
     assert "wgmma" in mm._mma_regs(T, huge[0], 1) and "wgmma" not in mm._mma_regs(T, huge[0], 0)
     assert "wgmma" not in mm._mma_regs(T, 16, 1) and "wgmma" not in mm._mma_regs(get_target("sm_80"), 128, 1)
@@ -445,8 +446,8 @@ def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(512, 512), (6144, 1024)])
 def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
-    """From GPU_LINEAR_HUGE_M tokens with 16-bit activations the linear takes the huge tile (128 tokens x 256
-    weight rows, two warpgroups of wgmma fed by cp.async, the defaults): it matches float64 and a token's row
+    """From GPU_LINEAR_HUGE_M tokens with 16-bit activations the linear takes the huge tile (128 tokens, two
+    warpgroups of wgmma fed by cp.async, the defaults): it matches float64 and a token's row
     is the same bits through it as through the big, mid, tall and decode tiles (mma.sync below 64 tokens)."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
@@ -456,7 +457,7 @@ def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
     ck = mm.last_compiled("_gpu_linear_mma_kernel")
     assert ck.constexprs.get("wgmma") == 1 and "wgmma.mma_async" in ck.ptx() and "cp.async" in ck.ptx()
     seen = set()
-    for lo, hi in ((0, 1), (3, 19), (M - 70, M), (11, 150), (1, mm.GPU_LINEAR_HUGE_M - 1), (0, M - 1)):
+    for lo, hi in ((0, 1), (3, 30), (M - 70, M), (11, 150), (1, mm.GPU_LINEAR_HUGE_M - 1), (0, M - 1)):
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
         seen.add(mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"])
         np.testing.assert_array_equal(part, full[lo:hi], err_msg=f"tokens {lo}:{hi}")
@@ -465,16 +466,15 @@ def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swizzle,pipe,min_bm", [(0, False, 0), (128, False, 0), (128, True, 0), (0, False, 64)])
-@pytest.mark.parametrize("activations", ["f32", "16bit"])
 @pytest.mark.parametrize("N,K", [(512, 512), (4096, 1024)])
-def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, activations, N, K, swizzle, pipe,
-                                                             min_bm):
+def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, N, K, swizzle, pipe, min_bm):
     """The opt-in warpgroup-MMA linear (JITKERN_WGMMA=1, sm_90a: the dots as wgmma with weights as the 64-row
     operand and tokens as N): every tile the token count picks (decode 16, tall 32, mid / big 64) matches
     float64, and a token's row has the same bits whichever tile and batch it went through (narrow and wide
     weights: K split in 4 and in 2), with the operands staged as plain core matrices and 128-byte swizzled,
     and with the K loop's MMAs overlapping the next step's staging (WGMMA_PIPE); min_bm 64: wgmma for the 64-row
-    tiles only, mma.sync below (equal bits across that switch or the mode is unusable)."""
+    tiles only, mma.sync below (equal bits across that switch or the mode is unusable). 16-bit activations: with
+    f32 ones the linear keeps mma.sync (matmul._wgmma_for; test_linear_tile_tiers_by_token_count)."""
     from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
@@ -482,10 +482,10 @@ def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, activa
     monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)
     monkeypatch.setattr(gpu, "WGMMA_PIPE", pipe)
     monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", min_bm)
-    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", activations)
-    case = _tiled_linear_case if activations == "f32" else _tiled_linear_case16
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
     M = 160
-    x, dw, db, full, _ = case(cuda_mod, 16, M, N, K, mm._mma_tile_for(cuda_mod.get_device().target(), N, K, M)[0])
+    x, dw, db, full, _ = _tiled_linear_case16(cuda_mod, 16, M, N, K,
+                                              mm._mma_tile_for(cuda_mod.get_device().target(), N, K, M, 1)[0])
     assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("wgmma") == 1
     assert "wgmma.mma_async" in mm.last_compiled("_gpu_linear_mma_kernel").ptx()
     for lo, hi in ((0, 1), (7, 9), (M - 10, M), (5, 37), (11, 75), (0, M - 1)):

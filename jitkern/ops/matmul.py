@@ -386,12 +386,13 @@ GPU_LINEAR_BIG_M = 128
 # down 60.6 [64.8] with (64, 128, 64, 8); qkv 29.5 [31.0], gate_up 100.7 [123.1], lm_head 402 [497] with the big
 # tile: a Llama-3-8B layer's linears 212 us at M = 64 against 242
 GPU_LINEAR_MID_TILE = (64, 128, 64, 8)
-# from GPU_LINEAR_HUGE_M tokens, where the tile runs on warpgroup MMAs (_wgmma_for): 128 tokens x 256 weight rows,
-# two warpgroups. H200 with bf16 x, cp.async and wgmma (perf/h200_wgmma_async.sh, BENCHMARKS.md session 10): at M =
-# 256 and 1024 it is the fastest swept tile on every Llama-3-8B projection, 1.17-1.58x the (64, 256) tile (M = 256:
-# 0.42-0.65x cuBLAS against 0.36-0.48x for the mma.sync big tile); at M = 64 it is the slowest (too few programs)
-GPU_LINEAR_HUGE_TILE = (128, 256, 64, 8)
-GPU_LINEAR_HUGE_M = 256
+# from GPU_LINEAR_HUGE_M tokens, where the tile runs on warpgroup MMAs (_wgmma_for): 128 tokens x 128 weight rows,
+# two warpgroups of 64 rows. H200 with bf16 x, cp.async and wgmma (perf/tune_gemv_cuda.py --x16, BENCHMARKS.md
+# session 10), us at M = 128 / 256 against the (64, 256) tile on wgmma: o_proj 24.1 / 34.5 vs 24.3 / 40.1, qkv
+# 35.2 / 52.9 vs 41.3 / 60.6, gate_up 112.9 / 182.3 vs 137.4 / 223.5, down 57.3 / 81.3 vs 59.4 / 102.1, lm_head
+# 433 / 793 vs 514 / 963; at M = 2048 within 1% of (128, 256, 64, 8), at M = 64 slower (too few programs)
+GPU_LINEAR_HUGE_TILE = (128, 128, 64, 8)
+GPU_LINEAR_HUGE_M = 128
 GPU_LINEAR_MID_M = 48
 GPU_LINEAR_MID_WIDE_N = 6144
 
