@@ -11,4 +11,4 @@ timeout 330 python3 perf/bench_e2e_cuda.py --make llama3-8b --keep /tmp/l8b --sy
     --no-f32-check 2>&1 | grep -v "uploading weights\|GB written" | tail -16
 echo "== 1,024-token TTFT"
 timeout 200 python3 perf/bench_e2e_cuda.py --model /tmp/l8b --systems ours gpt_fast --input-len 1024 \
-    --output-len 1 --concurrency 1 --compile-prefill --no-f32-check 2>&1 | tail -6
+    --output-len 1 --concurrency 1 --compile-prefill --no-f32-check 2>&1 | tail -12

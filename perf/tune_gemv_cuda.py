@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="*", default=None,
                     help="fma,BN,BK,warps or mma,BM,BN,BK,warps[,SPLIT] (SPLIT 0: the engine's for the shape); "
-                         "wg,... as mma with the dots as warpgroup MMAs (matmul.GPU_LINEAR_WGMMA, sm_90a)")
+                         "wg,... as mma with the dots as warpgroup MMAs (matmul.GPU_LINEAR_WGMMA, sm_90a); wgs,... as wg "
+                         "with the K split's slabs summed inside each program (SERIAL)")
     ap.add_argument("--m", default="1", help="comma-separated token counts (default 1)")
     ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
     ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")
@@ -58,8 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--activations", choices=("f32", "16bit"), default=None,
                     help="A operand of the tensor-core linear (matmul.GPU_LINEAR_ACTIVATIONS): f32 split hi + lo, "
                          "or rounded to the weights' 16-bit type (one MMA chain)")
+    ap.add_argument("--serial-maxnreg", type=int, default=None,
+                    help="register cap of the linear's launches that sum a split K in-program "
+                         "(matmul.GPU_LINEAR_SERIAL_MAXNREG; 0: none)")
     args = ap.parse_args(argv)
     from jitkern.ops import matmul
+    if args.serial_maxnreg is not None:
+        matmul.GPU_LINEAR_SERIAL_MAXNREG = args.serial_maxnreg or None
     if args.maxnreg:
         matmul.GPU_LINEAR_MAXNREG = args.maxnreg
     if args.x16:
@@ -109,8 +115,10 @@ def main(argv=None) -> int:
             for cfg in configs:
                 if cfg[0] == "fma" and M > 64:
                     continue                  # re-reads the weights per token: minutes at prefill sizes
-                matmul.GPU_LINEAR_WGMMA = cfg[0] == "wg"
-                if cfg[0] in ("mma", "wg"):
+                matmul.GPU_LINEAR_WGMMA = cfg[0] in ("wg", "wgs")
+                # wgs: wg with a split K's slabs summed inside each program (matmul.GPU_LINEAR_SERIAL_SPLIT_M)
+                matmul.GPU_LINEAR_SERIAL_SPLIT_M = 0 if cfg[0] == "wgs" else 1 << 62
+                if cfg[0] in ("mma", "wg", "wgs"):
                     # a 5th entry of 0: the engine's K split for this shape (gpu_linear_mma_tile's)
                     matmul.GPU_LINEAR_MMA_TILE = "auto"
                     split = matmul.gpu_linear_mma_tile(N, K)[4] if len(cfg) > 5 and cfg[5] == 0 else None

@@ -269,6 +269,36 @@ def test_linear_split_k_tiles(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
+    """From GPU_LINEAR_SERIAL_SPLIT_M tokens a split K's slabs are summed inside each program (SERIAL, no slabs
+    through memory, no sum kernel): bit for bit what the slab programs plus the sum kernel give, with and without
+    bias, and a token's row the same bits as its decode (slab path) row."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 4))
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
+    x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(31), 21, 96, 512)
+    want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
+    for b in (db, None):
+        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", 1 << 62)
+        mm._LAST.clear()
+        slabs = mm.linear(_dev(cuda_mod, x), dw, bias=b, w_dtype="bf16").numpy()
+        assert mm.last_compiled("_gpu_splitk_sum_kernel") is not None
+        assert not mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("SERIAL")
+        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", 8)
+        mm._LAST.clear()
+        serial = mm.linear(_dev(cuda_mod, x), dw, bias=b, w_dtype="bf16").numpy()
+        ck = mm.last_compiled("_gpu_linear_mma_kernel")
+        assert ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4
+        assert mm.last_compiled("_gpu_splitk_sum_kernel") is None
+        np.testing.assert_array_equal(serial, slabs)
+        ref = want if b is not None else want - bias
+        np.testing.assert_allclose(serial, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        one = mm.linear(_dev(cuda_mod, x[9:10]), dw, bias=b, w_dtype="bf16").numpy()    # under 8 tokens: slabs
+        np.testing.assert_array_equal(one, serial[9:10])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_16bit_activations(backend, monkeypatch):
     """GPU_LINEAR_ACTIVATIONS = "16bit": the tensor-core linear rounds x to bf16 (one MMA chain): the result is
     float64's of the rounded x (closer to it than the f32 result is: the rounding is applied, not the hi + lo

@@ -237,7 +237,7 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 @jk.kernel(do_not_specialize=("M",))
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
-                           SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0):
+                           SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -245,6 +245,9 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     # invariant; M = 1 pads the tile with masked rows). SPLIT > 1 (EVEN only; chosen from N and K alone):
     # program z sums the z-th of SPLIT equal K ranges into its own (M, N) slab of y (row stride ldy), and
     # _gpu_splitk_sum_kernel adds the slabs in order: more programs in flight for narrow N at decode.
+    # SERIAL (with SPLIT > 1; grid (M / BM, N / BN)): the program computes the SPLIT slabs one after the other and
+    # adds them in the sum kernel's order, ((slab 0 + slab 1) + ...) + bias, then stores y: the same bits with no
+    # slabs written to and read back from memory (prefill sizes, where the tiles alone fill the GPU).
     # ACT16 (GPU_LINEAR_ACTIVATIONS = "16bit"): x rounded to the weights' 16-bit type (1 bf16, 2 f16) first, one
     # MMA chain instead of the hi and lo chains (half the MMAs and A staging; 8 or 11 significant bits of x,
     # as vLLM / cuBLAS bf16 inference computes).
@@ -255,37 +258,52 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     kk = jk.arange(0, BK)
     xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
     wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
-    acc = jk.zeros((BM, BN), jk.f32)
     if EVEN:
-        # software pipelining: the next step's tiles are loaded before this step's dot, so their global
-        # loads are in flight while the dot stages shared memory and runs its MMAs (same arithmetic order)
         if SPLIT > 1:
             KR = (K // (SPLIT * BK)) * BK           # a multiple of BK: the axis analysis keeps 16-byte loads
-            k0 = jk.program_id(2) * KR
+            if SERIAL:
+                xm = tm[:, None] & (kk >= 0)[None, :]
+                # -0.0 + s == s for every s (+0.0 and -0.0 too): the sum starts exactly at slab 0, as the sum
+                # kernel's; one K loop in the code (its shared-memory staging allocated once)
+                acc = jk.full((BM, BN), -0.0, jk.f32)
+                for z in range(0, SPLIT):
+                    acc = acc + _mma_k_range(xrows, wrows, xm, kk, z * KR, KR, BM, BN, BK, ACT16)
+            else:
+                k0 = jk.program_id(2) * KR
+                xm = tm[:, None] & (kk >= 0)[None, :]
+                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16)
         else:
-            KR = K
-            k0 = 0
-        xm = tm[:, None] & (kk >= 0)[None, :]
-        xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
-        wv = jk.load(wrows + (k0 + kk)[None, :])
-        for k in range(k0 + BK, k0 + KR, BK):
-            xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
-            wn = jk.load(wrows + (k + kk)[None, :])
-            acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-            xv = xn
-            wv = wn
-        acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+            xm = tm[:, None] & (kk >= 0)[None, :]
+            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16)
     else:
+        acc = jk.zeros((BM, BN), jk.f32)
         for k in range(0, K, BK):
             km = (k + kk) < K
             xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
             wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-    if SPLIT > 1:
+    if SPLIT > 1 and not SERIAL:
         y = y + jk.program_id(2).to(jk.i64) * M.to(jk.i64) * ldy.to(jk.i64)
     elif HAS_BIAS:
         acc = acc + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)[None, :]
     jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
+
+
+@jk.jit
+def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16):
+    """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK), from zero. Software
+    pipelining: the next step's tiles are loaded before this step's dot, so their global loads are in flight
+    while the dot stages shared memory and runs its MMAs (same arithmetic order)."""
+    acc = jk.zeros((BM, BN), jk.f32)
+    xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
+    wv = jk.load(wrows + (k0 + kk)[None, :])
+    for k in range(k0 + BK, k0 + KR, BK):
+        xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
+        wn = jk.load(wrows + (k + kk)[None, :])
+        acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+        xv = xn
+        wv = wn
+    return jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
 
 
 @jk.jit
@@ -440,10 +458,11 @@ def _wgmma_for(T, BM: int, act16: int) -> bool:
     return bool(GPU_LINEAR_WGMMA and act16 and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM)
 
 
-def _mma_regs(T, BM: int = 0, act16: int = 0) -> dict:
-    """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's): `maxnreg`,
-    `wgmma`, `num_stages`."""
-    out = {"maxnreg": int(GPU_LINEAR_MAXNREG)} if GPU_LINEAR_MAXNREG and T.is_cuda else {}
+def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False) -> dict:
+    """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's; serial: SERIAL):
+    `maxnreg`, `wgmma`, `num_stages`."""
+    cap = GPU_LINEAR_SERIAL_MAXNREG if serial and GPU_LINEAR_SERIAL_MAXNREG else GPU_LINEAR_MAXNREG
+    out = {"maxnreg": int(cap)} if cap and T.is_cuda else {}
     if _wgmma_for(T, BM, act16):
         out["wgmma"] = 1
     if GPU_LINEAR_ASYNC_MIN_BM and T.is_cuda and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
@@ -475,6 +494,13 @@ def _act16_for(dt: str, activations=None) -> int:
 
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
 GPU_SPLITK_MAX_M = 1024
+# from this many tokens the tensor-core linear sums a split K's slabs inside each program (SERIAL: the same bits,
+# no slabs through memory and no sum kernel); below it each slab is a program of its own (more programs in flight)
+GPU_LINEAR_SERIAL_SPLIT_M = 512
+# ... and those launches' register cap (None: GPU_LINEAR_MAXNREG's). The huge tile with SERIAL needs 174 registers
+# (the running sum beside the slab's accumulator): one CTA of 256 threads an SM; at 128 two fit, and ptxas spills
+# ~300 bytes (the running sum, once per slab, outside the K loop)
+GPU_LINEAR_SERIAL_MAXNREG = None
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -843,7 +869,11 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 BM, BN, BK, NW = tile[:4]
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
-                if S > 1 and even and K % (S * BK) == 0:
+                if S > 1 and even and K % (S * BK) == 0 and M >= GPU_LINEAR_SERIAL_SPLIT_M:
+                    _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
+                            dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, SERIAL=True,
+                                 num_warps=NW, ACT16=act16, **_mma_regs(T, BM, act16, serial=True)), T)
+                elif S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
                     r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold)
                     if fold:
