@@ -46,6 +46,9 @@ Settings (all optional):
                                 num_stages=2, the tensor-core linear's tiles of 64+ tokens; an A/B switch).
     JITKERN_MMA_UNROLL          copies of an MMA K loop's step to unroll to, an integer >= 0 (default 0: the
                                 target's choice; an A/B switch).
+    JITKERN_SERIAL_SPLIT_M      the token count from which the tensor-core linear sums a split K's slabs inside
+                                each program, an integer >= 0 (default 1024; the same bits either way).
+    JITKERN_SERIAL_MAXNREG      those launches' register cap, an integer >= 0 (default 128; 0: ptxas decides).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -71,7 +74,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
-            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS")
+            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
+            "JITKERN_SERIAL_MAXNREG")
 
 
 class SettingError(JitkernError, ValueError):
@@ -175,6 +179,18 @@ def mma_unroll(environ=None) -> int:
     """JITKERN_MMA_UNROLL=N: copies of an MMA K loop's step LLVM may unroll to (0: the target's default; an
     A/B switch, in the cache key)."""
     return env_int("JITKERN_MMA_UNROLL", 0, environ) or 0
+
+
+def serial_split_m(environ=None) -> int:
+    """JITKERN_SERIAL_SPLIT_M: tokens from which the tensor-core linear sums a split K's slabs in-program."""
+    v = env_int("JITKERN_SERIAL_SPLIT_M", 0, environ)
+    return 1024 if v is None else v
+
+
+def serial_maxnreg(environ=None):
+    """JITKERN_SERIAL_MAXNREG: the register cap of those launches (None: ptxas decides)."""
+    v = env_int("JITKERN_SERIAL_MAXNREG", 0, environ)
+    return 128 if v is None else (v or None)
 
 
 def row_slots(environ=None) -> bool:
@@ -289,6 +305,8 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     frag_ops(environ)
     cp_async(environ)
     mma_unroll(environ)
+    serial_split_m(environ)
+    serial_maxnreg(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

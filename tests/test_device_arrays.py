@@ -460,13 +460,14 @@ def test_linear_tile_tiers_by_token_count():
 @pytest.mark.parametrize("M,activations", [(160, "f32"), (60, "f32"), (160, "16bit"), (60, "16bit")])
 def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations):
     """From GPU_LINEAR_MID_M tokens the linear takes the mid tile (64 rows, 8 warps; N = 512 is narrow), from
-    GPU_LINEAR_BIG_M the big one: rows through them are the same bits as through the tall and the decode
+    GPU_LINEAR_BIG_M the big one (the huge one with 16-bit activations): rows through them are the same bits as through the tall and the decode
     tiles, with either activation precision (GPU only: on the CPU a dot's sums depend on the tile)."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", activations)
-    x, dw, db, full, _ = _tiled_linear_case(cuda_mod, 15, M, 512, 512, mm.GPU_LINEAR_BIG_TILE[0]) \
-        if activations == "f32" else _tiled_linear_case16(cuda_mod, 15, M, 512, 512, mm.GPU_LINEAR_BIG_TILE[0])
+    bm = mm._mma_tile_for(cuda_mod.get_device().target(), 512, 512, M, int(activations == "16bit"))[0]
+    x, dw, db, full, _ = _tiled_linear_case(cuda_mod, 15, M, 512, 512, bm) \
+        if activations == "f32" else _tiled_linear_case16(cuda_mod, 15, M, 512, 512, bm)
     for lo, hi in ((0, 1), (M - 10, M - 9), (M - 10, M), (5, 37), (11, 58)):
         part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
         assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"] in (16, mm.GPU_LINEAR_WIDE_TILE[0])
