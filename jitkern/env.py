@@ -49,6 +49,8 @@ Settings (all optional):
     JITKERN_SERIAL_SPLIT_M      the token count from which the tensor-core linear sums a split K's slabs inside
                                 each program, an integer >= 0 (default 1024; the same bits either way).
     JITKERN_SERIAL_MAXNREG      those launches' register cap, an integer >= 0 (default 128; 0: ptxas decides).
+    JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's cp.async tiles load (2:
+                                three buffers; default 1: not yet run on a GPU; an A/B switch).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -75,7 +77,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
-            "JITKERN_SERIAL_MAXNREG")
+            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH")
 
 
 class SettingError(JitkernError, ValueError):
@@ -193,6 +195,11 @@ def serial_maxnreg(environ=None):
     return 128 if v is None else (v or None)
 
 
+def linear_prefetch(environ=None) -> int:
+    """JITKERN_LINEAR_PREFETCH: K steps ahead the tensor-core linear's cp.async tiles load (1 or 2)."""
+    return int(env_choice("JITKERN_LINEAR_PREFETCH", ("1", "2"), environ) or 1)
+
+
 def row_slots(environ=None) -> bool:
     """JITKERN_ROW_SLOTS=1: row vectors broadcast into MMA fragment layouts are written to shared memory where
     they are computed, so one barrier serves several (backends/gpu.py _row_slots; default 0: A/B switch)."""
@@ -307,6 +314,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     mma_unroll(environ)
     serial_split_m(environ)
     serial_maxnreg(environ)
+    linear_prefetch(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

@@ -299,6 +299,38 @@ def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
+    """GPU_LINEAR_PREFETCH = 2 (JITKERN_LINEAR_PREFETCH): the cp.async tiles' K loops load two steps ahead into
+    three buffers (num_stages=3, PREFETCH=2): the same dots in the same order, so bit for bit the result of
+    PREFETCH 1, through the slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one
+    step keep PREFETCH 1. On `fake` a small tile runs the kernel on the CPU (the DSL's order); on the GPU the
+    engine's tiles, the huge one included."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    if backend == "fake":
+        monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
+        monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
+        cases = [(21, 96, 512, 8), (21, 96, 512, 1 << 62), (5, 96, 128, 1 << 62)]
+    else:
+        cases = [(300, 512, 1024, 1 << 62), (300, 512, 1024, 8), (300, 6144, 512, 1 << 62), (70, 4096, 1024, 1 << 62)]
+    for M, N, K, serial_m in cases:
+        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", serial_m)
+        x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(M + N + K), M, N, K)
+        xd = _dev(cuda_mod, to_bf16(x))
+        got = {}
+        for pf in (1, 2):
+            monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", pf)
+            got[pf] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+            ck = mm.last_compiled("_gpu_linear_mma_kernel")
+            S = ck.constexprs.get("SPLIT", 1)
+            steps = K // (S * ck.constexprs["BK"])
+            assert ck.constexprs.get("PREFETCH", 1) == (2 if pf == 2 and steps >= 2 else 1), (M, N, K, steps)
+        np.testing.assert_array_equal(got[2], got[1], err_msg=f"M={M} N={N} K={K}")
+        want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
+        np.testing.assert_allclose(got[2], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_16bit_activations(backend, monkeypatch):
     """GPU_LINEAR_ACTIVATIONS = "16bit": the tensor-core linear rounds x to bf16 (one MMA chain): the result is
     float64's of the rounded x (closer to it than the f32 result is: the rounding is applied, not the hi + lo

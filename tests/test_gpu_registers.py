@@ -316,3 +316,30 @@ def test_wgmma_linear_tiles_with_cp_async(tmp_path, monkeypatch, swizzle):
         regs_on, spill_on = _ptxas_usage(on, tmp_path)
         regs_off, _ = _ptxas_usage(off, tmp_path)
         assert spill_on == 0 and regs_on < regs_off, (t, regs_on, regs_off)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma):
+    """PREFETCH=2 with num_stages=3 (JITKERN_LINEAR_PREFETCH=2): the K loop's prefetch-2 chains (x and w) are
+    copied by cp.async into three buffers each, in turn: the copies of two steps at the prologue and one in the
+    loop; the loop's dot waits until at most 4 groups are pending (its own step's 2 and the next step's 2), the
+    first dot after the loop until 2 (the last step's), the last one until none. No spills with bf16 x (the
+    huge tile: 159 registers instead of 128)."""
+    from jitkern.backends import gpu
+    from jitkern.ops import matmul as mm
+    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
+    monkeypatch.setattr(gpu, "CP_ASYNC", None)
+    sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
+    BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE if wgmma else mm.GPU_LINEAR_MID_TILE
+    opts = ("ACT16=1",) + (("wgmma=1",) if wgmma else ())
+    p1 = _linear_ptx(BM, BN, BK, extra=opts + ("num_stages=2",), warps=W, split=4, sig=sig16)
+    p2 = _linear_ptx(BM, BN, BK, extra=opts + ("num_stages=3", "PREFETCH=2"), warps=W, split=4, sig=sig16)
+    per_step = 2 * (BM + BN) * BK // (4 * 32 * W) // 2          # copies a step, x and w (one 8-byte copy per 4)
+    assert len(re.findall(r"cp\.async\.ca\.shared\.global \[", p1)) == 2 * per_step
+    assert len(re.findall(r"cp\.async\.ca\.shared\.global \[", p2)) == 3 * per_step
+    assert re.findall(r"cp\.async\.wait_group\s+(\d+);", p1) == ["2", "0"]
+    assert re.findall(r"cp\.async\.wait_group\s+(\d+);", p2) == ["4", "2", "0"]
+    assert len(re.findall(r"cp\.async\.commit_group", p2)) == 6
+    regs, spilled = _ptxas_usage(p2, tmp_path)
+    assert spilled == 0, (regs, spilled)

@@ -288,11 +288,13 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._flat_override = None  # (shape, flat index LV): tiles of that shape take a fragment layout
         self.frag_keys = {}         # value id -> layout key of the values held as FragV (_frag_analysis)
         self._lazy_ops = {}         # value id -> op lowered only where a tile-layout user asks (_frag_analysis)
-        self._async_loads = {}      # id(load) -> (async region spec, slot arg or None) (_async_analysis)
+        self._async_loads = {}      # id(load) -> (region spec, slot arg or None, first buffer) (_async_analysis)
         self._async_slots = {}      # (id(for), slot) -> async region spec
         self._async_bytes = 0
         self._async_align = 128     # the async regions' alignment (1024 for swizzled wgmma atoms)
         self._async_issued = []     # per loop being lowered: cp.async groups committed in this step so far
+        self._async_ahead = {}      # value id -> AsyncTile.ahead of a prefetch-2 chain's head (_async_analysis)
+        self._async_ahead_now = 0   # the ahead of the last async wait (_async_wait)
         self._async_live = False    # from the first cp.async until the last dot reading async buffers
         self._row_slots = {}        # id of a (R, 1) broadcast source -> (its (R,) value id, slot byte offset)
         self._row_of = {}           # id of that (R,) value -> slot byte offset
@@ -1195,7 +1197,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             elif c[0] == "flv":
                 self.vals[arg.id] = FragV(c[2], LV(c[1], "float", c[3].n, tuple(arg.type.shape)))
             elif c[0] == "async":
-                self.vals[arg.id] = AsyncTile(c[2], c[1])
+                self.vals[arg.id] = AsyncTile(c[2], c[1], self._async_ahead.get(arg.id, 0))
             else:
                 self.vals[arg.id] = self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape))
         self._frag_loops.append((iv, lb, step))
@@ -1253,7 +1255,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             elif c[0] == "flv":
                 out.append(FragV(c[2], LV(c[1], "float", c[3].n, tuple(op.results[j].type.shape))))
             elif c[0] == "async":
-                out.append(AsyncTile(c[2], c[1]))
+                out.append(AsyncTile(c[2], c[1], self._async_ahead.get(op.results[j].id, 0)))
             else:
                 out.append(self._unphi(v, LV(c[1], c[2].et, c[2].n, c[2].shape)))
         return out
@@ -1614,8 +1616,10 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
         KP = k + 8
         was_live = self._async_live
+        self._async_ahead_now = 0
         offs_a, offb, offc = self._stage_mma_operands(plan)
-        last = was_live and not self._async_issued and g["fused"]
+        # (a prefetch-2 chain's head: the next dot still reads an async buffer)
+        last = was_live and not self._async_issued and g["fused"] and not self._async_ahead_now
         if last:
             # the last dot on async buffers (after their loop: every copy waited for): shared memory claimed
             # from here on may overlap them (its C tile, after a barrier: these MMAs read them)

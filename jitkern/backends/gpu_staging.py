@@ -27,12 +27,14 @@ def _gpu():
 
 class AsyncTile:
     """A 16-bit tile a K loop prefetches for its dot, copied global -> shared memory by cp.async straight into
-    the dot's staging layout (rows of k + 8 elements) in one of two buffers of region `spec`
-    (GpuLowering._async_analysis); `buf` is the buffer (an i32 ref: the loop carries it as a phi)."""
-    __slots__ = ("spec", "buf")
+    the dot's staging layout (rows of k + 8 elements) in one of the spec["nbuf"] buffers of region `spec`
+    (GpuLowering._async_analysis); `buf` is the buffer (an i32 ref: the loop carries it as a phi); `ahead`: how
+    many later steps' copies of its chain may still be in flight when a dot reads it (1 for the head of a
+    prefetch-2 chain, else 0)."""
+    __slots__ = ("spec", "buf", "ahead")
 
-    def __init__(self, spec, buf):
-        self.spec, self.buf = spec, buf
+    def __init__(self, spec, buf, ahead=0):
+        self.spec, self.buf, self.ahead = spec, buf, ahead
 
 
 class Staging:
@@ -104,26 +106,49 @@ class Staging:
         as one planned mma.sync dot's A operand (or, through a single-use trans, its B rows), the loop's
         result only so by one dot after the loop, with the same staging shape, and both loads are whole
         aligned chunks (axis analysis) with a chunk-constant mask and zero fill. The copy of step k + 1 then
-        runs while step k's MMAs do, without passing through registers."""
+        runs while step k's MMAs do, without passing through registers.
+
+        Prefetch-2 chains (three buffers): `v = load(k0); v1 = load(k0 + BK); for k: n = load(k); acc = dot(v, ...);
+        v = v1; v1 = n; ...; acc = dot(v, ...); acc = dot(v1, ...)`: the head slot v qualifies as above except
+        that its yield is the body argument of slot v1, which is used only so, starts with a load and yields a
+        body load; its result is the operand of the dot after the head's. The copy of step k + 2 then runs
+        while step k's MMAs do (two steps of memory latency covered instead of one)."""
         self._async_loads, self._async_slots, self._async_bytes = {}, {}, 0
+        self._async_ahead = {}
         self._async_align = 128
         forced = _gpu().CP_ASYNC
         wanted = forced if forced is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
         if not wanted or not self.hooks.has_cp_async:
             return
         for op, body, yop in self._loops():
-            for j, arg in enumerate(body.args[1:]):
+            args = body.args[1:]
+            chains = []
+            for j, arg in enumerate(args):
                 init, y, res = op.operands[3 + j], yop.operands[j], op.results[j]
-                li, ly = self.defs.get(init.id), self.defs.get(y.id)
+                li = self.defs.get(init.id)
+                # a prefetch-2 chain: the head's yield is the body argument of slot j2 (see above)
+                j2 = next((i for i, a in enumerate(args) if a.id == y.id and i != j), None)
+                if j2 is not None:
+                    if self.users.get(args[j2].id) != [(yop, j)]:
+                        continue
+                    init2, y2, res2 = op.operands[3 + j2], yop.operands[j2], op.results[j2]
+                    li2, ly = self.defs.get(init2.id), self.defs.get(y2.id)
+                    ok2 = li2 is not None and li2.name == "load" and self.uses.get(init2.id) == 1 \
+                        and self._async_role(res2) == self._async_role(res) and args[j2].type == arg.type
+                    if not ok2:
+                        continue
+                else:
+                    ly, li2 = self.defs.get(y.id), None
                 t = arg.type
                 if li is None or ly is None or li.name != "load" or ly.name != "load" \
                         or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
                         or t.elem not in (ir.bf16, ir.f16) \
-                        or self.uses.get(init.id) != 1 or self.uses.get(y.id) != 1:
+                        or self.uses.get(init.id) != 1 or self.uses.get(ly.results[0].id) != 1:
                     continue
                 r_in, r_out = self._async_role(arg), self._async_role(res)
                 if r_in is None or r_in != r_out or tuple(t.shape) != r_in[1] \
-                        or not self._async_loadable(li) or not self._async_loadable(ly):
+                        or not self._async_loadable(li) or not self._async_loadable(ly) \
+                        or (li2 is not None and not self._async_loadable(li2)):
                     continue
                 rows, k = r_in[1]
                 KP = k + 8
@@ -135,11 +160,22 @@ class Staging:
                     self._async_bytes = -(-self._async_bytes // al) * al
                 else:
                     size = -(-rows * KP * 2 // 128) * 128
-                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows)
-                self._async_bytes += 2 * size
-                self._async_loads[id(li)] = (spec, None)
-                self._async_loads[id(ly)] = (spec, arg)
+                nbuf = 2 if j2 is None else 3
+                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows, nbuf=nbuf, chains=1)
+                self._async_bytes += nbuf * size
+                self._async_loads[id(li)] = (spec, None, 0)
                 self._async_slots[(id(op), j)] = spec
+                if j2 is None:
+                    self._async_loads[id(ly)] = (spec, arg, None)
+                    continue
+                self._async_loads[id(li2)] = (spec, None, 1)
+                self._async_loads[id(ly)] = (spec, args[j2], None)
+                self._async_slots[(id(op), j2)] = spec
+                self._async_ahead[arg.id] = self._async_ahead[res.id] = 1
+                chains.append(spec)
+            for spec in chains:
+                # the loop's chains commit one group each per step, in the same order every step
+                spec["chains"] = len(chains)
 
     def _async_role(self, v):
         """("a", (m, k), wg) / ("b", (n, k), wg) when v's one use is a planned dot's A operand / (through a
@@ -199,14 +235,22 @@ class Staging:
         t = self.val(f"add i32 {t}, {spec['off']}", "i32", 0).ref
         return self.val(f"add i32 {t}, {_ASYNC_BASE}", "i32", 0).ref
 
-    def _async_load(self, op, spec, slot) -> AsyncTile:
-        """cp.async of a load's chunks into buffer 0 (the loop's first tile) or into the buffer the slot's
-        current tile is not in, at the dot's staging addresses (rows of KP elements); masked-off chunks read
-        nothing and are zero-filled. One commit group per load."""
+    def _async_load(self, op, spec, slot, first) -> AsyncTile:
+        """cp.async of a load's chunks into buffer `first` (a loop's first tiles: 0, and 1 for a chain's second
+        slot) or into the buffer after the slot's current tile's (of spec["nbuf"], in turn), at the dot's staging
+        addresses (rows of KP elements); masked-off chunks read nothing and are zero-filled. One commit group per
+        load."""
         if self.pending_write:
             self.barrier()
         self.pending_read = True
-        buf = "0" if slot is None else self.val(f"xor i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
+        if slot is None:
+            buf = str(first)
+        elif spec["nbuf"] == 2:
+            buf = self.val(f"xor i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
+        else:
+            nx = self.val(f"add i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
+            wrap = self.val(f"icmp eq i32 {nx}, {spec['nbuf']}", "i1", 0).ref
+            buf = self.val(f"select i1 {wrap}, i32 0, i32 {nx}", "i32", 0).ref
         if not self._async_issued or self._async_issued[-1] == 0:
             self.barrier()      # the buffer's last readers (the previous step's MMAs) are done
         self._async_live = True
@@ -287,10 +331,20 @@ class Staging:
             off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                                        (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
         if a_async is not None or b_async is not None:
-            # the copies of this step's tiles (committed before the ones issued since the loop step began)
-            self.hooks.cp_async_wait(self, self._async_issued[-1] if self._async_issued else 0)
+            self._async_wait(a_async, b_async)
         self.barrier()
         return offs_a, offb, off
+
+    def _async_wait(self, *tiles) -> int:
+        """Waits for the cp.async copies of the async `tiles` a dot reads: the groups committed after theirs may
+        stay in flight (those issued since the loop step began, and a prefetch-2 chain's next step: `ahead`
+        times the loop's chains). Returns that `ahead` (0: no later copy of theirs is pending)."""
+        ahead = max((t.ahead for t in tiles if t is not None), default=0)
+        chains = max((t.spec["chains"] for t in tiles if t is not None), default=1)
+        issued = self._async_issued[-1] if self._async_issued else 0
+        self.hooks.cp_async_wait(self, issued + ahead * chains)
+        self._async_ahead_now = ahead
+        return ahead
 
 
     def _dot_wgmma_async(self, op, plan, g, acc_op, acc_val, frag_in, regs_in, av, bv) -> LV:
@@ -319,7 +373,7 @@ class Staging:
         else:
             offb = off
             off = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // al) * al
-        self.hooks.cp_async_wait(self, self._async_issued[-1] if self._async_issued else 0)
+        ahead = self._async_wait(a_async, b_async)
         self.hooks.fence_async_smem(self)
         self.barrier()
         regs = self._wgmma_run(plan, g, offs_a, offb, regs_in)
@@ -329,7 +383,7 @@ class Staging:
             return _gpu().MmaAcc(g["key"], regs, plan)
         self.barrier()              # every warpgroup's MMAs are done before any writes the C region
         offc = -(-off // al) * al
-        if self._async_live and not self._async_issued:
+        if self._async_live and not self._async_issued and not ahead:
             # the last dot on async buffers (after their loop): after that barrier nothing reads them or the
             # staged operand, so the C tile may overlap both
             self._async_live = False

@@ -237,7 +237,8 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 @jk.kernel(do_not_specialize=("M",))
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
-                           SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False):
+                           SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False,
+                           PREFETCH: jk.constexpr = 1):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -250,7 +251,9 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     # slabs written to and read back from memory (prefill sizes, where the tiles alone fill the GPU).
     # ACT16 (GPU_LINEAR_ACTIVATIONS = "16bit"): x rounded to the weights' 16-bit type (1 bf16, 2 f16) first, one
     # MMA chain instead of the hi and lo chains (half the MMAs and A staging; 8 or 11 significant bits of x,
-    # as vLLM / cuBLAS bf16 inference computes).
+    # as vLLM / cuBLAS bf16 inference computes). PREFETCH (1 or 2; EVEN, every K range of 2+ steps): how many
+    # steps ahead the K loop loads its tiles (2 with num_stages=3: three cp.async buffers; the same dots in the
+    # same order).
     tok = jk.program_id(0) * BM + jk.arange(0, BM)
     rows = jk.program_id(1) * BN + jk.arange(0, BN)
     tm = tok < M
@@ -267,14 +270,14 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
                 # kernel's; one K loop in the code (its shared-memory staging allocated once)
                 acc = jk.full((BM, BN), -0.0, jk.f32)
                 for z in range(0, SPLIT):
-                    acc = acc + _mma_k_range(xrows, wrows, xm, kk, z * KR, KR, BM, BN, BK, ACT16)
+                    acc = acc + _mma_k_range(xrows, wrows, xm, kk, z * KR, KR, BM, BN, BK, ACT16, PREFETCH)
             else:
                 k0 = jk.program_id(2) * KR
                 xm = tm[:, None] & (kk >= 0)[None, :]
-                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16)
+                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH)
         else:
             xm = tm[:, None] & (kk >= 0)[None, :]
-            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16)
+            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH)
     else:
         acc = jk.zeros((BM, BN), jk.f32)
         for k in range(0, K, BK):
@@ -290,13 +293,27 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
 
 
 @jk.jit
-def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16):
-    """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK), from zero. Software
-    pipelining: the next step's tiles are loaded before this step's dot, so their global loads are in flight
-    while the dot stages shared memory and runs its MMAs (same arithmetic order)."""
+def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH):
+    """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK, and of 2 BK or more with
+    PREFETCH 2), from zero. Software pipelining: the tiles of the step PREFETCH ahead are loaded before this
+    step's dot, so their global loads are in flight while the dot stages shared memory and runs its MMAs (same
+    arithmetic order)."""
     acc = jk.zeros((BM, BN), jk.f32)
     xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
     wv = jk.load(wrows + (k0 + kk)[None, :])
+    if PREFETCH == 2:
+        xv1 = jk.load(xrows + (k0 + BK + kk)[None, :], mask=xm, other=0.0)
+        wv1 = jk.load(wrows + (k0 + BK + kk)[None, :])
+        for k in range(k0 + 2 * BK, k0 + KR, BK):
+            xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
+            wn = jk.load(wrows + (k + kk)[None, :])
+            acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+            xv = xv1
+            wv = wv1
+            xv1 = xn
+            wv1 = wn
+        acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+        return jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
     for k in range(k0 + BK, k0 + KR, BK):
         xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
         wn = jk.load(wrows + (k + kk)[None, :])
@@ -458,16 +475,27 @@ def _wgmma_for(T, BM: int, act16: int) -> bool:
     return bool(GPU_LINEAR_WGMMA and act16 and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM)
 
 
-def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False) -> dict:
-    """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's; serial: SERIAL):
-    `maxnreg`, `wgmma`, `num_stages`."""
+def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int = 0) -> dict:
+    """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's; serial: SERIAL;
+    steps: the K steps of a program's K range, EVEN launches only): `maxnreg`, `wgmma`, `num_stages`, and the
+    PREFETCH constexpr (2 with GPU_LINEAR_PREFETCH = 2 where cp.async runs and the range has 2+ steps)."""
     cap = GPU_LINEAR_SERIAL_MAXNREG if serial and GPU_LINEAR_SERIAL_MAXNREG else GPU_LINEAR_MAXNREG
     out = {"maxnreg": int(cap)} if cap and T.is_cuda else {}
     if _wgmma_for(T, BM, act16):
         out["wgmma"] = 1
     if GPU_LINEAR_ASYNC_MIN_BM and T.is_cuda and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
         out["num_stages"] = 2
+        if GPU_LINEAR_PREFETCH == 2 and steps >= 2:
+            out["num_stages"], out["PREFETCH"] = 3, 2
     return out
+
+
+# JITKERN_LINEAR_PREFETCH=2: the cp.async tiles' K loops load the tiles two steps ahead into three buffers
+# (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs cover the
+# copies' latency instead of one; the same dots in the same order (the same bits). Off (1) by default: not yet
+# run on a GPU (perf/h200_prefetch.sh). The (128, 128) tile then needs 159 registers instead of 128 (one CTA an
+# SM; at 128 ptxas spills ~1.3 KB).
+GPU_LINEAR_PREFETCH = _env.linear_prefetch()
 
 
 # Tiles of at least this many tokens are launched with num_stages=2: their K loop's x and weight tiles go
@@ -814,7 +842,7 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N),
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
-                     **_mma_regs(T, BM, act16)), T)
+                     **_mma_regs(T, BM, act16, steps=K // (S * BK))), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -876,7 +904,8 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 if S > 1 and even and K % (S * BK) == 0 and M >= GPU_LINEAR_SERIAL_SPLIT_M:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, SERIAL=True,
-                                 num_warps=NW, ACT16=act16, **_mma_regs(T, BM, act16, serial=True)), T)
+                                 num_warps=NW, ACT16=act16,
+                                 **_mma_regs(T, BM, act16, serial=True, steps=K // (S * BK))), T)
                 elif S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
                     r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold)
@@ -885,7 +914,7 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 else:
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=act16, **_mma_regs(T, BM, act16)), T)
+                                 ACT16=act16, **_mma_regs(T, BM, act16, steps=K // BK if even else 0)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
