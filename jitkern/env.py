@@ -51,6 +51,8 @@ Settings (all optional):
     JITKERN_SERIAL_MAXNREG      those launches' register cap, an integer >= 0 (default 128; 0: ptxas decides).
     JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's cp.async tiles load (2:
                                 three buffers; default 1: not yet run on a GPU; an A/B switch).
+    JITKERN_FLASH_FOLD_SKIP     0 or 1: the flash prefill tile folds its partitions only in the blocks where some
+                                row needs it (default 0: not yet run on a GPU; the same bits; an A/B switch).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -77,7 +79,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
-            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH")
+            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP")
 
 
 class SettingError(JitkernError, ValueError):
@@ -200,6 +202,11 @@ def linear_prefetch(environ=None) -> int:
     return int(env_choice("JITKERN_LINEAR_PREFETCH", ("1", "2"), environ) or 1)
 
 
+def flash_fold_skip(environ=None) -> bool:
+    """JITKERN_FLASH_FOLD_SKIP=1: the flash prefill's partition fold only where a row of the tile needs it."""
+    return env_choice("JITKERN_FLASH_FOLD_SKIP", ("0", "1"), environ) == "1"
+
+
 def row_slots(environ=None) -> bool:
     """JITKERN_ROW_SLOTS=1: row vectors broadcast into MMA fragment layouts are written to shared memory where
     they are computed, so one barrier serves several (backends/gpu.py _row_slots; default 0: A/B switch)."""
@@ -315,6 +322,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     serial_split_m(environ)
     serial_maxnreg(environ)
     linear_prefetch(environ)
+    flash_fold_skip(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

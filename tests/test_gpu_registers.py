@@ -231,6 +231,47 @@ def test_cp_async_linear_tiles(tmp_path, monkeypatch):
             assert spill_on == 0 and (regs_on < regs_off or not x16), (t, x16, regs_on, regs_off)
 
 
+# the engine's flash prefill launch on sm_90a for a Llama-3-8B-shape layer (f16 cache, 16-bit operands)
+FLASH_PREFILL_SIG = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,query_start=*i32:16,seq_lens=*i32,"
+                     "block_table=*i32,num_seqs=i32,search_steps=i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
+                     "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
+FLASH_COMMON = ["KVH=8", "G=4", "D=128", "PB=4", "MAXP=16", "SOFTCAP=False", "SINKS=False", "SPLIT=False",
+                "PIPE=True", "BS=16", "OPS16=True"]
+FLASH_PREFILL_CONSTS = ["num_warps=8", "GP=4", "BM=16", "SKIP_DECODE=True"]
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_flash_fold_skip_keeps_the_fold_in_registers(tmp_path):
+    """FOLD_SKIP (JITKERN_FLASH_FOLD_SKIP=1): the prefill tile's partition fold sits in a run-time branch whose
+    results (the merged and partition accumulators) stay in the MMA registers through the `if`
+    (FragmentOps.op_if): the block loop stores no more to shared memory than without it, and the fold's
+    barriers are inside the branch, so blocks where no row folds skip them. ptxas takes it."""
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from targets import get_target
+    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    stores, branch_barriers = [], []
+    for skip in (False, True):
+        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + FLASH_PREFILL_CONSTS + [f"FOLD_SKIP={skip}"])
+        art = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts
+        ll = art["kernel.ll"].decode()
+        stores.append(_block_loop_smem_stores(ll))
+        lines = ll.split("\n")
+        labels = [(i, ln.split(":")[0]) for i, ln in enumerate(lines) if re.match(r"^(then|endif)\d+:", ln)]
+        # the innermost then-block holding barriers and no MMA: the fold
+        n = 0
+        for i, lab in labels:
+            if lab.startswith("then"):
+                end = next(j for j, lb in labels if lb == f"endif{int(lab[4:]) + 2}")  # (then, else, endif)
+                seg = lines[i:end]
+                if not any("mma" in x for x in seg):
+                    n = max(n, sum("barrier" in x for x in seg))
+        branch_barriers.append(n)
+        _ptxas_usage(art["kernel.ptx"].decode(), tmp_path)
+    assert stores[1] == stores[0], stores
+    assert branch_barriers[0] == 0 and branch_barriers[1] >= 2, branch_barriers
+
+
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
     """gpu.ROW_SLOTS: the flash kernels' row broadcasts into the accumulator registers share barriers (fewer
@@ -243,13 +284,9 @@ def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
     dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
             "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
             "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
-    psig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,query_start=*i32:16,seq_lens=*i32,"
-            "block_table=*i32,num_seqs=i32,search_steps=i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
-            "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
-    common = ["KVH=8", "G=4", "D=128", "PB=4", "MAXP=16", "SOFTCAP=False", "SINKS=False", "SPLIT=False",
-              "PIPE=True", "BS=16", "OPS16=True"]
+    psig, common = FLASH_PREFILL_SIG, FLASH_COMMON
     cases = [("flash_decode_kernel", dsig, ["num_warps=2", "R=16", "NUM_PARTS=16"]),
-             ("flash_prefill_kernel", psig, ["num_warps=8", "GP=4", "BM=16", "SKIP_DECODE=True"])]
+             ("flash_prefill_kernel", psig, FLASH_PREFILL_CONSTS)]
     for name, sig, extra in cases:
         k = load_kernel(f"jitkern.ops.attention:{name}")
         counts, stores = [], []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .. import ir
 from ..language import CompilationError
-from .emitter import LV, _ops_of, _prod, vty
+from .emitter import LV, PT, _ops_of, _prod, vty
 from .gpu_staging import _ROWS_BASE
 
 
@@ -86,6 +86,18 @@ class FragmentOps:
                     continue
                 fk[arg.id] = TOP
                 slots.append((arg, yop.operands[j], op.results[j], yop, j))
+        # run-time `if`s: a result is held when both branches yield values held in one layout
+        ifs = []                        # (result, then yield op, else yield op, index)
+        for op in _ops_of(self.fn.body):
+            if op.name != "if" or len(op.regions) != 2:
+                continue
+            ys = [r.ops[-1] if r.ops and r.ops[-1].name == "yield" else None for r in op.regions]
+            if ys[0] is None or ys[1] is None:
+                continue
+            for j, res in enumerate(op.results):
+                if res is not None and res.type.elem == ir.f32 and len(res.type.shape) == 2:
+                    ifs.append((res, ys[0], ys[1], j))
+                    fk[res.id] = TOP            # optimistic, as loop slots (a loop's dot may decide it)
         cheap_memo = {}
 
         def cheap(v, depth=0) -> bool:
@@ -163,15 +175,30 @@ class FragmentOps:
                             fk.pop(res.id, None)
                         else:
                             fk[res.id] = fk[arg.id]
-            stuck = [arg for arg, *_ in slots if fk.get(arg.id) == TOP]
+                for res, ty, ey, j in ifs:
+                    kt, ke = fk.get(ty.operands[j].id), fk.get(ey.operands[j].id)
+                    new = None if kt is None or ke is None else ke if kt == TOP else kt if ke in (kt, TOP) \
+                        else None
+                    if fk.get(res.id) != new:
+                        changed = True
+                        if new is None:
+                            fk.pop(res.id, None)
+                        else:
+                            fk[res.id] = new
+            stuck = [arg for arg, *_ in slots if fk.get(arg.id) == TOP] + \
+                [res for res, *_ in ifs if fk.get(res.id) == TOP]
             if not stuck:
                 break
-            for arg in stuck:               # a slot only ever yielding itself (or another undecided one)
-                fk.pop(arg.id)
+            for v in stuck:                 # a slot only ever yielding itself (or another undecided one)
+                fk.pop(v.id)
         self.frag_keys = {v: k for v, k in fk.items() if k != TOP}
         for arg, y, res, yop, j in slots:
             if arg.id in self.frag_keys:
                 self._frag_keep.setdefault(id(yop), set()).add(j)
+        for res, ty, ey, j in ifs:
+            if res.id in self.frag_keys:
+                for yop in (ty, ey):
+                    self._frag_keep.setdefault(id(yop), set()).add(j)
         # operands that only fragment-layout ops use (alpha[:, None], masks) are evaluated there from the IR
         # (_frag_operand); lowering them in the tile layout too would cost a broadcast through shared memory
         # that nothing reads, so they are lowered only where something else asks for them (get)
@@ -253,6 +280,48 @@ class FragmentOps:
         if isinstance(x, FragV):
             return self._frag_materialise(x)
         return x
+
+    def op_if(self, op):
+        """A run-time `if` whose results include values held as FragV (_frag_analysis: both branches yield
+        them in one layout): those merge as one vector phi each and stay in the accumulator registers; the
+        rest as LlvmEmitter.op_if merges them."""
+        held = [r is not None and r.id in self.frag_keys for r in op.results]
+        if not any(held):
+            return super().op_if(op)
+        c = self.get(op.operands[0])
+        tb, eb, mb = self.label("then"), self.label("else"), self.label("endif")
+        self.emit(f"br i1 {c.ref}, label %{tb}, label %{eb}")
+        outs, ends = [], []
+        before = self._branch_state()
+        for name, region in ((tb, op.regions[0]), (eb, op.regions[1])):
+            self._enter_branch(before)
+            self.start_block(name)
+            ys = self.lower_block(region)
+            reps = []
+            for j, y in enumerate(ys):
+                if held[j]:
+                    if not isinstance(y, FragV) or y.key != self.frag_keys[op.results[j].id]:
+                        raise CompilationError("internal lowering error: an `if` result left its fragment layout",
+                                               op.loc)
+                    reps.append(y.lv)
+                else:
+                    reps.append(self._phi_repr(y))
+            outs.append((reps, ys, self.block))
+            ends.append(self._branch_state())
+            self.emit(f"br label %{mb}")
+        self._merge_branches(ends)
+        self.start_block(mb)
+        (tr, tys, tend), (er, eys, eend) = outs
+        res = []
+        for j, (a, b, ya, yb) in enumerate(zip(tr, er, tys, eys)):
+            if not held[j] and isinstance(ya, PT) and (not isinstance(yb, PT) or ya.base != yb.base):
+                raise CompilationError("both branches must give pointer tiles with the same base", op.loc)
+            ph = self.val(f"phi {a.ty} [ {a.ref}, %{tend} ], [ {b.ref}, %{eend} ]", a.et, a.n, a.shape)
+            if held[j]:
+                res.append(FragV(ya.key, LV(ph.ref, "float", a.n, tuple(op.results[j].type.shape))))
+            else:
+                res.append(self._unphi(ya, ph))
+        return res
 
     def yield_values(self, op) -> list:
         keep = self._frag_keep.get(id(op), ()) if self.frag_keys else ()

@@ -68,6 +68,7 @@ import numpy as np
 
 import jitkern as jk
 from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, resolve_target, run
+from jitkern import env as _env
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
 PARTITION_BLOCKS = 16  # a query's key range is split into partitions of this many blocks (256 tokens) ...
@@ -956,13 +957,15 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                          KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, BM: jk.constexpr, D: jk.constexpr,
                          BS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
                          SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr,
-                         PIPE: jk.constexpr = False, OPS16: jk.constexpr = False):
+                         PIPE: jk.constexpr = False, OPS16: jk.constexpr = False, FOLD_SKIP: jk.constexpr = False):
     """Program (tile of BM query tokens of one sequence, KV head): BM x GP rows (the tile's tokens times the
     G query heads of the KV head, padded to a power of two) against the cache blocks of the tile's causal
     (and window) range, one block per step. Each row keeps a partition state and a merged state: when a
     block starts a new partition of that row's own range (the split a decode at its position uses), the
     partition is folded in, as flash_merge_kernel does, so a row's bits equal a decode's at its position.
-    The tile's sequence is found by a binary search over query_start (grid: num_tokens // BM + num_seqs)."""
+    The tile's sequence is found by a binary search over query_start (grid: num_tokens // BM + num_seqs).
+    FOLD_SKIP (GPU_FLASH_FOLD_SKIP): the fold runs only in blocks where some row of the tile starts a partition
+    (_tile_folds, a scalar test); elsewhere it would leave every row's state as it was, so the bits are the same."""
     qb = jk.program_id(0)
     kvh = jk.program_id(1)
     seq, q0, q_len, seq_len, t0, n_rows, first_pos = _query_tile(query_start, seq_lens, num_seqs, search_steps,
@@ -1011,13 +1014,11 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                 kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
             rel = b - start
             f = (rel > 0) & (rel < nb) & (rel % per == 0)
-            M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
-            M = jk.where(f, M2, M)
-            L = jk.where(f, L2, L)
-            ACC = jk.where(f[:, None], ACC2, ACC)
-            m = jk.where(f, NEG, m)
-            l = jk.where(f, 0.0, l)
-            acc = jk.where(f[:, None], 0.0, acc)
+            if FOLD_SKIP:
+                if _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP):
+                    M, L, ACC, m, l, acc = _fold_rows(f, M, L, ACC, m, l, acc)
+            else:
+                M, L, ACC, m, l, acc = _fold_rows(f, M, L, ACC, m, l, acc)
             pos = b * BS + n
             valid = (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
             m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT, OPS16)
@@ -1029,6 +1030,30 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                        SINKS)
         jk.store(out + toks[:, None, None] * o_ts + (kvh * G + g)[None, :, None] * o_hs + d[None, None, :],
                  jk.reshape(o, (BM, GP, D)), mask=(tm[:, None] & gm[None, :])[:, :, None])
+
+
+@jk.jit
+def _fold_rows(f, M, L, ACC, m, l, acc):
+    """The rows where f holds fold their partition state (m, l, acc) into the merged one (M, L, ACC) and start
+    a new partition; the other rows keep both exactly as they were."""
+    M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
+    return (jk.where(f, M2, M), jk.where(f, L2, L), jk.where(f[:, None], ACC2, ACC),
+            jk.where(f, NEG, m), jk.where(f, 0.0, l), jk.where(f[:, None], 0.0, acc))
+
+
+@jk.jit
+def _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP):
+    """Whether block b starts a new partition (_split of the row's own range) for some row of a prefill tile whose
+    tokens sit at positions first_pos .. first_pos + n_rows - 1: a scalar, from the few key-range lengths those
+    positions have (at most BM // BS + 2). With a window the ranges start at different blocks: always true."""
+    nb_lo = first_pos // BS + 1
+    nb_hi = (first_pos + n_rows - 1) // BS + 1
+    hit = window > 0
+    for i in jk.static_range(BM // BS + 2):
+        nbc = nb_lo + i
+        parts, per = _split(nbc, PB, MAXP)
+        hit = hit | ((nbc <= nb_hi) & (b > 0) & (b < nbc) & (b % per == 0))
+    return hit
 
 
 # ------------------------------------------------------------------------------------- host wrappers
@@ -1239,6 +1264,9 @@ GPU_FLASH_ATTENTION = True
 GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
 FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
 FLASH_PIPELINE = True      # load the next cache block while the current one is computed
+# JITKERN_FLASH_FOLD_SKIP=1: the prefill tile's partition fold runs only in the blocks where some row needs it
+# (flash_prefill_kernel FOLD_SKIP; the same bits): off by default until it has run on a GPU (perf/h200_fold_skip.sh)
+GPU_FLASH_FOLD_SKIP = _env.flash_fold_skip()
 # the flash kernels' MMA operands: "f32" (q and the probabilities split into f16 hi + lo by the lowering: ~22
 # significant bits, two chains per dot) or "16bit" (q and the probabilities rounded to f16 once: one chain per
 # cache part, half the MMAs and A staging; FlashAttention's precision). Decode and prefill use the same setting
@@ -1358,7 +1386,8 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
              int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
              st.cap, st.sinks),
             target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=GPU_PARTITION_BLOCKS,
-            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, **common, **pw)
+            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, FOLD_SKIP=bool(GPU_FLASH_FOLD_SKIP), **common,
+            **pw)
     return st.out
 
 

@@ -223,6 +223,24 @@ def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypa
     _same_bits_with_switch(tier, switch, dtype, split, "16bit", 35, monkeypatch)
 
 
+@pytest.mark.parametrize("block_m", [8, 16])
+def test_flash_fold_skip_gives_the_same_bits(tier, block_m, monkeypatch):
+    """GPU_FLASH_FOLD_SKIP (JITKERN_FLASH_FOLD_SKIP=1): the prefill tile's partition fold runs only in the blocks
+    where _tile_folds finds a row starting a partition (on GPUs its accumulators stay in the MMA registers
+    through the run-time `if`): the same bits as folding (a no-op for the other rows) every block, for
+    prompts across many partitions, chunks starting mid-prompt, decodes in the same step and a window."""
+    rng = np.random.default_rng(37 + block_m)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, np.float16)
+    for window in (0, 40):
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(A, "GPU_FLASH_FOLD_SKIP", on)
+            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=block_m,
+                               decode=False))
+        check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window))
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_flash_pipelined_loads_give_the_same_bits(tier):
     """The software-pipelined block loop (next block's K/V loaded before the current step: the GPU default)
     against the plain loop, decodes and chunks, with a window that skips blocks."""
