@@ -761,16 +761,25 @@ class LlvmEmitter:
             self._enter_branch(before)
             self.start_block(name)
             ys = self.lower_block(region)
-            outs.append(([self._phi_repr(y) for y in ys], ys, self.block))
+            outs.append(([self._if_phi_repr(op, j, y) for j, y in enumerate(ys)], ys, self.block))
             ends.append(self._branch_state())
             self.emit(f"br label %{mb}")
         self._merge_branches(ends)
         self.start_block(mb)
         res = []
         (tr, tys, tend), (er, eys, eend) = outs
-        for a, b, ya, yb in zip(tr, er, tys, eys):
+        for j, (a, b, ya, yb) in enumerate(zip(tr, er, tys, eys)):
             if isinstance(ya, PT) and (not isinstance(yb, PT) or ya.base != yb.base):
                 raise CompilationError("both branches must give pointer tiles with the same base", op.loc)
             ph = self.val(f"phi {a.ty} [ {a.ref}, %{tend} ], [ {b.ref}, %{eend} ]", a.et, a.n, a.shape)
-            res.append(self._unphi(ya, ph))
+            res.append(self._if_unphi(op, j, ya, ph))
         return res
+
+    def _if_phi_repr(self, op, j, y):
+        """What a run-time `if` merges for its result j (a branch's yield y): _phi_repr's (a lowering may keep some
+        results in a layout of its own)."""
+        return self._phi_repr(y)
+
+    def _if_unphi(self, op, j, like, ph: LV):
+        """The value of result j from its merged phi (like: the then-branch's yield)."""
+        return self._unphi(like, ph)

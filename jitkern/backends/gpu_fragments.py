@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .. import ir
 from ..language import CompilationError
-from .emitter import LV, PT, _ops_of, _prod, vty
+from .emitter import LV, _ops_of, _prod, vty
 from .gpu_staging import _ROWS_BASE
 
 
@@ -281,47 +281,21 @@ class FragmentOps:
             return self._frag_materialise(x)
         return x
 
-    def op_if(self, op):
-        """A run-time `if` whose results include values held as FragV (_frag_analysis: both branches yield
-        them in one layout): those merge as one vector phi each and stay in the accumulator registers; the
-        rest as LlvmEmitter.op_if merges them."""
-        held = [r is not None and r.id in self.frag_keys for r in op.results]
-        if not any(held):
-            return super().op_if(op)
-        c = self.get(op.operands[0])
-        tb, eb, mb = self.label("then"), self.label("else"), self.label("endif")
-        self.emit(f"br i1 {c.ref}, label %{tb}, label %{eb}")
-        outs, ends = [], []
-        before = self._branch_state()
-        for name, region in ((tb, op.regions[0]), (eb, op.regions[1])):
-            self._enter_branch(before)
-            self.start_block(name)
-            ys = self.lower_block(region)
-            reps = []
-            for j, y in enumerate(ys):
-                if held[j]:
-                    if not isinstance(y, FragV) or y.key != self.frag_keys[op.results[j].id]:
-                        raise CompilationError("internal lowering error: an `if` result left its fragment layout",
-                                               op.loc)
-                    reps.append(y.lv)
-                else:
-                    reps.append(self._phi_repr(y))
-            outs.append((reps, ys, self.block))
-            ends.append(self._branch_state())
-            self.emit(f"br label %{mb}")
-        self._merge_branches(ends)
-        self.start_block(mb)
-        (tr, tys, tend), (er, eys, eend) = outs
-        res = []
-        for j, (a, b, ya, yb) in enumerate(zip(tr, er, tys, eys)):
-            if not held[j] and isinstance(ya, PT) and (not isinstance(yb, PT) or ya.base != yb.base):
-                raise CompilationError("both branches must give pointer tiles with the same base", op.loc)
-            ph = self.val(f"phi {a.ty} [ {a.ref}, %{tend} ], [ {b.ref}, %{eend} ]", a.et, a.n, a.shape)
-            if held[j]:
-                res.append(FragV(ya.key, LV(ph.ref, "float", a.n, tuple(op.results[j].type.shape))))
-            else:
-                res.append(self._unphi(ya, ph))
-        return res
+    def _if_phi_repr(self, op, j, y):
+        """A run-time `if` result held as FragV (_frag_analysis: both branches yield it in one layout) merges as
+        its one vector of accumulator registers; the rest as LlvmEmitter.op_if merges them."""
+        r = op.results[j]
+        if r is None or r.id not in self.frag_keys:
+            return super()._if_phi_repr(op, j, y)
+        if not isinstance(y, FragV) or y.key != self.frag_keys[r.id]:
+            raise CompilationError("internal lowering error: an `if` result left its fragment layout", op.loc)
+        return y.lv
+
+    def _if_unphi(self, op, j, like, ph: LV):
+        r = op.results[j]
+        if r is None or r.id not in self.frag_keys:
+            return super()._if_unphi(op, j, like, ph)
+        return FragV(like.key, LV(ph.ref, "float", ph.n, tuple(r.type.shape)))
 
     def yield_values(self, op) -> list:
         keep = self._frag_keep.get(id(op), ()) if self.frag_keys else ()
