@@ -184,8 +184,9 @@ def test_dense_linear_fragments_by_ldmatrix(monkeypatch):
     ptx = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8)
     with_ldm = (len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4", ptx)),
                 len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x2", ptx)), len(re.findall(r"ld\.shared", ptx)))
+    key = _toolchain_key(get_target("sm_90a"))
     monkeypatch.setattr(gpu, "LDMATRIX", False)
-    assert _toolchain_key(get_target("sm_90a")) == ("no-ldmatrix",)
+    assert _toolchain_key(get_target("sm_90a")) == ("no-ldmatrix",) + key
     ptx0 = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8)
     assert "ldmatrix" not in ptx0
     assert with_ldm[0] > 0 and with_ldm[1] > 0
