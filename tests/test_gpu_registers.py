@@ -1,8 +1,10 @@
 """Register pressure of the GPU lowering's NVIDIA kernels (ptxas, no GPU needed) and the address arithmetic
 behind it: chunk pointers as one pointer plus uniform steps (GpuLowering._chunk_steps), shared-memory
 offsets as a thread part plus constants (_flat_coords), the `maxnreg` launch option."""
+import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from jitkern import ir
 from jitkern.backends.emitter import LV, PT, Aff
 from jitkern.backends.gpu import GpuLowering
 from jitkern.backends.nvptx import find_ptxas
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (16, 128), (32, 64), (2, 1024), (4, 2048), (8, 4), (16, 8, 32)])
@@ -381,3 +385,13 @@ def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma
     assert len(re.findall(r"cp\.async\.commit_group", p2)) == 6
     regs, spilled = _ptxas_usage(p2, tmp_path)
     assert spilled == 0, (regs, spilled)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_tma_probe_assembles_and_models_the_wgmma_staging():
+    """perf/probe_tma.py (the TMA probe for the H200): its 128-byte swizzle model is probe_wgmma's validated sw128
+    layout, and its mbarrier + cp.async.bulk.tensor kernels assemble for sm_90a."""
+    for flag, expect in (("--self-check", "is probe_wgmma's sw128 layout"), ("--ptxas-only", "two phases: PTX")):
+        r = subprocess.run([sys.executable, "perf/probe_tma.py", flag], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and expect in r.stdout, (flag, r.stdout, r.stderr[-2000:])
