@@ -45,8 +45,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="*", default=None,
                     help="fma,BN,BK,warps or mma,BM,BN,BK,warps[,SPLIT] (SPLIT 0: the engine's for the shape); "
-                         "wg,... as mma with the dots as warpgroup MMAs (matmul.GPU_LINEAR_WGMMA, sm_90a); wgs,... as wg "
-                         "with the K split's slabs summed inside each program (SERIAL)")
+                         "wg,... as mma with the dots as warpgroup MMAs (matmul.GPU_LINEAR_WGMMA, sm_90a); mma and wg take the "
+                         "slab path (each K slab a program, then the sum kernel) at every M; wgs,... as wg with the K "
+                         "split's slabs summed inside each program (SERIAL)")
     ap.add_argument("--m", default="1", help="comma-separated token counts (default 1)")
     ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
     ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")

@@ -525,12 +525,12 @@ GPU_SPLITK_MAX_M = 1024
 # from this many tokens the tensor-core linear sums a split K's slabs inside each program (SERIAL: the same bits,
 # no slabs through memory and no sum kernel); below it each slab is a program of its own (more programs in flight).
 # H200 (perf/h200_serial.sh, BENCHMARKS.md session 10), the huge tile at 128 registers against the slab programs +
-# sum kernel: M = 2048 1.09-1.15x on every Llama-3-8B projection; M = 512 mixed (gate_up, lm_head 1.09-1.10x;
+# sum kernel: M = 2048 1.09-1.24x on every Llama-3-8B projection; M = 512 mixed (gate_up, lm_head 1.09-1.10x;
 # o_proj, qkv, down 0.91-1.03x). JITKERN_SERIAL_SPLIT_M
 GPU_LINEAR_SERIAL_SPLIT_M = _env.serial_split_m()
 # ... and those launches' register cap (None: GPU_LINEAR_MAXNREG's; JITKERN_SERIAL_MAXNREG). The huge tile with
 # SERIAL needs 174 registers uncapped (the running sum beside the slab's accumulator): one CTA of 256 threads an
-# SM; at 128 two fit and ptxas spills ~300 bytes (the running sum, once per slab, outside the K loop): 1.06-1.14x
+# SM; at 128 two fit and ptxas spills ~300 bytes (where in the code: not seen, no SASS disassembler here): 1.06-1.15x
 # uncapped at M = 2048
 GPU_LINEAR_SERIAL_MAXNREG = _env.serial_maxnreg()
 
