@@ -799,6 +799,34 @@ def test_dense_linear_picks_the_matrix_units(target, wdt, tmp_path):
 
 
 @needs_lld
+@pytest.mark.skipif(find_objdump() is None, reason="no llvm-objdump 17+ for AMDGPU (apt: llvm-19)")
+@pytest.mark.parametrize("target", ["gfx942", "gfx1100"])
+def test_serial_split_linear_on_the_matrix_units(target, tmp_path):
+    """From GPU_LINEAR_SERIAL_SPLIT_M tokens a split K's slabs are summed inside each program (SERIAL: a run-time
+    loop over the slabs around the K loop): on AMD targets that code object links, runs its dots on MFMA / WMMA
+    and neither spills nor takes flat access. Compile-only (no AMD GPU)."""
+    from jitkern.ops import matmul as mm
+    from jitkern.runtime.launch import compile_only
+    t = get_target(target)
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((128, 512)).astype(np.float16)          # narrow: K split in 4
+    with compile_only(t) as co:
+        mm.linear(rng.standard_normal((mm.GPU_LINEAR_SERIAL_SPLIT_M, 512)).astype(np.float32), w, target=t,
+                  w_dtype="f16")
+    (ck,) = co.compiled
+    assert ck.name == "_gpu_linear_mma_kernel" and ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4
+    p = tmp_path / "k.hsaco"
+    p.write_bytes(ck.artifacts["kernel.hsaco"])
+    check_code_object(p.read_bytes(), target, ck.symbol)
+    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    ops = _mnemonics(r.stdout)
+    assert sum(v for k, v in ops.items() if k.startswith(MMA_OPS[(target, "f16")])) >= 2, sorted(ops)
+    assert not [k for k in ops if k.startswith(("scratch_", "flat_"))]
+
+
+@needs_lld
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(find_objdump() is None, reason="no llvm-objdump 17+ for AMDGPU (apt: llvm-19)")
 @pytest.mark.parametrize("target", ["gfx942", "gfx1100"])
