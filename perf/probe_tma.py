@@ -111,19 +111,31 @@ def tma_ptx(name: str, boxes: list, phases: int) -> str:
 
 def encode_map(drv, dptr: int, rows: int, K: int, box_rows: int):
     """cuTensorMapEncodeTiled of a row-major (rows, K) bf16 matrix at dptr: box (64, box_rows), 128-byte swizzle,
-    out-of-bounds elements read as zero. Returns the 128-byte CUtensorMap."""
-    err, tmap = drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, dptr,
-        [K, rows],                      # dims, innermost first
-        [K * 2],                        # byte strides of the dims after the first
-        [BOX_K, box_rows], [1, 1],
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled: {err}")
-    return bytes(ctypes.string_at(int(tmap.getPtr()), 128))
+    out-of-bounds elements read as zero. Returns the 128-byte CUtensorMap.
+
+    Called through ctypes on libcuda itself: cuda-bindings' wrapper wants its own cuuint32_t / cuuint64_t objects
+    for every array element (plain ints raise TypeError), and the C signature is what the runtime will use. The
+    enum values come from cuda-bindings so they cannot drift."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int]
+    buf = ctypes.create_string_buffer(128 + 64)
+    at = (ctypes.addressof(buf) + 63) // 64 * 64
+    err = fn(at, int(drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16), 2, dptr,
+             u64x2(K, rows),                   # dims, innermost first
+             (ctypes.c_uint64 * 1)(K * 2),     # byte strides of the dims after the first
+             u32x2(BOX_K, box_rows), u32x2(1, 1),
+             int(drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+             int(drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B),
+             int(drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
+             int(drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled: CUresult {err}")
+    return ctypes.string_at(at, 128)
 
 
 def main() -> int:

@@ -301,8 +301,8 @@ def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
     """GPU_LINEAR_PREFETCH = 2 (JITKERN_LINEAR_PREFETCH): the cp.async tiles' K loops load two steps ahead into
-    three buffers (num_stages=3, PREFETCH=2): the same dots in the same order, so bit for bit the result of
-    PREFETCH 1, through the slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one
+    three buffers (num_stages=3, PREFETCH=2; wgmma tiles only): the same dots in the same order, the last two
+    chained in the accumulator registers like the loop's, so bit for bit the result of PREFETCH 1, through the slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one
     step keep PREFETCH 1. On `fake` a small tile runs the kernel on the CPU (the DSL's order); on the GPU the
     engine's tiles, the huge one included."""
     from jitkern.ops import matmul as mm
@@ -310,6 +310,7 @@ def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
     if backend == "fake":
         monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
         monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
+        monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", 16)     # (PREFETCH 2 runs on wgmma tiles only)
         cases = [(21, 96, 512, 8), (21, 96, 512, 1 << 62), (5, 96, 128, 1 << 62)]
     else:
         cases = [(300, 512, 1024, 1 << 62), (300, 512, 1024, 8), (300, 6144, 512, 1 << 62), (70, 4096, 1024, 1 << 62)]

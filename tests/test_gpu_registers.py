@@ -367,7 +367,7 @@ def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma
     copied by cp.async into three buffers each, in turn: the copies of two steps at the prologue and one in the
     loop; the loop's dot waits until at most 4 groups are pending (its own step's 2 and the next step's 2), the
     first dot after the loop until 2 (the last step's), the last one until none. No spills with bf16 x (the
-    huge tile: 159 registers instead of 128)."""
+    huge tile: 108 registers; the last two dots chain in one set of accumulator registers)."""
     from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
@@ -383,8 +383,15 @@ def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma
     assert re.findall(r"cp\.async\.wait_group\s+(\d+);", p1) == ["2", "0"]
     assert re.findall(r"cp\.async\.wait_group\s+(\d+);", p2) == ["4", "2", "0"]
     assert len(re.findall(r"cp\.async\.commit_group", p2)) == 6
+    if wgmma:
+        # every warpgroup MMA accumulates into one register set: the loop's, then the two dots after it (a
+        # second set would be the last dot from zero, added afterwards: other bits than PREFETCH 1)
+        accs = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+ \{([^}]*)\}", p2))
+        assert len(accs) == 1, len(accs)
     regs, spilled = _ptxas_usage(p2, tmp_path)
     assert spilled == 0, (regs, spilled)
+    if wgmma:
+        assert regs <= 128, regs
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")

@@ -1976,12 +1976,16 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         slot carried in registers, or (to_dots: for a loop's result) the acc operand of a planned dot of the
         same layout. A dot's result handed straight to another dot stays a tile value: kernels that must
         give the same bits with two tile shapes (decode vs prefill attention, whose layouts may differ in
-        being fused) then add accumulators the same way whatever the layout."""
+        being fused) then add accumulators the same way whatever the layout. Except into a warpgroup MMA
+        (kernels opt into wgmma as a whole: the linear, whose every tile chains its K steps in the
+        accumulator registers, so a dot feeding the next one's acc - the prefetch-2 K loop's last two steps -
+        must chain the same way to give PREFETCH 1's bits)."""
         users = self.users.get(v.id, [])
         if key is None or not users:
             return False
         for u, idx in users:
-            if to_dots and u.name == "dot" and idx == 2 and id(u) in self.mma_plans \
+            if u.name == "dot" and idx == 2 and id(u) in self.mma_plans \
+                    and (to_dots or self.mma_plans[id(u)]["wg"]) \
                     and self._mma_geometry(self.mma_plans[id(u)])["key"] == key:
                 continue
             if self._frag_yields.get((id(u), idx)) == key:

@@ -478,23 +478,27 @@ def _wgmma_for(T, BM: int, act16: int) -> bool:
 def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int = 0) -> dict:
     """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's; serial: SERIAL;
     steps: the K steps of a program's K range, EVEN launches only): `maxnreg`, `wgmma`, `num_stages`, and the
-    PREFETCH constexpr (2 with GPU_LINEAR_PREFETCH = 2 where cp.async runs and the range has 2+ steps)."""
+    PREFETCH constexpr (2 with GPU_LINEAR_PREFETCH = 2 where cp.async feeds warpgroup MMAs and the range has 2+
+    steps)."""
     cap = GPU_LINEAR_SERIAL_MAXNREG if serial and GPU_LINEAR_SERIAL_MAXNREG else GPU_LINEAR_MAXNREG
     out = {"maxnreg": int(cap)} if cap and T.is_cuda else {}
     if _wgmma_for(T, BM, act16):
         out["wgmma"] = 1
     if GPU_LINEAR_ASYNC_MIN_BM and T.is_cuda and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
         out["num_stages"] = 2
-        if GPU_LINEAR_PREFETCH == 2 and steps >= 2:
+        # (wgmma tiles only: their last two dots chain in the accumulator registers like the loop's; mma.sync
+        # adds a dot handed to the next one as a tile value, other bits than PREFETCH 1's)
+        if GPU_LINEAR_PREFETCH == 2 and steps >= 2 and "wgmma" in out:
             out["num_stages"], out["PREFETCH"] = 3, 2
     return out
 
 
 # JITKERN_LINEAR_PREFETCH=2: the cp.async tiles' K loops load the tiles two steps ahead into three buffers
 # (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs cover the
-# copies' latency instead of one; the same dots in the same order (the same bits). Off (1) by default: not yet
-# run on a GPU (perf/h200_prefetch.sh). The (128, 128) tile then needs 159 registers instead of 128 (one CTA an
-# SM; at 128 ptxas spills ~1.3 KB).
+# copies' latency instead of one; the same dots in the same order (the same bits: the last two dots chain in the
+# accumulator registers, gpu.py _keep_frag; wgmma tiles only). The huge tile then needs 108 registers (128 with
+# PREFETCH 1). Off (1) by default until timed on a GPU (perf/h200_prefetch.sh); its first H200 run in session 11
+# found other bits than PREFETCH 1's (the last dot summed from zero, then added), fixed by that chaining.
 GPU_LINEAR_PREFETCH = _env.linear_prefetch()
 
 
