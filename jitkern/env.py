@@ -54,6 +54,9 @@ Settings (all optional):
     JITKERN_FLASH_FOLD_SKIP     0 or 1: the flash prefill tile folds its partitions only in the blocks where some
                                 row needs it (default 1: 1.15-1.23x prefill attention on the H200; the same
                                 bits; 0 folds in every block).
+    JITKERN_TMA                 0 or 1: the tensor-core linear's wgmma tiles fed by the tensor memory accelerator
+                                (sm_90+; tensor maps from cuTensorMapEncodeTiled) instead of cp.async (default
+                                0 until timed on a GPU; the same bits).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -80,7 +83,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
-            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP")
+            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA")
 
 
 class SettingError(JitkernError, ValueError):
@@ -201,6 +204,11 @@ def serial_maxnreg(environ=None):
 def linear_prefetch(environ=None) -> int:
     """JITKERN_LINEAR_PREFETCH: K steps ahead the tensor-core linear's cp.async tiles load (1 or 2)."""
     return int(env_choice("JITKERN_LINEAR_PREFETCH", ("1", "2"), environ) or 1)
+
+
+def tma(environ=None) -> bool:
+    """JITKERN_TMA=1: the tensor-core linear's wgmma tiles copied by TMA (ops/matmul.py _tma_maps)."""
+    return env_choice("JITKERN_TMA", ("0", "1"), environ) == "1"
 
 
 def flash_fold_skip(environ=None) -> bool:
@@ -325,6 +333,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     serial_maxnreg(environ)
     linear_prefetch(environ)
     flash_fold_skip(environ)
+    tma(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

@@ -35,8 +35,9 @@ _NP_TO_DTYPE = {
 # Keyword arguments of a launch that configure it rather than the kernel (GPU targets read them; the CPU
 # ignores them): threads per program = num_warps * warp size; pipeline depth for async copies; maxnreg: a cap
 # on registers per thread (NVIDIA: PTX .maxnreg; a tuning knob like Triton's, e.g. 168 = 3 CTAs of 128
-# threads per SM; ptxas spills what does not fit).
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "wgmma")
+# threads per SM; ptxas spills what does not fit); wgmma: a kernel's eligible dots as warpgroup MMAs (sm_90a);
+# tma: its `jk.tma` tiles copied by the tensor memory accelerator where the K-loop staging allows (sm_90+).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "wgmma", "tma")
 
 
 # Argument specialisation on GPUs (like Triton's): a pointer 16-byte aligned, an integer divisible by 16.

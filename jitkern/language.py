@@ -500,6 +500,22 @@ def load(pointer, mask=None, other=None) -> Tile:
 
 
 @builtin
+def tma(tile, tensor_map, row, col) -> Tile:
+    """`tile` (a 2-D tile just loaded) as the box at (row, col) of a tensor map: the kernel's promise that
+    `tensor_map` (an i64: the global address of a 128-byte CUtensorMap, cuTensorMapEncodeTiled) describes the
+    same elements, rows past the map's last one and masked-off elements reading zero. Targets with a tensor
+    memory accelerator (sm_90+, kernels launched with the `tma` option) may copy the box into shared memory
+    with one bulk copy instead of the loads (backends/gpu_staging.py); everywhere else it is `tile` itself."""
+    tile = to_tile(tile)
+    if len(tile.shape) != 2:
+        _error(f"tma needs a 2-D tile, got shape {tile.shape}")
+    ops = [tile, cast(to_tile(tensor_map), i64), cast(to_tile(row), i32), cast(to_tile(col), i32)]
+    if any(o.shape for o in ops[1:]):
+        _error("tma: the tensor map, row and col must be scalars")
+    return _builder().value("tma", ops, tile.type)
+
+
+@builtin
 def prefetch(pointer, locality=3) -> None:
     """Hints that the memory a pointer tile addresses will be read soon (one cache-line prefetch per 64
     bytes of each row). Never faults, so it may address past the end of an array (e.g. the next block

@@ -15,7 +15,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-LINEAR_SIG = "x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16"
+LINEAR_SIG = ("x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16,"
+              "xmap=i64,wmap=i64")
 DECODE_SIG = ("q=*f32:16,k_cache=*{c}:16,v_cache=*{c}:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
               "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
               "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")

@@ -127,6 +127,9 @@ def main(argv=None) -> int:
                 else:
                     matmul.GPU_LINEAR_MMA_TILE, matmul.GPU_LINEAR_TILE = None, cfg[1:]
                 matmul.linear(x, ws[0], out=y, w_dtype="bf16", **xkw)      # compile + load outside the capture
+                for wc in ws[1:]:
+                    # (and, with JITKERN_TMA=1, each weight copy's tensor map: none is made inside a capture)
+                    matmul.linear(x, wc, out=y, w_dtype="bf16", **xkw)
                 dev.synchronize()
                 if ref is not None:
                     err = float(np.max(np.abs(y.numpy() - ref)) / (np.max(np.abs(ref)) + 1e-30))

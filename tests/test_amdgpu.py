@@ -716,7 +716,7 @@ def _compile_linear_mma(target: str, wdt: str):
     from jitkern.ops.matmul import _gpu_linear_mma_kernel
     params, consts = parse_sig(_gpu_linear_mma_kernel,
                                f"x=*f32:16,w=*{wdt}:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,"
-                               f"ldy=i32:16", ["HAS_BIAS=1", "BM=16", "BN=64", "BK=64", "EVEN=1"])
+                               f"ldy=i32:16,xmap=i64,wmap=i64", ["HAS_BIAS=1", "BM=16", "BN=64", "BK=64", "EVEN=1"])
     return compile_kernel(_gpu_linear_mma_kernel, params, consts, get_target(target), load=False)
 
 

@@ -332,6 +332,40 @@ def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_tma_gives_the_same_bits(backend, monkeypatch):
+    """GPU_LINEAR_TMA (JITKERN_TMA=1): the wgmma tiles' K loops copy x and w by the tensor memory accelerator
+    (tensor maps, mbarriers) into the same 128-byte swizzled staging cp.async writes: bit for bit the cp.async
+    result, through the slab path, the serial split (its chains re-arm their barriers each slab), an unsplit
+    weight, the 64-row tile, and token counts that leave a partial tile (TMA zero-fills the rows past M). On
+    `fake` (no tensor maps: host memory) the launch keeps cp.async and the bits are the same trivially; on the
+    GPU the launch must have taken the `tma` option."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    if backend == "fake":
+        monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
+        monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
+        monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", 16)
+        cases = [(21, 96, 512, 8), (21, 96, 512, 1 << 62)]
+    else:
+        cases = [(300, 512, 1024, 1 << 62), (300, 512, 1024, 8), (300, 6144, 512, 1 << 62), (70, 4096, 1024, 1 << 62),
+                 (1030, 1024, 4096, 1 << 62), (129, 28672 // 8, 4096, 1 << 62)]
+    for M, N, K, serial_m in cases:
+        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", serial_m)
+        x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(M + N + K + 5), M, N, K)
+        xd = _dev(cuda_mod, to_bf16(x))
+        got = {}
+        for on in (False, True):
+            monkeypatch.setattr(mm, "GPU_LINEAR_TMA", on)
+            mm._LAST.clear()
+            got[on] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+            ck = mm.last_compiled("_gpu_linear_mma_kernel")
+            assert bool(ck.constexprs.get("tma")) == (on and backend == "cuda"), (M, N, K, ck.constexprs)
+        np.testing.assert_array_equal(got[True], got[False], err_msg=f"M={M} N={N} K={K}")
+        want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
+        np.testing.assert_allclose(got[True], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_16bit_activations(backend, monkeypatch):
     """GPU_LINEAR_ACTIVATIONS = "16bit": the tensor-core linear rounds x to bf16 (one MMA chain): the result is
     float64's of the rounded x (closer to it than the f32 result is: the rounding is applied, not the hi + lo

@@ -61,7 +61,8 @@ def test_chunk_steps_need_an_affine_form_and_power_of_two_sizes():
     assert low._chunk_steps(PT("%b", ir.f32, LV("%o", "i64", R, shape, None), shape), shape, 4) is None
 
 
-LINEAR_SIG = "x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16"
+LINEAR_SIG = ("x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,ldy=i32:16,"
+              "xmap=i64,wmap=i64")
 
 
 def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2, sig=None):
@@ -392,6 +393,36 @@ def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma
     assert spilled == 0, (regs, spilled)
     if wgmma:
         assert regs <= 128, regs
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+@pytest.mark.parametrize("serial", [False, True])
+def test_linear_tma_tiles(tmp_path, monkeypatch, serial):
+    """The `tma` launch option (JITKERN_TMA=1) on the engine's wgmma tiles: the K loop's x and w tiles are
+    jk.tma boxes, so one thread arms a buffer's mbarrier and issues one bulk tensor copy per 64-element atom
+    (two at the chain's first step, two a loop step), every thread waits on the barrier's phase, and no
+    cp.async or per-thread copy remains; a chain starts its barriers over (inval + init), the kernel once at
+    entry. No spills, and fewer registers than cp.async's address math needs."""
+    from jitkern.backends import gpu
+    from jitkern.ops import matmul as mm
+    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
+    monkeypatch.setattr(gpu, "CP_ASYNC", None)
+    sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
+    ser = ("SERIAL=True",) if serial else ()
+    for BM, BN, BK, W in (mm.GPU_LINEAR_HUGE_TILE, (64, 128, 64, 8), (64, 256, 64, 8)):
+        opts = ("ACT16=1", "wgmma=1", "num_stages=2") + ser
+        on = _linear_ptx(BM, BN, BK, extra=opts + ("tma=1",), warps=W, split=4, sig=sig16)
+        off = _linear_ptx(BM, BN, BK, extra=opts, warps=W, split=4, sig=sig16)
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier", on)) == 4
+        assert len(re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", on)) == 4
+        assert set(re.findall(r"expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", on)) == \
+            {str(BM * BK * 2), str(BN * BK * 2)}
+        assert len(re.findall(r"mbarrier\.try_wait\.parity", on)) == 4          # x and w, loop and last dot
+        assert on.count("mbarrier.inval") == 4 and on.count("mbarrier.init") == 8
+        assert "cp.async.ca" not in on and "cp.async.ca" in off and "mbarrier" not in off
+        regs_on, spill_on = _ptxas_usage(on, tmp_path)
+        regs_off, _ = _ptxas_usage(off, tmp_path)
+        assert spill_on == 0 and regs_on < regs_off, ((BM, BN), regs_on, regs_off)
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")

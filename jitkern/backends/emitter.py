@@ -625,6 +625,11 @@ class LlvmEmitter:
         return Aff(cv(a.base), tuple(cv(s) for s in a.strides))
 
     # -------------------------------------------------------------------------------------- memory
+    def op_tma(self, op):
+        # jk.tma: the loaded tile itself (GpuLowering copies it by the tensor memory accelerator instead where
+        # its K-loop staging allows, backends/gpu_staging.py)
+        return self.get(op.operands[0])
+
     def op_addptr(self, op):
         p, o = self.get(op.operands[0]), self.get(op.operands[1])
         shape = op.result.type.shape

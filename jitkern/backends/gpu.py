@@ -40,7 +40,7 @@ from .. import ir
 from ..language import CompilationError
 from .emitter import LV, PT, Aff, LlvmEmitter, _ops_of, _prod, elem_ty, vty
 from .gpu_fragments import FragmentOps, FragV
-from .gpu_staging import _ASYNC_BASE, _PIN_BASE, _ROWS_BASE, AsyncTile, Staging
+from .gpu_staging import _ASYNC_BASE, _PIN_BASE, _ROWS_BASE, _TMA_BASE, AsyncTile, Staging
 
 _ES = {"float": 4, "double": 8, "half": 2, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
 
@@ -136,6 +136,7 @@ class GpuHooks:
         return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align {align}"]
 
     has_cp_async = False     # global -> shared copies that run while the thread goes on (cp.async)
+    has_tma = False          # bulk tensor copies by the tensor memory accelerator, completed on mbarriers
 
     def cp_async(self, low, dst: str, src: str, nbytes: int, src_bytes: str) -> None:
         """Copies nbytes from global pointer src (a global-space ptr ref) to shared pointer dst, reading
@@ -306,6 +307,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._pin_bytes = 0
         self._pinned = {}           # A value id -> region refs (one per part), while its loop is lowered
         self._async_shared = False  # something claimed shared memory meanwhile
+        self._tma_nbars = 0         # mbarriers of the TMA-fed async regions (placed last: _TMA_BASE)
+        self._tma_absorbed = set()  # id(load) whose tile a TMA copy brings instead (_async_analysis)
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
     # ------------------------------------------------------------------------------ layout helpers
@@ -555,6 +558,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 et = elem_ty(t.elem)
                 v = LV(ref, "i64", 0) if et == "i64" else self.val(f"trunc i64 {ref} to {et}", et, 0)
                 self.vals[prm.value.id] = v
+        if self._tma_nbars:
+            self._tma_init_barriers()
         self.lower_block(fn.body)
         self.emit("ret void")
         self.lines[splice_at:splice_at] = self.entry_defs
@@ -578,6 +583,11 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self.smem_bytes = base + self._rows_bytes
         if self._pin_bytes:
             self.smem_bytes = max(self.smem_bytes, pin_end)
+        if self._tma_nbars:
+            # the TMA regions' mbarriers, above everything (the C tile may overlap the async buffers, never them)
+            base = -(-self.smem_bytes // 8) * 8
+            self.lines = [ln.replace(_TMA_BASE, str(base)) if ln and _TMA_BASE in ln else ln for ln in self.lines]
+            self.smem_bytes = base + 8 * self._tma_nbars
         if self.smem_bytes > h.max_smem_bytes:
             raise CompilationError(
                 f"kernel {fn.name} needs {self.smem_bytes} bytes of shared memory for its layout changes, more "
@@ -619,6 +629,12 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         r = LV(f.ref, f.et, f.n, f.shape) if s == 0 else self.ibin("add", f, s)
         r.aff = Aff(s, (1,))          # the tile's affine form (layout-free): chunk addresses use its strides
         return r
+
+    def op_tma(self, op):
+        hit = self._async_loads.get(id(op)) if self._async_loads else None
+        if hit is not None:
+            return self._tma_load(op, *hit)
+        return self.get(op.operands[0])
 
     def op_splat(self, op):
         x = self.get(op.operands[0])
@@ -837,6 +853,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         hit = self._async_loads.get(id(op)) if self._async_loads else None
         if hit is not None:
             return self._async_load(op, *hit)
+        if id(op) in self._tma_absorbed:
+            return None             # its one user, a jk.tma, copies the tile by TMA (_tma_load)
         if self.pending_write:
             self.barrier()
         self.pending_read = True

@@ -17,6 +17,7 @@ from .emitter import LV, _ops_of, _prod, elem_ty
 _ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known once the rest is laid out
 _ROWS_BASE = "__jk_rows_base__"        # the row slots' byte offset (after the async regions)
 _PIN_BASE = "__jk_pin_base__"          # the pinned operands' byte offset (after the row slots)
+_TMA_BASE = "__jk_tma_base__"          # the TMA regions' mbarriers' byte offset (after everything)
 
 
 def _gpu():
@@ -120,25 +121,27 @@ class Staging:
         wanted = forced if forced is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
         if not wanted or not self.hooks.has_cp_async:
             return
+        use_tma = bool(self.fn.constexprs.get("tma")) and self.hooks.has_tma and self._wgmma_swizzled()
         for op, body, yop in self._loops():
             args = body.args[1:]
-            chains = []
+            chains, cands = [], []
             for j, arg in enumerate(args):
                 init, y, res = op.operands[3 + j], yop.operands[j], op.results[j]
-                li = self.defs.get(init.id)
+                li, ti = self._tma_inner(self.defs.get(init.id))
                 # a prefetch-2 chain: the head's yield is the body argument of slot j2 (see above)
                 j2 = next((i for i, a in enumerate(args) if a.id == y.id and i != j), None)
                 if j2 is not None:
                     if self.users.get(args[j2].id) != [(yop, j)]:
                         continue
                     init2, y2, res2 = op.operands[3 + j2], yop.operands[j2], op.results[j2]
-                    li2, ly = self.defs.get(init2.id), self.defs.get(y2.id)
+                    li2, _ = self._tma_inner(self.defs.get(init2.id))
+                    ly, ty = self._tma_inner(self.defs.get(y2.id))
                     ok2 = li2 is not None and li2.name == "load" and self.uses.get(init2.id) == 1 \
                         and self._async_role(res2) == self._async_role(res) and args[j2].type == arg.type
                     if not ok2:
                         continue
                 else:
-                    ly, li2 = self.defs.get(y.id), None
+                    (ly, ty), li2 = self._tma_inner(self.defs.get(y.id)), None
                 t = arg.type
                 if li is None or ly is None or li.name != "load" or ly.name != "load" \
                         or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
@@ -161,21 +164,47 @@ class Staging:
                 else:
                     size = -(-rows * KP * 2 // 128) * 128
                 nbuf = 2 if j2 is None else 3
-                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows, nbuf=nbuf, chains=1)
+                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows, nbuf=nbuf, chains=1,
+                            tma=False)
                 self._async_bytes += nbuf * size
-                self._async_loads[id(li)] = (spec, None, 0)
                 self._async_slots[(id(op), j)] = spec
                 if j2 is None:
-                    self._async_loads[id(ly)] = (spec, arg, None)
+                    tma_ok = ti is not None and ty is not None and r_in[2] and k % 64 == 0 and rows % 8 == 0 \
+                        and rows <= 256
+                    cands.append((spec, li, ti, ly, ty, arg, tma_ok))
                     continue
+                self._async_loads[id(li)] = (spec, None, 0)
                 self._async_loads[id(li2)] = (spec, None, 1)
                 self._async_loads[id(ly)] = (spec, args[j2], None)
                 self._async_slots[(id(op), j2)] = spec
                 self._async_ahead[arg.id] = self._async_ahead[res.id] = 1
                 chains.append(spec)
+            # a loop's chains are all fed by TMA (every one qualifies: its tiles are jk.tma boxes staged for
+            # warpgroup MMAs with the 128-byte swizzle) or all by cp.async (their waits count groups)
+            tma = use_tma and not chains and bool(cands) and all(c[6] for c in cands)
+            for spec, li, ti, ly, ty, arg, _ in cands:
+                if tma:
+                    spec["tma"], spec["bar"] = True, self._tma_nbars
+                    self._tma_nbars += spec["nbuf"]
+                    self._async_loads[id(ti)] = (spec, None, 0)
+                    self._async_loads[id(ty)] = (spec, arg, None)
+                    self._tma_absorbed.update((id(li), id(ly)))
+                else:
+                    self._async_loads[id(li)] = (spec, None, 0)
+                    self._async_loads[id(ly)] = (spec, arg, None)
             for spec in chains:
                 # the loop's chains commit one group each per step, in the same order every step
                 spec["chains"] = len(chains)
+
+    def _tma_inner(self, d):
+        """(the load under a jk.tma whose only user it is, the tma op), (d, None) for anything else, (None, None)
+        for a jk.tma over something other than such a load."""
+        if d is None or d.name != "tma":
+            return d, None
+        inner = self.defs.get(d.operands[0].id)
+        if inner is None or inner.name != "load" or self.uses.get(d.operands[0].id) != 1:
+            return None, None
+        return inner, d
 
     def _async_role(self, v):
         """("a", (m, k), wg) / ("b", (n, k), wg) when v's one use is a planned dot's A operand / (through a
@@ -230,7 +259,10 @@ class Staging:
 
     def _async_region(self, spec, buf: str) -> str:
         """Byte offset (i32 ref) of buffer `buf` of an async region; the regions sit above everything else
-        (_ASYNC_BASE is filled in at the end of lower())."""
+        (_ASYNC_BASE is filled in at the end of lower()). A TMA region's tiles carry their copy's sequence
+        number in the chain instead (_tma_load): the buffer is that modulo 2."""
+        if spec.get("tma"):
+            buf = self.val(f"and i32 {buf}, 1", "i32", 0).ref
         t = self.val(f"mul i32 {buf}, {spec['size']}", "i32", 0).ref
         t = self.val(f"add i32 {t}, {spec['off']}", "i32", 0).ref
         return self.val(f"add i32 {t}, {_ASYNC_BASE}", "i32", 0).ref
@@ -335,10 +367,80 @@ class Staging:
         self.barrier()
         return offs_a, offb, off
 
+    # ---- TMA (sm_90+): a K loop's jk.tma tiles as one bulk tensor copy each (thread 0 issues it), completed
+    # through an mbarrier per buffer that counts the bytes in; every thread waits on the barrier's phase.
+    def _tma_bar(self, spec, seq: str) -> str:
+        """The shared address (i32 ref) of the mbarrier of copy `seq`'s buffer."""
+        b = self.val(f"and i32 {seq}, 1", "i32", 0).ref
+        b = self.val(f"shl i32 {b}, 3", "i32", 0).ref
+        b = self.val(f"add i32 {b}, {spec['bar'] * 8}", "i32", 0).ref
+        b = self.val(f"add i32 {b}, {_TMA_BASE}", "i32", 0).ref
+        return self.val(f"add i32 {self.hooks.smem_address(self)}, {b}", "i32", 0).ref
+
+    def _tma_bars_of(self, spec) -> list:
+        """The shared addresses (i32 refs) of region `spec`'s mbarriers, one per buffer."""
+        base = self.val(f"add i32 {self.hooks.smem_address(self)}, {_TMA_BASE}", "i32", 0).ref
+        return [self.val(f"add i32 {base}, {(spec['bar'] + i) * 8}", "i32", 0).ref for i in range(spec["nbuf"])]
+
+    def _tma_init_barriers(self) -> None:
+        """At the kernel's start: thread 0 initialises every TMA mbarrier (the chains re-initialise theirs at
+        their first copy, _tma_load; a barrier follows before any wait)."""
+        base = self.val(f"add i32 {self.hooks.smem_address(self)}, {_TMA_BASE}", "i32", 0).ref
+        bars = [self.val(f"add i32 {base}, {8 * i}", "i32", 0).ref for i in range(self._tma_nbars)]
+        self.hooks.tma_init(self, bars, reinit=False)
+
+    def _tma_load(self, op, spec, slot, first) -> AsyncTile:
+        """jk.tma's box (rows x k of a 16-bit matrix) copied by the tensor memory accelerator into the next
+        buffer of region `spec`, in the 128-byte swizzled staging the warpgroup MMAs read (one box per 64
+        elements of k; TMA's SWIZZLE_128B image of a 128-byte-wide box is that layout, perf/probe_tma.py).
+        The tile's `buf` is the copy's sequence number in the chain (0 at the chain's first copy): buffer
+        seq % 2, waited for at phase parity (seq / 2) % 2 of that buffer's mbarrier. A chain's first copy
+        starts its barriers over (inval + init: a kernel may run the loop again, e.g. the serial split, and
+        the phases must restart with the sequence numbers), between two CTA barriers."""
+        if self.pending_write:
+            self.barrier()
+        self.pending_read = True
+        if slot is None:
+            seq = str(first)
+            self.barrier()      # the previous run's readers (of the buffers, and of the barriers' phases) are done
+            self.hooks.tma_init(self, self._tma_bars_of(spec), reinit=True)
+            self.barrier()
+        else:
+            seq = self.val(f"add i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
+            if not self._async_issued or self._async_issued[-1] == 0:
+                self.barrier()  # the buffer's last readers (the previous step's MMAs) are done
+        self._async_live = True
+        rows, k = tuple(op.results[0].type.shape)
+        region = self._async_region(spec, seq)
+        dst = self.val(f"add i32 {self.hooks.smem_address(self)}, {region}", "i32", 0).ref
+        desc = self.get(op.operands[1]).ref
+        row, col = self.get(op.operands[2]).ref, self.get(op.operands[3]).ref
+        # the staging's 64-element atoms lie rows * 128 bytes apart: one box each
+        boxes = []
+        for a in range(k // 64):
+            d = dst if a == 0 else self.val(f"add i32 {dst}, {a * rows * 128}", "i32", 0).ref
+            c = col if a == 0 else self.val(f"add i32 {col}, {a * 64}", "i32", 0).ref
+            boxes.append((d, c))
+        self.hooks.tma_copy(self, self._tma_bar(spec, seq), desc, row, boxes, rows * k * 2)
+        if self._async_issued:
+            self._async_issued[-1] += 1
+        return AsyncTile(spec, seq)
+
     def _async_wait(self, *tiles) -> int:
         """Waits for the cp.async copies of the async `tiles` a dot reads: the groups committed after theirs may
         stay in flight (those issued since the loop step began, and a prefetch-2 chain's next step: `ahead`
-        times the loop's chains). Returns that `ahead` (0: no later copy of theirs is pending)."""
+        times the loop's chains). Returns that `ahead` (0: no later copy of theirs is pending). TMA tiles are
+        waited for on their mbarriers' phases instead."""
+        tma = [t for t in tiles if t is not None and t.spec.get("tma")]
+        if tma:
+            for t in tma:
+                ph = self.val(f"lshr i32 {t.buf}, 1", "i32", 0).ref
+                ph = self.val(f"and i32 {ph}, 1", "i32", 0).ref
+                self.hooks.tma_wait(self, self._tma_bar(t.spec, t.buf), ph)
+            tiles = [t for t in tiles if t is not None and not t.spec.get("tma")]
+            if not tiles:
+                self._async_ahead_now = 0
+                return 0
         ahead = max((t.ahead for t in tiles if t is not None), default=0)
         chains = max((t.spec["chains"] for t in tiles if t is not None), default=1)
         issued = self._async_issued[-1] if self._async_issued else 0

@@ -170,6 +170,46 @@ class NvptxHooks(GpuHooks):
         low.declare("llvm.nvvm.cp.async.wait.group", "void", ["i32 immarg"])
         low.emit(f"call void @llvm.nvvm.cp.async.wait.group(i32 {pending})")
 
+    # ---- TMA (sm_90+): bulk tensor copies global -> shared (GpuLowering._tma_load). Inline PTX, as the probe
+    # that checked the layout (perf/probe_tma.py) ran it: thread 0 arms a buffer's mbarrier with the bytes to
+    # come and issues the copies; every thread spins on try_wait.parity. Every statement clobbers memory, so
+    # none moves across the staging, the MMAs and the barriers around it.
+    @property
+    def has_tma(self):
+        return self.target.async_copy == "tma"
+
+    def tma_init(self, low, bars: list, reinit: bool) -> None:
+        """Thread 0 (re)initialises the mbarriers at `bars` (i32 shared addresses) for one arrival each, and
+        makes that visible to the async proxy; a CTA barrier must follow before anyone waits on them."""
+        body = []
+        for i in range(len(bars)):
+            if reinit:
+                body.append(f"@p mbarrier.inval.shared::cta.b64 [${i}];")
+            body.append(f"@p mbarrier.init.shared::cta.b64 [${i}], 1;")
+        text = ("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; " + " ".join(body)
+                + " @p fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta; }")
+        cons = ",".join(["r"] * len(bars) + ["~{memory}"])
+        low.emit(f'call void asm sideeffect "{text}", "{cons}"({", ".join(f"i32 {b}" for b in bars)})')
+
+    def tma_copy(self, low, bar: str, desc: str, row: str, boxes: list, nbytes: int) -> None:
+        """Thread 0: arm mbarrier `bar` with `nbytes` and copy each box [(shared dst, column)] at `row` of the
+        tensor map at global address `desc` (i64 ref)."""
+        n = len(boxes)
+        copies = " ".join(
+            f"@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+            f"[${3 + 2 * i}], [$1, {{${4 + 2 * i}, $2}}], [$0];" for i in range(n))
+        text = ("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes}; {copies} }}")
+        cons = ",".join(["r", "l", "r"] + ["r", "r"] * n + ["~{memory}"])
+        args = [f"i32 {bar}", f"i64 {desc}", f"i32 {row}"] + [f"i32 {x}" for d, c in boxes for x in (d, c)]
+        low.emit(f'call void asm sideeffect "{text}", "{cons}"({", ".join(args)})')
+
+    def tma_wait(self, low, bar: str, parity: str) -> None:
+        """Every thread waits until mbarrier `bar` completes the phase of `parity` (0 / 1, an i32 ref)."""
+        text = ("{ .reg .pred p; TMA_WAIT${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
+                "@!p bra TMA_WAIT${:uid}; }")
+        low.emit(f'call void asm sideeffect "{text}", "r,r,~{{memory}}"(i32 {bar}, i32 {parity})')
+
     def smem_address(self, low) -> str:
         """The shared window address of @__jk_smem (i32), for wgmma descriptors."""
         return low.val(f"ptrtoint ptr addrspace({self.smem_as}) @__jk_smem to i32", "i32", 0).ref

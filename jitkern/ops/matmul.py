@@ -234,8 +234,8 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
     jk.store(y + t * ldy.to(jk.i64) + rows, s, mask=rm)
 
 
-@jk.kernel(do_not_specialize=("M",))
-def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
+@jk.kernel(do_not_specialize=("M", "xmap", "wmap"))
+def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
                            SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False,
                            PREFETCH: jk.constexpr = 1):
@@ -253,9 +253,12 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
     # MMA chain instead of the hi and lo chains (half the MMAs and A staging; 8 or 11 significant bits of x,
     # as vLLM / cuBLAS bf16 inference computes). PREFETCH (1 or 2; EVEN, every K range of 2+ steps): how many
     # steps ahead the K loop loads its tiles (2 with num_stages=3: three cp.async buffers; the same dots in the
-    # same order).
-    tok = jk.program_id(0) * BM + jk.arange(0, BM)
-    rows = jk.program_id(1) * BN + jk.arange(0, BN)
+    # same order). xmap / wmap (i64): the global addresses of x's and w's tensor maps where the launch has the
+    # `tma` option (_tma_maps: the K loop's tiles are their boxes), else 0 and unused.
+    t0 = jk.program_id(0) * BM
+    r0 = jk.program_id(1) * BN
+    tok = t0 + jk.arange(0, BM)
+    rows = r0 + jk.arange(0, BN)
     tm = tok < M
     rm = rows < N
     kk = jk.arange(0, BK)
@@ -270,14 +273,15 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
                 # kernel's; one K loop in the code (its shared-memory staging allocated once)
                 acc = jk.full((BM, BN), -0.0, jk.f32)
                 for z in range(0, SPLIT):
-                    acc = acc + _mma_k_range(xrows, wrows, xm, kk, z * KR, KR, BM, BN, BK, ACT16, PREFETCH)
+                    acc = acc + _mma_k_range(xrows, wrows, xm, kk, z * KR, KR, BM, BN, BK, ACT16, PREFETCH,
+                                             xmap, wmap, t0, r0)
             else:
                 k0 = jk.program_id(2) * KR
                 xm = tm[:, None] & (kk >= 0)[None, :]
-                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH)
+                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0)
         else:
             xm = tm[:, None] & (kk >= 0)[None, :]
-            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH)
+            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0)
     else:
         acc = jk.zeros((BM, BN), jk.f32)
         for k in range(0, K, BK):
@@ -293,14 +297,19 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.conste
 
 
 @jk.jit
-def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH):
+def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0):
     """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK, and of 2 BK or more with
     PREFETCH 2), from zero. Software pipelining: the tiles of the step PREFETCH ahead are loaded before this
     step's dot, so their global loads are in flight while the dot stages shared memory and runs its MMAs (same
-    arithmetic order)."""
+    arithmetic order). The PREFETCH 1 tiles are also the boxes at (t0, k) / (r0, k) of the tensor maps xmap /
+    wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps')."""
     acc = jk.zeros((BM, BN), jk.f32)
-    xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
-    wv = jk.load(wrows + (k0 + kk)[None, :])
+    if PREFETCH == 2:
+        xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
+        wv = jk.load(wrows + (k0 + kk)[None, :])
+    else:
+        xv = jk.tma(jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0), xmap, t0, k0)
+        wv = jk.tma(jk.load(wrows + (k0 + kk)[None, :]), wmap, r0, k0)
     if PREFETCH == 2:
         xv1 = jk.load(xrows + (k0 + BK + kk)[None, :], mask=xm, other=0.0)
         wv1 = jk.load(wrows + (k0 + BK + kk)[None, :])
@@ -315,8 +324,8 @@ def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH):
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         return jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
     for k in range(k0 + BK, k0 + KR, BK):
-        xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
-        wn = jk.load(wrows + (k + kk)[None, :])
+        xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
+        wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         xv = xn
         wv = wn
@@ -500,6 +509,36 @@ def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int =
 # PREFETCH 1). Off (1) by default until timed on a GPU (perf/h200_prefetch.sh); its first H200 run in session 11
 # found other bits than PREFETCH 1's (the last dot summed from zero, then added), fixed by that chaining.
 GPU_LINEAR_PREFETCH = _env.linear_prefetch()
+
+# JITKERN_TMA=1: the wgmma tiles' K loops fed by the tensor memory accelerator: one bulk copy per tile a step,
+# issued by one thread and completed on an mbarrier, instead of every thread's cp.async address math and copies
+# (the same staging, so the same bits). Off by default until timed on a GPU (perf/h200_tma.sh).
+GPU_LINEAR_TMA = _env.tma()
+
+
+def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
+              w_dtype: str) -> tuple:
+    """(x's tensor map, w's) as kernel arguments: global addresses where the launch `opts` (_mma_regs') run
+    wgmma on cp.async staging, GPU_LINEAR_TMA is on, x is already 16-bit and both matrices are on a CUDA device
+    with 16-byte aligned rows and the maps exist or can be made (then opts gets `tma`); else (0, 0). x's map has M
+    rows (TMA reads the rows past them as zeros, as the kernel's mask does); boxes of (BM or BN) rows x 64
+    elements, the staging's 128-byte swizzle atoms."""
+    if not (GPU_LINEAR_TMA and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
+            and opts.get("num_stages") == 2 and "PREFETCH" not in opts and BK % 64 == 0
+            and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
+        return 0, 0
+    from jitkern.runtime import cuda as _cuda
+    if not (isinstance(x2, _cuda.DeviceArray) and isinstance(w, _cuda.DeviceArray)
+            and isinstance(x2.device, _cuda.CudaDevice) and isinstance(w.device, _cuda.CudaDevice)) \
+            or (ldx * 2) % 16 or (K * 2) % 16 or x2.ptr % 16 or w.ptr % 16 \
+            or tuple(w.strides) != (K * 2, 2) or x2.strides[-1] != 2:
+        return 0, 0
+    xmap = _cuda.tensor_map_2d(x2.ptr, M, K, ldx * 2, BM, 64, x_dtype, x2.device)
+    wmap = _cuda.tensor_map_2d(w.ptr, N, K, K * 2, BN, 64, w_dtype, w.device)
+    if xmap is None or wmap is None:
+        return 0, 0         # inside a stream capture, a map not made before it: cp.async (the same bits)
+    opts["tma"] = 1
+    return xmap, wmap
 
 
 # Tiles of at least this many tokens are launched with num_stages=2: their K loop's x and weight tiles go
@@ -832,7 +871,8 @@ class SplitK:
         return out
 
 
-def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32", fold=False):
+def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32", fold=False, w_arr=None,
+                   w_dtype=""):
     """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
     Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk). fold (one chunk,
     no bias): the sum is left to the consumer, returned as SplitK."""
@@ -843,10 +883,11 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         xc, oc = (x2, o2) if (m0, m1) == (0, M) else (x2[m0:m1], o2[m0:m1])
         parts = device_scratch(x2, "linear_splitk", (S * mc, N), np.float32) if is_device(x2) \
             else np.empty((S * mc, N), np.float32)
+        opts = _mma_regs(T, BM, act16, steps=K // (S * BK))
+        maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
-                (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N),
-                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16,
-                     **_mma_regs(T, BM, act16, steps=K // (S * BK))), T)
+                (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N) + maps,
+                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -906,19 +947,23 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
                 if S > 1 and even and K % (S * BK) == 0 and M >= GPU_LINEAR_SERIAL_SPLIT_M:
-                    _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
+                    opts = _mma_regs(T, BM, act16, serial=True, steps=K // (S * BK))
+                    maps = _tma_maps(T, opts, x2, arr, M, N, K, x2.strides[0] // es, BM, BN, BK, x_dtype, dt)
+                    _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, SERIAL=True,
-                                 num_warps=NW, ACT16=act16,
-                                 **_mma_regs(T, BM, act16, serial=True, steps=K // (S * BK))), T)
+                                 num_warps=NW, ACT16=act16, **opts), T)
                 elif S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
-                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold)
+                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold, arr, dt)
                     if fold:
                         return r
                 else:
-                    _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args,
+                    opts = _mma_regs(T, BM, act16, steps=K // BK if even else 0)
+                    maps = _tma_maps(T, opts, x2, arr, M, N, K, x2.strides[0] // es, BM, BN, BK, x_dtype, dt) \
+                        if even else (0, 0)
+                    _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=act16, **_mma_regs(T, BM, act16, steps=K // BK if even else 0)), T)
+                                 ACT16=act16, **opts), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,

@@ -644,7 +644,7 @@ class CudaGraph:
             _flush_deferred_frees()
 
     def keep(self, values) -> None:
-        self._keep.append(tuple(v for v in values if isinstance(v, DeviceArray)))
+        self._keep.append(tuple(v for v in values if isinstance(v, (DeviceArray, TensorMap))))
 
     def replay(self) -> None:
         check(driver().cuGraphLaunch(self.exec, self.device.stream), "cuGraphLaunch")
@@ -654,3 +654,80 @@ class CudaGraph:
 
 
 _live_graphs = weakref.WeakSet()
+
+
+# ------------------------------------------------------------------------------------------- tensor maps
+_TMAP_LIMIT = 4096          # tensor maps kept on the device (128 bytes each), least recently used dropped
+_tmaps: dict = {}
+_tmap_lock = threading.Lock()
+_encode_tiled = []
+
+
+def _encode_fn():
+    """libcuda's cuTensorMapEncodeTiled through ctypes: the C signature, with the enum values read from
+    cuda-bindings (its own wrapper wants cuuint32_t / cuuint64_t objects for every array element)."""
+    if not _encode_tiled:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int]
+        _encode_tiled.append(fn)
+    return _encode_tiled[0]
+
+
+class TensorMap(int):
+    """A tensor map's global address as a kernel argument (an int), holding the device memory it lives in:
+    a graph that recorded a launch with it keeps it (CudaGraph.keep), so the cache dropping it cannot free
+    memory a replay still reads."""
+
+    def __new__(cls, store: "DeviceArray"):
+        obj = super().__new__(cls, store.ptr)
+        obj.store = store
+        return obj
+
+
+def tensor_map_2d(ptr: int, rows: int, cols: int, row_bytes: int, box_rows: int, box_cols: int,
+                  dtype: str, device: CudaDevice | None = None) -> TensorMap | None:
+    """The CUtensorMap (cuTensorMapEncodeTiled) of the row-major (rows, cols) 16-bit matrix ("bf16" / "f16") at
+    device address `ptr` with rows `row_bytes` apart, as a TensorMap (its global address): boxes of (box_rows,
+    box_cols) elements, 128-byte swizzle (box_cols * 2 must be 128), elements past the last row or column read
+    as zero. The kernel reads it from global memory (jk.tma). A map depends on those arguments only, so maps are
+    cached by them (the least recently used of _TMAP_LIMIT dropped). Inside a stream capture only a cached map
+    is returned (making one uploads it), else None: callers take their other path there (the engine's
+    captures follow an eager run of the same step, which made the maps)."""
+    key = (int(ptr), rows, cols, row_bytes, box_rows, box_cols, dtype)
+    with _tmap_lock:
+        hit = _tmaps.pop(key, None)
+        if hit is not None:
+            _tmaps[key] = hit
+            return hit
+    if _capturing[0]:
+        return None
+    if box_cols * 2 != 128 or ptr % 16 or row_bytes % 16 or not 0 < box_rows <= 256 or rows < 1 or cols < 1:
+        raise ValueError(f"tensor_map_2d: unsupported map (ptr % 16 = {ptr % 16}, row_bytes {row_bytes}, "
+                         f"box {box_rows} x {box_cols}, matrix {rows} x {cols})")
+    cu = driver()
+    types = {"bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             "f16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
+    buf = ctypes.create_string_buffer(128 + 64)
+    at = (ctypes.addressof(buf) + 63) // 64 * 64          # CUtensorMap is 64-byte aligned
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    err = _encode_fn()(at, int(types[dtype]), 2, ptr, u64x2(cols, rows), (ctypes.c_uint64 * 1)(row_bytes),
+                       u32x2(box_cols, box_rows), u32x2(1, 1),
+                       int(cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+                       int(cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B),
+                       int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
+                       int(cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    if err != 0:
+        raise CudaError(f"cuTensorMapEncodeTiled failed: CUresult {err} (matrix {rows} x {cols}, box "
+                        f"{box_rows} x {box_cols})")
+    host = np.frombuffer(ctypes.string_at(at, 128), np.uint8).copy()
+    tm = TensorMap(DeviceArray.from_numpy(host, device=device))
+    if tm % 64:
+        raise CudaError(f"tensor_map_2d: the map's memory is not 64-byte aligned ({tm:#x})")
+    with _tmap_lock:
+        _tmaps[key] = tm
+        while len(_tmaps) > _TMAP_LIMIT:
+            _tmaps.pop(next(iter(_tmaps)))
+    return tm
