@@ -56,7 +56,7 @@ Settings (all optional):
                                 bits; 0 folds in every block).
     JITKERN_TMA                 0 or 1: the tensor-core linear's wgmma tiles fed by the tensor memory accelerator
                                 (sm_90+; tensor maps from cuTensorMapEncodeTiled) instead of cp.async (default
-                                0 until timed on a GPU; the same bits).
+                                1: 8-layer prefill linears 10.5 -> 8.1 ms on the H200; the same bits).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -207,8 +207,8 @@ def linear_prefetch(environ=None) -> int:
 
 
 def tma(environ=None) -> bool:
-    """JITKERN_TMA=1: the tensor-core linear's wgmma tiles copied by TMA (ops/matmul.py _tma_maps)."""
-    return env_choice("JITKERN_TMA", ("0", "1"), environ) == "1"
+    """JITKERN_TMA (default 1): the tensor-core linear's wgmma tiles copied by TMA (ops/matmul.py _tma_maps)."""
+    return env_choice("JITKERN_TMA", ("0", "1"), environ) != "0"
 
 
 def flash_fold_skip(environ=None) -> bool:
