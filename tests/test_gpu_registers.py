@@ -402,7 +402,8 @@ def test_linear_tma_tiles(tmp_path, monkeypatch, serial):
     jk.tma boxes, so one thread arms a buffer's mbarrier and issues one bulk tensor copy per 64-element atom
     (two at the chain's first step, two a loop step), every thread waits on the barrier's phase, and no
     cp.async or per-thread copy remains; a chain starts its barriers over (inval + init), the kernel once at
-    entry. No spills, and fewer registers than cp.async's address math needs."""
+    entry. No spills, and fewer registers than cp.async's address math needs. Prefetch-2 chains too (three
+    buffers and barriers a chain)."""
     from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
@@ -423,6 +424,16 @@ def test_linear_tma_tiles(tmp_path, monkeypatch, serial):
         regs_on, spill_on = _ptxas_usage(on, tmp_path)
         regs_off, _ = _ptxas_usage(off, tmp_path)
         assert spill_on == 0 and regs_on < regs_off, ((BM, BN), regs_on, regs_off)
+    # prefetch-2 chains (three buffers): two steps' copies at the chain's start, one step's a loop step; each
+    # dot waits only on its own tiles' barriers (x and w: in the loop, then the two dots after it)
+    BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE
+    p2 = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1", "num_stages=3", "PREFETCH=2", "tma=1") + ser,
+                     warps=W, split=4, sig=sig16)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", p2)) == 6 and "cp.async.ca" not in p2
+    assert len(re.findall(r"mbarrier\.try_wait\.parity", p2)) == 6
+    assert p2.count("mbarrier.inval") == 6 and p2.count("mbarrier.init") == 12
+    assert "rem.u32" in p2 or "mul.hi.u32" in p2          # seq % 3 and seq / 3
+    assert _ptxas_usage(p2, tmp_path)[1] == 0
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")

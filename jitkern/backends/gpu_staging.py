@@ -134,14 +134,14 @@ class Staging:
                     if self.users.get(args[j2].id) != [(yop, j)]:
                         continue
                     init2, y2, res2 = op.operands[3 + j2], yop.operands[j2], op.results[j2]
-                    li2, _ = self._tma_inner(self.defs.get(init2.id))
+                    li2, ti2 = self._tma_inner(self.defs.get(init2.id))
                     ly, ty = self._tma_inner(self.defs.get(y2.id))
                     ok2 = li2 is not None and li2.name == "load" and self.uses.get(init2.id) == 1 \
                         and self._async_role(res2) == self._async_role(res) and args[j2].type == arg.type
                     if not ok2:
                         continue
                 else:
-                    (ly, ty), li2 = self._tma_inner(self.defs.get(y.id)), None
+                    (ly, ty), (li2, ti2) = self._tma_inner(self.defs.get(y.id)), (None, None)
                 t = arg.type
                 if li is None or ly is None or li.name != "load" or ly.name != "load" \
                         or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
@@ -168,30 +168,30 @@ class Staging:
                             tma=False)
                 self._async_bytes += nbuf * size
                 self._async_slots[(id(op), j)] = spec
-                if j2 is None:
-                    tma_ok = ti is not None and ty is not None and r_in[2] and k % 64 == 0 and rows % 8 == 0 \
-                        and rows <= 256
-                    cands.append((spec, li, ti, ly, ty, arg, tma_ok))
-                    continue
-                self._async_loads[id(li)] = (spec, None, 0)
-                self._async_loads[id(li2)] = (spec, None, 1)
-                self._async_loads[id(ly)] = (spec, args[j2], None)
-                self._async_slots[(id(op), j2)] = spec
-                self._async_ahead[arg.id] = self._async_ahead[res.id] = 1
-                chains.append(spec)
+                tma_ok = ti is not None and ty is not None and (j2 is None or ti2 is not None) and r_in[2] \
+                    and k % 64 == 0 and rows % 8 == 0 and rows <= 256
+                # (spec, [(load, its tma op, first buffer or the slot it follows)], ...)
+                loads = [(li, ti, 0), (ly, ty, arg if j2 is None else args[j2])]
+                if j2 is not None:
+                    loads.append((li2, ti2, 1))
+                    self._async_slots[(id(op), j2)] = spec
+                    self._async_ahead[arg.id] = self._async_ahead[res.id] = 1
+                    chains.append(spec)
+                cands.append((spec, loads, tma_ok))
             # a loop's chains are all fed by TMA (every one qualifies: its tiles are jk.tma boxes staged for
             # warpgroup MMAs with the 128-byte swizzle) or all by cp.async (their waits count groups)
-            tma = use_tma and not chains and bool(cands) and all(c[6] for c in cands)
-            for spec, li, ti, ly, ty, arg, _ in cands:
+            tma = use_tma and bool(cands) and all(c[2] for c in cands)
+            for spec, loads, _ in cands:
                 if tma:
                     spec["tma"], spec["bar"] = True, self._tma_nbars
                     self._tma_nbars += spec["nbuf"]
-                    self._async_loads[id(ti)] = (spec, None, 0)
-                    self._async_loads[id(ty)] = (spec, arg, None)
-                    self._tma_absorbed.update((id(li), id(ly)))
-                else:
-                    self._async_loads[id(li)] = (spec, None, 0)
-                    self._async_loads[id(ly)] = (spec, arg, None)
+                for ld, tm, at in loads:
+                    hit = (spec, None, at) if isinstance(at, int) else (spec, at, None)
+                    if tma:
+                        self._async_loads[id(tm)] = hit
+                        self._tma_absorbed.add(id(ld))
+                    else:
+                        self._async_loads[id(ld)] = hit
             for spec in chains:
                 # the loop's chains commit one group each per step, in the same order every step
                 spec["chains"] = len(chains)
@@ -262,7 +262,7 @@ class Staging:
         (_ASYNC_BASE is filled in at the end of lower()). A TMA region's tiles carry their copy's sequence
         number in the chain instead (_tma_load): the buffer is that modulo 2."""
         if spec.get("tma"):
-            buf = self.val(f"and i32 {buf}, 1", "i32", 0).ref
+            buf = self._tma_buf(spec, buf)
         t = self.val(f"mul i32 {buf}, {spec['size']}", "i32", 0).ref
         t = self.val(f"add i32 {t}, {spec['off']}", "i32", 0).ref
         return self.val(f"add i32 {t}, {_ASYNC_BASE}", "i32", 0).ref
@@ -369,9 +369,22 @@ class Staging:
 
     # ---- TMA (sm_90+): a K loop's jk.tma tiles as one bulk tensor copy each (thread 0 issues it), completed
     # through an mbarrier per buffer that counts the bytes in; every thread waits on the barrier's phase.
+    def _tma_buf(self, spec, seq: str) -> str:
+        """The buffer (i32 ref) of copy `seq` of a TMA chain: seq modulo the region's buffers."""
+        if spec["nbuf"] == 2:
+            return self.val(f"and i32 {seq}, 1", "i32", 0).ref
+        return self.val(f"urem i32 {seq}, {spec['nbuf']}", "i32", 0).ref
+
+    def _tma_parity(self, spec, seq: str) -> str:
+        """The phase parity (i32 ref) copy `seq` completes on its buffer's mbarrier: its use count of the
+        buffer (seq / buffers) modulo 2."""
+        q = self.val(f"lshr i32 {seq}, 1", "i32", 0).ref if spec["nbuf"] == 2 else \
+            self.val(f"udiv i32 {seq}, {spec['nbuf']}", "i32", 0).ref
+        return self.val(f"and i32 {q}, 1", "i32", 0).ref
+
     def _tma_bar(self, spec, seq: str) -> str:
         """The shared address (i32 ref) of the mbarrier of copy `seq`'s buffer."""
-        b = self.val(f"and i32 {seq}, 1", "i32", 0).ref
+        b = self._tma_buf(spec, seq)
         b = self.val(f"shl i32 {b}, 3", "i32", 0).ref
         b = self.val(f"add i32 {b}, {spec['bar'] * 8}", "i32", 0).ref
         b = self.val(f"add i32 {b}, {_TMA_BASE}", "i32", 0).ref
@@ -394,17 +407,20 @@ class Staging:
         buffer of region `spec`, in the 128-byte swizzled staging the warpgroup MMAs read (one box per 64
         elements of k; TMA's SWIZZLE_128B image of a 128-byte-wide box is that layout, perf/probe_tma.py).
         The tile's `buf` is the copy's sequence number in the chain (0 at the chain's first copy): buffer
-        seq % 2, waited for at phase parity (seq / 2) % 2 of that buffer's mbarrier. A chain's first copy
+        seq % nbuf (2, or 3 for a prefetch-2 chain), waited for at phase parity (seq / nbuf) % 2 of that
+        buffer's mbarrier. A chain's first copy
         starts its barriers over (inval + init: a kernel may run the loop again, e.g. the serial split, and
         the phases must restart with the sequence numbers), between two CTA barriers."""
         if self.pending_write:
             self.barrier()
         self.pending_read = True
-        if slot is None:
-            seq = str(first)
+        if slot is None and first == 0:
+            seq = "0"
             self.barrier()      # the previous run's readers (of the buffers, and of the barriers' phases) are done
             self.hooks.tma_init(self, self._tma_bars_of(spec), reinit=True)
             self.barrier()
+        elif slot is None:
+            seq = str(first)    # a prefetch-2 chain's second tile (its barriers were just started over)
         else:
             seq = self.val(f"add i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
             if not self._async_issued or self._async_issued[-1] == 0:
@@ -433,14 +449,13 @@ class Staging:
         waited for on their mbarriers' phases instead."""
         tma = [t for t in tiles if t is not None and t.spec.get("tma")]
         if tma:
+            # each tile's own barrier: copies of later steps (a prefetch-2 chain's next) go on meanwhile
             for t in tma:
-                ph = self.val(f"lshr i32 {t.buf}, 1", "i32", 0).ref
-                ph = self.val(f"and i32 {ph}, 1", "i32", 0).ref
-                self.hooks.tma_wait(self, self._tma_bar(t.spec, t.buf), ph)
+                self.hooks.tma_wait(self, self._tma_bar(t.spec, t.buf), self._tma_parity(t.spec, t.buf))
             tiles = [t for t in tiles if t is not None and not t.spec.get("tma")]
             if not tiles:
-                self._async_ahead_now = 0
-                return 0
+                self._async_ahead_now = max(t.ahead for t in tma)
+                return self._async_ahead_now
         ahead = max((t.ahead for t in tiles if t is not None), default=0)
         chains = max((t.spec["chains"] for t in tiles if t is not None), default=1)
         issued = self._async_issued[-1] if self._async_issued else 0

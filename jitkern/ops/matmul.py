@@ -301,21 +301,17 @@ def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap
     """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK, and of 2 BK or more with
     PREFETCH 2), from zero. Software pipelining: the tiles of the step PREFETCH ahead are loaded before this
     step's dot, so their global loads are in flight while the dot stages shared memory and runs its MMAs (same
-    arithmetic order). The PREFETCH 1 tiles are also the boxes at (t0, k) / (r0, k) of the tensor maps xmap /
-    wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps')."""
+    arithmetic order). The tiles are also the boxes at (t0, k) / (r0, k) of the tensor maps xmap / wmap (jk.tma:
+    launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps')."""
     acc = jk.zeros((BM, BN), jk.f32)
+    xv = jk.tma(jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0), xmap, t0, k0)
+    wv = jk.tma(jk.load(wrows + (k0 + kk)[None, :]), wmap, r0, k0)
     if PREFETCH == 2:
-        xv = jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0)
-        wv = jk.load(wrows + (k0 + kk)[None, :])
-    else:
-        xv = jk.tma(jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0), xmap, t0, k0)
-        wv = jk.tma(jk.load(wrows + (k0 + kk)[None, :]), wmap, r0, k0)
-    if PREFETCH == 2:
-        xv1 = jk.load(xrows + (k0 + BK + kk)[None, :], mask=xm, other=0.0)
-        wv1 = jk.load(wrows + (k0 + BK + kk)[None, :])
+        xv1 = jk.tma(jk.load(xrows + (k0 + BK + kk)[None, :], mask=xm, other=0.0), xmap, t0, k0 + BK)
+        wv1 = jk.tma(jk.load(wrows + (k0 + BK + kk)[None, :]), wmap, r0, k0 + BK)
         for k in range(k0 + 2 * BK, k0 + KR, BK):
-            xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
-            wn = jk.load(wrows + (k + kk)[None, :])
+            xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
+            wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
             xv = xv1
             wv = wv1
@@ -526,7 +522,7 @@ def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, B
     rows (TMA reads the rows past them as zeros, as the kernel's mask does); boxes of (BM or BN) rows x 64
     elements, the staging's 128-byte swizzle atoms."""
     if not (GPU_LINEAR_TMA and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
-            and opts.get("num_stages") == 2 and "PREFETCH" not in opts and BK % 64 == 0
+            and opts.get("num_stages") in (2, 3) and BK % 64 == 0
             and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
         return 0, 0
     from jitkern.runtime import cuda as _cuda
