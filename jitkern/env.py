@@ -57,6 +57,9 @@ Settings (all optional):
     JITKERN_TMA                 0 or 1: the tensor-core linear's wgmma tiles fed by the tensor memory accelerator
                                 (sm_90+; tensor maps from cuTensorMapEncodeTiled) instead of cp.async (default
                                 1: 8-layer prefill linears 10.5 -> 8.1 ms on the H200; the same bits).
+    JITKERN_TMA_PIPE            0 or 1: a TMA-fed K loop's warpgroup MMAs stay in flight into the next step (wait
+                                for all but the latest group), and the step's copies are issued after them
+                                (default 0: not yet run on a GPU; the same bits; an A/B switch).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -83,7 +86,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
-            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA")
+            "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
+            "JITKERN_TMA_PIPE")
 
 
 class SettingError(JitkernError, ValueError):
@@ -211,6 +215,11 @@ def tma(environ=None) -> bool:
     return env_choice("JITKERN_TMA", ("0", "1"), environ) != "0"
 
 
+def tma_pipe(environ=None) -> bool:
+    """JITKERN_TMA_PIPE=1: TMA-fed K loops keep their warpgroup MMAs in flight (GpuLowering._dot_wgmma_async)."""
+    return env_choice("JITKERN_TMA_PIPE", ("0", "1"), environ) == "1"
+
+
 def flash_fold_skip(environ=None) -> bool:
     """JITKERN_FLASH_FOLD_SKIP (default 1): the flash prefill's partition fold only where a row of the tile needs
     it; 0 folds in every block."""
@@ -334,6 +343,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     linear_prefetch(environ)
     flash_fold_skip(environ)
     tma(environ)
+    tma_pipe(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

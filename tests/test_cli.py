@@ -87,6 +87,8 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_SERIAL_MAXNREG", "lots", ["JITKERN_SERIAL_MAXNREG='lots'", "not an integer"]),
     ("JITKERN_LINEAR_PREFETCH", "3", ["JITKERN_LINEAR_PREFETCH='3'", "not one of 1, 2"]),
     ("JITKERN_FLASH_FOLD_SKIP", "on", ["JITKERN_FLASH_FOLD_SKIP='on'", "not one of 0, 1"]),
+    ("JITKERN_TMA", "yes", ["JITKERN_TMA='yes'", "not one of 0, 1"]),
+    ("JITKERN_TMA_PIPE", "2", ["JITKERN_TMA_PIPE='2'", "not one of 0, 1"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):
     r = _engine_cli(tmp_path, "--prompt", "hi", **{setting: value})

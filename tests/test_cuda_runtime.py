@@ -192,6 +192,43 @@ def test_build_fails_when_a_kernel_does_not_compile(tmp_path):
     assert "failed to compile for sm_90a" in last and "rejected on purpose" in last, last
 
 
+@pytest.mark.timeout(900)
+def test_jitkern_build_of_a_bf16_model_has_the_tma_linear(tmp_path):
+    """`jitkern build --target sm_90a --model <bf16 safetensors>` (a stand-in device, nothing launched) compiles
+    the tensor-core linear the H200 runs at prefill sizes: warpgroup MMAs fed by TMA (the `tma` launch option,
+    tensor-map arguments of a map's type), so a built cache holds that kernel too; ptxas accepts it."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from jitkern.backends.nvptx import find_ptxas
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine (install the [cuda] extra)")
+    import json
+    import torch
+    import transformers as tf
+    from tests.model_fixtures import _tokenizer_json, make_config
+    model = str(tmp_path / "small-bf16")
+    cfg = make_config("llama")
+    # projections whose N is a multiple of the 128-row tiles (the TMA path is the EVEN one), 2048 positions
+    # for the build's warm-up
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 256, 512, 1
+    cfg.max_position_embeddings = 4096
+    torch.manual_seed(3)
+    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(model, safe_serialization=True)
+    _tokenizer_json(model)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JITKERN_CACHE_DIR=str(cache), PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "jitkern", "build", "--target", "sm_90a", "--model", model,
+                        "--quiet"], env=env, capture_output=True, text=True, timeout=800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = [p.read_text() for p in cache.glob("v1/cuda-nvptx64-sm_90a/*/*/kernel.ptx")
+           if json.loads((p.parent / "meta.json").read_text())["kernel"].endswith("_gpu_linear_mma_kernel")]
+    assert ptx, "no tensor-core linear in the build"
+    tma = [p for p in ptx if "cp.async.bulk.tensor.2d" in p]
+    assert tma and all("wgmma.mma_async" in p for p in tma), (len(ptx), len(tma))
+    cubins = list(cache.glob("v1/cuda-nvptx64-sm_90a/*/*/kernel.cubin"))
+    assert len(cubins) >= len(ptx)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_jitkern_build_compiles_every_engine_kernel(arch, tmp_path):
     """CI has no GPU: every engine kernel specialisation compiles for sm_80 and sm_90a and ptxas accepts it

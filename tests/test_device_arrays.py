@@ -339,7 +339,9 @@ def test_linear_tma_gives_the_same_bits(backend, monkeypatch):
     weight, the 64-row tile, and token counts that leave a partial tile (TMA zero-fills the rows past M), with
     prefetch-2 chains (three buffers) too. On
     `fake` (no tensor maps: host memory) the launch keeps cp.async and the bits are the same trivially; on the
-    GPU the launch must have taken the `tma` option."""
+    GPU the launch must have taken the `tma` option. TMA_PIPE (JITKERN_TMA_PIPE: the MMAs in flight into the
+    next step) gives the same bits too."""
+    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     if backend == "fake":
@@ -355,17 +357,19 @@ def test_linear_tma_gives_the_same_bits(backend, monkeypatch):
         x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(M + N + K + 5), M, N, K)
         xd = _dev(cuda_mod, to_bf16(x))
         got = {}
-        for on, pf in ((False, 1), (True, 1), (True, 2)):
+        runs = ((False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True), (True, 2, True))
+        for on, pf, pipe in runs:
             monkeypatch.setattr(mm, "GPU_LINEAR_TMA", on)
             monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", pf)
+            monkeypatch.setattr(gpu, "TMA_PIPE", pipe)
             mm._LAST.clear()
-            got[on, pf] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+            got[on, pf, pipe] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
             ck = mm.last_compiled("_gpu_linear_mma_kernel")
             assert bool(ck.constexprs.get("tma")) == (on and backend == "cuda"), (M, N, K, ck.constexprs)
-        for key in ((True, 1), (True, 2)):
-            np.testing.assert_array_equal(got[key], got[False, 1], err_msg=f"M={M} N={N} K={K} {key}")
+        for key in runs[1:]:
+            np.testing.assert_array_equal(got[key], got[runs[0]], err_msg=f"M={M} N={N} K={K} {key}")
         want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
-        np.testing.assert_allclose(got[True, 1], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_allclose(got[runs[1]], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

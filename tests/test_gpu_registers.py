@@ -437,6 +437,42 @@ def test_linear_tma_tiles(tmp_path, monkeypatch, serial):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_linear_tma_pipe(tmp_path, monkeypatch, prefetch):
+    """JITKERN_TMA_PIPE=1 on the TMA-fed huge tile: a K loop step waits on its tiles' mbarriers, runs its
+    warpgroup MMAs with no fence or CTA barrier before them, commits them and waits only for the previous
+    step's group (wait_group 1), then one CTA barrier, then issues its copies (into the buffer that group
+    read): one CTA barrier a step (two without the switch). After the loop the last dot waits for every group.
+    No spills, no more registers."""
+    from jitkern.backends import gpu
+    from jitkern.ops import matmul as mm
+    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
+    monkeypatch.setattr(gpu, "CP_ASYNC", None)
+    sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
+    BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE
+    opts = ("ACT16=1", "wgmma=1", "tma=1") + (("num_stages=2",) if prefetch == 1 else ("num_stages=3", "PREFETCH=2"))
+    ptx = {}
+    for pipe in (False, True):
+        monkeypatch.setattr(gpu, "TMA_PIPE", pipe)
+        ptx[pipe] = _linear_ptx(BM, BN, BK, extra=opts, warps=W, split=4, sig=sig16)
+
+    def loop_body(p):
+        m = re.search(r"^(\$L__BB\d+_\d+):$(.*?)bra(?:\.uni)?\s+\1;", p, re.S | re.M)
+        assert m, "no loop"
+        return m.group(2)
+    on, off = loop_body(ptx[True]), loop_body(ptx[False])
+    assert on.count("bar.sync") == 1 and off.count("bar.sync") == 2, (on.count("bar.sync"), off.count("bar.sync"))
+    assert "wgmma.wait_group.sync.aligned 1;" in on and "wgmma.wait_group.sync.aligned 0;" not in on
+    assert "fence.proxy.async" not in on
+    assert on.index("wgmma.commit_group") < on.index("bar.sync") < on.index("cp.async.bulk.tensor")
+    assert on.count("cp.async.bulk.tensor") == 2 and off.count("cp.async.bulk.tensor") == 2
+    assert "wgmma.wait_group.sync.aligned 0;" in ptx[True]          # the last dot, after the loop
+    regs_on, spill_on = _ptxas_usage(ptx[True], tmp_path)
+    regs_off, _ = _ptxas_usage(ptx[False], tmp_path)
+    assert spill_on == 0 and regs_on <= regs_off, (regs_on, regs_off)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_tma_probe_assembles_and_models_the_wgmma_staging():
     """perf/probe_tma.py (the TMA probe for the H200): its 128-byte swizzle model is probe_wgmma's validated sw128
     layout, and its mbarrier + cp.async.bulk.tensor kernels assemble for sm_90a."""

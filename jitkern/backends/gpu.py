@@ -201,6 +201,12 @@ WGMMA_SWIZZLE = _env.wgmma_swizzle()
 # into the other of two buffers (by the loop's iteration parity), so staging step i + 1 overlaps the MMAs of
 # step i (GpuLowering._dot_wgmma). An A/B switch like the one above (in the cache key)
 WGMMA_PIPE = _env.wgmma_pipe()
+# JITKERN_TMA_PIPE=1: in a K loop whose tiles come by TMA, a warpgroup-MMA dot commits its MMAs and waits only for
+# the previous step's group (wgmma.wait_group 1), then one CTA barrier, and only then are the step's copies
+# issued (they refill the buffer that group read): the MMAs of step s run while step s + 1's wait and barrier
+# do, with one CTA barrier a step instead of two (gpu_staging.py _tma_load / _dot_wgmma_async). The same MMAs in
+# the same order. An A/B switch (in the cache key) until it has run on a GPU (perf/h200_tma_pipe.sh)
+TMA_PIPE = _env.tma_pipe()
 # JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
 # tile layout in shared memory (an A/B switch, in the cache key)
 FRAG_OPS = _env.frag_ops()
@@ -309,6 +315,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._async_shared = False  # something claimed shared memory meanwhile
         self._tma_nbars = 0         # mbarriers of the TMA-fed async regions (placed last: _TMA_BASE)
         self._tma_absorbed = set()  # id(load) whose tile a TMA copy brings instead (_async_analysis)
+        self._tma_deferred = []     # TMA_PIPE: a loop step's copies, issued after its dot's MMAs (_tma_load)
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
     # ------------------------------------------------------------------------------ layout helpers
@@ -1221,6 +1228,10 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._frag_loops.append((iv, lb, step))
         self._async_issued.append(0)
         ys = self.lower_block(body)
+        if self._tma_deferred:
+            # (a step whose copies no dot issued: issue them here, after a barrier for the buffers' readers)
+            self.barrier()
+            self._tma_issue_deferred()
         self._async_issued.pop()
         self._frag_loops.pop()
         ys_r = []
@@ -2017,7 +2028,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         g = self._mma_geometry(plan)
         if plan["wg"]:
             regs = acc.regs
-            if WGMMA_PIPE:
+            if WGMMA_PIPE or plan.get("in_flight"):
                 regs = self.hooks.wgmma_wait(self, 0, regs)     # (its last group was committed, not waited)
             self.barrier()
             self._claim(0, g["csize"])

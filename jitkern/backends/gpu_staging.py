@@ -184,6 +184,7 @@ class Staging:
             for spec, loads, _ in cands:
                 if tma:
                     spec["tma"], spec["bar"] = True, self._tma_nbars
+                    spec["pipe"] = bool(_gpu().TMA_PIPE)
                     self._tma_nbars += spec["nbuf"]
                 for ld, tm, at in loads:
                     hit = (spec, None, at) if isinstance(at, int) else (spec, at, None)
@@ -423,7 +424,7 @@ class Staging:
             seq = str(first)    # a prefetch-2 chain's second tile (its barriers were just started over)
         else:
             seq = self.val(f"add i32 {self.vals[slot.id].buf}, 1", "i32", 0).ref
-            if not self._async_issued or self._async_issued[-1] == 0:
+            if not spec.get("pipe") and (not self._async_issued or self._async_issued[-1] == 0):
                 self.barrier()  # the buffer's last readers (the previous step's MMAs) are done
         self._async_live = True
         rows, k = tuple(op.results[0].type.shape)
@@ -437,10 +438,21 @@ class Staging:
             d = dst if a == 0 else self.val(f"add i32 {dst}, {a * rows * 128}", "i32", 0).ref
             c = col if a == 0 else self.val(f"add i32 {col}, {a * 64}", "i32", 0).ref
             boxes.append((d, c))
-        self.hooks.tma_copy(self, self._tma_bar(spec, seq), desc, row, boxes, rows * k * 2)
+        copy = (self._tma_bar(spec, seq), desc, row, boxes, rows * k * 2)
+        if spec.get("pipe") and slot is not None:
+            # TMA_PIPE: the buffer this copy fills is the one the previous step's MMAs read, and they may still
+            # run: the dot of this step issues it once they are done (_dot_wgmma_async)
+            self._tma_deferred.append(copy)
+        else:
+            self.hooks.tma_copy(self, *copy)
         if self._async_issued:
             self._async_issued[-1] += 1
         return AsyncTile(spec, seq)
+
+    def _tma_issue_deferred(self) -> None:
+        for copy in self._tma_deferred:
+            self.hooks.tma_copy(self, *copy)
+        self._tma_deferred = []
 
     def _async_wait(self, *tiles) -> int:
         """Waits for the cp.async copies of the async `tiles` a dot reads: the groups committed after theirs may
@@ -491,10 +503,26 @@ class Staging:
             offb = off
             off = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k)) // al) * al
         ahead = self._async_wait(a_async, b_async)
+        keep = (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"])
+        pipe = keep and a_async is not None and b_async is not None and bool(self._tma_deferred) \
+            and a_async.spec.get("pipe") and b_async.spec.get("pipe")
+        if pipe:
+            # TMA_PIPE (a K loop's step on TMA tiles): each thread waited on the tiles' mbarriers, which makes
+            # the copies visible to it, and nothing else wrote shared memory: no fence or CTA barrier before
+            # the MMAs. They stay in flight into the next step: wait only for the previous step's group (the
+            # readers of the buffer this step's copies refill), then one barrier (every warpgroup's), then
+            # the copies. The accumulators' consumers after the loop wait for the rest (commit_wait 0, or
+            # _materialise through plan["in_flight"]).
+            regs = self._wgmma_run(plan, g, offs_a, offb, regs_in)
+            regs = self.hooks.wgmma_commit(self, regs)
+            regs = self.hooks.wgmma_wait(self, 1, regs)
+            self.barrier()
+            self._tma_issue_deferred()
+            plan["in_flight"] = True
+            return _gpu().MmaAcc(g["key"], regs, plan)
         self.hooks.fence_async_smem(self)
         self.barrier()
         regs = self._wgmma_run(plan, g, offs_a, offb, regs_in)
-        keep = (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"])
         regs = self.hooks.wgmma_commit_wait(self, regs)
         if keep:
             return _gpu().MmaAcc(g["key"], regs, plan)

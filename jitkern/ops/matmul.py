@@ -514,6 +514,9 @@ GPU_LINEAR_PREFETCH = _env.linear_prefetch()
 GPU_LINEAR_TMA = _env.tma()
 
 
+_COMPILE_ONLY_MAP = 1 << 40       # a tensor map argument's stand-in under compile_only (never launched)
+
+
 def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
               w_dtype: str) -> tuple:
     """(x's tensor map, w's) as kernel arguments: global addresses where the launch `opts` (_mma_regs') run
@@ -525,11 +528,18 @@ def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, B
             and opts.get("num_stages") in (2, 3) and BK % 64 == 0
             and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
         return 0, 0
+    if (ldx * 2) % 16 or (K * 2) % 16 or tuple(w.strides) != (K * 2, 2) or x2.strides[-1] != 2:
+        return 0, 0
     from jitkern.runtime import cuda as _cuda
+    from jitkern.runtime import launch as _launch_mod
+    if getattr(_launch_mod._capture, "compile_only", None) is not None:
+        # `jitkern build` (compile-only launches on a stand-in device): the kernel a GPU would run here, with
+        # arguments of a map's type and alignment (an i64 multiple of 64); nothing is launched
+        opts["tma"] = 1
+        return _COMPILE_ONLY_MAP, _COMPILE_ONLY_MAP
     if not (isinstance(x2, _cuda.DeviceArray) and isinstance(w, _cuda.DeviceArray)
             and isinstance(x2.device, _cuda.CudaDevice) and isinstance(w.device, _cuda.CudaDevice)) \
-            or (ldx * 2) % 16 or (K * 2) % 16 or x2.ptr % 16 or w.ptr % 16 \
-            or tuple(w.strides) != (K * 2, 2) or x2.strides[-1] != 2:
+            or x2.ptr % 16 or w.ptr % 16:
         return 0, 0
     xmap = _cuda.tensor_map_2d(x2.ptr, M, K, ldx * 2, BM, 64, x_dtype, x2.device)
     wmap = _cuda.tensor_map_2d(w.ptr, N, K, K * 2, BN, 64, w_dtype, w.device)
