@@ -121,6 +121,7 @@ def _toolchain_key(target) -> tuple:
             ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ()) + \
             (("wgmma-pipe",) if gpu.WGMMA_PIPE else ()) + \
             (("tma-pipe",) if gpu.TMA_PIPE else ()) + \
+            (("pdl",) if gpu.PDL and target.async_copy == "tma" else ()) + \
             (() if gpu.FRAG_OPS else ("no-frag-ops",)) + \
             ((f"cp-async-{int(gpu.CP_ASYNC)}",) if gpu.CP_ASYNC is not None else ()) + \
             ((f"mma-unroll-{gpu.MMA_UNROLL}",) if gpu.MMA_UNROLL else ()) + \

@@ -60,6 +60,9 @@ Settings (all optional):
     JITKERN_TMA_PIPE            0 or 1: a TMA-fed K loop's warpgroup MMAs stay in flight into the next step (wait
                                 for all but the latest group), and the step's copies are issued after them
                                 (default 0: not yet run on a GPU; the same bits; an A/B switch).
+    JITKERN_PDL                 0 or 1: programmatic dependent launch on sm_90+ (kernels launched with the
+                                programmatic stream serialization attribute; each waits for its predecessor with
+                                griddepcontrol.wait) (default 0: not yet run on a GPU; an A/B switch).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -87,7 +90,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
-            "JITKERN_TMA_PIPE")
+            "JITKERN_TMA_PIPE", "JITKERN_PDL")
 
 
 class SettingError(JitkernError, ValueError):
@@ -220,6 +223,11 @@ def tma_pipe(environ=None) -> bool:
     return env_choice("JITKERN_TMA_PIPE", ("0", "1"), environ) == "1"
 
 
+def pdl(environ=None) -> bool:
+    """JITKERN_PDL=1: programmatic dependent launch on sm_90+ (backends/nvptx.py entry, runtime/cuda.py launch)."""
+    return env_choice("JITKERN_PDL", ("0", "1"), environ) == "1"
+
+
 def flash_fold_skip(environ=None) -> bool:
     """JITKERN_FLASH_FOLD_SKIP (default 1): the flash prefill's partition fold only where a row of the tile needs
     it; 0 folds in every block."""
@@ -344,6 +352,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     flash_fold_skip(environ)
     tma(environ)
     tma_pipe(environ)
+    pdl(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

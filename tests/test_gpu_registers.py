@@ -473,6 +473,34 @@ def test_linear_tma_pipe(tmp_path, monkeypatch, prefetch):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_pdl_kernels_wait_for_their_predecessor_first(tmp_path, monkeypatch):
+    """JITKERN_PDL=1 (programmatic dependent launch): on sm_90a every kernel starts with griddepcontrol.wait,
+    before any global memory access (a launch with programmatic stream serialization may begin before the
+    previous kernel has finished: the wait is what keeps its reads after that kernel's writes), then lets its
+    dependents launch; the switch is in the cache key; sm_80 kernels have neither."""
+    from jitkern.backends import gpu
+    from jitkern.compiler import _toolchain_key
+    from targets import get_target
+    monkeypatch.setattr(gpu, "PDL", True)
+    assert "pdl" in _toolchain_key(get_target("sm_90a")) and "pdl" not in _toolchain_key(get_target("sm_80"))
+    ptx = _linear_ptx(64, 128, 64, extra=("ACT16=1", "wgmma=1", "num_stages=2", "tma=1"), warps=8, split=4,
+                      sig=LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16"))
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    first_mem = min(i for i in (body.find("ld.global"), body.find("cp.async"), body.find("st.global"),
+                                body.find("ld.shared"), body.find("st.shared"), body.find("mbarrier")) if i >= 0)
+    assert body.count("griddepcontrol.wait;") == 1
+    assert body.index("griddepcontrol.wait;") < body.index("griddepcontrol.launch_dependents;") < first_mem
+    assert _ptxas_usage(ptx, tmp_path)[1] == 0
+    from jitkern.cli import parse_sig
+    from jitkern.compiler import compile_kernel
+    from jitkern.ops.matmul import _gpu_linear_mma_kernel
+    params, cx = parse_sig(_gpu_linear_mma_kernel, LINEAR_SIG, ["HAS_BIAS=False", "BM=16", "BN=64", "BK=128",
+                                                                "EVEN=True", "SPLIT=2", "num_warps=4"])
+    ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, get_target("sm_80"), load=False)
+    assert "griddepcontrol" not in ck.artifacts["kernel.ptx"].decode()
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_tma_probe_assembles_and_models_the_wgmma_staging():
     """perf/probe_tma.py (the TMA probe for the H200): its 128-byte swizzle model is probe_wgmma's validated sw128
     layout, and its mbarrier + cp.async.bulk.tensor kernels assemble for sm_90a."""

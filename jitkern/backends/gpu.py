@@ -207,6 +207,12 @@ WGMMA_PIPE = _env.wgmma_pipe()
 # do, with one CTA barrier a step instead of two (gpu_staging.py _tma_load / _dot_wgmma_async). The same MMAs in
 # the same order. An A/B switch (in the cache key) until it has run on a GPU (perf/h200_tma_pipe.sh)
 TMA_PIPE = _env.tma_pipe()
+# JITKERN_PDL=1: programmatic dependent launch (sm_90+). Every kernel starts with griddepcontrol.wait (it waits
+# until the grids it depends on have completed and their memory is visible: the same results) and then
+# griddepcontrol.launch_dependents, and the runtime launches with the programmatic stream serialization
+# attribute: the next kernel's CTAs are launched while this one's last wave drains, instead of after it. An A/B
+# switch (in the cache key) until it has run on a GPU
+PDL = _env.pdl()
 # JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
 # tile layout in shared memory (an A/B switch, in the cache key)
 FRAG_OPS = _env.frag_ops()

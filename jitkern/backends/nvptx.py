@@ -52,6 +52,19 @@ class NvptxHooks(GpuHooks):
         low.declare(name, "i32", [])
         return low.val(f"call i32 @{name}()", "i32", 0).ref
 
+    @property
+    def has_pdl(self) -> bool:
+        """Programmatic dependent launch (griddepcontrol, sm_90+) under JITKERN_PDL."""
+        from . import gpu
+        return bool(gpu.PDL) and self.target.async_copy == "tma"
+
+    def entry(self, low) -> None:
+        if self.has_pdl:
+            # before any memory access: wait for the grids this launch depends on (returns at once when it was
+            # not launched with programmatic serialization), then let the next launch's CTAs start
+            low.emit('call void asm sideeffect "griddepcontrol.wait;", "~{memory}"()')
+            low.emit('call void asm sideeffect "griddepcontrol.launch_dependents;", "~{memory}"()')
+
     def thread_id(self, low) -> str:
         return self._sreg(low, "tid.x")
 
