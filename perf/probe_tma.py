@@ -8,7 +8,7 @@ Why: the cp.async linear (backends/gpu_staging.py) has every thread compute and 
 thread per K step on the (128, 128, 64, 8) tile) and covers one K step of memory latency; on the H200 it stays
 at 0.37-0.64x cuBLAS at M >= 256 (BENCHMARKS.md session 10). With TMA one thread issues one bulk copy per tile
 and an mbarrier counts the bytes in. What this settles, on fresh random bf16 data (never zeros):
-1. The tensor map: `cuTensorMapEncodeTiled` (cuda-python) of a row-major (rows, K) bf16 matrix, box (64 elements
+1. The tensor map: `cuTensorMapEncodeTiled` (jitkern.runtime.cuda.tensor_map_2d) of a row-major (rows, K) bf16 matrix, box (64 elements
    of K = 128 bytes, BR rows), 128-byte swizzle, kept in global memory (the kernel takes its address).
 2. The shared-memory image one `cp.async.bulk.tensor.2d` writes, completed through an mbarrier
    (`mbarrier.arrive.expect_tx` + `try_wait.parity`): it must equal probe_wgmma.pack_sw128 of the box, the
@@ -26,7 +26,6 @@ memory out byte for byte.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 
@@ -109,35 +108,6 @@ def tma_ptx(name: str, boxes: list, phases: int) -> str:
     return "\n".join(L)
 
 
-def encode_map(drv, dptr: int, rows: int, K: int, box_rows: int):
-    """cuTensorMapEncodeTiled of a row-major (rows, K) bf16 matrix at dptr: box (64, box_rows), 128-byte swizzle,
-    out-of-bounds elements read as zero. Returns the 128-byte CUtensorMap.
-
-    Called through ctypes on libcuda itself: cuda-bindings' wrapper wants its own cuuint32_t / cuuint64_t objects
-    for every array element (plain ints raise TypeError), and the C signature is what the runtime will use. The
-    enum values come from cuda-bindings so they cannot drift."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int]
-    buf = ctypes.create_string_buffer(128 + 64)
-    at = (ctypes.addressof(buf) + 63) // 64 * 64
-    err = fn(at, int(drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16), 2, dptr,
-             u64x2(K, rows),                   # dims, innermost first
-             (ctypes.c_uint64 * 1)(K * 2),     # byte strides of the dims after the first
-             u32x2(BOX_K, box_rows), u32x2(1, 1),
-             int(drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
-             int(drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B),
-             int(drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
-             int(drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-    if err != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled: CUresult {err}")
-    return ctypes.string_at(at, 128)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ptxas-only", action="store_true", help="generate and assemble the kernel, run nothing")
@@ -155,7 +125,6 @@ def main() -> int:
     ok = True
     dev = None
     if not args.ptxas_only:
-        from cuda.bindings import driver as drv
         from jitkern.runtime import cuda as jc
         dev = jc.get_device()
     for label, bx, bw, xrows, wrows, K, row0, phases in cases:
@@ -170,15 +139,16 @@ def main() -> int:
         x = rng.integers(1, 1 << 15, (xrows, K), dtype=np.uint16)      # nonzero bf16 bit patterns
         w = rng.integers(1, 1 << 15, (max(wrows, 1), K), dtype=np.uint16)
         xd, wd = jc.DeviceArray.from_numpy(x), jc.DeviceArray.from_numpy(w)
-        maps = [encode_map(drv, xd.ptr, xrows, K, bx)] + ([encode_map(drv, wd.ptr, wrows, K, bw)] if bw else [])
-        # tensor maps in global memory, 64-byte aligned (the allocator's blocks are)
-        mds = [jc.DeviceArray.from_numpy(np.frombuffer(m, np.uint8).copy()) for m in maps]
-        assert all(m.ptr % 64 == 0 for m in mds)
+        # the runtime's tensor maps (jitkern.runtime.cuda.tensor_map_2d, as the linear's launches make them): in
+        # global memory, 64-byte aligned
+        mds = [jc.tensor_map_2d(xd.ptr, xrows, K, K * 2, bx, BOX_K, "bf16")] + \
+            ([jc.tensor_map_2d(wd.ptr, wrows, K, K * 2, bw, BOX_K, "bf16")] if bw else [])
+        assert all(int(m) % 64 == 0 for m in mds)
         out = jc.DeviceArray.from_numpy(np.zeros(total, np.uint8))
         k0, step = 128 if K > 128 else 0, (bx if phases > 1 else 0)
         fn = dev.load_function(cubin, name, total + 1024)[1]
         dev.launch(fn, (1, 1, 1), 128, total + 1024,
-                   np.array([m.ptr for m in mds] + [out.ptr, k0, row0, step], np.uint64))
+                   np.array([int(m) for m in mds] + [out.ptr, k0, row0, step], np.uint64))
         dev.synchronize()
         got = out.numpy().tobytes()
         p = phases - 1
