@@ -302,8 +302,8 @@ def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
 def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
     """GPU_LINEAR_PREFETCH = 2 (JITKERN_LINEAR_PREFETCH): the cp.async tiles' K loops load two steps ahead into
     three buffers (num_stages=3, PREFETCH=2; wgmma tiles only): the same dots in the same order, the last two
-    chained in the accumulator registers like the loop's, so bit for bit the result of PREFETCH 1, through the slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one
-    step keep PREFETCH 1. On `fake` a small tile runs the kernel on the CPU (the DSL's order); on the GPU the
+    chained in the accumulator registers like the loop's, so bit for bit the result of PREFETCH 1, through the
+    slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one step keep PREFETCH 1. On `fake` a small tile runs the kernel on the CPU (the DSL's order); on the GPU the
     engine's tiles, the huge one included."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
