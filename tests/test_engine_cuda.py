@@ -344,7 +344,8 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
 @pytest.mark.parametrize("tile", [None, (16, 32, 16, 4, 2)], ids=["engine-tiles", "split-k"])
 def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, tile):
     """GPU_X16 (CUDA, dtype auto, bf16 checkpoint): the norms and the gated activation write the q/k/v, gate/up
-    and down projections' inputs in bf16 (Linear.x16), which the tensor-core linear would round f32 x to anyway;
+    and down projections' inputs in bf16 (Linear.x16), which the tensor-core linear would round f32 x to anyway,
+    and GPU_X16_ATTN the flash attention kernels the o projection's (rounded as they store);
     GPU_FOLD_SPLITK: split-K linears hand their slabs to the add-norm / activation after them (a tile that splits
     the tiny model's K, so the fold runs). Greedy tokens and every prompt logprob are bit-identical to both off,
     batch and alone. (Checked on the fake sm_90a device too, where it compiles for minutes.)"""
@@ -373,12 +374,15 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, ti
     got = {}
     for on in (True, False):
         monkeypatch.setattr(decoder, "GPU_X16", on)
+        monkeypatch.setattr(decoder, "GPU_X16_ATTN", on)
         monkeypatch.setattr(decoder, "GPU_FOLD_SPLITK", on)
         llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
         try:
             L = llm.engine.model.layers[0]
-            assert [lin.x16 for lin in (L.qkv, L.gate_up, L.down)] == [np.uint16 if on else None] * 3
+            assert [lin.x16 for lin in (L.qkv, L.o, L.gate_up, L.down)] == [np.uint16 if on else None] * 4
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+            # GPU_X16_ATTN: the flash kernels wrote the o projection's input in bf16
+            assert list(llm.engine.model._attn16_ok.values()) == ([True] * len(llm.engine.model.layers) if on else [])
             got[on] = [(list(o.outputs[0].token_ids),
                         [None if d is None else sorted((k, v.logprob) for k, v in d.items()) for d in o.prompt_logprobs])
                        for o in outs]

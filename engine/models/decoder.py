@@ -26,6 +26,11 @@ from engine.models.weights import Linear, linear_from, vector_f32
 # the weights' 16-bit type (Linear.x16), the same bits the linear would round f32 x to, from half the bytes
 # (H200, perf/tune_gemv_cuda.py --x16: 1.04-1.10x at 64 tokens, 1.08-1.15x at 256-1024)
 GPU_X16 = True
+# ... and the flash attention kernels write the o projection's input that way too (rounded as they store it; the
+# o projection then takes TMA at prefill sizes, which needs 16-bit x). Off until its GPU bit test has run
+# (tests/test_engine_cuda.py test_16bit_linear_inputs_leave_every_bit_as_it_was turns it on): the op is checked
+# on the CPU tiers and the fake sm_90a device (tests/ops/test_attention_flash.py)
+GPU_X16_ATTN = False
 # CUDA: a split-K linear (o, gate/up, down) leaves its slabs to the op after it (rms_norm with the residual add,
 # the gated activation), which sums them in the sum kernel's order: the same bits, one launch a linear fewer
 GPU_FOLD_SPLITK = True
@@ -190,6 +195,7 @@ class DecoderLM:
         self.num_kv_layers = cfg.num_layers
         self.k_caches = []
         self.v_caches = []
+        self._attn16_ok = {}        # layer -> whether attention writes the o projection's 16-bit input
         # attention scratch with stable addresses (graphs), one for all layers: they run one after another,
         # so one set of softmax-state arrays per step shape serves them (per layer it was ~180 MB over 30
         # layers at 2,048 tokens, and the CPU prefill's token groups hold 16 tokens' state a program)
@@ -406,6 +412,20 @@ class DecoderLM:
             return None
         return np.uint16 if lin.kind == "bf16" else np.float16
 
+    def _attn16_for(self, lin, li: int) -> bool:
+        """Whether attention writes `lin`'s (the o projection's) input in its 16-bit storage (GPU_X16_ATTN):
+        lin takes 16-bit x and paged_attention runs the flash kernels for this model's heads and cache."""
+        if not GPU_X16_ATTN or getattr(lin, "x16", None) is None or type(lin) is not Linear:
+            return False
+        ok = self._attn16_ok
+        if li not in ok:
+            from jitkern.ops._hostargs import resolve_target
+            from jitkern.ops.attention import writes_16bit_out
+            kc = self.k_caches[li]
+            ok[li] = writes_16bit_out(resolve_target(None, lin.weight), self.H,
+                                      kc.shape[2], kc.shape[3], kc.shape[1])
+        return ok[li]
+
     def _x_for(self, lin, norm_w, x, buf):
         """The buffer the pre-norm writes `lin`'s input into: x (f32), or its 16-bit twin when lin takes it."""
         st = getattr(lin, "x16", None)
@@ -523,15 +543,18 @@ class DecoderLM:
                 if L.rope_cache is not None:
                     rope(q, k, pos, L.rope_cache, D, self.rotary_dim, self.is_neox)
                 reshape_and_cache(k, v, self.k_caches[li], self.v_caches[li], b.slot_mapping[:T])
+            # the o projection's input straight in its 16-bit storage where it takes one (Linear.x16) and the
+            # flash kernels write it: rounded as they store, the bits the linear would round f32 to
+            attn_o = buf.get("attn16", (T, H * D), L.o.x16) if self._attn16_for(L.o, li) else attn
             paged_attention(q, self.k_caches[li], self.v_caches[li], b.query_start[: b.num_seqs + 1],
                             b.seq_lens[: b.num_seqs], b.block_table[: b.num_seqs], scale=self.scale,
                             sliding_window=self.cfg.sliding_window if L.sliding else 0, softcap=self.softcap,
                             sinks=L.sinks,
-                            out=attn.reshape(T, H, D), workspace=self._attn_ws[li],
+                            out=attn_o.reshape(T, H, D), workspace=self._attn_ws[li],
                             # the full partition axis: a recorded decode graph stays valid as contexts grow
                             # (each sequence uses only the partitions its own length needs)
                             num_partitions=MAX_PARTITIONS, host_step=host_step, operands=self._attn_operands)
-            osrc = L.o(attn, out=o, **self._fold_kw(L.o, fold and L.post_attn_norm is None))
+            osrc = L.o(attn_o, out=o, **self._fold_kw(L.o, fold and L.post_attn_norm is None))
             if tp is not None:               # row-parallel o: partial sums
                 tp.all_reduce(o)
             if self.residual_scale is not None:

@@ -67,7 +67,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, resolve_target, run
+from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, is_device, resolve_target, run
 from jitkern import env as _env
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
@@ -1084,6 +1084,21 @@ def _check_cache(k_cache, v_cache):
     return k_cache.shape[1:]
 
 
+def _bf16_arg(a):
+    """A uint16 array (bf16 storage) as the kernels' bf16 pointer."""
+    from jitkern.ir import bf16
+    from jitkern.jit import Pointer, as_pointer
+    if is_device(a):
+        return as_pointer(a, bf16)
+    return Pointer(a.__array_interface__["data"][0], bf16, a)
+
+
+def _f32_out_only(st, path: str) -> None:
+    if st.out16:
+        raise ValueError(f"out: a 16-bit output (uint16 = bf16, float16) is written by the flash kernels only; the "
+                         f"{path} path needs a float32 out")
+
+
 def _heads_view(a, what, heads, head_dim, dtype=np.float32):
     """(token stride, head stride) in elements of a [T, heads, head_dim] array (or [T, heads*head_dim])."""
     if not is_array(a):
@@ -1164,7 +1179,13 @@ class _Step:
         self.G = self.heads // self.kvh
         self.q_ts, self.q_hs = _heads_view(q, "q", self.heads, self.dim)
         self.out = empty_like_dev(q, (self.T, self.heads, self.dim), np.float32) if out is None else out
-        self.o_ts, self.o_hs = _heads_view(self.out, "out", self.heads, self.dim)
+        # a 16-bit out (uint16 storage = bf16, or float16): the flash kernels store their f32 results rounded to
+        # nearest even, the bits a 16-bit consumer (the o projection's tensor-core linear) would round them to
+        odt = getattr(self.out, "dtype", None)
+        self.out16 = odt in (np.uint16, np.float16)
+        self.o_ts, self.o_hs = _heads_view(self.out, "out", self.heads, self.dim,
+                                           dtype=odt if self.out16 else np.float32)
+        self.out_arg = _bf16_arg(self.out) if odt == np.uint16 else self.out
         if self.out.shape[0] != self.T:
             raise ValueError(f"out: expected {self.T} tokens, got {self.out.shape[0]}")
         self.scale, self.window, softcap = float(scale), int(sliding_window), float(softcap)
@@ -1179,7 +1200,7 @@ class _Step:
             raise ValueError(f"sinks: expected a contiguous float32 array of shape ({self.heads},) (one per query "
                              f"head), got {getattr(sinks, 'dtype', type(sinks).__name__)} "
                              f"{getattr(sinks, 'shape', '')}")
-        self.sinks = sinks if self.use_sinks else self.out
+        self.sinks = sinks if self.use_sinks else (q if self.out16 else self.out)
         self.empty = self.num_seqs == 0 or self.T == 0
         if validate and not self.empty:
             _validate_step(self.qs_host, self.sl_host, self.block_table, self.T, self.bs)
@@ -1330,6 +1351,15 @@ def _flash_path(target, st) -> bool:
             and not GPU_TOKEN_ATTENTION and _flash_fits(st))
 
 
+def writes_16bit_out(target, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether paged_attention on `target` runs the flash kernels for these shapes, so that its `out` may be
+    16-bit (uint16 = bf16, float16: the results rounded to nearest even as they are stored)."""
+    from types import SimpleNamespace
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return False
+    return _flash_path(target, SimpleNamespace(G=num_heads // num_kv_heads, dim=head_dim, bs=block_size))
+
+
 def partition_blocks_for(target) -> int:
     """Blocks per decode partition that paged_attention uses on `target` (GPUs on the flash kernels:
     GPU_PARTITION_BLOCKS; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
@@ -1365,13 +1395,13 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
-            (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
+            (q, k_cache, v_cache, st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.block_table,
              st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
             target=target, KVH=st.kvh, G=G, R=max(16, GP), D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
             MAXP=MAX_PARTITIONS, SPLIT=split, **common, **dw)
         if P > 1:
             run(flash_merge_kernel, (st.num_seqs, st.kvh),
-                (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
+                (st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
                 target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
                 MAXP=MAX_PARTITIONS, SINKS=st.use_sinks)
     if max_query_len > 1 or not decode:
@@ -1383,7 +1413,7 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
             rows = max(rows, 16)
         bm = max(1, rows // GP)
         run(flash_prefill_kernel, (st.T // bm + st.num_seqs, st.kvh),
-            (q, k_cache, v_cache, st.out, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
+            (q, k_cache, v_cache, st.out_arg, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
              int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
              st.cap, st.sinks),
             target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=GPU_PARTITION_BLOCKS,
@@ -1483,7 +1513,10 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     flash = _flash_path(target, st)
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS)
     if _token_path(target, st):
+        _f32_out_only(st, "token (Vulkan)")
         return _vulkan_attention(st, q, k_cache, v_cache, target)
+    if not flash:
+        _f32_out_only(st, f"{target.name if target is not None else 'CPU'} attention")
     ws = workspace if workspace is not None else {}
     if flash:
         return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target,
@@ -1543,11 +1576,13 @@ def paged_prefill_attention(q, k_cache, v_cache, query_start, seq_lens, block_ta
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
                validate, host_step, sinks)
     if not st.empty and _token_path(target, st):
+        _f32_out_only(st, "token (Vulkan)")
         return _vulkan_attention(st, q, k_cache, v_cache, target)
     if not st.empty and _flash_path(target, st):
         return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, 1, 2, False,
                              block_q, None, target)
     if not st.empty:
+        _f32_out_only(st, "prefill")
         _launch_prefill(st, q, k_cache, v_cache, workspace if workspace is not None else {},
                         int(block_q or PREFILL_BLOCK_Q), False, target)
     return st.out

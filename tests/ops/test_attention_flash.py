@@ -145,6 +145,30 @@ def test_flash_batch_invariance(tier, split):
         np.testing.assert_array_equal(gen, full)
 
 
+@pytest.mark.parametrize("storage", [np.uint16, np.float16], ids=["bf16", "f16"])
+def test_flash_16bit_out(tier, storage):
+    """A 16-bit `out` (uint16 = bf16, float16; the engine's o projection input, decoder.GPU_X16_ATTN): the decode,
+    merge and prefill kernels store their f32 results rounded to nearest even, bit for bit the f32 result
+    rounded (what the tensor-core linear would round it to); strided rows too. Paths that are not the flash
+    kernels refuse it in one line naming `out`."""
+    from tests.ops.ref_basic import to_bf16
+    rng = np.random.default_rng(31)
+    H, KVH, D = 6, 2, 16
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, H, KVH, D, np.float32)
+    T = q.shape[0]
+    full = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=4)
+    want = to_bf16(full) if storage == np.uint16 else full.astype(np.float16)
+    wide = np.zeros((T, H, D + 8), storage)                   # rows 8 elements apart beyond the heads
+    for out in (np.zeros((T, H, D), storage), wide[:, :, :D]):
+        got = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=4, out=out)
+        assert got is out
+        np.testing.assert_array_equal(got, want)
+    assert not wide[:, :, D:].any()
+    if not tier.is_gpu:
+        with pytest.raises(ValueError, match="out: a 16-bit output"):
+            A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.25, out=np.zeros((T, H, D), storage), target=tier)
+
+
 @pytest.mark.parametrize("dtype,split", [(np.float16, False), (np.float32, True)], ids=["f16", "f32-split"])
 def test_flash_16bit_operands(tier, dtype, split, monkeypatch):
     """GPU_FLASH_OPERANDS = "16bit": q and the probabilities enter the dots as f16. Within f16's rounding of
@@ -370,3 +394,11 @@ def test_paged_attention_on_device_arrays_alone_equals_batched(backend, monkeypa
         out, sub_qs = attend(rows)
         for k, i in enumerate(rows):
             np.testing.assert_array_equal(out[sub_qs[k]:sub_qs[k + 1]], full[qs[i]:qs[i + 1]])
+    # the engine's 16-bit out (decoder.GPU_X16_ATTN): the same rows rounded to bf16 as they are stored
+    from tests.ops.ref_basic import to_bf16
+    o16 = cuda.DeviceArray.zeros((q.shape[0], H, D), np.uint16)
+    got = A.paged_attention(cuda.DeviceArray.from_numpy(q), dkc, dvc, cuda.DeviceArray.from_numpy(qs),
+                            cuda.DeviceArray.from_numpy(sl), cuda.DeviceArray.from_numpy(bt), scale=0.2,
+                            num_partitions=A.MAX_PARTITIONS, workspace={}, host_step=(qs, sl), out=o16)
+    assert got is o16
+    np.testing.assert_array_equal(o16.numpy(), to_bf16(full))
