@@ -307,6 +307,7 @@ def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
     engine's tiles, the huge one included."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_TMA", False)    # (cp.async's chains; with TMA on, PREFETCH 2 is TMA's only)
     if backend == "fake":
         monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
         monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
@@ -366,6 +367,8 @@ def test_linear_tma_gives_the_same_bits(backend, monkeypatch):
             got[on, pf, pipe] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
             ck = mm.last_compiled("_gpu_linear_mma_kernel")
             assert bool(ck.constexprs.get("tma")) == (on and backend == "cuda"), (M, N, K, ck.constexprs)
+            if on and backend == "fake":
+                assert ck.constexprs.get("PREFETCH", 1) == 1      # prefetch 2 is for TMA launches only
         for key in runs[1:]:
             np.testing.assert_array_equal(got[key], got[runs[0]], err_msg=f"M={M} N={N} K={K} {key}")
         want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias

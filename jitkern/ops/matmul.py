@@ -502,8 +502,11 @@ def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int =
 # (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs cover the
 # copies' latency instead of one; the same dots in the same order (the same bits: the last two dots chain in the
 # accumulator registers, gpu.py _keep_frag; wgmma tiles only). The huge tile then needs 108 registers (128 with
-# PREFETCH 1). Off (1) by default until timed on a GPU (perf/h200_prefetch.sh); its first H200 run in session 11
-# found other bits than PREFETCH 1's (the last dot summed from zero, then added), fixed by that chaining.
+# PREFETCH 1). Off (1) by default. H200, session 11: on cp.async slower at every shape (perf/h200_prefetch.sh),
+# so with TMA on it applies to TMA launches only (_tma_maps); on TMA faster in the GEMM A/B (up to 0.90x cuBLAS)
+# but the engine's prefill linears were slower under CUPTI - where the o projection, whose x is f32, ran cp.async
+# prefetch 2 (perf/h200_tma_prefetch.sh; to re-measure with that rule). Its first run found other bits than
+# PREFETCH 1's (the last dot summed from zero, then added), fixed by the chaining.
 GPU_LINEAR_PREFETCH = _env.linear_prefetch()
 
 # JITKERN_TMA (default 1): the wgmma tiles' K loops fed by the tensor memory accelerator: one bulk copy per tile
@@ -523,7 +526,18 @@ def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, B
     wgmma on cp.async staging, GPU_LINEAR_TMA is on, x is already 16-bit and both matrices are on a CUDA device
     with 16-byte aligned rows and the maps exist or can be made (then opts gets `tma`); else (0, 0). x's map has M
     rows (TMA reads the rows past them as zeros, as the kernel's mask does); boxes of (BM or BN) rows x 64
-    elements, the staging's 128-byte swizzle atoms."""
+    elements, the staging's 128-byte swizzle atoms. With GPU_LINEAR_TMA on, prefetch-2 chains (PREFETCH 2) are
+    for TMA launches only: a launch left on cp.async goes back to PREFETCH 1 (on cp.async prefetch 2 was slower
+    at every shape on the H200, BENCHMARKS.md session 11)."""
+    maps = _tma_maps_for(T, opts, x2, w, M, N, K, ldx, BM, BN, BK, x_dtype, w_dtype)
+    if GPU_LINEAR_TMA and "tma" not in opts and opts.get("PREFETCH") == 2:
+        del opts["PREFETCH"]
+        opts["num_stages"] = 2
+    return maps
+
+
+def _tma_maps_for(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
+                  w_dtype: str) -> tuple:
     if not (GPU_LINEAR_TMA and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
             and opts.get("num_stages") in (2, 3) and BK % 64 == 0
             and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
