@@ -52,7 +52,7 @@ Settings (all optional):
     JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's cp.async tiles load (2:
                                 three buffers; default 1: not yet run on a GPU; an A/B switch).
     JITKERN_FLASH_FOLD_SKIP     0 or 1: the flash prefill tile folds its partitions only in the blocks where some
-                                row needs it (default 1: 1.15-1.23x prefill attention on the H200; the same
+                                row needs it (default 1: 1.15-1.24x prefill attention on the H200; the same
                                 bits; 0 folds in every block).
     JITKERN_TMA                 0 or 1: the tensor-core linear's wgmma tiles fed by the tensor memory accelerator
                                 (sm_90+; tensor maps from cuTensorMapEncodeTiled) instead of cp.async (default

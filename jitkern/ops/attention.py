@@ -1287,7 +1287,7 @@ FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV hea
 FLASH_PIPELINE = True      # load the next cache block while the current one is computed
 # JITKERN_FLASH_FOLD_SKIP (default 1): the prefill tile's partition fold runs only in the blocks where some row
 # needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
-# 1.15-1.23x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
+# 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
 GPU_FLASH_FOLD_SKIP = _env.flash_fold_skip()
 # the flash kernels' MMA operands: "f32" (q and the probabilities split into f16 hi + lo by the lowering: ~22
 # significant bits, two chains per dot) or "16bit" (q and the probabilities rounded to f16 once: one chain per
