@@ -63,6 +63,9 @@ Settings (all optional):
     JITKERN_PDL                 0 or 1: programmatic dependent launch on sm_90+ (kernels launched with the
                                 programmatic stream serialization attribute; each waits for its predecessor with
                                 griddepcontrol.wait) (default 0: not yet run on a GPU; an A/B switch).
+    JITKERN_X16_ATTN            0 or 1: on CUDA with 16-bit compute the flash attention kernels write the o
+                                projection's input in bf16 / f16 (engine/models/decoder.py GPU_X16_ATTN; the same
+                                bits; default 0: not yet run on a GPU).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -90,7 +93,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
-            "JITKERN_TMA_PIPE", "JITKERN_PDL")
+            "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN")
 
 
 class SettingError(JitkernError, ValueError):
@@ -228,6 +231,11 @@ def pdl(environ=None) -> bool:
     return env_choice("JITKERN_PDL", ("0", "1"), environ) == "1"
 
 
+def x16_attn(environ=None) -> bool:
+    """JITKERN_X16_ATTN=1: attention writes the o projection's 16-bit input (engine/models/decoder.py)."""
+    return env_choice("JITKERN_X16_ATTN", ("0", "1"), environ) == "1"
+
+
 def flash_fold_skip(environ=None) -> bool:
     """JITKERN_FLASH_FOLD_SKIP (default 1): the flash prefill's partition fold only where a row of the tile needs
     it; 0 folds in every block."""
@@ -353,6 +361,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     tma(environ)
     tma_pipe(environ)
     pdl(environ)
+    x16_attn(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

@@ -19,6 +19,7 @@ from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
 from engine.models.moe import load_moe_block, moe_spec
 from engine.models.weights import Linear, linear_from, vector_f32
+from jitkern import env as _env
 
 
 # logical name -> candidate checkpoint names ({i} = layer index)
@@ -29,8 +30,8 @@ GPU_X16 = True
 # ... and the flash attention kernels write the o projection's input that way too (rounded as they store it; the
 # o projection then takes TMA at prefill sizes, which needs 16-bit x). Off until its GPU bit test has run
 # (tests/test_engine_cuda.py test_16bit_linear_inputs_leave_every_bit_as_it_was turns it on): the op is checked
-# on the CPU tiers and the fake sm_90a device (tests/ops/test_attention_flash.py)
-GPU_X16_ATTN = False
+# on the CPU tiers and the fake sm_90a device (tests/ops/test_attention_flash.py); JITKERN_X16_ATTN=1 turns it on
+GPU_X16_ATTN = _env.x16_attn()
 # CUDA: a split-K linear (o, gate/up, down) leaves its slabs to the op after it (rms_norm with the residual add,
 # the gated activation), which sums them in the sum kernel's order: the same bits, one launch a linear fewer
 GPU_FOLD_SPLITK = True
