@@ -15,7 +15,8 @@ time of LLMEngine.step() calls in the steady state); --profile adds a cProfile o
 host side of the decode steps (top functions by own time). --smoke: the fake device and a tiny model (CPU).
 --cupti: graphs on, no synchronisation between kernels: each concurrency's recorded decode graph replayed under
 torch.profiler (CUPTI sees every kernel, whoever launched it), and one --prompt-len prefill; per kernel name its
-launches and device time per step, so the table is what a real step spends (needs torch with CUDA).
+launches and device time per step, so the table is what a real step spends (needs torch with CUDA). The prefill's
+unprofiled wall time is printed too (min and median of --wall-repeats; only in this mode).
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cupti", action="store_true",
                     help="graphs on: per-kernel device time of a replayed decode graph and of a prefill (torch.profiler)")
     ap.add_argument("--prompt-len", type=int, default=1024, help="--cupti: the prefill's prompt length")
+    ap.add_argument("--wall-repeats", type=int, default=5,
+                    help="--cupti: unprofiled prefills timed (fresh random prompts; min and median printed)")
     ap.add_argument("--smoke", action="store_true",
                     help="--host on the fake CUDA device (tests/fake_cuda.py) with a tiny model: checks the script")
     args = ap.parse_args(argv)
@@ -240,13 +243,18 @@ def _cupti(args) -> int:
         prompt = rng.integers(10, min(1000, vocab), args.prompt_len).tolist()
         sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         llm.generate([prompt], sp1)                           # warm-up: compiles this token count's kernels
-        t0 = time.perf_counter()
-        llm.generate([rng.integers(10, min(1000, vocab), args.prompt_len).tolist()], sp1)
-        wall = time.perf_counter() - t0
+        walls = []
+        for _ in range(max(1, args.wall_repeats)):
+            # (one sample was not enough: session 11's single-shot walls disagreed with the kernel sums)
+            t0 = time.perf_counter()
+            llm.generate([rng.integers(10, min(1000, vocab), args.prompt_len).tolist()], sp1)
+            walls.append(time.perf_counter() - t0)
+        walls.sort()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate([rng.integers(10, min(1000, vocab), args.prompt_len).tolist()], sp1)
             dev.synchronize()
-        print(f"\nprefill of {args.prompt_len} tokens, {args.layers} layers: {wall * 1e3:.1f} ms wall (unprofiled)")
+        print(f"\nprefill of {args.prompt_len} tokens, {args.layers} layers: {walls[0] * 1e3:.1f} ms wall min, "
+              f"{walls[len(walls) // 2] * 1e3:.1f} median of {len(walls)} (unprofiled)")
         _kernel_table(prof, 1, f"prefill of {args.prompt_len} tokens")
         llm.close()
     return 0
