@@ -538,6 +538,7 @@ def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, B
 
 def _tma_maps_for(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
                   w_dtype: str) -> tuple:
+    """_tma_maps' maps and `tma` option, before its prefetch rule."""
     if not (GPU_LINEAR_TMA and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
             and opts.get("num_stages") in (2, 3) and BK % 64 == 0
             and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
