@@ -182,6 +182,17 @@ def _mnemonics(text: str) -> dict:
     return out
 
 
+def _code_object_mnemonics(ck, target: str, tmp_path) -> dict:
+    """A compiled kernel's code object checked (check_code_object) and disassembled: mnemonic -> count."""
+    p = tmp_path / "k.hsaco"
+    p.write_bytes(ck.artifacts["kernel.hsaco"])
+    check_code_object(p.read_bytes(), target, ck.symbol)
+    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return _mnemonics(r.stdout)
+
+
 def _check_instructions(ops: dict, target: str) -> None:
     gfx11 = target.startswith("gfx11")
     load16 = "global_load_b128" if gfx11 else "global_load_dwordx4"
@@ -737,13 +748,7 @@ def test_linear_gemm_runs_on_the_matrix_units(target, wdt, tmp_path):
     ck = _compile_linear_mma(target, wdt)
     ll = ck.artifacts["kernel.ll"].decode()
     assert ("@llvm.amdgcn.mfma." if target != "gfx1100" else "@llvm.amdgcn.wmma.") in ll
-    p = tmp_path / "k.hsaco"
-    p.write_bytes(ck.artifacts["kernel.hsaco"])
-    check_code_object(p.read_bytes(), target, ck.symbol)
-    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    ops = _mnemonics(r.stdout)
+    ops = _code_object_mnemonics(ck, target, tmp_path)
     op = MMA_OPS[(target, wdt)]
     # BM=16, BN=64, BK=64 per K step: 4 output tiles x 4 k steps x 2 (hi + lo of the f32 activations)
     n_mma = sum(v for k, v in ops.items() if k.startswith(op))
@@ -781,13 +786,7 @@ def test_dense_linear_picks_the_matrix_units(target, wdt, tmp_path):
                for ck in co.compiled), [ck.constexprs for ck in co.compiled]
     assert len({ck.symbol for ck in co.compiled}) == 1          # M is not specialised on: one kernel for every M
     ck = co.compiled[0]
-    p = tmp_path / "k.hsaco"
-    p.write_bytes(ck.artifacts["kernel.hsaco"])
-    check_code_object(p.read_bytes(), target, ck.symbol)
-    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    ops = _mnemonics(r.stdout)
+    ops = _code_object_mnemonics(ck, target, tmp_path)
     assert sum(v for k, v in ops.items() if k.startswith(MMA_OPS[(target, wdt)])) >= 2, sorted(ops)
     assert not [k for k in ops if k.startswith(("scratch_", "flat_"))]     # no VGPR spills, no flat access
     # the FMA kernel where the matrix units do not apply
@@ -815,13 +814,7 @@ def test_serial_split_linear_on_the_matrix_units(target, tmp_path):
                   w_dtype="f16")
     (ck,) = co.compiled
     assert ck.name == "_gpu_linear_mma_kernel" and ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4
-    p = tmp_path / "k.hsaco"
-    p.write_bytes(ck.artifacts["kernel.hsaco"])
-    check_code_object(p.read_bytes(), target, ck.symbol)
-    r = subprocess.run([find_objdump(), "-d", f"--mcpu={target}", str(p)], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    ops = _mnemonics(r.stdout)
+    ops = _code_object_mnemonics(ck, target, tmp_path)
     assert sum(v for k, v in ops.items() if k.startswith(MMA_OPS[(target, "f16")])) >= 2, sorted(ops)
     assert not [k for k in ops if k.startswith(("scratch_", "flat_"))]
 
