@@ -8,7 +8,7 @@
 #   4. the engine's GPU tests with TMA on.
 # Run from the repo root after the device README's setup: sh perf/h200_tma.sh
 set -u
-out=$(timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "tma" 2>&1)
+out=$(timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "linear_tma" 2>&1)
 echo "$out" | tail -15
 out2=$(JITKERN_TMA=1 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py \
     -k "wgmma or huge or serial or big_tile or split_k or 16bit" 2>&1)

@@ -2,13 +2,13 @@
 # One H200 device call (~6 minutes): TMA-fed K loops with their warpgroup MMAs kept in flight into the next step
 # (JITKERN_TMA_PIPE=1: commit, wait_group 1, one CTA barrier, then the step's copies; off by default until this
 # has run):
-#   1. bits: TMA / TMA + prefetch 2 / each with the pipe against cp.async (tests/test_device_arrays.py -k tma);
+#   1. bits: TMA / TMA + prefetch 2 / each with the pipe against cp.async (tests/test_device_arrays.py -k linear_tma);
 #   2. if those pass: timing beside cuBLAS at M = 256-2048 with the pipe off / on, prefetch 1 and 2;
 #   3. the serial split's register cap (128: spills 152 bytes with TMA; 0: uncapped, 143 registers) at M = 1024-2048;
 #   4. the 8-layer Llama-3-8B-shape 1,024-token prefill's kernels (CUPTI) with the pipe on, prefetch 1 and 2.
 # Run from the repo root after the device README's setup: sh perf/h200_tma_pipe.sh
 set -u
-out=$(timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "tma" 2>&1)
+out=$(timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "linear_tma" 2>&1)
 echo "$out" | tail -15
 case "$out" in *failed*|*rror*) echo "== timing skipped (not right yet)"; exit 0 ;; esac
 for pipe in 0 1; do

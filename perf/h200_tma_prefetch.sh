@@ -7,7 +7,7 @@
 #   3. the 8-layer Llama-3-8B-shape 1,024-token prefill's kernels (CUPTI) with PREFETCH 2.
 # Run from the repo root after the device README's setup: sh perf/h200_tma_prefetch.sh
 set -u
-out=$(timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "tma or prefetch" 2>&1)
+out=$(timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "linear_tma or prefetch" 2>&1)
 echo "$out" | tail -15
 case "$out" in *failed*|*rror*) echo "== timing skipped (not right yet)"; exit 0 ;; esac
 for pf in 1 2; do
