@@ -178,9 +178,12 @@ class CudaDevice:
     @property
     def pdl(self) -> bool:
         """Whether launches carry programmatic stream serialization (JITKERN_PDL on sm_90+: every kernel the GPU
-        lowering compiled then starts with griddepcontrol.wait, backends/nvptx.py)."""
-        from ..backends import gpu
-        return bool(gpu.PDL) and self.cc >= (9, 0)
+        lowering compiled then starts with griddepcontrol.wait, backends/nvptx.py). Read at every launch (the
+        switch must match the kernels'), so the backend module is looked up once."""
+        if not _gpu_backend:
+            from ..backends import gpu
+            _gpu_backend.append(gpu)
+        return bool(_gpu_backend[0].PDL) and self.cc >= (9, 0)
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -198,6 +201,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _launch_ex = []
+_gpu_backend = []           # backends/gpu.py, once imported (CudaDevice.pdl)
 
 
 def _launch_pdl(fn, grid, num_threads: int, shared_bytes: int, stream: int, params) -> None:
@@ -209,9 +213,9 @@ def _launch_pdl(fn, grid, num_threads: int, shared_bytes: int, stream: int, para
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         _launch_ex.append(f)
-    cu = driver()
+        _launch_ex.append(int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION))
     attr = _LaunchAttr()
-    attr.id = int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.id = _launch_ex[1]
     attr.value = 1
     cfg = _LaunchConfig(grid[0], grid[1], grid[2], num_threads, 1, 1, shared_bytes, stream,
                         ctypes.pointer(attr), 1)
