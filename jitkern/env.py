@@ -49,8 +49,9 @@ Settings (all optional):
     JITKERN_SERIAL_SPLIT_M      the token count from which the tensor-core linear sums a split K's slabs inside
                                 each program, an integer >= 0 (default 1024; the same bits either way).
     JITKERN_SERIAL_MAXNREG      those launches' register cap, an integer >= 0 (default 128; 0: ptxas decides).
-    JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's cp.async tiles load (2:
-                                three buffers; default 1: not yet run on a GPU; an A/B switch).
+    JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's TMA-fed tiles load (2:
+                                three buffers; default 2 with JITKERN_TMA on, else 1; the same bits; on the H200
+                                the 8-layer prefill's linears 6.64 -> 6.45 ms; cp.async tiles load 1 ahead).
     JITKERN_FLASH_FOLD_SKIP     0 or 1: the flash prefill tile folds its partitions only in the blocks where some
                                 row needs it (default 1: 1.15-1.24x prefill attention on the H200; the same
                                 bits; 0 folds in every block).
@@ -59,13 +60,14 @@ Settings (all optional):
                                 1: 8-layer prefill linears 10.5 -> 8.1 ms on the H200; the same bits).
     JITKERN_TMA_PIPE            0 or 1: a TMA-fed K loop's warpgroup MMAs stay in flight into the next step (wait
                                 for all but the latest group), and the step's copies are issued after them
-                                (default 0: not yet run on a GPU; the same bits; an A/B switch).
+                                (default: on with prefetch 2, off with 1, where it was slower; the same bits).
     JITKERN_PDL                 0 or 1: programmatic dependent launch on sm_90+ (kernels launched with the
                                 programmatic stream serialization attribute; each waits for its predecessor with
-                                griddepcontrol.wait) (default 0: not yet run on a GPU; an A/B switch).
+                                griddepcontrol.wait) (default 0: on the H200 no faster at c=1, slower at c=64; an A/B switch).
     JITKERN_X16_ATTN            0 or 1: on CUDA with 16-bit compute the flash attention kernels write the o
                                 projection's input in bf16 / f16 (engine/models/decoder.py GPU_X16_ATTN; the same
-                                bits; default 0: not yet run on a GPU).
+                                bits; default 1: the o projection then takes TMA, 8-layer prefill linears
+                                8.06 -> 6.64 ms on the H200).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -212,8 +214,10 @@ def serial_maxnreg(environ=None):
 
 
 def linear_prefetch(environ=None) -> int:
-    """JITKERN_LINEAR_PREFETCH: K steps ahead the tensor-core linear's cp.async tiles load (1 or 2)."""
-    return int(env_choice("JITKERN_LINEAR_PREFETCH", ("1", "2"), environ) or 1)
+    """JITKERN_LINEAR_PREFETCH: K steps ahead the tensor-core linear's tiles load (1 or 2; default 2 where TMA is
+    on: ops/matmul.py _tma_maps keeps prefetch 2 for TMA launches)."""
+    v = env_choice("JITKERN_LINEAR_PREFETCH", ("1", "2"), environ)
+    return int(v) if v else (2 if tma(environ) else 1)
 
 
 def tma(environ=None) -> bool:
@@ -222,8 +226,11 @@ def tma(environ=None) -> bool:
 
 
 def tma_pipe(environ=None) -> bool:
-    """JITKERN_TMA_PIPE=1: TMA-fed K loops keep their warpgroup MMAs in flight (GpuLowering._dot_wgmma_async)."""
-    return env_choice("JITKERN_TMA_PIPE", ("0", "1"), environ) == "1"
+    """JITKERN_TMA_PIPE: TMA-fed K loops keep their warpgroup MMAs in flight (GpuLowering._dot_wgmma_async).
+    Default: on with prefetch 2 (H200: the 8-layer prefill's linears 6.45 -> 6.29 ms), off with prefetch 1 (there
+    it was 1.2x slower)."""
+    v = env_choice("JITKERN_TMA_PIPE", ("0", "1"), environ)
+    return v == "1" if v else linear_prefetch(environ) == 2
 
 
 def pdl(environ=None) -> bool:
@@ -232,8 +239,8 @@ def pdl(environ=None) -> bool:
 
 
 def x16_attn(environ=None) -> bool:
-    """JITKERN_X16_ATTN=1: attention writes the o projection's 16-bit input (engine/models/decoder.py)."""
-    return env_choice("JITKERN_X16_ATTN", ("0", "1"), environ) == "1"
+    """JITKERN_X16_ATTN (default 1): attention writes the o projection's 16-bit input (engine/models/decoder.py)."""
+    return env_choice("JITKERN_X16_ATTN", ("0", "1"), environ) != "0"
 
 
 def flash_fold_skip(environ=None) -> bool:

@@ -205,13 +205,16 @@ WGMMA_PIPE = _env.wgmma_pipe()
 # the previous step's group (wgmma.wait_group 1), then one CTA barrier, and only then are the step's copies
 # issued (they refill the buffer that group read): the MMAs of step s run while step s + 1's wait and barrier
 # do, with one CTA barrier a step instead of two (gpu_staging.py _tma_load / _dot_wgmma_async). The same MMAs in
-# the same order. An A/B switch (in the cache key) until it has run on a GPU (perf/h200_tma_pipe.sh)
+# the same order. On by default with prefetch 2 (the engine's default with TMA): H200, session 12, the 8-layer
+# prefill's linears 6.45 -> 6.29 ms, and the GEMM A/B within noise; with prefetch 1 it was ~1.2x slower
+# (perf/h200_tma_pipe.sh), so off there. In the cache key
 TMA_PIPE = _env.tma_pipe()
 # JITKERN_PDL=1: programmatic dependent launch (sm_90+). Every kernel starts with griddepcontrol.wait (it waits
 # until the grids it depends on have completed and their memory is visible: the same results) and then
 # griddepcontrol.launch_dependents, and the runtime launches with the programmatic stream serialization
 # attribute: the next kernel's CTAs are launched while this one's last wave drains, instead of after it. An A/B
-# switch (in the cache key) until it has run on a GPU
+# switch (in the cache key). H200, session 12 (perf/h200_pdl.sh): right (68 GPU tests), but no faster at c=1
+# (196.9 vs 196.7 tok/s, decode from CUDA graphs) and slower at c=64 (5146 vs 5416 tok/s): off
 PDL = _env.pdl()
 # JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
 # tile layout in shared memory (an A/B switch, in the cache key)

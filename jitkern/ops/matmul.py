@@ -498,15 +498,15 @@ def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int =
     return out
 
 
-# JITKERN_LINEAR_PREFETCH=2: the cp.async tiles' K loops load the tiles two steps ahead into three buffers
-# (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs cover the
-# copies' latency instead of one; the same dots in the same order (the same bits: the last two dots chain in the
-# accumulator registers, gpu.py _keep_frag; wgmma tiles only). The huge tile then needs 108 registers (128 with
-# PREFETCH 1). Off (1) by default. H200, session 11: on cp.async slower at every shape (perf/h200_prefetch.sh),
-# so with TMA on it applies to TMA launches only (_tma_maps); on TMA faster in the GEMM A/B (up to 0.90x cuBLAS)
-# but the engine's prefill linears were slower under CUPTI - where the o projection, whose x is f32, ran cp.async
-# prefetch 2 (perf/h200_tma_prefetch.sh; to re-measure with that rule). Its first run found other bits than
-# PREFETCH 1's (the last dot summed from zero, then added), fixed by the chaining.
+# JITKERN_LINEAR_PREFETCH (default 2 with TMA on): the TMA-fed tiles' K loops load the tiles two steps ahead into
+# three buffers (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs
+# cover the copies' latency instead of one; the same dots in the same order (the same bits: the last two dots
+# chain in the accumulator registers, gpu.py _keep_frag; wgmma tiles only). The huge tile then needs 108 registers
+# (128 with PREFETCH 1). H200, session 11: on cp.async slower at every shape (perf/h200_prefetch.sh), so with TMA
+# on it applies to TMA launches only (_tma_maps); its first run found other bits than PREFETCH 1's (the last dot
+# summed from zero, then added), fixed by the chaining. Session 12 (perf/h200_x16_pf2.sh, the o projection on TMA
+# too): the 8-layer 1,024-token prefill's linears 6.64 -> 6.45 ms, 6.29 ms with the TMA pipe (gpu.py TMA_PIPE,
+# on by default with prefetch 2); the default since.
 GPU_LINEAR_PREFETCH = _env.linear_prefetch()
 
 # JITKERN_TMA (default 1): the wgmma tiles' K loops fed by the tensor memory accelerator: one bulk copy per tile
