@@ -68,6 +68,10 @@ Settings (all optional):
                                 projection's input in bf16 / f16 (engine/models/decoder.py GPU_X16_ATTN; the same
                                 bits; default 1: the o projection then takes TMA, 8-layer prefill linears
                                 8.06 -> 6.64 ms on the H200).
+    JITKERN_FLASH_PARTITION_BLOCKS  cache blocks per flash-decoding partition on GPUs, one of 1, 2, 4, 8
+                                (default 4; decode and prefill use the same, so a token's bits agree between
+                                them at any setting; other settings give other bits; an A/B switch: on the
+                                H200 1 or 2 cut a c=1 decode step's attention, but cost more at c=64).
     JITKERN_ROW_SLOTS           0 or 1: row vectors a fragment-layout op broadcasts are staged where they are
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
@@ -95,7 +99,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
-            "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN")
+            "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
+            "JITKERN_FLASH_PARTITION_BLOCKS")
 
 
 class SettingError(JitkernError, ValueError):
@@ -369,9 +374,16 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     tma_pipe(environ)
     pdl(environ)
     x16_attn(environ)
+    flash_partition_blocks(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:
         check_cache_dir(environ)
+
+
+def flash_partition_blocks(environ=None) -> int:
+    """JITKERN_FLASH_PARTITION_BLOCKS: cache blocks per flash-decoding partition on GPUs (ops/attention.py
+    GPU_PARTITION_BLOCKS; default 4)."""
+    return int(env_choice("JITKERN_FLASH_PARTITION_BLOCKS", ("1", "2", "4", "8"), environ) or 4)

@@ -91,6 +91,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_TMA_PIPE", "2", ["JITKERN_TMA_PIPE='2'", "not one of 0, 1"]),
     ("JITKERN_PDL", "on", ["JITKERN_PDL='on'", "not one of 0, 1"]),
     ("JITKERN_X16_ATTN", "bf16", ["JITKERN_X16_ATTN='bf16'", "not one of 0, 1"]),
+    ("JITKERN_FLASH_PARTITION_BLOCKS", "16", ["JITKERN_FLASH_PARTITION_BLOCKS='16'", "not one of 1, 2, 4, 8"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):
     r = _engine_cli(tmp_path, "--prompt", "hi", **{setting: value})

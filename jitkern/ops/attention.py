@@ -1282,7 +1282,9 @@ PREFILL_MERGE = 1
 # Vulkan always takes the token kernel (compile times on lavapipe, see _vulkan_attention).
 GPU_TOKEN_ATTENTION = False
 GPU_FLASH_ATTENTION = True
-GPU_PARTITION_BLOCKS = 4   # flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
+# flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
+# (JITKERN_FLASH_PARTITION_BLOCKS: an A/B switch; decode and prefill split alike at any setting)
+GPU_PARTITION_BLOCKS = _env.flash_partition_blocks()
 FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
 FLASH_PIPELINE = True      # load the next cache block while the current one is computed
 # JITKERN_FLASH_FOLD_SKIP (default 1): the prefill tile's partition fold runs only in the blocks where some row
