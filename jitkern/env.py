@@ -248,6 +248,11 @@ def x16_attn(environ=None) -> bool:
     return env_choice("JITKERN_X16_ATTN", ("0", "1"), environ) != "0"
 
 
+def flash_partition_blocks(environ=None) -> int:
+    """JITKERN_FLASH_PARTITION_BLOCKS: cache blocks per flash-decoding partition on GPUs (ops/attention.py
+    GPU_PARTITION_BLOCKS; default 4)."""
+    return int(env_choice("JITKERN_FLASH_PARTITION_BLOCKS", ("1", "2", "4", "8"), environ) or 4)
+
 def flash_fold_skip(environ=None) -> bool:
     """JITKERN_FLASH_FOLD_SKIP (default 1): the flash prefill's partition fold only where a row of the tile needs
     it; 0 folds in every block."""
@@ -382,8 +387,3 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     if cache:
         check_cache_dir(environ)
 
-
-def flash_partition_blocks(environ=None) -> int:
-    """JITKERN_FLASH_PARTITION_BLOCKS: cache blocks per flash-decoding partition on GPUs (ops/attention.py
-    GPU_PARTITION_BLOCKS; default 4)."""
-    return int(env_choice("JITKERN_FLASH_PARTITION_BLOCKS", ("1", "2", "4", "8"), environ) or 4)

@@ -301,8 +301,9 @@ def test_flash_partition_axis(tier):
     seqs = [(1, 1), (64, 1), (65, 1), (300, 1), (0, 0), (1100, 1), (2000, 1)]
     q, kc, vc, qs, sl, bt = make_step(rng, seqs, 4, 2, 16, np.float16)
     parts = A.decode_partitions(sl, BS, partition_blocks=A.GPU_PARTITION_BLOCKS)
-    PB = A.GPU_PARTITION_BLOCKS
-    assert list(parts) == [min(-(-(-(-s // BS)) // PB), A.MAX_PARTITIONS) if s else 0 for s, _ in seqs]
+    PB = A.GPU_PARTITION_BLOCKS        # JITKERN_FLASH_PARTITION_BLOCKS
+    blocks = [-(-s // BS) for s, _ in seqs]
+    assert list(parts) == [min(-(-nb // PB), A.MAX_PARTITIONS) for nb in blocks]
     if PB == 4:
         assert list(parts) == [1, 1, 2, 5, 0, 16, 16]      # 69 and 125 blocks: 16 longer partitions
     want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25)
