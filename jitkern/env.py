@@ -78,6 +78,12 @@ Settings (all optional):
                                 the loop (default 0: not yet run on a GPU).
     JITKERN_FRAG_OPS            0 or 1: elementwise ops on MMA accumulators run in the accumulators' registers
                                 (default 1; 0 goes through the tile layout in shared memory, an A/B switch).
+    JITKERN_FLASH_DECODE_WIDE   launches of at least this many flash-decode programs (sequences x KV heads x
+                                partitions) run at 2 warps instead of 4 (ops/attention.py
+                                FLASH_DECODE_WIDE_PROGRAMS, default 1024; 0: always 2; the same bits either way).
+    JITKERN_REDUCE_DIRECT       0 or 1: GPU reductions of rows no longer than the CTA fold each output straight
+                                from the staged row (default 1; 0 stages the partials first: the same operations
+                                in the same order, so the same bits; an A/B switch).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -100,7 +106,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
-            "JITKERN_FLASH_PARTITION_BLOCKS")
+            "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE")
 
 
 class SettingError(JitkernError, ValueError):
@@ -253,6 +259,13 @@ def flash_partition_blocks(environ=None) -> int:
     GPU_PARTITION_BLOCKS; default 4)."""
     return int(env_choice("JITKERN_FLASH_PARTITION_BLOCKS", ("1", "2", "4", "8"), environ) or 4)
 
+def flash_decode_wide(default: int, environ=None) -> int:
+    """JITKERN_FLASH_DECODE_WIDE: the program count from which flash decode launches take 2 warps (ops/attention.py
+    FLASH_DECODE_WIDE_PROGRAMS)."""
+    v = env_int("JITKERN_FLASH_DECODE_WIDE", 0, environ)
+    return default if v is None else v
+
+
 def flash_fold_skip(environ=None) -> bool:
     """JITKERN_FLASH_FOLD_SKIP (default 1): the flash prefill's partition fold only where a row of the tile needs
     it; 0 folds in every block."""
@@ -269,6 +282,12 @@ def pin_operands(environ=None) -> bool:
     """JITKERN_PIN_OPERANDS=1: a loop's dots stage an A operand defined outside the loop once, before it
     (backends/gpu.py _pin_analysis; default 0: A/B switch)."""
     return env_choice("JITKERN_PIN_OPERANDS", ("0", "1"), environ) == "1"
+
+
+def reduce_direct(environ=None) -> bool:
+    """JITKERN_REDUCE_DIRECT (default on): reductions of at most one element a chunk skip staging their partials
+    (backends/gpu.py GpuLowering._reduce_direct)."""
+    return env_choice("JITKERN_REDUCE_DIRECT", ("0", "1"), environ) != "0"
 
 
 def frag_ops(environ=None) -> bool:
@@ -380,6 +399,8 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     pdl(environ)
     x16_attn(environ)
     flash_partition_blocks(environ)
+    flash_decode_wide(0, environ)
+    reduce_direct(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

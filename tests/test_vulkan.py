@@ -374,3 +374,48 @@ def test_a_dispatch_timeout_fails_closed(tmp_path):
     assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
     lines = r.stdout.split("\n")
     assert "TIMEOUT True" in lines and "REFUSED True" in lines and "CLEAN EXIT" in lines, r.stdout
+
+
+@jk.kernel
+def _short_reductions(x, row_sum, row_max, col_sum, total, R: jk.constexpr, C: jk.constexpr):
+    r = jk.arange(0, R)
+    c = jk.arange(0, C)
+    t = jk.load(x + r[:, None] * C + c[None, :])
+    jk.store(row_sum + r, jk.sum(t, axis=1))
+    jk.store(row_max + r, jk.max(t, axis=1))
+    jk.store(col_sum + c, jk.sum(t, axis=0))
+    jk.store(total, jk.sum(jk.load(x + r), axis=0))
+
+
+def _left_fold(a: np.ndarray, axis: int, op) -> np.ndarray:
+    """f32 fold of `a` along `axis` in increasing index order (the GPU lowering's order for rows no longer
+    than the CTA: one element a chunk, chunks folded in order)."""
+    a = np.moveaxis(np.asarray(a, np.float32), axis, 0)
+    acc = a[0].copy()
+    for k in range(1, a.shape[0]):
+        acc = op(acc, a[k]).astype(np.float32)
+    return acc
+
+
+@needs_vulkan
+def test_short_reductions_fold_in_order_with_and_without_staged_partials(monkeypatch):
+    """GpuLowering._reduce_direct (JITKERN_REDUCE_DIRECT, on by default) folds each output straight from the staged
+    row: the same operations in the same order as the two-pass form, so both give a sequential f32 fold's bits,
+    here for row and column sums, a row max and a scalar sum, on inputs whose sums depend on the order."""
+    from targets import get_target
+    from jitkern.backends import gpu
+    from jitkern.runtime.launch import launch
+    rng = np.random.default_rng(7)
+    R, C = 32, 16
+    x = (rng.standard_normal((R, C)) * 10.0 ** rng.uniform(-4, 4, (R, C))).astype(np.float32)
+    x[3, :4] = [-0.0, 0.0, -0.0, 1e-30]
+    want = (_left_fold(x, 1, np.add), _left_fold(x, 1, np.maximum), _left_fold(x, 0, np.add),
+            _left_fold(x.reshape(-1)[:R], 0, np.add))
+    assert not np.array_equal(want[0], x.astype(np.float64).sum(axis=1).astype(np.float32))   # order matters
+    for direct in (True, False):
+        monkeypatch.setattr(gpu, "REDUCE_DIRECT", direct)
+        got = (np.full(R, np.nan, np.float32), np.full(R, np.nan, np.float32), np.full(C, np.nan, np.float32),
+               np.full(1, np.nan, np.float32))
+        launch(_short_reductions, (1,), (x, *got), {"R": R, "C": C}, target=get_target("vulkan"))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.reshape(w.shape), w)

@@ -230,6 +230,10 @@ ROW_SLOTS = _env.row_slots()
 # JITKERN_PIN_OPERANDS=1: a loop's dot stages an A operand defined outside the loop once, before it
 # (GpuLowering._pin_analysis; A/B switch, cache key)
 PIN_OPERANDS = _env.pin_operands()
+# JITKERN_REDUCE_DIRECT=0: reductions of at most one element a chunk (rows no longer than the CTA) stage their
+# partials in shared memory before folding them (the two-pass form); on (default) each output folds the staged
+# input directly, with the same operations in the same order (GpuLowering._reduce_direct; A/B switch, cache key)
+REDUCE_DIRECT = _env.reduce_direct()
 
 
 class _LaneExpr:
@@ -1385,6 +1389,9 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self.barrier()
         end = self.smem_write(x, 0)
         self.barrier()
+        steps = -(-n // G)
+        if steps == 1 and G > 1 and not arg and REDUCE_DIRECT:
+            return self._reduce_direct(op, kind, d, et, shape, oshape, n, post, G, half)
         w = LV(self.flat_index((W,)).ref, "i32", RW)
         o = self.ibin("udiv", w, G) if G > 1 else w
         c = self.ibin("urem", w, G) if G > 1 else self.iconst(0, RW)
@@ -1394,7 +1401,6 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             base = self.ibin("add", base, q_)
         okw = self.val(f"icmp ult {w.ty} {w.ref}, {self.iconst(W, RW).ref}", "i1", RW)
         ident = self._identity(kind, et, d, RW)
-        steps = -(-n // G)
 
         def body(iv, cur):
             ivv = self.splat(LV(iv, "i32", 0), RW)
@@ -1413,7 +1419,9 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             return [self.val(f"select {better.ty} {better.ref}, {v.ty} {v.ref}, {v.ty} {cur[0].ref}", et, RW),
                     self.val(f"select {better.ty} {better.ref}, {k.ty} {k.ref}, {k.ty} {cur[1].ref}", "i32", RW)]
         init = [ident] + ([self.iconst(n, RW)] if arg else [])
-        part = self.emit_loop(steps, init, body)
+        # (unrolled: the chunk's shared-memory reads are independent and can all be in flight; only the
+        # combines chain, in the same order)
+        part = self.emit_loop(steps, init, body, unroll=min(steps, 8) if steps > 1 else None)
         R_out = self.lanes(oshape)
         if G == 1:
             # one chunk per output: the work items are the outputs in the output tile's layout
@@ -1458,6 +1466,41 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             # one output computed by thread 0 only: make the scalar uniform
             res = self._move(LV(res.ref, res.et, 1, (1,)), (1,), (), lambda e: 0)
         if half and not arg:
+            res = self.from_f32(res, op.operands[0].type.elem)
+        return res
+
+    def _reduce_direct(self, op, kind, d, et, shape, oshape, n, post, G, half):
+        """_reduce_lanes when every chunk holds one element (n <= G): each output's thread folds its elements
+        straight from the staged input, in chunk order, as combine(identity, element) then into the running
+        value: the very operations of the two-pass form (whose first pass computes exactly those partials),
+        without staging the partials (a barrier pair and a shared-memory round trip fewer)."""
+        O = _prod(shape) // n
+        R_out = self.lanes(oshape) if oshape else 1
+        if oshape:
+            ov = self.umin(self.flat_index(oshape), O - 1)
+        else:
+            ov = self.iconst(0, 1)
+        p_, q_ = (self.ibin("udiv", ov, post), self.ibin("urem", ov, post)) if post > 1 else (ov, None)
+        base = self.ibin("mul", p_, n * post)
+        if q_ is not None:
+            base = self.ibin("add", base, q_)
+        ident = self._identity(kind, et, d, R_out)
+
+        def fold(iv, cur):
+            ivv = self.splat(LV(iv, "i32", 0), R_out)
+            ok = self.val(f"icmp ult i32 {iv}, {n}", "i1", 0)
+            idx = self.ibin("add", base, self.ibin("mul", ivv, post) if post > 1 else ivv)
+            idx = self.umin(idx, _prod(shape) - 1)
+            v = self.smem_read(et, 0, idx, ())
+            v = LV(v.ref, v.et, R_out)
+            v = self.val(f"select i1 {ok.ref}, {v.ty} {v.ref}, {ident.ty} {ident.ref}", et, R_out)
+            return [self._combine(kind, cur[0], self._combine(kind, ident, v, d), d)]
+        res = self.emit_loop(G, [ident], fold)[0]
+        if oshape:
+            res = LV(res.ref, res.et, R_out, oshape)
+        else:
+            res = self.extract(LV(res.ref, res.et, 1), 0)
+        if half:
             res = self.from_f32(res, op.operands[0].type.elem)
         return res
 

@@ -1306,7 +1306,7 @@ FLASH_WARPS = (4, 8)
 # flash-w2): B = 16-64 at ctx 1024-4096 1.36-1.40x faster with an f16 cache, 1.08-1.11x with f32; B = 1 (128
 # programs) up to 1.3x slower with f32, so small launches keep FLASH_WARPS[0]. A token's bits do not depend on
 # the warps (every output is the same MMA chain; tests/ops/test_attention_flash.py checks it on the GPU)
-FLASH_DECODE_WIDE_PROGRAMS = 1024
+FLASH_DECODE_WIDE_PROGRAMS = _env.flash_decode_wide(1024)     # (JITKERN_FLASH_DECODE_WIDE: an A/B switch)
 FLASH_DECODE_WIDE_WARPS = 2
 
 

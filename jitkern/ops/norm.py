@@ -30,12 +30,14 @@ def _row_in(x, xb, x_ps, cols, m, PARTS):
 @jk.kernel
 def rms_norm_kernel(x, x_s0, x_s1, x_ps, w, out, o_s0, o_s1, res, r_s0, r_s1, n, eps, w_off,
                     HAS_RES: jk.constexpr, BLOCK: jk.constexpr, RES_COPY: jk.constexpr = False,
-                    ONE: jk.constexpr = False, PARTS: jk.constexpr = 1):
+                    ONE: jk.constexpr = False, PARTS: jk.constexpr = 1, RES_F32: jk.constexpr = False):
     """One program per row (grid (R0, R1)): row (p0, p1) starts at base + p0*s0 + p1*s1. HAS_RES: residual += x,
     the sum normalised; with RES_COPY residual = x instead (a first layer's residual stream). ONE (n <= BLOCK):
     the row is one tile kept in registers for the second pass (the same arithmetic without the second pass's
     loads: a GPU's 4096-wide row otherwise waits on two more dependent global round trips). PARTS > 1: x is a
-    split-K linear's slabs, x_ps elements apart, added in order first (matmul.SplitK: its sum kernel's bits)."""
+    split-K linear's slabs, x_ps elements apart, added in order first (matmul.SplitK: its sum kernel's bits).
+    RES_F32: the residual is f32, so the sum as stored is the sum itself and is not read back (a dependent global
+    round trip fewer; the same bits)."""
     p0 = jk.program_id(0)
     p1 = jk.program_id(1)
     xb = p0.to(jk.i64) * x_s0 + p1.to(jk.i64) * x_s1
@@ -50,7 +52,8 @@ def rms_norm_kernel(x, x_s0, x_s1, x_ps, w, out, o_s0, o_s1, res, r_s0, r_s1, n,
             if not RES_COPY:
                 v = v + jk.load(res + rb + offs, mask=m, other=0.0).to(jk.f32)
             jk.store(res + rb + offs, v, mask=m)
-            v = jk.load(res + rb + offs, mask=m, other=0.0).to(jk.f32)     # the sum as stored (its dtype)
+            if not RES_F32:
+                v = jk.load(res + rb + offs, mask=m, other=0.0).to(jk.f32)     # the sum as stored (its dtype)
         inv = jk.rsqrt(jk.sum(v * v, axis=0) / n + eps)
         jk.store(out + ob + offs, v * inv * wv, mask=m)
     else:
@@ -63,8 +66,9 @@ def rms_norm_kernel(x, x_s0, x_s1, x_ps, w, out, o_s0, o_s1, res, r_s0, r_s1, n,
                 if not RES_COPY:
                     v = v + jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
                 jk.store(res + rb + cols, v, mask=m)
-                # normalise the sum as stored (rounded to the residual's dtype), as vLLM does
-                v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
+                if not RES_F32:
+                    # normalise the sum as stored (rounded to the residual's dtype), as vLLM does
+                    v = jk.load(res + rb + cols, mask=m, other=0.0).to(jk.f32)
             acc += v * v
         inv = jk.rsqrt(jk.sum(acc, axis=0) / n + eps)
         for c in range(0, n, BLOCK):
@@ -219,6 +223,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, x_ps, wp, fptr(out, "rms_norm: out"), os_, 0,
                                   rp, rs, 0, n, float(eps), float(weight_offset)),
         target, HAS_RES=residual is not None, **({"RES_COPY": True} if residual is not None and residual_copy else {}),
+        **({"RES_F32": True} if residual is not None and residual.dtype == np.float32 else {}),
         **_one_tile(n, block), **({"PARTS": parts} if parts > 1 else {}))
     return out
 
