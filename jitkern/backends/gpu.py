@@ -1495,7 +1495,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             v = LV(v.ref, v.et, R_out)
             v = self.val(f"select i1 {ok.ref}, {v.ty} {v.ref}, {ident.ty} {ident.ref}", et, R_out)
             return [self._combine(kind, cur[0], self._combine(kind, ident, v, d), d)]
-        res = self.emit_loop(G, [ident], fold)[0]
+        res = self.emit_loop(G, [ident], fold, unroll=min(G, 16))[0]     # (reads in flight; combines chain)
         if oshape:
             res = LV(res.ref, res.et, R_out, oshape)
         else:
