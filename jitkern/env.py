@@ -81,6 +81,8 @@ Settings (all optional):
     JITKERN_FLASH_DECODE_WIDE   launches of at least this many flash-decode programs (sequences x KV heads x
                                 partitions) run at 2 warps instead of 4 (ops/attention.py
                                 FLASH_DECODE_WIDE_PROGRAMS, default 1024; 0: always 2; the same bits either way).
+    JITKERN_FLASH_LONGEST_FIRST 0 or 1: the flash prefill's grid starts the longest causal tiles first (default 1;
+                                0: tile order; the same bits either way).
     JITKERN_REDUCE_DIRECT       0 or 1: GPU reductions of rows no longer than the CTA fold each output straight
                                 from the staged row (default 1; 0 stages the partials first: the same operations
                                 in the same order, so the same bits; an A/B switch).
@@ -106,7 +108,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
-            "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE")
+            "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE",
+            "JITKERN_FLASH_LONGEST_FIRST")
 
 
 class SettingError(JitkernError, ValueError):
@@ -266,6 +269,11 @@ def flash_decode_wide(default: int, environ=None) -> int:
     return default if v is None else v
 
 
+def flash_longest_first(environ=None) -> bool:
+    """JITKERN_FLASH_LONGEST_FIRST (default 1): the flash prefill grid in longest-first tile order."""
+    return env_choice("JITKERN_FLASH_LONGEST_FIRST", ("0", "1"), environ) != "0"
+
+
 def flash_fold_skip(environ=None) -> bool:
     """JITKERN_FLASH_FOLD_SKIP (default 1): the flash prefill's partition fold only where a row of the tile needs
     it; 0 folds in every block."""
@@ -401,6 +409,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     flash_partition_blocks(environ)
     flash_decode_wide(0, environ)
     reduce_direct(environ)
+    flash_longest_first(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

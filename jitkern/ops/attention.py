@@ -957,7 +957,8 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                          KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, BM: jk.constexpr, D: jk.constexpr,
                          BS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
                          SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr,
-                         PIPE: jk.constexpr = False, OPS16: jk.constexpr = False, FOLD_SKIP: jk.constexpr = False):
+                         PIPE: jk.constexpr = False, OPS16: jk.constexpr = False, FOLD_SKIP: jk.constexpr = False,
+                         LONGEST_FIRST: jk.constexpr = False):
     """Program (tile of BM query tokens of one sequence, KV head): BM x GP rows (the tile's tokens times the
     G query heads of the KV head, padded to a power of two) against the cache blocks of the tile's causal
     (and window) range, one block per step. Each row keeps a partition state and a merged state: when a
@@ -966,12 +967,17 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
     The tile's sequence is found by a binary search over query_start (grid: num_tokens // BM + num_seqs).
     FOLD_SKIP (GPU_FLASH_FOLD_SKIP): the fold runs only in blocks where some row of the tile starts a partition
     (_tile_folds, a scalar test); elsewhere it would leave every row's state as it was, so the bits are the same.
-    Grid (KV heads, tiles), the tiles in reverse: GPUs start programs in grid order, x fastest, so the longest
-    tiles (a causal prompt's last, which cover the most blocks) start first, each with all its KV heads, and the
-    short ones fill in behind them (longest-first list scheduling: a 1,024-token prompt's 520 programs on 132 SMs
-    need ~1.3x less than in tile order, by a count of steps). Which program runs a tile never changes its bits."""
-    kvh = jk.program_id(0)
-    qb = jk.num_programs(1) - 1 - jk.program_id(1)
+    Grid (tiles, KV heads); LONGEST_FIRST (GPU_FLASH_LONGEST_FIRST): grid (KV heads, tiles), the tiles in reverse.
+    GPUs start programs in grid order, x fastest, so the longest tiles (a causal prompt's last, which cover the most
+    blocks) start first, each with all its KV heads, and the short ones fill in behind them (longest-first list
+    scheduling: a 1,024-token prompt's 520 programs on 132 SMs take ~1.3x fewer step-waves than in tile order, by
+    a count of steps). Which program runs a tile never changes its bits."""
+    if LONGEST_FIRST:
+        kvh = jk.program_id(0)
+        qb = jk.num_programs(1) - 1 - jk.program_id(1)
+    else:
+        qb = jk.program_id(0)
+        kvh = jk.program_id(1)
     seq, q0, q_len, seq_len, t0, n_rows, first_pos = _query_tile(query_start, seq_lens, num_seqs, search_steps,
                                                                  qb, BM, SKIP_DECODE)
 
@@ -1295,6 +1301,9 @@ FLASH_PIPELINE = True      # load the next cache block while the current one is 
 # needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
 # 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
 GPU_FLASH_FOLD_SKIP = _env.flash_fold_skip()
+# JITKERN_FLASH_LONGEST_FIRST (default 1): the prefill grid starts the longest (last) causal tiles first
+# (flash_prefill_kernel LONGEST_FIRST; the same bits)
+GPU_FLASH_LONGEST_FIRST = _env.flash_longest_first()
 # the flash kernels' MMA operands: "f32" (q and the probabilities split into f16 hi + lo by the lowering: ~22
 # significant bits, two chains per dot) or "16bit" (q and the probabilities rounded to f16 once: one chain per
 # cache part, half the MMAs and A staging; FlashAttention's precision). Decode and prefill use the same setting
@@ -1418,13 +1427,15 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
             # their sums would no longer be the decode kernel's (which pads its head group to 16 rows)
             rows = max(rows, 16)
         bm = max(1, rows // GP)
-        run(flash_prefill_kernel, (st.kvh, st.T // bm + st.num_seqs),
+        lf = bool(GPU_FLASH_LONGEST_FIRST)
+        tiles = st.T // bm + st.num_seqs
+        run(flash_prefill_kernel, (st.kvh, tiles) if lf else (tiles, st.kvh),
             (q, k_cache, v_cache, st.out_arg, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
              int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
              st.cap, st.sinks),
             target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=GPU_PARTITION_BLOCKS,
-            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, FOLD_SKIP=bool(GPU_FLASH_FOLD_SKIP), **common,
-            **pw)
+            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, FOLD_SKIP=bool(GPU_FLASH_FOLD_SKIP),
+            **({"LONGEST_FIRST": True} if lf else {}), **common, **pw)
     return st.out
 
 

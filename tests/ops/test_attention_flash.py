@@ -265,6 +265,20 @@ def test_flash_fold_skip_gives_the_same_bits(tier, block_m, monkeypatch):
         np.testing.assert_array_equal(outs[1], outs[0])
 
 
+def test_flash_longest_first_gives_the_same_bits(tier, monkeypatch):
+    """GPU_FLASH_LONGEST_FIRST (JITKERN_FLASH_LONGEST_FIRST, default on): the prefill grid is (KV heads, tiles) with
+    the tiles in reverse, so the longest causal tiles start first; every tile still runs once, with the same
+    arithmetic: the same bits as tile order, for prompts, chunks starting mid-prompt and decodes in one step."""
+    rng = np.random.default_rng(41)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, np.float16)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(A, "GPU_FLASH_LONGEST_FIRST", on)
+        outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=8, decode=False))
+    check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25))
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_flash_pipelined_loads_give_the_same_bits(tier):
     """The software-pipelined block loop (next block's K/V loaded before the current step: the GPU default)
     against the plain loop, decodes and chunks, with a window that skips blocks."""
