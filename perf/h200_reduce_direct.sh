@@ -1,14 +1,14 @@
 #!/bin/sh
 # One H200 device call (~9 minutes): short reductions folded straight from the staged row (JITKERN_REDUCE_DIRECT,
 # default on), rms_norm without the f32 residual's read-back, 2-warp flash decode at every size
-# (JITKERN_FLASH_DECODE_WIDE=0) and the query tile staged once (JITKERN_PIN_OPERANDS=1).
+# (JITKERN_FLASH_DECODE_WIDE=0) and the prefill grid longest tiles first (JITKERN_FLASH_LONGEST_FIRST).
 #   1. CUPTI per-kernel sums of the 8-layer Llama-3-8B-shape decode step (c=1, c=64) and a 1,024-token prefill:
 #      defaults, JITKERN_REDUCE_DIRECT=0 (the two-pass form, as before), JITKERN_FLASH_DECODE_WIDE=0,
-#      JITKERN_FLASH_LONGEST_FIRST=0 (the prefill grid in tile order, as before), JITKERN_PIN_OPERANDS=1;
+#      JITKERN_FLASH_LONGEST_FIRST=0 (the prefill grid in tile order, as before);
 #   2. bits at the new defaults: the flash file (decode = prefill row, warps), the engine's GPU tests, the norms.
 # Run from the repo root after the device README's setup: sh perf/h200_reduce_direct.sh
 set -u
-for s in "" "JITKERN_REDUCE_DIRECT=0" "JITKERN_FLASH_LONGEST_FIRST=0" "JITKERN_FLASH_DECODE_WIDE=0" "JITKERN_PIN_OPERANDS=1"; do
+for s in "" "JITKERN_REDUCE_DIRECT=0" "JITKERN_FLASH_LONGEST_FIRST=0" "JITKERN_FLASH_DECODE_WIDE=0"; do
     echo "== profile: ${s:-defaults}"
     env $s timeout 100 python3 perf/profile_engine_cuda.py --cupti --layers 8 --concurrency 1 64 --prompt-len 1024 \
         2>&1 | grep -A9 "^=== \|wall min" | grep -v "^--$\|argmax\|embedding\|gather\|Memcpy"
