@@ -74,7 +74,7 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  # 32-row prefill tiles at 4 warps: 255 registers, no spills (ptxas), so two CTAs an SM
                  "flash-16bit-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 32, "FLASH_WARPS": (4, 4)},
-                 "flash-16bit-tile-order": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_LONGEST_FIRST": False},
+                 "flash-16bit-longest-first": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_LONGEST_FIRST": True},
                  "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
                  # cache blocks of 32 / 64 tokens with 16-bit operands (the online-softmax state in the MMA
                  # registers since the fragment-layout values, so larger steps may fit now)

@@ -399,7 +399,7 @@ def _left_fold(a: np.ndarray, axis: int, op) -> np.ndarray:
 
 @needs_vulkan
 def test_short_reductions_fold_in_order_with_and_without_staged_partials(monkeypatch):
-    """GpuLowering._reduce_direct (JITKERN_REDUCE_DIRECT, on by default) folds each output straight from the staged
+    """GpuLowering._reduce_direct (JITKERN_REDUCE_DIRECT=1) folds each output straight from the staged
     row: the same operations in the same order as the two-pass form, so both give a sequential f32 fold's bits,
     here for row and column sums, a row max and a scalar sum, on inputs whose sums depend on the order."""
     from targets import get_target

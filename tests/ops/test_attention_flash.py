@@ -266,7 +266,7 @@ def test_flash_fold_skip_gives_the_same_bits(tier, block_m, monkeypatch):
 
 
 def test_flash_longest_first_gives_the_same_bits(tier, monkeypatch):
-    """GPU_FLASH_LONGEST_FIRST (JITKERN_FLASH_LONGEST_FIRST, default on): the prefill grid is (KV heads, tiles) with
+    """GPU_FLASH_LONGEST_FIRST (JITKERN_FLASH_LONGEST_FIRST=1): the prefill grid is (KV heads, tiles) with
     the tiles in reverse, so the longest causal tiles start first; every tile still runs once, with the same
     arithmetic: the same bits as tile order, for prompts, chunks starting mid-prompt and decodes in one step."""
     rng = np.random.default_rng(41)
