@@ -508,3 +508,29 @@ def test_tma_probe_assembles_and_models_the_wgmma_staging():
         r = subprocess.run([sys.executable, "perf/probe_tma.py", flag], cwd=ROOT, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0 and expect in r.stdout, (flag, r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_flash_reduce_direct_and_longest_first_assemble(tmp_path, monkeypatch):
+    """gpu.REDUCE_DIRECT (JITKERN_REDUCE_DIRECT=1): the flash kernels' short row reductions fold straight from the
+    staged row, so the PTX has fewer bar.sync than the two-pass form; with the prefill's LONGEST_FIRST grid too,
+    ptxas takes both kernels (16-bit operands: the engine's)."""
+    from jitkern.backends import gpu
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from targets import get_target
+    dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
+            "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
+            "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
+    cases = [("flash_decode_kernel", dsig, ["num_warps=4", "R=16", "NUM_PARTS=16"]),
+             ("flash_prefill_kernel", FLASH_PREFILL_SIG, FLASH_PREFILL_CONSTS + ["LONGEST_FIRST=True"])]
+    for name, sig, extra in cases:
+        k = load_kernel(f"jitkern.ops.attention:{name}")
+        counts = []
+        for direct in (False, True):
+            monkeypatch.setattr(gpu, "REDUCE_DIRECT", direct)
+            params, cx = parse_sig(k, sig, FLASH_COMMON + extra)
+            ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+            counts.append(len(re.findall(r"\bbar(rier)?\.sync", ptx)))
+            _ptxas_usage(ptx, tmp_path)
+        assert counts[1] < counts[0], (name, counts)
