@@ -127,16 +127,16 @@ def _toolchain_key(target) -> tuple:
             ((f"mma-unroll-{gpu.MMA_UNROLL}",) if gpu.MMA_UNROLL else ()) + \
             (("row-slots",) if gpu.ROW_SLOTS else ()) + \
             (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
-            (("reduce-direct",) if gpu.REDUCE_DIRECT else ())
+            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",))
     if target.is_hip:
         from .backends import gpu
         from .backends.amdgpu import find_lld, lld_version
         return ("ld.lld", lld_version(find_lld())) + (() if gpu.FRAG_OPS else ("no-frag-ops",)) + \
             (("row-slots",) if gpu.ROW_SLOTS else ()) + (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
-            (("reduce-direct",) if gpu.REDUCE_DIRECT else ())
+            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",))
     if target.is_vulkan:
         from .backends import gpu
-        return ("reduce-direct",) if gpu.REDUCE_DIRECT else ()
+        return () if gpu.REDUCE_DIRECT else ("two-pass-reduce",)
     return ()
 
 

@@ -81,11 +81,11 @@ Settings (all optional):
     JITKERN_FLASH_DECODE_WIDE   launches of at least this many flash-decode programs (sequences x KV heads x
                                 partitions) run at 2 warps instead of 4 (ops/attention.py
                                 FLASH_DECODE_WIDE_PROGRAMS, default 1024; 0: always 2; the same bits either way).
-    JITKERN_FLASH_LONGEST_FIRST 0 or 1: the flash prefill's grid starts the longest causal tiles first (default 0
-                                until it has run on a GPU; the same bits either way).
+    JITKERN_FLASH_LONGEST_FIRST 0 or 1: the flash prefill's grid starts the longest causal tiles first (default 1:
+                                21% less flash prefill time on the H200 at 1,024 tokens; the same bits either way).
     JITKERN_REDUCE_DIRECT       0 or 1: GPU reductions of rows no longer than the CTA fold each output straight
-                                from the staged row (default 0 until it has run on a GPU: lavapipe runs it; 0 stages
-                                the partials first: the same operations in the same order, so the same bits).
+                                from the staged row (default 1; 0 stages the partials first: the same operations in
+                                the same order, so the same bits; an A/B switch).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -270,8 +270,8 @@ def flash_decode_wide(default: int, environ=None) -> int:
 
 
 def flash_longest_first(environ=None) -> bool:
-    """JITKERN_FLASH_LONGEST_FIRST (default off until run on a GPU): the flash prefill grid longest tiles first."""
-    return env_choice("JITKERN_FLASH_LONGEST_FIRST", ("0", "1"), environ) == "1"
+    """JITKERN_FLASH_LONGEST_FIRST (default 1): the flash prefill grid longest tiles first; 0 shortest first."""
+    return env_choice("JITKERN_FLASH_LONGEST_FIRST", ("0", "1"), environ) != "0"
 
 
 def flash_fold_skip(environ=None) -> bool:
@@ -293,10 +293,9 @@ def pin_operands(environ=None) -> bool:
 
 
 def reduce_direct(environ=None) -> bool:
-    """JITKERN_REDUCE_DIRECT (default off until run on a GPU): reductions of at most one element a chunk skip
-    staging their partials
-    (backends/gpu.py GpuLowering._reduce_direct)."""
-    return env_choice("JITKERN_REDUCE_DIRECT", ("0", "1"), environ) == "1"
+    """JITKERN_REDUCE_DIRECT (default 1): reductions of at most one element a chunk skip staging their partials
+    (backends/gpu.py GpuLowering._reduce_direct); 0 is the two-pass form (A/B switch)."""
+    return env_choice("JITKERN_REDUCE_DIRECT", ("0", "1"), environ) != "0"
 
 
 def frag_ops(environ=None) -> bool:

@@ -230,9 +230,10 @@ ROW_SLOTS = _env.row_slots()
 # JITKERN_PIN_OPERANDS=1: a loop's dot stages an A operand defined outside the loop once, before it
 # (GpuLowering._pin_analysis; A/B switch, cache key)
 PIN_OPERANDS = _env.pin_operands()
-# JITKERN_REDUCE_DIRECT=1: reductions of at most one element a chunk (rows no longer than the CTA) skip staging
-# their partials (the two-pass form; the default until this runs on a GPU: lavapipe runs it in the suite): each
-# output folds the staged input directly, with the same operations in the same order (GpuLowering._reduce_direct; A/B switch, cache key)
+# JITKERN_REDUCE_DIRECT (default 1): reductions of at most one element a chunk (rows no longer than the CTA) skip
+# staging their partials (the two-pass form, JITKERN_REDUCE_DIRECT=0): each output folds the staged input directly,
+# with the same operations in the same order (GpuLowering._reduce_direct; A/B switch, cache key). H200: flash
+# prefill -3.6%, decode -1% (BENCHMARKS "Session 14").
 REDUCE_DIRECT = _env.reduce_direct()
 
 

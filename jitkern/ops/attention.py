@@ -1301,7 +1301,7 @@ FLASH_PIPELINE = True      # load the next cache block while the current one is 
 # needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
 # 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
 GPU_FLASH_FOLD_SKIP = _env.flash_fold_skip()
-# JITKERN_FLASH_LONGEST_FIRST (default 0 until it has run on a GPU): the prefill grid starts the longest (last) causal tiles first
+# JITKERN_FLASH_LONGEST_FIRST (default 1; H200: 21% less flash prefill time at 1,024 tokens): the prefill grid starts the longest (last) causal tiles first
 # (flash_prefill_kernel LONGEST_FIRST; the same bits)
 GPU_FLASH_LONGEST_FIRST = _env.flash_longest_first()
 # the flash kernels' MMA operands: "f32" (q and the probabilities split into f16 hi + lo by the lowering: ~22
