@@ -74,8 +74,15 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  # 32-row prefill tiles at 4 warps: 255 registers, no spills (ptxas), so two CTAs an SM
                  "flash-16bit-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 32, "FLASH_WARPS": (4, 4)},
-                 "flash-16bit-longest-first": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_LONGEST_FIRST": True},
+                 # the decode kernel's registers capped (ptxas: 227 at 2 warps, 4 CTAs an SM; 168: 6, 128: 8)
+                 "flash-16bit-dm168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 168},
+                 "flash-16bit-dm128": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 128},
+                 "flash-16bit-shortest-first": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_LONGEST_FIRST": False},
                  "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
+                 # the settings before session 14: decode with the next block's loads in flight, 64-row prefill
+                 # tiles at 8 warps
+                 "flash-16bit-dpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_PIPELINE": True},
+                 "flash-16bit-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 64, "FLASH_WARPS": (4, 8)},
                  # cache blocks of 32 / 64 tokens with 16-bit operands (the online-softmax state in the MMA
                  # registers since the fragment-layout values, so larger steps may fit now)
                  "flash-16bit-bs32": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 32},

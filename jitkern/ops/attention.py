@@ -1295,8 +1295,16 @@ GPU_FLASH_ATTENTION = True
 # flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
 # (JITKERN_FLASH_PARTITION_BLOCKS: an A/B switch; decode and prefill split alike at any setting)
 GPU_PARTITION_BLOCKS = _env.flash_partition_blocks()
-FLASH_ROWS = 64            # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128
-FLASH_PIPELINE = True      # load the next cache block while the current one is computed
+# query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128. H200 (session 14,
+# perf/h200_decode_regs.sh, variant flash-16bit-rows32-w4 against 64 rows at 8 warps, same run): 32 rows at 4 warps
+# 1.08x (B=1 S=1024 0.505 -> 0.466 ms, B=8 3.933 -> 3.650): two CTAs an SM instead of one (255 registers either
+# way), the same warps resident, half as many at each barrier. A row's bits do not depend on the tile.
+FLASH_ROWS = 32
+# load the next cache block while the current one is computed: the prefill kernel (nopipe 0.98-0.99x), not the
+# decode kernel (H200, session 14: without it 1.02-1.07x at B = 16-64, ctx 1024-4096: ptxas 168 registers at 2
+# warps instead of 227, so 6 CTAs an SM instead of 4). The same bits either way.
+FLASH_PIPELINE = True
+FLASH_DECODE_PIPELINE = False
 # JITKERN_FLASH_FOLD_SKIP (default 1): the prefill tile's partition fold runs only in the blocks where some row
 # needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
 # 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
@@ -1311,8 +1319,9 @@ GPU_FLASH_LONGEST_FIRST = _env.flash_longest_first()
 GPU_FLASH_OPERANDS = "f32"
 # warps per program of the decode and prefill kernels. ptxas (sm_90a, Llama-3-8B shape) gives the decode kernel
 # 255 registers at 4 warps (2 CTAs / SM) and ~240 at 8 (1 CTA / SM); the 64-row prefill 255 with ~1-1.5 KB of
-# spills at 8 warps (perf/bench_kernels_cuda.py --attn-variants sweeps these settings on the GPU)
-FLASH_WARPS = (4, 8)
+# spills at 8 warps, the 32-row one (FLASH_ROWS) 255 without spills at 4 (perf/bench_kernels_cuda.py
+# --attn-variants sweeps these settings on the GPU)
+FLASH_WARPS = (4, 4)
 # decode launches of at least this many programs (sequences x KV heads x partition axis) run the decode kernel
 # with FLASH_DECODE_WIDE_WARPS warps: its 16-row x 16-key score dot is then one MMA tile per warp (with 4, two
 # warps sit out) and more programs fit an SM. H200 (perf/bench_kernels_cuda.py --only attn --attn-variants flash
@@ -1321,6 +1330,11 @@ FLASH_WARPS = (4, 8)
 # the warps (every output is the same MMA chain; tests/ops/test_attention_flash.py checks it on the GPU)
 FLASH_DECODE_WIDE_PROGRAMS = _env.flash_decode_wide(1024)     # (JITKERN_FLASH_DECODE_WIDE: an A/B switch)
 FLASH_DECODE_WIDE_WARPS = 2
+# a register cap (ptxas maxnreg) for the decode kernel on CUDA, None: none. ptxas (sm_90a, f16 cache, 2 warps)
+# gives it 227 registers (4 CTAs = 8 warps an SM; Nsight Compute: occupancy limited by registers, the warps
+# stalled on shared memory); 168 fits 6 CTAs with 96 B spilled, 128 fits 8 with 312 B. An A/B setting
+# (perf/bench_kernels_cuda.py variants flash-16bit-dm168 / -dm128); the same bits at any cap.
+FLASH_DECODE_MAXNREG = None
 
 
 def _token_path(target, st) -> bool:
@@ -1404,8 +1418,11 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=mode == "16bit")
     gpu = target is not None and target.is_gpu
     pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
+    dpipe = (FLASH_DECODE_PIPELINE and gpu) if pipeline is None else bool(pipeline)
     wide = st.num_seqs * st.kvh * P >= FLASH_DECODE_WIDE_PROGRAMS
-    dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=pipe) if gpu else dict(PIPE=pipe)
+    dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=dpipe) if gpu else dict(PIPE=dpipe)
+    if FLASH_DECODE_MAXNREG and gpu and target.is_cuda:
+        dw["maxnreg"] = int(FLASH_DECODE_MAXNREG)
     pw = dict(num_warps=FLASH_WARPS[1], PIPE=pipe) if gpu else dict(PIPE=pipe)
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
@@ -1450,8 +1467,8 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
     block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group; on GPUs
     with matrix units at least 16 rows);
     split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
-    pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE on GPUs,
-    off on CPUs); the same bits either way.
+    pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE for the
+    prefill kernel, FLASH_DECODE_PIPELINE for the decode kernel on GPUs, off on CPUs); the same bits either way.
     Decode partitions are GPU_PARTITION_BLOCKS blocks (at most MAX_PARTITIONS, decided by each sequence's
     own range): num_partitions must cover decode_partitions(..., partition_blocks=GPU_PARTITION_BLOCKS)."""
     target = resolve_target(target, q)
