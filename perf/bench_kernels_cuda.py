@@ -83,6 +83,11 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  # tiles at 8 warps
                  "flash-16bit-dpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_PIPELINE": True},
                  "flash-16bit-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 64, "FLASH_WARPS": (4, 8)},
+                 # 16-row prefill tiles at 4 warps (2 CTAs an SM; capped at 168 registers: 3)
+                 "flash-16bit-rows16-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 16, "FLASH_WARPS": (4, 4)},
+                 "flash-16bit-rows16-w4-m168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 16, "FLASH_WARPS": (4, 4),
+                                                "FLASH_PREFILL_MAXNREG": 168},
+                 "flash-16bit-m168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PREFILL_MAXNREG": 168},
                  # cache blocks of 32 / 64 tokens with 16-bit operands (the online-softmax state in the MMA
                  # registers since the fragment-layout values, so larger steps may fit now)
                  "flash-16bit-bs32": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 32},

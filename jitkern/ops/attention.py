@@ -1335,6 +1335,9 @@ FLASH_DECODE_WIDE_WARPS = 2
 # stalled on shared memory); 168 fits 6 CTAs with 96 B spilled, 128 fits 8 with 312 B. An A/B setting
 # (perf/bench_kernels_cuda.py variants flash-16bit-dm168 / -dm128); the same bits at any cap.
 FLASH_DECODE_MAXNREG = None
+# ... and for the prefill kernel (ptxas, 16-bit operands: 255 registers at 32 rows / 4 warps; 16 rows at 4 warps
+# capped at 168 spill 128 B and fit 3 CTAs an SM). An A/B setting: flash-16bit-rows16-w4-m168.
+FLASH_PREFILL_MAXNREG = None
 
 
 def _token_path(target, st) -> bool:
@@ -1424,6 +1427,8 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     if FLASH_DECODE_MAXNREG and gpu and target.is_cuda:
         dw["maxnreg"] = int(FLASH_DECODE_MAXNREG)
     pw = dict(num_warps=FLASH_WARPS[1], PIPE=pipe) if gpu else dict(PIPE=pipe)
+    if FLASH_PREFILL_MAXNREG and gpu and target.is_cuda:
+        pw["maxnreg"] = int(FLASH_PREFILL_MAXNREG)
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
