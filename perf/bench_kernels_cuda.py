@@ -88,6 +88,9 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-rows16-w4-m168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 16, "FLASH_WARPS": (4, 4),
                                                 "FLASH_PREFILL_MAXNREG": 168},
                  "flash-16bit-m168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PREFILL_MAXNREG": 168},
+                 # wide decode launches at one warp a program (ptxas: 254 registers without the pipeline, 8 CTAs an
+                 # SM; every reduction inside the warp, barriers of one warp)
+                 "flash-16bit-dw1": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_WARPS": 1},
                  # cache blocks of 32 / 64 tokens with 16-bit operands (the online-softmax state in the MMA
                  # registers since the fragment-layout values, so larger steps may fit now)
                  "flash-16bit-bs32": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 32},
