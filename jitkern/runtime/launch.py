@@ -89,7 +89,8 @@ def _token(v):
     if isinstance(v, np.ndarray):
         return v.dtype.num
     if isinstance(v, Pointer):
-        return v.dtype.name
+        # (16-byte alignment: a GPU specialisation hint, jit.spec_hints, as for device arrays)
+        return ("ptr", v.dtype.name, v.address % 16 == 0)
     if type(v).__name__ == "DeviceArray":
         # the kernel element type (bf16 over uint16 storage included) and 16-byte alignment (specialised on)
         return ("dev", v.elem.name, v.ptr % 16 == 0)
@@ -124,9 +125,13 @@ def resolve(kernel, args, kwargs, target=None):
     except (KeyError, TypeError):
         params, consts, values = kernel.specialize(args, kwargs, target)
         ck = compile_kernel(kernel, params, consts, target)
-        if len(args) == len(kernel.params) - len([k for k in kwargs if k in cx]) and \
-                all(k in cx or k in LAUNCH_OPTIONS for k in kwargs):
-            idx = tuple(i for i, p in enumerate(kernel.params[:len(args)]) if p.name not in cx)
+        # memoised when every run-time parameter came positionally and the keywords are constexprs or launch
+        # options: constexprs left at their defaults included (the key holds what was passed; the defaults are
+        # the kernel's own), so calls that omit them (rms_norm's RES_COPY, the flash kernels' switches) do not
+        # specialise again on every launch
+        idx = tuple(i for i, p in enumerate(kernel.params) if p.name not in cx)
+        if (not idx or idx[-1] < len(args)) and all(k in cx or k in LAUNCH_OPTIONS for k in kwargs) and \
+                not any(p.name in kwargs for p in kernel.params[:len(args)]):
             plan = _Plan(ck, idx)
             try:
                 kernel._plans[key] = plan
