@@ -1300,6 +1300,10 @@ GPU_PARTITION_BLOCKS = _env.flash_partition_blocks()
 # 1.08x (B=1 S=1024 0.505 -> 0.466 ms, B=8 3.933 -> 3.650): two CTAs an SM instead of one (255 registers either
 # way), the same warps resident, half as many at each barrier. A row's bits do not depend on the tile.
 FLASH_ROWS = 32
+# heads wider than 128 keep the tile they had before (32 rows at 8 warps; unmeasured at 4 warps, where the two
+# (32, D) accumulators alone would take 128 registers a thread)
+FLASH_ROWS_WIDE_HEADS = 32
+FLASH_PREFILL_WARPS_WIDE_HEADS = 8
 # load the next cache block while the current one is computed: the prefill kernel (nopipe 0.98-0.99x), not the
 # decode kernel (H200, session 14: without it 1.02-1.07x at B = 16-64, ctx 1024-4096: ptxas 168 registers at 2
 # warps instead of 227, so 6 CTAs an SM instead of 4). The same bits either way.
@@ -1363,9 +1367,9 @@ _FLASH_SMEM_LIMIT = 47 * 1024     # under the 48 KiB of static shared memory (NV
 
 
 def _flash_prefill_rows(G: int, D: int, BS: int) -> int:
-    """Query rows per prefill program on a GPU: FLASH_ROWS (half for D > 128), halved until the staging fits,
-    never fewer than the padded head group."""
-    rows = max(FLASH_ROWS if D <= 128 else FLASH_ROWS // 2, _pow2(G))
+    """Query rows per prefill program on a GPU: FLASH_ROWS (FLASH_ROWS_WIDE_HEADS for D > 128), halved until the
+    staging fits, never fewer than the padded head group."""
+    rows = max(FLASH_ROWS if D <= 128 else FLASH_ROWS_WIDE_HEADS, _pow2(G))
     while rows > _pow2(G) and _flash_smem(rows, D, BS) > _FLASH_SMEM_LIMIT:
         rows //= 2
     return rows
@@ -1426,7 +1430,8 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=dpipe) if gpu else dict(PIPE=dpipe)
     if FLASH_DECODE_MAXNREG and gpu and target.is_cuda:
         dw["maxnreg"] = int(FLASH_DECODE_MAXNREG)
-    pw = dict(num_warps=FLASH_WARPS[1], PIPE=pipe) if gpu else dict(PIPE=pipe)
+    pw = dict(num_warps=FLASH_WARPS[1] if D <= 128 else FLASH_PREFILL_WARPS_WIDE_HEADS, PIPE=pipe) if gpu else \
+        dict(PIPE=pipe)
     if FLASH_PREFILL_MAXNREG and gpu and target.is_cuda:
         pw["maxnreg"] = int(FLASH_PREFILL_MAXNREG)
     if decode:
