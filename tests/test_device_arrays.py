@@ -627,3 +627,57 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
             np.testing.assert_allclose(part, full[lo:hi], rtol=1e-5, atol=1e-5 * np.abs(want).max())
         else:
             np.testing.assert_array_equal(part, full[lo:hi])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("neox,rotary", [(True, 32), (False, 32), (True, 16)], ids=["neox", "gptj", "neox-tail"])
+def test_split_k_qkv_folded_into_rope_and_cache(backend, monkeypatch, neox, rotary):
+    """rope_and_cache(parts=S) reads a split-K q/k/v projection's slabs (matmul.SplitK) and sums them in slab order
+    as it reads: the rotated q (its unrotated tail too) and both caches are bit for bit what the sum kernel + the
+    in-place op give; slot -1 writes nothing. Wrong q_out / too many tokens are refused."""
+    from jitkern.ops import matmul as mm
+    from jitkern.ops import rope as rp
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 4))
+    rng = np.random.default_rng(43 + rotary + neox)
+    T, H, KVH, D = 5, 4, 2, 32
+    N = (H + 2 * KVH) * D
+    x, _, _, dw, _ = _bf16_linear_case(cuda_mod, rng, T, N, 256)
+    xd = _dev(cuda_mod, x)
+    y = mm.linear(xd, dw, w_dtype="bf16")
+    folded = mm.linear(xd, dw, w_dtype="bf16", fold_sum=True)
+    assert isinstance(folded, mm.SplitK) and folded.S == 4
+    cos_sin = _dev(cuda_mod, rp.rope_cos_sin_cache(D, rotary, 64, 10000.0))
+    pos = _dev(cuda_mod, rng.integers(0, 64, T).astype(np.int32))
+    slots = _dev(cuda_mod, np.array([3, -1, 0, 9, 14], np.int32))
+
+    def heads(a, col0, n):
+        return a[:, col0:].as_strided((T, n, D), (a.strides[0], D * a.itemsize, a.itemsize))
+    fill = rng.standard_normal((4, 4, KVH, D)).astype(np.float16)
+    results = []
+    for src in (y, folded):
+        kc, vc = _dev(cuda_mod, fill), _dev(cuda_mod, fill[::-1].copy())
+        out = _dev(cuda_mod, np.full((T, N), np.nan, np.float32))
+        if src is y:
+            out = _dev(cuda_mod, y.numpy())
+            rp.rope_and_cache(heads(out, 0, H), heads(out, H * D, KVH), heads(out, (H + KVH) * D, KVH), pos, cos_sin,
+                              D, rotary, neox, kc, vc, slots)
+        else:
+            p0 = src.parts[0]
+            rp.rope_and_cache(heads(p0, 0, H), heads(p0, H * D, KVH), heads(p0, (H + KVH) * D, KVH), pos, cos_sin,
+                              D, rotary, neox, kc, vc, slots, q_out=heads(out, 0, H), parts=src.S,
+                              part_stride=src.parts.strides[0] // 4)
+        results.append((out.numpy()[:, :H * D], kc.numpy(), vc.numpy()))
+    for a, b in zip(results[1], results[0]):
+        np.testing.assert_array_equal(a, b)
+    # the slot -1 token wrote nothing; slot 3 (block 0, offset 3) got token 0's v
+    np.testing.assert_array_equal(results[1][2][0, 3], y.numpy()[0, (H + KVH) * D:].reshape(KVH, D).astype(np.float16))
+    assert not np.isnan(results[1][0]).any()
+    p0 = folded.parts[0]
+    with pytest.raises(ValueError, match="q_out must be an array of q's shape and strides"):
+        rp.rope_and_cache(heads(p0, 0, H), heads(p0, H * D, KVH), heads(p0, (H + KVH) * D, KVH), pos, cos_sin, D,
+                          rotary, neox, kc, vc, slots, q_out=None, parts=4, part_stride=T * N)
+    monkeypatch.setattr(rp, "ROPE_CACHE_PER_HEAD_MAX_T", 4)
+    with pytest.raises(ValueError, match="split-K slabs are read on GPUs for at most 4 tokens"):
+        rp.rope_and_cache(heads(p0, 0, H), heads(p0, H * D, KVH), heads(p0, (H + KVH) * D, KVH), pos, cos_sin, D,
+                          rotary, neox, kc, vc, slots, q_out=heads(out, 0, H), parts=4, part_stride=T * N)

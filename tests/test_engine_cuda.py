@@ -392,3 +392,48 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, ti
     assert got[True][0][0] == got[True][-1][0]          # the first prompt's tokens alone as in the batch
     if tile is not None:
         assert folded                                   # the fold ran
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch):
+    """GPU_FOLD_SPLITK with a tile that splits K on the fake sm_90a device (its GPU tiles compiled, run on the CPU):
+    the q/k/v projection's slabs go to rope_and_cache (parts > 1) where nothing else reads q/k/v first (llama),
+    not where q/k norms do (qwen3). Greedy tokens and every prompt logprob are bit-identical to the fold off,
+    batch and alone."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    from engine.llm import LLM
+    from engine.models import decoder
+    from jitkern.ops import matmul as mm
+    from jitkern.ops import rope as rp
+    from tests.fake_cuda import install
+    from tests.model_fixtures import make_model_dir
+    monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+    install(monkeypatch)
+    make_model_dir(arch, str(tmp_path), seed=7).to(torch.bfloat16).save_pretrained(str(tmp_path),
+                                                                                   safe_serialization=True)
+    monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 16, 4, 2))
+    parts = []
+    real = rp.rope_and_cache
+
+    def spy(*a, **k):
+        parts.append(k.get("parts", 1))
+        return real(*a, **k)
+    monkeypatch.setattr(rp, "rope_and_cache", spy)
+    prompts = _prompts(4, seed=9)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+    got, seen = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(decoder, "GPU_FOLD_SPLITK", on)
+        parts.clear()
+        with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
+            outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        got[on] = [(list(o.outputs[0].token_ids),
+                    [None if d is None else sorted((k, v.logprob) for k, v in d.items()) for d in o.prompt_logprobs])
+                   for o in outs]
+        seen[on] = set(parts)
+    assert got[True] == got[False]
+    assert got[True][0][0] == got[True][-1][0]
+    assert seen[False] == {1}
+    assert seen[True] == ({2} if arch == "llama" else {1})

@@ -33,8 +33,9 @@ GPU_X16 = True
 # the op is checked on the CPU tiers and the fake sm_90a device (tests/ops/test_attention_flash.py). H200: the
 # 8-layer 1,024-token prefill's linears 8.06 -> 6.64 ms. On by default; JITKERN_X16_ATTN=0 turns it off
 GPU_X16_ATTN = _env.x16_attn()
-# CUDA: a split-K linear (o, gate/up, down) leaves its slabs to the op after it (rms_norm with the residual add,
-# the gated activation), which sums them in the sum kernel's order: the same bits, one launch a linear fewer
+# CUDA: a split-K linear (o, gate/up, down; q/k/v up to ROPE_CACHE_PER_HEAD_MAX_T tokens) leaves its slabs to the
+# op after it (rms_norm with the residual add, the gated activation, rope + KV cache write), which sums them in the
+# sum kernel's order: the same bits, one launch a linear fewer
 GPU_FOLD_SPLITK = True
 
 _NAMES = {
@@ -485,7 +486,9 @@ class DecoderLM:
         from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
         from jitkern.ops.embedding import embedding
         from jitkern.ops.norm import rms_norm, rms_norm_heads
-        from jitkern.ops.rope import rope, rope_and_cache
+        from jitkern.ops._hostargs import resolve_target
+        from jitkern.ops.matmul import SplitK
+        from jitkern.ops.rope import ROPE_CACHE_PER_HEAD_MAX_T, rope, rope_and_cache, takes_split_k
         T = b.num_tokens
         H, KVH, D = self.H, self.KVH, self.D
         ids = b.input_ids[:T]
@@ -523,12 +526,21 @@ class DecoderLM:
         for li, L in enumerate(self.layers):
             # attention block (pre-norm; the residual add is fused into the norm, and into the quantisation of
             # the q/k/v projection's input for GGUF weights)
-            self._norm_linear(hsrc, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out,
-                              self._x_for(L.qkv, L.attn_norm, x, buf), buf, residual=residual, first=first)
+            # the q/k/v projection's split-K slabs go to the rope + cache kernel, which sums them as it reads
+            # (GPU_FOLD_SPLITK; the sum kernel's bits): where nothing else reads q/k/v before it
+            fold_qkv = fold and L.rope_cache is not None and self.fuse_decode and L.q_norm is None \
+                and T <= ROPE_CACHE_PER_HEAD_MAX_T
+            qkv_src = self._norm_linear(hsrc, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out,
+                                        self._x_for(L.qkv, L.attn_norm, x, buf), buf, residual=residual,
+                                        first=first, fold=fold_qkv)
             first = False
             q = _heads(qkv_out, 0, H, D)
             k = _heads(qkv_out, H * D, KVH, D)
             v = _heads(qkv_out, (H + KVH) * D, KVH, D)
+            slabs = qkv_src if isinstance(qkv_src, SplitK) else None
+            if slabs is not None and not takes_split_k(T, resolve_target(None, qkv_out)):
+                slabs.sum_into(qkv_out)
+                slabs = None
             if L.q_norm is not None and L.q_norm.shape[0] != D:
                 # OLMoE: one RMSNorm over all of q (and of k), not per head
                 rms_norm(qkv_out[:, :H * D], L.q_norm, self.cfg.rms_norm_eps, out=qkv_out[:, :H * D])
@@ -539,8 +551,15 @@ class DecoderLM:
                 rms_norm_heads(k, L.k_norm, self.cfg.rms_norm_eps, weight_offset=self.norm_offset)
             if L.rope_cache is not None and self.fuse_decode:
                 # rotate q in place, rotated k and v into the paged cache: one launch
-                rope_and_cache(q, k, v, pos, L.rope_cache, D, self.rotary_dim, self.is_neox, self.k_caches[li],
-                               self.v_caches[li], b.slot_mapping[:T])
+                if slabs is not None:
+                    p0 = slabs.parts[0]
+                    rope_and_cache(_heads(p0, 0, H, D), _heads(p0, H * D, KVH, D), _heads(p0, (H + KVH) * D, KVH, D),
+                                   pos, L.rope_cache, D, self.rotary_dim, self.is_neox, self.k_caches[li],
+                                   self.v_caches[li], b.slot_mapping[:T], q_out=q, parts=slabs.S,
+                                   part_stride=slabs.parts.strides[0] // slabs.parts.itemsize)
+                else:
+                    rope_and_cache(q, k, v, pos, L.rope_cache, D, self.rotary_dim, self.is_neox, self.k_caches[li],
+                                   self.v_caches[li], b.slot_mapping[:T])
             else:
                 if L.rope_cache is not None:
                     rope(q, k, pos, L.rope_cache, D, self.rotary_dim, self.is_neox)

@@ -67,18 +67,28 @@ def rope_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, n_k, positions, cache, max_po
 
 
 @jk.jit
-def _rot_neox_to(src, dst, i, m, c, s, HALF: jk.constexpr):
-    x1 = jk.load(src + i, mask=m, other=0.0).to(jk.f32)
-    x2 = jk.load(src + HALF + i, mask=m, other=0.0).to(jk.f32)
+def _ld(src, off, m, ps, PARTS):
+    """src[off] as f32; PARTS > 1: the sum of PARTS split-K slabs ps elements apart, in slab order (the bits of
+    matmul._gpu_splitk_sum_kernel, which would have stored the sum first)."""
+    v = jk.load(src + off, mask=m, other=0.0).to(jk.f32)
+    for z in jk.static_range(1, PARTS):
+        v = v + jk.load(src + z * ps.to(jk.i64) + off, mask=m, other=0.0)
+    return v
+
+
+@jk.jit
+def _rot_neox_to(src, dst, i, m, c, s, HALF: jk.constexpr, ps, PARTS):
+    x1 = _ld(src, i, m, ps, PARTS)
+    x2 = _ld(src, HALF + i, m, ps, PARTS)
     jk.store(dst + i, x1 * c - x2 * s, mask=m)
     jk.store(dst + HALF + i, x2 * c + x1 * s, mask=m)
 
 
 @jk.jit
-def _rot_gptj_to(src, dst, j, m, even, c2, s2):
-    x = jk.load(src + j, mask=m, other=0.0).to(jk.f32)
-    nxt = jk.load(src + j + 1, mask=m & even, other=0.0).to(jk.f32)
-    prv = jk.load(src + j - 1, mask=m & (j >= 1) & (even == 0), other=0.0).to(jk.f32)
+def _rot_gptj_to(src, dst, j, m, even, c2, s2, ps, PARTS):
+    x = _ld(src, j, m, ps, PARTS)
+    nxt = _ld(src, j + 1, m & even, ps, PARTS)
+    prv = _ld(src, j - 1, m & (j >= 1) & (even == 0), ps, PARTS)
     jk.store(dst + j, x * c2 + jk.where(even, nxt, prv) * s2, mask=m)
 
 
@@ -104,12 +114,13 @@ def _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX):
 
 
 @jk.jit
-def _rot_to(src, dst, i, m, c, s, even, HALF, NEOX):
-    """One head's rotation from src to dst with _rope_coeffs's (mask, cos, sin, even)."""
+def _rot_to(src, dst, i, m, c, s, even, HALF, NEOX, ps, PARTS):
+    """One head's rotation from src to dst with _rope_coeffs's (mask, cos, sin, even); PARTS > 1: src holds
+    split-K slabs ps elements apart (_ld)."""
     if NEOX:
-        _rot_neox_to(src, dst, i, m, c, s, HALF)
+        _rot_neox_to(src, dst, i, m, c, s, HALF, ps, PARTS)
     else:
-        _rot_gptj_to(src, dst, i, m, even, c, s)
+        _rot_gptj_to(src, dst, i, m, even, c, s, ps, PARTS)
 
 
 ROPE_CACHE_PER_HEAD_MAX_T = 256
@@ -117,13 +128,18 @@ ROPE_CACHE_PER_HEAD_MAX_T = 256
 
 @jk.kernel
 def rope_cache_head_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, positions, cache, max_pos,
-                           k_cache, v_cache, slot_mapping, HALF: jk.constexpr, NEOX: jk.constexpr,
-                           BLOCK: jk.constexpr, D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr):
-    """rope_cache_kernel with grid (tokens, n_q + n_k) for GPUs: program (t, h) rotates query head h < n_q in
-    place, else rotates key head h - n_q and copies value head h - n_q into the caches (the other kind's
-    loads and stores masked off); the same arithmetic per element. A token's heads run side by side instead of
-    one after another: one program looping over Llama-3-8B's 48 heads took ~12 us of dependent loads on the
-    H200 at one token."""
+                           k_cache, v_cache, slot_mapping, qo, ps, HALF: jk.constexpr, NEOX: jk.constexpr,
+                           BLOCK: jk.constexpr, D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr,
+                           PARTS: jk.constexpr = 1):
+    """rope_cache_kernel with grid (tokens, n_q + n_k) for GPUs: program (t, h) rotates query head h < n_q
+    into qo (q itself where there are no slabs: in place), else rotates key head h - n_q and copies value head
+    h - n_q into the caches (the other kind's loads and stores masked off); the same arithmetic per element. A
+    token's heads run side by side instead of one after another: one program looping over Llama-3-8B's 48 heads
+    took ~12 us of dependent loads on the H200 at one token.
+    PARTS > 1: q, k and v are views of a split-K qkv projection's first slab, the others ps elements apart
+    (matmul.SplitK), summed in slab order as they are read (the sum kernel's bits); qo (q's strides) gets the
+    rotated query heads, their unrotated tail (TAIL) too: the split-K sum kernel's launch and its round trip of
+    q, k and v fewer."""
     t = jk.program_id(0)
     h = jk.program_id(1)
     tt = t.to(jk.i64)
@@ -134,18 +150,22 @@ def rope_cache_head_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
     hk = jk.minimum(jk.maximum(h - n_q, 0), n_k - 1)
     dst = jk.maximum(slot, 0).to(jk.i64) * (n_k * D) + hk * D
     qh = q + tt * q_st + hq * q_sh
+    qoh = qo + tt * q_st + hq * q_sh
     kh = k + tt * k_st + hk * k_sh
     i = jk.arange(0, BLOCK)
     dd = jk.arange(0, BD)
     dm = dd < D
     m, c, s, even = _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX)
-    _rot_to(qh, qh, i, m & isq, c, s, even, HALF, NEOX)
-    _rot_to(kh, k_cache + dst, i, m & ok, c, s, even, HALF, NEOX)
+    _rot_to(qh, qoh, i, m & isq, c, s, even, HALF, NEOX, ps, PARTS)
+    _rot_to(kh, k_cache + dst, i, m & ok, c, s, even, HALF, NEOX, ps, PARTS)
     if TAIL:
         tc = 2 * HALF + dd
         tm = (tc < D) & ok
-        jk.store(k_cache + dst + tc, jk.load(kh + tc, mask=tm, other=0.0), mask=tm)
-    jk.store(v_cache + dst + dd, jk.load(v + tt * v_st + hk * v_sh + dd, mask=dm & ok, other=0.0), mask=dm & ok)
+        jk.store(k_cache + dst + tc, _ld(kh, tc, tm, ps, PARTS), mask=tm)
+        if PARTS > 1:
+            qtm = (tc < D) & isq
+            jk.store(qoh + tc, _ld(qh, tc, qtm, ps, PARTS), mask=qtm)
+    jk.store(v_cache + dst + dd, _ld(v + tt * v_st + hk * v_sh, dd, dm & ok, ps, PARTS), mask=dm & ok)
 
 
 @jk.kernel
@@ -169,9 +189,9 @@ def rope_cache_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, pos
     m, c, s, even = _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX)
     for h in range(0, n_q):
         qh = q + tt * q_st + h * q_sh
-        _rot_to(qh, qh, i, m, c, s, even, HALF, NEOX)
+        _rot_to(qh, qh, i, m, c, s, even, HALF, NEOX, 0, 1)
     for h in range(0, n_k):
-        _rot_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, c, s, even, HALF, NEOX)
+        _rot_to(k + tt * k_st + h * k_sh, k_cache + dst + h * D, i, m & ok, c, s, even, HALF, NEOX, 0, 1)
     for h in range(0, n_k):
         if TAIL:
             tc = 2 * HALF + dd
@@ -233,12 +253,17 @@ def rope(q: np.ndarray, k: np.ndarray | None, positions: np.ndarray, cos_sin_cac
 
 def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cos_sin_cache: np.ndarray,
                    head_dim: int, rotary_dim: int, is_neox: bool, k_cache: np.ndarray, v_cache: np.ndarray,
-                   slot_mapping: np.ndarray, *, check_positions: bool = True, target=None) -> None:
+                   slot_mapping: np.ndarray, *, check_positions: bool = True, target=None, q_out=None,
+                   parts: int = 1, part_stride: int = 0) -> None:
     """`rope(q, k, ...)` and `reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)` in one launch: q [T, H,
     head_dim] is rotated in place; k [T, KVH, head_dim] rotated and v [T, KVH, head_dim] go into the paged caches
     [num_blocks, block_size, KVH, head_dim] (float32 or float16, rounded to nearest even) at slot_mapping[t]
     (int32; -1 skips the token). The caches get exactly what the two ops give; k itself is not modified. q, k, v
-    may be strided views of a fused qkv output; positions / cos_sin_cache as in `rope`."""
+    may be strided views of a fused qkv output; positions / cos_sin_cache as in `rope`.
+    parts > 1 (GPUs, at most ROPE_CACHE_PER_HEAD_MAX_T tokens: `takes_split_k`): q, k and v are views of the first
+    of `parts` split-K slabs of the qkv projection, `part_stride` elements apart (matmul.SplitK), summed in slab
+    order as they are read (the bits its sum kernel would store); the rotated q (all of its head_dim) goes to
+    q_out, an array of q's shape and strides."""
     from .attention import _check_cache, _i32
     target = resolve_target(target, q)
     if not is_array(q) or q.ndim != 3:
@@ -277,11 +302,40 @@ def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
     half = rotary_dim // 2
     # per head on GPUs up to ROPE_CACHE_PER_HEAD_MAX_T tokens (decode steps, short prefills); longer steps have
     # programs enough per token: H200, Llama-3-8B shape, 8 layers: 64 tokens 112 -> 51 us, 1024 tokens 266 -> 634 us
-    per_head = bool(target is not None and target.is_gpu and T <= ROPE_CACHE_PER_HEAD_MAX_T)
-    run(rope_cache_head_kernel if per_head else rope_cache_kernel, (T, q.shape[1] + kvh) if per_head else (T,), (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
-                                 kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),
+    per_head = takes_split_k(T, target)
+    parts = int(parts)
+    if parts > 1:
+        if not per_head:
+            raise ValueError(f"rope_and_cache: split-K slabs are read on GPUs for at most "
+                             f"{ROPE_CACHE_PER_HEAD_MAX_T} tokens (takes_split_k); got {T} tokens on {target}")
+        if q_out is None or tuple(q_out.shape) != tuple(q.shape) or \
+                _heads_view(q_out, T, head_dim, "rope_and_cache: q_out") != (qs0, qs1):
+            raise ValueError("rope_and_cache: with parts > 1, q_out must be an array of q's shape and strides")
+        if q_out.dtype != np.float32:
+            raise TypeError(f"rope_and_cache: q_out must be float32, got {q_out.dtype}")
+        if int(part_stride) <= 0:
+            raise ValueError(f"rope_and_cache: part_stride must be positive with parts > 1, got {part_stride}")
+    elif q_out is not None and q_out is not q:
+        raise ValueError("rope_and_cache: q_out is for split-K slabs (parts > 1); q is rotated in place")
+    qo = fptr(q_out if parts > 1 else q, "q_out")
+    if per_head:
+        run(rope_cache_head_kernel, (T, q.shape[1] + kvh),
+            (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1, kvh, positions,
+             cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping, qo, int(part_stride) if parts > 1 else 0),
+            target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16),
+            D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim,
+            **({"PARTS": parts} if parts > 1 else {}))
+        return
+    run(rope_cache_kernel, (T,), (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
+                                  kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),
         target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16),
         D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim)
+
+
+def takes_split_k(T: int, target=None) -> bool:
+    """Whether rope_and_cache reads a split-K qkv projection's slabs (parts > 1) for a step of T tokens on
+    `target` (resolved): its per-head GPU kernel does."""
+    return bool(target is not None and target.is_gpu and T <= ROPE_CACHE_PER_HEAD_MAX_T)
 
 
 # ------------------------------------------------------------------------------------ host-side cache
