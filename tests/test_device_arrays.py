@@ -677,6 +677,9 @@ def test_split_k_qkv_folded_into_rope_and_cache(backend, monkeypatch, neox, rota
     with pytest.raises(ValueError, match="q_out must be an array of q's shape and strides"):
         rp.rope_and_cache(heads(p0, 0, H), heads(p0, H * D, KVH), heads(p0, (H + KVH) * D, KVH), pos, cos_sin, D,
                           rotary, neox, kc, vc, slots, q_out=None, parts=4, part_stride=T * N)
+    with pytest.raises(ValueError, match="parts must be 1 or more"):
+        rp.rope_and_cache(heads(p0, 0, H), heads(p0, H * D, KVH), heads(p0, (H + KVH) * D, KVH), pos, cos_sin, D,
+                          rotary, neox, kc, vc, slots, parts=0)
     monkeypatch.setattr(rp, "ROPE_CACHE_PER_HEAD_MAX_T", 4)
     with pytest.raises(ValueError, match="split-K slabs are read on GPUs for at most 4 tokens"):
         rp.rope_and_cache(heads(p0, 0, H), heads(p0, H * D, KVH), heads(p0, (H + KVH) * D, KVH), pos, cos_sin, D,

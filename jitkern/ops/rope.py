@@ -16,6 +16,7 @@ import numpy as np
 
 import jitkern as jk
 from ._hostargs import check_dtype, elem_strides, fptr, is_array, is_device, pow2_at_least, resolve_target, run
+from .norm import _row_in
 
 
 @jk.jit
@@ -67,28 +68,18 @@ def rope_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, n_k, positions, cache, max_po
 
 
 @jk.jit
-def _ld(src, off, m, ps, PARTS):
-    """src[off] as f32; PARTS > 1: the sum of PARTS split-K slabs ps elements apart, in slab order (the bits of
-    matmul._gpu_splitk_sum_kernel, which would have stored the sum first)."""
-    v = jk.load(src + off, mask=m, other=0.0).to(jk.f32)
-    for z in jk.static_range(1, PARTS):
-        v = v + jk.load(src + z * ps.to(jk.i64) + off, mask=m, other=0.0)
-    return v
-
-
-@jk.jit
 def _rot_neox_to(src, dst, i, m, c, s, HALF: jk.constexpr, ps, PARTS):
-    x1 = _ld(src, i, m, ps, PARTS)
-    x2 = _ld(src, HALF + i, m, ps, PARTS)
+    x1 = _row_in(src, 0, ps, i, m, PARTS)
+    x2 = _row_in(src, 0, ps, HALF + i, m, PARTS)
     jk.store(dst + i, x1 * c - x2 * s, mask=m)
     jk.store(dst + HALF + i, x2 * c + x1 * s, mask=m)
 
 
 @jk.jit
 def _rot_gptj_to(src, dst, j, m, even, c2, s2, ps, PARTS):
-    x = _ld(src, j, m, ps, PARTS)
-    nxt = _ld(src, j + 1, m & even, ps, PARTS)
-    prv = _ld(src, j - 1, m & (j >= 1) & (even == 0), ps, PARTS)
+    x = _row_in(src, 0, ps, j, m, PARTS)
+    nxt = _row_in(src, 0, ps, j + 1, m & even, PARTS)
+    prv = _row_in(src, 0, ps, j - 1, m & (j >= 1) & (even == 0), PARTS)
     jk.store(dst + j, x * c2 + jk.where(even, nxt, prv) * s2, mask=m)
 
 
@@ -116,7 +107,7 @@ def _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX):
 @jk.jit
 def _rot_to(src, dst, i, m, c, s, even, HALF, NEOX, ps, PARTS):
     """One head's rotation from src to dst with _rope_coeffs's (mask, cos, sin, even); PARTS > 1: src holds
-    split-K slabs ps elements apart (_ld)."""
+    split-K slabs ps elements apart (norm._row_in: the sum kernel's bits)."""
     if NEOX:
         _rot_neox_to(src, dst, i, m, c, s, HALF, ps, PARTS)
     else:
@@ -161,11 +152,11 @@ def rope_cache_head_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
     if TAIL:
         tc = 2 * HALF + dd
         tm = (tc < D) & ok
-        jk.store(k_cache + dst + tc, _ld(kh, tc, tm, ps, PARTS), mask=tm)
+        jk.store(k_cache + dst + tc, _row_in(kh, 0, ps, tc, tm, PARTS), mask=tm)
         if PARTS > 1:
             qtm = (tc < D) & isq
-            jk.store(qoh + tc, _ld(qh, tc, qtm, ps, PARTS), mask=qtm)
-    jk.store(v_cache + dst + dd, _ld(v + tt * v_st + hk * v_sh, dd, dm & ok, ps, PARTS), mask=dm & ok)
+            jk.store(qoh + tc, _row_in(qh, 0, ps, tc, qtm, PARTS), mask=qtm)
+    jk.store(v_cache + dst + dd, _row_in(v + tt * v_st + hk * v_sh, 0, ps, dd, dm & ok, PARTS), mask=dm & ok)
 
 
 @jk.kernel
@@ -304,6 +295,8 @@ def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
     # programs enough per token: H200, Llama-3-8B shape, 8 layers: 64 tokens 112 -> 51 us, 1024 tokens 266 -> 634 us
     per_head = takes_split_k(T, target)
     parts = int(parts)
+    if parts < 1:
+        raise ValueError(f"rope_and_cache: parts must be 1 or more (split-K slabs), got {parts}")
     if parts > 1:
         if not per_head:
             raise ValueError(f"rope_and_cache: split-K slabs are read on GPUs for at most "
