@@ -488,7 +488,7 @@ class DecoderLM:
         from jitkern.ops.norm import rms_norm, rms_norm_heads
         from jitkern.ops._hostargs import resolve_target
         from jitkern.ops.matmul import SplitK
-        from jitkern.ops.rope import ROPE_CACHE_PER_HEAD_MAX_T, rope, rope_and_cache, takes_split_k
+        from jitkern.ops.rope import rope, rope_and_cache, takes_split_k
         T = b.num_tokens
         H, KVH, D = self.H, self.KVH, self.D
         ids = b.input_ids[:T]
@@ -522,14 +522,15 @@ class DecoderLM:
             if b.host is not None else None
         first = True
         fold = tp is None and self.residual_scale is None and self._fold_splitk
+        # the q/k/v projection's split-K slabs can go to the rope + cache kernel at this step's size (decided once)
+        fold_rope = fold and self.fuse_decode and takes_split_k(T, resolve_target(None, qkv_out))
         hsrc = h                             # the residual stream's next input: h, or the down projection's slabs
         for li, L in enumerate(self.layers):
             # attention block (pre-norm; the residual add is fused into the norm, and into the quantisation of
             # the q/k/v projection's input for GGUF weights)
             # the q/k/v projection's split-K slabs go to the rope + cache kernel, which sums them as it reads
             # (GPU_FOLD_SPLITK; the sum kernel's bits): where nothing else reads q/k/v before it
-            fold_qkv = fold and L.rope_cache is not None and self.fuse_decode and L.q_norm is None \
-                and T <= ROPE_CACHE_PER_HEAD_MAX_T
+            fold_qkv = fold_rope and L.rope_cache is not None and L.q_norm is None
             qkv_src = self._norm_linear(hsrc, L.attn_norm, L.attn_norm_b, L.qkv, qkv_out,
                                         self._x_for(L.qkv, L.attn_norm, x, buf), buf, residual=residual,
                                         first=first, fold=fold_qkv)
@@ -538,9 +539,6 @@ class DecoderLM:
             k = _heads(qkv_out, H * D, KVH, D)
             v = _heads(qkv_out, (H + KVH) * D, KVH, D)
             slabs = qkv_src if isinstance(qkv_src, SplitK) else None
-            if slabs is not None and not takes_split_k(T, resolve_target(None, qkv_out)):
-                slabs.sum_into(qkv_out)
-                slabs = None
             if L.q_norm is not None and L.q_norm.shape[0] != D:
                 # OLMoE: one RMSNorm over all of q (and of k), not per head
                 rms_norm(qkv_out[:, :H * D], L.q_norm, self.cfg.rms_norm_eps, out=qkv_out[:, :H * D])
