@@ -937,11 +937,8 @@ def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_h
         g = jk.arange(0, GP)
         d = jk.arange(0, D)
         gm = g < G
-        # the row statistics (m, l) are held as full (GP, D) tiles, each row's value in every column: a fold is
-        # then elementwise, with no row vector broadcast across the program (shared memory and barriers), and
-        # each element sees the very operations _flash_fold gives it, so the same bits
-        M = jk.full((GP, D), NEG, jk.f32)
-        L = jk.zeros((GP, D), jk.f32)
+        M = jk.full((GP,), NEG, jk.f32)
+        L = jk.zeros((GP,), jk.f32)
         ACC = jk.zeros((GP, D), jk.f32)
         row0 = (seq * KVH + kvh).to(jk.i64) * (NUM_PARTS * G)
         # four partitions' states are loaded before any of them is folded (their loads in flight together: one
@@ -957,32 +954,25 @@ def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_h
             M, L, ACC = _fold_if(p0 + 1 < parts, M, L, ACC, m1, l1, a1)
             M, L, ACC = _fold_if(p0 + 2 < parts, M, L, ACC, m2, l2, a2)
             M, L, ACC = _fold_if(p0 + 3 < parts, M, L, ACC, m3, l3, a3)
-        if SINKS:
-            L = L + jk.exp(jk.load(sinks + kvh * G + g[:, None] + 0 * d[None, :], mask=gm[:, None], other=0.0) - M)
-        o = ACC / L
+        o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=gm, other=0.0) if SINKS else 0.0, SINKS)
         jk.store(out + jk.maximum(q0, 0).to(jk.i64) * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o,
                  mask=(gm & (parts > 1))[:, None])
 
 
 @jk.jit
 def _merge_state(ws_m, ws_l, ws_acc, row0, p, parts, G, g, gm, d, D):
-    """Partition p's (m, l, acc) from the decode workspace as (GP, D) tiles (m and l repeated along each row);
-    past `parts` the empty state (nothing is read)."""
-    ok = (gm & (p < parts))[:, None] & (d >= 0)[None, :]
+    """Partition p's (m, l, acc) from the decode workspace; past `parts` the empty state (nothing is read)."""
+    ok = gm & (p < parts)
     rows = row0 + p * G + g
-    rep = rows[:, None] + 0 * d[None, :]
-    return (jk.load(ws_m + rep, mask=ok, other=NEG), jk.load(ws_l + rep, mask=ok, other=0.0),
-            jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=ok, other=0.0))
+    return (jk.load(ws_m + rows, mask=ok, other=NEG), jk.load(ws_l + rows, mask=ok, other=0.0),
+            jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0))
 
 
 @jk.jit
 def _fold_if(live, M, L, ACC, m, l, acc):
-    """_flash_fold of (GP, D) tiles (m and l repeated along each row: the same operations per element, without
-    broadcasts) where `live` (a scalar), else the merged state exactly as it was."""
-    M2 = jk.maximum(M, m)
-    a = jk.where(M2 == M, 1.0, jk.exp(M - M2))
-    b = jk.where(M2 == m, 1.0, jk.exp(m - M2))
-    return jk.where(live, M2, M), jk.where(live, L * a + l * b, L), jk.where(live, ACC * a + acc * b, ACC)
+    """_flash_fold where `live` (a scalar), else the merged state exactly as it was."""
+    M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
+    return jk.where(live, M2, M), jk.where(live, L2, L), jk.where(live, ACC2, ACC)
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
