@@ -33,7 +33,7 @@ Settings (all optional):
     JITKERN_POOL_SPLIT          static or dynamic: how the CPU pool deals a launch's programs to its threads
                                 (contiguous chunks, or chunks claimed from a shared counter).
     JITKERN_CUDA_GRAPH_MAX_TOKENS  the largest padded token count of a CUDA prefill / mixed step recorded as a
-                                graph, an integer >= 0 (default 512, as vLLM's max_capture_size; 0: eager).
+                                graph, an integer >= 0 (default 2048; 0: eager).
     JITKERN_WGMMA               0 or 1: the bf16 linear's dots as warpgroup MMAs on sm_90a (default 1, for
                                 the tiles of JITKERN_WGMMA_MIN_BM+ tokens; 0: mma.sync everywhere).
     JITKERN_WGMMA_SWIZZLE       0 or 128: how warpgroup-MMA operands are staged (plain core matrices or
@@ -86,6 +86,9 @@ Settings (all optional):
     JITKERN_REDUCE_DIRECT       0 or 1: GPU reductions of rows no longer than the CTA fold each output straight
                                 from the staged row (default 1; 0 stages the partials first: the same operations in
                                 the same order, so the same bits; an A/B switch).
+    JITKERN_FLASH_STEP_BLOCKS   cache blocks per online-softmax step of the flash kernels on GPUs, one of 1, 2, 4
+                                (ops/attention.py FLASH_STEP_BLOCKS; decode and prefill use the same, so a token's
+                                bits agree between them at any setting; layers with a sliding window step by 1).
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -109,7 +112,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
             "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE",
-            "JITKERN_FLASH_LONGEST_FIRST")
+            "JITKERN_FLASH_LONGEST_FIRST", "JITKERN_FLASH_STEP_BLOCKS")
 
 
 class SettingError(JitkernError, ValueError):
@@ -261,6 +264,12 @@ def flash_partition_blocks(environ=None) -> int:
     """JITKERN_FLASH_PARTITION_BLOCKS: cache blocks per flash-decoding partition on GPUs (ops/attention.py
     GPU_PARTITION_BLOCKS; default 4)."""
     return int(env_choice("JITKERN_FLASH_PARTITION_BLOCKS", ("1", "2", "4", "8"), environ) or 4)
+
+def flash_step_blocks(default: int, environ=None) -> int:
+    """JITKERN_FLASH_STEP_BLOCKS: cache blocks per online-softmax step of the GPU flash kernels (ops/attention.py
+    FLASH_STEP_BLOCKS)."""
+    return int(env_choice("JITKERN_FLASH_STEP_BLOCKS", ("1", "2", "4"), environ) or default)
+
 
 def flash_decode_wide(default: int, environ=None) -> int:
     """JITKERN_FLASH_DECODE_WIDE: the program count from which flash decode launches take 2 warps (ops/attention.py

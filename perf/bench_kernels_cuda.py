@@ -95,6 +95,21 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  # registers since the fragment-layout values, so larger steps may fit now)
                  "flash-16bit-bs32": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 32},
                  "flash-16bit-bs64": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 64},
+                 # online-softmax steps of 2 / 4 cache blocks (FLASH_STEP_BLOCKS: partitions stay 4 blocks; ptxas:
+                 # the 32-row prefill spills 392 / 1028 B with the pipeline, 288 / 640 B without; the decode at 2
+                 # warps 245 registers / 472 B spilled, at 4 warps 227 without spills at 4 blocks)
+                 "flash-16bit-sb2": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 2},
+                 "flash-16bit-sb4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4},
+                 "flash-16bit-sb2-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 2, "FLASH_PIPELINE": False},
+                 # 16-row prefill tiles: sb2 with the pipeline 255 registers, no spills; sb4 without it 192 B spilled
+                 "flash-16bit-sb2-rows16": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 2, "FLASH_ROWS": 16},
+                 "flash-16bit-sb4-rows16-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4, "FLASH_ROWS": 16,
+                                                   "FLASH_PIPELINE": False},
+                 "flash-16bit-sb4-rows16-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
+                                                       "FLASH_ROWS": 16, "FLASH_PIPELINE": False,
+                                                       "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
+                 "flash-16bit-sb4-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
+                                                "FLASH_PIPELINE": False, "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 

@@ -260,11 +260,16 @@ def _lane_scores(qrow, q_hs, kt, dst, part, G, D, BS, w):
 
 
 @jk.jit
-def _split(nb, PB, MAXP):
+def _split(nb, PB, MAXP, SB=1):
     """(partitions, blocks per partition) for a key range of nb blocks: decided by the range alone, so a
-    query's arithmetic never depends on the batch it runs in (nor on decode vs prefill kernel)."""
+    query's arithmetic never depends on the batch it runs in (nor on decode vs prefill kernel). SB (the flash
+    kernels' blocks per online-softmax step): a partition is whole steps (its length rounded up to a multiple
+    of SB, the count then recomputed: never more partitions than at SB = 1), so no step straddles two."""
     parts = jk.minimum((nb + PB - 1) // PB, MAXP)
     per = (nb + jk.maximum(parts, 1) - 1) // jk.maximum(parts, 1)
+    if SB > 1:
+        per = (per + SB - 1) // SB * SB
+        parts = (nb + jk.maximum(per, 1) - 1) // jk.maximum(per, 1)
     return parts, per
 
 
@@ -835,6 +840,37 @@ def _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, ok, KVH, D, BS):
 
 
 @jk.jit
+def _kv_offsets(n, d, KVH, D, BS, SB):
+    """Element offsets of a step's (SB * BS, D) K / V tile inside its cache blocks (key n sits at row n % BS of
+    block n // BS of the step)."""
+    if SB == 1:
+        return n[:, None] * (KVH * D) + d[None, :]
+    return (n % BS)[:, None] * (KVH * D) + d[None, :]
+
+
+@jk.jit
+def _kv_step(k_cache, v_cache, bt_row, b, hi, kv_off, n, kvh, ok, KVH, D, BS, SB):
+    """The (SB * BS, D) K and V tiles of the online-softmax step at block b: the sequence's blocks b .. b + SB - 1,
+    those at or past hi (all of them unless ok) masked off, the block table's column 0 read in their place."""
+    if SB == 1:
+        return _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, ok, KVH, D, BS)
+    blk = b + n // BS
+    live = ok & (blk < hi)
+    at = (jk.load(bt_row + jk.where(live, blk, 0)).to(jk.i64) * (BS * KVH * D) + kvh * D)[:, None] + kv_off
+    return (jk.load(k_cache + at, mask=live[:, None], other=0.0),
+            jk.load(v_cache + at, mask=live[:, None], other=0.0))
+
+
+@jk.jit
+def _next_step(b, lo, hi, SB):
+    """The block whose step the pipelined loads fetch during the step at b (steps of SB blocks from lo up to hi):
+    the next step's, or at the last step its own again."""
+    if SB == 1:
+        return jk.minimum(b + 1, hi - 1)
+    return jk.minimum(b + SB, hi - 1 - (hi - 1 - lo) % SB)
+
+
+@jk.jit
 def _flash_fold(M, L, ACC, m, l, acc):
     """The merged state (M, L, ACC) with one more partition's state (m, l, acc) folded in. Folding the first
     partition into the empty state (NEG, 0, 0) returns that partition's state exactly."""
@@ -857,12 +893,13 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
                         KVH: jk.constexpr, G: jk.constexpr, R: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                         NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
                         SINKS: jk.constexpr, SPLIT: jk.constexpr, PIPE: jk.constexpr = False,
-                        OPS16: jk.constexpr = False):
+                        OPS16: jk.constexpr = False, SB: jk.constexpr = 1):
     """Program (sequence, KV head, partition) of a q_len == 1 sequence: the G query heads of the KV head (R
     rows, padded to the matrix units' 16) over one partition of the key range, so K and V are read once
     for the group. The sequence's own length decides its partitions (_split); programs past them exit. A
     single-partition sequence writes its output here; otherwise the partition's (m, l, acc) go to the
-    workspace for flash_merge_kernel."""
+    workspace for flash_merge_kernel. SB: cache blocks per online-softmax step (FLASH_STEP_BLOCKS; the prefill
+    kernel steps alike, so a token's bits agree; 1 with a sliding window)."""
     seq = jk.program_id(0)
     kvh = jk.program_id(1)
     part = jk.program_id(2)
@@ -874,7 +911,7 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
     lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
     start_blk = lo // BS
     nb = jk.where(active, (seq_len + BS - 1) // BS - start_blk, 0)
-    parts, per = _split(nb, PB, MAXP)
+    parts, per = _split(nb, PB, MAXP, SB)
     mine = part < parts
     b0 = start_blk + part * per
     b1 = jk.where(mine, jk.minimum(b0 + per, start_blk + nb), b0)
@@ -883,26 +920,27 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
     if mine:
         g = jk.arange(0, R)
         d = jk.arange(0, D)
-        n = jk.arange(0, BS)
+        n = jk.arange(0, SB * BS)
         gm = (g < G) & mine
         tok = jk.maximum(q0, 0).to(jk.i64)
         qt = jk.load(q + tok * q_ts + (kvh * G + g[:, None]) * q_hs + d[None, :], mask=gm[:, None], other=0.0)
         if OPS16:
             qt = qt.to(jk.f16)
-        kv_off = n[:, None] * (KVH * D) + d[None, :]
+        kv_off = _kv_offsets(n, d, KVH, D, BS, SB)
         bt_row = block_table + seq.to(jk.i64) * bt_stride
         m = jk.full((R,), NEG, jk.f32)
         l = jk.zeros((R,), jk.f32)
         acc = jk.zeros((R, D), jk.f32)
         if PIPE:
-            # software pipelining: block b + 1's K/V loads are issued before block b's step runs (the last step
-            # reloads its own block), so they are in flight during its dots and barriers
-            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b0, kv_off, kvh, b0 < b1, KVH, D, BS)
-        for b in range(b0, b1):
+            # software pipelining: the next step's K/V loads are issued before this step runs (the last step
+            # reloads its own blocks), so they are in flight during its dots and barriers
+            kt, vt = _kv_step(k_cache, v_cache, bt_row, b0, b1, kv_off, n, kvh, b0 < b1, KVH, D, BS, SB)
+        for b in range(b0, b1, SB):
             if PIPE:
-                kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b1 - 1), kv_off, kvh, True, KVH, D, BS)
+                kn, vn = _kv_step(k_cache, v_cache, bt_row, _next_step(b, b0, b1, SB), b1, kv_off, n, kvh, True,
+                                  KVH, D, BS, SB)
             else:
-                kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
+                kt, vt = _kv_step(k_cache, v_cache, bt_row, b, b1, kv_off, n, kvh, True, KVH, D, BS, SB)
             pos = b * BS + n
             valid = ((pos < seq_len) & (pos >= lo))[None, :]
             m, l, acc = _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT, OPS16)
@@ -923,7 +961,8 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
 @jk.kernel
 def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_hs, window, sinks,
                        KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
-                       NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr):
+                       NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr,
+                       SB: jk.constexpr = 1):
     """Program (sequence, KV head): folds the partition states of a decode split in 2+, in partition order."""
     seq = jk.program_id(0)
     kvh = jk.program_id(1)
@@ -932,7 +971,7 @@ def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_h
     active = (jk.load(query_start + seq + 1) - q0 == 1) & (seq_len > 0)
     lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
     nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
-    parts, per = _split(nb, PB, MAXP)
+    parts, per = _split(nb, PB, MAXP, SB)
     if parts > 1:
         g = jk.arange(0, GP)
         d = jk.arange(0, D)
@@ -982,7 +1021,7 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
                          BS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SOFTCAP: jk.constexpr,
                          SKIP_DECODE: jk.constexpr, SINKS: jk.constexpr, SPLIT: jk.constexpr,
                          PIPE: jk.constexpr = False, OPS16: jk.constexpr = False, FOLD_SKIP: jk.constexpr = False,
-                         LONGEST_FIRST: jk.constexpr = False):
+                         LONGEST_FIRST: jk.constexpr = False, SB: jk.constexpr = 1):
     """Program (tile of BM query tokens of one sequence, KV head): BM x GP rows (the tile's tokens times the
     G query heads of the KV head, padded to a power of two) against the cache blocks of the tile's causal
     (and window) range, one block per step. Each row keeps a partition state and a merged state: when a
@@ -995,7 +1034,9 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
     GPUs start programs in grid order, x fastest, so the longest tiles (a causal prompt's last, which cover the most
     blocks) start first, each with all its KV heads, and the short ones fill in behind them (longest-first list
     scheduling: a 1,024-token prompt's 520 programs on 132 SMs take ~1.3x fewer step-waves than in tile order, by
-    a count of steps). Which program runs a tile never changes its bits."""
+    a count of steps). Which program runs a tile never changes its bits. SB: cache blocks per online-softmax step,
+    as in flash_decode_kernel (> 1 only without a sliding window: every row's range then starts at block 0, so
+    the steps and the partitions, whole steps, line up for all the tile's rows)."""
     if LONGEST_FIRST:
         kvh = jk.program_id(0)
         qb = jk.num_programs(1) - 1 - jk.program_id(1)
@@ -1011,7 +1052,7 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
         t = jk.arange(0, BM)
         g = jk.arange(0, GP)
         d = jk.arange(0, D)
-        n = jk.arange(0, BS)
+        n = jk.arange(0, SB * BS)
         tm = t < n_rows
         gm = g < G
         toks = (q0 + t0 + t).to(jk.i64)
@@ -1026,12 +1067,12 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
         lo = jk.where(window > 0, jk.maximum(qpos - window + 1, 0), 0)
         start = lo // BS
         nb = qpos // BS + 1 - start
-        parts, per = _split(nb, PB, MAXP)
+        parts, per = _split(nb, PB, MAXP, SB)
         # the tile's blocks: from its first row's start to its last row's end
         b_lo = jk.where(window > 0, jk.maximum(first_pos - window + 1, 0), 0) // BS
         b_hi = jk.where(n_rows > 0, (first_pos + n_rows - 1) // BS + 1, b_lo)
 
-        kv_off = n[:, None] * (KVH * D) + d[None, :]
+        kv_off = _kv_offsets(n, d, KVH, D, BS, SB)
         bt_row = block_table + seq.to(jk.i64) * bt_stride
         m = jk.full((R,), NEG, jk.f32)
         l = jk.zeros((R,), jk.f32)
@@ -1040,16 +1081,17 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
         L = jk.zeros((R,), jk.f32)
         ACC = jk.zeros((R, D), jk.f32)
         if PIPE:
-            kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b_lo, kv_off, kvh, b_lo < b_hi, KVH, D, BS)
-        for b in range(b_lo, b_hi):
+            kt, vt = _kv_step(k_cache, v_cache, bt_row, b_lo, b_hi, kv_off, n, kvh, b_lo < b_hi, KVH, D, BS, SB)
+        for b in range(b_lo, b_hi, SB):
             if PIPE:
-                kn, vn = _kv_tiles(k_cache, v_cache, bt_row, jk.minimum(b + 1, b_hi - 1), kv_off, kvh, True, KVH, D, BS)
+                kn, vn = _kv_step(k_cache, v_cache, bt_row, _next_step(b, b_lo, b_hi, SB), b_hi, kv_off, n, kvh,
+                                  True, KVH, D, BS, SB)
             else:
-                kt, vt = _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, True, KVH, D, BS)
+                kt, vt = _kv_step(k_cache, v_cache, bt_row, b, b_hi, kv_off, n, kvh, True, KVH, D, BS, SB)
             rel = b - start
             f = (rel > 0) & (rel < nb) & (rel % per == 0)
             if FOLD_SKIP:
-                if _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP):
+                if _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP, SB):
                     M, L, ACC, m, l, acc = _fold_rows(f, M, L, ACC, m, l, acc)
             else:
                 M, L, ACC, m, l, acc = _fold_rows(f, M, L, ACC, m, l, acc)
@@ -1076,7 +1118,7 @@ def _fold_rows(f, M, L, ACC, m, l, acc):
 
 
 @jk.jit
-def _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP):
+def _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP, SB=1):
     """Whether block b starts a new partition (_split of the row's own range) for some row of a prefill tile whose
     tokens sit at positions first_pos .. first_pos + n_rows - 1: a scalar, from the few key-range lengths those
     positions have (at most BM // BS + 2). With a window the ranges start at different blocks: always true."""
@@ -1085,7 +1127,7 @@ def _tile_folds(b, first_pos, n_rows, window, BS, BM, PB, MAXP):
     hit = window > 0
     for i in jk.static_range(BM // BS + 2):
         nbc = nb_lo + i
-        parts, per = _split(nbc, PB, MAXP)
+        parts, per = _split(nbc, PB, MAXP, SB)
         hit = hit | ((nbc <= nb_hi) & (b > 0) & (b < nbc) & (b % per == 0))
     return hit
 
@@ -1366,6 +1408,12 @@ FLASH_DECODE_MAXNREG = None
 # ... and for the prefill kernel (ptxas, 16-bit operands: 255 registers at 32 rows / 4 warps; 16 rows at 4 warps
 # capped at 168 spill 128 B and fit 3 CTAs an SM). An A/B setting: flash-16bit-rows16-w4-m168.
 FLASH_PREFILL_MAXNREG = None
+# cache blocks per online-softmax step of the flash kernels on GPUs (JITKERN_FLASH_STEP_BLOCKS: 1, 2 or 4): a step of
+# SB blocks is one (rows, SB * BS) score tile, its row max / sum and one P @ V, so SB times fewer steps (barriers,
+# shared-memory round trips) per key range. Decode and prefill step alike (partitions are whole steps, _split), so
+# a token's bits agree between them at any setting; other settings give other bits. Layers with a sliding window
+# step by one block (their rows' ranges start at different blocks); the staging must fit (_flash_step_blocks).
+FLASH_STEP_BLOCKS = _env.flash_step_blocks(1)
 
 
 def _token_path(target, st) -> bool:
@@ -1397,6 +1445,21 @@ def _flash_prefill_rows(G: int, D: int, BS: int) -> int:
     while rows > _pow2(G) and _flash_smem(rows, D, BS) > _FLASH_SMEM_LIMIT:
         rows //= 2
     return rows
+
+
+def _flash_step_blocks(st, step_blocks=None) -> int:
+    """Cache blocks per online-softmax step for this step's shapes (FLASH_STEP_BLOCKS, or step_blocks): a function
+    of the head group, head size, block size and window alone (never of decode vs prefill or the tile a test asks
+    for), halved until both kernels' default tiles fit the shared-memory staging; 1 with a sliding window."""
+    sb = FLASH_STEP_BLOCKS if step_blocks is None else int(step_blocks)
+    if sb not in (1, 2, 4):
+        raise ValueError(f"step_blocks must be 1, 2 or 4, got {sb}")
+    if st.window > 0:
+        return 1
+    rows = (max(16, _pow2(st.G)), _flash_prefill_rows(st.G, st.dim, st.bs))
+    while sb > 1 and max(_flash_smem(r, st.dim, st.bs * sb) for r in rows) > _FLASH_SMEM_LIMIT:
+        sb //= 2
+    return sb
 
 
 def _flash_fits(st) -> bool:
@@ -1436,7 +1499,7 @@ def _flash_split(target, k_cache) -> bool:
 
 
 def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_len: int, decode: bool,
-                  block_m, split, target, pipeline=None, operands=None):
+                  block_m, split, target, pipeline=None, operands=None, step_blocks=None):
     """The flash kernels over one step: decode (+ merge) for the q_len == 1 sequences and the prefill kernel
     for the others (decode=False: the prefill kernel for every sequence). operands: "f32" | "16bit" (None:
     GPU_FLASH_OPERANDS)."""
@@ -1446,7 +1509,8 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     if mode not in ("f32", "16bit"):
         what = "GPU_FLASH_OPERANDS" if operands is None else "operands"
         raise ValueError(f"{what} must be 'f32' or '16bit', got {mode!r}")
-    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=mode == "16bit")
+    sb = _flash_step_blocks(st, step_blocks)
+    common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=mode == "16bit", **({"SB": sb} if sb > 1 else {}))
     gpu = target is not None and target.is_gpu
     pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
     dpipe = (FLASH_DECODE_PIPELINE and gpu) if pipeline is None else bool(pipeline)
@@ -1469,7 +1533,7 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
             run(flash_merge_kernel, (st.num_seqs, st.kvh),
                 (st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
                 target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
-                MAXP=MAX_PARTITIONS, SINKS=st.use_sinks)
+                MAXP=MAX_PARTITIONS, SINKS=st.use_sinks, **({"SB": sb} if sb > 1 else {}))
     if max_query_len > 1 or not decode:
         # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
         rows = int(block_m) * GP if block_m else (_flash_prefill_rows(G, D, st.bs) if gpu else 16)
@@ -1494,7 +1558,8 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
                           sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                           num_partitions: int | None = None, workspace: dict | None = None, decode: bool = True,
                           block_m: int | None = None, split: bool | None = None, pipeline: bool | None = None,
-                          validate: bool = True, host_step=None, sinks=None, target=None, operands=None):
+                          validate: bool = True, host_step=None, sinks=None, target=None, operands=None,
+                          step_blocks: int | None = None):
     """paged_attention through the GPU flash kernels, on any target (GPUs take this path from
     paged_attention; CPU tiers run it for tests). Arguments as for paged_attention, and:
     decode=False runs the prefill kernel for every sequence (decodes included: same bits as decode=True);
@@ -1503,6 +1568,8 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
     split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
     pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE for the
     prefill kernel, FLASH_DECODE_PIPELINE for the decode kernel on GPUs, off on CPUs); the same bits either way.
+    step_blocks: cache blocks per online-softmax step, 1, 2 or 4 (default FLASH_STEP_BLOCKS; 1 with a sliding
+    window; decode and prefill alike, so their bits agree at any setting).
     Decode partitions are GPU_PARTITION_BLOCKS blocks (at most MAX_PARTITIONS, decided by each sequence's
     own range): num_partitions must cover decode_partitions(..., partition_blocks=GPU_PARTITION_BLOCKS)."""
     target = resolve_target(target, q)
@@ -1514,7 +1581,7 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
         max_query_len = int(np.diff(st.qs_host).max())
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS)
     return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
-                         decode, block_m, split, target, pipeline, operands)
+                         decode, block_m, split, target, pipeline, operands, step_blocks)
 
 
 def _partition_axis(st: _Step, num_partitions, validate: bool, pb: int) -> int:

@@ -420,3 +420,33 @@ def test_paged_attention_on_device_arrays_alone_equals_batched(backend, monkeypa
                             num_partitions=A.MAX_PARTITIONS, workspace={}, host_step=(qs, sl), out=o16)
     assert got is o16
     np.testing.assert_array_equal(o16.numpy(), to_bf16(full))
+
+
+@pytest.mark.parametrize("sb", [2, 4])
+def test_flash_step_blocks(tier, sb):
+    """FLASH_STEP_BLOCKS (JITKERN_FLASH_STEP_BLOCKS; step_blocks=): online-softmax steps of sb cache blocks, the
+    partitions whole steps. Against the reference; not the bits of one-block steps (the step is in the
+    arithmetic); a token's bits the same as a decode, as the last row of a prefill chunk and from the prefill
+    kernel alone over a step with decodes (contexts of 1 to 2,000 tokens: partial last steps, partitions longer
+    than GPU_PARTITION_BLOCKS past MAX_PARTITIONS); with a sliding window the kernels step by one block: the bits
+    of step_blocks=1."""
+    if sb == 4 and not tier.is_gpu:
+        pytest.skip("4-block steps: on the GPU (the same code as 2 with another constant; slow CPU compiles)")
+    rng = np.random.default_rng(51 + sb)
+    seqs = SEQS + [(1100, 1), (2000, 1), (1030, 40)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, 4, 2, 16, np.float16)
+    kw = dict(scale=0.25, step_blocks=sb)
+    full = _flash(tier, q, kc, vc, qs, sl, bt, block_m=8, **kw)
+    check(full, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25))
+    assert not np.array_equal(full, _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=8, step_blocks=1))
+    np.testing.assert_array_equal(_flash(tier, q, kc, vc, qs, sl, bt, block_m=8, decode=False, **kw), full)
+    last = len(seqs) - 1                 # the 40-token chunk ending at position 1029, its last token as a decode
+    dec = _flash(tier, q[qs[last + 1] - 1:qs[last + 1]], kc, vc, np.array([0, 1], np.int32),
+                 np.array([1030], np.int32), np.ascontiguousarray(bt[last:]), **kw)
+    np.testing.assert_array_equal(dec[0], full[qs[last + 1] - 1])
+    windowed = _flash(tier, q, kc, vc, qs, sl, bt, sliding_window=40, block_m=8, **kw)
+    check(windowed, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=40))
+    np.testing.assert_array_equal(windowed, _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=40,
+                                                   block_m=8, step_blocks=1))
+    with pytest.raises(ValueError, match="step_blocks must be 1, 2 or 4, got 3"):
+        _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, step_blocks=3)
