@@ -416,6 +416,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     pdl(environ)
     x16_attn(environ)
     flash_partition_blocks(environ)
+    flash_step_blocks(1, environ)
     flash_decode_wide(0, environ)
     reduce_direct(environ)
     flash_longest_first(environ)
