@@ -980,38 +980,14 @@ def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_h
         L = jk.zeros((GP,), jk.f32)
         ACC = jk.zeros((GP, D), jk.f32)
         row0 = (seq * KVH + kvh).to(jk.i64) * (NUM_PARTS * G)
-        # four partitions' states are loaded before any of them is folded (their loads in flight together: one
-        # memory latency a group, not one a partition); the folds then run in partition order, a partition past
-        # `parts` leaving the state as it was (selected, not folded): the same bits as one at a time
-        for pg in range(0, (parts + 3) // 4):
-            p0 = pg * 4
-            m0, l0, a0 = _merge_state(ws_m, ws_l, ws_acc, row0, p0, parts, G, g, gm, d, D)
-            m1, l1, a1 = _merge_state(ws_m, ws_l, ws_acc, row0, p0 + 1, parts, G, g, gm, d, D)
-            m2, l2, a2 = _merge_state(ws_m, ws_l, ws_acc, row0, p0 + 2, parts, G, g, gm, d, D)
-            m3, l3, a3 = _merge_state(ws_m, ws_l, ws_acc, row0, p0 + 3, parts, G, g, gm, d, D)
-            M, L, ACC = _fold_if(p0 < parts, M, L, ACC, m0, l0, a0)
-            M, L, ACC = _fold_if(p0 + 1 < parts, M, L, ACC, m1, l1, a1)
-            M, L, ACC = _fold_if(p0 + 2 < parts, M, L, ACC, m2, l2, a2)
-            M, L, ACC = _fold_if(p0 + 3 < parts, M, L, ACC, m3, l3, a3)
+        for p in range(0, jk.where(parts > 1, parts, 0)):
+            rows = row0 + p * G + g
+            M, L, ACC = _flash_fold(M, L, ACC, jk.load(ws_m + rows, mask=gm, other=NEG),
+                                    jk.load(ws_l + rows, mask=gm, other=0.0),
+                                    jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=gm[:, None], other=0.0))
         o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=gm, other=0.0) if SINKS else 0.0, SINKS)
         jk.store(out + jk.maximum(q0, 0).to(jk.i64) * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o,
                  mask=(gm & (parts > 1))[:, None])
-
-
-@jk.jit
-def _merge_state(ws_m, ws_l, ws_acc, row0, p, parts, G, g, gm, d, D):
-    """Partition p's (m, l, acc) from the decode workspace; past `parts` the empty state (nothing is read)."""
-    ok = gm & (p < parts)
-    rows = row0 + p * G + g
-    return (jk.load(ws_m + rows, mask=ok, other=NEG), jk.load(ws_l + rows, mask=ok, other=0.0),
-            jk.load(ws_acc + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0))
-
-
-@jk.jit
-def _fold_if(live, M, L, ACC, m, l, acc):
-    """_flash_fold where `live` (a scalar), else the merged state exactly as it was."""
-    M2, L2, ACC2 = _flash_fold(M, L, ACC, m, l, acc)
-    return jk.where(live, M2, M), jk.where(live, L2, L), jk.where(live, ACC2, ACC)
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
