@@ -534,3 +534,31 @@ def test_flash_reduce_direct_and_longest_first_assemble(tmp_path, monkeypatch):
             counts.append(len(re.findall(r"\bbar(rier)?\.sync", ptx)))
             _ptxas_usage(ptx, tmp_path)
         assert counts[1] < counts[0], (name, counts)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+@pytest.mark.parametrize("sb", [2, 4])
+def test_flash_step_blocks_assemble(tmp_path, sb):
+    """FLASH_STEP_BLOCKS (JITKERN_FLASH_STEP_BLOCKS, an A/B setting): the flash decode, merge and prefill kernels with
+    online-softmax steps of sb cache blocks compile for sm_90a and ptxas takes them (16-bit operands, the engine's
+    Llama-3-8B constants). Their speed and bits are for the GPU (tests/ops/test_attention_flash.py -k step_blocks)."""
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from targets import get_target
+    dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
+            "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
+            "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
+    msig = ("out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,query_start=*i32:16,seq_lens=*i32,o_ts=i32:16,"
+            "o_hs=i32:16,window=i32:16,sinks=*f32:16")
+    decode = ["num_warps=4", "R=16", "NUM_PARTS=16", "PIPE=False"]
+    cases = [("flash_decode_kernel", dsig, decode),
+             ("flash_prefill_kernel", FLASH_PREFILL_SIG, FLASH_PREFILL_CONSTS + ["LONGEST_FIRST=True", "FOLD_SKIP=True"]),
+             ("flash_merge_kernel", msig, ["KVH=8", "G=4", "GP=4", "D=128", "BS=16", "NUM_PARTS=16", "PB=4", "MAXP=16",
+                                          "SINKS=False"])]
+    for name, sig, extra in cases:
+        k = load_kernel(f"jitkern.ops.attention:{name}")
+        common = [] if name == "flash_merge_kernel" else \
+            [c for c in FLASH_COMMON if not any(c.split("=")[0] == e.split("=")[0] for e in extra)]
+        params, cx = parse_sig(k, sig, common + extra + [f"SB={sb}"])
+        ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+        _ptxas_usage(ptx, tmp_path)

@@ -1389,6 +1389,8 @@ FLASH_PREFILL_MAXNREG = None
 # shared-memory round trips) per key range. Decode and prefill step alike (partitions are whole steps, _split), so
 # a token's bits agree between them at any setting; other settings give other bits. Layers with a sliding window
 # step by one block (their rows' ranges start at different blocks); the staging must fit (_flash_step_blocks).
+# H200 (session 15, perf/h200_step_blocks.sh): right, but 2 / 4 blocks are 1.2-2x slower for prefill and decode
+# (the step's tiles outgrow the registers; ptxas: the 32-row prefill spills), so 1 stays the default.
 FLASH_STEP_BLOCKS = _env.flash_step_blocks(1)
 
 
@@ -1430,8 +1432,8 @@ def _flash_step_blocks(st, step_blocks=None) -> int:
     sb = FLASH_STEP_BLOCKS if step_blocks is None else int(step_blocks)
     if sb not in (1, 2, 4):
         raise ValueError(f"step_blocks must be 1, 2 or 4, got {sb}")
-    if st.window > 0:
-        return 1
+    if sb == 1 or st.window > 0:
+        return 1                    # (the default: nothing to fit, once per attention launch)
     rows = (max(16, _pow2(st.G)), _flash_prefill_rows(st.G, st.dim, st.bs))
     while sb > 1 and max(_flash_smem(r, st.dim, st.bs * sb) for r in rows) > _FLASH_SMEM_LIMIT:
         sb //= 2
