@@ -26,7 +26,7 @@ CUDA graph (`ModelRunner._capture_cuda`: an eager run, then the capture). Only s
 CUDA_MAX_TOKENS padded tokens are recorded there: larger ones keep the GPU busy far longer than their
 launches take, and every bucket recorded costs an eager run plus a capture. (Measured on the H200, 8 layers of
 the Llama-3-8B shape: a 1,024-token step took 15.4 ms of wall eager against 12.3 ms as a graph, with 10.9 ms of
-kernels: ~95 launches from Python still cost more than the kernels hide, hence the cap of 2,048.)
+kernels: its 98 launches from Python cost more than the kernels hide, hence the cap of 2,048.)
 
 Steps that need logits for more rows than sequences (prompt logprobs, speculative verification mixed with
 a prefill) run eagerly; pure decode and speculative-verification steps keep their own graphs
