@@ -45,7 +45,7 @@ class Staging:
         """Dots directly in a loop's body whose A operand (16-bit, or f32 split in parts) is defined outside the
         loop: the flash kernels' query tile, the same every block. Each such value gets a region of its own
         (above everything else, _PIN_BASE), written once before the loop (_pin_stage); the dots then stage
-        only B each step. Off unless PIN_OPERANDS."""
+        only B each step. On by default (PIN_OPERANDS; JITKERN_PIN_OPERANDS=0 turns it off)."""
         self._pins = {}
         if not _gpu().PIN_OPERANDS:
             return
