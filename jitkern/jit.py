@@ -36,8 +36,9 @@ _NP_TO_DTYPE = {
 # ignores them): threads per program = num_warps * warp size; pipeline depth for async copies; maxnreg: a cap
 # on registers per thread (NVIDIA: PTX .maxnreg; a tuning knob like Triton's, e.g. 168 = 3 CTAs of 128
 # threads per SM; ptxas spills what does not fit); wgmma: a kernel's eligible dots as warpgroup MMAs (sm_90a);
-# tma: its `jk.tma` tiles copied by the tensor memory accelerator where the K-loop staging allows (sm_90+).
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "wgmma", "tma")
+# tma: its `jk.tma` tiles copied by the tensor memory accelerator where the K-loop staging allows (sm_90+);
+# warp_rows: its MMA tiles dealt so each warp owns whole rows, whose reductions then run on lane shuffles.
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "wgmma", "tma", "warp_rows")
 
 
 # Argument specialisation on GPUs (like Triton's): a pointer 16-byte aligned, an integer divisible by 16.

@@ -95,6 +95,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_FLASH_DECODE_WIDE", "many", ["JITKERN_FLASH_DECODE_WIDE='many'"]),
     ("JITKERN_REDUCE_DIRECT", "on", ["JITKERN_REDUCE_DIRECT='on'", "not one of 0, 1"]),
     ("JITKERN_FLASH_LONGEST_FIRST", "yes", ["JITKERN_FLASH_LONGEST_FIRST='yes'", "not one of 0, 1"]),
+    ("JITKERN_FLASH_WARP_ROWS", "2", ["JITKERN_FLASH_WARP_ROWS='2'", "not one of 0, 1"]),
     ("JITKERN_FLASH_STEP_BLOCKS", "3", ["JITKERN_FLASH_STEP_BLOCKS='3'", "not one of 1, 2, 4"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):

@@ -562,3 +562,46 @@ def test_flash_step_blocks_assemble(tmp_path, sb):
         params, cx = parse_sig(k, sig, common + extra + [f"SB={sb}"])
         ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
         _ptxas_usage(ptx, tmp_path)
+
+
+def test_warp_rows_register_layout():
+    """The row pattern the warp-owned rows lowering reads off the NVIDIA m16n8k16 accumulator layout (numpy lanes
+    through the same mma_layout the code uses): two row classes (c0, c1 on row lane // 4, c2, c3 eight below),
+    four lanes to a row, and a row's 8 columns of a tile in order at (lane % 4, register): (0, c0), (0, c1),
+    (1, c0), ... The row sum hands its running value along that order, so it adds in the tile path's order."""
+    from jitkern.backends.gpu import GpuLowering
+    from jitkern.backends.nvptx import NvptxHooks
+    from targets import get_target
+    t = get_target("sm_90a")
+    low = GpuLowering.__new__(GpuLowering)
+    low.target, low.hooks = t, NvptxHooks(t)
+    info = low._row_info()
+    assert info["H"] == 2 and info["Q"] == 4 and info["cls"] == [0, 0, 1, 1]
+    assert info["order"][0] == [(q, j) for q in range(4) for j in (0, 1)]
+    assert info["order"][1] == [(q, j) for q in range(4) for j in (2, 3)]
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_flash_prefill_warp_rows_assemble(tmp_path):
+    """JITKERN_FLASH_WARP_ROWS's prefill tile (32 rows at 4 warps, launched with `warp_rows`: two warps a 16-row
+    tile, the scores in both, P @ V's columns split) at the engine's Llama-3-8B constants: the online softmax's
+    row max and row sum are lane shuffles (shfl in the PTX) instead of shared-memory round trips (under a third of
+    the default tile's bar.sync), and ptxas takes it without spills. Its bits are for the GPU
+    (tests/ops/test_attention_flash.py -k warp_rows)."""
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from jitkern.ops import attention as A
+    from targets import get_target
+    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    rows, warps = A.FLASH_WARP_ROWS_TILE
+    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
+             "LONGEST_FIRST=True"]
+    out = []
+    for on in (False, True):
+        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra + (["warp_rows=True"] if on else []))
+        ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+        out.append((len(re.findall(r"\bbar(rier)?\.sync", ptx)), ptx.count("shfl.sync"), _ptxas_usage(ptx, tmp_path)))
+    (bars0, shfl0, _), (bars1, shfl1, (regs, spills)) = out
+    assert shfl0 == 0 and shfl1 > 0, out
+    assert 3 * bars1 < bars0, out
+    assert spills == 0, out

@@ -107,6 +107,16 @@ class GpuHooks:
         raise NotImplementedError
 
     has_ldmatrix = False
+    # lane shuffles within a warp (shuffle_idx / shuffle_xor): row reductions of warp-owned MMA rows
+    has_shuffle = False
+
+    def shuffle_idx(self, low, v: str, src: str) -> str:
+        """f32 `v` of lane `src` (an i32 ref, a lane of this warp) for every lane of the warp."""
+        raise NotImplementedError
+
+    def shuffle_xor(self, low, v: str, mask: int) -> str:
+        """f32 `v` of lane (this lane ^ mask)."""
+        raise NotImplementedError
     # warpgroup MMAs (NVIDIA sm_90a) for dots of kernels launched with the `wgmma` option (GpuLowering._dot_wgmma;
     # the NVPTX hooks: wgmma_fence, wgmma, wgmma_commit_wait, fence_async_smem, smem_address)
     has_wgmma = False
@@ -1354,6 +1364,11 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
 
     def _reduce_common(self, op, arg: bool):
         fv = self.vals.get(op.operands[0].id)
+        rkey = self.frag_keys.get(op.results[0].id) if not arg else None
+        if rkey is not None:
+            if not isinstance(fv, FragV) or self._row_key(fv.key) != rkey:
+                raise CompilationError("internal lowering error: a row reduction left its layout", op.loc)
+            return self._row_reduce(op, fv, rkey)
         if isinstance(fv, FragV) and fv.lv.et == "float":
             # accumulator registers go straight to the staging the reduction reads (each at its flat
             # element), so the tile layout's round trip is skipped and the order of operations is the same
@@ -1606,7 +1621,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 a_src, split = av, True
         else:
             return None
-        plan = dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy)
+        plan = dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy,
+                    acc=len(op.operands) > 2 and op.operands[2] is not None)
         plan["wg"] = self._wgmma_fits(plan)
         return plan
 
@@ -1711,8 +1727,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
         if g["fused"]:
             # every warp has per_warp units: one K loop for all of them, no branches
-            us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
-                  for i in range(g["per_warp"])]
+            us = self._warp_units(ctx, g)
             regs = ctx.run_units(us, frag_in.regs if frag_in is not None else None)
             if (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"]):
                 # the accumulator stays in the MMA registers (a loop-carried acc, or the acc of the next dot);
@@ -2048,11 +2063,57 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         csize=m * n * 4, nregs=per_wg * nparts * (m // 2),
                         key=("wg", m, n, nparts, self.num_warps))
         MS, NS, KS = self.hooks.mma_shape
+        W = self.num_warps
         units = (m // MS) * (n // NS)
-        fused = units % self.num_warps == 0
-        return dict(m=m, n=n, ksteps=k // KS, units=units, nparts=nparts,
-                    per_warp=-(-units // self.num_warps), fused=fused, csize=m * n * 4,
-                    key=(m, n, nparts, self.num_warps) if fused else None)
+        fused = units % W == 0
+        per_warp = -(-units // W)
+        # warp-owned rows (kernels launched with `warp_rows`, targets with lane shuffles): every row of the output
+        # lives in the warp(s) that own its row of tiles (units numbered row-major), so row reductions and
+        # broadcasts stay in registers (FragmentOps: row values). Modes: "block", warp w takes units
+        # w * per_warp .. (whole rows of tiles: at least as many rows of tiles as warps); with fewer rows of tiles
+        # than warps, `rep` warps share one: "rep", each computes the whole row of tiles (a dot without
+        # accumulator: the scores, which are row-reduced, so every warp of the row has them all), or "split",
+        # each takes an equal share of its columns (a dot into an accumulator: P @ V, whose alpha and P come from
+        # the replicated scores). Per output element the MMA chain is the same in every mode.
+        TM, NT = m // MS, n // NS
+        mode, rep = None, 1
+        if nparts == 1 and self._warp_rows_on():
+            if TM % W == 0:
+                mode = "block"
+            elif W % TM == 0:
+                rep = W // TM
+                if not plan.get("acc"):
+                    mode, per_warp, fused = "rep", NT, True
+                elif NT % rep == 0:
+                    mode, per_warp, fused = "split", NT // rep, True
+        key = None
+        if fused:
+            key = (m, n, nparts, W, "rows", mode) if mode else (m, n, nparts, W)
+        return dict(m=m, n=n, ksteps=k // KS, units=units, nparts=nparts, per_warp=per_warp, fused=fused,
+                    csize=m * n * 4, rows=mode, rep=rep, key=key)
+
+    def _warp_rows_on(self) -> bool:
+        return bool(self.fn.constexprs.get("warp_rows")) and self.hooks.has_shuffle
+
+    def _warp_units(self, ctx, g) -> list:
+        """The work units (16x8 output tiles) of this thread's warp, set up (ctx.setup): round-robin
+        (warp + i * num_warps), or with warp-owned rows the block warp * per_warp + i."""
+        mode = g.get("rows")
+        if mode:
+            NT = g["n"] // self.hooks.mma_shape[1]
+            if mode == "block":
+                w0 = self.val(f"mul i32 {ctx.warp}, {g['per_warp']}", "i32", 0).ref
+            else:
+                # (warp // rep) * NT, + (warp % rep) * per_warp when the row's columns are split
+                r = self.val(f"udiv i32 {ctx.warp}, {g['rep']}", "i32", 0).ref
+                w0 = self.val(f"mul i32 {r}, {NT}", "i32", 0).ref
+                if mode == "split":
+                    c = self.val(f"urem i32 {ctx.warp}, {g['rep']}", "i32", 0).ref
+                    c = self.val(f"mul i32 {c}, {g['per_warp']}", "i32", 0).ref
+                    w0 = self.val(f"add i32 {w0}, {c}", "i32", 0).ref
+            return [ctx.setup(self.val(f"add i32 {w0}, {i}", "i32", 0).ref) for i in range(g["per_warp"])]
+        return [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
+                for i in range(g["per_warp"])]
 
     def _keep_frag(self, v, key, to_dots=False) -> bool:
         """Whether every use of v takes an MMA accumulator in registers of layout `key`: the yield of a loop
@@ -2092,8 +2153,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)
         self.barrier()
         self._claim(0, g["csize"])
-        us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
-              for i in range(g["per_warp"])]
+        us = self._warp_units(ctx, g)
         ctx.store_units(us, acc.regs, 0)
         self.barrier()
         return ctx.read_back(0)
@@ -2214,6 +2274,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 shared_a = {}        # part -> A fragments, when every unit reads the same ones
                 for ui, u in enumerate(us):
                     it = iv
+                    same_row = m == MS or g.get("rows") in ("rep", "split") or \
+                        (g.get("rows") == "block" and g["per_warp"] == n // NS)
                     kb = {}
                     for ref, _ in b_ks + a_ks:              # k of each register: step * KS + its lane part
                         if ref not in kb:
@@ -2231,7 +2293,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         regs_b = [ld(offb, elem("b", bc[0], kr), lay["b_ty"], lay["b_elems"], bc[1] * KP + kc,
                                      addrs) for bc, (kr, kc) in zip(b_cols, b_ks)]
                     for pi, pa in enumerate(offs_a):
-                        if m == MS and pi in shared_a:
+                        if same_row and pi in shared_a:
                             regs_a = shared_a[pi]
                         elif ldm:
                             regs_a = ldmx(pa, add(u["lda"], kofs), 4, addrs)

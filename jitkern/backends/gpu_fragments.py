@@ -82,7 +82,7 @@ class FragmentOps:
             for j, arg in enumerate(body.args[1:]):
                 t = arg.type
                 d = self.defs.get(op.operands[3 + j].id)
-                if j in old or t.elem != ir.f32 or len(t.shape) != 2 or d is None or d.name != "const":
+                if j in old or t.elem != ir.f32 or len(t.shape) not in (1, 2) or d is None or d.name != "const":
                     continue
                 fk[arg.id] = TOP
                 slots.append((arg, yop.operands[j], op.results[j], yop, j))
@@ -95,7 +95,7 @@ class FragmentOps:
             if ys[0] is None or ys[1] is None:
                 continue
             for j, res in enumerate(op.results):
-                if res is not None and res.type.elem == ir.f32 and len(res.type.shape) == 2:
+                if res is not None and res.type.elem == ir.f32 and len(res.type.shape) in (1, 2):
                     ifs.append((res, ys[0], ys[1], j))
                     fk[res.id] = TOP            # optimistic, as loop slots (a loop's dot may decide it)
         cheap_memo = {}
@@ -107,7 +107,7 @@ class FragmentOps:
             ok = False
             if d is None or v.type.is_ptr:
                 ok = False
-            elif d.name in ("const", "splat"):
+            elif d.name in ("const", "splat", "arange"):
                 ok = True
             elif d.name == "broadcast":
                 ok = _prod(d.operands[0].type.shape) < _prod(v.type.shape)
@@ -121,6 +121,12 @@ class FragmentOps:
             if id(op) in dots:
                 k = dots[id(op)]
                 return k if id(op) in fresh or fk.get(op.operands[2].id) in (k, TOP) else None
+            if op.name == "reduce":
+                return self._row_reduce_key(op, fk.get(op.operands[0].id), TOP)
+            if len(t.shape) == 1:
+                return row_rule(op, t)
+            if op.name == "cmp":
+                return None
             if len(t.shape) != 2 or not (t.elem == ir.f32 or op.name == "cast" and t.elem in (ir.f16, ir.bf16)):
                 return None
             if op.name == "cast" and (op.operands[0].type.elem != ir.f32 or op.attrs.get("bitcast")):
@@ -142,8 +148,34 @@ class FragmentOps:
                 return k if (k[0], k[1]) == tuple(t.shape) else None
             return TOP if ks else None
 
+        def row_rule(op, t):
+            """A row value (R,) of warp-owned MMA rows: an elementwise op (or comparison) of row values of one
+            layout and cheap operands (index math included: aranges); f32, or i1 from a comparison."""
+            if op.name not in self._FRAG_EW + ("cmp",) or op.name == "cast":
+                return None
+            if not (t.elem == ir.f32 or op.name == "cmp"):
+                return None
+            if op.name == "binary" and op.attrs["op"] not in self._FRAG_BIN:
+                return None
+            ks = set()
+            for o in op.operands:
+                if o is None:
+                    return None
+                k = fk.get(o.id)
+                if k is not None:
+                    ks.add(k)
+                elif o.type.shape and not (cheap(o) or self._row_remat_ok(o)):
+                    return None
+            concrete = ks - {TOP}
+            if len(concrete) > 1:
+                return None
+            if concrete:
+                k = concrete.pop()
+                return k if k[0] == "row" and k[1] == t.shape[0] else None
+            return TOP if ks else None
+
         ops = [op for op in _ops_of(self.fn.body) if len(op.results) == 1 and op.results[0] is not None
-               and (id(op) in dots or op.name in self._FRAG_EW)]
+               and (id(op) in dots or op.name in self._FRAG_EW + ("reduce", "cmp"))]
         while True:
             changed = True
             while changed:
@@ -305,7 +337,7 @@ class FragmentOps:
         r = op.results[0] if len(op.results) == 1 else None
         if r is not None and self.frag_keys:
             k = self.frag_keys.get(r.id)
-            if k is not None and op.name in self._FRAG_EW:
+            if k is not None and op.name in self._FRAG_EW + ("cmp",):
                 return self._frag_elementwise(op, k)
             if r.id in self._lazy_ops:
                 return None                 # lowered where a tile-layout user asks for it (get)
@@ -315,12 +347,14 @@ class FragmentOps:
         return res
 
     def _frag_flat(self, key) -> LV:
-        """i32 lanes: the flat (m, n) element index of each accumulator register of layout `key`."""
+        """i32 lanes: the flat (m, n) element index of each accumulator register of layout `key` (a row layout:
+        the row of each row lane)."""
+        if key[0] == "row":
+            return self._row_flat(key)
         plan = self._frag_plans[key]
         g = self._mma_geometry(plan)
         ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)
-        us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
-              for i in range(g["per_warp"])]
+        us = self._warp_units(ctx, g)
         refs = ctx.flat_units(us)
         return self._vector_of(refs, "i32", (g["m"], g["n"]))
 
@@ -333,9 +367,12 @@ class FragmentOps:
 
     def _frag_const(self, v, key) -> LV:
         d = self.defs[v.id]
-        plan = self._frag_plans[key]
-        g = self._mma_geometry(plan)
-        n = g["m"] * g["n"] // self.T      # (a fused layout: each thread holds m * n / T accumulators)
+        if key[0] == "row":
+            n = self._row_lanes(key)
+        else:
+            plan = self._frag_plans[key]
+            g = self._mma_geometry(plan)
+            n = g["per_warp"] * len(self.hooks.mma_layout(0, "f16")["c"])     # (per unit, its C registers)
         return self.const(float(d.attrs["value"]), "float", n, tuple(v.type.shape))
 
     def _with_flat(self, shape, F, fn):
@@ -359,12 +396,20 @@ class FragmentOps:
         if not shape:
             return x
         d = self.defs.get(v.id)
+        if key[0] == "row" and self._row_remat_ok(v):
+            # index math (a row's position, partition, fold flags) evaluated at each row lane's row
+            return self._with_flat(shape, F, lambda: self._remat(v, shape, lambda e: e))
         if d is not None and d.name == "const":
             return self._with_flat(shape, F, lambda: self.op_const(d))
         if d is not None and d.name == "splat":
             return self._with_flat(shape, F, lambda: self.op_splat(d))
+        if d is not None and d.name == "arange":
+            return self._with_flat(shape, F, lambda: self.op_arange(d))
         if d is not None and d.name == "broadcast":
             src = d.operands[0]
+            rv = self._row_source(src)
+            if rv is not None and key[0] != "row" and self._row_key(key) == rv.key:
+                return self._row_bcast(rv, key, shape)
             slot = self._row_slots.get(src.id)
             if slot is not None and slot[0] in self._rows_written:
                 return self._row_gather(slot[0], F, shape[1], shape)
@@ -412,8 +457,7 @@ class FragmentOps:
         KP = k + 8
         offs_a, offb, _ = self._stage_mma_operands(plan)
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
-        us = [ctx.setup(self.val(f"add i32 {ctx.warp}, {i * self.num_warps}", "i32", 0).ref)
-              for i in range(g["per_warp"])]
+        us = self._warp_units(ctx, g)
         regs = ctx.run_units(us, None)
         if acc is None:
             return FragV(key, self._vector_of(regs, "float", (m, n)))
@@ -433,3 +477,197 @@ class FragmentOps:
         if isinstance(x, FragV):
             return x.lv, self._frag_flat(x.key)
         return self.get(plan["a"]), None
+
+    # ------------------------------------------------------------------ row values of warp-owned MMA rows
+    # Kernels launched with `warp_rows` deal their MMA tiles so that each warp owns whole rows of a dot's output
+    # (GpuLowering._mma_geometry: key (m, n, 1, warps, "rows")). A row reduction of such a fragment value
+    # (the online softmax's row max and row sum) then needs no shared memory: each lane folds the registers it
+    # holds of the row and the lanes of the row exchange partials by shuffles. Its result is a row value:
+    # FragV with key ("row", m, warps), one lane per (row tile of the warp, row of the lane in it), shape (m,);
+    # elementwise ops on row values and cheap operands stay row values, and a broadcast of one into a fragment
+    # op (m_new[:, None], alpha[:, None]) is a register shuffle. The sum runs in the tile path's order
+    # (element 0, 1, ..., n - 1 in turn, the running value handed from lane to lane), so the bits are the tile
+    # path's; a max or min does not depend on the order.
+
+    @staticmethod
+    def _row_key(key):
+        """The row layout of fragment layout `key` (warp-owned rows, any mode), else None."""
+        if isinstance(key, tuple) and len(key) == 6 and key[4] == "rows":
+            return ("row", key[0], key[3])
+        return None
+
+    def _row_remat_ok(self, v) -> bool:
+        """A 1-D operand of a row op that is index math (rematerialisable: GpuLowering._remat_ok)."""
+        return len(v.type.shape) == 1 and self.hooks.remat and self._remat_ok(v, set())
+
+    def _row_info(self):
+        """How the MMA accumulator registers hold rows (numpy lanes through hooks.mma_layout), or None when
+        the pattern below does not hold: register classes with the same row (H of them; `cls`: the class of
+        each C register), the Q consecutive lanes that share a row, and per class the (lane % Q, register)
+        of each column in column order (the same for every row group)."""
+        if hasattr(self, "_row_info_memo"):
+            return self._row_info_memo
+        import numpy as np
+        info = None
+        ws = self.target.warp_size
+        MS, NS, _ = self.hooks.mma_shape
+        lane = np.arange(ws)
+        lay = self.hooks.mma_layout(lane, "f16")
+        rows = [np.broadcast_to(np.asarray(r), (ws,)) for r, _ in lay["c"]]
+        cols = [np.broadcast_to(np.asarray(c), (ws,)) for _, c in lay["c"]]
+        classes, cls = [], []
+        for r in rows:
+            for h, rr in enumerate(classes):
+                if np.array_equal(rr, r):
+                    cls.append(h)
+                    break
+            else:
+                classes.append(r)
+                cls.append(len(classes) - 1)
+        Q = int(np.sum(rows[0] == rows[0][0]))
+        ok = Q > 0 and Q & (Q - 1) == 0 and ws % Q == 0
+        order = []
+        if ok:
+            for h, rr in enumerate(classes):
+                groups = rr.reshape(ws // Q, Q)
+                ok &= bool(np.all(groups == groups[:, :1])) and len(set(rr.tolist())) == ws // Q
+                pos = {}
+                for j in (j for j, c in enumerate(cls) if c == h):
+                    cj = cols[j].reshape(ws // Q, Q)
+                    ok &= bool(np.all(cj == cj[:1]))         # column a function of (lane % Q, register)
+                    for q in range(Q):
+                        pos[int(cj[0, q])] = (q, j)
+                ok &= sorted(pos) == list(range(NS))
+                order.append([pos[c] for c in sorted(pos)])
+        if ok:
+            info = dict(H=len(classes), Q=Q, cls=cls, order=order)
+        self._row_info_memo = info
+        return info
+
+    def _row_reduce_key(self, op, kx, TOP):
+        """_frag_analysis: the row layout of a reduction's result, TOP (undecided) or None."""
+        if kx is None or op.attrs.get("axis") != 1 or op.attrs.get("kind") not in ("sum", "max", "min"):
+            return None
+        x = op.operands[0]
+        if len(x.type.shape) != 2 or x.type.elem != ir.f32 or op.results[0].type.elem != ir.f32:
+            return None
+        # (the tile path folds one element a chunk only up to T elements a row: past that its order differs)
+        if x.type.shape[1] > self.T or self._row_info() is None:
+            return None
+        if kx == TOP:
+            return TOP
+        # (a row split over warps, "split", is not whole in any one warp)
+        return self._row_key(kx) if self._row_key(kx) and kx[5] in ("block", "rep") else None
+
+    def _row_geom(self, key):
+        """(row tiles a warp owns, row classes H, warps sharing a row tile) of row layout `key`."""
+        MS = self.hooks.mma_shape[0]
+        TM, W = key[1] // MS, key[2]
+        if TM >= W:
+            return TM // W, self._row_info()["H"], 1
+        return 1, self._row_info()["H"], W // TM
+
+    def _row_lanes(self, key) -> int:
+        mtw, H, _ = self._row_geom(key)
+        return mtw * H
+
+    def _row_flat(self, key) -> LV:
+        """i32 lanes of row layout `key`: the row each lane holds ([row tile of the warp][class] order)."""
+        from .gpu import _LaneExpr, _sym
+        MS = self.hooks.mma_shape[0]
+        ws = self.target.warp_size
+        mtw, H, rep = self._row_geom(key)
+        warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0).ref
+        if rep > 1:
+            warp = self.val(f"udiv i32 {warp}, {rep}", "i32", 0).ref      # (its row of tiles)
+        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0).ref
+        lay = self.hooks.mma_layout(_LaneExpr(self, lane), "f16")
+        info = self._row_info()
+        first = [info["cls"].index(h) for h in range(H)]
+        refs = []
+        for lt in range(mtw):
+            mi = self.val(f"add i32 {self.val(f'mul i32 {warp}, {mtw}', 'i32', 0).ref}, {lt}", "i32", 0).ref
+            r0 = self.val(f"mul i32 {mi}, {MS}", "i32", 0).ref
+            for h in range(H):
+                ref, c = _sym(lay["c"][first[h]][0])
+                r = r0 if ref is None else self.val(f"add i32 {r0}, {ref}", "i32", 0).ref
+                refs.append(self.val(f"add i32 {r}, {c}", "i32", 0).ref if c else r)
+        return self._vector_of(refs, "i32", (key[1],))
+
+    def _row_source(self, src):
+        """The row value v when src is v[:, None] (an (m, 1) reshape of a value held in a row layout)."""
+        d = self.defs.get(src.id)
+        if d is None or d.name != "reshape" or tuple(src.type.shape[1:]) != (1,) or len(src.type.shape) != 2:
+            return None
+        x = self.vals.get(d.operands[0].id)
+        return x if isinstance(x, FragV) and x.key[0] == "row" else None
+
+    def _row_bcast(self, rv: "FragV", key, shape) -> LV:
+        """Row value rv broadcast into fragment layout `key` (warp-owned rows, same rows): each accumulator
+        register takes its row's lane (one shufflevector)."""
+        MS, NS, _ = self.hooks.mma_shape
+        info = self._row_info()
+        H, nc = info["H"], len(info["cls"])
+        NT = key[1] // NS
+        mtw, _, rep = self._row_geom(self._row_key(key))
+        per_warp = mtw * NT if key[5] == "block" else NT if key[5] == "rep" else NT // rep
+        # (block: unit i is in the warp's row tile i // NT; rep / split: one row tile)
+        idx = [((i // NT) if key[5] == "block" else 0) * H + info["cls"][j] for i in range(per_warp)
+               for j in range(nc)]
+        n = rv.lv.n
+        mask = "<" + ", ".join(f"i32 {x}" for x in idx) + ">"
+        r = self.val(f"shufflevector <{n} x float> {rv.lv.ref}, <{n} x float> poison, <{len(idx)} x i32> {mask}",
+                     "float", len(idx))
+        return LV(r.ref, "float", len(idx), tuple(shape))
+
+    def _row_reduce(self, op, fv: "FragV", rkey) -> "FragV":
+        """A row reduction of a warp-owned fragment value, in registers and lane shuffles (see above)."""
+        kind = op.attrs["kind"]
+        MS, NS, _ = self.hooks.mma_shape
+        info = self._row_info()
+        H, Q, nc = info["H"], info["Q"], len(info["cls"])
+        m, n = fv.lv.shape
+        NT = n // NS
+        mtw = self._row_geom(rkey)[0]
+        ws = self.target.warp_size
+        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0).ref
+        base = self.val(f"and i32 {lane}, {~(Q - 1) & 0xFFFFFFFF}", "i32", 0).ref
+        srcs = {}
+
+        def src(q):
+            if q not in srcs:
+                srcs[q] = self.val(f"or i32 {base}, {q}", "i32", 0).ref if q else base
+            return srcs[q]
+        regs = [self.extract(fv.lv, i).ref for i in range(fv.lv.n)]
+        out = []
+        fn = None if kind == "sum" else self._minmax("maxnum" if kind == "max" else "minnum",
+                                                      LV("x", "float", 0))
+        for lt in range(mtw):
+            for h in range(H):
+                if kind == "sum":
+                    # element by element in column order from -0.0 (the tile path's operations), the running
+                    # value handed to the lane that holds the next column
+                    a, owner = "-0.0", None
+                    for nt in range(NT):
+                        for q, j in info["order"][h]:
+                            if owner is not None and q != owner:
+                                a = self.hooks.shuffle_idx(self, a, src(owner))
+                            e = regs[(lt * NT + nt) * nc + j]
+                            t = self.val(f"fadd float -0.0, {e}", "float", 0).ref
+                            a = self.val(f"fadd float {a}, {t}", "float", 0).ref
+                            owner = q
+                    a = self.hooks.shuffle_idx(self, a, src(owner))
+                else:
+                    # from the identity, as the tile path (an element that is NaN is skipped either way)
+                    a = "0xFFF0000000000000" if kind == "max" else "0x7FF0000000000000"
+                    for nt in range(NT):
+                        for q, j in info["order"][h]:
+                            e = regs[(lt * NT + nt) * nc + j]
+                            a = self.val(f"call float @{fn}(float {a}, float {e})", "float", 0).ref
+                    s_ = 1
+                    while s_ < Q:
+                        o = self.hooks.shuffle_xor(self, a, s_)
+                        a = self.val(f"call float @{fn}(float {a}, float {o})", "float", 0).ref
+                        s_ *= 2
+                out.append(a)
+        return FragV(rkey, self._vector_of(out, "float", (m,)))

@@ -244,6 +244,18 @@ class NvptxHooks(GpuHooks):
         res = low.val(f"call {sty} @{name}(ptr addrspace({self.smem_as}) {ptr})", "{ld}", 0)
         return [low.val(f"extractvalue {sty} {res.ref}, {j}", "i32", 0).ref for j in range(count)]
 
+    has_shuffle = True
+
+    def shuffle_idx(self, low, v, src):
+        low.declare("llvm.nvvm.shfl.sync.idx.f32", "float", ["i32", "float", "i32", "i32"])
+        return low.val(f"call float @llvm.nvvm.shfl.sync.idx.f32(i32 -1, float {v}, i32 {src}, i32 31)",
+                       "float", 0).ref
+
+    def shuffle_xor(self, low, v, mask):
+        low.declare("llvm.nvvm.shfl.sync.bfly.f32", "float", ["i32", "float", "i32", "i32"])
+        return low.val(f"call float @llvm.nvvm.shfl.sync.bfly.f32(i32 -1, float {v}, i32 {mask}, i32 31)",
+                       "float", 0).ref
+
     def mma_layout(self, lane, kind):
         # mma.m16n8k16 .bf16/.f16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): groupID = lane / 4,
         # threadID_in_group = lane % 4; a0..a7 in 4 registers of 2 (k pairs adjacent), b0..b3 in 2, c0..c3

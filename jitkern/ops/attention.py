@@ -1342,6 +1342,13 @@ GPU_PARTITION_BLOCKS = _env.flash_partition_blocks()
 # 1.08x (B=1 S=1024 0.505 -> 0.466 ms, B=8 3.933 -> 3.650): two CTAs an SM instead of one (255 registers either
 # way), the same warps resident, half as many at each barrier. A row's bits do not depend on the tile.
 FLASH_ROWS = 32
+# JITKERN_FLASH_WARP_ROWS=1: the prefill kernel on CUDA launched with `warp_rows` (backends/gpu.py _mma_geometry):
+# each warp owns whole rows of its tiles (with FLASH_WARP_ROWS_TILE's 32 rows at 4 warps, two warps a 16-row tile:
+# the scores computed by both, P @ V's columns split between them), so the online softmax's row max / sum run on
+# lane shuffles and its row values stay in registers (ptxas, sm_90a: 7 CTA barriers in the kernel instead of 25,
+# 222 registers, no spills). The same bits (the row sum in the tile path's order). Not yet measured on a GPU.
+GPU_FLASH_WARP_ROWS = _env.flash_warp_rows()
+FLASH_WARP_ROWS_TILE = (32, 4)      # (rows, warps) of the warp-rows prefill tile, D <= 128
 # heads wider than 128 keep the tile they had before (32 rows at 8 warps; unmeasured at 4 warps, where the two
 # (32, D) accumulators alone would take 128 registers a thread)
 FLASH_ROWS_WIDE_HEADS = 32
@@ -1500,6 +1507,9 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
         dict(PIPE=pipe)
     if FLASH_PREFILL_MAXNREG and gpu and target.is_cuda:
         pw["maxnreg"] = int(FLASH_PREFILL_MAXNREG)
+    warp_rows = bool(GPU_FLASH_WARP_ROWS and gpu and target.is_cuda and D <= 128)
+    if warp_rows:
+        pw.update(warp_rows=True, num_warps=FLASH_WARP_ROWS_TILE[1])
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
@@ -1514,7 +1524,8 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
                 MAXP=MAX_PARTITIONS, SINKS=st.use_sinks, **({"SB": sb} if sb > 1 else {}))
     if max_query_len > 1 or not decode:
         # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
-        rows = int(block_m) * GP if block_m else (_flash_prefill_rows(G, D, st.bs) if gpu else 16)
+        rows = int(block_m) * GP if block_m else \
+            (FLASH_WARP_ROWS_TILE[0] if warp_rows else _flash_prefill_rows(G, D, st.bs) if gpu else 16)
         if gpu and getattr(target, "mma", None):
             # fewer than 16 rows would take the dots off the matrix units (an MMA tile is 16 rows), and
             # their sums would no longer be the decode kernel's (which pads its head group to 16 rows)

@@ -247,6 +247,36 @@ def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypa
     _same_bits_with_switch(tier, switch, dtype, split, "16bit", 35, monkeypatch)
 
 
+@pytest.mark.parametrize("case", ["f16-bm4", "f16-bm8", "f16-bm16", "gqa5-bm4", "f32-split-bm8"])
+def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
+    """GPU_FLASH_WARP_ROWS (JITKERN_FLASH_WARP_ROWS=1, CUDA): the prefill kernel launched with `warp_rows`, each
+    warp holding whole rows of its MMA tiles (at 4 warps: 16-row tiles shared by 4 warps, 32 rows by 2 - the
+    scores computed by each, P @ V's columns split between them - or 64 rows, one tile a warp), so the online
+    softmax's row max / sum run on lane shuffles and its row values stay in registers. Against the reference, and
+    the bits of the tile path: the row sum adds in its order. Decodes, prefill tiles, chunks, windows, GQA 5
+    (8 padded rows a token) and an f32 cache split in hi + lo (two MMA chains: no warp rows, the same result); a
+    token's bits as a decode equal its bits as a prefill row (decode=False)."""
+    if not tier.is_gpu or not tier.is_cuda:
+        pytest.skip("warp-owned rows: CUDA (lane shuffles in the NVPTX lowering)")
+    dtype, H = (np.float32, 8) if case.startswith("f32") else (np.float16, 10 if case.startswith("gqa5") else 8)
+    block_m = int(case.rsplit("bm", 1)[1])
+    monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "16bit")
+    rng = np.random.default_rng(61 + block_m + H)
+    q, kc, vc, qs, sl, bt = make_step(rng, SEQS, H, 2, 32, dtype)
+    for window in (0, 40):
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(A, "GPU_FLASH_WARP_ROWS", on)
+            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=block_m,
+                               split=dtype == np.float32))
+        outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=block_m,
+                           split=dtype == np.float32, decode=False))
+        want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
+        assert np.abs(outs[1] - want).max() < 3e-3 * np.abs(want).max()
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(outs[2], outs[0])
+
+
 @pytest.mark.parametrize("block_m", [8, 16])
 def test_flash_fold_skip_gives_the_same_bits(tier, block_m, monkeypatch):
     """GPU_FLASH_FOLD_SKIP (JITKERN_FLASH_FOLD_SKIP=1): the prefill tile's partition fold runs only in the blocks
