@@ -14,7 +14,7 @@ tail -40 /tmp/wr_bits.txt
 echo "== attention"
 timeout 150 python3 perf/bench_kernels_cuda.py --only attn --reps 5 --budget 0.1 --decode-cases 1x256 \
     --prefill-cases 1x1024 8x1024 --attn-variants flash-16bit flash-16bit-warprows flash-16bit-warprows-rows16-w4 \
-    flash-16bit-warprows-rows64-w8 flash-16bit-warprows-rows32-w8 2>&1 | grep "SDPA\|f16 cache\|FAILED"
+    flash-16bit-warprows-rows64-w8 flash-16bit-warprows-rows32-w8 flash-16bit-warprows-sb2 2>&1 | grep "SDPA\|f16 cache\|FAILED"
 echo "== engine bits, JITKERN_FLASH_WARP_ROWS=1"
 JITKERN_FLASH_WARP_ROWS=1 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_cuda.py \
     -k "not smollm" 2>&1 | tail -3

@@ -496,9 +496,20 @@ class FragmentOps:
             return ("row", key[0], key[3])
         return None
 
+    _ROW_REMAT_BUDGET = 256
+
     def _row_remat_ok(self, v) -> bool:
-        """A 1-D operand of a row op that is index math (rematerialisable: GpuLowering._remat_ok)."""
-        return len(v.type.shape) == 1 and self.hooks.remat and self._remat_ok(v, set())
+        """A 1-D operand of a row op that is index math (rematerialisable: GpuLowering._remat_ok). A row layout
+        holds a few lanes a thread, so longer chains than a tile's are worth recomputing (a prefill row's
+        partition split; LLVM hoists their loop-invariant part)."""
+        if len(v.type.shape) != 1 or not self.hooks.remat:
+            return False
+        saved = self._REMAT_BUDGET
+        self._REMAT_BUDGET = self._ROW_REMAT_BUDGET
+        try:
+            return self._remat_ok(v, set())
+        finally:
+            self._REMAT_BUDGET = saved
 
     def _row_info(self):
         """How the MMA accumulator registers hold rows (numpy lanes through hooks.mma_layout), or None when
