@@ -2178,7 +2178,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         # each lane then holds exactly the registers mma_layout names (tests/test_gpu_registers.py models
         # both). Rows are 16-byte aligned: KP = k + 8 elements with k % 16 == 0, regions at 16-byte offsets
         ldm = (LDMATRIX and (MS, NS, KS) == (16, 8, 16) and lay["a_ty"] == "i32" and lay["b_ty"] == "i32"
-               and KP % 8 == 0 and all(isinstance(o, str) or o % 16 == 0
+               and KP % 8 == 0 and all(o is None or isinstance(o, str) or o % 16 == 0
                                        for o in list(offs_a or []) + ([offb] if offb is not None else []))
                and self.hooks.has_ldmatrix)
         if ldm:
@@ -2262,14 +2262,16 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 u["ldb"] = add(mul(add(mul(ni.ref, NS), lb_row), KP), lb_k)
             return u
 
-        def run_units(us, init):
+        def run_units(us, init, a_regs=None):
             """One K loop for the units `us` together: hi and lo parts (and the units) accumulate into
             separate registers, so a warp has independent MMA chains in flight rather than one serial chain.
-            Registers: [unit][part][c register], from `init` (the same layout) or zero."""
+            Registers: [unit][part][c register], from `init` (the same layout) or zero. a_regs: A's fragments
+            already in registers, fn(unit index, k step) -> refs (warp-owned rows: P from the score
+            registers); the K steps are then unrolled here (the step picks registers)."""
             start = [LV(r, "float", 0) for r in init] if init is not None else \
                 [LV("0.0", "float", 0)] * (nc * nparts * len(us))
 
-            def kstep(iv, cur):
+            def kstep(iv, cur, kk=None):
                 out = []
                 shared_a = {}        # part -> A fragments, when every unit reads the same ones
                 for ui, u in enumerate(us):
@@ -2293,7 +2295,9 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         regs_b = [ld(offb, elem("b", bc[0], kr), lay["b_ty"], lay["b_elems"], bc[1] * KP + kc,
                                      addrs) for bc, (kr, kc) in zip(b_cols, b_ks)]
                     for pi, pa in enumerate(offs_a):
-                        if same_row and pi in shared_a:
+                        if a_regs is not None:
+                            regs_a = a_regs(ui, kk)
+                        elif same_row and pi in shared_a:
                             regs_a = shared_a[pi]
                         elif ldm:
                             regs_a = ldmx(pa, add(u["lda"], kofs), 4, addrs)
@@ -2305,6 +2309,11 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         base = (ui * nparts + pi) * nc
                         out += low.hooks.mma(low, kind, regs_a, regs_b, [c.ref for c in cur[base:base + nc]])
                 return [LV(o, "float", 0) for o in out]
+            if a_regs is not None:
+                cur = start
+                for kk in range(ksteps):
+                    cur = kstep(str(kk), cur, kk)
+                return [r.ref for r in cur]
             return [r.ref for r in low.emit_loop(ksteps, start, kstep,
                                                       unroll=MMA_UNROLL or low.hooks.mma_unroll)]
 

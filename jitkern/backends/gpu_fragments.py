@@ -17,6 +17,12 @@ from .emitter import LV, _ops_of, _prod, vty
 from .gpu_staging import _ROWS_BASE
 
 
+# warp-owned rows: a dot whose A operand is a fragment value of the rows its warp owns (P = the scores' registers
+# cast to 16 bits) takes A's fragments from those registers (packed in pairs) instead of staging A in shared
+# memory and reading it back with ldmatrix (the same values, so the same bits; tests patch this switch)
+A_FROM_ROWS = True
+
+
 def _gpu():
     """backends/gpu.py (its switches are read there at call time: tests patch them there)."""
     from . import gpu
@@ -455,10 +461,11 @@ class FragmentOps:
             raise CompilationError("internal lowering error: a fragment accumulator left its layout", op.loc)
         m, n, k = plan["m"], plan["n"], plan["k"]
         KP = k + 8
-        offs_a, offb, _ = self._stage_mma_operands(plan)
+        a_regs = self._a_from_rows(plan, g) if A_FROM_ROWS else None
+        offs_a, offb, _ = self._stage_mma_operands(plan, a_in_regs=a_regs is not None)
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
         us = self._warp_units(ctx, g)
-        regs = ctx.run_units(us, None)
+        regs = ctx.run_units(us, None, a_regs)
         if acc is None:
             return FragV(key, self._vector_of(regs, "float", (m, n)))
         if len(regs) != acc.lv.n:
@@ -682,3 +689,63 @@ class FragmentOps:
                         s_ *= 2
                 out.append(a)
         return FragV(rkey, self._vector_of(out, "float", (m,)))
+
+    def _a_from_rows(self, plan, g):
+        """fn(unit index, k step) -> A's fragment registers of a dot with warp-owned rows whose A is a fragment
+        value of the same rows (block or rep mode, the dot's row tiles the value's: same m and warps) whose
+        columns are this dot's K; or None. Which accumulator registers make each A register is read off
+        mma_layout with numpy lanes (NVIDIA m16n8k16: a0 = c0, c1 of column tile 2 kk, a1 = c2, c3 of it,
+        a2 / a3 the same of column tile 2 kk + 1)."""
+        import numpy as np
+        x = self.vals.get(plan["a"].id)
+        mode = g.get("rows")
+        if not isinstance(x, FragV) or not mode or plan["split"] or x.key[0] == "row":
+            return None
+        kx = x.key
+        if self._row_key(kx) is None or kx[5] not in ("block", "rep") or self._row_key(kx) != ("row", g["m"],
+                                                                                             self.num_warps):
+            return None
+        MS, NS, KS = self.hooks.mma_shape
+        if x.lv.shape != (g["m"], plan["k"]) or x.lv.et not in ("i16", "half", "bfloat"):
+            return None
+        ws = self.target.warp_size
+        kind = "bf16" if plan["kind"] == ir.bf16 else "f16"
+        lay = self.hooks.mma_layout(np.arange(ws), kind)
+        if lay["a_ty"] != "i32" or lay["a_elems"] != 2:
+            return None
+        crow = [np.broadcast_to(np.asarray(r), (ws,)) for r, _ in lay["c"]]
+        ccol = [np.broadcast_to(np.asarray(c), (ws,)) for _, c in lay["c"]]
+        src = []                                # per A register: [(column tile offset, C register)] x 2
+        for r, kc in lay["a"]:
+            r, kc = np.broadcast_to(np.asarray(r), (ws,)), np.broadcast_to(np.asarray(kc), (ws,))
+            pair = []
+            for e in (0, 1):
+                col = kc + e
+                off = col // NS
+                if not np.all(off == off[0]):
+                    return None
+                js = [j for j in range(len(lay["c"])) if np.array_equal(crow[j], r % MS)
+                      and np.array_equal(ccol[j], col % NS)]
+                if not js:
+                    return None
+                pair.append((int(off[0]), js[0]))
+            src.append(pair)
+        NTx = plan["k"] // NS                   # the value's column tiles (this dot's K)
+        NTd = g["n"] // NS
+        nc = len(lay["c"])
+        per = KS // NS
+        memo = {}
+
+        def regs(ui, kk):
+            lt = ui // NTd if mode == "block" else 0
+            if (lt, kk) not in memo:
+                out = []
+                for pair in src:
+                    hs = [self.extract(x.lv, (lt * NTx + kk * per + off) * nc + j).ref for off, j in pair]
+                    v = self.val(f"insertelement <2 x {x.lv.et}> poison, {x.lv.et} {hs[0]}, i32 0",
+                                 x.lv.et, 2).ref
+                    v = self.val(f"insertelement <2 x {x.lv.et}> {v}, {x.lv.et} {hs[1]}, i32 1", x.lv.et, 2).ref
+                    out.append(self.val(f"bitcast <2 x {x.lv.et}> {v} to i32", "i32", 0).ref)
+                memo[(lt, kk)] = out
+            return memo[(lt, kk)]
+        return regs

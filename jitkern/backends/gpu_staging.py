@@ -329,7 +329,7 @@ class Staging:
             self._async_issued[-1] += 1
         return AsyncTile(spec, buf)
 
-    def _stage_mma_operands(self, plan):
+    def _stage_mma_operands(self, plan, a_in_regs=False):
         """Stages a planned dot's A (parts) and B in shared memory as padded rows of k + 8 elements; operands
         already there (AsyncTile: copied by cp.async) are waited for instead. Returns (A regions, B region,
         end of what was staged); regions are byte offsets (ints, or i32 refs for async buffers)."""
@@ -339,6 +339,8 @@ class Staging:
         a_async = av if isinstance(av, AsyncTile) else None
         b_async = bv if isinstance(bv, AsyncTile) else None
         pinned = self._pinned.get(plan["a"].id)
+        if a_in_regs:
+            a_async, pinned = None, (None,)     # (A's fragments come from registers: nothing to stage)
         if a_async is None and pinned is None:
             a, aflat = self._dot_a(plan)
             parts = self._a_parts(a, plan)
