@@ -116,7 +116,7 @@ def _toolchain_key(target) -> tuple:
     the entry's meta; a cubin any driver refuses falls back to that PTX (runtime/cuda.py), so a cache filled
     by `jitkern build` with one ptxas loads with no compile where another ptxas (or none) is installed."""
     if target.is_cuda:
-        from .backends import gpu, gpu_fragments
+        from .backends import gpu, gpu_fragments, gpu_staging
         return (() if gpu.LDMATRIX else ("no-ldmatrix",)) + \
             ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ()) + \
             (("wgmma-pipe",) if gpu.WGMMA_PIPE else ()) + \
@@ -128,6 +128,7 @@ def _toolchain_key(target) -> tuple:
             (("row-slots",) if gpu.ROW_SLOTS else ()) + \
             (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
             (() if gpu_fragments.A_FROM_ROWS else ("staged-rows-a",)) + \
+            (() if gpu_staging.COSTAGE else ("no-costage",)) + \
             (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",))
     if target.is_hip:
         from .backends import gpu

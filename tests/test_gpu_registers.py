@@ -585,8 +585,9 @@ def test_warp_rows_register_layout():
 def test_flash_prefill_warp_rows_assemble(tmp_path):
     """JITKERN_FLASH_WARP_ROWS's prefill tile (32 rows at 4 warps, launched with `warp_rows`: two warps a 16-row
     tile, the scores in both, P @ V's columns split) at the engine's Llama-3-8B constants: the online softmax's
-    row max and row sum are lane shuffles (shfl in the PTX) instead of shared-memory round trips (under a third of
-    the default tile's bar.sync), and ptxas takes it without spills. Its bits are for the GPU
+    row max and row sum are lane shuffles (shfl in the PTX) instead of shared-memory round trips, P @ V takes P
+    from the score registers and its V tile is staged with K (under a quarter of the default tile's bar.sync), and
+    ptxas takes it without spills. Its bits are for the GPU
     (tests/ops/test_attention_flash.py -k warp_rows)."""
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
@@ -603,5 +604,5 @@ def test_flash_prefill_warp_rows_assemble(tmp_path):
         out.append((len(re.findall(r"\bbar(rier)?\.sync", ptx)), ptx.count("shfl.sync"), _ptxas_usage(ptx, tmp_path)))
     (bars0, shfl0, _), (bars1, shfl1, (regs, spills)) = out
     assert shfl0 == 0 and shfl1 > 0, out
-    assert 3 * bars1 < bars0, out
+    assert 4 * bars1 < bars0, out
     assert spills == 0, out

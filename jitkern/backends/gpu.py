@@ -335,6 +335,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._rows_dirty = False    # slots written since the last barrier
         self._rows_read = set()     # slots read since the last barrier
         self._pins = {}             # id(loop) -> [(A value, plan, byte offset, parts)] (_pin_analysis)
+        self._costage = {}          # id(dot) -> [(later dot's plan, region offset)] whose B it stages too
+        self._prestaged = {}        # id(dot) -> region offset of its B, staged by an earlier dot
         self._pin_bytes = 0
         self._pinned = {}           # A value id -> region refs (one per part), while its loop is lowered
         self._async_shared = False  # something claimed shared memory meanwhile
@@ -568,6 +570,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self._frag_analysis()
             self._async_analysis()
             self._pin_analysis()
+            self._costage_analysis()
         self.start_block("entry")
         h.entry(self)
         self.tid = h.thread_id(self)
@@ -1622,7 +1625,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         else:
             return None
         plan = dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy,
-                    acc=len(op.operands) > 2 and op.operands[2] is not None)
+                    acc=len(op.operands) > 2 and op.operands[2] is not None, id=id(op))
         plan["wg"] = self._wgmma_fits(plan)
         return plan
 

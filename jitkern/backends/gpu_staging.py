@@ -18,6 +18,9 @@ _ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known o
 _ROWS_BASE = "__jk_rows_base__"        # the row slots' byte offset (after the async regions)
 _PIN_BASE = "__jk_pin_base__"          # the pinned operands' byte offset (after the row slots)
 _TMA_BASE = "__jk_tma_base__"          # the TMA regions' mbarriers' byte offset (after everything)
+# warp-owned rows: a loop's later dot whose A comes from registers has its B staged by the earlier dot
+# (_costage_analysis: the flash step's K and V staged between one barrier pair; tests patch this switch)
+COSTAGE = True
 
 
 def _gpu():
@@ -71,6 +74,61 @@ class Staging:
                     self._pin_bytes += size
                 seen[a.id] = True
                 self._pins.setdefault(id(op), []).append((a, plan, offs))
+
+    def _costage_analysis(self) -> None:
+        """Warp-owned rows: a loop body's dot D2 whose A comes from registers (P, _a_from_rows) and whose B is
+        ready before an earlier dot D1 of the body (the V tile, loaded before the scores' dot) has its B staged
+        by D1, in a region of its own above everything else (_PIN_BASE, as pinned operands), between D1's
+        barriers; D2 then stages nothing and needs no barrier (D1's trailing barrier made B visible, and the
+        next step's D1 writes it again only after its leading barrier, which every warp reaches after its D2).
+        The online softmax's step is then one barrier pair (K and V together) instead of two."""
+        from .gpu_fragments import A_FROM_ROWS
+        self._costage, self._prestaged = {}, {}
+        if not (COSTAGE and A_FROM_ROWS and self._warp_rows_on()):
+            return
+        for loop, body, _ in self._loops():
+            at = {}
+            for i, d in enumerate(body.ops):
+                for o in [d] + [x for rg in d.regions for x in _ops_of(rg)]:
+                    for r in o.results:
+                        if r is not None:
+                            at[r.id] = i
+            dots = [(i, d) for i, d in enumerate(body.ops) if d.name == "dot" and id(d) in self.mma_plans]
+            for j, (i1, d1) in enumerate(dots):
+                p1 = self.mma_plans[id(d1)]
+                if p1["wg"] or id(d1) in self._prestaged:
+                    continue
+                for i2, d2 in dots[j + 1:]:
+                    p2 = self.mma_plans[id(d2)]
+                    if id(d2) in self._prestaged or not self._a_rows_static(p2):
+                        continue
+                    b = p2["b"]
+                    if at.get(b.id, -1) >= i1 or b.id in self._async_loads_values():
+                        continue
+                    n, k = p2["n"], p2["k"]
+                    size = -(-((n * (k + 8) + 4) * 2) // 16) * 16     # (n, k + 8) rows + padding scratch
+                    off = self._pin_bytes
+                    self._pin_bytes += size
+                    self._costage.setdefault(id(d1), []).append((p2, off))
+                    self._prestaged[id(d2)] = off
+
+    def _async_loads_values(self) -> set:
+        """Ids of the values staged by cp.async / TMA (AsyncTile slots and their loads)."""
+        out = set()
+        for op, body, _ in self._loops():
+            for j, a in enumerate(body.args[1:]):
+                if (id(op), j) in self._async_slots:
+                    out.add(a.id)
+        return out
+
+    def _a_rows_static(self, plan) -> bool:
+        """Whether a dot's A is, by _frag_analysis, a fragment value of the rows its warps own (block or rep
+        mode) of this dot's row tiles (what _a_from_rows takes the fragments from)."""
+        k = self.frag_keys.get(plan["a"].id)
+        g = self._mma_geometry(plan)
+        return bool(k and k[0] != "row" and self._row_key(k) and k[5] in ("block", "rep") and not plan["split"]
+                    and g.get("rows") and self._row_key(k) == ("row", plan["m"], self.num_warps)
+                    and (k[0], k[1]) == (plan["m"], plan["k"]))
 
     def _pin_stage(self, loop) -> list:
         """Stages the pinned A operands of `loop`'s dots before it; returns their value ids."""
@@ -341,6 +399,12 @@ class Staging:
         pinned = self._pinned.get(plan["a"].id)
         if a_in_regs:
             a_async, pinned = None, (None,)     # (A's fragments come from registers: nothing to stage)
+        pre = self._prestaged.get(plan.get("id"))
+        if pre is not None:
+            offb_pre = self.val(f"add i32 {pre}, {_PIN_BASE}", "i32", 0).ref
+            if a_in_regs:
+                return [None], offb_pre, 0      # (staged by an earlier dot, between its barriers)
+            b_async = "pre"
         if a_async is None and pinned is None:
             a, aflat = self._dot_a(plan)
             parts = self._a_parts(a, plan)
@@ -359,12 +423,21 @@ class Staging:
                 off = self._with_flat((m, k), aflat, lambda: self._smem_write_rows(
                     LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)) if aflat is not None else \
                     self._smem_write_rows(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), KP, False)
-        if b_async is not None:
+        if b_async == "pre":
+            offb, b_async = offb_pre, None
+        elif b_async is not None:
             offb = self._async_region(b_async.spec, b_async.buf)
         else:
             offb = off
             off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
                                        (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
+        for p2, rel in self._costage.get(plan.get("id"), ()):
+            # a later dot's B (the V tile), in its own region: visible to it after this dot's barrier
+            b2 = self.get(p2["b"])
+            n2, k2 = p2["n"], p2["k"]
+            shape2 = (n2, k2) if p2["nk"] else (k2, n2)
+            ref = self.val(f"add i32 {rel}, {_PIN_BASE}", "i32", 0).ref
+            self._smem_write_rows(LV(b2.ref, b2.et, b2.n, shape2), ref, shape2, k2 + 8, not p2["nk"], claim=False)
         if a_async is not None or b_async is not None:
             self._async_wait(a_async, b_async)
         self.barrier()

@@ -247,7 +247,8 @@ def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypa
     _same_bits_with_switch(tier, switch, dtype, split, "16bit", 35, monkeypatch)
 
 
-@pytest.mark.parametrize("case", ["f16-bm4", "f16-bm8", "f16-bm16", "gqa5-bm4", "f32-split-bm8", "staged-a-bm8"])
+@pytest.mark.parametrize("case", ["f16-bm4", "f16-bm8", "f16-bm16", "gqa5-bm4", "f32-split-bm8", "staged-a-bm8",
+                                  "own-v-bm8"])
 def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
     """GPU_FLASH_WARP_ROWS (JITKERN_FLASH_WARP_ROWS=1, CUDA): the prefill kernel launched with `warp_rows`, each
     warp holding whole rows of its MMA tiles (at 4 warps: 16-row tiles shared by 4 warps, 32 rows by 2 - the
@@ -256,11 +257,13 @@ def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
     the bits of the tile path: the row sum adds in its order. Decodes, prefill tiles, chunks, windows, GQA 5
     (8 padded rows a token) and an f32 cache split in hi + lo (two MMA chains: no warp rows, the same result); a
     token's bits as a decode equal its bits as a prefill row (decode=False). P @ V takes P's fragments from the
-    score registers (gpu_fragments.A_FROM_ROWS), or stages it ("staged-a")."""
+    score registers (gpu_fragments.A_FROM_ROWS), or stages it ("staged-a"); its V tile is staged with K by the
+    scores' dot (gpu_staging.COSTAGE), or by itself ("own-v")."""
     if not tier.is_gpu or not tier.is_cuda:
         pytest.skip("warp-owned rows: CUDA (lane shuffles in the NVPTX lowering)")
-    from jitkern.backends import gpu_fragments
+    from jitkern.backends import gpu_fragments, gpu_staging
     monkeypatch.setattr(gpu_fragments, "A_FROM_ROWS", not case.startswith("staged"))
+    monkeypatch.setattr(gpu_staging, "COSTAGE", not case.startswith("own-v"))
     for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
         monkeypatch.setattr(k, "_plans", {})
     dtype, H = (np.float32, 8) if case.startswith("f32") else (np.float16, 10 if case.startswith("gqa5") else 8)
