@@ -1,6 +1,6 @@
 """A few launches of the engine's hot GPU kernels at Llama-3-8B shapes, for Nsight Compute to profile: the bf16
 dense linear at M = 1 and 256 (4096x4096 and 28672x4096), paged decode attention (B = 16, ctx = 1024) and paged
-prefill attention (B = 1, S = 1024), f16 cache, 32 q / 8 KV heads, head_dim 128.
+prefill attention (B = 1, S = 1024), f16 cache, 16-bit flash operands, 32 q / 8 KV heads, head_dim 128.
 
     ncu -k regex:'_gpu_linear_mma_kernel|flash_' --section SpeedOfLight --section WarpStateStats \\
         --section Occupancy --section LaunchStats python3 perf/ncu_probe.py
@@ -56,6 +56,7 @@ def main() -> int:
             err = float(np.max(np.abs(y.numpy() - ref)) / np.max(np.abs(ref)))
             print(f"linear N={N} K={K} M={M}: max rel err {err:.1e}", flush=True)
     scale = D ** -0.5
+    ja.GPU_FLASH_OPERANDS = "16bit"         # (the engine's flash operands on 16-bit checkpoints)
     for B, qlen, ctx in ((16, 1, 1024), (1, 1024, 1024)):
         nb = -(-ctx // BS)
         kc = (rng.standard_normal((B * nb, BS, KV_HEADS, D)) * 0.5).astype(np.float16)
