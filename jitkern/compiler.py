@@ -129,6 +129,7 @@ def _toolchain_key(target) -> tuple:
             (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
             (() if gpu_fragments.A_FROM_ROWS else ("staged-rows-a",)) + \
             (() if gpu_staging.COSTAGE else ("no-costage",)) + \
+            (() if gpu.FAST_EXP else ("no-fast-exp",)) + \
             (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",))
     if target.is_hip:
         from .backends import gpu

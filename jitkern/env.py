@@ -89,6 +89,9 @@ Settings (all optional):
     JITKERN_FLASH_STEP_BLOCKS   cache blocks per online-softmax step of the flash kernels on GPUs, one of 1, 2, 4
                                 (ops/attention.py FLASH_STEP_BLOCKS; decode and prefill use the same, so a token's
                                 bits agree between them at any setting; layers with a sliding window step by 1).
+    JITKERN_FAST_EXP            0 or 1: jk.exp_fast (the flash kernels' softmax exponentials) as the GPU's approximate
+                                exponential where it has one (NVIDIA ex2.approx; default 0 until run on a GPU);
+                                0: the exp polynomial.
     JITKERN_FLASH_WARP_ROWS     0 or 1: the flash prefill kernel on CUDA with warp-owned rows (its MMA tiles dealt
                                 so each warp holds whole rows; the online softmax's row max / sum by lane shuffles,
                                 no shared memory; the same bits). Default 0 until measured on a GPU.
@@ -115,7 +118,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
             "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE",
-            "JITKERN_FLASH_LONGEST_FIRST", "JITKERN_FLASH_STEP_BLOCKS", "JITKERN_FLASH_WARP_ROWS")
+            "JITKERN_FLASH_LONGEST_FIRST", "JITKERN_FLASH_STEP_BLOCKS", "JITKERN_FLASH_WARP_ROWS",
+            "JITKERN_FAST_EXP")
 
 
 class SettingError(JitkernError, ValueError):
@@ -286,6 +290,11 @@ def flash_longest_first(environ=None) -> bool:
     return env_choice("JITKERN_FLASH_LONGEST_FIRST", ("0", "1"), environ) != "0"
 
 
+def fast_exp(environ=None) -> bool:
+    """JITKERN_FAST_EXP=1: jk.exp_fast as the GPU's hardware exponential (default 0)."""
+    return env_choice("JITKERN_FAST_EXP", ("0", "1"), environ) == "1"
+
+
 def flash_warp_rows(environ=None) -> bool:
     """JITKERN_FLASH_WARP_ROWS=1: the flash prefill kernel launched with warp-owned rows on CUDA (default 0)."""
     return env_choice("JITKERN_FLASH_WARP_ROWS", ("0", "1"), environ) == "1"
@@ -429,6 +438,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     reduce_direct(environ)
     flash_longest_first(environ)
     flash_warp_rows(environ)
+    fast_exp(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

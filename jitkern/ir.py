@@ -195,7 +195,7 @@ class Function:
 #   yield                 *values
 BINARY_OPS = {"add", "sub", "mul", "div", "floordiv", "mod", "and", "or", "xor", "shl", "shr", "min", "max"}
 CMP_OPS = {"eq", "ne", "lt", "le", "gt", "ge"}
-UNARY_OPS = {"neg", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "floor", "ceil",
+UNARY_OPS = {"neg", "exp", "exp_fast", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "floor", "ceil",
              "not", "erf", "sin", "cos"}
 REDUCE_KINDS = {"sum", "max", "min"}
 

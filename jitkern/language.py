@@ -596,6 +596,10 @@ def _math(name):
 exp, exp2, log, log2, sqrt, rsqrt, tanh, sigmoid, floor, ceil, erf, sin, cos = (
     _math(n) for n in ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "floor", "ceil", "erf",
                        "sin", "cos"))
+# e^x by the target's approximate hardware exponential where it has one (NVIDIA: ex2.approx of x log2(e), ~2^-21
+# relative for the softmax range; what FlashAttention computes), elsewhere exactly `exp`. For online softmax
+# statistics, where a kernel's callers compare its bits only with its own (decode vs prefill attention).
+exp_fast = _math("exp_fast")
 
 
 @builtin

@@ -75,8 +75,11 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  # 32-row prefill tiles at 4 warps: 255 registers, no spills (ptxas), so two CTAs an SM
                  "flash-16bit-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 32, "FLASH_WARPS": (4, 4)},
                  # warp-owned rows (JITKERN_FLASH_WARP_ROWS: row max / sum on lane shuffles; ptxas, sm_90a: 32 rows
-                 # at 4 warps 222 registers, 16 at 4 168, 64 at 8 213, 32 at 8 183, no spills)
+                 # at 4 warps 222 registers, 16 at 4 168, 64 at 8 213, 32 at 8 183, no spills; the default tile
+                 # FLASH_WARP_ROWS_TILE is 64 / 8)
                  "flash-16bit-warprows": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True},
+                 "flash-16bit-warprows-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
+                                                    "FLASH_WARP_ROWS_TILE": (32, 4)},
                  "flash-16bit-warprows-rows16-w4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
                                                     "FLASH_WARP_ROWS_TILE": (16, 4)},
                  "flash-16bit-warprows-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,

@@ -172,6 +172,29 @@ def test_fused_jit_functions_and_math(tier, fn, ref, tol):
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=tol)
 
 
+@jk.jit
+def _exp_fast(x):
+    return jk.exp_fast(x)
+
+
+def test_exp_fast(tier, monkeypatch):
+    """jk.exp_fast: the target's hardware exponential where it has one (NVIDIA with JITKERN_FAST_EXP: ex2.approx of
+    x log2 e, within 2e-6 relative on the softmax range [-30, 0] and 0 for -inf / far below), elsewhere exactly
+    jk.exp's bits."""
+    from jitkern.backends import gpu
+    monkeypatch.setattr(gpu, "FAST_EXP", True)
+    rng = np.random.default_rng(5)
+    x = np.concatenate([-rng.random(1000).astype(np.float32) * 30, np.float32([0, -1000, -np.inf, np.nan])])
+    out, ref = np.zeros_like(x), np.zeros_like(x)
+    _run(_unary, (8,), tier, x, out, x.size, F=_exp_fast, BLOCK=128)
+    _run(_unary, (8,), tier, x, ref, x.size, F=_exp, BLOCK=128)
+    if tier.is_gpu and tier.is_cuda:
+        np.testing.assert_allclose(out[:1001], np.exp(x[:1001].astype(np.float64)), rtol=2e-6)
+        assert out[1001] == 0 and out[1002] == 0 and np.isnan(out[1003])
+    else:
+        np.testing.assert_array_equal(out, ref)
+
+
 def test_exp_extremes(tier):
     x = np.array([-1000, -88, -87.5, -20, 0, 1, 20, 88, 88.7, 89, 1000, np.inf, -np.inf, np.nan], np.float32)
     out = np.zeros_like(x)

@@ -606,3 +606,22 @@ def test_flash_prefill_warp_rows_assemble(tmp_path):
     assert shfl0 == 0 and shfl1 > 0, out
     assert 4 * bars1 < bars0, out
     assert spills == 0, out
+
+
+def test_exp_fast_lowers_to_ex2(monkeypatch):
+    """jk.exp_fast on sm_90a with gpu.FAST_EXP (JITKERN_FAST_EXP=1): a multiply and ex2.approx.ftz an element, not
+    exp's Cody-Waite polynomial; without it, the polynomial (no ex2)."""
+    from jitkern.backends import gpu
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from targets import get_target
+    from tests.test_dsl import _exp_fast
+    k = load_kernel("tests.test_dsl:_unary")
+    out = []
+    for on in (False, True):
+        monkeypatch.setattr(gpu, "FAST_EXP", on)
+        params, cx = parse_sig(k, "x=*f32:16,out=*f32:16,n=i32", ["BLOCK=128", "F=0"])
+        cx["F"] = _exp_fast
+        ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+        out.append(ptx.count("ex2.approx"))
+    assert out[0] == 0 and out[1] > 0, out

@@ -411,6 +411,8 @@ class LlvmEmitter:
             return self.fbin("fdiv", self.fconst(1.0, x), self.math_call("sqrt", x))
         if k == "exp":
             return self.exp(x)
+        if k == "exp_fast":
+            return self.math_call("exp_fast", x) if self._has_fast_exp() else self.exp(x)
         if k == "exp2":
             return self.exp(self.fbin("fmul", x, self.fconst(math.log(2.0), x)))
         if k == "sigmoid":
@@ -421,6 +423,10 @@ class LlvmEmitter:
         if k == "erf":
             raise CompilationError("erf is not implemented on the CPU backend yet (use the tanh GELU)")
         raise CompilationError(f"unknown unary op {k}")
+
+    def _has_fast_exp(self) -> bool:
+        """Whether math_call("exp_fast") has a hardware approximation here (GPU hooks); else exp_fast = exp."""
+        return False
 
     def floor_fast(self, t: LV) -> LV:
         """floor() through truncation (cvttps2dq): no libm call on tiers without SSE4.1 round."""

@@ -78,7 +78,21 @@ class NvptxHooks(GpuHooks):
         low.declare("llvm.nvvm.barrier0", "void", [])
         low.emit("call void @llvm.nvvm.barrier0()")
 
+    has_fast_exp = True
+
     def math(self, low, name: str, x: LV):
+        if name == "exp_fast" and x.et == "float":
+            # e^x = 2^(x log2 e): one multiply and ex2.approx.ftz (MUFU.EX2), as FlashAttention's softmax; -inf
+            # and very negative x give +0, NaN stays NaN
+            fn = "llvm.nvvm.ex2.approx.ftz.f"
+            low.declare(fn, "float", ["float"])
+
+            def one(ref):
+                t = low.val(f"fmul float {ref}, 0x3FF7154760000000", "float", 0).ref
+                return low.val(f"call float @{fn}(float {t})", "float", 0)
+            if x.n == 0:
+                return one(x.ref)
+            return low.build_vector([one(low.extract(x, j).ref) for j in range(x.n)], "float", x.shape)
         if name in ("sin", "cos") and x.et == "float":
             # sin.approx/cos.approx: max abs error ~2^-20.5 on [-pi, pi] (PTX ISA); fine for the DSL's uses
             fn = f"llvm.nvvm.{name}.approx.f"
