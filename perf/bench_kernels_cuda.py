@@ -86,10 +86,12 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                                                     "FLASH_WARP_ROWS_TILE": (64, 8)},
                  "flash-16bit-warprows-rows32-w8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
                                                     "FLASH_WARP_ROWS_TILE": (32, 8)},
-                 # with online-softmax steps of 2 blocks (ptxas: 255 registers, no spills; 15 bar.sync, the step's
-                 # block-table rows broadcast through shared memory)
+                 # with online-softmax steps of 2 / 4 blocks (ptxas, 64 rows / 8 warps: 225 / 255 registers, no
+                 # spills, 5 bar.sync)
                  "flash-16bit-warprows-sb2": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
                                               "FLASH_STEP_BLOCKS": 2},
+                 "flash-16bit-warprows-sb4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
+                                              "FLASH_STEP_BLOCKS": 4},
                  # the decode kernel's registers capped (ptxas: 227 at 2 warps, 4 CTAs an SM; 168: 6, 128: 8)
                  "flash-16bit-dm168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 168},
                  "flash-16bit-dm128": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 128},

@@ -7,7 +7,7 @@
 set -u
 echo "== bits, JITKERN_FAST_EXP=1 JITKERN_FLASH_WARP_ROWS=1"
 JITKERN_FAST_EXP=1 JITKERN_FLASH_WARP_ROWS=1 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/ops/test_attention_flash.py tests/test_dsl.py -k "flash or exp" > /tmp/fe_bits.txt 2>&1
+    tests/ops/test_attention_flash.py tests/test_dsl.py -k "flash or exp or step_blocks" > /tmp/fe_bits.txt 2>&1
 rc=$?
 tail -30 /tmp/fe_bits.txt
 [ $rc -eq 0 ] || exit 1
@@ -15,7 +15,7 @@ for fe in 0 1; do
     echo "== attention, JITKERN_FAST_EXP=$fe"
     JITKERN_FAST_EXP=$fe timeout 100 python3 perf/bench_kernels_cuda.py --only attn --reps 5 --budget 0.1 \
         --decode-cases 1x256 64x1024 --prefill-cases 1x1024 8x1024 --attn-variants flash-16bit \
-        flash-16bit-warprows flash-16bit-warprows-rows32-w4 2>&1 | grep "SDPA\|f16 cache\|FAILED"
+        flash-16bit-warprows flash-16bit-warprows-rows32-w4 flash-16bit-warprows-sb2 flash-16bit-warprows-sb4 2>&1 | grep "SDPA\|f16 cache\|FAILED"
 done
 echo "== engine bits, JITKERN_FAST_EXP=1 JITKERN_FLASH_WARP_ROWS=1"
 JITKERN_FAST_EXP=1 JITKERN_FLASH_WARP_ROWS=1 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \

@@ -416,6 +416,9 @@ class FragmentOps:
             rv = self._row_source(src)
             if rv is not None and key[0] != "row" and self._row_key(key) == rv.key:
                 return self._row_bcast(rv, key, shape)
+            rv = self._row_index_math(src, key)
+            if rv is not None:
+                return self._row_bcast(rv, key, shape)
             slot = self._row_slots.get(src.id)
             if slot is not None and slot[0] in self._rows_written:
                 return self._row_gather(slot[0], F, shape[1], shape)
@@ -612,6 +615,22 @@ class FragmentOps:
                 refs.append(self.val(f"add i32 {r}, {c}", "i32", 0).ref if c else r)
         return self._vector_of(refs, "i32", (key[1],))
 
+    def _row_index_math(self, src, key):
+        """src = v[:, None] of 1-D index math v (a row's position, its partition flags) inside an op of fragment
+        layout `key` with warp-owned rows: v evaluated in the row layout (a few lanes a thread), to be broadcast by
+        _row_bcast, instead of recomputed at every accumulator register (or moved through shared memory when the
+        chain is too long for that); None otherwise."""
+        rk = self._row_key(key) if key[0] != "row" else None
+        d = self.defs.get(src.id)
+        if rk is None or d is None or d.name != "reshape" or len(src.type.shape) != 2 or src.type.shape[1] != 1:
+            return None
+        v = d.operands[0]
+        if tuple(v.type.shape) != (rk[1],) or not self._row_remat_ok(v):
+            return None
+        shape = tuple(v.type.shape)
+        lv = self._with_flat(shape, self._row_flat(rk), lambda: self._remat(v, shape, lambda e: e))
+        return FragV(rk, LV(lv.ref, lv.et, lv.n, shape))
+
     def _row_source(self, src):
         """The row value v when src is v[:, None] (an (m, 1) reshape of a value held in a row layout)."""
         d = self.defs.get(src.id)
@@ -632,11 +651,11 @@ class FragmentOps:
         # (block: unit i is in the warp's row tile i // NT; rep / split: one row tile)
         idx = [((i // NT) if key[5] == "block" else 0) * H + info["cls"][j] for i in range(per_warp)
                for j in range(nc)]
-        n = rv.lv.n
+        n, et = rv.lv.n, rv.lv.et
         mask = "<" + ", ".join(f"i32 {x}" for x in idx) + ">"
-        r = self.val(f"shufflevector <{n} x float> {rv.lv.ref}, <{n} x float> poison, <{len(idx)} x i32> {mask}",
-                     "float", len(idx))
-        return LV(r.ref, "float", len(idx), tuple(shape))
+        r = self.val(f"shufflevector <{n} x {et}> {rv.lv.ref}, <{n} x {et}> poison, <{len(idx)} x i32> {mask}",
+                     et, len(idx))
+        return LV(r.ref, et, len(idx), tuple(shape))
 
     def _row_reduce(self, op, fv: "FragV", rkey) -> "FragV":
         """A row reduction of a warp-owned fragment value, in registers and lane shuffles (see above)."""

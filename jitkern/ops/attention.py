@@ -858,7 +858,12 @@ def _kv_step(k_cache, v_cache, bt_row, b, hi, kv_off, n, kvh, ok, KVH, D, BS, SB
         return _kv_tiles(k_cache, v_cache, bt_row, b, kv_off, kvh, ok, KVH, D, BS)
     blk = b + n // BS
     live = ok & (blk < hi)
-    at = (jk.load(bt_row + jk.where(live, blk, 0)).to(jk.i64) * (BS * KVH * D) + kvh * D)[:, None] + kv_off
+    # the step's SB block ids as scalar loads, picked per key row: index math on uniform values, which GPUs
+    # recompute in the tile's layout (a loaded (SB * BS,) vector would be broadcast through shared memory)
+    ids = jk.zeros((SB * BS,), jk.i32)
+    for j in jk.static_range(SB):
+        ids = jk.where(n // BS == j, jk.load(bt_row + jk.where(ok & (b + j < hi), b + j, 0)), ids)
+    at = (ids.to(jk.i64) * (BS * KVH * D) + kvh * D)[:, None] + kv_off
     return (jk.load(k_cache + at, mask=live[:, None], other=0.0),
             jk.load(v_cache + at, mask=live[:, None], other=0.0))
 
