@@ -1519,6 +1519,10 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     warp_rows = bool(GPU_FLASH_WARP_ROWS and gpu and target.is_cuda and D <= 128)
     if warp_rows:
         pw.update(warp_rows=True, num_warps=FLASH_WARP_ROWS_TILE[1])
+        # the decode kernel's 16 rows shared by its 2 / 4 warps (each computes the scores, P @ V's columns
+        # split): row statistics on shuffles there too (ptxas, sm_90a: 25 -> 12 bar.sync; 168 -> 150 registers
+        # at 2 warps, 128 -> 72 at 4)
+        dw["warp_rows"] = True
     if decode:
         m, l, acc = _workspace(ws, "flash", st.num_seqs * st.kvh * P * G, 1, D, like=q)
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
