@@ -1355,7 +1355,8 @@ FLASH_ROWS = 32
 # lane shuffles, its row values stay in registers, P @ V takes P from registers and its V tile is staged with K
 # (ptxas, sm_90a: 5 CTA barriers in the kernel instead of 25, no spills). The same bits (the row sum in the tile
 # path's order). H200 (session 16, same run as SDPA): B=1 S=1024 0.431 -> 0.380 ms at 64 rows / 8 warps (0.420
-# at 32 / 4, 0.643 at 16 / 4, 0.667 at 32 / 8), B=8 3.334 -> 2.968.
+# at 32 / 4, 0.643 at 16 / 4, 0.667 at 32 / 8), B=8 3.334 -> 2.968; with JITKERN_FAST_EXP 0.280 / 2.208 ms, decode
+# B=64 ctx=1024 0.331 -> 0.303 (the decode kernel launched with warp_rows too). Default on (JITKERN_FLASH_WARP_ROWS).
 GPU_FLASH_WARP_ROWS = _env.flash_warp_rows()
 FLASH_WARP_ROWS_TILE = (64, 8)      # (rows, warps) of the warp-rows prefill tile, D <= 128
 # heads wider than 128 keep the tile they had before (32 rows at 8 warps; unmeasured at 4 warps, where the two
