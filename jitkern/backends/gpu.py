@@ -736,11 +736,13 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
     _REMAT_ELEMENTWISE = ("binary", "cmp", "cast", "select", "addptr")
     _REMAT_BUDGET = 48
 
-    def _remat_ok(self, v, seen) -> bool:
+    def _remat_ok(self, v, seen, budget=None) -> bool:
+        """Whether v can be recomputed in another layout (at most `budget` ops: _REMAT_BUDGET by default)."""
+        budget = self._REMAT_BUDGET if budget is None else budget
         if not v.type.shape or v.id in seen:
             return True
         op = self.defs.get(v.id)
-        if op is None or len(seen) >= self._REMAT_BUDGET:
+        if op is None or len(seen) >= budget:
             return False
         seen.add(v.id)
         if op.name in ("arange", "const"):
@@ -750,7 +752,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 d = op.results[0].type.elem
                 if d.is_float or any(o.type.elem.is_float for o in op.operands if not o.type.is_ptr):
                     return False
-            return all(self._remat_ok(o, seen) for o in op.operands)
+            return all(self._remat_ok(o, seen, budget) for o in op.operands)
         return False
 
     def _remat_move(self, v, dst_shape, index):

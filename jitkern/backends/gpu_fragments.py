@@ -139,19 +139,25 @@ class FragmentOps:
                 return None
             if op.name == "binary" and op.attrs["op"] not in self._FRAG_BIN:
                 return None
+            return merged_key(op, cheap, lambda k: (k[0], k[1]) == tuple(t.shape))
+
+        def merged_key(op, operand_ok, fits):
+            """The layout an elementwise op's result takes from its operands: the one concrete layout among them
+            if `fits` takes it, TOP if only undecided ones, None with two layouts or an operand that is neither
+            held nor `operand_ok`."""
             ks = set()
             for o in op.operands:
-                k = fk.get(o.id)
+                k = fk.get(o.id) if o is not None else None
                 if k is not None:
                     ks.add(k)
-                elif not cheap(o):
+                elif o is None or not operand_ok(o):
                     return None
             concrete = ks - {TOP}
             if len(concrete) > 1:
                 return None
             if concrete:
                 k = concrete.pop()
-                return k if (k[0], k[1]) == tuple(t.shape) else None
+                return k if fits(k) else None
             return TOP if ks else None
 
         def row_rule(op, t):
@@ -163,22 +169,8 @@ class FragmentOps:
                 return None
             if op.name == "binary" and op.attrs["op"] not in self._FRAG_BIN:
                 return None
-            ks = set()
-            for o in op.operands:
-                if o is None:
-                    return None
-                k = fk.get(o.id)
-                if k is not None:
-                    ks.add(k)
-                elif o.type.shape and not (cheap(o) or self._row_remat_ok(o)):
-                    return None
-            concrete = ks - {TOP}
-            if len(concrete) > 1:
-                return None
-            if concrete:
-                k = concrete.pop()
-                return k if k[0] == "row" and k[1] == t.shape[0] else None
-            return TOP if ks else None
+            return merged_key(op, lambda o: not o.type.shape or cheap(o) or self._row_remat_ok(o),
+                              lambda k: k[0] == "row" and k[1] == t.shape[0])
 
         ops = [op for op in _ops_of(self.fn.body) if len(op.results) == 1 and op.results[0] is not None
                and (id(op) in dots or op.name in self._FRAG_EW + ("reduce", "cmp"))]
@@ -512,14 +504,7 @@ class FragmentOps:
         """A 1-D operand of a row op that is index math (rematerialisable: GpuLowering._remat_ok). A row layout
         holds a few lanes a thread, so longer chains than a tile's are worth recomputing (a prefill row's
         partition split; LLVM hoists their loop-invariant part)."""
-        if len(v.type.shape) != 1 or not self.hooks.remat:
-            return False
-        saved = self._REMAT_BUDGET
-        self._REMAT_BUDGET = self._ROW_REMAT_BUDGET
-        try:
-            return self._remat_ok(v, set())
-        finally:
-            self._REMAT_BUDGET = saved
+        return len(v.type.shape) == 1 and self.hooks.remat and self._remat_ok(v, set(), self._ROW_REMAT_BUDGET)
 
     def _row_info(self):
         """How the MMA accumulator registers hold rows (numpy lanes through hooks.mma_layout), or None when

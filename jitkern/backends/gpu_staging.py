@@ -86,6 +86,7 @@ class Staging:
         self._costage, self._prestaged = {}, {}
         if not (COSTAGE and A_FROM_ROWS and self._warp_rows_on()):
             return
+        staged_async = self._async_loads_values()
         for loop, body, _ in self._loops():
             at = {}
             for i, d in enumerate(body.ops):
@@ -103,7 +104,7 @@ class Staging:
                     if id(d2) in self._prestaged or not self._a_rows_static(p2):
                         continue
                     b = p2["b"]
-                    if at.get(b.id, -1) >= i1 or b.id in self._async_loads_values():
+                    if at.get(b.id, -1) >= i1 or b.id in staged_async:
                         continue
                     n, k = p2["n"], p2["k"]
                     size = -(-((n * (k + 8) + 4) * 2) // 16) * 16     # (n, k + 8) rows + padding scratch
