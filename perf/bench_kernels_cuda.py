@@ -74,9 +74,8 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  # 32-row prefill tiles at 4 warps: 255 registers, no spills (ptxas), so two CTAs an SM
                  "flash-16bit-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 32, "FLASH_WARPS": (4, 4)},
-                 # warp-owned rows (JITKERN_FLASH_WARP_ROWS: row max / sum on lane shuffles; ptxas, sm_90a: 32 rows
-                 # at 4 warps 222 registers, 16 at 4 168, 64 at 8 213, 32 at 8 183, no spills; the default tile
-                 # FLASH_WARP_ROWS_TILE is 64 / 8)
+                 # warp-owned rows (JITKERN_FLASH_WARP_ROWS: row max / sum on lane shuffles; registers and
+                 # barriers per tile: perf/ptxas_flash.py; the default tile FLASH_WARP_ROWS_TILE is 64 / 8)
                  "flash-16bit-warprows": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True},
                  "flash-16bit-warprows-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
                                                     "FLASH_WARP_ROWS_TILE": (32, 4)},
@@ -86,8 +85,7 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                                                     "FLASH_WARP_ROWS_TILE": (64, 8)},
                  "flash-16bit-warprows-rows32-w8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
                                                     "FLASH_WARP_ROWS_TILE": (32, 8)},
-                 # with online-softmax steps of 2 / 4 blocks (ptxas, 64 rows / 8 warps: 225 / 255 registers, no
-                 # spills, 5 bar.sync)
+                 # with online-softmax steps of 2 / 4 blocks
                  "flash-16bit-warprows-sb2": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
                                               "FLASH_STEP_BLOCKS": 2},
                  "flash-16bit-warprows-sb4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
