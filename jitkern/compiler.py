@@ -118,6 +118,7 @@ def _toolchain_key(target) -> tuple:
     if target.is_cuda:
         from .backends import gpu, gpu_fragments, gpu_staging
         return (() if gpu.LDMATRIX else ("no-ldmatrix",)) + \
+            (() if gpu.LDMATRIX_TRANS else ("no-ldmatrix-trans",)) + \
             ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ()) + \
             (("wgmma-pipe",) if gpu.WGMMA_PIPE else ()) + \
             (("tma-pipe",) if gpu.TMA_PIPE else ()) + \

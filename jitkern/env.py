@@ -96,6 +96,10 @@ Settings (all optional):
                                 so each warp holds whole rows; the online softmax's row max / sum by lane shuffles,
                                 no shared memory; the same bits). Default 1 (H200: prefill attention 1.15x alone,
                                 1.54x with JITKERN_FAST_EXP; decode 1.09x); 0 is the A/B.
+    JITKERN_LDMATRIX_TRANS      0 or 1: an NVIDIA MMA's (k, n) B operand (the flash kernels' V tile) staged in its own
+                                row order with vector stores and read by ldmatrix .trans (default 1); 0 stages it
+                                transposed element by element (16-bit stores, 16-way bank conflicts on the H200).
+                                The same fragments either way, so the same bits; an A/B switch.
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -120,7 +124,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
             "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE",
             "JITKERN_FLASH_LONGEST_FIRST", "JITKERN_FLASH_STEP_BLOCKS", "JITKERN_FLASH_WARP_ROWS",
-            "JITKERN_FAST_EXP")
+            "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS")
 
 
 class SettingError(JitkernError, ValueError):
@@ -296,6 +300,11 @@ def fast_exp(environ=None) -> bool:
     return env_choice("JITKERN_FAST_EXP", ("0", "1"), environ) != "0"
 
 
+def ldmatrix_trans(environ=None) -> bool:
+    """JITKERN_LDMATRIX_TRANS (default 1): (k, n) MMA B operands staged in row order, read by ldmatrix .trans."""
+    return env_choice("JITKERN_LDMATRIX_TRANS", ("0", "1"), environ) != "0"
+
+
 def flash_warp_rows(environ=None) -> bool:
     """JITKERN_FLASH_WARP_ROWS (default 1): the flash kernels launched with warp-owned rows on CUDA; 0: the tile
     path (same bits)."""
@@ -441,6 +450,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     flash_longest_first(environ)
     flash_warp_rows(environ)
     fast_exp(environ)
+    ldmatrix_trans(environ)
     row_slots(environ)
     pin_operands(environ)
     if tier:

@@ -37,7 +37,14 @@ def _attn_ref(q, kc, vc, bt, qlens, seqlens, scale, last=4):
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description="launches of the hot GPU kernels for Nsight Compute")
+    ap.add_argument("--linear-m", default="1,256", help="token counts of the linear launches (comma list)")
+    ap.add_argument("--x16", action="store_true", help="x in bf16 (x_dtype='bf16'): the engine's prefill path "
+                    "(warpgroup MMAs fed by TMA from 64 tokens)")
+    ap.add_argument("--no-attention", action="store_true", help="the linears only")
+    args = ap.parse_args(argv)
     from jitkern.ops import attention as ja
     from jitkern.ops import matmul
     from jitkern.runtime import cuda
@@ -46,15 +53,19 @@ def main() -> int:
     for (N, K) in ((4096, 4096), (28672, 4096)):
         w = to_bf16(rng.standard_normal((N, K), dtype=np.float32) * 0.05)
         dw = cuda.to_device(w)
-        for M in (1, 256):
+        for M in (int(m) for m in args.linear_m.split(",")):
             x = rng.standard_normal((M, K), dtype=np.float32)
-            dx = cuda.to_device(x)
+            if args.x16:
+                x = from_bf16(to_bf16(x))
+            dx = cuda.to_device(to_bf16(x) if args.x16 else x)
             for _ in range(2):
-                y = matmul.linear(dx, dw, w_dtype="bf16")
+                y = matmul.linear(dx, dw, w_dtype="bf16", **({"x_dtype": "bf16"} if args.x16 else {}))
             dev.synchronize()
             ref = x.astype(np.float64) @ from_bf16(w).astype(np.float64).T
             err = float(np.max(np.abs(y.numpy() - ref)) / np.max(np.abs(ref)))
             print(f"linear N={N} K={K} M={M}: max rel err {err:.1e}", flush=True)
+    if args.no_attention:
+        return 0
     scale = D ** -0.5
     ja.GPU_FLASH_OPERANDS = "16bit"         # (the engine's flash operands on 16-bit checkpoints)
     for B, qlen, ctx in ((16, 1, 1024), (1, 1024, 1024)):

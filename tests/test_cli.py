@@ -97,6 +97,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_FLASH_LONGEST_FIRST", "yes", ["JITKERN_FLASH_LONGEST_FIRST='yes'", "not one of 0, 1"]),
     ("JITKERN_FLASH_WARP_ROWS", "2", ["JITKERN_FLASH_WARP_ROWS='2'", "not one of 0, 1"]),
     ("JITKERN_FAST_EXP", "on", ["JITKERN_FAST_EXP='on'", "not one of 0, 1"]),
+    ("JITKERN_LDMATRIX_TRANS", "2", ["JITKERN_LDMATRIX_TRANS='2'", "not one of 0, 1"]),
     ("JITKERN_FLASH_STEP_BLOCKS", "3", ["JITKERN_FLASH_STEP_BLOCKS='3'", "not one of 1, 2, 4"]),
 ])
 def test_engine_cli_bad_setting(tmp_path, setting, value, needles):

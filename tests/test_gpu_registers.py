@@ -179,6 +179,69 @@ def test_ldmatrix_lanes_give_the_mma_fragments():
             np.testing.assert_array_equal(ks[src] + 2 * (lanes % 4), want_k, err_msg=f"{side}{j} k")
 
 
+def test_ldmatrix_trans_gives_the_b_fragments_of_a_k_n_tile():
+    """LDMATRIX_TRANS: a (k, n) B operand staged in its own row order (row k at k * NP) is read by ldmatrix .trans
+    with lanes 0-15 addressing rows k = lane & 15 (A's ldmatrix rows) of the step, at the unit's 8 columns; .trans
+    hands lane l, of matrix j, the pair of rows 2 (l % 4), +1 at column l // 4 of that matrix. Modelled in numpy on
+    a staged (16, 32) tile of distinct values: every lane's two registers hold exactly the B elements mma_layout
+    names for b0 / b1 (k pairs adjacent) of each 8-column unit, the registers the transposed staging's plain
+    ldmatrix gave before."""
+    from jitkern.backends.nvptx import NvptxHooks
+    from targets import get_target
+    h = NvptxHooks(get_target("sm_90a"))
+    lanes = np.arange(32)
+    lay = h.mma_layout(lanes, "bf16")
+    la_row = np.broadcast_to(np.asarray(h.ldmatrix_lanes(lanes)["a"][0]), (32,))   # the .trans address rows
+    K, N = 16, 32
+    NP = N + 8
+    B = np.arange(K * N).reshape(K, N) + 1000                       # B[k, n], distinct
+    smem = np.full(K * NP, -1)
+    for kk in range(K):
+        smem[kk * NP:kk * NP + N] = B[kk]                           # row order, padded rows
+    for ni in range(N // 8):
+        addr = la_row * NP + ni * 8                                 # element address each lane gives
+        assert (la_row < 16).all()
+        for j in range(2):
+            got = np.empty((32, 2), np.int64)
+            for ln in lanes:
+                rows = [addr[8 * j + 2 * (ln % 4)], addr[8 * j + 2 * (ln % 4) + 1]]   # the lanes that addressed them
+                got[ln] = [smem[r + ln // 4] for r in rows]
+            n_want, k_want = (np.broadcast_to(np.asarray(x), (32,)) for x in lay["b"][j])
+            np.testing.assert_array_equal(got[:, 0], B[k_want, ni * 8 + n_want], err_msg=f"unit {ni} b{j} low")
+            np.testing.assert_array_equal(got[:, 1], B[k_want + 1, ni * 8 + n_want], err_msg=f"unit {ni} b{j} high")
+
+
+def test_flash_v_tile_by_ldmatrix_trans(monkeypatch, tmp_path):
+    """The flash prefill's P @ V (B = the (keys, D) V tile, not a transpose) at the engine's constants: with
+    LDMATRIX_TRANS (default) V is staged with vector stores and read by ldmatrix .trans, no 16-bit shared store left
+    in the kernel; JITKERN_LDMATRIX_TRANS=0 stages it transposed element by element (st.shared.b16 / u16) and
+    changes the cache key. ptxas takes both (where installed); bits: tests/ops/test_attention_flash.py on the GPU."""
+    from jitkern.backends import gpu
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import _toolchain_key, compile_kernel
+    from jitkern.ops import attention as A
+    from targets import get_target
+    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    rows, warps = A.FLASH_WARP_ROWS_TILE
+    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
+             "LONGEST_FIRST=True", "warp_rows=True"]
+    T = get_target("sm_90a")
+    out, keys = [], []
+    for on in (True, False):
+        monkeypatch.setattr(gpu, "LDMATRIX_TRANS", on)
+        keys.append(_toolchain_key(T))
+        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra)
+        ptx = compile_kernel(k, params, cx, T, load=False).artifacts["kernel.ptx"].decode()
+        out.append((len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x\d\.trans", ptx)),
+                    len(re.findall(r"st\.shared\.(?:u16|b16)", ptx))))
+        if find_ptxas() is not None:
+            _ptxas_usage(ptx, tmp_path)
+    (trans_on, st16_on), (trans_off, st16_off) = out
+    assert trans_on > 0 and st16_on == 0, out
+    assert trans_off == 0 and st16_off >= 8, out
+    assert keys[1] == ("no-ldmatrix-trans",) + keys[0]
+
+
 def test_dense_linear_fragments_by_ldmatrix(monkeypatch):
     """The tensor-core linear's K loop takes its fragments with ldmatrix (one x4 per A part and unit row, one
     x2 per unit column) instead of 32-bit shared loads; JITKERN_LDMATRIX=0 (gpu.LDMATRIX) restores the loads

@@ -127,11 +127,12 @@ class GpuHooks:
         `lane` as in mma_layout."""
         raise NotImplementedError
 
-    def ldmatrix(self, low, ptr: str, count: int):
+    def ldmatrix(self, low, ptr: str, count: int, trans: bool = False):
         """`count` (2 or 4) 32-bit fragment registers of 8x8 16-bit matrices in shared memory, one instruction
         for the warp: lane l gives the address of row l % 8 of matrix l // 8 (`ptr`, 16-byte aligned), and
-        each lane receives, of every matrix, the element pair (row l // 4, columns 2 (l % 4), +1). None where
-        the target has no such instruction (the lowering then loads each register itself)."""
+        each lane receives, of every matrix, the element pair (row l // 4, columns 2 (l % 4), +1); with `trans`
+        the pair (rows 2 (l % 4), +1, column l // 4). None where the target has no such instruction (the
+        lowering then loads each register itself)."""
         return None
 
     # Targets without pointer kernel parameters (Vulkan's logical addressing) override these; the defaults
@@ -202,6 +203,11 @@ _LAZY = object()      # a value left for the dot that consumes it to lower (see 
 # MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
 # (an A/B switch: part of the compiled kernels' cache key, jitkern/compiler.py _toolchain_key)
 LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
+# JITKERN_LDMATRIX_TRANS (default 1): a dot's (k, n) B operand (not trans(w): the flash kernels' V tile in P @ V)
+# staged in its own row order, rows of n + 8, with vector stores, its fragments read by ldmatrix .trans; 0: staged
+# transposed as (n, k) rows element by element (H200, Nsight Compute: the flash prefill's 16-bit V stores 16-way
+# bank conflicted, 90% of its shared-store wavefronts). The same fragment registers, so the same bits (cache key)
+LDMATRIX_TRANS = _env.ldmatrix_trans()
 # how warpgroup-MMA operands are staged (GpuLowering._smem_write_cores): 0 = core matrices without swizzle,
 # 128 = 128-byte swizzled rows of 64 elements (conflict-free stores; needs K % 64 == 0). An A/B switch until
 # perf/probe_wgmma.py has run on the GPU (part of the cache key, jitkern/compiler.py _toolchain_key)
@@ -1647,6 +1653,22 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         return (plan["nk"] and self.num_warps % 4 == 0 and n % 64 == 0 and (n // 64) % wgs == 0
                 and m % 8 == 0 and 8 <= m <= 256 and k % 16 == 0)
 
+    def _b_trans(self, plan) -> bool:
+        """Whether a planned dot's B, a (k, n) tile rather than a folded trans(w), is staged in its own row order
+        (rows of n + 8 elements, vector stores) and read by ldmatrix .trans (LDMATRIX_TRANS: NVIDIA's m16n8k16;
+        elsewhere B is staged transposed as (n, k) rows, element by element)."""
+        return bool(LDMATRIX_TRANS and LDMATRIX and not plan["nk"] and not plan["wg"] and self.hooks.has_ldmatrix
+                    and tuple(self.hooks.mma_shape) == (16, 8, 16) and plan["n"] % 8 == 0)
+
+    def _b_rows(self, plan):
+        """B's staging in shared memory: (shape written, row length, whether written transposed)."""
+        n, k = plan["n"], plan["k"]
+        if plan["nk"]:
+            return (n, k), k + 8, False
+        if self._b_trans(plan):
+            return (k, n), n + 8, False
+        return (k, n), k + 8, True
+
     def _smem_write_rows(self, x: LV, off: int, shape, KP: int, transpose: bool, claim: bool = True) -> int:
         """Writes a 2-D 16-bit tile to shared memory as rows of KP elements: element (r, c) at r * KP + c, or
         at c * KP + r with `transpose`. The padding (KP = row length + 8) shifts consecutive rows by 16 bytes,
@@ -2194,6 +2216,13 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             la = self.hooks.ldmatrix_lanes(_LaneExpr(self, lane.ref))
             la_row, la_k = (x.value() for x in la["a"])
             lb_row, lb_k = (x.value() for x in la["b"])
+        # B staged as (k, n) rows of NP (_b_trans): ldmatrix .trans, lanes 0-15 addressing k rows 0-15 of the
+        # step at the unit's 8 columns; lane (g, t) then holds B[2t, 2t + 1][g] and B[2t + 8, 2t + 9][g] (b0, b1)
+        bt = self._b_trans(plan)
+        NP = n + 8
+        if bt and not ldm:
+            raise CompilationError(f"internal: a (k, n) MMA operand staged for ldmatrix .trans but the fragment loads "
+                                   f"cannot use ldmatrix (regions {offs_a!r}, {offb!r}); set JITKERN_LDMATRIX_TRANS=0")
 
         def coords(regs):        # per register: (symbolic ref or None, constant) of each coordinate
             return [_sym(x) for x, _ in regs], [_sym(y) for _, y in regs]
@@ -2223,14 +2252,15 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 p = low.val(f"getelementptr i8, ptr addrspace({a3}) {p}, i32 {2 * const}", "ptr", 0).ref
             return low.val(f"load {ty}, ptr addrspace({a3}) {p}, align {min(16, 2 * elems)}", ty, 0).ref
 
-        def ldmx(byte_off_region, elem_idx, count, cache):
-            """`count` fragment registers by one ldmatrix at element elem_idx of a staged region (cached per
-            address within a K step: units that share a tile row or column share the instruction)."""
-            key = ("ldm", byte_off_region, elem_idx, count)
+        def ldmx(byte_off_region, elem_idx, count, cache, trans=False):
+            """`count` fragment registers by one ldmatrix (.trans) at element elem_idx of a staged region (cached
+            per address within a K step: units that share a tile row or column share the instruction)."""
+            key = ("ldm", byte_off_region, elem_idx, count, trans)
             if key not in cache:
                 eb = add(mul(elem_idx, 2), byte_off_region)
                 p = low.val(f"getelementptr i8, ptr addrspace({a3}) @__jk_smem, i32 {eb}", "ptr", 0).ref
-                cache[key] = low.hooks.ldmatrix(low, p, count)
+                cache[key] = low.hooks.ldmatrix(low, p, count, trans=True) if trans else \
+                    low.hooks.ldmatrix(low, p, count)
             return cache[key]
 
         def bases(crds, origin, cache):
@@ -2268,7 +2298,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             u = dict(rows=rows, cols=cols, roff=roff)
             if ldm and offs_a is not None:
                 u["lda"] = add(mul(add(mul(mi.ref, MS), la_row), KP), la_k)
-                u["ldb"] = add(mul(add(mul(ni.ref, NS), lb_row), KP), lb_k)
+                u["ldb"] = add(mul(la_row, NP), mul(ni.ref, NS)) if bt else \
+                    add(mul(add(mul(ni.ref, NS), lb_row), KP), lb_k)
             return u
 
         def run_units(us, init, a_regs=None):
@@ -2299,7 +2330,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         return sums[(side, rr, kr)]
                     if ldm:
                         kofs = mul(it, KS)
-                        regs_b = ldmx(offb, add(u["ldb"], kofs), 2, addrs)
+                        regs_b = ldmx(offb, add(u["ldb"], mul(it, KS * NP)), 2, addrs, True) if bt else \
+                            ldmx(offb, add(u["ldb"], kofs), 2, addrs)
                     else:
                         regs_b = [ld(offb, elem("b", bc[0], kr), lay["b_ty"], lay["b_elems"], bc[1] * KP + kc,
                                      addrs) for bc, (kr, kc) in zip(b_cols, b_ks)]

@@ -106,8 +106,9 @@ class Staging:
                     b = p2["b"]
                     if at.get(b.id, -1) >= i1 or b.id in staged_async:
                         continue
-                    n, k = p2["n"], p2["k"]
-                    size = -(-((n * (k + 8) + 4) * 2) // 16) * 16     # (n, k + 8) rows + padding scratch
+                    shape2, row2, tr2 = self._b_rows(p2)
+                    # (its rows as staged, _b_rows, + the padding lanes' scratch)
+                    size = -(-(((shape2[1] if tr2 else shape2[0]) * row2 + 8) * 2) // 16) * 16
                     off = self._pin_bytes
                     self._pin_bytes += size
                     self._costage.setdefault(id(d1), []).append((p2, off))
@@ -430,15 +431,14 @@ class Staging:
             offb = self._async_region(b_async.spec, b_async.buf)
         else:
             offb = off
-            off = self._smem_write_rows(LV(b.ref, b.et, b.n, (n, k) if plan["nk"] else (k, n)), offb,
-                                       (n, k) if plan["nk"] else (k, n), KP, not plan["nk"])
+            shape_b, row_b, tr_b = self._b_rows(plan)
+            off = self._smem_write_rows(LV(b.ref, b.et, b.n, shape_b), offb, shape_b, row_b, tr_b)
         for p2, rel in self._costage.get(plan.get("id"), ()):
             # a later dot's B (the V tile), in its own region: visible to it after this dot's barrier
             b2 = self.get(p2["b"])
-            n2, k2 = p2["n"], p2["k"]
-            shape2 = (n2, k2) if p2["nk"] else (k2, n2)
+            shape2, row2, tr2 = self._b_rows(p2)
             ref = self.val(f"add i32 {rel}, {_PIN_BASE}", "i32", 0).ref
-            self._smem_write_rows(LV(b2.ref, b2.et, b2.n, shape2), ref, shape2, k2 + 8, not p2["nk"], claim=False)
+            self._smem_write_rows(LV(b2.ref, b2.et, b2.n, shape2), ref, shape2, row2, tr2, claim=False)
         if a_async is not None or b_async is not None:
             self._async_wait(a_async, b_async)
         self.barrier()

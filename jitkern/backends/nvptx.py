@@ -251,8 +251,9 @@ class NvptxHooks(GpuHooks):
         # = b0, b1 (lanes 16-31 repeat 0-15: x2 ignores their addresses)
         return dict(a=(lane & 15, (lane >> 4) << 3), b=(lane & 7, lane & 8))
 
-    def ldmatrix(self, low, ptr, count):
-        name = f"llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{count}.b16"
+    def ldmatrix(self, low, ptr, count, trans=False):
+        # .trans: each lane receives the transposed 8x8 matrices' elements (its pair runs down a stored column)
+        name = f"llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{count}{'.trans' if trans else ''}.b16"
         sty = "{ " + ", ".join(["i32"] * count) + " }"
         low.declare(name, sty, [f"ptr addrspace({self.smem_as})"])
         res = low.val(f"call {sty} @{name}(ptr addrspace({self.smem_as}) {ptr})", "{ld}", 0)
