@@ -208,6 +208,10 @@ LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
 # transposed as (n, k) rows element by element (H200, Nsight Compute: the flash prefill's 16-bit V stores 16-way
 # bank conflicted, 90% of its shared-store wavefronts). The same fragment registers, so the same bits (cache key)
 LDMATRIX_TRANS = _env.ldmatrix_trans()
+# the MMA K loops of dots with a pinned A operand (Staging._pin_analysis: the flash kernels' scores) are unrolled
+# when they have at most this many steps (H200, session 17: the whole MMA unroll at 8, JITKERN_MMA_UNROLL=8, took the
+# flash prefill 0.200 -> 0.190 ms at B=1 S=1024 and decode 0.154 -> 0.149 ms at B=64 ctx=1024)
+PINNED_MMA_UNROLL = 8
 # how warpgroup-MMA operands are staged (GpuLowering._smem_write_cores): 0 = core matrices without swizzle,
 # 128 = 128-byte swizzled rows of 64 elements (conflict-free stores; needs K % 64 == 0). An A/B switch until
 # perf/probe_wgmma.py has run on the GPU (part of the cache key, jitkern/compiler.py _toolchain_key)
@@ -2220,6 +2224,12 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         # step at the unit's 8 columns; lane (g, t) then holds B[2t, 2t + 1][g] and B[2t + 8, 2t + 9][g] (b0, b1)
         bt = self._b_trans(plan)
         NP = n + 8
+        # a dot whose A is pinned (staged once before its loop: the flash kernels' scores, q @ k^T over the head
+        # dimension) has its K loop unrolled up to PINNED_MMA_UNROLL steps, so its fragment loads issue ahead of the
+        # MMAs that wait on them (H200: the not unrolled loop's MMAs waited on each step's ldmatrix; same MMAs in the
+        # same order). Other dots (the linear's K loops, at up to 255 registers) keep the target's choice.
+        unroll_pinned = ksteps if (self._pinned.get(plan["a"].id) is not None and ksteps <= PINNED_MMA_UNROLL) \
+            else None
         if bt and not ldm:
             raise CompilationError(f"internal: a (k, n) MMA operand staged for ldmatrix .trans but the fragment loads "
                                    f"cannot use ldmatrix (regions {offs_a!r}, {offb!r}); set JITKERN_LDMATRIX_TRANS=0")
@@ -2355,8 +2365,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 for kk in range(ksteps):
                     cur = kstep(str(kk), cur, kk)
                 return [r.ref for r in cur]
-            return [r.ref for r in low.emit_loop(ksteps, start, kstep,
-                                                      unroll=MMA_UNROLL or low.hooks.mma_unroll)]
+            return [r.ref for r in low.emit_loop(ksteps, start, kstep, unroll=MMA_UNROLL or unroll_pinned
+                                                      or low.hooks.mma_unroll)]
 
         def store_units(us, regs, offc):
             """Per register the parts summed in order (hi + lo), stored at its tile element."""
