@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", type=int, default=40, help="launches per timed graph")
     ap.add_argument("--all-shapes", action="store_true", help="M > 256 on every shape (slow)")
     ap.add_argument("--smoke", action="store_true", help="one small shape, two configs")
+    ap.add_argument("--shapes", nargs="*", default=None, metavar="NxK",
+                    help="only these weight shapes (default: the Llama-3-8B projections and head), e.g. 28672x4096")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap of the tensor-core linear (matmul.GPU_LINEAR_MAXNREG; e.g. 168, 128)")
     ap.add_argument("--x16", action="store_true",
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     dev = cuda.get_device()
     configs = [(c.split(",")[0],) + tuple(int(v) for v in c.split(",")[1:]) for c in args.configs] \
         if args.configs else CONFIGS
-    shapes = SHAPES
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes] if args.shapes else SHAPES
     if args.smoke:
         shapes, configs = [(4096, 4096)], configs[:2]
     ms = [int(v) for v in args.m.split(",")]
