@@ -501,27 +501,38 @@ def _tiled_linear_case16(cuda_mod, seed, M, N, K, bm):
 def test_linear_tile_tiers_by_token_count():
     """The tensor-core linear's tile on an H100/H200-class GPU: the decode tile below GPU_LINEAR_WIDE_M tokens,
     the tall tile from there, the mid tile (the big one for wide weights) from GPU_LINEAR_MID_M, the big tile
-    from GPU_LINEAR_BIG_M, all with the decode tile's K split (which
-    depends on N and K only); a weight a taller tile does not divide keeps the next smaller one."""
+    from GPU_LINEAR_BIG_M, all with the decode tile's K split (which depends on N and K only: 4 for narrow weights, none
+    for wide ones), the huge / XL tiles on warpgroup MMAs; a weight a taller tile does not divide keeps the next
+    smaller one."""
     from jitkern.ops import matmul as mm
     from targets import get_target
     T = get_target("sm_90a")
     dec = mm._mma_tile_for(T, 4096, 4096, 1)
     assert dec == (16, 64, 128, 4, 4)                            # narrow weight: K split in 4
-    assert mm._mma_tile_for(T, 28672, 4096, 1) == (16, 64, 128, 4, 2)
+    assert mm._mma_tile_for(T, 28672, 4096, 1) == (16, 64, 128, 4, 1)    # wide weight: no K split
+    assert mm._mma_tile_for(T, 128256, 4096, 1) == (16, 64, 128, 4, 1)
+    assert mm._mma_tile_for(T, 4096, 14336, 1) == (16, 64, 128, 4, 4)
+    assert mm._mma_tile_for(T, 64 * (mm.GPU_NOSPLIT_MIN_TILES - 1), 4096, 1)[4] > 1
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M - 1) == dec
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M) == tuple(mm.GPU_LINEAR_WIDE_TILE[:4]) + (4,)
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_BIG_M - 1)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])
-    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (2,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (1,)
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_MID_TILE[:4]) + (4,)
-    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (2,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (1,)
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M - 1)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])
     assert mm._mma_tile_for(T, 384, 4096, 4096)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])    # 384 % 256 != 0
     assert mm._mma_tile_for(T, 576, 576, 4096) == mm._mma_tile_for(T, 576, 576, 1)        # 576 % 128 != 0
     # the huge tile: from GPU_LINEAR_HUGE_M tokens where it runs on warpgroup MMAs (16-bit activations)
     huge = tuple(mm.GPU_LINEAR_HUGE_TILE[:4])
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M, act16=1) == huge + (4,)
-    assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=1) == huge + (2,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_XL_M - 1, act16=1) == huge + (1,)
+    # the XL tile: from GPU_LINEAR_XL_M tokens on warpgroup MMAs where K is not split (the serial split's two
+    # accumulators would not fit its registers): wide weights; narrow ones keep the huge tile
+    xl = tuple(mm.GPU_LINEAR_XL_TILE[:4])
+    assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=1) == xl + (1,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_XL_M, act16=1) == xl + (1,)
+    assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=1) == huge + (4,)
+    assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=1) == \
         mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=0)
     assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
@@ -570,6 +581,28 @@ def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
         seen.add(mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"])
         np.testing.assert_array_equal(part, full[lo:hi], err_msg=f"tokens {lo}:{hi}")
     assert seen == {16, 32, 64, 128}, seen
+
+
+@pytest.mark.gpu
+def test_linear_xl_tile_gives_the_decode_tiles_bits(monkeypatch):
+    """A wide weight (GPU_NOSPLIT_MIN_TILES column tiles: no K split) from GPU_LINEAR_XL_M tokens with 16-bit
+    activations takes the XL tile (256 tokens, two warpgroups of m64n256 wgmma fed by TMA): it matches float64 and a
+    token's row is the same bits through it as through the huge, big, tall and decode tiles."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend("cuda", monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
+    N, K = 64 * mm.GPU_NOSPLIT_MIN_TILES, 512
+    assert mm.gpu_linear_mma_tile(N, K)[4] == 1
+    M = mm.GPU_LINEAR_XL_M + 45
+    x, dw, db, full, _ = _tiled_linear_case16(cuda_mod, 19, M, N, K, mm.GPU_LINEAR_XL_TILE[0])
+    ck = mm.last_compiled("_gpu_linear_mma_kernel")
+    assert ck.constexprs.get("wgmma") == 1 and ck.constexprs["SPLIT"] == 1
+    seen = set()
+    for lo, hi in ((0, 1), (3, 30), (M - 70, M), (11, 150), (0, mm.GPU_LINEAR_XL_M - 1), (5, M)):
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, bias=db, w_dtype="bf16").numpy()
+        seen.add(mm.last_compiled("_gpu_linear_mma_kernel").constexprs["BM"])
+        np.testing.assert_array_equal(part, full[lo:hi], err_msg=f"tokens {lo}:{hi}")
+    assert seen == {16, 32, 64, 128, 256}, seen
 
 
 @pytest.mark.gpu

@@ -371,7 +371,8 @@ def _mma_tile_for(T, N: int, K: int, M: int = 1, act16: int = 0) -> tuple:
     4 waves of 32 spills ~300 bytes of VGPRs per thread to scratch (LLVM 22; 64 does not). From
     GPU_LINEAR_WIDE_M tokens on NVIDIA, the taller GPU_LINEAR_WIDE_TILE (from GPU_LINEAR_BIG_M tokens
     GPU_LINEAR_BIG_TILE, and with 16-bit activations (act16, _act16_for's) on warpgroup MMAs from
-    GPU_LINEAR_HUGE_M GPU_LINEAR_HUGE_TILE) where it gives the same bits: all tiles keep their accumulators in
+    GPU_LINEAR_HUGE_M GPU_LINEAR_HUGE_TILE, from GPU_LINEAR_XL_M GPU_LINEAR_XL_TILE where K is not split) where
+    it gives the same bits: all tiles keep their accumulators in
     the MMA registers across the K loop (every warp a whole number of 16x8 tiles), so each output is the same
     chain of 16-deep MMA steps in K order, hi and lo chains apart, whatever the tile's height, width, warps or
     K step, and wgmma gives the bits mma.sync does (perf/probe_wgmma.py on the H200); the K split (SPLIT) must
@@ -390,6 +391,9 @@ def _mma_tile_for(T, N: int, K: int, M: int = 1, act16: int = 0) -> tuple:
             tiers.append(GPU_LINEAR_BIG_TILE)
         if GPU_LINEAR_HUGE_TILE and M >= GPU_LINEAR_HUGE_M and _wgmma_for(T, GPU_LINEAR_HUGE_TILE[0], act16):
             tiers.append(GPU_LINEAR_HUGE_TILE)
+            if GPU_LINEAR_XL_TILE and M >= GPU_LINEAR_XL_M and S == 1 \
+                    and _wgmma_for(T, GPU_LINEAR_XL_TILE[0], act16):
+                tiers.append(GPU_LINEAR_XL_TILE)
         for t in reversed(tiers):
             wide = tuple(t[:4]) + (S,)    # the same K split as the decode tile: the same bits
             if _takes_same_path(tile, wide, N, K) \
@@ -433,6 +437,13 @@ GPU_LINEAR_MID_TILE = (64, 128, 64, 8)
 # 433 / 793 vs 514 / 963; at M = 2048 within 1% of (128, 256, 64, 8), at M = 64 slower (too few programs)
 GPU_LINEAR_HUGE_TILE = (128, 128, 64, 8)
 GPU_LINEAR_HUGE_M = 128
+# from GPU_LINEAR_XL_M tokens, for weights whose K is not split (two accumulators of its 128 registers a thread, the
+# serial split's, would not fit): 256 tokens x 128 weight rows, each warpgroup one m64n256k16 chain. H200 (session
+# 17, perf/h200_gemm_tiles.sh, bf16 x, TMA, same run as cuBLAS): gate_up 0.91x at M = 1024 and 2048 against 0.83 /
+# 0.82x for GPU_LINEAR_HUGE_TILE without a split; the head 0.92x at 1024 (either tile), 0.81x at 2048 (0.78x); at
+# M = 256 no better than the huge tile (0.88 vs 0.87x gate_up, 0.81 vs 0.85x the head). 154 registers (ptxas).
+GPU_LINEAR_XL_TILE = (256, 128, 64, 8)
+GPU_LINEAR_XL_M = 1024
 GPU_LINEAR_MID_M = 48
 GPU_LINEAR_MID_WIDE_N = 6144
 
@@ -447,8 +458,15 @@ def gpu_linear_mma_tile(N: int, K: int) -> tuple:
     # projection shape at M = 1, 16 and 64. Narrow weights (fewer than GPU_SPLITK4_MAX_TILES column tiles)
     # split K in 4: at M = 1 on the H200, 4096x4096 17.9 -> 13.9 us, 6144x4096 23.5 -> 21.1, 4096x14336
     # 54.0 -> 39.4 (one program per SM was too few bytes in flight); wide ones gain nothing.
+    # Wide weights (at least GPU_NOSPLIT_MIN_TILES column tiles: gate_up, the head) do not split K (H200, session
+    # 17, perf/h200_wide_nosplit.sh, same run: split 1 against 2 at M = 1 gate_up 57.7 vs 59.2 us, the head 238.5
+    # vs 243.8; at M = 16 59.6 vs 62.3 and 244.3 vs 259.8; at prefill sizes no slabs or serial restarts, M = 256
+    # gate_up 0.87x cuBLAS against 0.65x, M = 1024 0.91x on GPU_LINEAR_XL_TILE against 0.76x).
     BN, BK = GPU_LINEAR_DECODE_TILE[1], GPU_LINEAR_DECODE_TILE[2]
-    split = 4 if N // BN < GPU_SPLITK4_MAX_TILES and K % (4 * BK) == 0 else 2
+    if N // BN >= GPU_NOSPLIT_MIN_TILES:
+        split = 1
+    else:
+        split = 4 if N // BN < GPU_SPLITK4_MAX_TILES and K % (4 * BK) == 0 else 2
     return tuple(GPU_LINEAR_DECODE_TILE) + (split,)
 
 
@@ -456,6 +474,8 @@ def gpu_linear_mma_tile(N: int, K: int) -> tuple:
 GPU_LINEAR_DECODE_TILE = (16, 64, 128, 4)
 # column tiles below which gpu_linear_mma_tile splits K in 4 rather than 2 (a function of N only)
 GPU_SPLITK4_MAX_TILES = 200
+# column tiles from which gpu_linear_mma_tile does not split K at all (a function of N only)
+GPU_NOSPLIT_MIN_TILES = 200
 
 
 # registers a thread of the tensor-core linear may use on NVIDIA (the `maxnreg` launch option, so in the cache
