@@ -128,6 +128,7 @@ def _toolchain_key(target) -> tuple:
             ((f"mma-unroll-{gpu.MMA_UNROLL}",) if gpu.MMA_UNROLL else ()) + \
             (("row-slots",) if gpu.ROW_SLOTS else ()) + \
             (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
+            (("pin-regs",) if gpu.PIN_REGS and gpu.PIN_OPERANDS else ()) + \
             (() if gpu_fragments.A_FROM_ROWS else ("staged-rows-a",)) + \
             (() if gpu_staging.COSTAGE else ("no-costage",)) + \
             (() if gpu.FAST_EXP else ("no-fast-exp",)) + \

@@ -76,6 +76,9 @@ Settings (all optional):
                                 computed, one barrier for several (default 0: not yet run on a GPU).
     JITKERN_PIN_OPERANDS        0 or 1: a dot in a loop stages an A operand defined outside the loop once, before
                                 the loop (default 1: the flash prefill 1.08x on the H200, session 16; 0 is the A/B).
+    JITKERN_PIN_REGS            0 or 1: a pinned A operand (JITKERN_PIN_OPERANDS: the flash kernels' query tile) is
+                                also read into the MMA fragment registers once before its loop, so its dot loads
+                                only B each step (default 0 until measured on a GPU; the same bits).
     JITKERN_FRAG_OPS            0 or 1: elementwise ops on MMA accumulators run in the accumulators' registers
                                 (default 1; 0 goes through the tile layout in shared memory, an A/B switch).
     JITKERN_FLASH_DECODE_WIDE   launches of at least this many flash-decode programs (sequences x KV heads x
@@ -119,7 +122,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_GPU_PROFILE", "JITKERN_LDMATRIX", "JITKERN_OVERLAP_OUTPUT", "JITKERN_SPEC_ADAPTIVE",
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
-            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_SERIAL_SPLIT_M",
+            "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_PIN_REGS", "JITKERN_SERIAL_SPLIT_M",
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
             "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE",
@@ -323,6 +326,11 @@ def row_slots(environ=None) -> bool:
     return env_choice("JITKERN_ROW_SLOTS", ("0", "1"), environ) == "1"
 
 
+def pin_regs(environ=None) -> bool:
+    """JITKERN_PIN_REGS (default 0): pinned A operands also held in fragment registers across their loop."""
+    return env_choice("JITKERN_PIN_REGS", ("0", "1"), environ) == "1"
+
+
 def pin_operands(environ=None) -> bool:
     """JITKERN_PIN_OPERANDS (default 1): a loop's dots stage an A operand defined outside the loop once, before it
     (backends/gpu.py _pin_analysis; 0 stages it every step: the A/B)."""
@@ -453,6 +461,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     ldmatrix_trans(environ)
     row_slots(environ)
     pin_operands(environ)
+    pin_regs(environ)
     if tier:
         check_cpu_tier(environ)
     if cache:

@@ -83,6 +83,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_MMA_UNROLL", "x", ["JITKERN_MMA_UNROLL='x'", "not an integer"]),
     ("JITKERN_ROW_SLOTS", "true", ["JITKERN_ROW_SLOTS='true'", "not one of 0, 1"]),
     ("JITKERN_PIN_OPERANDS", "yes", ["JITKERN_PIN_OPERANDS='yes'", "not one of 0, 1"]),
+    ("JITKERN_PIN_REGS", "on", ["JITKERN_PIN_REGS='on'", "not one of 0, 1"]),
     ("JITKERN_SERIAL_SPLIT_M", "-1", ["JITKERN_SERIAL_SPLIT_M='-1'", ">= 0"]),
     ("JITKERN_SERIAL_MAXNREG", "lots", ["JITKERN_SERIAL_MAXNREG='lots'", "not an integer"]),
     ("JITKERN_LINEAR_PREFETCH", "3", ["JITKERN_LINEAR_PREFETCH='3'", "not one of 1, 2"]),

@@ -242,6 +242,39 @@ def test_flash_v_tile_by_ldmatrix_trans(monkeypatch, tmp_path):
     assert keys[1] == ("no-ldmatrix-trans",) + keys[0]
 
 
+def test_flash_pin_regs_reads_the_query_fragments_once(monkeypatch, tmp_path):
+    """JITKERN_PIN_REGS (gpu.PIN_REGS): the flash prefill's pinned query tile is read into the scores' A fragment
+    registers once, before the block loop: every ldmatrix.x4 of the kernel precedes its first MMA (without it they
+    sit among the loop's MMAs), as many as before, and the cache key says so. ptxas takes it without spills (where
+    installed). Bits: the same fragments; tests/ops/test_attention_flash.py on the GPU with the switch."""
+    from jitkern.backends import gpu
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import _toolchain_key, compile_kernel
+    from jitkern.ops import attention as A
+    from targets import get_target
+    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    rows, warps = A.FLASH_WARP_ROWS_TILE
+    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
+             "LONGEST_FIRST=True", "warp_rows=True"]
+    T = get_target("sm_90a")
+    out, keys = [], []
+    for on in (False, True):
+        monkeypatch.setattr(gpu, "PIN_REGS", on)
+        keys.append(_toolchain_key(T))
+        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra)
+        ptx = compile_kernel(k, params, cx, T, load=False).artifacts["kernel.ptx"].decode()
+        lines = ptx.split("\n")
+        x4 = [i for i, ln in enumerate(lines) if "ldmatrix.sync.aligned.m8n8.x4" in ln]
+        first_mma = min(i for i, ln in enumerate(lines) if "mma.sync" in ln)
+        out.append((len(x4), sum(i > first_mma for i in x4)))
+        if on and find_ptxas() is not None:
+            assert _ptxas_usage(ptx, tmp_path)[1] == 0
+    (n_off, after_off), (n_on, after_on) = out
+    assert n_on == n_off > 0 and after_off > 0 and after_on == 0, out
+    assert keys[1] == keys[0][:keys[0].index("pin-operands") + 1] + ("pin-regs",) + \
+        keys[0][keys[0].index("pin-operands") + 1:]
+
+
 def test_dense_linear_fragments_by_ldmatrix(monkeypatch):
     """The tensor-core linear's K loop takes its fragments with ldmatrix (one x4 per A part and unit row, one
     x2 per unit column) instead of 32-bit shared loads; JITKERN_LDMATRIX=0 (gpu.LDMATRIX) restores the loads

@@ -255,6 +255,11 @@ FAST_EXP = _env.fast_exp()
 # (GpuLowering._pin_analysis; cache key). On the H200 (session 16) the flash prefill 0.465 -> 0.431 ms at B=1
 # S=1024 (1.08x), 3.646 -> 3.332 at B=8; decode unchanged; the flash file's GPU bit tests pass with it
 PIN_OPERANDS = _env.pin_operands()
+# JITKERN_PIN_REGS (default 0, an A/B switch until measured; cache key): a pinned A operand whose dot reads its
+# fragments by ldmatrix is also read into the fragment registers once, right after it is pinned (_pin_frags), and
+# the dot takes them from there every step (one ldmatrix.x4 a K step and unit row fewer: in the flash prefill's
+# scores 8 a warp a step; ~32 registers a thread more). The same fragments, so the same bits.
+PIN_REGS = _env.pin_regs()
 # JITKERN_REDUCE_DIRECT (default 1): reductions of at most one element a chunk (rows no longer than the CTA) skip
 # staging their partials (the two-pass form, JITKERN_REDUCE_DIRECT=0): each output folds the staged input directly,
 # with the same operations in the same order (GpuLowering._reduce_direct; A/B switch, cache key). H200: flash
@@ -353,6 +358,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._prestaged = {}        # id(dot) -> region offset of its B, staged by an earlier dot
         self._pin_bytes = 0
         self._pinned = {}           # A value id -> region refs (one per part), while its loop is lowered
+        self._pin_frags = {}        # id(dot) -> its pinned A's fragment registers [unit][k step] (PIN_REGS)
         self._async_shared = False  # something claimed shared memory meanwhile
         self._tma_nbars = 0         # mbarriers of the TMA-fed async regions (placed last: _TMA_BASE)
         self._tma_absorbed = set()  # id(load) whose tile a TMA copy brings instead (_async_analysis)
@@ -2391,7 +2397,15 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             return [add(mul(add(u["rows"][rr], rc), n), add(u["cols"][cr], cc))
                     for u in us for (rr, rc), (cr, cc) in zip(c_rows, c_cols)]
 
+        def a_frags(us):
+            """Per unit, per K step: the A fragment registers by ldmatrix (a single A part), all issued here
+            (PIN_REGS: before the loop of a dot with a pinned A; units sharing a row share the loads)."""
+            cache = {}
+            return [[ldmx(offs_a[0], add(u["lda"], mul(str(kk), KS)), 4, cache) for kk in range(ksteps)]
+                    for u in us]
+
         ctx.setup, ctx.run_units, ctx.store_units, ctx.read_back = setup, run_units, store_units, read_back
+        ctx.a_frags, ctx.ldm = a_frags, ldm
         ctx.flat_units = flat_units
         return ctx
 

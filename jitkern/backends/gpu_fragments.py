@@ -457,6 +457,10 @@ class FragmentOps:
         m, n, k = plan["m"], plan["n"], plan["k"]
         KP = k + 8
         a_regs = self._a_from_rows(plan, g) if A_FROM_ROWS else None
+        pinned = self._pin_frags.get(plan.get("id")) if a_regs is None else None
+        if pinned is not None and self._pinned.get(plan["a"].id) is not None:
+            # (PIN_REGS: A's fragments were read into registers before the loop, Staging._pin_frags_load)
+            a_regs = lambda ui, kk: pinned[ui][kk]      # noqa: E731
         offs_a, offb, _ = self._stage_mma_operands(plan, a_in_regs=a_regs is not None)
         ctx = self._mma_ctx(plan, g, KP, offs_a, offb)
         us = self._warp_units(ctx, g)

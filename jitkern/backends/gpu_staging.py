@@ -148,7 +148,25 @@ class Staging:
                 refs.append(ref)
             self._pinned[a.id] = refs
             out.append(a.id)
+        if pins and _gpu().PIN_REGS:
+            self._pin_frags_load(pins)
         return out
+
+    def _pin_frags_load(self, pins) -> None:
+        """PIN_REGS: each pinned A (one part, fragments by ldmatrix) read into this warp's fragment registers for
+        its dot's units, once, after the pinned rows are visible; the dot (FragmentOps._dot_frag) then takes its A
+        from them every step. The units are set up as the dot's will be (the same geometry), so unit i here is
+        unit i there."""
+        self.barrier()
+        for a, plan, offs in pins:
+            if plan["split"] or len(offs) != 1 or plan.get("id") in self._pin_frags:
+                continue
+            g = self._mma_geometry(plan)
+            ctx = self._mma_ctx(plan, g, plan["k"] + 8, self._pinned[a.id], None)
+            if not ctx.ldm:
+                continue
+            us = self._warp_units(ctx, g)
+            self._pin_frags[plan.get("id")] = ctx.a_frags(us)
 
     def _loops(self):
         """(for op, its body, the body's yield) of every loop of the kernel."""
