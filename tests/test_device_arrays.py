@@ -516,9 +516,12 @@ def test_linear_tile_tiers_by_token_count():
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M - 1) == dec
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_WIDE_M) == tuple(mm.GPU_LINEAR_WIDE_TILE[:4]) + (4,)
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_BIG_M - 1)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])
-    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (1,)
+    # (unsplit weights with f32 activations keep the mid tile: the big one's hi + lo accumulators spill there)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M) == tuple(mm.GPU_LINEAR_MID_TILE[:4]) + (1,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_BIG_M, act16=1)[:4] == tuple(mm.GPU_LINEAR_HUGE_TILE[:4])
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_MID_TILE[:4]) + (4,)
-    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (1,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_MID_M) == tuple(mm.GPU_LINEAR_MID_TILE[:4]) + (1,)
+    assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_MID_M, act16=1) == tuple(mm.GPU_LINEAR_BIG_TILE[:4]) + (1,)
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_MID_M - 1)[:4] == tuple(mm.GPU_LINEAR_WIDE_TILE[:4])
     assert mm._mma_tile_for(T, 384, 4096, 4096)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])    # 384 % 256 != 0
     assert mm._mma_tile_for(T, 576, 576, 4096) == mm._mma_tile_for(T, 576, 576, 1)        # 576 % 128 != 0
@@ -532,7 +535,7 @@ def test_linear_tile_tiers_by_token_count():
     assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=1) == xl + (1,)
     assert mm._mma_tile_for(T, 28672, 4096, mm.GPU_LINEAR_XL_M, act16=1) == xl + (1,)
     assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=1) == huge + (4,)
-    assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
+    assert mm._mma_tile_for(T, 28672, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_MID_TILE[:4])
     assert mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=1) == \
         mm._mma_tile_for(T, 4096, 4096, mm.GPU_LINEAR_HUGE_M - 1, act16=0)
     assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])

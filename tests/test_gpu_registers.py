@@ -107,7 +107,7 @@ def test_engine_linear_tiles_assemble_without_spills(tmp_path):
     T = get_target("sm_90a")
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
     tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
-    assert len(tiles) == 7, tiles           # decode / tall / mid / big (narrow: split 4), decode / tall / big (split 2)
+    assert len(tiles) == 7, tiles           # decode / tall / mid / big (narrow: split 4), decode / tall / mid (unsplit)
     for t in sorted(tiles):
         for act in ("ACT16=0", "ACT16=1"):
             regs, spilled = _ptxas_usage(_linear_ptx(*t[:3], extra=(act,), warps=t[3], split=t[4]), tmp_path)

@@ -385,9 +385,12 @@ def _mma_tile_for(T, N: int, K: int, M: int = 1, act16: int = 0) -> tuple:
             and T.mma in ("mma.sync", "wgmma", "tcgen05"):
         S = tile[4] if len(tile) > 4 else 1
         tiers = [GPU_LINEAR_WIDE_TILE]
+        # (the big tile's f32 hi + lo accumulators fit 255 registers only with a split K loop: unsplit, ptxas
+        # spills 84 bytes, so unsplit weights with f32 activations keep the mid tile)
+        big_ok = S > 1 or bool(act16)
         if GPU_LINEAR_MID_TILE and M >= GPU_LINEAR_MID_M:
-            tiers.append(GPU_LINEAR_BIG_TILE if N >= GPU_LINEAR_MID_WIDE_N else GPU_LINEAR_MID_TILE)
-        if GPU_LINEAR_BIG_TILE and M >= GPU_LINEAR_BIG_M:
+            tiers.append(GPU_LINEAR_BIG_TILE if N >= GPU_LINEAR_MID_WIDE_N and big_ok else GPU_LINEAR_MID_TILE)
+        if GPU_LINEAR_BIG_TILE and M >= GPU_LINEAR_BIG_M and big_ok:
             tiers.append(GPU_LINEAR_BIG_TILE)
         if GPU_LINEAR_HUGE_TILE and M >= GPU_LINEAR_HUGE_M and _wgmma_for(T, GPU_LINEAR_HUGE_TILE[0], act16):
             tiers.append(GPU_LINEAR_HUGE_TILE)
