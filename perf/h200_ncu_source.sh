@@ -14,6 +14,7 @@ prof() {  # name, ncu filter args..., -- probe args
     ncu -i "$OUT/$name.ncu-rep" --page details 2>&1 | grep -v "^ *-*$" | head -260 >"$OUT/$name.details.txt"
     ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/$name.sass.csv" 2>&1
     wc -c "$OUT/$name.details.txt" "$OUT/$name.sass.csv"
+    python3 perf/ncu_sass_summary.py "$OUT/$name.sass.csv" --top 25
     rm -f "$OUT/$name.ncu-rep"
 }
 echo "== flash_prefill (B=1 S=1024)"
