@@ -217,21 +217,14 @@ def test_flash_v_tile_by_ldmatrix_trans(monkeypatch, tmp_path):
     in the kernel; JITKERN_LDMATRIX_TRANS=0 stages it transposed element by element (st.shared.b16 / u16) and
     changes the cache key. ptxas takes both (where installed); bits: tests/ops/test_attention_flash.py on the GPU."""
     from jitkern.backends import gpu
-    from jitkern.cli import load_kernel, parse_sig
-    from jitkern.compiler import _toolchain_key, compile_kernel
-    from jitkern.ops import attention as A
+    from jitkern.compiler import _toolchain_key
     from targets import get_target
-    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
-    rows, warps = A.FLASH_WARP_ROWS_TILE
-    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
-             "LONGEST_FIRST=True", "warp_rows=True"]
     T = get_target("sm_90a")
     out, keys = [], []
     for on in (True, False):
         monkeypatch.setattr(gpu, "LDMATRIX_TRANS", on)
         keys.append(_toolchain_key(T))
-        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra)
-        ptx = compile_kernel(k, params, cx, T, load=False).artifacts["kernel.ptx"].decode()
+        ptx = _warp_rows_prefill_ptx()
         out.append((len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x\d\.trans", ptx)),
                     len(re.findall(r"st\.shared\.(?:u16|b16)", ptx))))
         if find_ptxas() is not None:
@@ -248,21 +241,14 @@ def test_flash_pin_regs_reads_the_query_fragments_once(monkeypatch, tmp_path):
     sit among the loop's MMAs), as many as before, and the cache key says so. ptxas takes it without spills (where
     installed). Bits: the same fragments; tests/ops/test_attention_flash.py on the GPU with the switch."""
     from jitkern.backends import gpu
-    from jitkern.cli import load_kernel, parse_sig
-    from jitkern.compiler import _toolchain_key, compile_kernel
-    from jitkern.ops import attention as A
+    from jitkern.compiler import _toolchain_key
     from targets import get_target
-    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
-    rows, warps = A.FLASH_WARP_ROWS_TILE
-    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
-             "LONGEST_FIRST=True", "warp_rows=True"]
     T = get_target("sm_90a")
     out, keys = [], []
     for on in (False, True):
         monkeypatch.setattr(gpu, "PIN_REGS", on)
         keys.append(_toolchain_key(T))
-        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra)
-        ptx = compile_kernel(k, params, cx, T, load=False).artifacts["kernel.ptx"].decode()
+        ptx = _warp_rows_prefill_ptx()
         lines = ptx.split("\n")
         x4 = [i for i, ln in enumerate(lines) if "ldmatrix.sync.aligned.m8n8.x4" in ln]
         first_mma = min(i for i, ln in enumerate(lines) if "mma.sync" in ln)
@@ -340,6 +326,21 @@ FLASH_PREFILL_SIG = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,quer
 FLASH_COMMON = ["KVH=8", "G=4", "D=128", "PB=4", "MAXP=16", "SOFTCAP=False", "SINKS=False", "SPLIT=False",
                 "PIPE=True", "BS=16", "OPS16=True"]
 FLASH_PREFILL_CONSTS = ["num_warps=8", "GP=4", "BM=16", "SKIP_DECODE=True"]
+
+
+def _warp_rows_prefill_ptx(warp_rows=True) -> str:
+    """The flash prefill's sm_90a PTX at the engine's Llama-3-8B constants and its warp-rows tile
+    (A.FLASH_WARP_ROWS_TILE), launched with `warp_rows` or not, under the lowering switches as they are set now."""
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from jitkern.ops import attention as A
+    from targets import get_target
+    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    rows, warps = A.FLASH_WARP_ROWS_TILE
+    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
+             "LONGEST_FIRST=True"] + (["warp_rows=True"] if warp_rows else [])
+    params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra)
+    return compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
@@ -685,18 +686,9 @@ def test_flash_prefill_warp_rows_assemble(tmp_path):
     from the score registers and its V tile is staged with K (under a quarter of the default tile's bar.sync), and
     ptxas takes it without spills. Its bits are for the GPU
     (tests/ops/test_attention_flash.py -k warp_rows)."""
-    from jitkern.cli import load_kernel, parse_sig
-    from jitkern.compiler import compile_kernel
-    from jitkern.ops import attention as A
-    from targets import get_target
-    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
-    rows, warps = A.FLASH_WARP_ROWS_TILE
-    extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
-             "LONGEST_FIRST=True"]
     out = []
     for on in (False, True):
-        params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra + (["warp_rows=True"] if on else []))
-        ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+        ptx = _warp_rows_prefill_ptx(warp_rows=on)
         out.append((len(re.findall(r"\bbar(rier)?\.sync", ptx)), ptx.count("shfl.sync"), _ptxas_usage(ptx, tmp_path)))
     (bars0, shfl0, _), (bars1, shfl1, (regs, spills)) = out
     assert shfl0 == 0 and shfl1 > 0, out
