@@ -81,7 +81,16 @@ def main(argv=None) -> int:
     ap.add_argument("--range", nargs=2, metavar=("LO", "HI"), default=None,
                     help="list the instructions between these hex addresses (low 20 bits) instead")
     args = ap.parse_args(argv)
-    ks = kernels(args.csv)
+    try:
+        ks = kernels(args.csv)
+    except OSError as e:
+        print(f"{args.csv}: cannot read it ({e.strerror or e})", file=sys.stderr)
+        return 2
+    if args.range:
+        try:
+            int(args.range[0], 16), int(args.range[1], 16)
+        except ValueError:
+            ap.error(f"--range: expected two hex addresses, got {args.range}")
     if not ks:
         print(f"{args.csv}: no kernel in it (expected ncu's --page source --csv output)", file=sys.stderr)
         return 2

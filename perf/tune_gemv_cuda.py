@@ -66,6 +66,14 @@ def main(argv=None) -> int:
                     help="register cap of the linear's launches that sum a split K in-program "
                          "(matmul.GPU_LINEAR_SERIAL_MAXNREG; 0: none)")
     args = ap.parse_args(argv)
+    shapes = SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes]
+        except ValueError:
+            shapes = []
+        if not shapes or any(len(sh) != 2 or min(sh) <= 0 for sh in shapes):
+            ap.error(f"--shapes: expected NxK pairs of positive integers (e.g. 28672x4096), got {args.shapes}")
     from jitkern.ops import matmul
     if args.serial_maxnreg is not None:
         matmul.GPU_LINEAR_SERIAL_MAXNREG = args.serial_maxnreg or None
@@ -81,7 +89,6 @@ def main(argv=None) -> int:
     dev = cuda.get_device()
     configs = [(c.split(",")[0],) + tuple(int(v) for v in c.split(",")[1:]) for c in args.configs] \
         if args.configs else CONFIGS
-    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes] if args.shapes else SHAPES
     if args.smoke:
         shapes, configs = [(4096, 4096)], configs[:2]
     ms = [int(v) for v in args.m.split(",")]
