@@ -126,6 +126,12 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                                                        "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  "flash-16bit-sb4-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
                                                 "FLASH_PIPELINE": False, "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
+                 # session 18's defaults (2-block steps, the decode pipeline) against 1 / 4-block steps
+                 "flash-16bit-sb1-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 1,
+                                             "FLASH_DECODE_PIPELINE": False},
+                 "flash-16bit-sb1": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 1},
+                 "flash-16bit-sb4-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
+                                             "FLASH_DECODE_PIPELINE": False},
                  "token": {"GPU_TOKEN_ATTENTION": True}}
 ROTATE_BYTES = 256 << 20
 

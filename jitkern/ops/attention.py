@@ -1363,11 +1363,12 @@ FLASH_WARP_ROWS_TILE = (64, 8)      # (rows, warps) of the warp-rows prefill til
 # (32, D) accumulators alone would take 128 registers a thread)
 FLASH_ROWS_WIDE_HEADS = 32
 FLASH_PREFILL_WARPS_WIDE_HEADS = 8
-# load the next cache block while the current one is computed: the prefill kernel (nopipe 0.98-0.99x), not the
+# load the next cache block while the current one is computed: the prefill kernel (nopipe 0.98-0.99x) and the
 # decode kernel (H200, session 14: without it 1.02-1.07x at B = 16-64, ctx 1024-4096: ptxas 168 registers at 2
-# warps instead of 227, so 6 CTAs an SM instead of 4). The same bits either way.
+# warps instead of 227, so 6 CTAs an SM instead of 4; since V by ldmatrix .trans, session 18: with it B=64
+# ctx=1024 0.150 -> 0.138 ms, B=16 0.049 -> 0.047). The same bits either way.
 FLASH_PIPELINE = True
-FLASH_DECODE_PIPELINE = False
+FLASH_DECODE_PIPELINE = True
 # JITKERN_FLASH_FOLD_SKIP (default 1): the prefill tile's partition fold runs only in the blocks where some row
 # needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
 # 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
@@ -1406,9 +1407,12 @@ FLASH_PREFILL_MAXNREG = None
 # shared-memory round trips) per key range. Decode and prefill step alike (partitions are whole steps, _split), so
 # a token's bits agree between them at any setting; other settings give other bits. Layers with a sliding window
 # step by one block (their rows' ranges start at different blocks); the staging must fit (_flash_step_blocks).
-# H200 (session 15, perf/h200_step_blocks.sh): right, but 2 / 4 blocks are 1.2-2x slower for prefill and decode
-# (the step's tiles outgrow the registers; ptxas: the 32-row prefill spills), so 1 stays the default.
-FLASH_STEP_BLOCKS = _env.flash_step_blocks(1)
+# H200 (session 15, perf/h200_step_blocks.sh): right, but 2 / 4 blocks were 1.2-2x slower for prefill and decode
+# (the step's tiles outgrew the registers; ptxas: the 32-row prefill spilled). With warp rows and V by ldmatrix
+# .trans (session 18, same run as SDPA, ms): prefill B=1 S=1024 0.191 / 0.173 / 0.157 at 1 / 2 / 4 blocks, B=8
+# 1.530 / 1.374 / 1.235; decode B=64 ctx=1024 0.150 / 0.146 / 0.161. 2 is faster for both, so the default (ptxas
+# with JITKERN_PIN_REGS and the decode pipeline: prefill 240 registers, decode 248 at 2 warps, no spills).
+FLASH_STEP_BLOCKS = _env.flash_step_blocks(2)
 
 
 def _token_path(target, st) -> bool:
