@@ -1,16 +1,24 @@
 #!/bin/sh
-# The second H200 call of session 18 (~9 minutes): session 18's attention defaults (JITKERN_PIN_REGS=1, 2-block
-# online-softmax steps, the decode pipeline) and session 17's linear defaults (wide weights unsplit, the XL tile)
-# - bits first (the flash file and the engine's GPU tests), then the 32-layer end to end against the
-# gpt-fast-style peer, the CUPTI sums, and the attention kernels at 1 / 2 / 4-block steps if time is left.
+# The second H200 call of session 18 (~10 minutes): the serial split's copy chain through its slabs
+# (JITKERN_SERIAL_CHAIN) - bits first, off for the rest if they fail - then the 32-layer end to end against the
+# gpt-fast-style peer at this tree's defaults (session 18's attention: JITKERN_PIN_REGS=1, 2-block steps, the decode
+# pipeline; session 17's linears: wide weights unsplit, the XL tile), then while time is left: the narrow
+# weights' prefill GEMMs with and without the chain against cuBLAS, and the flash file's bits.
 # Run from the repo root after the device README's setup: sh perf/h200_session18b.sh
 set -u
-echo "== bits"
-timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_attention_flash.py tests/test_engine_cuda.py \
-    -k "not smollm" 2>&1 | tail -3
+echo "== bits: the serial chain"
+if ! timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py \
+        -k "serial_chain or serial_split or xl_tile" 2>&1 | tail -3; then :; fi
+timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py -k "serial_chain" \
+    >/dev/null 2>&1 || { echo "CHAIN BITS FAILED: JITKERN_SERIAL_CHAIN=0 from here"; export JITKERN_SERIAL_CHAIN=0; }
 sh perf/h200_e2e.sh
-sh perf/h200_profile.sh
-left=$((585 - SECONDS))
-[ $left -gt 30 ] && timeout $left python3 perf/bench_kernels_cuda.py --only attn --reps 5 --budget 0.1 \
-    --decode-cases 16x1024 64x1024 --prefill-cases 1x1024 8x1024 --attn-variants flash-16bit flash-16bit-sb1 \
-    flash-16bit-sb1-nodpipe flash-16bit-sb4-nodpipe 2>&1 | grep "SDPA\|f16 cache\|FAILED"
+for c in 0 1; do
+    left=$((590 - SECONDS))
+    [ $left -gt 40 ] || break
+    echo "== M = 1024, JITKERN_SERIAL_CHAIN=$c"
+    JITKERN_SERIAL_CHAIN=$c timeout $left python3 perf/tune_gemv_cuda.py --x16 --m 1024 --all-shapes \
+        --shapes 4096x4096 6144x4096 4096x14336 --configs wgs,128,128,64,8,0 2>&1 | grep -v "^tensor-core\|copy:"
+done
+left=$((590 - SECONDS))
+[ $left -gt 60 ] && timeout $left python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_attention_flash.py \
+    tests/test_engine_cuda.py -k "not smollm" 2>&1 | tail -3

@@ -586,6 +586,44 @@ def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
     assert seen == {16, 32, 64, 128}, seen
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_linear_serial_chain_gives_the_serial_splits_bits(backend, prefetch, monkeypatch):
+    """The serial split with one copy chain through its slabs (GPU_SERIAL_CHAIN, _mma_serial_chain) at the
+    engine's prefill tile for a narrow weight (K split in 4; 16-bit x on the device: warpgroup MMAs fed by TMA on
+    the H200, cp.async on `fake`): bit for bit the serial split that restarts its pipeline a slab, and a token's
+    row the same bits as its decode (slab programs) row; float64 close."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", prefetch)
+    monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", 200)
+    rng = np.random.default_rng(41)
+    N, K, M = 256, 1024, 263
+    assert mm.gpu_linear_mma_tile(N, K)[4] == 4
+    w = to_bf16(rng.standard_normal((N, K)) / 8)
+    w64 = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    x = to_bf16(rng.standard_normal((M, K)))
+    x64 = (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    dw, dx = _dev(cuda_mod, w), _dev(cuda_mod, x)
+    got = {}
+    for chain in (False, True):
+        monkeypatch.setattr(mm, "GPU_SERIAL_CHAIN", chain)
+        mm._LAST.clear()
+        got[chain] = mm.linear(dx, dw, w_dtype="bf16", x_dtype="bf16").numpy()
+        ck = mm.last_compiled("_gpu_linear_mma_kernel")
+        assert ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4 and ck.constexprs["CHAIN"] == chain
+        if backend == "cuda":
+            assert ck.constexprs.get("tma") == 1 and ck.constexprs.get("PREFETCH", 1) == prefetch
+            assert "cp.async.bulk.tensor" in ck.ptx() and "ld.global" not in ck.ptx()
+    np.testing.assert_array_equal(got[True], got[False])
+    want = x64 @ w64.T
+    np.testing.assert_allclose(got[True], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for lo, hi in ((0, 1), (100, 103)):
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, w_dtype="bf16", x_dtype="bf16").numpy()
+        assert not mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("SERIAL")
+        np.testing.assert_array_equal(part, got[True][lo:hi], err_msg=f"tokens {lo}:{hi}")
+
+
 @pytest.mark.gpu
 def test_linear_xl_tile_gives_the_decode_tiles_bits(monkeypatch):
     """A wide weight (GPU_NOSPLIT_MIN_TILES column tiles: no K split) from GPU_LINEAR_XL_M tokens with 16-bit

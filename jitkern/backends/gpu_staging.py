@@ -200,67 +200,90 @@ class Staging:
         if not wanted or not self.hooks.has_cp_async:
             return
         use_tma = bool(self.fn.constexprs.get("tma")) and self.hooks.has_tma and self._wgmma_swizzled()
+        passes = self._async_passes()
+        linked = {}                     # id(loop result) -> (spec, its loop's TMA decision): a chain going on
+        passed = {(id(o), jo) for o, jo in passes.values()}
+        registered = {}                 # id(spec) -> [(key of _async_loads, id of an absorbed load or None)]
         for op, body, yop in self._loops():
             args = body.args[1:]
             chains, cands = [], []
             for j, arg in enumerate(args):
-                init, y, res = op.operands[3 + j], yop.operands[j], op.results[j]
+                if (id(op), j) in passed:
+                    continue            # (a slot this loop only passes on: the inner loop's slot decides)
+                (init, res), y = self._async_ends(op, j, passes), yop.operands[j]
                 li, ti = self._tma_inner(self.defs.get(init.id))
+                link = linked.get(init.id)
                 # a prefetch-2 chain: the head's yield is the body argument of slot j2 (see above)
                 j2 = next((i for i, a in enumerate(args) if a.id == y.id and i != j), None)
                 if j2 is not None:
                     if self.users.get(args[j2].id) != [(yop, j)]:
                         continue
-                    init2, y2, res2 = op.operands[3 + j2], yop.operands[j2], op.results[j2]
+                    (init2, res2), y2 = self._async_ends(op, j2, passes), yop.operands[j2]
                     li2, ti2 = self._tma_inner(self.defs.get(init2.id))
                     ly, ty = self._tma_inner(self.defs.get(y2.id))
-                    ok2 = li2 is not None and li2.name == "load" and self.uses.get(init2.id) == 1 \
+                    link2 = linked.get(init2.id)
+                    ok2 = (link2 is not None and link is not None and link2[0] is link[0]
+                           or li2 is not None and li2.name == "load" and self.uses.get(init2.id) == 1) \
                         and self._async_role(res2) == self._async_role(res) and args[j2].type == arg.type
                     if not ok2:
                         continue
                 else:
                     (ly, ty), (li2, ti2) = self._tma_inner(self.defs.get(y.id)), (None, None)
                 t = arg.type
-                if li is None or ly is None or li.name != "load" or ly.name != "load" \
-                        or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
-                        or t.elem not in (ir.bf16, ir.f16) \
-                        or self.uses.get(init.id) != 1 or self.uses.get(ly.results[0].id) != 1:
+                if link is not None:
+                    li, ti = None, None         # (the chain's earlier loop loaded its first tiles)
+                    li2, ti2 = (None, None) if j2 is not None else (li2, ti2)
+                elif li is None or li.name != "load" or self.uses.get(init.id) != 1:
+                    continue
+                if ly is None or ly.name != "load" or not any(o is ly for o in body.ops) or len(t.shape) != 2 \
+                        or t.elem not in (ir.bf16, ir.f16) or self.uses.get(ly.results[0].id) != 1:
                     continue
                 r_in, r_out = self._async_role(arg), self._async_role(res)
+                if r_out is None and self._async_link_out(res) is not None \
+                        and (j2 is None or self._async_link_out(res2) is not None):
+                    r_out = r_in                # (the chain goes on in a later loop, which checks its end)
                 if r_in is None or r_in != r_out or tuple(t.shape) != r_in[1] \
-                        or not self._async_loadable(li) or not self._async_loadable(ly) \
+                        or (li is not None and not self._async_loadable(li)) or not self._async_loadable(ly) \
                         or (li2 is not None and not self._async_loadable(li2)):
                     continue
                 rows, k = r_in[1]
-                KP = k + 8
-                if r_in[2]:
-                    # warpgroup MMAs read core matrices (128-byte swizzled atoms at 1024-byte addresses)
-                    al = 1024 if self._wgmma_swizzled() else 128
-                    size = -(-(rows * k * 2 + 16) // al) * al
-                    self._async_align = max(self._async_align, al)
-                    self._async_bytes = -(-self._async_bytes // al) * al
-                else:
-                    size = -(-rows * KP * 2 // 128) * 128
                 nbuf = 2 if j2 is None else 3
-                spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows, nbuf=nbuf, chains=1,
-                            tma=False)
-                self._async_bytes += nbuf * size
-                self._async_slots[(id(op), j)] = spec
-                tma_ok = ti is not None and ty is not None and (j2 is None or ti2 is not None) and r_in[2] \
-                    and k % 64 == 0 and rows % 8 == 0 and rows <= 256
+                if link is not None:
+                    spec = link[0]
+                    if spec["nbuf"] != nbuf or spec["rows"] != rows or spec["KP"] != k + 8:
+                        continue
+                else:
+                    KP = k + 8
+                    if r_in[2]:
+                        # warpgroup MMAs read core matrices (128-byte swizzled atoms at 1024-byte addresses)
+                        al = 1024 if self._wgmma_swizzled() else 128
+                        size = -(-(rows * k * 2 + 16) // al) * al
+                        self._async_align = max(self._async_align, al)
+                        self._async_bytes = -(-self._async_bytes // al) * al
+                    else:
+                        size = -(-rows * KP * 2 // 128) * 128
+                    spec = dict(off=self._async_bytes, size=size, KP=KP, wg=r_in[2], rows=rows, nbuf=nbuf,
+                                chains=1, tma=False)
+                    self._async_bytes += nbuf * size
+                tma_ok = (link is not None or ti is not None and (j2 is None or ti2 is not None)) \
+                    and ty is not None and r_in[2] and k % 64 == 0 and rows % 8 == 0 and rows <= 256
                 # (spec, [(load, its tma op, first buffer or the slot it follows)], ...)
-                loads = [(li, ti, 0), (ly, ty, arg if j2 is None else args[j2])]
+                loads = [(ly, ty, arg if j2 is None else args[j2])]
+                if link is None:
+                    loads.append((li, ti, 0))
+                    if j2 is not None:
+                        loads.append((li2, ti2, 1))
+                slots = [j] if j2 is None else [j, j2]
+                cands.append((spec, loads, tma_ok, slots, link))
                 if j2 is not None:
-                    loads.append((li2, ti2, 1))
-                    self._async_slots[(id(op), j2)] = spec
-                    self._async_ahead[arg.id] = self._async_ahead[res.id] = 1
                     chains.append(spec)
-                cands.append((spec, loads, tma_ok))
             # a loop's chains are all fed by TMA (every one qualifies: its tiles are jk.tma boxes staged for
-            # warpgroup MMAs with the 128-byte swizzle) or all by cp.async (their waits count groups)
+            # warpgroup MMAs with the 128-byte swizzle) or all by cp.async (their waits count groups); a chain
+            # going on from an earlier loop keeps that loop's choice (or is not async here)
             tma = use_tma and bool(cands) and all(c[2] for c in cands)
-            for spec, loads, _ in cands:
-                if tma:
+            cands = [c for c in cands if c[4] is None or c[4][1] == tma]
+            for spec, loads, _, slots, link in cands:
+                if tma and link is None:
                     spec["tma"], spec["bar"] = True, self._tma_nbars
                     spec["pipe"] = bool(_gpu().TMA_PIPE)
                     self._tma_nbars += spec["nbuf"]
@@ -271,9 +294,76 @@ class Staging:
                         self._tma_absorbed.add(id(ld))
                     else:
                         self._async_loads[id(ld)] = hit
+                    registered.setdefault(id(spec), []).append((id(tm), id(ld)) if tma else (id(ld), None))
+                for i, jj in enumerate(slots):
+                    # the slot, and the outer loops that only pass it on (their phis carry the tile too)
+                    for lp, js in self._async_pass_chain(op, jj, passes):
+                        self._async_slots[(id(lp), js)] = spec
+                        if i == 0 and len(slots) == 2:
+                            a, r = lp.regions[0].args[1 + js], lp.results[js]
+                            self._async_ahead[a.id] = self._async_ahead[r.id] = 1
+                    r = self._async_ends(op, jj, passes)[1]
+                    if self._async_link_out(r) is not None:
+                        linked[r.id] = (spec, tma)
             for spec in chains:
                 # the loop's chains commit one group each per step, in the same order every step
                 spec["chains"] = len(chains)
+        # a chain handed to a later loop that did not take it on: that loop would get async tiles as plain
+        # values, so such a chain is not async at all (every slot and load of its region dropped)
+        dropped = set()
+        for rid, (spec, _) in linked.items():
+            u = self._async_link_out_of_id(rid)
+            if u is None or self._async_slots.get((id(u[0]), u[1])) is not spec:
+                dropped.add(id(spec))
+        if dropped:
+            self._async_slots = {k: v for k, v in self._async_slots.items() if id(v) not in dropped}
+            for sid in dropped:
+                for key, absorbed in registered.get(sid, ()):
+                    self._async_loads.pop(key, None)
+                    self._tma_absorbed.discard(absorbed)
+
+    def _async_passes(self) -> dict:
+        """Outer loops that only pass a chain on (the serial split's slab loop around its K loop): {(id(inner
+        loop), slot): (outer loop, slot)} where the outer slot's body argument is used once, as that inner
+        loop's initial value (the inner loop directly in the outer body), and the outer body yields the inner
+        loop's result there and nothing else uses it."""
+        passes = {}
+        for op, body, yop in self._loops():
+            for jo, arg in enumerate(body.args[1:]):
+                us = self.users.get(arg.id, [])
+                if len(us) != 1:
+                    continue
+                u, idx = us[0]
+                if u.name != "for" or idx < 3 or not any(o is u for o in body.ops):
+                    continue
+                ji = idx - 3
+                r = u.results[ji]
+                if yop.operands[jo].id != r.id or self.users.get(r.id) != [(yop, jo)]:
+                    continue
+                passes[(id(u), ji)] = (op, jo)
+        return passes
+
+    def _async_pass_chain(self, op, j, passes) -> list:
+        """[(loop, slot)] from (op, j) out through the loops that pass it on (_async_passes)."""
+        out = [(op, j)]
+        while (id(out[-1][0]), out[-1][1]) in passes:
+            out.append(passes[(id(out[-1][0]), out[-1][1])])
+        return out
+
+    def _async_ends(self, op, j, passes):
+        """(initial value, result) of slot j of loop op as seen from outside the loops that pass it on."""
+        lp, js = self._async_pass_chain(op, j, passes)[-1]
+        return lp.operands[3 + js], lp.results[js]
+
+    def _async_link_out(self, res):
+        """(loop, slot) when a loop result's one use is a later loop's initial value of that slot, else None."""
+        return self._async_link_out_of_id(res.id)
+
+    def _async_link_out_of_id(self, rid):
+        us = self.users.get(rid, [])
+        if len(us) != 1 or us[0][0].name != "for" or us[0][1] < 3:
+            return None
+        return us[0][0], us[0][1] - 3
 
     def _tma_inner(self, d):
         """(the load under a jk.tma whose only user it is, the tma op), (d, None) for anything else, (None, None)

@@ -238,7 +238,7 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
                            SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False,
-                           PREFETCH: jk.constexpr = 1):
+                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -248,7 +248,8 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     # _gpu_splitk_sum_kernel adds the slabs in order: more programs in flight for narrow N at decode.
     # SERIAL (with SPLIT > 1; grid (M / BM, N / BN)): the program computes the SPLIT slabs one after the other and
     # adds them in the sum kernel's order, ((slab 0 + slab 1) + ...) + bias, then stores y: the same bits with no
-    # slabs written to and read back from memory (prefill sizes, where the tiles alone fill the GPU).
+    # slabs written to and read back from memory (prefill sizes, where the tiles alone fill the GPU). CHAIN (with
+    # SERIAL): one copy chain runs through all the slabs (_mma_serial_chain), the same dots in the same order.
     # ACT16 (GPU_LINEAR_ACTIVATIONS = "16bit"): x rounded to the weights' 16-bit type (1 bf16, 2 f16) first, one
     # MMA chain instead of the hi and lo chains (half the MMAs and A staging; 8 or 11 significant bits of x,
     # as vLLM / cuBLAS bf16 inference computes). PREFETCH (1 or 2; EVEN, every K range of 2+ steps): how many
@@ -267,7 +268,11 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     if EVEN:
         if SPLIT > 1:
             KR = (K // (SPLIT * BK)) * BK           # a multiple of BK: the axis analysis keeps 16-byte loads
-            if SERIAL:
+            if SERIAL and CHAIN:
+                xm = tm[:, None] & (kk >= 0)[None, :]
+                acc = _mma_serial_chain(xrows, wrows, xm, kk, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0,
+                                        SPLIT)
+            elif SERIAL:
                 xm = tm[:, None] & (kk >= 0)[None, :]
                 # -0.0 + s == s for every s (+0.0 and -0.0 too): the sum starts exactly at slab 0, as the sum
                 # kernel's; one K loop in the code (its shared-memory staging allocated once)
@@ -294,6 +299,60 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     elif HAS_BIAS:
         acc = acc + jk.load(bias + rows, mask=rm, other=0.0).to(jk.f32)[None, :]
     jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
+
+
+@jk.jit
+def _mma_serial_chain(xrows, wrows, xm, kk, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0, SPLIT):
+    """The serial split's sum ((slab 0 + slab 1) + ...) over SPLIT slabs of KR (a multiple of BK; of 2 BK or more
+    with PREFETCH 2), each slab's dots from zero as _mma_k_range's, but with one prefetch chain through all of
+    them: the slab loop carries the tiles, so the last steps of a slab load the next slab's first tiles and its
+    copies never drain (the lowering's async analysis follows a chain through a loop that only passes it to
+    an inner one, and into the loop after it). The last slab's loop stops loading where K ends."""
+    run = jk.full((BM, BN), -0.0, jk.f32)        # (-0.0 + s == s: the sum starts exactly at slab 0)
+    xv = jk.tma(jk.load(xrows + kk[None, :], mask=xm, other=0.0), xmap, t0, 0)
+    wv = jk.tma(jk.load(wrows + kk[None, :]), wmap, r0, 0)
+    if PREFETCH == 2:
+        xv1 = jk.tma(jk.load(xrows + (BK + kk)[None, :], mask=xm, other=0.0), xmap, t0, BK)
+        wv1 = jk.tma(jk.load(wrows + (BK + kk)[None, :]), wmap, r0, BK)
+        for z in range(0, SPLIT - 1):
+            acc = jk.zeros((BM, BN), jk.f32)
+            for k in range(z * KR + 2 * BK, z * KR + KR + 2 * BK, BK):
+                xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
+                wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+                acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+                xv = xv1
+                wv = wv1
+                xv1 = xn
+                wv1 = wn
+            run = run + acc
+        acc = jk.zeros((BM, BN), jk.f32)
+        for k in range((SPLIT - 1) * KR + 2 * BK, SPLIT * KR, BK):
+            xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
+            wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+            acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+            xv = xv1
+            wv = wv1
+            xv1 = xn
+            wv1 = wn
+        acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+        return run + jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
+    for z in range(0, SPLIT - 1):
+        acc = jk.zeros((BM, BN), jk.f32)
+        for k in range(z * KR + BK, z * KR + KR + BK, BK):
+            xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
+            wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+            acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+            xv = xn
+            wv = wn
+        run = run + acc
+    acc = jk.zeros((BM, BN), jk.f32)
+    for k in range((SPLIT - 1) * KR + BK, SPLIT * KR, BK):
+        xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
+        wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+        acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
+        xv = xn
+        wv = wn
+    return run + jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
 
 
 @jk.jit
@@ -622,6 +681,10 @@ GPU_LINEAR_SERIAL_SPLIT_M = _env.serial_split_m()
 # SM; at 128 two fit and ptxas spills ~300 bytes (where in the code: not seen, no SASS disassembler here): 1.06-1.15x
 # uncapped at M = 2048
 GPU_LINEAR_SERIAL_MAXNREG = _env.serial_maxnreg()
+# JITKERN_SERIAL_CHAIN (default 1): the serial split keeps one copy chain through its slabs (_mma_serial_chain)
+# instead of a K loop a slab that restarts its copy pipeline at each (drain, barriers re-armed, the first tiles'
+# copies exposed: 9-22% of the time at M = 1024 on the H200, session 17). The same dots in the same order.
+GPU_SERIAL_CHAIN = _env.serial_chain()
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -997,7 +1060,7 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                     maps = _tma_maps(T, opts, x2, arr, M, N, K, x2.strides[0] // es, BM, BN, BK, x_dtype, dt)
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, SERIAL=True,
-                                 num_warps=NW, ACT16=act16, **opts), T)
+                                 CHAIN=GPU_SERIAL_CHAIN, num_warps=NW, ACT16=act16, **opts), T)
                 elif S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
                     r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold, arr, dt)
