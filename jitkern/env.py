@@ -50,7 +50,8 @@ Settings (all optional):
                                 each program, an integer >= 0 (default 1024; the same bits either way).
     JITKERN_SERIAL_MAXNREG      those launches' register cap, an integer >= 0 (default 128; 0: ptxas decides).
     JITKERN_SERIAL_CHAIN        0 or 1: those launches keep one copy chain through their K slabs instead of a
-                                pipeline that restarts at each slab (default 1; the same bits either way).
+                                pipeline that restarts at each slab (default 0: the same bits, slower on the
+                                H200 - its C tile cannot share the copy buffers, so one CTA an SM).
     JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's TMA-fed tiles load (2:
                                 three buffers; default 2 with JITKERN_TMA on, else 1; the same bits; on the H200
                                 the 8-layer prefill's linears 6.64 -> 6.45 ms; cp.async tiles load 1 ahead).
@@ -244,8 +245,8 @@ def serial_split_m(environ=None) -> int:
 
 
 def serial_chain(environ=None) -> bool:
-    """JITKERN_SERIAL_CHAIN (default 1): the serial split's slabs share one copy chain (ops/matmul.py)."""
-    return env_choice("JITKERN_SERIAL_CHAIN", ("0", "1"), environ) != "0"
+    """JITKERN_SERIAL_CHAIN (default 0): the serial split's slabs share one copy chain (ops/matmul.py)."""
+    return env_choice("JITKERN_SERIAL_CHAIN", ("0", "1"), environ) == "1"
 
 
 def serial_maxnreg(environ=None):
