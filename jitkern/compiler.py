@@ -132,7 +132,8 @@ def _toolchain_key(target) -> tuple:
             (() if gpu_fragments.A_FROM_ROWS else ("staged-rows-a",)) + \
             (() if gpu_staging.COSTAGE else ("no-costage",)) + \
             (() if gpu.FAST_EXP else ("no-fast-exp",)) + \
-            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",))
+            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + \
+            (() if gpu.WG_SUMS else ("no-wg-sums",))
     if target.is_hip:
         from .backends import gpu
         from .backends.amdgpu import find_lld, lld_version

@@ -49,6 +49,9 @@ Settings (all optional):
     JITKERN_SERIAL_SPLIT_M      the token count from which the tensor-core linear sums a split K's slabs inside
                                 each program, an integer >= 0 (default 1024; the same bits either way).
     JITKERN_SERIAL_MAXNREG      those launches' register cap, an integer >= 0 (default 128; 0: ptxas decides).
+    JITKERN_WG_SUMS             0 or 1: sums of warpgroup-MMA accumulators (the serial split's running sum of its
+                                slabs) added in the MMA registers instead of through a C tile in shared memory
+                                (default 1; the same bits either way; an A/B switch).
     JITKERN_SERIAL_CHAIN        0 or 1: those launches keep one copy chain through their K slabs instead of a
                                 pipeline that restarts at each slab (default 0: the same bits, slower on the
                                 H200 - its C tile cannot share the copy buffers, so one CTA an SM).
@@ -128,7 +131,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SPEC_BACKOFF", "JITKERN_WGMMA", "JITKERN_WGMMA_SWIZZLE", "JITKERN_WGMMA_PIPE",
             "JITKERN_WGMMA_MIN_BM", "JITKERN_FRAG_OPS", "JITKERN_CP_ASYNC",
             "JITKERN_MMA_UNROLL", "JITKERN_ROW_SLOTS", "JITKERN_PIN_OPERANDS", "JITKERN_PIN_REGS", "JITKERN_SERIAL_SPLIT_M",
-            "JITKERN_SERIAL_CHAIN", "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
+            "JITKERN_SERIAL_CHAIN", "JITKERN_WG_SUMS", "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN",
             "JITKERN_FLASH_PARTITION_BLOCKS", "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE",
             "JITKERN_FLASH_LONGEST_FIRST", "JITKERN_FLASH_STEP_BLOCKS", "JITKERN_FLASH_WARP_ROWS",
@@ -242,6 +245,11 @@ def serial_split_m(environ=None) -> int:
     """JITKERN_SERIAL_SPLIT_M: tokens from which the tensor-core linear sums a split K's slabs in-program."""
     v = env_int("JITKERN_SERIAL_SPLIT_M", 0, environ)
     return 1024 if v is None else v
+
+
+def wg_sums(environ=None) -> bool:
+    """JITKERN_WG_SUMS (default 1): sums of warpgroup-MMA accumulators stay in their registers (backends/gpu.py)."""
+    return env_choice("JITKERN_WG_SUMS", ("0", "1"), environ) != "0"
 
 
 def serial_chain(environ=None) -> bool:
@@ -455,6 +463,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     mma_unroll(environ)
     serial_split_m(environ)
     serial_chain(environ)
+    wg_sums(environ)
     serial_maxnreg(environ)
     linear_prefetch(environ)
     flash_fold_skip(environ)

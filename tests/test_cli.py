@@ -87,6 +87,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_SERIAL_SPLIT_M", "-1", ["JITKERN_SERIAL_SPLIT_M='-1'", ">= 0"]),
     ("JITKERN_SERIAL_MAXNREG", "lots", ["JITKERN_SERIAL_MAXNREG='lots'", "not an integer"]),
     ("JITKERN_SERIAL_CHAIN", "yes", ["JITKERN_SERIAL_CHAIN='yes'", "not one of 0, 1"]),
+    ("JITKERN_WG_SUMS", "on", ["JITKERN_WG_SUMS='on'", "not one of 0, 1"]),
     ("JITKERN_LINEAR_PREFETCH", "3", ["JITKERN_LINEAR_PREFETCH='3'", "not one of 1, 2"]),
     ("JITKERN_FLASH_FOLD_SKIP", "on", ["JITKERN_FLASH_FOLD_SKIP='on'", "not one of 0, 1"]),
     ("JITKERN_TMA", "yes", ["JITKERN_TMA='yes'", "not one of 0, 1"]),

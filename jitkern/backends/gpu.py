@@ -261,6 +261,11 @@ PIN_OPERANDS = _env.pin_operands()
 # scores 8 a warp a step; ~32 registers a thread more). The same fragments, so the same bits. H200 (session 18):
 # prefill attention B=1 S=1024 0.191 -> 0.176 ms, B=8 1.530 -> 1.409, decode B=64 0.150 -> 0.147; bits 37 passed.
 PIN_REGS = _env.pin_regs()
+# JITKERN_WG_SUMS (default 1; cache key): an f32 add of two warpgroup-MMA accumulators of one layout (the serial
+# split's running sum of its slabs, kept in a loop slot) runs register by register (_wg_sum_analysis) instead of
+# through a C tile in shared memory each slab; the same fadds, so the same bits. With the chain through the slabs
+# (ops/matmul.py GPU_SERIAL_CHAIN) the C tile could not share the copy buffers (170 KB, one CTA an SM): 104 KB.
+WG_SUMS = _env.wg_sums()
 # JITKERN_REDUCE_DIRECT (default 1): reductions of at most one element a chunk (rows no longer than the CTA) skip
 # staging their partials (the two-pass form, JITKERN_REDUCE_DIRECT=0): each output folds the staged input directly,
 # with the same operations in the same order (GpuLowering._reduce_direct; A/B switch, cache key). H200: flash
@@ -347,6 +352,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._async_issued = []     # per loop being lowered: cp.async groups committed in this step so far
         self._async_ahead = {}      # value id -> AsyncTile.ahead of a prefetch-2 chain's head (_async_analysis)
         self._async_ahead_now = 0   # the ahead of the last async wait (_async_wait)
+        self._wg_sums, self._wg_sum_slots = {}, {}      # (_wg_sum_analysis)
         self._async_live = False    # from the first cp.async until the last dot reading async buffers
         self._row_slots = {}        # id of a (R, 1) broadcast source -> (its (R,) value id, slot byte offset)
         self._row_of = {}           # id of that (R,) value -> slot byte offset
@@ -590,6 +596,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         self.lazy.update(plan["lazy"])
             self._frag_analysis()
             self._async_analysis()
+            self._wg_sum_analysis()
             self._pin_analysis()
             self._costage_analysis()
         self.start_block("entry")
@@ -1172,6 +1179,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         if self._row_of:
             self._rows_read = set(self._row_of.values())
         slots = self._frag_slots(op)
+        slots.update({j: (k, plan) for (o, j), (k, plan, _) in self._wg_sum_slots.items() if o == id(op)})
         fslots = {j: self.frag_keys[a.id] for j, a in enumerate(op.regions[0].args[1:]) if a.id in self.frag_keys}
         aslots = {j: sp for (o, j), sp in self._async_slots.items() if o == id(op)}
         res = self._for_with_frags(op, slots, fslots, aslots) if slots or fslots or aslots else super().op_for(op)
@@ -1312,10 +1320,14 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self.emit(f"br label %{hdr}")
         self.lines[phi_idx] = f"  {iv} = phi {it} [ {lb.ref}, %{pred} ], [ {nxt.ref}, %{latch} ]"
         k = phi_idx + 1
-        for c, y in zip(carried, ys_r):
+        for j, (c, y) in enumerate(zip(carried, ys_r)):
             if c[0] == "frag":
+                # (register accumulators start at 0.0; a register sum at its slot's constant: -0.0 for the
+                # serial split's, so slab 0's value is the sum's exactly)
+                ws = self._wg_sum_slots.get((id(op), j))
+                init = "0.0" if ws is None else repr(float(ws[2]))
                 for ph, yr in zip(c[1], y.regs):
-                    self.lines[k] = f"  {ph} = phi float [ 0.0, %{pred} ], [ {yr}, %{latch} ]"
+                    self.lines[k] = f"  {ph} = phi float [ {init}, %{pred} ], [ {yr}, %{latch} ]"
                     k += 1
             elif c[0] == "flv":
                 self.lines[k] = f"  {c[1]} = phi {c[3].ty} [ {c[3].ref}, %{pred} ], [ {y.ref}, %{latch} ]"
@@ -2176,8 +2188,91 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 continue
             if self._frag_yields.get((id(u), idx)) == key:
                 continue
+            if self._wg_sums.get(id(u)) == key:
+                continue
             return False
         return True
+
+    def _wg_sum_analysis(self) -> None:
+        """Sums of warpgroup-MMA accumulators kept in their registers (the serial split's running sum of slab
+        results, _mma_serial_chain): an f32 add whose operands are both, in one layout, a wgmma dot's result,
+        a K loop's register accumulator (_frag_slots) or such a sum; and loop slots that carry such a sum
+        (initialised to a constant, used once by the add, which is yielded back to the slot). They are added
+        register by register, which is the tile's elementwise add, with no C tile in shared memory (whose
+        region could not share the copy buffers while the next slab's copies are in flight)."""
+        self._wg_sums, self._wg_sum_slots = {}, {}
+        if not WG_SUMS or not any(p["wg"] for p in self.mma_plans.values()):
+            return
+
+        def acc_of(v):
+            """(layout key, plan) of a value the MMA registers can hold: a wgmma dot's result or a K loop's
+            register accumulator (its loop result)."""
+            d = self.defs.get(v.id)
+            if d is None:
+                return None
+            if d.name == "dot":
+                plan = self.mma_plans.get(id(d))
+                if plan is not None and plan["wg"] and not plan["split"]:
+                    return self._mma_geometry(plan)["key"], plan
+            elif d.name == "for":
+                j = next(i for i, r in enumerate(d.results) if r.id == v.id)
+                fs = self._frag_slots(d)
+                if j in fs and fs[j][1]["wg"]:
+                    return fs[j]
+            return None
+
+        def is_add(op):
+            return op.name == "binary" and op.attrs.get("op") == "add" and op.results[0].type.elem == ir.f32 \
+                and len(op.results[0].type.shape) == 2
+
+        sums = {}                       # id(value) -> (key, plan): values held as register sums
+        for loop, body, yop in self._loops():
+            for j, arg in enumerate(body.args[1:]):
+                d = self.defs.get(loop.operands[3 + j].id)
+                if d is not None and d.name == "splat":
+                    d = self.defs.get(d.operands[0].id)
+                us = self.users.get(arg.id, [])
+                if d is None or d.name != "const" or len(us) != 1 or not is_add(us[0][0]) \
+                        or not any(o is us[0][0] for o in body.ops):
+                    continue
+                add, idx = us[0]
+                other = acc_of(add.operands[1 - idx])
+                if other is None or self.users.get(add.results[0].id) != [(yop, j)]:
+                    continue
+                self._wg_sum_slots[(id(loop), j)] = (other[0], other[1], float(d.attrs["value"]))
+                self._wg_sums[id(add)] = other[0]
+                self._frag_yields[(id(yop), j)] = other[0]
+                sums[loop.results[j].id] = other
+        for op in _ops_of(self.fn.body):
+            if not is_add(op) or id(op) in self._wg_sums:
+                continue
+            ks = [sums.get(o.id) or acc_of(o) for o in op.operands]
+            if ks[0] is not None and ks[1] is not None and ks[0][0] == ks[1][0]:
+                self._wg_sums[id(op)] = ks[0][0]
+                sums[op.results[0].id] = ks[0]
+
+    def _wg_sum(self, op):
+        """A _wg_sum_analysis add: the two accumulators' registers added one by one (each waited for first if
+        its MMAs may still run); kept in registers where its users take that, else a tile value."""
+        key = self._wg_sums[id(op)]
+        a, b = (self.vals.get(o.id) for o in op.operands)
+        if not (isinstance(a, MmaAcc) and isinstance(b, MmaAcc) and a.key == key and b.key == key
+                and len(a.regs) == len(b.regs)):
+            subs = {o.id: self._materialise(v) for o, v in zip(op.operands, (a, b)) if isinstance(v, MmaAcc)}
+            return self._lower_with(op, subs)
+        regs = []
+        for acc in (a, b):
+            r = acc.regs
+            if WGMMA_PIPE or acc.plan.get("in_flight"):
+                r = self.hooks.wgmma_wait(self, 0, r)       # (its last group was committed, not waited)
+            regs.append(r)
+        out = MmaAcc(key, [self.val(f"fadd float {x}, {y}", "float", 0).ref for x, y in zip(*regs)], a.plan)
+        return out if self._keep_frag(op.results[0], key) else self._materialise(out)
+
+    def op_binary(self, op):
+        if self._wg_sums and id(op) in self._wg_sums:
+            return self._wg_sum(op)
+        return super().op_binary(op)
 
     def _materialise(self, acc: "MmaAcc") -> LV:
         """An accumulator held in MMA registers as the tile layout's value (through shared memory)."""
@@ -2187,6 +2282,11 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             regs = acc.regs
             if WGMMA_PIPE or plan.get("in_flight"):
                 regs = self.hooks.wgmma_wait(self, 0, regs)     # (its last group was committed, not waited)
+            if self._async_live and not self._async_issued and not self._async_ahead_now:
+                # outside every loop, and the last async wait was after the last copy and had none of its
+                # chain still coming: no copy is in flight and (after the barrier below) no MMA reads the
+                # buffers, so the C tile may overlap them (the register sums of _wg_sum_analysis end here)
+                self._async_live = False
             self.barrier()
             self._claim(0, g["csize"])
             self._wgmma_store(plan, g, regs, 0)

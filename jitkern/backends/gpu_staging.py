@@ -444,6 +444,7 @@ class Staging:
         if self.pending_write:
             self.barrier()
         self.pending_read = True
+        self._async_ahead_now = 1       # (a copy in flight until a later wait)
         if slot is None:
             buf = str(first)
         elif spec["nbuf"] == 2:
@@ -599,6 +600,7 @@ class Staging:
         if self.pending_write:
             self.barrier()
         self.pending_read = True
+        self._async_ahead_now = 1       # (a copy in flight until a later wait)
         if slot is None and first == 0:
             seq = "0"
             self.barrier()      # the previous run's readers (of the buffers, and of the barriers' phases) are done
