@@ -681,14 +681,14 @@ GPU_LINEAR_SERIAL_SPLIT_M = _env.serial_split_m()
 # SM; at 128 two fit and ptxas spills ~300 bytes (where in the code: not seen, no SASS disassembler here): 1.06-1.15x
 # uncapped at M = 2048
 GPU_LINEAR_SERIAL_MAXNREG = _env.serial_maxnreg()
-# JITKERN_SERIAL_CHAIN (default 0, an A/B switch): the serial split keeps one copy chain through its slabs
-# (_mma_serial_chain) instead of a K loop a slab that restarts its copy pipeline at each (drain, barriers re-armed,
-# the first tiles' copies exposed: 9-22% of the time at M = 1024 on the H200, session 17). The same dots in the
-# same order (H200 bits test passed, session 18), but slower: 0.55-0.62x cuBLAS at M = 1024 against the restarting
-# form's 0.65-0.86x. The slab's sum `run + acc` goes through a C tile in shared memory; without the chain that tile
-# overlaps the idle copy buffers, with it the next slab's copies are in flight there, so the kernel needs 170 KB
-# instead of 104 KB and one CTA fits an SM instead of two. Needs the sum in the warpgroup MMA registers (wgmma
-# accumulators in the fragment-ops path) to pay.
+# JITKERN_SERIAL_CHAIN (default 1): the serial split keeps one copy chain through its slabs (_mma_serial_chain)
+# instead of a K loop a slab that restarts its copy pipeline at each (drain, barriers re-armed, the first tiles'
+# copies exposed: 9-22% of the time at M = 1024 on the H200, session 17). The same dots in the same order (H200
+# bits tests passed, session 18). It pays with the slab sums in the MMA registers (backends/gpu.py WG_SUMS: no C
+# tile in shared memory, which could not share the copy buffers while the next slab's copies are in flight: 170 KB
+# and one CTA an SM without them, 0.55-0.62x cuBLAS). H200 (session 18, same run as cuBLAS, M = 1024, o / qkv /
+# down): the restarting form 0.76 / 0.67 / 0.85x, with register sums 0.80 / 0.74 / 0.87x, + the chain 0.86 / 0.78 /
+# 0.90x (unsplit tiles, other bits: 0.92 / 0.83 / 0.93x).
 GPU_SERIAL_CHAIN = _env.serial_chain()
 
 
