@@ -154,6 +154,28 @@ def test_driver_jit_when_there_is_no_ptxas(tmp_path):
 
 
 # ------------------------------------------------------------------- no GPU needed: PTX for sm_80/sm_90a
+@pytest.mark.parametrize("sub", ["cu13", "cuda_nvcc"])
+def test_ptxas_is_found_in_the_nvcc_wheel(sub, tmp_path, monkeypatch):
+    """find_ptxas takes ptxas from the nvidia-cuda-nvcc wheel: nvidia/cu13/bin on the CUDA 13 line (the [cuda] and
+    [test] extras' wheel; nvidia/cuda_nvcc/bin on the 12 line), wherever the `nvidia` namespace has that folder,
+    before CUDA_HOME and PATH; JITKERN_PTXAS still comes first."""
+    import importlib
+    from jitkern.backends.nvptx import find_ptxas
+    exe = tmp_path / "nvidia" / sub / "bin" / "ptxas"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.5, V13.5.37'\n")
+    exe.chmod(0o755)
+    monkeypatch.delenv("JITKERN_PTXAS", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert find_ptxas() == str(exe)
+    other = tmp_path / "other-ptxas"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("JITKERN_PTXAS", str(other))
+    assert find_ptxas() == str(other)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_ptx_is_accepted_by_ptxas(arch, tmp_path, monkeypatch):
     from jitkern.backends.nvptx import find_ptxas

@@ -347,20 +347,30 @@ def lower_to_nvptx(fn, target) -> tuple[str, dict]:
 
 
 # ------------------------------------------------------------------------------------------ ptxas
+def _wheel_ptxas():
+    """ptxas from the nvidia-cuda-nvcc wheel: nvidia/cu13/bin/ptxas on the CUDA 13 line (the [cuda] extra's),
+    nvidia/cuda_nvcc/bin/ptxas on the 12 line; `nvidia` is a namespace package spread over site directories."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return None
+    for root in list(spec.submodule_search_locations or ()) if spec else ():
+        for sub in ("cu13", "cuda_nvcc"):
+            p = os.path.join(root, sub, "bin", "ptxas")
+            if os.path.isfile(p) and os.access(p, os.X_OK):
+                return p
+    return None
+
+
 def find_ptxas():
     """ptxas from $JITKERN_PTXAS, the nvidia-cuda-nvcc wheel, CUDA_HOME, or PATH; None if there is none."""
     env = os.environ.get("JITKERN_PTXAS")
     if env:
         return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-        if spec and spec.submodule_search_locations:
-            p = os.path.join(list(spec.submodule_search_locations)[0], "bin", "ptxas")
-            if os.path.isfile(p):
-                return p
-    except (ImportError, ValueError):
-        pass
+    p = _wheel_ptxas()
+    if p is not None:
+        return p
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home and os.path.isfile(os.path.join(home, "bin", "ptxas")):
             return os.path.join(home, "bin", "ptxas")
