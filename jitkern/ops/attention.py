@@ -1368,7 +1368,7 @@ FLASH_PREFILL_WARPS_WIDE_HEADS = 8
 # warps instead of 227, so 6 CTAs an SM instead of 4; since V by ldmatrix .trans, session 18: with it B=64
 # ctx=1024 0.150 -> 0.138 ms, B=16 0.049 -> 0.047). The same bits either way.
 FLASH_PIPELINE = True
-FLASH_DECODE_PIPELINE = True
+FLASH_DECODE_PIPELINE = _env.flash_decode_pipeline()      # (JITKERN_FLASH_DECODE_PIPELINE)
 # JITKERN_FLASH_FOLD_SKIP (default 1): the prefill tile's partition fold runs only in the blocks where some row
 # needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
 # 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
