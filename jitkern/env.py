@@ -95,6 +95,9 @@ Settings (all optional):
     JITKERN_FLASH_DECODE_PIPELINE 0 or 1: the flash decode kernel loads the next cache block while it computes the
                                 current one (default 1: H200 decode B=64 ctx=1024 0.150 -> 0.138 ms, session 18;
                                 the same bits either way).
+    JITKERN_ROPE_TILES          0 or 1: rope + KV cache writes of GPU steps from 256 tokens take a token's heads as
+                                one tile (ops/rope.py rope_cache_tile_kernel; default 0 until measured on a GPU; the
+                                same arithmetic).
     JITKERN_FLASH_LONGEST_FIRST 0 or 1: the flash prefill's grid starts the longest causal tiles first (default 1:
                                 21% less flash prefill time on the H200 at 1,024 tokens; the same bits either way).
     JITKERN_REDUCE_DIRECT       0 or 1: GPU reductions of rows no longer than the CTA fold each output straight
@@ -138,7 +141,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN", "JITKERN_FLASH_PARTITION_BLOCKS",
             "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE", "JITKERN_FLASH_LONGEST_FIRST",
-            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_FLASH_STEP_BLOCKS", "JITKERN_FLASH_WARP_ROWS",
+            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_FLASH_STEP_BLOCKS",
+            "JITKERN_FLASH_WARP_ROWS",
             "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS")
 
 
@@ -320,6 +324,11 @@ def flash_decode_pipeline(environ=None) -> bool:
     return env_choice("JITKERN_FLASH_DECODE_PIPELINE", ("0", "1"), environ) != "0"
 
 
+def rope_tiles(environ=None) -> bool:
+    """JITKERN_ROPE_TILES (default 0): GPU rope + cache of long steps with a token's heads as one tile."""
+    return env_choice("JITKERN_ROPE_TILES", ("0", "1"), environ) == "1"
+
+
 def flash_longest_first(environ=None) -> bool:
     """JITKERN_FLASH_LONGEST_FIRST (default 1): the flash prefill grid longest tiles first; 0 shortest first."""
     return env_choice("JITKERN_FLASH_LONGEST_FIRST", ("0", "1"), environ) != "0"
@@ -486,6 +495,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     reduce_direct(environ)
     flash_longest_first(environ)
     flash_decode_pipeline(environ)
+    rope_tiles(environ)
     flash_warp_rows(environ)
     fast_exp(environ)
     ldmatrix_trans(environ)

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 import jitkern as jk
+from .. import env as _env
 from ._hostargs import check_dtype, elem_strides, fptr, is_array, is_device, pow2_at_least, resolve_target, run
 from .norm import _row_in
 
@@ -193,6 +194,49 @@ def rope_cache_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, pos
                  mask=dm & ok)
 
 
+@jk.kernel
+def rope_cache_tile_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k, positions, cache, max_pos,
+                           k_cache, v_cache, slot_mapping, HALF: jk.constexpr, NEOX: jk.constexpr,
+                           BLOCK: jk.constexpr, D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr,
+                           HQ: jk.constexpr, HK: jk.constexpr):
+    """rope_cache_kernel with a token's heads as one (heads, lanes) tile each for q, k and v instead of a loop
+    over them (GPUs from ROPE_CACHE_PER_HEAD_MAX_T tokens, ROPE_CACHE_TILES): all of a token's loads are issued
+    before its stores, where the loop's next head waited on the stores of the one before (they might alias). The
+    same arithmetic per element. HQ / HK: n_q / n_k rounded up to a power of two (rows past them masked)."""
+    t = jk.program_id(0)
+    tt = t.to(jk.i64)
+    slot = jk.load(slot_mapping + t)
+    ok = slot >= 0
+    dst = jk.maximum(slot, 0).to(jk.i64) * (n_k * D)
+    i = jk.arange(0, BLOCK)
+    dd = jk.arange(0, BD)
+    m, c, s, even = _rope_coeffs(positions, t, cache, max_pos, i, HALF, NEOX)
+    li, lm, lc, ls, le = i[None, :], m[None, :], c[None, :], s[None, :], even[None, :]
+    hq = jk.arange(0, HQ)
+    hk = jk.arange(0, HK)
+    qrows = q + tt * q_st + hq.to(jk.i64)[:, None] * q_sh
+    _rot_to(qrows, qrows, li, (hq < n_q)[:, None] & lm, lc, ls, le, HALF, NEOX, 0, 1)
+    kin = (hk < n_k)[:, None]
+    kok = kin & ok
+    krows = k + tt * k_st + hk.to(jk.i64)[:, None] * k_sh
+    kdst = k_cache + dst + hk.to(jk.i64)[:, None] * D
+    _rot_to(krows, kdst, li, kok & lm, lc, ls, le, HALF, NEOX, 0, 1)
+    if TAIL:
+        tc = (2 * HALF + dd)[None, :]
+        jk.store(kdst + tc, jk.load(krows + tc, mask=(tc < D) & kin, other=0.0), mask=(tc < D) & kok)
+    dc = dd[None, :]
+    dm = dc < D
+    vrows = v + tt * v_st + hk.to(jk.i64)[:, None] * v_sh
+    jk.store(v_cache + dst + hk.to(jk.i64)[:, None] * D + dc, jk.load(vrows + dc, mask=dm & kin, other=0.0),
+             mask=dm & kok)
+
+
+# JITKERN_ROPE_TILES (default 0 until measured on a GPU): rope_and_cache on GPUs from ROPE_CACHE_PER_HEAD_MAX_T
+# tokens runs rope_cache_tile_kernel instead of rope_cache_kernel (the 1,024-token prefill's rope + cache moved
+# ~45 MB in 31.6 us a layer on the H200, ~1.4 TB/s: its head loop's loads wait on the previous head's stores).
+ROPE_CACHE_TILES = _env.rope_tiles()
+
+
 def _heads_view(a, T, D, what):
     if not is_array(a) or a.ndim != 3 or a.shape[0] != T or a.shape[2] != D:
         raise ValueError(f"{what}: expected an array [{T}, heads, {D}], got {getattr(a, 'shape', type(a).__name__)}")
@@ -319,10 +363,13 @@ def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
             D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim,
             **({"PARTS": parts} if parts > 1 else {}))
         return
-    run(rope_cache_kernel, (T,), (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
-                                  kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),
+    tiles = ROPE_CACHE_TILES and target.is_gpu and not target.is_vulkan
+    run(rope_cache_tile_kernel if tiles else rope_cache_kernel, (T,),
+        (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
+         kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),
         target, HALF=half, NEOX=bool(is_neox), BLOCK=pow2_at_least(half if is_neox else rotary_dim, 16),
-        D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim)
+        D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim,
+        **({"HQ": pow2_at_least(q.shape[1], 1), "HK": pow2_at_least(kvh, 1)} if tiles else {}))
 
 
 def takes_split_k(T: int, target=None) -> bool:

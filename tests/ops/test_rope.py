@@ -254,3 +254,38 @@ def test_rope_and_cache_errors_name_the_field():
     with pytest.raises(ValueError, match="cache"):
         rope_and_cache(q, k, k, pos, cache, D, D, True, np.zeros((2, 16, 2, D), np.float32),
                        np.zeros((2, 16, 2, D), np.float32), slots)
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("D,rot,cache_dtype", [(80, 40, np.float32), (128, 128, np.float16)])
+def test_rope_cache_tile_kernel_gives_the_head_loops_bits(tier, neox, D, rot, cache_dtype):
+    """rope_cache_tile_kernel (a token's heads as one tile, JITKERN_ROPE_TILES for GPU steps of 256+ tokens) leaves
+    q and both caches bit-identical to rope_cache_kernel (the loop over heads): head counts that are not powers of
+    two (masked tile rows), a skipped slot, partial rotary's tail, f32 and f16 caches."""
+    from jitkern.ops import rope as R
+    from jitkern.ops._hostargs import fptr, pow2_at_least, run
+    rng = np.random.default_rng(zlib.crc32(f"{tier.name}/tile/{neox}/{D}/{rot}/{cache_dtype}".encode()))
+    T, H, KVH, BS, NB = 6, 5, 3, 16, 4
+    cache = rope_cos_sin_cache(D, rot, 300, 10000.0)
+    pos = rng.integers(0, 300, T).astype(np.int32)
+    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+    slots[1] = -1
+    qkv0 = rng.standard_normal((T, (H + 2 * KVH) * D)).astype(np.float32)
+    kc0 = rng.standard_normal((NB, BS, KVH, D)).astype(cache_dtype)
+    vc0 = rng.standard_normal((NB, BS, KVH, D)).astype(cache_dtype)
+    got = {}
+    for tiles in (False, True):
+        qkv, kc, vc = qkv0.copy(), kc0.copy(), vc0.copy()
+        q, k, v = (qkv[:, c:c + n * D].reshape(T, n, D) for c, n in ((0, H), (H * D, KVH), ((H + KVH) * D, KVH)))
+        args = (fptr(q, "q"), q.strides[0] // 4, q.strides[1] // 4, H, fptr(k, "k"), k.strides[0] // 4,
+                k.strides[1] // 4, fptr(v, "v"), v.strides[0] // 4, v.strides[1] // 4, KVH, pos, cache,
+                cache.shape[0], kc, vc, slots)
+        consts = dict(HALF=rot // 2, NEOX=neox, BLOCK=pow2_at_least(rot // 2 if neox else rot, 16), D=D,
+                      BD=pow2_at_least(D, 16), TAIL=rot < D)
+        if tiles:
+            consts.update(HQ=pow2_at_least(H, 1), HK=pow2_at_least(KVH, 1))
+        run(R.rope_cache_tile_kernel if tiles else R.rope_cache_kernel, (T,), args, tier, **consts)
+        got[tiles] = (qkv, kc, vc)
+    for a, b in zip(got[True], got[False]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(got[True][1], kc0) and not np.array_equal(got[True][0], qkv0)
