@@ -302,6 +302,14 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
 
 
 @jk.jit
+def _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0):
+    """The (x, w) tiles of the K step at k: x's (BM, BK) and w's (BN, BK), also the boxes at (t0, k) / (r0, k) of
+    the tensor maps xmap / wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA)."""
+    return (jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k),
+            jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k))
+
+
+@jk.jit
 def _mma_serial_chain(xrows, wrows, xm, kk, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0, SPLIT):
     """The serial split's sum ((slab 0 + slab 1) + ...) over SPLIT slabs of KR (a multiple of BK; of 2 BK or more
     with PREFETCH 2), each slab's dots from zero as _mma_k_range's, but with one prefetch chain through all of
@@ -309,49 +317,35 @@ def _mma_serial_chain(xrows, wrows, xm, kk, KR, BM, BN, BK, ACT16, PREFETCH, xma
     copies never drain (the lowering's async analysis follows a chain through a loop that only passes it to
     an inner one, and into the loop after it). The last slab's loop stops loading where K ends."""
     run = jk.full((BM, BN), -0.0, jk.f32)        # (-0.0 + s == s: the sum starts exactly at slab 0)
-    xv = jk.tma(jk.load(xrows + kk[None, :], mask=xm, other=0.0), xmap, t0, 0)
-    wv = jk.tma(jk.load(wrows + kk[None, :]), wmap, r0, 0)
+    xv, wv = _k_tiles(xrows, wrows, xm, kk, 0, xmap, wmap, t0, r0)
     if PREFETCH == 2:
-        xv1 = jk.tma(jk.load(xrows + (BK + kk)[None, :], mask=xm, other=0.0), xmap, t0, BK)
-        wv1 = jk.tma(jk.load(wrows + (BK + kk)[None, :]), wmap, r0, BK)
+        xv1, wv1 = _k_tiles(xrows, wrows, xm, kk, BK, xmap, wmap, t0, r0)
         for z in range(0, SPLIT - 1):
             acc = jk.zeros((BM, BN), jk.f32)
             for k in range(z * KR + 2 * BK, z * KR + KR + 2 * BK, BK):
-                xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
-                wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+                xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
                 acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-                xv = xv1
-                wv = wv1
-                xv1 = xn
-                wv1 = wn
+                xv, wv, xv1, wv1 = xv1, wv1, xn, wn
             run = run + acc
         acc = jk.zeros((BM, BN), jk.f32)
         for k in range((SPLIT - 1) * KR + 2 * BK, SPLIT * KR, BK):
-            xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
-            wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-            xv = xv1
-            wv = wv1
-            xv1 = xn
-            wv1 = wn
+            xv, wv, xv1, wv1 = xv1, wv1, xn, wn
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         return run + jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
     for z in range(0, SPLIT - 1):
         acc = jk.zeros((BM, BN), jk.f32)
         for k in range(z * KR + BK, z * KR + KR + BK, BK):
-            xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
-            wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-            xv = xn
-            wv = wn
+            xv, wv = xn, wn
         run = run + acc
     acc = jk.zeros((BM, BN), jk.f32)
     for k in range((SPLIT - 1) * KR + BK, SPLIT * KR, BK):
-        xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
-        wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+        xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-        xv = xn
-        wv = wn
+        xv, wv = xn, wn
     return run + jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
 
 
@@ -363,27 +357,19 @@ def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap
     arithmetic order). The tiles are also the boxes at (t0, k) / (r0, k) of the tensor maps xmap / wmap (jk.tma:
     launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps')."""
     acc = jk.zeros((BM, BN), jk.f32)
-    xv = jk.tma(jk.load(xrows + (k0 + kk)[None, :], mask=xm, other=0.0), xmap, t0, k0)
-    wv = jk.tma(jk.load(wrows + (k0 + kk)[None, :]), wmap, r0, k0)
+    xv, wv = _k_tiles(xrows, wrows, xm, kk, k0, xmap, wmap, t0, r0)
     if PREFETCH == 2:
-        xv1 = jk.tma(jk.load(xrows + (k0 + BK + kk)[None, :], mask=xm, other=0.0), xmap, t0, k0 + BK)
-        wv1 = jk.tma(jk.load(wrows + (k0 + BK + kk)[None, :]), wmap, r0, k0 + BK)
+        xv1, wv1 = _k_tiles(xrows, wrows, xm, kk, k0 + BK, xmap, wmap, t0, r0)
         for k in range(k0 + 2 * BK, k0 + KR, BK):
-            xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
-            wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-            xv = xv1
-            wv = wv1
-            xv1 = xn
-            wv1 = wn
+            xv, wv, xv1, wv1 = xv1, wv1, xn, wn
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         return jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
     for k in range(k0 + BK, k0 + KR, BK):
-        xn = jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k)
-        wn = jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k)
+        xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
-        xv = xn
-        wv = wn
+        xv, wv = xn, wn
     return jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
 
 
