@@ -55,7 +55,7 @@ Settings (all optional):
                                 0.67-0.85x -> 0.74-0.87x cuBLAS).
     JITKERN_SERIAL_CHAIN        0 or 1: those launches keep one copy chain through their K slabs instead of a
                                 pipeline that restarts at each slab (default 1: the same bits; on the H200 the
-                                narrow weights' GEMMs at 1,024 tokens 0.80-0.87x -> 0.86-0.90x cuBLAS).
+                                narrow weights' GEMMs at 1,024 tokens 0.74-0.87x -> 0.78-0.90x cuBLAS).
     JITKERN_LINEAR_PREFETCH     1 or 2: how many K steps ahead the tensor-core linear's TMA-fed tiles load (2:
                                 three buffers; default 2 with JITKERN_TMA on, else 1; the same bits; on the H200
                                 the 8-layer prefill's linears 6.64 -> 6.45 ms; cp.async tiles load 1 ahead).

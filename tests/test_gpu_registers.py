@@ -756,3 +756,32 @@ def test_serial_chain_sums_in_registers_and_shares_the_copy_buffers(monkeypatch,
     # the chain arms its barriers once: at the kernel's start and at its first copy, as the restarting form
     # does in its code (there at every slab, at run time)
     assert got[(True, True)][2] == base[2], got
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, monkeypatch, neox):
+    """JITKERN_ROPE_TILES: rope_and_cache of a step past ROPE_CACHE_PER_HEAD_MAX_T tokens on sm_90a (Llama-3-8B's
+    heads, f16 cache) compiles to rope_cache_tile_kernel, which ptxas assembles without spills; off, the head loop."""
+    from jitkern.ops import rope as R
+    from jitkern.runtime.launch import compile_only
+    from targets import get_target
+    T, H, KVH, D = R.ROPE_CACHE_PER_HEAD_MAX_T + 44, 32, 8, 128
+    qkv = np.zeros((T, (H + 2 * KVH) * D), np.float32)
+    q, k, v = (qkv[:, c:c + n * D].reshape(T, n, D) for c, n in ((0, H), (H * D, KVH), ((H + KVH) * D, KVH)))
+    kc = np.zeros((32, 16, KVH, D), np.float16)
+    cache = R.rope_cos_sin_cache(D, D, 4096, 500000.0)
+    names = {}
+    for tiles in (False, True):
+        monkeypatch.setattr(R, "ROPE_CACHE_TILES", tiles)
+        with compile_only(target=get_target("sm_90a")) as co:
+            R.rope_and_cache(q, k, v, np.arange(T, dtype=np.int32), cache, D, D, neox, kc, kc.copy(),
+                             np.arange(T, dtype=np.int32) % 512, target=get_target("sm_90a"))
+        assert not co.errors, co.errors
+        ck = co.compiled[-1]
+        names[tiles] = ck.name
+        if tiles:
+            ptx = ck.artifacts["kernel.ptx"]
+            _, spills = _ptxas_usage(ptx.decode() if isinstance(ptx, bytes) else ptx, tmp_path)
+            assert spills == 0
+    assert names == {False: "rope_cache_kernel", True: "rope_cache_tile_kernel"}, names
