@@ -96,8 +96,15 @@ Settings (all optional):
                                 current one (default 1: H200 decode B=64 ctx=1024 0.150 -> 0.138 ms, session 18;
                                 the same bits either way).
     JITKERN_ROPE_TILES          0 or 1: rope + KV cache writes of GPU steps from 256 tokens take a token's heads as
-                                one tile (ops/rope.py rope_cache_tile_kernel; default 0 until measured on a GPU; the
-                                same arithmetic).
+                                one tile (ops/rope.py rope_cache_tile_kernel; default 1: H200, 8 layers of a
+                                1,024-token prefill 258 -> 98 us, session 19; the same arithmetic).
+    JITKERN_NORM_WARPS          1, 2, 4, 8 or 16: warps of a GPU rms_norm program (one row a program: a decode step's
+                                norm is one CTA; ops/norm.py GPU_NORM_WARPS, default 4; the row's reduction order,
+                                so the bits, follow it; every step size uses the same).
+    JITKERN_GATE_UP16           0 or 1: on CUDA the gate/up projection writes its output in the weights' 16-bit type
+                                (rounded once as it stores, as HF's bf16 projections are) for the gated activation to
+                                read, where the down projection takes 16-bit input (engine/models/decoder.py
+                                GPU_GATE_UP16; default 1; 0 writes f32, the A/B).
     JITKERN_FLASH_LONGEST_FIRST 0 or 1: the flash prefill's grid starts the longest causal tiles first (default 1:
                                 21% less flash prefill time on the H200 at 1,024 tokens; the same bits either way).
     JITKERN_REDUCE_DIRECT       0 or 1: GPU reductions of rows no longer than the CTA fold each output straight
@@ -141,7 +148,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN", "JITKERN_FLASH_PARTITION_BLOCKS",
             "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE", "JITKERN_FLASH_LONGEST_FIRST",
-            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_FLASH_STEP_BLOCKS",
+            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_NORM_WARPS", "JITKERN_FLASH_STEP_BLOCKS",
             "JITKERN_FLASH_WARP_ROWS",
             "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS")
 
@@ -325,8 +332,18 @@ def flash_decode_pipeline(environ=None) -> bool:
 
 
 def rope_tiles(environ=None) -> bool:
-    """JITKERN_ROPE_TILES (default 0): GPU rope + cache of long steps with a token's heads as one tile."""
-    return env_choice("JITKERN_ROPE_TILES", ("0", "1"), environ) == "1"
+    """JITKERN_ROPE_TILES (default 1): GPU rope + cache of long steps with a token's heads as one tile."""
+    return env_choice("JITKERN_ROPE_TILES", ("0", "1"), environ) != "0"
+
+
+def norm_warps(environ=None) -> int:
+    """JITKERN_NORM_WARPS (default 4): warps of a GPU rms_norm program (ops/norm.py GPU_NORM_WARPS)."""
+    return int(env_choice("JITKERN_NORM_WARPS", ("1", "2", "4", "8", "16"), environ) or 4)
+
+
+def gate_up16(environ=None) -> bool:
+    """JITKERN_GATE_UP16 (default 1): the CUDA gate/up projection writes 16-bit output (engine/models/decoder.py)."""
+    return env_choice("JITKERN_GATE_UP16", ("0", "1"), environ) != "0"
 
 
 def flash_longest_first(environ=None) -> bool:
@@ -496,6 +513,8 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     flash_longest_first(environ)
     flash_decode_pipeline(environ)
     rope_tiles(environ)
+    gate_up16(environ)
+    norm_warps(environ)
     flash_warp_rows(environ)
     fast_exp(environ)
     ldmatrix_trans(environ)

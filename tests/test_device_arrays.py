@@ -646,6 +646,35 @@ def test_linear_xl_tile_gives_the_decode_tiles_bits(monkeypatch):
     assert seen == {16, 32, 64, 128, 256}, seen
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
+def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
+    """`linear(..., out=uint16 array)`: the tensor-core linear stores its f32 result rounded to bf16 (nearest even),
+    through every tile the token count picks, with bf16 x (TMA on sm_90a from 64 tokens): a wide weight (no K
+    split: decode, tall, mid / big, huge, XL tiles) and a narrow one (K split in 4: slab programs + the sum kernel,
+    the serial split from GPU_LINEAR_SERIAL_SPLIT_M tokens). The fake sm_90a device runs the small sizes only."""
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    rng = np.random.default_rng(23)
+    N, K = (64 * mm.GPU_NOSPLIT_MIN_TILES, 512) if wide else (256, 1024)
+    assert (mm.gpu_linear_mma_tile(N, K)[4] == 1) == wide
+    w = to_bf16(rng.standard_normal((N, K)) / 8)
+    dw = _dev(cuda_mod, w)
+    sizes = (1, 30, 70) if backend == "fake" else (1, 30, 70, 200, mm.GPU_LINEAR_SERIAL_SPLIT_M + 45)
+    seen = set()
+    for M in sizes:
+        x = _dev(cuda_mod, to_bf16(rng.standard_normal((M, K))))
+        y32 = mm.linear(x, dw, w_dtype="bf16", x_dtype="bf16").numpy()
+        y16 = cuda_mod.DeviceArray.empty((M, N), np.uint16, dw.device)
+        assert mm.linear(x, dw, w_dtype="bf16", x_dtype="bf16", out=y16) is y16
+        ck = mm.last_compiled("_gpu_linear_mma_kernel")
+        seen.add((ck.constexprs["BM"], bool(ck.constexprs.get("SERIAL")), ck.constexprs.get("tma")))
+        np.testing.assert_array_equal(y16.numpy(), to_bf16(y32), err_msg=f"M={M}")
+    if backend == "cuda":
+        assert any(t == 1 for _, _, t in seen), seen
+        assert any(serial for _, serial, _ in seen) == (not wide), seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("swizzle,pipe,min_bm", [(0, False, 0), (128, False, 0), (128, True, 0), (0, False, 64)])
 @pytest.mark.parametrize("N,K", [(512, 512), (4096, 1024)])

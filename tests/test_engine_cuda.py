@@ -437,3 +437,62 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
     assert got[True][0][0] == got[True][-1][0]
     assert seen[False] == {1}
     assert seen[True] == ({2} if arch == "llama" else {1})
+
+
+@pytest.mark.parametrize("where", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tile", [None, (16, 32, 16, 4)], ids=["engine-tiles", "small"])
+def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, tile):
+    """GPU_GATE_UP16 (CUDA, bf16 checkpoint, gate/up's K not split): the gate/up projection stores its output in
+    bf16 and the gated activation reads that. Greedy tokens and every prompt logprob are bit-identical to the
+    f32 output rounded to bf16 (by jitkern's copy, nearest even) before the activation, batch and alone; the
+    activation saw uint16 input. "fake": tests/fake_cuda.py's device with the sm_90a target (its GPU tiles compiled,
+    run on the CPU); "cuda": a real GPU (gpu-marked). engine-tiles: no K split anywhere (GPU_NOSPLIT_MIN_TILES 1),
+    so the tiny model's gate/up takes the engine's tiles by step size, warpgroup MMAs with TMA on sm_90a."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    from engine.llm import LLM
+    from engine.models import decoder
+    from jitkern.ops import activation as act
+    from jitkern.ops import matmul as mm
+    from jitkern.ops._hostargs import empty_like_dev
+    from tests.model_fixtures import make_model_dir
+    if where == "fake":
+        from tests.fake_cuda import install
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        install(monkeypatch)
+    elif not _real_gpu():
+        pytest.skip("no CUDA device here")
+    make_model_dir("llama", str(tmp_path), seed=7).to(torch.bfloat16).save_pretrained(str(tmp_path),
+                                                                                     safe_serialization=True)
+    if tile is None:
+        monkeypatch.setattr(mm, "GPU_NOSPLIT_MIN_TILES", 1)
+    else:
+        monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", tile)
+    real = act.silu_and_mul
+    seen = []
+
+    def rounding(gate_up, out=None, **k):
+        seen.append(gate_up.dtype)
+        if gate_up.dtype == np.float32 and round_first:
+            g16 = empty_like_dev(gate_up, gate_up.shape, np.uint16)
+            act.copy(gate_up, out=g16)
+            gate_up = g16
+        return real(gate_up, out=out, **k)
+    monkeypatch.setattr(act, "silu_and_mul", rounding)
+    prompts = _prompts(4, seed=9)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+    got = {}
+    for on, round_first in ((True, False), (False, True), (False, False)):
+        monkeypatch.setattr(decoder, "GPU_GATE_UP16", on)
+        seen.clear()
+        with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
+            outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        got[(on, round_first)] = [(list(o.outputs[0].token_ids),
+                                   [None if d is None else sorted((k, v.logprob) for k, v in d.items())
+                                    for d in o.prompt_logprobs]) for o in outs]
+        assert set(seen) == {np.dtype(np.uint16) if on else np.dtype(np.float32)}
+    assert got[(True, False)] == got[(False, True)]
+    assert got[(True, False)][0][0] == got[(True, False)][-1][0]     # alone as in the batch
+    # (the rounding is real: f32 gate/up logprobs differ somewhere)
+    assert got[(False, False)] != got[(True, False)]

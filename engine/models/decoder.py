@@ -37,6 +37,11 @@ GPU_X16_ATTN = _env.x16_attn()
 # op after it (rms_norm with the residual add, the gated activation, rope + KV cache write), which sums them in the
 # sum kernel's order: the same bits, one launch a linear fewer
 GPU_FOLD_SPLITK = True
+# CUDA: where the down projection takes 16-bit input, the gate/up projection writes its [T, 2 I] output in the
+# weights' 16-bit type too (rounded once as the linear stores it; HF's bf16 gate_proj / up_proj outputs are rounded
+# so) and the gated activation reads that: half the bytes of the widest activation through memory twice (at a
+# 1,024-token Llama-3-8B prefill 117 MB of f32 a layer written and read back). JITKERN_GATE_UP16=0 writes f32.
+GPU_GATE_UP16 = _env.gate_up16()
 
 _NAMES = {
     "embed": ["token_embd.weight", "model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
@@ -415,6 +420,20 @@ class DecoderLM:
             return None
         return np.uint16 if lin.kind == "bf16" else np.float16
 
+    def _gate_up16(self, L):
+        """The 16-bit storage the gate/up projection writes its output in (GPU_GATE_UP16), or None: CUDA, both
+        projections plain 16-bit linears of one type on the tensor-core path taking 16-bit x (Linear.x16), and
+        gate/up's K not split (matmul.gpu_linear_mma_tile: a split one's slabs may go to the activation as f32,
+        matmul.SplitK, at some step sizes and not others, which would round differently)."""
+        if not GPU_GATE_UP16 or self.device != "cuda":
+            return None
+        st = getattr(L.gate_up, "x16", None)
+        if st is None or getattr(L.down, "x16", None) != st or type(L.gate_up) is not Linear:
+            return None
+        from jitkern.ops.matmul import gpu_linear_mma_tile
+        tile = gpu_linear_mma_tile(L.gate_up.n, L.gate_up.k)
+        return st if len(tile) < 5 or tile[4] == 1 else None
+
     def _attn16_for(self, lin, li: int) -> bool:
         """Whether attention writes `lin`'s (the o projection's) input in its 16-bit storage (GPU_X16_ATTN):
         lin takes 16-bit x and paged_attention runs the flash kernels for this model's heads and cache."""
@@ -586,8 +605,9 @@ class DecoderLM:
                 self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 L.moe(x, h, buf)
             elif L.gate_up is not None:
-                gu = buf.get("gu", (T, L.gate_up.n))
                 down_q8 = L.down.q8_input(T) if self.fuse_decode else None
+                gu16 = self._gate_up16(L) if down_q8 is None else None
+                gu = buf.get("gu", (T, L.gate_up.n)) if gu16 is None else buf.get("gu16", (T, L.gate_up.n), gu16)
                 gu = self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu,
                                        self._x_for(L.gate_up, L.ffn_norm, x, buf), buf, residual=residual,
                                        fold=fold and down_q8 is None)

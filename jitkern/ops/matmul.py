@@ -779,17 +779,40 @@ def _x_arg(x2, x_dtype):
     return _bf16_pointer(x2) if x_dtype == "bf16" else x2
 
 
-def _out(out, M, N, squeeze, name="out", like=None):
-    """The [M, N] float32 view the kernels write (rows contiguous, any row stride)."""
+_OUT_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.float16))
+
+
+def _out(out, M, N, squeeze, name="out", like=None, half_ok=False):
+    """The [M, N] view the kernels write (rows contiguous, any row stride): float32, or with half_ok 16-bit
+    storage too (uint16 = bf16, float16), which the kernels' stores round the f32 result to, once."""
     if out is None:
         return empty_like_dev(like, (M, N), np.float32)
     shape = (N,) if squeeze else (M, N)
-    if not is_array(out) or out.dtype != np.float32 or out.shape != shape:
-        raise ValueError(f"{name}: expected a float32 array of shape {shape}, got "
+    if not is_array(out) or out.dtype not in (_OUT_DTYPES if half_ok else _OUT_DTYPES[:1]) or out.shape != shape:
+        raise ValueError(f"{name}: expected a float32{' (or uint16 = bf16, float16)' if half_ok else ''} array of "
+                         f"shape {shape}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
-    if out.strides[-1] != 4 or (not squeeze and (out.strides[0] % 4 or out.strides[0] < 4 * N)):
+    es = out.itemsize
+    if out.strides[-1] != es or (not squeeze and (out.strides[0] % es or out.strides[0] < es * N)):
         raise ValueError(f"{name}: rows must be contiguous (strides {out.strides})")
     return out.reshape(1, N) if squeeze else out
+
+
+def _y_arg(o2):
+    """The kernel argument of y rows (uint16 storage as a bf16 pointer)."""
+    return _bf16_pointer(o2) if o2.dtype == np.uint16 else o2
+
+
+def _fill_rows(o2, b):
+    """o2[:] = b (or 0) in o2's storage: the result of a K = 0 linear."""
+    if o2.dtype == np.float32:
+        o2[...] = 0.0 if b is None else b[None, :]
+        return
+    row = np.zeros(o2.shape[1], np.float32) if b is None else np.asarray(b, np.float32)
+    if o2.dtype == np.uint16:       # bf16 bits, rounded to nearest even (finite values)
+        u = row.view(np.uint32).astype(np.uint64)
+        row = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    o2[...] = row.astype(o2.dtype)[None, :]
 
 
 def _as_bias(bias, N):
@@ -981,17 +1004,18 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         m1 = min(M, m0 + GPU_SPLITK_MAX_M)
         mc = m1 - m0
         xc, oc = (x2, o2) if (m0, m1) == (0, M) else (x2[m0:m1], o2[m0:m1])
+        yc = _y_arg(oc)
         parts = device_scratch(x2, "linear_splitk", (S * mc, N), np.float32) if is_device(x2) \
             else np.empty((S * mc, N), np.float32)
         opts = _mma_regs(T, BM, act16, steps=K // (S * BK))
         maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
-                (_x_arg(xc, x_dtype), warg, oc, parts, mc, N, K, xc.strides[0] // es, N) + maps,
+                (_x_arg(xc, x_dtype), warg, yc, parts, mc, N, K, xc.strides[0] // es, N) + maps,
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
-                (parts, b if b is not None else oc, oc, mc, N, oc.strides[0] // 4),
+                (parts, b if b is not None else yc, yc, mc, N, oc.strides[0] // oc.itemsize),
                 dict(HAS_BIAS=b is not None, SPLIT=S, BLOCK=256, num_warps=2), T)
 
 
@@ -1032,14 +1056,15 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                              f"(here: {dt} weights on {T.name})")
         activations = "16bit"
     M = x2.shape[0]
-    o2 = _out(out, M, N, squeeze, like=x2)
+    o2 = _out(out, M, N, squeeze, like=x2, half_ok=True)
     b = _as_bias(bias, N)
     if M and N:
         if K == 0:
-            o2[...] = 0.0 if b is None else b[None, :]
+            _fill_rows(o2, b)
         else:
-            args = (_x_arg(x2, x_dtype), warg, b if b is not None else o2, o2, M, N, K, x2.strides[0] // es,
-                    o2.strides[0] // 4)
+            y = _y_arg(o2)
+            args = (_x_arg(x2, x_dtype), warg, b if b is not None else y, y, M, N, K, x2.strides[0] // es,
+                    o2.strides[0] // o2.itemsize)
             if tensor_cores:
                 act16 = _act16_for(dt, activations)
                 tile = _mma_tile_for(T, N, K, M, act16)

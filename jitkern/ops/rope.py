@@ -231,9 +231,10 @@ def rope_cache_tile_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
              mask=dm & kok)
 
 
-# JITKERN_ROPE_TILES (default 0 until measured on a GPU): rope_and_cache on GPUs from ROPE_CACHE_PER_HEAD_MAX_T
-# tokens runs rope_cache_tile_kernel instead of rope_cache_kernel (the 1,024-token prefill's rope + cache moved
-# ~45 MB in 31.6 us a layer on the H200, ~1.4 TB/s: its head loop's loads wait on the previous head's stores).
+# JITKERN_ROPE_TILES (default 1): rope_and_cache on GPUs from ROPE_CACHE_PER_HEAD_MAX_T tokens runs
+# rope_cache_tile_kernel instead of rope_cache_kernel (the 1,024-token prefill's rope + cache moved ~45 MB in 31.6 us
+# a layer on the H200, ~1.4 TB/s: its head loop's loads wait on the previous head's stores). H200, session 19
+# (perf/h200_profile.sh, CUPTI, 8 layers of a 1,024-token prefill): 258.3 -> 98.0 us; bits tests 4 passed.
 ROPE_CACHE_TILES = _env.rope_tiles()
 
 
