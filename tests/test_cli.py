@@ -101,7 +101,6 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_FLASH_DECODE_PIPELINE", "2", ["JITKERN_FLASH_DECODE_PIPELINE='2'", "not one of 0, 1"]),
     ("JITKERN_ROPE_TILES", "on", ["JITKERN_ROPE_TILES='on'", "not one of 0, 1"]),
     ("JITKERN_GATE_UP16", "yes", ["JITKERN_GATE_UP16='yes'", "not one of 0, 1"]),
-    ("JITKERN_NORM_WARPS", "3", ["JITKERN_NORM_WARPS='3'", "not one of 1, 2, 4, 8, 16"]),
     ("JITKERN_FLASH_WARP_ROWS", "2", ["JITKERN_FLASH_WARP_ROWS='2'", "not one of 0, 1"]),
     ("JITKERN_FAST_EXP", "on", ["JITKERN_FAST_EXP='on'", "not one of 0, 1"]),
     ("JITKERN_LDMATRIX_TRANS", "2", ["JITKERN_LDMATRIX_TRANS='2'", "not one of 0, 1"]),

@@ -10,15 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from jitkern import env as _env
-from ._hostargs import (block_for, check_shape, elem_strides, empty_like_dev, fptr, has_half, is_array,
-                        launch_target, resolve_target, row_stride, run)
+from ._hostargs import (block_for, check_shape, elem_strides, empty_like_dev, fptr, has_half, is_array, resolve_target,
+                        row_stride, run)
 
 _MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measured slower)
-# warps of a CUDA / HIP rms_norm program (JITKERN_NORM_WARPS; None: the backend's default of 4). A decode step's
-# norm is a single program (one row), ~4.2 us on the H200 with 4 warps (32 elements a thread from each of up to
-# five arrays); the reduction's order follows the warps, so every step size must use the same (batch invariance)
-GPU_NORM_WARPS = _env.norm_warps()
 
 from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store_scales  # noqa: E402
 
@@ -225,13 +220,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     else:
         rs, rp = 0, fptr(x, "rms_norm: x")
     block = block_for(n, _MAX_BLOCK, target, has_half(x, weight, out, residual))
-    lt = launch_target(target)
-    warps = {"num_warps": GPU_NORM_WARPS} if lt.is_gpu and not lt.is_vulkan and GPU_NORM_WARPS != 4 else {}
     run(rms_norm_kernel, (T, 1), (fptr(x, "rms_norm: x"), xs, 0, x_ps, wp, fptr(out, "rms_norm: out"), os_, 0,
                                   rp, rs, 0, n, float(eps), float(weight_offset)),
         target, HAS_RES=residual is not None, **({"RES_COPY": True} if residual is not None and residual_copy else {}),
         **({"RES_F32": True} if residual is not None and residual.dtype == np.float32 else {}),
-        **_one_tile(n, block), **({"PARTS": parts} if parts > 1 else {}), **warps)
+        **_one_tile(n, block), **({"PARTS": parts} if parts > 1 else {}))
     return out
 
 
