@@ -98,6 +98,9 @@ Settings (all optional):
     JITKERN_ROPE_TILES          0 or 1: rope + KV cache writes of GPU steps from 256 tokens take a token's heads as
                                 one tile (ops/rope.py rope_cache_tile_kernel; default 1: H200, 8 layers of a
                                 1,024-token prefill 258 -> 98 us, session 19; the same arithmetic).
+    JITKERN_GATED_LINEAR        0 or 1: on CUDA decode-sized steps (up to 16 tokens) run the gate/up projection and the
+                                gated activation as one kernel where the gate/up output is 16-bit (ops/matmul.py
+                                gated_linear; engine/models/decoder.py GPU_GATED_LINEAR; default 1; the same bits).
     JITKERN_GATE_UP16           0 or 1: on CUDA the gate/up projection writes its output in the weights' 16-bit type
                                 (rounded once as it stores, as HF's bf16 projections are) for the gated activation to
                                 read, where the down projection takes 16-bit input (engine/models/decoder.py
@@ -145,7 +148,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN", "JITKERN_FLASH_PARTITION_BLOCKS",
             "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE", "JITKERN_FLASH_LONGEST_FIRST",
-            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_FLASH_STEP_BLOCKS",
+            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_GATED_LINEAR", "JITKERN_FLASH_STEP_BLOCKS",
             "JITKERN_FLASH_WARP_ROWS",
             "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS")
 
@@ -333,6 +336,11 @@ def rope_tiles(environ=None) -> bool:
     return env_choice("JITKERN_ROPE_TILES", ("0", "1"), environ) != "0"
 
 
+def gated_linear(environ=None) -> bool:
+    """JITKERN_GATED_LINEAR (default 1): CUDA decode steps run gate/up + the gated activation as one kernel."""
+    return env_choice("JITKERN_GATED_LINEAR", ("0", "1"), environ) != "0"
+
+
 def gate_up16(environ=None) -> bool:
     """JITKERN_GATE_UP16 (default 1): the CUDA gate/up projection writes 16-bit output (engine/models/decoder.py)."""
     return env_choice("JITKERN_GATE_UP16", ("0", "1"), environ) != "0"
@@ -506,6 +514,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     flash_decode_pipeline(environ)
     rope_tiles(environ)
     gate_up16(environ)
+    gated_linear(environ)
     flash_warp_rows(environ)
     fast_exp(environ)
     ldmatrix_trans(environ)

@@ -69,12 +69,15 @@ def make_config(arch: str):
     raise ValueError(arch)
 
 
-def make_model_dir(arch: str, path: str, seed: int = 0):
-    """Builds a tiny random model of `arch`, saves it under `path`; returns the HF model (float32, eval)."""
+def make_model_dir(arch: str, path: str, seed: int = 0, overrides: dict | None = None):
+    """Builds a tiny random model of `arch` (config fields `overrides` changed), saves it under `path`; returns the
+    HF model (float32, eval)."""
     import torch
     import transformers as tf
     torch.manual_seed(seed)
     cfg = make_config(arch)
+    for k, v in (overrides or {}).items():
+        setattr(cfg, k, v)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # random init of norms (HF initialises them to 1 / 0, which would hide a wrong norm formula)
     with torch.no_grad():

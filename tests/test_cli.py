@@ -101,6 +101,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_FLASH_DECODE_PIPELINE", "2", ["JITKERN_FLASH_DECODE_PIPELINE='2'", "not one of 0, 1"]),
     ("JITKERN_ROPE_TILES", "on", ["JITKERN_ROPE_TILES='on'", "not one of 0, 1"]),
     ("JITKERN_GATE_UP16", "yes", ["JITKERN_GATE_UP16='yes'", "not one of 0, 1"]),
+    ("JITKERN_GATED_LINEAR", "on", ["JITKERN_GATED_LINEAR='on'", "not one of 0, 1"]),
     ("JITKERN_FLASH_WARP_ROWS", "2", ["JITKERN_FLASH_WARP_ROWS='2'", "not one of 0, 1"]),
     ("JITKERN_FAST_EXP", "on", ["JITKERN_FAST_EXP='on'", "not one of 0, 1"]),
     ("JITKERN_LDMATRIX_TRANS", "2", ["JITKERN_LDMATRIX_TRANS='2'", "not one of 0, 1"]),

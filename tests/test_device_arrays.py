@@ -675,6 +675,39 @@ def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
         assert any(serial for _, serial, _ in seen) == (not wide), seen
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
+@pytest.mark.parametrize("wdt,act", [("bf16", "silu"), ("f16", "gelu_tanh")])
+def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act):
+    """matmul.gated_linear (decode-sized steps: the gate and up projections' tiles in one program, the activation in
+    its epilogue) gives the bits of `linear(out=<16-bit>)` into a gate_up array followed by silu_and_mul /
+    gelu_tanh_and_mul, at 1 to GPU_GATED_MAX_M tokens, with K split (decode tile of a wide weight: none) or not
+    applicable (gated_tile None where the tile would split K or from the tall tile on)."""
+    from jitkern.ops import activation as A
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    rng = np.random.default_rng(31)
+    N, K = 2 * 64 * mm.GPU_NOSPLIT_MIN_TILES, 256
+    T = cuda_mod.get_device().target()
+    st = np.uint16 if wdt == "bf16" else np.float16
+    w = to_bf16(rng.standard_normal((N, K)) / 8) if wdt == "bf16" else (rng.standard_normal((N, K)) / 8).astype(st)
+    dw = _dev(cuda_mod, w)
+    assert mm.gated_tile(wdt, N, K, mm.GPU_GATED_MAX_M + 1, wdt, T) is None
+    assert mm.gated_tile(wdt, N // 8, K, 1, wdt, T) is None           # a narrow weight: K split
+    assert mm.gated_tile(wdt, N, K, 1, "f32", T) is None
+    for M in (1, 5, mm.GPU_GATED_MAX_M):
+        xs = rng.standard_normal((M, K))
+        x = _dev(cuda_mod, to_bf16(xs) if wdt == "bf16" else xs.astype(st))
+        assert mm.gated_tile(wdt, N, K, M, wdt, T) is not None
+        gu = cuda_mod.DeviceArray.empty((M, N), st, dw.device)
+        mm.linear(x, dw, w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt, out=gu)
+        want = cuda_mod.DeviceArray.empty((M, N // 2), st, dw.device)
+        (A.silu_and_mul if act == "silu" else A.gelu_tanh_and_mul)(gu, out=want)
+        got = cuda_mod.DeviceArray.empty((M, N // 2), st, dw.device)
+        assert mm.gated_linear(x, dw, got, act=act, w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt) is got
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"M={M}")
+        assert np.abs(got.numpy().astype(np.int64)).max() > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("swizzle,pipe,min_bm", [(0, False, 0), (128, False, 0), (128, True, 0), (0, False, 64)])
 @pytest.mark.parametrize("N,K", [(512, 512), (4096, 1024)])

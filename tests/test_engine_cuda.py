@@ -443,11 +443,13 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
 @pytest.mark.parametrize("tile", [None, (16, 32, 16, 4)], ids=["engine-tiles", "small"])
 def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, tile):
     """GPU_GATE_UP16 (CUDA, bf16 checkpoint, gate/up's K not split): the gate/up projection stores its output in
-    bf16 and the gated activation reads that. Greedy tokens and every prompt logprob are bit-identical to the
-    f32 output rounded to bf16 (by jitkern's copy, nearest even) before the activation, batch and alone; the
-    activation saw uint16 input. "fake": tests/fake_cuda.py's device with the sm_90a target (its GPU tiles compiled,
-    run on the CPU); "cuda": a real GPU (gpu-marked). engine-tiles: no K split anywhere (GPU_NOSPLIT_MIN_TILES 1),
-    so the tiny model's gate/up takes the engine's tiles by step size, warpgroup MMAs with TMA on sm_90a."""
+    bf16 and the gated activation reads that, and at decode sizes GPU_GATED_LINEAR runs both as one kernel
+    (matmul.gated_linear). Greedy tokens and every prompt logprob are bit-identical, with and without the one
+    kernel, to the f32 output rounded to bf16 (by jitkern's copy, nearest even) before the activation, batch and
+    alone; the activation saw uint16 input. "fake": tests/fake_cuda.py's device with the sm_90a target (its GPU tiles compiled,
+    run on the CPU); "cuda": a real GPU (gpu-marked). engine-tiles: no K split anywhere (GPU_NOSPLIT_MIN_TILES 1)
+    and a model of 128 hidden / 128 intermediate, so gate/up takes the engine's tiles by step size (the 16-token
+    decode tile of K steps of 128 in the one kernel; warpgroup MMAs with TMA for prompts on sm_90a)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torch
@@ -463,8 +465,9 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
         install(monkeypatch)
     elif not _real_gpu():
         pytest.skip("no CUDA device here")
-    make_model_dir("llama", str(tmp_path), seed=7).to(torch.bfloat16).save_pretrained(str(tmp_path),
-                                                                                     safe_serialization=True)
+    dims = {"hidden_size": 128, "intermediate_size": 128} if tile is None else None
+    make_model_dir("llama", str(tmp_path), seed=7, overrides=dims).to(torch.bfloat16).save_pretrained(
+        str(tmp_path), safe_serialization=True)
     if tile is None:
         monkeypatch.setattr(mm, "GPU_NOSPLIT_MIN_TILES", 1)
     else:
@@ -480,19 +483,33 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
             gate_up = g16
         return real(gate_up, out=out, **k)
     monkeypatch.setattr(act, "silu_and_mul", rounding)
+    gated = []
+    real_gated = mm.gated_linear
+
+    def gated_spy(x, *a, **k):
+        gated.append(x.shape[0])
+        return real_gated(x, *a, **k)
+    monkeypatch.setattr(mm, "gated_linear", gated_spy)
     prompts = _prompts(4, seed=9)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
     got = {}
-    for on, round_first in ((True, False), (False, True), (False, False)):
+    for on, one, round_first in ((True, True, False), (True, False, False), (False, True, True),
+                                 (False, True, False)):
         monkeypatch.setattr(decoder, "GPU_GATE_UP16", on)
+        monkeypatch.setattr(decoder, "GPU_GATED_LINEAR", one)
         seen.clear()
+        gated.clear()
         with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        got[(on, round_first)] = [(list(o.outputs[0].token_ids),
-                                   [None if d is None else sorted((k, v.logprob) for k, v in d.items())
-                                    for d in o.prompt_logprobs]) for o in outs]
+        got[(on, one, round_first)] = [(list(o.outputs[0].token_ids),
+                                        [None if d is None else sorted((k, v.logprob) for k, v in d.items())
+                                         for d in o.prompt_logprobs]) for o in outs]
         assert set(seen) == {np.dtype(np.uint16) if on else np.dtype(np.float32)}
-    assert got[(True, False)] == got[(False, True)]
-    assert got[(True, False)][0][0] == got[(True, False)][-1][0]     # alone as in the batch
+        # decode steps (4 sequences, then 1: the 16-token tile) ran the one kernel, longer prompt steps the two
+        assert bool(gated) == (on and one), gated
+        assert not gated or ({1, 4} <= set(gated) and max(gated) <= mm.GPU_GATED_MAX_M), gated
+    want = got[(False, True, True)]
+    assert got[(True, True, False)] == want and got[(True, False, False)] == want
+    assert want[0][0] == want[-1][0]     # alone as in the batch
     # (the rounding is real: f32 gate/up logprobs differ somewhere)
-    assert got[(False, False)] != got[(True, False)]
+    assert got[(False, True, False)] != want

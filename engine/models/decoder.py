@@ -42,6 +42,9 @@ GPU_FOLD_SPLITK = True
 # so) and the gated activation reads that: half the bytes of the widest activation through memory twice (at a
 # 1,024-token Llama-3-8B prefill 117 MB of f32 a layer written and read back). JITKERN_GATE_UP16=0 writes f32.
 GPU_GATE_UP16 = _env.gate_up16()
+# ... and at decode sizes (matmul.gated_tile: the 16-token tile) the gate/up projection and the activation run as one
+# kernel (matmul.gated_linear: the same bits, one launch and the [T, 2 I] round trip fewer). JITKERN_GATED_LINEAR=0
+GPU_GATED_LINEAR = _env.gated_linear()
 
 _NAMES = {
     "embed": ["token_embd.weight", "model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
@@ -471,12 +474,29 @@ class DecoderLM:
         o4 = (buf.get(f"q8d4_{K}", (T, K // 8)), buf.get(f"q8s4_{K}", (T, K // 8))) if rep4 else None
         return o8, o4
 
-    def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False, fold=False):
+    def _gated_call(self, L, T: int, xg, gelu: bool):
+        """A callable (x, out) running L's gate/up projection and the gated activation as one kernel
+        (matmul.gated_linear, GPU_GATED_LINEAR) for a T-token step whose gate/up input is xg, or None where that
+        kernel does not apply (then gate/up and the activation run apart, with the same bits)."""
+        if not GPU_GATED_LINEAR or xg.dtype == np.float32:
+            return None
+        from jitkern.ops._hostargs import resolve_target
+        from jitkern.ops.matmul import gated_linear, gated_tile
+        lin = L.gate_up
+        if gated_tile(lin.kind, lin.n, lin.k, T, lin.kind, resolve_target(None, lin.weight)) is None:
+            return None
+        wkw = {"w_dtype": "bf16"} if lin.kind == "bf16" else {}
+
+        def call(x, out, **_):
+            return gated_linear(x, lin.weight, out, act="gelu_tanh" if gelu else "silu", x_dtype=lin.kind, **wkw)
+        return call
+
+    def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False, fold=False, call=None):
         """lin(norm(src)) into `out`, the pre-norm's residual handling as `_norm` (`first`: residual = src, the
         first layer's residual stream). A GGUF-quantised `lin` after an RMSNorm gets its int8 input straight from
         the norm kernel (jitkern.ops.norm.rms_norm_q8): one launch instead of norm + quantise; else the norm
         writes `x` and lin reads it. `src` may be a split-K linear's slabs (matmul.SplitK); `fold`: lin may
-        return its own (see GPU_FOLD_SPLITK)."""
+        return its own (see GPU_FOLD_SPLITK). `call` (x, out): runs in lin's place (GPU_GATED_LINEAR)."""
         T = src.shape[0]
         spec = None if (self.layernorm or w is None or not self.fuse_decode) else lin.q8_input(T)
         if spec is not None and not isinstance(src, np.ndarray) and hasattr(src, "sum_into"):
@@ -491,7 +511,7 @@ class DecoderLM:
                 self._norm(residual, w, b, x)
             else:
                 self._norm(src, w, b, x, residual=residual)
-            return lin(x, out=out, **self._fold_kw(lin, fold))
+            return (call or lin)(x, out=out, **self._fold_kw(lin, fold))
         from jitkern.ops.norm import rms_norm_q8
         layout, rep4 = spec
         o8, o4 = self._q8_bufs(buf, T, lin.k, rep4)
@@ -607,21 +627,29 @@ class DecoderLM:
             elif L.gate_up is not None:
                 down_q8 = L.down.q8_input(T) if self.fuse_decode else None
                 gu16 = self._gate_up16(L) if down_q8 is None else None
-                gu = buf.get("gu", (T, L.gate_up.n)) if gu16 is None else buf.get("gu16", (T, L.gate_up.n), gu16)
-                gu = self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu,
-                                       self._x_for(L.gate_up, L.ffn_norm, x, buf), buf, residual=residual,
-                                       fold=fold and down_q8 is None)
                 gelu = self.cfg.hidden_act.startswith("gelu")
-                if down_q8 is not None:
-                    # the activation writes the down projection's int8 input directly: one launch fewer
-                    from jitkern.ops.activation import act_and_mul_q8
-                    o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
-                    L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
+                xg = self._x_for(L.gate_up, L.ffn_norm, x, buf)
+                gated = self._gated_call(L, T, xg, gelu) if gu16 is not None else None
+                if gated is not None:
+                    # gate/up and the activation in one launch, into the down projection's 16-bit input
+                    act = buf.get("act16", (T, L.gate_up.n // 2), gu16)
+                    self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, act, xg, buf, residual=residual,
+                                      call=gated)
                 else:
-                    st = getattr(L.down, "x16", None)
-                    act = buf.get("act", (T, L.gate_up.n // 2)) if st is None else \
-                        buf.get("act16", (T, L.gate_up.n // 2), st)
-                    (gelu_tanh_and_mul if gelu else silu_and_mul)(gu, out=act)
+                    gu = buf.get("gu", (T, L.gate_up.n)) if gu16 is None else \
+                        buf.get("gu16", (T, L.gate_up.n), gu16)
+                    gu = self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu, xg, buf,
+                                           residual=residual, fold=fold and down_q8 is None)
+                    if down_q8 is not None:
+                        # the activation writes the down projection's int8 input directly: one launch fewer
+                        from jitkern.ops.activation import act_and_mul_q8
+                        o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
+                        L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
+                    else:
+                        st = getattr(L.down, "x16", None)
+                        act = buf.get("act", (T, L.gate_up.n // 2)) if st is None else \
+                            buf.get("act16", (T, L.gate_up.n // 2), st)
+                        (gelu_tanh_and_mul if gelu else silu_and_mul)(gu, out=act)
             else:
                 self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 act = buf.get("act", (T, L.up.n))

@@ -301,6 +301,44 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], acc, mask=tm[:, None] & rm[None, :])
 
 
+@jk.kernel(do_not_specialize=("M",))
+def _gpu_gated_linear_kernel(x, w, y, M, N2, K, ldx, ldy, ACT: jk.constexpr, BM: jk.constexpr, BN: jk.constexpr,
+                             BK: jk.constexpr, ACT16: jk.constexpr, OUT16: jk.constexpr):
+    # y[t, j] = ACT(g) * u for j < N2, g and u the gate / up projections of x (w = [w_gate; w_up], N2 rows each)
+    # rounded to the 16-bit type OUT16 (1 bf16, 2 f16) as `linear(out=<16-bit>)` stores them: a program computes
+    # the (BM, BN) tiles of both with _gpu_linear_mma_kernel's (EVEN, unsplit) tile, each output the same MMA chain
+    # in K order, so the same bits as that linear into a 16-bit gate_up followed by act_and_mul_kernel (the same
+    # f32 ops on the same rounded values), in one launch and without gate_up through memory. Grid (M / BM, N2 / BN).
+    t0 = jk.program_id(0) * BM
+    r0 = jk.program_id(1) * BN
+    tok = t0 + jk.arange(0, BM)
+    rows = r0 + jk.arange(0, BN)
+    tm = tok < M
+    kk = jk.arange(0, BK)
+    xm = tm[:, None] & (kk >= 0)[None, :]
+    xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
+    grows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
+    urows = grows + N2.to(jk.i64) * K.to(jk.i64)
+    accg = jk.zeros((BM, BN), jk.f32)
+    accu = jk.zeros((BM, BN), jk.f32)
+    # (the next step's tiles load before this step's dots, as _mma_k_range's PREFETCH 1: the same dots in order)
+    xv = jk.load(xrows + kk[None, :], mask=xm, other=0.0)
+    gv = jk.load(grows + kk[None, :])
+    uv = jk.load(urows + kk[None, :])
+    for k in range(BK, K, BK):
+        xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
+        gn = jk.load(grows + (k + kk)[None, :])
+        un = jk.load(urows + (k + kk)[None, :])
+        accg = jk.dot(_act16(xv, ACT16), jk.trans(gv), accg)
+        accu = jk.dot(_act16(xv, ACT16), jk.trans(uv), accu)
+        xv, gv, uv = xn, gn, un
+    accg = jk.dot(_act16(xv, ACT16), jk.trans(gv), accg)
+    accu = jk.dot(_act16(xv, ACT16), jk.trans(uv), accu)
+    g = _act16(accg, OUT16).to(jk.f32)
+    u = _act16(accu, OUT16).to(jk.f32)
+    jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], ACT(g) * u, mask=tm[:, None])
+
+
 @jk.jit
 def _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0):
     """The (x, w) tiles of the K step at k: x's (BM, BK) and w's (BN, BK), also the boxes at (t0, k) / (r0, k) of
@@ -1105,6 +1143,59 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
     if out is not None:
         return out
     return o2.reshape(N) if squeeze else o2
+
+
+# the most tokens gated_linear takes: the decode tile's (below GPU_LINEAR_WIDE_M the 16-token tile; from there the
+# taller tiles, whose wgmma / TMA forms read x through tensor maps and keep gate_up + act_and_mul)
+GPU_GATED_MAX_M = GPU_LINEAR_WIDE_M - 1
+
+
+def gated_tile(w_dtype: str, N: int, K: int, M: int, x_dtype: str, target=None):
+    """The (BM, BN, BK, warps) tile `gated_linear` runs for an M-token step of an [N, K] gate_up weight (w_dtype
+    weights, x_dtype x), or None where it does not apply: a GPU with matrix units, 16-bit x of the weights' type,
+    M <= GPU_GATED_MAX_M, and the tile `linear` would take there unsplit and dividing N / 2 and K (then its
+    outputs are that linear's bits)."""
+    T = _target(target)
+    if not (T.is_gpu and 0 < M <= GPU_GATED_MAX_M and x_dtype == w_dtype and takes_16bit_x(w_dtype, K, T)) \
+            or N % 2:
+        return None
+    tile = _mma_tile_for(T, N, K, M, _act16_for(w_dtype, "16bit"))
+    if (len(tile) > 4 and tile[4] != 1) or (N // 2) % tile[1] or K % tile[2]:
+        return None
+    return tuple(tile[:4])
+
+
+def gated_linear(x, w, out, *, act: str = "silu", w_dtype=None, x_dtype="bf16", target=None):
+    """out[M, N/2] = act(x @ w_gate^T) * (x @ w_up^T) for a merged gate_up weight w [N, K] (gate rows first, vLLM's
+    layout), each projection rounded to out's 16-bit type first: bit for bit `linear(x, w, out=<16-bit [M, N]>)`
+    then `silu_and_mul` / `gelu_tanh_and_mul` of it, in one launch. act: "silu" or "gelu_tanh". Only where
+    `gated_tile` gives a tile (decode-sized steps on GPUs with matrix units); out: uint16 (bf16) or float16 of the
+    weights' type, rows contiguous."""
+    from .activation import gelu_tanh_f, silu
+    fn = {"silu": silu, "gelu_tanh": gelu_tanh_f}.get(act)
+    if fn is None:
+        raise ValueError(f"gated_linear: act must be 'silu' or 'gelu_tanh', got {act!r}")
+    T = _target(resolve_target(target, x, w))
+    arr, dt, warg = _as_weight(w, w_dtype)
+    N, K = arr.shape
+    x2, squeeze = _as_x(x, K, x_dtype=x_dtype)
+    M = x2.shape[0]
+    tile = gated_tile(dt, N, K, M, x_dtype, T)
+    if tile is None:
+        raise ValueError(f"gated_linear: no gated tile for {M} tokens of a {dt} [{N}, {K}] weight on {T.name} "
+                         f"(x {x_dtype}; see gated_tile)")
+    want = np.dtype(_X_STORAGE[dt])
+    if not is_array(out) or out.dtype != want or out.shape != (M, N // 2):
+        raise ValueError(f"gated_linear: out must be a {want} array of shape {(M, N // 2)}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+    o2 = _out(out, M, N // 2, False, "gated_linear: out", half_ok=True)
+    BM, BN, BK, NW = tile
+    code = _act16_for(dt, "16bit")
+    _launch(_gpu_gated_linear_kernel, (-(-M // BM), (N // 2) // BN),
+            (_x_arg(x2, x_dtype), warg, _y_arg(o2), M, N // 2, K, x2.strides[0] // x2.itemsize,
+             o2.strides[0] // o2.itemsize),
+            dict(ACT=fn, BM=BM, BN=BN, BK=BK, ACT16=code, OUT16=code, num_warps=NW), T)
+    return out
 
 
 def matmul(a, b, out=None, target=None):
