@@ -457,7 +457,6 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
     from engine.models import decoder
     from jitkern.ops import activation as act
     from jitkern.ops import matmul as mm
-    from jitkern.ops._hostargs import empty_like_dev
     from tests.model_fixtures import make_model_dir
     if where == "fake":
         from tests.fake_cuda import install
@@ -474,11 +473,14 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
         monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", tile)
     real = act.silu_and_mul
     seen = []
+    # the reference's rounding buffer, made before the engine (not inside a decode graph's stream capture)
+    from jitkern.runtime import cuda as cuda_mod
+    g16_all = cuda_mod.DeviceArray.empty((64, 256), np.uint16, cuda_mod.get_device())
 
     def rounding(gate_up, out=None, **k):
         seen.append(gate_up.dtype)
         if gate_up.dtype == np.float32 and round_first:
-            g16 = empty_like_dev(gate_up, gate_up.shape, np.uint16)
+            g16 = g16_all[:gate_up.shape[0], :gate_up.shape[1]]
             act.copy(gate_up, out=g16)
             gate_up = g16
         return real(gate_up, out=out, **k)
