@@ -100,7 +100,9 @@ Settings (all optional):
                                 1,024-token prefill 258 -> 98 us, session 19; the same arithmetic).
     JITKERN_GATED_LINEAR        0 or 1: on CUDA decode-sized steps (up to 16 tokens) run the gate/up projection and the
                                 gated activation as one kernel where the gate/up output is 16-bit (ops/matmul.py
-                                gated_linear; engine/models/decoder.py GPU_GATED_LINEAR; default 1; the same bits).
+                                gated_linear; engine/models/decoder.py GPU_GATED_LINEAR; the same bits; default 0:
+                                H200, session 19, c=1 198-201 tok/s with it against 208 without, its kernel 62.6 us
+                                a layer against ~59 for the two it replaces).
     JITKERN_GATE_UP16           0 or 1: on CUDA the gate/up projection writes its output in the weights' 16-bit type
                                 (rounded once as it stores, as HF's bf16 projections are) for the gated activation to
                                 read, where the down projection takes 16-bit input (engine/models/decoder.py
@@ -148,7 +150,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_SERIAL_MAXNREG", "JITKERN_LINEAR_PREFETCH", "JITKERN_FLASH_FOLD_SKIP", "JITKERN_TMA",
             "JITKERN_TMA_PIPE", "JITKERN_PDL", "JITKERN_X16_ATTN", "JITKERN_FLASH_PARTITION_BLOCKS",
             "JITKERN_REDUCE_DIRECT", "JITKERN_FLASH_DECODE_WIDE", "JITKERN_FLASH_LONGEST_FIRST",
-            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_GATED_LINEAR", "JITKERN_FLASH_STEP_BLOCKS",
+            "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_GATED_LINEAR",
+            "JITKERN_FLASH_STEP_BLOCKS",
             "JITKERN_FLASH_WARP_ROWS",
             "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS")
 
@@ -337,8 +340,8 @@ def rope_tiles(environ=None) -> bool:
 
 
 def gated_linear(environ=None) -> bool:
-    """JITKERN_GATED_LINEAR (default 1): CUDA decode steps run gate/up + the gated activation as one kernel."""
-    return env_choice("JITKERN_GATED_LINEAR", ("0", "1"), environ) != "0"
+    """JITKERN_GATED_LINEAR (default 0): CUDA decode steps run gate/up + the gated activation as one kernel."""
+    return env_choice("JITKERN_GATED_LINEAR", ("0", "1"), environ) == "1"
 
 
 def gate_up16(environ=None) -> bool:

@@ -443,13 +443,14 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
 @pytest.mark.parametrize("tile", [None, (16, 32, 16, 4)], ids=["engine-tiles", "small"])
 def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, tile):
     """GPU_GATE_UP16 (CUDA, bf16 checkpoint, gate/up's K not split): the gate/up projection stores its output in
-    bf16 and the gated activation reads that, and at decode sizes GPU_GATED_LINEAR runs both as one kernel
-    (matmul.gated_linear). Greedy tokens and every prompt logprob are bit-identical, with and without the one
+    bf16 and the gated activation reads that, and at decode sizes GPU_GATED_LINEAR (off by default) runs both as one
+    kernel (matmul.gated_linear). Greedy tokens and every prompt logprob are bit-identical, with and without the one
     kernel, to the f32 output rounded to bf16 (by jitkern's copy, nearest even) before the activation, batch and
-    alone; the activation saw uint16 input. "fake": tests/fake_cuda.py's device with the sm_90a target (its GPU tiles compiled,
-    run on the CPU); "cuda": a real GPU (gpu-marked). engine-tiles: no K split anywhere (GPU_NOSPLIT_MIN_TILES 1)
-    and a model of 128 hidden / 128 intermediate, so gate/up takes the engine's tiles by step size (the 16-token
-    decode tile of K steps of 128 in the one kernel; warpgroup MMAs with TMA for prompts on sm_90a)."""
+    alone; the activation saw uint16 input. "fake": tests/fake_cuda.py's device with the sm_90a target (its GPU
+    tiles compiled, run on the CPU); "cuda": a real GPU (gpu-marked). engine-tiles: no K split anywhere
+    (GPU_NOSPLIT_MIN_TILES 1) and a model of 128 hidden / 128 intermediate, so gate/up takes the engine's tiles by
+    step size (the 16-token decode tile of K steps of 128 in the one kernel; warpgroup MMAs with TMA for prompts on
+    sm_90a)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torch

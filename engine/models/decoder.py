@@ -42,8 +42,11 @@ GPU_FOLD_SPLITK = True
 # so) and the gated activation reads that: half the bytes of the widest activation through memory twice (at a
 # 1,024-token Llama-3-8B prefill 117 MB of f32 a layer written and read back). JITKERN_GATE_UP16=0 writes f32.
 GPU_GATE_UP16 = _env.gate_up16()
-# ... and at decode sizes (matmul.gated_tile: the 16-token tile) the gate/up projection and the activation run as one
-# kernel (matmul.gated_linear: the same bits, one launch and the [T, 2 I] round trip fewer). JITKERN_GATED_LINEAR=0
+# ... and at decode sizes (matmul.gated_tile: the 16-token tile) the gate/up projection and the activation may run as
+# one kernel (matmul.gated_linear: the same bits, one launch and the [T, 2 I] round trip fewer). Off by default
+# (JITKERN_GATED_LINEAR=1): on the H200 (session 19, sh perf/h200_session19c.sh, same machine) the 32-layer c=1
+# decode ran 198-201 tok/s with it against 208 without; CUPTI, 8 layers: 62.6 us a layer for the one kernel against
+# ~57.5 + 1.6 for gate_up and act_and_mul (with (16, 64) tiles of both projections a program, 192 registers, 60.9 us)
 GPU_GATED_LINEAR = _env.gated_linear()
 
 _NAMES = {
