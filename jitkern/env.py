@@ -101,8 +101,8 @@ Settings (all optional):
     JITKERN_GATED_LINEAR        0 or 1: on CUDA decode-sized steps (up to 16 tokens) run the gate/up projection and the
                                 gated activation as one kernel where the gate/up output is 16-bit (ops/matmul.py
                                 gated_linear; engine/models/decoder.py GPU_GATED_LINEAR; the same bits; default 0:
-                                H200, session 19, c=1 198-201 tok/s with it against 208 without, its kernel 62.6 us
-                                a layer against ~59 for the two it replaces).
+                                H200, session 19, its first form (two dots a step) gave c=1 198-201 tok/s against
+                                208 without; the one-dot form since is not yet measured).
     JITKERN_GATE_UP16           0 or 1: on CUDA the gate/up projection writes its output in the weights' 16-bit type
                                 (rounded once as it stores, as HF's bf16 projections are) for the gated activation to
                                 read, where the down projection takes 16-bit input (engine/models/decoder.py

@@ -678,9 +678,9 @@ def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
 @pytest.mark.parametrize("wdt,act", [("bf16", "silu"), ("f16", "gelu_tanh")])
 def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act):
-    """matmul.gated_linear (decode-sized steps: the gate and up projections' tiles in one program, the activation in
-    its epilogue) gives the bits of `linear(out=<16-bit>)` into a gate_up array followed by silu_and_mul /
-    gelu_tanh_and_mul, at 1 to GPU_GATED_MAX_M tokens, with K split (decode tile of a wide weight: none) or not
+    """matmul.gated_linear (decode-sized steps: a program's tile holds gate rows and the same outputs' up rows, the
+    activation in its epilogue) gives the bits of `linear(out=<16-bit>)` into a gate_up array (which it writes too)
+    followed by silu_and_mul / gelu_tanh_and_mul, at 1 to GPU_GATED_MAX_M tokens, with K split (decode tile of a wide weight: none) or not
     applicable (gated_tile None where the tile would split K or from the tall tile on)."""
     from jitkern.ops import activation as A
     from jitkern.ops import matmul as mm
@@ -703,8 +703,10 @@ def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act)
         want = cuda_mod.DeviceArray.empty((M, N // 2), st, dw.device)
         (A.silu_and_mul if act == "silu" else A.gelu_tanh_and_mul)(gu, out=want)
         got = cuda_mod.DeviceArray.empty((M, N // 2), st, dw.device)
-        assert mm.gated_linear(x, dw, got, act=act, w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt) is got
+        gu2 = cuda_mod.DeviceArray.empty((M, N), st, dw.device)
+        assert mm.gated_linear(x, dw, got, gu2, act=act, w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt) is got
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"M={M}")
+        np.testing.assert_array_equal(gu2.numpy(), gu.numpy(), err_msg=f"M={M}")
         assert np.abs(got.numpy().astype(np.int64)).max() > 0
 
 

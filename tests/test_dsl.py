@@ -128,6 +128,29 @@ def test_elementwise_masked_tail(tier):
         assert (out[n:] == 7.0).all(), "masked-off lanes must not be written"
 
 
+@jk.kernel
+def _barrier_reverse(x, scratch, out, BLOCK: jk.constexpr):
+    # each program stores its block to scratch, then reads it back reversed: on GPUs other threads' stores, which
+    # jk.barrier orders before the loads
+    base = jk.program_id(0) * BLOCK
+    i = jk.arange(0, BLOCK)
+    jk.store(scratch + base + i, jk.load(x + base + i) * 2.0)
+    jk.barrier()
+    jk.store(out + base + i, jk.load(scratch + base + BLOCK - 1 - i))
+
+
+def test_barrier_orders_a_programs_stores_before_its_loads(tier):
+    """jk.barrier (a CTA barrier on GPUs, nothing on the CPU): values stored by a program are what its loads after
+    the barrier read, whichever thread stored them."""
+    rng = np.random.default_rng(4)
+    B = 256
+    x = rng.standard_normal(3 * B).astype(np.float32)
+    scratch = np.zeros_like(x)
+    out = np.zeros_like(x)
+    _run(_barrier_reverse, (3,), tier, x, scratch, out, BLOCK=B)
+    np.testing.assert_array_equal(out, (x * 2.0).reshape(3, B)[:, ::-1].reshape(-1))
+
+
 def test_matmul_dot(tier):
     rng = np.random.default_rng(2)
     M, N, K = 37, 45, 129

@@ -44,9 +44,11 @@ GPU_FOLD_SPLITK = True
 GPU_GATE_UP16 = _env.gate_up16()
 # ... and at decode sizes (matmul.gated_tile: the 16-token tile) the gate/up projection and the activation may run as
 # one kernel (matmul.gated_linear: the same bits, one launch and the [T, 2 I] round trip fewer). Off by default
-# (JITKERN_GATED_LINEAR=1): on the H200 (session 19, sh perf/h200_session19c.sh, same machine) the 32-layer c=1
-# decode ran 198-201 tok/s with it against 208 without; CUPTI, 8 layers: 62.6 us a layer for the one kernel against
-# ~57.5 + 1.6 for gate_up and act_and_mul (with (16, 64) tiles of both projections a program, 192 registers, 60.9 us)
+# (JITKERN_GATED_LINEAR=1): on the H200 (session 19, sh perf/h200_session19c.sh, same machine) its first form, two
+# dots a K step (gate's and up's tiles, x staged for each: twice the barriers), ran the 32-layer c=1 decode at
+# 198-201 tok/s against 208 without (CUPTI, 8 layers: 62.6 us a layer against ~57.5 + 1.6). The kernel now runs the
+# linear's one dot over a tile of gate rows and the same outputs' up rows (158 registers against 110: the rows are
+# not one affine range); not yet measured (sh perf/h200_session20.sh)
 GPU_GATED_LINEAR = _env.gated_linear()
 
 _NAMES = {
@@ -477,10 +479,10 @@ class DecoderLM:
         o4 = (buf.get(f"q8d4_{K}", (T, K // 8)), buf.get(f"q8s4_{K}", (T, K // 8))) if rep4 else None
         return o8, o4
 
-    def _gated_call(self, L, T: int, xg, gelu: bool):
-        """A callable (x, out) running L's gate/up projection and the gated activation as one kernel
-        (matmul.gated_linear, GPU_GATED_LINEAR) for a T-token step whose gate/up input is xg, or None where that
-        kernel does not apply (then gate/up and the activation run apart, with the same bits)."""
+    def _gated_call(self, L, T: int, xg, gelu: bool, gu):
+        """A callable (x, out) running L's gate/up projection (into the 16-bit `gu`) and the gated activation as one
+        kernel (matmul.gated_linear, GPU_GATED_LINEAR) for a T-token step whose gate/up input is xg, or None where
+        that kernel does not apply (then gate/up and the activation run apart, with the same bits)."""
         if not GPU_GATED_LINEAR or xg.dtype == np.float32:
             return None
         from jitkern.ops._hostargs import resolve_target
@@ -491,7 +493,7 @@ class DecoderLM:
         wkw = {"w_dtype": "bf16"} if lin.kind == "bf16" else {}
 
         def call(x, out, **_):
-            return gated_linear(x, lin.weight, out, act="gelu_tanh" if gelu else "silu", x_dtype=lin.kind, **wkw)
+            return gated_linear(x, lin.weight, out, gu, act="gelu_tanh" if gelu else "silu", x_dtype=lin.kind, **wkw)
         return call
 
     def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False, fold=False, call=None):
@@ -632,7 +634,8 @@ class DecoderLM:
                 gu16 = self._gate_up16(L) if down_q8 is None else None
                 gelu = self.cfg.hidden_act.startswith("gelu")
                 xg = self._x_for(L.gate_up, L.ffn_norm, x, buf)
-                gated = self._gated_call(L, T, xg, gelu) if gu16 is not None else None
+                gated = self._gated_call(L, T, xg, gelu, buf.get("gu16", (T, L.gate_up.n), gu16)) \
+                    if gu16 is not None else None
                 if gated is not None:
                     # gate/up and the activation in one launch, into the down projection's 16-bit input
                     act = buf.get("act16", (T, L.gate_up.n // 2), gu16)

@@ -302,41 +302,33 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
 
 
 @jk.kernel(do_not_specialize=("M",))
-def _gpu_gated_linear_kernel(x, w, y, M, N2, K, ldx, ldy, ACT: jk.constexpr, BM: jk.constexpr, BN: jk.constexpr,
-                             BK: jk.constexpr, ACT16: jk.constexpr, OUT16: jk.constexpr):
-    # y[t, j] = ACT(g) * u for j < N2, g and u the gate / up projections of x (w = [w_gate; w_up], N2 rows each)
-    # rounded to the 16-bit type OUT16 (1 bf16, 2 f16) as `linear(out=<16-bit>)` stores them: a program computes
-    # the (BM, BN) tiles of both with _gpu_linear_mma_kernel's (EVEN, unsplit) tile, each output the same MMA chain
-    # in K order, so the same bits as that linear into a 16-bit gate_up followed by act_and_mul_kernel (the same
-    # f32 ops on the same rounded values), in one launch and without gate_up through memory. Grid (M / BM, N2 / BN).
+def _gpu_gated_linear_kernel(x, w, gu, y, M, N2, K, ldx, ldg, ldy, ACT: jk.constexpr, BM: jk.constexpr,
+                             BN: jk.constexpr, BK: jk.constexpr, ACT16: jk.constexpr):
+    # gu[t, :] = x[t] @ w^T (w = [w_gate; w_up], N2 rows each, gu in 16-bit storage: the f32 sums rounded as they
+    # are stored) and y[t, j] = ACT(gu[t, j]) * gu[t, N2 + j], j < N2, in one launch. A program's (BM, BN) tile takes
+    # BN / 2 gate rows and the up rows of the same outputs, so its one dot (one x staging a K step, as the
+    # linear's) holds both halves of its outputs; they go to gu (each column the same MMA chain in K order as
+    # _gpu_linear_mma_kernel's unsplit tile: the linear's bits), and after a CTA barrier (which orders the CTA's
+    # global stores before its loads) the program reads them back, from L1 / L2, for the activation: the bits of
+    # the linear into 16-bit gu then act_and_mul_kernel, without the second launch. Grid (M / BM, N2 / (BN / 2)).
     t0 = jk.program_id(0) * BM
-    r0 = jk.program_id(1) * BN
+    r0 = jk.program_id(1) * (BN // 2)
     tok = t0 + jk.arange(0, BM)
-    rows = r0 + jk.arange(0, BN)
+    j = jk.arange(0, BN)
+    rows = jk.where(j < BN // 2, r0 + j, N2 + r0 + j - BN // 2)      # gate rows, then the same outputs' up rows
     tm = tok < M
     kk = jk.arange(0, BK)
     xm = tm[:, None] & (kk >= 0)[None, :]
     xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
-    grows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
-    urows = grows + N2.to(jk.i64) * K.to(jk.i64)
-    accg = jk.zeros((BM, BN), jk.f32)
-    accu = jk.zeros((BM, BN), jk.f32)
-    # (the next step's tiles load before this step's dots, as _mma_k_range's PREFETCH 1: the same dots in order)
-    xv = jk.load(xrows + kk[None, :], mask=xm, other=0.0)
-    gv = jk.load(grows + kk[None, :])
-    uv = jk.load(urows + kk[None, :])
-    for k in range(BK, K, BK):
-        xn = jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0)
-        gn = jk.load(grows + (k + kk)[None, :])
-        un = jk.load(urows + (k + kk)[None, :])
-        accg = jk.dot(_act16(xv, ACT16), jk.trans(gv), accg)
-        accu = jk.dot(_act16(xv, ACT16), jk.trans(uv), accu)
-        xv, gv, uv = xn, gn, un
-    accg = jk.dot(_act16(xv, ACT16), jk.trans(gv), accg)
-    accu = jk.dot(_act16(xv, ACT16), jk.trans(uv), accu)
-    g = _act16(accg, OUT16).to(jk.f32)
-    u = _act16(accu, OUT16).to(jk.f32)
-    jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + rows[None, :], ACT(g) * u, mask=tm[:, None])
+    wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
+    acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, 1, 0, 0, t0, r0)
+    grow = gu + tok.to(jk.i64)[:, None] * ldg.to(jk.i64)
+    jk.store(grow + rows[None, :], acc, mask=tm[:, None])
+    jk.barrier()
+    h = r0 + jk.arange(0, BN // 2)
+    g = jk.load(grow + h[None, :], mask=tm[:, None], other=0.0).to(jk.f32)
+    u = jk.load(grow + N2 + h[None, :], mask=tm[:, None], other=0.0).to(jk.f32)
+    jk.store(y + tok.to(jk.i64)[:, None] * ldy.to(jk.i64) + h[None, :], ACT(g) * u, mask=tm[:, None])
 
 
 @jk.jit
@@ -1161,23 +1153,17 @@ def gated_tile(w_dtype: str, N: int, K: int, M: int, x_dtype: str, target=None):
         return None
     tile = _mma_tile_for(T, N, K, M, _act16_for(w_dtype, "16bit"))
     BM, BN, BK, NW = tile[:4]
-    if (len(tile) > 4 and tile[4] != 1) or (N // 2) % BN or K % BK:
+    if (len(tile) > 4 and tile[4] != 1) or BN % 2 or (N // 2) % (BN // 2) or K % BK:
         return None
-    # half the linear's width a projection (a program's weight bytes as the linear's; with the full width the
-    # two tiles took 192 registers against the linear's 110 and ran slower on the H200): the same bits, an
-    # output's MMA chain not depending on the tile's width, where the half still deals whole 16 x 8 MMA tiles
-    # to the warps
-    if BN % 16 == 0 and (BM // 16) * (BN // 16) % NW == 0:
-        BN //= 2
     return BM, BN, BK, NW
 
 
-def gated_linear(x, w, out, *, act: str = "silu", w_dtype=None, x_dtype="bf16", target=None):
+def gated_linear(x, w, out, gate_up, *, act: str = "silu", w_dtype=None, x_dtype="bf16", target=None):
     """out[M, N/2] = act(x @ w_gate^T) * (x @ w_up^T) for a merged gate_up weight w [N, K] (gate rows first, vLLM's
-    layout), each projection rounded to out's 16-bit type first: bit for bit `linear(x, w, out=<16-bit [M, N]>)`
-    then `silu_and_mul` / `gelu_tanh_and_mul` of it, in one launch. act: "silu" or "gelu_tanh". Only where
-    `gated_tile` gives a tile (decode-sized steps on GPUs with matrix units); out: uint16 (bf16) or float16 of the
-    weights' type, rows contiguous."""
+    layout), each projection rounded to out's 16-bit type first: bit for bit `linear(x, w, out=gate_up)` into the
+    16-bit gate_up [M, N] then `silu_and_mul` / `gelu_tanh_and_mul` of it, in one launch (gate_up is written too,
+    as that linear would). act: "silu" or "gelu_tanh". Only where `gated_tile` gives a tile (decode-sized steps on
+    GPUs with matrix units); out and gate_up: uint16 (bf16) or float16 of the weights' type, rows contiguous."""
     from .activation import gelu_tanh_f, silu
     fn = {"silu": silu, "gelu_tanh": gelu_tanh_f}.get(act)
     if fn is None:
@@ -1195,13 +1181,16 @@ def gated_linear(x, w, out, *, act: str = "silu", w_dtype=None, x_dtype="bf16", 
     if not is_array(out) or out.dtype != want or out.shape != (M, N // 2):
         raise ValueError(f"gated_linear: out must be a {want} array of shape {(M, N // 2)}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+    if not is_array(gate_up) or gate_up.dtype != want or gate_up.shape != (M, N):
+        raise ValueError(f"gated_linear: gate_up must be a {want} array of shape {(M, N)}, got "
+                         f"{getattr(gate_up, 'dtype', type(gate_up).__name__)} {getattr(gate_up, 'shape', '')}")
     o2 = _out(out, M, N // 2, False, "gated_linear: out", half_ok=True)
+    g2 = _out(gate_up, M, N, False, "gated_linear: gate_up", half_ok=True)
     BM, BN, BK, NW = tile
-    code = _act16_for(dt, "16bit")
-    _launch(_gpu_gated_linear_kernel, (-(-M // BM), (N // 2) // BN),
-            (_x_arg(x2, x_dtype), warg, _y_arg(o2), M, N // 2, K, x2.strides[0] // x2.itemsize,
-             o2.strides[0] // o2.itemsize),
-            dict(ACT=fn, BM=BM, BN=BN, BK=BK, ACT16=code, OUT16=code, num_warps=NW), T)
+    _launch(_gpu_gated_linear_kernel, (-(-M // BM), (N // 2) // (BN // 2)),
+            (_x_arg(x2, x_dtype), warg, _y_arg(g2), _y_arg(o2), M, N // 2, K, x2.strides[0] // x2.itemsize,
+             g2.strides[0] // g2.itemsize, o2.strides[0] // o2.itemsize),
+            dict(ACT=fn, BM=BM, BN=BN, BK=BK, ACT16=_act16_for(dt, "16bit"), num_warps=NW), T)
     return out
 
 
