@@ -167,6 +167,31 @@ def test_large_k_uses_both_loops():
         _check(mm.linear_packed(x, mm.pack_weight(w)), x, w.astype(np.float64), None)
 
 
+@pytest.mark.parametrize("odt", ["bf16", "f16"])
+def test_linear_16bit_out_rounds_the_f32_result(tier, odt):
+    """`out` in 16-bit storage (uint16 = bf16, float16): the kernels store the f32 result rounded once (nearest
+    even), through every kernel the token count picks; K = 0 gives the bias rounded. The reference is the f32
+    result of the same call, rounded by numpy."""
+    from tests.ops.ref_basic import to_bf16
+    rng = np.random.default_rng(7)
+    rnd = to_bf16 if odt == "bf16" else (lambda a: a.astype(np.float16))
+    st = np.uint16 if odt == "bf16" else np.float16
+    for M, N, K, with_bias in _cases():
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        w, _ = _weights(rng, N, K, "bf16")
+        bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
+        y32 = mm.linear(x, w, bias, target=tier, w_dtype="bf16")
+        out = np.empty((M, N), st)
+        assert mm.linear(x, w, bias, out=out, target=tier, w_dtype="bf16") is out
+        np.testing.assert_array_equal(out, rnd(y32), err_msg=f"M={M} N={N} K={K}")
+    out = np.empty((3, 5), st)
+    b = rng.standard_normal(5).astype(np.float32)
+    mm.linear(np.zeros((3, 0), np.float32), np.zeros((5, 0), np.float32), b, out=out, target=tier)
+    np.testing.assert_array_equal(out, np.broadcast_to(rnd(b), (3, 5)))
+    with pytest.raises(ValueError, match="out: expected a float32 \\(or uint16"):
+        mm.linear(x, w, out=np.empty((M, N), np.int16), target=tier, w_dtype="bf16")
+
+
 def test_bad_arguments_name_the_field():
     x = np.ones((2, 8), np.float32)
     w = np.ones((4, 8), np.float32)
