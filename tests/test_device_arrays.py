@@ -707,6 +707,12 @@ def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act)
         assert mm.gated_linear(x, dw, got, gu2, act=act, w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt) is got
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"M={M}")
         np.testing.assert_array_equal(gu2.numpy(), gu.numpy(), err_msg=f"M={M}")
+    with pytest.raises(ValueError, match="gated_linear: out must be a"):
+        mm.gated_linear(x, dw, cuda_mod.DeviceArray.empty((M, N // 2), np.float32, dw.device), gu2, act=act,
+                        w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt)
+    with pytest.raises(ValueError, match="gated_linear: gate_up: expected"):
+        mm.gated_linear(x, dw, got, cuda_mod.DeviceArray.empty((M, N - 2), st, dw.device), act=act,
+                        w_dtype=wdt if wdt == "bf16" else None, x_dtype=wdt)
         assert np.abs(got.numpy().astype(np.int64)).max() > 0
 
 

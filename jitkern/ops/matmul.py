@@ -834,15 +834,15 @@ def _y_arg(o2):
 
 
 def _fill_rows(o2, b):
-    """o2[:] = b (or 0) in o2's storage: the result of a K = 0 linear."""
+    """o2[:] = b (or 0) in o2's storage: the result of a K = 0 linear (16-bit storage: the f32 rows rounded by
+    activation.copy, as the kernels' stores round)."""
     if o2.dtype == np.float32:
         o2[...] = 0.0 if b is None else b[None, :]
         return
-    row = np.zeros(o2.shape[1], np.float32) if b is None else np.asarray(b, np.float32)
-    if o2.dtype == np.uint16:       # bf16 bits, rounded to nearest even (finite values)
-        u = row.view(np.uint32).astype(np.uint64)
-        row = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    o2[...] = row.astype(o2.dtype)[None, :]
+    from .activation import copy
+    rows = empty_like_dev(o2, o2.shape, np.float32)
+    _fill_rows(rows, b)
+    copy(rows, out=o2)
 
 
 def _as_bias(bias, N):
@@ -1178,12 +1178,10 @@ def gated_linear(x, w, out, gate_up, *, act: str = "silu", w_dtype=None, x_dtype
         raise ValueError(f"gated_linear: no gated tile for {M} tokens of a {dt} [{N}, {K}] weight on {T.name} "
                          f"(x {x_dtype}; see gated_tile)")
     want = np.dtype(_X_STORAGE[dt])
-    if not is_array(out) or out.dtype != want or out.shape != (M, N // 2):
-        raise ValueError(f"gated_linear: out must be a {want} array of shape {(M, N // 2)}, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
-    if not is_array(gate_up) or gate_up.dtype != want or gate_up.shape != (M, N):
-        raise ValueError(f"gated_linear: gate_up must be a {want} array of shape {(M, N)}, got "
-                         f"{getattr(gate_up, 'dtype', type(gate_up).__name__)} {getattr(gate_up, 'shape', '')}")
+    for name, a, n in (("out", out, N // 2), ("gate_up", gate_up, N)):
+        if not is_array(a) or a.dtype != want:
+            raise ValueError(f"gated_linear: {name} must be a {want} array (the weights' 16-bit storage), got "
+                             f"{getattr(a, 'dtype', type(a).__name__)}")
     o2 = _out(out, M, N // 2, False, "gated_linear: out", half_ok=True)
     g2 = _out(gate_up, M, N, False, "gated_linear: gate_up", half_ok=True)
     BM, BN, BK, NW = tile
