@@ -212,6 +212,7 @@ class DecoderLM:
         self.k_caches = []
         self.v_caches = []
         self._attn16_ok = {}        # layer -> whether attention writes the o projection's 16-bit input
+        self._gate_up16_of = {}     # layer -> _gate_up16's answer (fixed once the weights are placed)
         # attention scratch with stable addresses (graphs), one for all layers: they run one after another,
         # so one set of softmax-state arrays per step shape serves them (per layer it was ~180 MB over 30
         # layers at 2,048 tokens, and the CPU prefill's token groups hold 16 tokens' state a program)
@@ -435,12 +436,17 @@ class DecoderLM:
         matmul.SplitK, at some step sizes and not others, which would round differently)."""
         if not GPU_GATE_UP16 or self.device != "cuda":
             return None
-        st = getattr(L.gate_up, "x16", None)
-        if st is None or getattr(L.down, "x16", None) != st or type(L.gate_up) is not Linear:
-            return None
-        from jitkern.ops.matmul import gpu_linear_mma_tile
-        tile = gpu_linear_mma_tile(L.gate_up.n, L.gate_up.k)
-        return st if len(tile) < 5 or tile[4] == 1 else None
+        key = id(L)
+        if key not in self._gate_up16_of:
+            st = getattr(L.gate_up, "x16", None)
+            if st is not None and getattr(L.down, "x16", None) == st and type(L.gate_up) is Linear:
+                from jitkern.ops.matmul import gpu_linear_mma_tile
+                tile = gpu_linear_mma_tile(L.gate_up.n, L.gate_up.k)
+                st = st if len(tile) < 5 or tile[4] == 1 else None
+            else:
+                st = None
+            self._gate_up16_of[key] = st
+        return self._gate_up16_of[key]
 
     def _attn16_for(self, lin, li: int) -> bool:
         """Whether attention writes `lin`'s (the o projection's) input in its 16-bit storage (GPU_X16_ATTN):
@@ -634,16 +640,14 @@ class DecoderLM:
                 gu16 = self._gate_up16(L) if down_q8 is None else None
                 gelu = self.cfg.hidden_act.startswith("gelu")
                 xg = self._x_for(L.gate_up, L.ffn_norm, x, buf)
-                gated = self._gated_call(L, T, xg, gelu, buf.get("gu16", (T, L.gate_up.n), gu16)) \
-                    if gu16 is not None else None
+                gu = buf.get("gu", (T, L.gate_up.n)) if gu16 is None else buf.get("gu16", (T, L.gate_up.n), gu16)
+                gated = self._gated_call(L, T, xg, gelu, gu) if gu16 is not None else None
                 if gated is not None:
                     # gate/up and the activation in one launch, into the down projection's 16-bit input
                     act = buf.get("act16", (T, L.gate_up.n // 2), gu16)
                     self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, act, xg, buf, residual=residual,
                                       call=gated)
                 else:
-                    gu = buf.get("gu", (T, L.gate_up.n)) if gu16 is None else \
-                        buf.get("gu16", (T, L.gate_up.n), gu16)
                     gu = self._norm_linear(osrc, L.ffn_norm, L.ffn_norm_b, L.gate_up, gu, xg, buf,
                                            residual=residual, fold=fold and down_q8 is None)
                     if down_q8 is not None:
