@@ -785,3 +785,39 @@ def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, monkeypatch, 
             _, spills = _ptxas_usage(ptx.decode() if isinstance(ptx, bytes) else ptx, tmp_path)
             assert spills == 0
     assert names == {False: "rope_cache_kernel", True: "rope_cache_tile_kernel"}, names
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
+def test_16bit_out_linear_and_gated_kernel_assemble_without_spills(tmp_path):
+    """The engine's gate/up projection with a bf16 output (GPU_GATE_UP16) at every tile the step size picks on
+    sm_90a (decode, big, huge, XL; TMA from 64 tokens) and the one gated kernel (matmul.gated_linear, decode
+    sizes) compile for sm_90a and ptxas assembles them without spills; the gated kernel stores the 16-bit gate_up,
+    has one CTA barrier more than the linear's after its K loop and reads gate_up back."""
+    from jitkern.ops import matmul as mm
+    from jitkern.runtime.launch import compile_only
+    from targets import get_target
+    T = get_target("sm_90a")
+    N, K = 28672, 4096
+    w = np.zeros((N, K), np.uint16)
+    seen = set()
+    for M in (1, 16, 64, 256, mm.GPU_LINEAR_XL_M):
+        x = np.zeros((M, K), np.uint16)
+        with compile_only(target=T) as co:
+            mm.linear(x, w, w_dtype="bf16", x_dtype="bf16", out=np.zeros((M, N), np.uint16), target=T)
+            if M <= mm.GPU_GATED_MAX_M:
+                mm.gated_linear(x, w, np.zeros((M, N // 2), np.uint16), np.zeros((M, N), np.uint16),
+                                w_dtype="bf16", target=T)
+        assert not co.errors, co.errors
+        for ck in co.compiled:
+            ptx = ck.artifacts["kernel.ptx"]
+            ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+            key = (ck.name, ck.constexprs.get("BM"))
+            if key in seen:
+                continue
+            seen.add(key)
+            _, spilled = _ptxas_usage(ptx, tmp_path)
+            assert spilled == 0, (key, spilled)
+            if ck.name == "_gpu_gated_linear_kernel":
+                assert "st.global" in ptx and ptx.count("bar.sync") >= 1
+    assert ("_gpu_gated_linear_kernel", 16) in seen
+    assert {bm for name, bm in seen if name == "_gpu_linear_mma_kernel"} >= {16, 64, 128, 256}, seen
