@@ -127,6 +127,10 @@ Settings (all optional):
                                 row order with vector stores and read by ldmatrix .trans (default 1); 0 stages it
                                 transposed element by element (16-bit stores, 16-way bank conflicts on the H200).
                                 The same fragments either way, so the same bits; an A/B switch.
+    JITKERN_LINEAR_L2_PREFETCH  KiB >= 0: each program of the tensor-core linear's one-row-of-tiles launches (decode
+                                sizes) first prefetches up to this much of its weight rows into L2 (sm_90+ bulk
+                                prefetch, issued before the wait for the previous launch under JITKERN_PDL); 0 =
+                                off. A hint: the same bits.
 
 The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py.
 """
@@ -153,7 +157,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_GATED_LINEAR",
             "JITKERN_FLASH_STEP_BLOCKS",
             "JITKERN_FLASH_WARP_ROWS",
-            "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS")
+            "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS", "JITKERN_LINEAR_L2_PREFETCH")
 
 
 class SettingError(JitkernError, ValueError):
@@ -286,6 +290,13 @@ def linear_prefetch(environ=None) -> int:
     on: ops/matmul.py _tma_maps keeps prefetch 2 for TMA launches)."""
     v = env_choice("JITKERN_LINEAR_PREFETCH", ("1", "2"), environ)
     return int(v) if v else (2 if tma(environ) else 1)
+
+
+def linear_l2_prefetch(environ=None) -> int:
+    """JITKERN_LINEAR_L2_PREFETCH: KiB of weight rows each decode-size tensor-core linear program prefetches into
+    L2 first (ops/matmul.py _l2_rows; 0 = off)."""
+    v = env_int("JITKERN_LINEAR_L2_PREFETCH", 0, environ)
+    return 0 if v is None else v
 
 
 def tma(environ=None) -> bool:
@@ -504,6 +515,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     wg_sums(environ)
     serial_maxnreg(environ)
     linear_prefetch(environ)
+    linear_l2_prefetch(environ)
     flash_fold_skip(environ)
     tma(environ)
     tma_pipe(environ)

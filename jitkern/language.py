@@ -516,19 +516,41 @@ def tma(tile, tensor_map, row, col) -> Tile:
 
 
 @builtin
-def prefetch(pointer, locality=3) -> None:
+def prefetch(pointer, locality=3, nbytes=None) -> None:
     """Hints that the memory a pointer tile addresses will be read soon (one cache-line prefetch per 64
     bytes of each row). Never faults, so it may address past the end of an array (e.g. the next block
     of a loop). The pointer tile must be contiguous along its last axis (or a scalar pointer).
     locality as LLVM's: 3 = into every cache level (x86 prefetcht0), 2 = L2 and out (prefetcht1), 1 = the
-    last level (prefetcht2), 0 = non-temporal. Prefetching more than L1 holds is better done at 2."""
+    last level (prefetcht2), 0 = non-temporal. Prefetching more than L1 holds is better done at 2.
+
+    With `nbytes` (a compile-time multiple of 16) each pointer of the tile, in any layout, starts a run of
+    nbytes contiguous bytes, 16-byte aligned (e.g. the weight rows a GEMV program will stream): GPUs with bulk
+    copies (sm_90+) fetch each run into L2 with one instruction, which a program can issue before
+    `wait_dependencies`; elsewhere (CPU tiers, other GPUs) this form is ignored. Never faults either."""
     pointer = to_tile(pointer)
     if not pointer.type.is_ptr:
         _error(f"prefetch needs a pointer, got {pointer.type}")
     locality = getattr(locality, "value", locality)
     if locality not in (0, 1, 2, 3):
         _error(f"prefetch locality must be a compile-time 0, 1, 2 or 3, got {locality!r}")
-    _builder().op("prefetch", [pointer.value], [], {"locality": int(locality)})
+    attrs = {"locality": int(locality)}
+    if nbytes is not None:
+        nbytes = getattr(nbytes, "value", nbytes)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0 or nbytes % 16:
+            _error(f"prefetch nbytes must be a compile-time positive multiple of 16, got {nbytes!r}")
+        attrs["nbytes"] = int(nbytes)
+    _builder().op("prefetch", [pointer.value], [], attrs)
+
+
+@builtin
+def wait_dependencies() -> None:
+    """Where a program waits for the launches before it in its stream. Under programmatic dependent launch
+    (JITKERN_PDL=1, sm_90+) a launch's programs may start while the previous launch is still running; every
+    kernel waits at its first instruction, except one that calls this: it waits here, so the code before it
+    overlaps the previous launch. Before the call read only memory no earlier launch writes (weights) and
+    prefetch; call it once, outside loops and branches, before any other load or store. Without PDL, on the
+    CPU and on other GPUs it does nothing (program order is enough)."""
+    _builder().op("wait_dependencies", [], [])
 
 
 @builtin

@@ -676,6 +676,35 @@ def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
+def test_linear_l2_prefetch_gives_the_same_bits(monkeypatch, backend):
+    """GPU_LINEAR_L2_PREFETCH (JITKERN_LINEAR_L2_PREFETCH, KiB a program): the tensor-core linear's launches of one row
+    of tiles (M up to the tile's BM) prefetch each program's weight rows from its K range's start into L2 first
+    (L2_ROWS bytes a row: the range, capped at the KiB over the tile's rows), with and without programmatic
+    dependent launch (gpu.PDL; the real GPU only): bit for bit the result without; taller launches take no
+    L2_ROWS. A narrow weight (K split in slab programs) and a wide one (unsplit)."""
+    from jitkern.backends import gpu
+    from jitkern.ops import matmul as mm
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    rng = np.random.default_rng(41)
+    runs = ((0, False), (64, False), (4, False)) + (((0, True), (64, True)) if backend == "cuda" else ())
+    for N, K in ((256, 1024), (64 * mm.GPU_NOSPLIT_MIN_TILES, 512)):
+        dw = _dev(cuda_mod, to_bf16(rng.standard_normal((N, K)) / 8))
+        for M in (1, 7, 16, 40):
+            x = _dev(cuda_mod, to_bf16(rng.standard_normal((M, K))))
+            got = {}
+            for kib, pdl in runs:
+                monkeypatch.setattr(mm, "GPU_LINEAR_L2_PREFETCH", kib)
+                monkeypatch.setattr(gpu, "PDL", pdl)
+                got[kib, pdl] = mm.linear(x, dw, w_dtype="bf16", x_dtype="bf16").numpy()
+                cx = mm.last_compiled("_gpu_linear_mma_kernel").constexprs
+                k_range = K // (1 if cx.get("SERIAL") else cx.get("SPLIT", 1))
+                want = min(2 * k_range, kib * 1024 // cx["BN"]) // 16 * 16 if kib and M <= cx["BM"] else 0
+                assert cx.get("L2_ROWS", 0) == want, (N, K, M, kib, cx)
+            for key in runs[1:]:
+                np.testing.assert_array_equal(got[key], got[runs[0]], err_msg=f"N={N} K={K} M={M} {key}")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
 @pytest.mark.parametrize("wdt,act", [("bf16", "silu"), ("f16", "gelu_tanh")])
 def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act):
     """matmul.gated_linear (decode-sized steps: a program's tile holds gate rows and the same outputs' up rows, the

@@ -151,6 +151,39 @@ def test_barrier_orders_a_programs_stores_before_its_loads(tier):
     np.testing.assert_array_equal(out, (x * 2.0).reshape(3, B)[:, ::-1].reshape(-1))
 
 
+@jk.kernel
+def _row_sums_prefetched(w, out, K, ROWS: jk.constexpr, BK: jk.constexpr, NB: jk.constexpr):
+    # the rows' first NB bytes prefetched (a bulk L2 prefetch a row on sm_90+, ignored elsewhere), then the wait for
+    # earlier launches (programmatic dependent launch), then the rows' sums
+    r = jk.program_id(0) * ROWS + jk.arange(0, ROWS)
+    jk.prefetch(w + r.to(jk.i64) * K, nbytes=NB)
+    jk.wait_dependencies()
+    k = jk.arange(0, BK)
+    acc = jk.zeros((ROWS,), jk.f32)
+    for c in range(0, K, BK):
+        acc += jk.sum(jk.load(w + r.to(jk.i64)[:, None] * K + (c + k)[None, :]), axis=1)
+    jk.store(out + r, acc)
+
+
+def test_prefetch_rows_and_wait_dependencies_keep_the_results(tier):
+    """jk.prefetch(..., nbytes=) and jk.wait_dependencies() are hints and ordering: the kernel computes what it
+    would without them, on every tier."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    out = np.zeros(64, np.float32)
+    _run(_row_sums_prefetched, (4,), tier, w, out, 256, ROWS=16, BK=64, NB=512)
+    np.testing.assert_allclose(out, w.sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_prefetch_nbytes_must_be_a_multiple_of_16():
+    @jk.kernel
+    def bad(w, NB: jk.constexpr):
+        jk.prefetch(w + jk.arange(0, 16), nbytes=NB)
+    for nb in (24, 0):
+        with pytest.raises(jk.CompilationError, match="nbytes must be a compile-time positive multiple of 16"):
+            launch(bad, (1,), (np.zeros(16, np.float32),), dict(NB=nb))
+
+
 def test_matmul_dot(tier):
     rng = np.random.default_rng(2)
     M, N, K = 37, 45, 129

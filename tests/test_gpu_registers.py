@@ -821,3 +821,35 @@ def test_16bit_out_linear_and_gated_kernel_assemble_without_spills(tmp_path):
                 assert "st.global" in ptx and ptx.count("bar.sync") >= 1
     assert ("_gpu_gated_linear_kernel", 16) in seen
     assert {bm for name, bm in seen if name == "_gpu_linear_mma_kernel"} >= {16, 64, 128, 256}, seen
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_linear_l2_prefetch_comes_before_the_dependency_wait(tmp_path, monkeypatch, pdl):
+    """The decode tile with L2_ROWS (matmul._l2_rows) on sm_90a: one bulk L2 prefetch of L2_ROWS bytes a weight row,
+    all before any global load; under programmatic dependent launch (gpu.PDL) the kernel lets its dependents
+    launch first and waits for earlier launches after the prefetches, before the first load (a kernel without
+    jk.wait_dependencies waits at its entry); ptxas assembles it without spills at the registers of the tile
+    without prefetches (+4)."""
+    from jitkern.backends import gpu
+    monkeypatch.setattr(gpu, "PDL", pdl)            # (in the compile cache key)
+    sig = LINEAR_SIG.replace("x=*f32", "x=*bf16")
+    base = ("ACT16=1", "maxnreg=168")
+    plain = _linear_ptx(16, 64, 128, extra=base, split=4, sig=sig)
+    ptx = _linear_ptx(16, 64, 128, extra=base + ("L2_ROWS=2048",), split=4, sig=sig)
+    lines = ptx.splitlines()
+    pf = [i for i, ln in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in ln]
+    assert pf and all(lines[i].rstrip().endswith("2048; }") for i in pf)
+    assert "cp.async.bulk.prefetch" not in plain
+    first_load = min(i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.ca" in ln
+                     or "cp.async.cg" in ln)
+    assert max(pf) < first_load
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    launches = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    if pdl:
+        assert len(waits) == 1 and len(launches) == 1 and launches[0] < min(pf) and max(pf) < waits[0] < first_load
+    else:
+        assert not waits and not launches
+    regs0, _ = _ptxas_usage(plain, tmp_path)
+    regs, spilled = _ptxas_usage(ptx, tmp_path)
+    assert spilled == 0 and regs <= regs0 + 4, (regs, regs0)

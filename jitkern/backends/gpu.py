@@ -146,6 +146,17 @@ class GpuHooks:
         align = 1024 if low._wgmma_swizzled() else 16
         return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align {align}"]
 
+    # a bulk prefetch of a contiguous run into L2 (jk.prefetch(..., nbytes=); NVIDIA sm_90+)
+    has_bulk_prefetch = False
+
+    def bulk_prefetch_l2(self, low, ptr: str, nbytes: int, pred: str) -> None:
+        """Prefetches `nbytes` (a multiple of 16) from generic pointer `ptr` (16-byte aligned) into L2 where i1
+        `pred` holds."""
+        raise NotImplementedError
+
+    def wait_dependencies(self, low) -> None:
+        """jk.wait_dependencies(): the wait for earlier launches where the target launches programs early."""
+
     has_cp_async = False     # global -> shared copies that run while the thread goes on (cp.async)
     has_tma = False          # bulk tensor copies by the tensor memory accelerator, completed on mbarriers
 
@@ -600,6 +611,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self._pin_analysis()
             self._costage_analysis()
         self.start_block("entry")
+        # jk.wait_dependencies() in the kernel: the entry leaves the wait for earlier launches to it
+        self.explicit_wait = any(op.name == "wait_dependencies" for op in _ops_of(fn.body))
         h.entry(self)
         self.tid = h.thread_id(self)
         self.entry_defs = []
@@ -1120,7 +1133,29 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self.start_block(done)
 
     def op_prefetch(self, op):
-        return None               # a cache hint; GPUs stream through L2 anyway
+        """The `nbytes` form on targets with a bulk L2 prefetch: each valid element's run, one instruction (a
+        thread per element; replicated elements, past the tile's size, are skipped). Otherwise nothing: a
+        cache hint, and GPUs stream through L2 anyway."""
+        nbytes = op.attrs.get("nbytes")
+        if not nbytes or not self.hooks.has_bulk_prefetch:
+            return None
+        p = self.get(op.operands[0])
+        shape = op.operands[0].type.shape
+        if not shape:
+            off = 0 if p.offs is None else (p.offs.ref, p.offs.et)
+            first = self.val(f"icmp eq i32 {self.tid}, 0", "i1", 0)
+            self.hooks.bulk_prefetch_l2(self, self._elem_ptr(p, off), nbytes, first.ref)
+            return None
+        ptrs = self._ptr_vec(p, shape)
+        idx = self.flat_index(shape)
+        for j in range(ptrs.n):
+            ok = self.val(f"icmp slt i32 {self.extract(idx, j).ref}, {_prod(shape)}", "i1", 0)
+            self.hooks.bulk_prefetch_l2(self, self.extract(ptrs, j).ref, nbytes, ok.ref)
+        return None
+
+    def op_wait_dependencies(self, op):
+        self.hooks.wait_dependencies(self)
+        return None
 
     def op_barrier(self, op):
         self.barrier()

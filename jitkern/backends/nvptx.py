@@ -61,9 +61,27 @@ class NvptxHooks(GpuHooks):
     def entry(self, low) -> None:
         if self.has_pdl:
             # before any memory access: wait for the grids this launch depends on (returns at once when it was
-            # not launched with programmatic serialization), then let the next launch's CTAs start
-            low.emit('call void asm sideeffect "griddepcontrol.wait;", "~{memory}"()')
+            # not launched with programmatic serialization; a kernel with jk.wait_dependencies() waits there),
+            # then let the next launch's CTAs start
+            if not getattr(low, "explicit_wait", False):
+                self.wait_dependencies(low)
             low.emit('call void asm sideeffect "griddepcontrol.launch_dependents;", "~{memory}"()')
+
+    def wait_dependencies(self, low) -> None:
+        if self.has_pdl:
+            low.emit('call void asm sideeffect "griddepcontrol.wait;", "~{memory}"()')
+
+    @property
+    def has_bulk_prefetch(self) -> bool:
+        return self.target.async_copy == "tma"          # sm_90+ (cp.async.bulk)
+
+    def bulk_prefetch_l2(self, low, ptr: str, nbytes: int, pred: str) -> None:
+        # cp.async.bulk.prefetch.L2 takes a .global address: the generic pointer cast to the global space
+        g = low.val(f"addrspacecast ptr {ptr} to ptr addrspace(1)", "ptr", 0).ref
+        p = low.val(f"zext i1 {pred} to i32", "i32", 0).ref
+        text = ("{ .reg .pred p; setp.ne.u32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$0], " + str(int(nbytes))
+                + "; }")
+        low.emit(f'call void asm sideeffect "{text}", "l,r,~{{memory}}"(ptr addrspace(1) {g}, i32 {p})')
 
     def thread_id(self, low) -> str:
         return self._sreg(low, "tid.x")

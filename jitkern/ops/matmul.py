@@ -238,7 +238,7 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
                            SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False,
-                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False):
+                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False, L2_ROWS: jk.constexpr = 0):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -255,7 +255,10 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     # as vLLM / cuBLAS bf16 inference computes). PREFETCH (1 or 2; EVEN, every K range of 2+ steps): how many
     # steps ahead the K loop loads its tiles (2 with num_stages=3: three cp.async buffers; the same dots in the
     # same order). xmap / wmap (i64): the global addresses of x's and w's tensor maps where the launch has the
-    # `tma` option (_tma_maps: the K loop's tiles are their boxes), else 0 and unused.
+    # `tma` option (_tma_maps: the K loop's tiles are their boxes), else 0 and unused. L2_ROWS (bytes, decode
+    # sizes: _l2_rows): the program first prefetches that much of each of its weight rows, from its K range's
+    # start, into L2, before it waits for the launch that writes x (jk.wait_dependencies: under programmatic
+    # dependent launch the weight reads overlap that launch; without it the K loop's loads find them in L2).
     t0 = jk.program_id(0) * BM
     r0 = jk.program_id(1) * BN
     tok = t0 + jk.arange(0, BM)
@@ -263,6 +266,12 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     tm = tok < M
     rm = rows < N
     kk = jk.arange(0, BK)
+    if L2_ROWS > 0:
+        kp = 0
+        if SPLIT > 1 and not SERIAL:
+            kp = jk.program_id(2) * ((K // (SPLIT * BK)) * BK)
+        jk.prefetch(w + jk.minimum(rows, N - 1).to(jk.i64) * K.to(jk.i64) + kp, nbytes=L2_ROWS)
+    jk.wait_dependencies()
     xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
     wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
     if EVEN:
@@ -708,6 +717,23 @@ GPU_LINEAR_SERIAL_MAXNREG = _env.serial_maxnreg()
 GPU_SERIAL_CHAIN = _env.serial_chain()
 
 
+# JITKERN_LINEAR_L2_PREFETCH (KiB, 0 = off): decode-size launches of the tensor-core linear (one row of tiles: each
+# weight tile is read by one program) on sm_90+ prefetch up to this much of each program's weight rows into L2
+# first (the L2_ROWS constexpr): the K loop's loads then wait on L2 rather than HBM, and under programmatic dependent
+# launch (JITKERN_PDL) the prefetch runs while the previous, latency-bound launch (norm, attention merge, activation)
+# still does. A hint: the same bits.
+GPU_LINEAR_L2_PREFETCH = _env.linear_l2_prefetch()
+
+
+def _l2_rows(T, M: int, BM: int, BN: int, k_range: int) -> dict:
+    """The L2_ROWS constexpr of a tensor-core linear launch of M tokens in tiles of (BM, BN) whose programs each read
+    k_range elements (2 bytes) of their weight rows: bytes a row, a multiple of 16, or nothing."""
+    if not (GPU_LINEAR_L2_PREFETCH and T.is_cuda and T.async_copy == "tma" and M <= BM):
+        return {}
+    per_row = min(k_range * 2, GPU_LINEAR_L2_PREFETCH * 1024 // BN) // 16 * 16
+    return {"L2_ROWS": per_row} if per_row >= 16 else {}
+
+
 # --------------------------------------------------------------------------------------------- helpers
 _WEIGHT_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -1041,7 +1067,8 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (_x_arg(xc, x_dtype), warg, yc, parts, mc, N, K, xc.strides[0] // es, N) + maps,
-                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts), T)
+                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts,
+                     **_l2_rows(T, mc, BM, BN, K // S)), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -1118,7 +1145,7 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                         if even else (0, 0)
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=act16, **opts), T)
+                                 ACT16=act16, **opts, **_l2_rows(T, M, BM, BN, K)), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,

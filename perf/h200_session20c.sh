@@ -1,0 +1,23 @@
+#!/bin/sh
+# Session 20's third H200 call (~7 minutes): weight rows prefetched into L2 before the dependency wait.
+#   1. bits: the linear with L2_ROWS, with and without programmatic dependent launch, and the DSL's prefetch rows +
+#      wait_dependencies; the engine's GPU tests with JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=64;
+#   2. ours alone (one kept model), two rounds at c=1 and c=64 of
+#      default | L2 64 KiB | L2 128 KiB | PDL | PDL + L2 64 | PDL + L2 128.
+# Run from the repo root after the device README's setup: sh perf/h200_session20c.sh
+set -u
+timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py tests/test_dsl.py \
+    -k "l2_prefetch or prefetch_rows" 2>&1 | tail -3
+JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=64 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_engine_cuda.py -k "not smollm" 2>&1 | tail -3
+timeout 200 python3 perf/bench_e2e_cuda.py --make llama3-8b --keep /tmp/l8b --systems ours --concurrency 1 \
+    --no-f32-check 2>&1 | grep "^jitkern engine"
+for round in 1 2; do
+  for s in "X=1" "JITKERN_LINEAR_L2_PREFETCH=64" "JITKERN_LINEAR_L2_PREFETCH=128" "JITKERN_PDL=1" \
+           "JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=64" "JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=128"; do
+    [ $SECONDS -gt 560 ] && break
+    echo "== round $round: $s"
+    env $s timeout 60 python3 perf/bench_e2e_cuda.py --model /tmp/l8b --systems ours --concurrency 1 64 \
+        --no-f32-check 2>&1 | grep "^jitkern engine"
+  done
+done
