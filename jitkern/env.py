@@ -127,6 +127,9 @@ Settings (all optional):
                                 row order with vector stores and read by ldmatrix .trans (default 1); 0 stages it
                                 transposed element by element (16-bit stores, 16-way bank conflicts on the H200).
                                 The same fragments either way, so the same bits; an A/B switch.
+    JITKERN_GATED_X             0 or 1: at decode sizes the down projection applies the gated activation (SiLU /
+                                GELU-tanh of gate times up) as it loads its x from the gate/up output (matmul
+                                linear(gated_x=)) instead of an act_and_mul launch before it (the same bits).
     JITKERN_LINEAR_L2_PREFETCH  KiB >= 0: each program of the tensor-core linear's one-row-of-tiles launches (decode
                                 sizes) first prefetches up to this much of its weight rows into L2 (sm_90+ bulk
                                 prefetch, issued before the wait for the previous launch under JITKERN_PDL); 0 =
@@ -157,7 +160,8 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_FLASH_DECODE_PIPELINE", "JITKERN_ROPE_TILES", "JITKERN_GATE_UP16", "JITKERN_GATED_LINEAR",
             "JITKERN_FLASH_STEP_BLOCKS",
             "JITKERN_FLASH_WARP_ROWS",
-            "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS", "JITKERN_LINEAR_L2_PREFETCH")
+            "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS", "JITKERN_LINEAR_L2_PREFETCH",
+            "JITKERN_GATED_X")
 
 
 class SettingError(JitkernError, ValueError):
@@ -297,6 +301,12 @@ def linear_l2_prefetch(environ=None) -> int:
     L2 first (ops/matmul.py _l2_rows; 0 = off)."""
     v = env_int("JITKERN_LINEAR_L2_PREFETCH", 0, environ)
     return 0 if v is None else v
+
+
+def gated_x(environ=None) -> bool:
+    """JITKERN_GATED_X (default 0): the decode-size down projection takes the gate/up output and applies the gated
+    activation in its x loads (ops/matmul.py takes_gated_x, engine/models/decoder.py)."""
+    return env_choice("JITKERN_GATED_X", ("0", "1"), environ) == "1"
 
 
 def tma(environ=None) -> bool:
@@ -516,6 +526,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     serial_maxnreg(environ)
     linear_prefetch(environ)
     linear_l2_prefetch(environ)
+    gated_x(environ)
     flash_fold_skip(environ)
     tma(environ)
     tma_pipe(environ)

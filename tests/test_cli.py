@@ -90,6 +90,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_WG_SUMS", "on", ["JITKERN_WG_SUMS='on'", "not one of 0, 1"]),
     ("JITKERN_LINEAR_PREFETCH", "3", ["JITKERN_LINEAR_PREFETCH='3'", "not one of 1, 2"]),
     ("JITKERN_LINEAR_L2_PREFETCH", "-8", ["JITKERN_LINEAR_L2_PREFETCH='-8'", ">= 0"]),
+    ("JITKERN_GATED_X", "2", ["JITKERN_GATED_X='2'", "not one of 0, 1"]),
     ("JITKERN_FLASH_FOLD_SKIP", "on", ["JITKERN_FLASH_FOLD_SKIP='on'", "not one of 0, 1"]),
     ("JITKERN_TMA", "yes", ["JITKERN_TMA='yes'", "not one of 0, 1"]),
     ("JITKERN_TMA_PIPE", "2", ["JITKERN_TMA_PIPE='2'", "not one of 0, 1"]),

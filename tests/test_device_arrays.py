@@ -706,6 +706,51 @@ def test_linear_l2_prefetch_gives_the_same_bits(monkeypatch, backend):
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
 @pytest.mark.parametrize("wdt,act", [("bf16", "silu"), ("f16", "gelu_tanh")])
+def test_linear_gated_x_is_act_and_mul_then_linear(monkeypatch, backend, wdt, act):
+    """`linear(gate_up, w, gated_x=act)` (the activation in the linear's x loads, decode sizes: matmul.takes_gated_x)
+    gives the bits of silu_and_mul / gelu_tanh_and_mul into a 16-bit array and the linear on it, for a narrow weight
+    (K split in slab programs, folded into a SplitK too) and a wide one (unsplit), 1 to 40 tokens; sizes past the
+    register-path tiles are refused with an error naming gated_x."""
+    from jitkern.ops import activation as A
+    from jitkern.ops import matmul as mm
+    from jitkern.ops._hostargs import resolve_target
+    cuda_mod = _sm90a_backend(backend, monkeypatch)
+    rng = np.random.default_rng(37)
+    st = np.uint16 if wdt == "bf16" else np.float16
+    fn = A.silu_and_mul if act == "silu" else A.gelu_tanh_and_mul
+
+    def half(a):
+        return to_bf16(a) if wdt == "bf16" else a.astype(np.float16)
+    wkw = {"w_dtype": "bf16"} if wdt == "bf16" else {}
+    for N, K in ((256, 1024), (64 * mm.GPU_NOSPLIT_MIN_TILES, 512)):
+        dw = _dev(cuda_mod, half(rng.standard_normal((N, K)) / 8))
+        for M in (1, 7, 40):
+            assert mm.takes_gated_x(wdt, N, K, M, resolve_target(None, dw), setting=False)
+            gu = _dev(cuda_mod, half(rng.standard_normal((M, 2 * K)) * 2))
+            act16 = cuda_mod.DeviceArray.empty((M, K), st, dw.device)
+            fn(gu, out=act16)
+            want = mm.linear(act16, dw, x_dtype=wdt, **wkw).numpy()
+            got = mm.linear(gu, dw, x_dtype=wdt, gated_x=act, **wkw).numpy()
+            assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("GATE") is not None
+            np.testing.assert_array_equal(got, want, err_msg=f"N={N} K={K} M={M}")
+            if backend == "cuda" or M == 1:
+                folded = mm.linear(gu, dw, x_dtype=wdt, gated_x=act, fold_sum=True, **wkw)
+                if isinstance(folded, mm.SplitK):
+                    out = cuda_mod.DeviceArray.empty((M, N), np.float32, dw.device)
+                    np.testing.assert_array_equal(folded.sum_into(out).numpy(), want)
+    big = mm.GPU_LINEAR_ASYNC_MIN_BM          # (sm_90a: the 64-token tile, cp.async / TMA staging)
+    if backend == "fake":                     # (the fake keeps the decode tile at every M: make it a staged one)
+        monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
+    assert not mm.takes_gated_x(wdt, 256, 1024, big, resolve_target(None, dw), setting=False)
+    gu = _dev(cuda_mod, half(rng.standard_normal((big, 2 * 1024))))
+    with pytest.raises(ValueError, match="gated_x"):
+        mm.linear(gu, _dev(cuda_mod, half(rng.standard_normal((256, 1024)))), x_dtype=wdt, gated_x=act, **wkw)
+    with pytest.raises(ValueError, match="gated_x must be"):
+        mm.linear(gu[:1], _dev(cuda_mod, half(rng.standard_normal((256, 1024)))), x_dtype=wdt, gated_x="relu", **wkw)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
+@pytest.mark.parametrize("wdt,act", [("bf16", "silu"), ("f16", "gelu_tanh")])
 def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act):
     """matmul.gated_linear (decode-sized steps: a program's tile holds gate rows and the same outputs' up rows, the
     activation in its epilogue) gives the bits of `linear(out=<16-bit>)` into a gate_up array (which it writes too)

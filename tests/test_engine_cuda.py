@@ -440,6 +440,62 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
 
 
 @pytest.mark.parametrize("where", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_down_projection_applies_the_gated_activation(tmp_path, monkeypatch, where):
+    """GPU_LINEAR_GATED_X (JITKERN_GATED_X): at decode sizes the down projection reads the bf16 gate/up output and
+    applies SiLU(gate) * up in its x loads (linear(gated_x=)), no silu_and_mul launch; prompt steps past the
+    register-path tiles (48+ tokens on sm_90a) keep the activation kernel. Greedy tokens and every prompt logprob are bit-identical to the
+    engine without it, batch and alone. "fake": the sm_90a fake device (GPU tiles compiled, run on the CPU)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    from engine.llm import LLM
+    from jitkern.ops import activation as act
+    from jitkern.ops import matmul as mm
+    from tests.model_fixtures import make_model_dir
+    if where == "fake":
+        from tests.fake_cuda import install
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        install(monkeypatch)
+    elif not _real_gpu():
+        pytest.skip("no CUDA device here")
+    make_model_dir("llama", str(tmp_path), seed=11, overrides={"hidden_size": 128, "intermediate_size": 256}).to(
+        torch.bfloat16).save_pretrained(str(tmp_path), safe_serialization=True)
+    monkeypatch.setattr(mm, "GPU_NOSPLIT_MIN_TILES", 1)
+    calls, gated = [], []
+    real_act, real_linear = act.silu_and_mul, mm.linear
+
+    def act_spy(gate_up, out=None, **k):
+        calls.append(gate_up.shape[0])
+        return real_act(gate_up, out=out, **k)
+
+    def linear_spy(x, *a, **k):
+        if k.get("gated_x"):
+            gated.append(x.shape[0])
+        return real_linear(x, *a, **k)
+    monkeypatch.setattr(act, "silu_and_mul", act_spy)
+    monkeypatch.setattr(mm, "linear", linear_spy)
+    prompts = _prompts(4, seed=13)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(mm, "GPU_LINEAR_GATED_X", on)
+        calls.clear()
+        gated.clear()
+        with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
+            outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        got[on] = [(list(o.outputs[0].token_ids), [None if d is None else sorted((k, v.logprob) for k, v in d.items())
+                                                   for d in o.prompt_logprobs]) for o in outs]
+        if on:
+            # (the fake keeps the 16-token tile at every step size: every step gated there)
+            assert {1, 4} <= set(gated) and (not calls or min(calls) > max(gated)), (gated, calls)
+            assert bool(calls) == (where == "cuda"), calls
+        else:
+            assert not gated and {1, 4} <= set(calls), calls
+    assert got[True] == got[False]
+    assert got[True][0][0] == got[True][-1][0]     # alone as in the batch
+
+
+@pytest.mark.parametrize("where", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tile", [None, (16, 32, 16, 4)], ids=["engine-tiles", "small"])
 def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, tile):
     """GPU_GATE_UP16 (CUDA, bf16 checkpoint, gate/up's K not split): the gate/up projection stores its output in

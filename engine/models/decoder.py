@@ -448,6 +448,17 @@ class DecoderLM:
             self._gate_up16_of[key] = st
         return self._gate_up16_of[key]
 
+    def _down_gated_x(self, L, T: int, gu, gu16) -> bool:
+        """Whether the down projection of a T-token step applies the gated activation in its x loads (matmul
+        linear(gated_x=), GPU_LINEAR_GATED_X): gate/up wrote its output in down's 16-bit input type (not as split-K
+        slabs) and down's tile for T tokens loads x through registers (matmul.takes_gated_x). The same bits as
+        act_and_mul into a 16-bit buffer and down on it."""
+        from jitkern.ops._hostargs import resolve_target
+        from jitkern.ops.matmul import SplitK, takes_gated_x
+        if gu16 is None or type(L.down) is not Linear or getattr(L.down, "x16", None) != gu16 or isinstance(gu, SplitK):
+            return False
+        return takes_gated_x(L.down.kind, L.down.n, L.down.k, T, resolve_target(None, L.down.weight))
+
     def _attn16_for(self, lin, li: int) -> bool:
         """Whether attention writes `lin`'s (the o projection's) input in its 16-bit storage (GPU_X16_ATTN):
         lin takes 16-bit x and paged_attention runs the flash kernels for this model's heads and cache."""
@@ -636,6 +647,7 @@ class DecoderLM:
                 self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 L.moe(x, h, buf)
             elif L.gate_up is not None:
+                down_kw = {}
                 down_q8 = L.down.q8_input(T) if self.fuse_decode else None
                 gu16 = self._gate_up16(L) if down_q8 is None else None
                 gelu = self.cfg.hidden_act.startswith("gelu")
@@ -655,6 +667,8 @@ class DecoderLM:
                         from jitkern.ops.activation import act_and_mul_q8
                         o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
                         L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
+                    elif self._down_gated_x(L, T, gu, gu16):
+                        act, down_kw = gu, {"gated_x": "gelu_tanh" if gelu else "silu"}   # (in down's x loads)
                     else:
                         st = getattr(L.down, "x16", None)
                         act = buf.get("act", (T, L.gate_up.n // 2)) if st is None else \
@@ -668,7 +682,7 @@ class DecoderLM:
             hsrc = h
             if L.moe is None:
                 if down_q8 is None:
-                    hsrc = L.down(act, out=h, **self._fold_kw(L.down, fold and L.post_ffn_norm is None))
+                    hsrc = L.down(act, out=h, **self._fold_kw(L.down, fold and L.post_ffn_norm is None), **down_kw)
                 if tp is not None:           # row-parallel down: partial sums
                     tp.all_reduce(h)
             if L.post_ffn_norm is not None:

@@ -238,7 +238,8 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
                            SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False,
-                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False, L2_ROWS: jk.constexpr = 0):
+                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False, L2_ROWS: jk.constexpr = 0,
+                           GATE: jk.constexpr = None):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -259,6 +260,9 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     # sizes: _l2_rows): the program first prefetches that much of each of its weight rows, from its K range's
     # start, into L2, before it waits for the launch that writes x (jk.wait_dependencies: under programmatic
     # dependent launch the weight reads overlap that launch; without it the K loop's loads find them in L2).
+    # GATE (an activation: activation.silu / gelu_tanh; decode-size launches on the register path, `gated_x`): x is
+    # a [M, 2 K] gate/up output and the A operand GATE(x[:, :K]) * x[:, K:], rounded to ACT16's type: the bits of
+    # act_and_mul_kernel's 16-bit output read by the linear, without its launch and round trip.
     t0 = jk.program_id(0) * BM
     r0 = jk.program_id(1) * BN
     tok = t0 + jk.arange(0, BM)
@@ -292,15 +296,20 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
             else:
                 k0 = jk.program_id(2) * KR
                 xm = tm[:, None] & (kk >= 0)[None, :]
-                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0)
+                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0,
+                                   GATE, K)
         else:
             xm = tm[:, None] & (kk >= 0)[None, :]
-            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0)
+            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0,
+                               GATE, K)
     else:
         acc = jk.zeros((BM, BN), jk.f32)
         for k in range(0, K, BK):
             km = (k + kk) < K
             xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            if GATE is not None:
+                xv = _gated(xv, jk.load(xrows + K + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0),
+                            GATE)
             wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
     if SPLIT > 1 and not SERIAL:
@@ -341,9 +350,20 @@ def _gpu_gated_linear_kernel(x, w, gu, y, M, N2, K, ldx, ldg, ldy, ACT: jk.const
 
 
 @jk.jit
-def _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0):
+def _gated(g, u, GATE):
+    """GATE(g) * u in f32, as act_and_mul_kernel computes it (its store then rounds it; here _act16 does)."""
+    return GATE(g.to(jk.f32)) * u.to(jk.f32)
+
+
+@jk.jit
+def _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0, GATE=None, KU=0):
     """The (x, w) tiles of the K step at k: x's (BM, BK) and w's (BN, BK), also the boxes at (t0, k) / (r0, k) of
-    the tensor maps xmap / wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA)."""
+    the tensor maps xmap / wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA). GATE: x's tile is
+    GATE(gate) * up of the gate/up rows, the up half KU elements on (no tensor map)."""
+    if GATE is not None:
+        return (_gated(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0),
+                       jk.load(xrows + KU + (k + kk)[None, :], mask=xm, other=0.0), GATE),
+                jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k))
     return (jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k),
             jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k))
 
@@ -389,24 +409,24 @@ def _mma_serial_chain(xrows, wrows, xm, kk, KR, BM, BN, BK, ACT16, PREFETCH, xma
 
 
 @jk.jit
-def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0):
+def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0, GATE=None, KU=0):
     """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK, and of 2 BK or more with
     PREFETCH 2), from zero. Software pipelining: the tiles of the step PREFETCH ahead are loaded before this
     step's dot, so their global loads are in flight while the dot stages shared memory and runs its MMAs (same
     arithmetic order). The tiles are also the boxes at (t0, k) / (r0, k) of the tensor maps xmap / wmap (jk.tma:
-    launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps')."""
+    launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps'). GATE, KU: _k_tiles'."""
     acc = jk.zeros((BM, BN), jk.f32)
-    xv, wv = _k_tiles(xrows, wrows, xm, kk, k0, xmap, wmap, t0, r0)
+    xv, wv = _k_tiles(xrows, wrows, xm, kk, k0, xmap, wmap, t0, r0, GATE, KU)
     if PREFETCH == 2:
-        xv1, wv1 = _k_tiles(xrows, wrows, xm, kk, k0 + BK, xmap, wmap, t0, r0)
+        xv1, wv1 = _k_tiles(xrows, wrows, xm, kk, k0 + BK, xmap, wmap, t0, r0, GATE, KU)
         for k in range(k0 + 2 * BK, k0 + KR, BK):
-            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
+            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0, GATE, KU)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
             xv, wv, xv1, wv1 = xv1, wv1, xn, wn
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         return jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
     for k in range(k0 + BK, k0 + KR, BK):
-        xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
+        xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0, GATE, KU)
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         xv, wv = xn, wn
     return jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
@@ -1051,7 +1071,7 @@ class SplitK:
 
 
 def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32", fold=False, w_arr=None,
-                   w_dtype=""):
+                   w_dtype="", gate=None):
     """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
     Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk). fold (one chunk,
     no bias): the sum is left to the consumer, returned as SplitK."""
@@ -1064,11 +1084,12 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         parts = device_scratch(x2, "linear_splitk", (S * mc, N), np.float32) if is_device(x2) \
             else np.empty((S * mc, N), np.float32)
         opts = _mma_regs(T, BM, act16, steps=K // (S * BK))
-        maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype)
+        maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype) \
+            if gate is None else (0, 0)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (_x_arg(xc, x_dtype), warg, yc, parts, mc, N, K, xc.strides[0] // es, N) + maps,
                 dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts,
-                     **_l2_rows(T, mc, BM, BN, K // S)), T)
+                     **_l2_rows(T, mc, BM, BN, K // S), **({"GATE": gate} if gate is not None else {})), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -1084,8 +1105,24 @@ def takes_16bit_x(w_dtype: str, K: int, target=None) -> bool:
                 and K % 16 == 0)
 
 
+def takes_gated_x(w_dtype: str, N: int, K: int, M: int, target=None, setting: bool = True) -> bool:
+    """Whether `linear(..., gated_x=)` runs for M tokens of 16-bit x on an [N, K] weight on `target`: the
+    tensor-core GPU linear's tile for the size loads x through registers (below GPU_LINEAR_ASYNC_MIN_BM tokens a
+    tile, no serial split). setting: and GPU_LINEAR_GATED_X (JITKERN_GATED_X) is on."""
+    T = _target(target)
+    if (setting and not GPU_LINEAR_GATED_X) or not takes_16bit_x(w_dtype, K, T) or M < 1:
+        return False
+    BM = _mma_tile_for(T, N, K, M, 1 if w_dtype == "bf16" else 2)[0]
+    return (not GPU_LINEAR_ASYNC_MIN_BM or BM < GPU_LINEAR_ASYNC_MIN_BM) and M < GPU_LINEAR_SERIAL_SPLIT_M
+
+
+# JITKERN_GATED_X (default 1 once measured; see env.py): the engine's down projection at decode sizes takes the
+# gate/up output and applies the gated activation in its x loads (linear(gated_x=)), instead of act_and_mul + linear
+GPU_LINEAR_GATED_X = _env.gated_x()
+
+
 def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None, x_dtype="f32",
-           fold_sum=False):
+           fold_sum=False, gated_x=None):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
@@ -1100,11 +1137,24 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
     same result as f32 x with activations "16bit" (which rounds x to that type first), from half the bytes of x.
     `fold_sum`: where the GPU kernel splits K (and M <= GPU_SPLITK_MAX_M, no bias), return a SplitK (the slabs,
     `out` untouched) for a consumer that sums them itself (rms_norm, act_and_mul); elsewhere the result as usual.
+    `gated_x` ("silu" | "gelu_tanh"; where `takes_gated_x`): x is a [M, 2 K] gate/up output in the 16-bit x_dtype and
+    the linear's input is act(gate) * up, exactly as silu_and_mul / gelu_tanh_and_mul would write it in x_dtype:
+    the activation runs inside the linear's x loads (one launch and the [M, K] round trip fewer).
     """
     T = _target(resolve_target(target, x, w))
     arr, dt, warg = _as_weight(w, w_dtype)
     N, K = arr.shape
-    x2, squeeze = _as_x(x, K, x_dtype=x_dtype)
+    gate = None
+    if gated_x is not None:
+        from .activation import gelu_tanh_f, silu
+        gate = {"silu": silu, "gelu_tanh": gelu_tanh_f}.get(gated_x)
+        if gate is None:
+            raise ValueError(f"linear: gated_x must be 'silu' or 'gelu_tanh', got {gated_x!r}")
+        M0 = x.shape[0] if getattr(x, "ndim", 0) == 2 else 1
+        if x_dtype == "f32" or not takes_gated_x(dt, N, K, M0, T, setting=False):
+            raise ValueError(f"linear: gated_x needs 16-bit x and the tensor-core GPU linear's register-path tile "
+                             f"(decode sizes, matmul.takes_gated_x), here {M0} tokens of {x_dtype} on {T.name}")
+    x2, squeeze = _as_x(x, 2 * K if gate is not None else K, x_dtype=x_dtype)
     es = x2.dtype.itemsize
     tensor_cores = takes_16bit_x(dt, K, T)
     if x_dtype != "f32":
@@ -1136,16 +1186,18 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                                  CHAIN=GPU_SERIAL_CHAIN, num_warps=NW, ACT16=act16, **opts), T)
                 elif S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
-                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold, arr, dt)
+                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold, arr, dt,
+                                       gate)
                     if fold:
                         return r
                 else:
                     opts = _mma_regs(T, BM, act16, steps=K // BK if even else 0)
                     maps = _tma_maps(T, opts, x2, arr, M, N, K, x2.strides[0] // es, BM, BN, BK, x_dtype, dt) \
-                        if even else (0, 0)
+                        if even and gate is None else (0, 0)
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=act16, **opts, **_l2_rows(T, M, BM, BN, K)), T)
+                                 ACT16=act16, **opts, **_l2_rows(T, M, BM, BN, K),
+                                 **({"GATE": gate} if gate is not None else {})), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,
