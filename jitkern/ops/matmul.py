@@ -741,7 +741,9 @@ GPU_SERIAL_CHAIN = _env.serial_chain()
 # weight tile is read by one program) on sm_90+ prefetch up to this much of each program's weight rows into L2
 # first (the L2_ROWS constexpr): the K loop's loads then wait on L2 rather than HBM, and under programmatic dependent
 # launch (JITKERN_PDL) the prefetch runs while the previous, latency-bound launch (norm, attention merge, activation)
-# still does. A hint: the same bits.
+# still does. A hint: the same bits (H200 tests passed). Off: on the H200 (session 20, perf/h200_session20c.sh, ours
+# alone at c=1) 64 KiB gave 202.5-203.0 tok/s and 128 KiB 188-191 against 210-211 without, with PDL 207-208 and
+# 199-202 (PDL alone 209-210): the prefetches' traffic races the K loop's own loads.
 GPU_LINEAR_L2_PREFETCH = _env.linear_l2_prefetch()
 
 
@@ -1116,8 +1118,12 @@ def takes_gated_x(w_dtype: str, N: int, K: int, M: int, target=None, setting: bo
     return (not GPU_LINEAR_ASYNC_MIN_BM or BM < GPU_LINEAR_ASYNC_MIN_BM) and M < GPU_LINEAR_SERIAL_SPLIT_M
 
 
-# JITKERN_GATED_X (default 1 once measured; see env.py): the engine's down projection at decode sizes takes the
-# gate/up output and applies the gated activation in its x loads (linear(gated_x=)), instead of act_and_mul + linear
+# JITKERN_GATED_X (default 0): the engine's down projection at decode sizes takes the gate/up output and applies the
+# gated activation in its x loads (linear(gated_x=)), instead of act_and_mul + linear. The same bits (H200 tests
+# passed), but much slower there (session 20, perf/h200_session20d.sh: c=1 128-130 tok/s against 210-214): the decode
+# tile's registers 114 -> 156 (3 CTAs an SM instead of 4), and each K step computes the next step's A operand right
+# after issuing its loads, so it waits on them before its MMAs (the weight loads no longer overlap the dot). An A/B
+# switch; the form to try next applies the activation at the dot (gate and up carried through the prefetch chain).
 GPU_LINEAR_GATED_X = _env.gated_x()
 
 
