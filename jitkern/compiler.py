@@ -133,16 +133,17 @@ def _toolchain_key(target) -> tuple:
             (() if gpu_staging.COSTAGE else ("no-costage",)) + \
             (() if gpu.FAST_EXP else ("no-fast-exp",)) + \
             (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + \
+            (() if gpu.REDUCE_ONE_EACH else ("reduce-tiled",)) + \
             (() if gpu.WG_SUMS else ("no-wg-sums",))
     if target.is_hip:
         from .backends import gpu
         from .backends.amdgpu import find_lld, lld_version
         return ("ld.lld", lld_version(find_lld())) + (() if gpu.FRAG_OPS else ("no-frag-ops",)) + \
             (("row-slots",) if gpu.ROW_SLOTS else ()) + (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
-            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",))
+            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + (() if gpu.REDUCE_ONE_EACH else ("reduce-tiled",))
     if target.is_vulkan:
         from .backends import gpu
-        return () if gpu.REDUCE_DIRECT else ("two-pass-reduce",)
+        return (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + (() if gpu.REDUCE_ONE_EACH else ("reduce-tiled",))
     return ()
 
 

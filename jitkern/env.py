@@ -127,6 +127,10 @@ Settings (all optional):
                                 row order with vector stores and read by ldmatrix .trans (default 1); 0 stages it
                                 transposed element by element (16-bit stores, 16-way bank conflicts on the H200).
                                 The same fragments either way, so the same bits; an A/B switch.
+    JITKERN_REDUCE_ONE_EACH     0 or 1: a GPU kernel's CTA-wide reduction of up to a thread per (output, chunk) work
+                                item runs one item a thread and unrolls its final fold (default 1; the same
+                                items folded in the same order, so the same bits; 0 = the tile layout's 4-lane
+                                chunks on a quarter of the threads; an A/B switch).
     JITKERN_GATED_X             0 or 1: at decode sizes the down projection applies the gated activation (SiLU /
                                 GELU-tanh of gate times up) as it loads its x from the gate/up output (matmul
                                 linear(gated_x=)) instead of an act_and_mul launch before it (the same bits;
@@ -163,7 +167,7 @@ SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREAD
             "JITKERN_FLASH_STEP_BLOCKS",
             "JITKERN_FLASH_WARP_ROWS",
             "JITKERN_FAST_EXP", "JITKERN_LDMATRIX_TRANS", "JITKERN_LINEAR_L2_PREFETCH",
-            "JITKERN_GATED_X")
+            "JITKERN_GATED_X", "JITKERN_REDUCE_ONE_EACH")
 
 
 class SettingError(JitkernError, ValueError):
@@ -303,6 +307,11 @@ def linear_l2_prefetch(environ=None) -> int:
     L2 first (ops/matmul.py _l2_rows; 0 = off)."""
     v = env_int("JITKERN_LINEAR_L2_PREFETCH", 0, environ)
     return 0 if v is None else v
+
+
+def reduce_one_each(environ=None) -> bool:
+    """JITKERN_REDUCE_ONE_EACH (default 1): GPU CTA-wide reductions one work item a thread (backends/gpu.py)."""
+    return env_choice("JITKERN_REDUCE_ONE_EACH", ("0", "1"), environ) != "0"
 
 
 def gated_x(environ=None) -> bool:
@@ -529,6 +538,7 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     linear_prefetch(environ)
     linear_l2_prefetch(environ)
     gated_x(environ)
+    reduce_one_each(environ)
     flash_fold_skip(environ)
     tma(environ)
     tma_pipe(environ)

@@ -91,6 +91,7 @@ def _jitkern(tmp_path, *args, **env):
     ("JITKERN_LINEAR_PREFETCH", "3", ["JITKERN_LINEAR_PREFETCH='3'", "not one of 1, 2"]),
     ("JITKERN_LINEAR_L2_PREFETCH", "-8", ["JITKERN_LINEAR_L2_PREFETCH='-8'", ">= 0"]),
     ("JITKERN_GATED_X", "2", ["JITKERN_GATED_X='2'", "not one of 0, 1"]),
+    ("JITKERN_REDUCE_ONE_EACH", "yes", ["JITKERN_REDUCE_ONE_EACH='yes'", "not one of 0, 1"]),
     ("JITKERN_FLASH_FOLD_SKIP", "on", ["JITKERN_FLASH_FOLD_SKIP='on'", "not one of 0, 1"]),
     ("JITKERN_TMA", "yes", ["JITKERN_TMA='yes'", "not one of 0, 1"]),
     ("JITKERN_TMA_PIPE", "2", ["JITKERN_TMA_PIPE='2'", "not one of 0, 1"]),

@@ -184,6 +184,43 @@ def test_prefetch_nbytes_must_be_a_multiple_of_16():
             launch(bad, (1,), (np.zeros(16, np.float32),), dict(NB=nb))
 
 
+@jk.kernel
+def _reductions(x, out, N: jk.constexpr, R: jk.constexpr):
+    # a whole (R * N,) tile to one sum / max / argmax, and (R, N) rows to R sums and argmins
+    i = jk.arange(0, R * N)
+    v = jk.load(x + i)
+    jk.store(out, jk.sum(v, axis=0))
+    jk.store(out + 1, jk.max(v, axis=0))
+    jk.store(out + 2, jk.argmax(v, axis=0).to(jk.f32))
+    r = jk.arange(0, R)
+    c = jk.arange(0, N)
+    m = jk.load(x + r[:, None] * N + c[None, :])
+    jk.store(out + 3 + r, jk.sum(m * m, axis=1))
+    jk.store(out + 3 + R + r, jk.argmin(m, axis=1).to(jk.f32))
+
+
+@pytest.mark.parametrize("R,N", [(2, 2048), (4, 256), (2, 16), (32, 32)])
+def test_reductions_one_item_a_thread_keep_the_bits(tier, monkeypatch, R, N):
+    """GPU lowerings (Vulkan, CUDA): a CTA-wide reduction of up to a thread per work item runs one item a thread
+    (gpu.REDUCE_ONE_EACH) with the bits of the tile layout's chunks (the same items, folded in the same order),
+    sums, maxima and arg-reductions, one output and several; close to numpy on every tier."""
+    from jitkern.backends import gpu
+    rng = np.random.default_rng(R * N)
+    x = rng.standard_normal(R * N).astype(np.float32)
+    got = {}
+    for each in (True, False):
+        monkeypatch.setattr(gpu, "REDUCE_ONE_EACH", each)       # (in the compile cache key)
+        out = np.zeros(3 + 2 * R, np.float32)
+        _run(_reductions, (1,), tier, x, out, N=N, R=R)
+        got[each] = out
+    np.testing.assert_array_equal(got[True], got[False])
+    m = x.reshape(R, N)
+    np.testing.assert_allclose(got[True][0], x.sum(dtype=np.float64), rtol=1e-4, atol=1e-3)
+    assert got[True][1] == x.max() and got[True][2] == np.argmax(x)
+    np.testing.assert_allclose(got[True][3:3 + R], (m.astype(np.float64) ** 2).sum(1), rtol=1e-4)
+    np.testing.assert_array_equal(got[True][3 + R:], np.argmin(m, axis=1))
+
+
 def test_matmul_dot(tier):
     rng = np.random.default_rng(2)
     M, N, K = 37, 45, 129

@@ -571,10 +571,12 @@ def test_linear_tma_pipe(tmp_path, monkeypatch, prefetch):
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_pdl_kernels_wait_for_their_predecessor_first(tmp_path, monkeypatch):
-    """JITKERN_PDL=1 (programmatic dependent launch): on sm_90a every kernel starts with griddepcontrol.wait,
-    before any global memory access (a launch with programmatic stream serialization may begin before the
-    previous kernel has finished: the wait is what keeps its reads after that kernel's writes), then lets its
-    dependents launch; the switch is in the cache key; sm_80 kernels have neither."""
+    """JITKERN_PDL=1 (programmatic dependent launch): on sm_90a every kernel waits with griddepcontrol.wait before
+    any global memory access (a launch with programmatic stream serialization may begin before the previous
+    kernel has finished: the wait is what keeps its reads after that kernel's writes) and lets its dependents
+    launch: a kernel without jk.wait_dependencies() (rms_norm) waits first, at its entry; the tensor-core linear,
+    which calls it, lets its dependents launch at its entry and waits there, after its index math and shared-memory
+    setup; the switch is in the cache key; sm_80 kernels have neither."""
     from jitkern.backends import gpu
     from jitkern.compiler import _toolchain_key
     from targets import get_target
@@ -583,11 +585,21 @@ def test_pdl_kernels_wait_for_their_predecessor_first(tmp_path, monkeypatch):
     ptx = _linear_ptx(64, 128, 64, extra=("ACT16=1", "wgmma=1", "num_stages=2", "tma=1"), warps=8, split=4,
                       sig=LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16"))
     body = ptx[ptx.index("{", ptx.index(".entry")):]
-    first_mem = min(i for i in (body.find("ld.global"), body.find("cp.async"), body.find("st.global"),
-                                body.find("ld.shared"), body.find("st.shared"), body.find("mbarrier")) if i >= 0)
+    first_global = min(i for i in (body.find("ld.global"), body.find("cp.async"), body.find("st.global")) if i >= 0)
     assert body.count("griddepcontrol.wait;") == 1
-    assert body.index("griddepcontrol.wait;") < body.index("griddepcontrol.launch_dependents;") < first_mem
+    assert body.index("griddepcontrol.launch_dependents;") < body.index("griddepcontrol.wait;") < first_global
     assert _ptxas_usage(ptx, tmp_path)[1] == 0
+    from jitkern.ops import norm as N
+    from jitkern.runtime.launch import compile_only
+    T = get_target("sm_90a")
+    with compile_only(target=T) as co:
+        N.rms_norm(np.zeros((1, 4096), np.float32), np.zeros(4096, np.float32), 1e-5, target=T)
+    nptx = co.compiled[-1].artifacts["kernel.ptx"]
+    nptx = nptx.decode() if isinstance(nptx, bytes) else nptx
+    body = nptx[nptx.index("{", nptx.index(".entry")):]
+    first_mem = min(i for i in (body.find("ld.global"), body.find("st.global"), body.find("ld.shared"),
+                                body.find("st.shared")) if i >= 0)
+    assert body.index("griddepcontrol.wait;") < body.index("griddepcontrol.launch_dependents;") < first_mem
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
     from jitkern.ops.matmul import _gpu_linear_mma_kernel

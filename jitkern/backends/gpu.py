@@ -247,6 +247,10 @@ TMA_PIPE = _env.tma_pipe()
 # switch (in the cache key). H200, session 12 (perf/h200_pdl.sh): right (68 GPU tests), but no faster at c=1
 # (196.9 vs 196.7 tok/s, decode from CUDA graphs) and slower at c=64 (5146 vs 5416 tok/s): off
 PDL = _env.pdl()
+# a CTA-wide reduction of up to T work items (output, chunk) runs one item a thread and unrolls its final fold (the
+# same items folded in the same order: the same bits; GpuLowering._reduce_lanes). JITKERN_REDUCE_ONE_EACH=0: the tile
+# layout's 4-lane chunks on a quarter of the threads (an A/B switch, in the cache key)
+REDUCE_ONE_EACH = _env.reduce_one_each()
 # JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
 # tile layout in shared memory (an A/B switch, in the cache key)
 FRAG_OPS = _env.frag_ops()
@@ -488,14 +492,16 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
     def _st_et(self, et: str) -> str:
         return "i8" if et == "i1" else et
 
-    def smem_write(self, x: LV, off: int, claim: bool = True) -> int:
+    def smem_write(self, x: LV, off: int, claim: bool = True, idx: LV = None) -> int:
         """Writes every lane of tile x at its flat index into shared memory at byte offset `off` (padding lanes
         land in the padded tail, so no mask is needed); returns the end offset of the region (claim=False: a
-        region reserved elsewhere, `off` may be a placeholder; returns None)."""
+        region reserved elsewhere, `off` may be a placeholder; returns None). `idx`: the lanes' indices instead
+        (i32 lanes below T * lanes, e.g. one value a thread at its thread id)."""
         et = self._st_et(x.et)
         R = x.n
         v = x if x.et != "i1" else self.val(f"zext {x.ty} {x.ref} to {vty('i8', R)}", "i8", R, x.shape)
-        idx = self.flat_index(x.shape)
+        if idx is None:
+            idx = self.flat_index(x.shape)
         if self.hooks.smem_store(self, et, off, idx, v):
             return self._claim(off, self.T * R * _ES[et]) if claim else None
         base = self.smem_ptr(off)
@@ -1475,6 +1481,12 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             G *= 2
         W = O * G                               # work items (output, chunk), laid out as a (W,) tile
         RW = self.lanes((W,))
+        # up to T items: one a thread (item = thread id) instead of the tile layout's 4-lane chunks, which left all
+        # but W / 4 threads idle and gave each four items' reads in series (a 4096-wide row sum: 128 shared loads a
+        # thread on one warp, against 32 on four). Each item folds the same elements in the same order: same bits
+        one_each = W <= T and RW > 1 and REDUCE_ONE_EACH
+        if one_each:
+            RW = 1
         et = x.et
         self.barrier()
         end = self.smem_write(x, 0)
@@ -1482,7 +1494,10 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         steps = -(-n // G)
         if steps == 1 and G > 1 and not arg and REDUCE_DIRECT:
             return self._reduce_direct(op, kind, d, et, shape, oshape, n, post, G, half)
-        w = LV(self.flat_index((W,)).ref, "i32", RW)
+        if one_each:
+            w = self.val(f"insertelement <1 x i32> poison, i32 {self.tid}, i32 0", "i32", 1)
+        else:
+            w = LV(self.flat_index((W,)).ref, "i32", RW)
         o = self.ibin("udiv", w, G) if G > 1 else w
         c = self.ibin("urem", w, G) if G > 1 else self.iconst(0, RW)
         p_, q_ = (self.ibin("udiv", o, post), self.ibin("urem", o, post)) if post > 1 else (o, None)
@@ -1521,9 +1536,10 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             # fold the G partials of each output in chunk order
             self.barrier()
             offv = end
-            end_v = self.smem_write(LV(part[0].ref, et, RW, (W,)), offv)
+            at = w if one_each else None
+            end_v = self.smem_write(LV(part[0].ref, et, RW, (W,)), offv, idx=at)
             if arg:
-                self.smem_write(LV(part[1].ref, "i32", RW, (W,)), end_v)
+                self.smem_write(LV(part[1].ref, "i32", RW, (W,)), end_v, idx=at)
             self.barrier()
             if oshape:
                 ov = self.flat_index(oshape)
@@ -1546,7 +1562,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 return [self.val(f"select {better.ty} {better.ref}, {v.ty} {v.ref}, {v.ty} {cur[0].ref}", et, n_out),
                         self.val(f"select {better.ty} {better.ref}, {vi.ty} {vi.ref}, {vi.ty} {cur[1].ref}", "i32",
                                  n_out)]
-            fin = self.emit_loop(G, cur0, fold)
+            # (unrolled: the partials' reads are independent and can be in flight; the combines chain in order)
+            fin = self.emit_loop(G, cur0, fold, unroll=min(G, 16) if REDUCE_ONE_EACH else None)
             res = fin[1] if arg else fin[0]
             if oshape:
                 res = LV(res.ref, res.et, R_out, oshape)
