@@ -15,7 +15,7 @@ timeout 200 python3 perf/bench_e2e_cuda.py --make llama3-8b --keep /tmp/l8b --sy
     --no-f32-check 2>&1 | grep "^jitkern engine"
 for round in 1 2; do
   for s in "JITKERN_REDUCE_ONE_EACH=1" "JITKERN_REDUCE_ONE_EACH=0"; do
-    [ $SECONDS -gt 520 ] && break
+    [ $SECONDS -gt 360 ] && break
     echo "== round $round: $s"
     env $s timeout 60 python3 perf/bench_e2e_cuda.py --model /tmp/l8b --systems ours --concurrency 1 64 \
         --no-f32-check 2>&1 | grep "^jitkern engine"
