@@ -199,11 +199,12 @@ def _reductions(x, out, N: jk.constexpr, R: jk.constexpr):
     jk.store(out + 3 + R + r, jk.argmin(m, axis=1).to(jk.f32))
 
 
-@pytest.mark.parametrize("R,N", [(2, 2048), (4, 256), (2, 16), (32, 32)])
+@pytest.mark.parametrize("R,N", [(2, 2048), (4, 256), (2, 16), (32, 32), (1, 1024)])
 def test_reductions_one_item_a_thread_keep_the_bits(tier, monkeypatch, R, N):
     """GPU lowerings (Vulkan, CUDA): a CTA-wide reduction of up to a thread per work item runs one item a thread
     (gpu.REDUCE_ONE_EACH) with the bits of the tile layout's chunks (the same items, folded in the same order),
-    sums, maxima and arg-reductions, one output and several; close to numpy on every tier."""
+    sums, maxima and arg-reductions, one output and several (a (1, N) tile's row too: its arg-reduction gave the CPU
+    tiers a scalar for the (1,) result, an LLVM type error); close to numpy on every tier."""
     from jitkern.backends import gpu
     rng = np.random.default_rng(R * N)
     x = rng.standard_normal(R * N).astype(np.float32)

@@ -560,6 +560,8 @@ class CpuLowering(LlvmEmitter):
                                f"{self.const(n, 'i32', n).ref}", "i32", n)
                 outs.append(self._reduce_vec("min", idx, ir.u32))
             res = outs[0] if pre == 1 else self.build_vector(outs, "i32", oshape)
+            if oshape and res.n == 0:
+                res = self.splat(res, 1, oshape)        # one row of a (1, n) tile: a (1,) result, one lane
             return res if oshape else (res if res.n == 0 else self.extract(res, 0))
         for j in range(1, n):
             v = self.shuffle(x, [p * n * post + j * post + q for p in range(pre) for q in range(post)], oshape)
