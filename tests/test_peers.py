@@ -164,3 +164,18 @@ def test_bench_e2e_report_one_output_token():
     res = {"hf": {"runs": {"1": dict(run)}}, "ours": {"runs": {"1": {**run, "ttft_s": 0.1, "wall_s": 0.1}}}}
     text = "\n".join(be.report(res, a))
     assert "decode    nanx  TTFT  2.000x" in text, text
+
+
+def test_bench_e2e_reports_the_median_of_repeated_calls():
+    """--repeat N (default 3): of the timed calls the one with the median wall time is reported (its own TTFT),
+    every wall kept; calls that disagree on the greedy tokens are an error; --repeat 0 is refused."""
+    from perf import bench_e2e_cuda as be
+    assert be.parse(["--model", "x"]).repeat == 3
+    runs = [{"wall_s": w, "ttft_s": w / 10, "tokens0": [1, 2]} for w in (0.9, 0.6, 0.7)]
+    got = be.median_run(runs)
+    assert got["wall_s"] == 0.7 and got["ttft_s"] == pytest.approx(0.07) and got["walls_s"] == [0.9, 0.6, 0.7]
+    assert be.median_run(runs[:2])["wall_s"] == 0.6
+    with pytest.raises(RuntimeError, match="different greedy tokens"):
+        be.median_run(runs + [{"wall_s": 1.0, "ttft_s": 0.1, "tokens0": [1, 3]}])
+    with pytest.raises(SystemExit):
+        be.parse(["--model", "x", "--repeat", "0"])
