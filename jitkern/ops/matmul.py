@@ -1123,7 +1123,9 @@ def takes_gated_x(w_dtype: str, N: int, K: int, M: int, target=None, setting: bo
 # passed), but much slower there (session 20, perf/h200_session20d.sh: c=1 128-130 tok/s against 210-214): the decode
 # tile's registers 114 -> 156 (3 CTAs an SM instead of 4), and each K step computes the next step's A operand right
 # after issuing its loads, so it waits on them before its MMAs (the weight loads no longer overlap the dot). An A/B
-# switch; the form to try next applies the activation at the dot (gate and up carried through the prefetch chain).
+# switch. Applying the activation at the dot instead (gate and up carried through the prefetch chain) takes 167
+# registers (ptxas, session 20): the 16-row x tile is activated whole though M = 1 uses one row. What would pay is
+# the activation done once a program for its rows and K range, staged in shared memory before the K loop.
 GPU_LINEAR_GATED_X = _env.gated_x()
 
 
