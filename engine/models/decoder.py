@@ -643,11 +643,11 @@ class DecoderLM:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
             # MLP block
             down_q8 = None
+            down_kw = {}            # the down projection's gated_x, where it applies the activation (_down_gated_x)
             if L.moe is not None:
                 self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 L.moe(x, h, buf)
             elif L.gate_up is not None:
-                down_kw = {}
                 down_q8 = L.down.q8_input(T) if self.fuse_decode else None
                 gu16 = self._gate_up16(L) if down_q8 is None else None
                 gelu = self.cfg.hidden_act.startswith("gelu")
