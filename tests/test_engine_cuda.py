@@ -42,6 +42,30 @@ def _greedy(llm, prompts, n):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
 
 
+def _tokens_and_prompt_logprobs(outs) -> list:
+    """Each output's greedy tokens and every prompt logprob (sorted per position): what the bit-identity tests
+    compare between engine settings."""
+    return [(list(o.outputs[0].token_ids),
+             [None if d is None else sorted((k, v.logprob) for k, v in d.items()) for d in o.prompt_logprobs])
+            for o in outs]
+
+
+def _bf16_llama_on(where, tmp_path, monkeypatch, seed, overrides=None) -> None:
+    """A random bf16 Llama checkpoint written to tmp_path, for the engine on `where`: "fake" (tests/fake_cuda.py's
+    device with the sm_90a target: its GPU tiles compiled, run on the CPU) or "cuda" (a real GPU; skipped without
+    one)."""
+    import torch
+    from tests.model_fixtures import make_model_dir
+    if where == "fake":
+        from tests.fake_cuda import install
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        install(monkeypatch)
+    elif not _real_gpu():
+        pytest.skip("no CUDA device here")
+    make_model_dir("llama", str(tmp_path), seed=seed, overrides=overrides).to(torch.bfloat16).save_pretrained(
+        str(tmp_path), safe_serialization=True)
+
+
 def _real_gpu() -> bool:
     try:
         from jitkern.runtime import cuda
@@ -383,9 +407,7 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, ti
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
             # GPU_X16_ATTN: the flash kernels wrote the o projection's input in bf16
             assert list(llm.engine.model._attn16_ok.values()) == ([True] * len(llm.engine.model.layers) if on else [])
-            got[on] = [(list(o.outputs[0].token_ids),
-                        [None if d is None else sorted((k, v.logprob) for k, v in d.items()) for d in o.prompt_logprobs])
-                       for o in outs]
+            got[on] = _tokens_and_prompt_logprobs(outs)
         finally:
             llm.close()
     assert got[True] == got[False]
@@ -429,9 +451,7 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
         parts.clear()
         with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        got[on] = [(list(o.outputs[0].token_ids),
-                    [None if d is None else sorted((k, v.logprob) for k, v in d.items()) for d in o.prompt_logprobs])
-                   for o in outs]
+        got[on] = _tokens_and_prompt_logprobs(outs)
         seen[on] = set(parts)
     assert got[True] == got[False]
     assert got[True][0][0] == got[True][-1][0]
@@ -447,19 +467,10 @@ def test_down_projection_applies_the_gated_activation(tmp_path, monkeypatch, whe
     engine without it, batch and alone. "fake": the sm_90a fake device (GPU tiles compiled, run on the CPU)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import torch
     from engine.llm import LLM
     from jitkern.ops import activation as act
     from jitkern.ops import matmul as mm
-    from tests.model_fixtures import make_model_dir
-    if where == "fake":
-        from tests.fake_cuda import install
-        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
-        install(monkeypatch)
-    elif not _real_gpu():
-        pytest.skip("no CUDA device here")
-    make_model_dir("llama", str(tmp_path), seed=11, overrides={"hidden_size": 128, "intermediate_size": 256}).to(
-        torch.bfloat16).save_pretrained(str(tmp_path), safe_serialization=True)
+    _bf16_llama_on(where, tmp_path, monkeypatch, 11, {"hidden_size": 128, "intermediate_size": 256})
     monkeypatch.setattr(mm, "GPU_NOSPLIT_MIN_TILES", 1)
     calls, gated = [], []
     real_act, real_linear = act.silu_and_mul, mm.linear
@@ -483,8 +494,7 @@ def test_down_projection_applies_the_gated_activation(tmp_path, monkeypatch, whe
         gated.clear()
         with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        got[on] = [(list(o.outputs[0].token_ids), [None if d is None else sorted((k, v.logprob) for k, v in d.items())
-                                                   for d in o.prompt_logprobs]) for o in outs]
+        got[on] = _tokens_and_prompt_logprobs(outs)
         if on:
             # (the fake keeps the 16-token tile at every step size: every step gated there)
             assert {1, 4} <= set(gated) and (not calls or min(calls) > max(gated)), (gated, calls)
@@ -509,21 +519,12 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
     sm_90a)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import torch
     from engine.llm import LLM
     from engine.models import decoder
     from jitkern.ops import activation as act
     from jitkern.ops import matmul as mm
-    from tests.model_fixtures import make_model_dir
-    if where == "fake":
-        from tests.fake_cuda import install
-        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
-        install(monkeypatch)
-    elif not _real_gpu():
-        pytest.skip("no CUDA device here")
-    dims = {"hidden_size": 128, "intermediate_size": 128} if tile is None else None
-    make_model_dir("llama", str(tmp_path), seed=7, overrides=dims).to(torch.bfloat16).save_pretrained(
-        str(tmp_path), safe_serialization=True)
+    _bf16_llama_on(where, tmp_path, monkeypatch, 7,
+                   {"hidden_size": 128, "intermediate_size": 128} if tile is None else None)
     if tile is None:
         monkeypatch.setattr(mm, "GPU_NOSPLIT_MIN_TILES", 1)
     else:
@@ -560,9 +561,7 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
         gated.clear()
         with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        got[(on, one, round_first)] = [(list(o.outputs[0].token_ids),
-                                        [None if d is None else sorted((k, v.logprob) for k, v in d.items())
-                                         for d in o.prompt_logprobs]) for o in outs]
+        got[(on, one, round_first)] = _tokens_and_prompt_logprobs(outs)
         assert set(seen) == {np.dtype(np.uint16) if on else np.dtype(np.float32)}
         # decode steps (4 sequences, then 1: the 16-token tile) ran the one kernel, longer prompt steps the two
         assert bool(gated) == (on and one), gated
