@@ -10,14 +10,6 @@ timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_ar
     -k "l2_prefetch or prefetch_rows" 2>&1 | tail -3
 JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=64 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_engine_cuda.py -k "not smollm" 2>&1 | tail -3
-timeout 200 python3 perf/bench_e2e_cuda.py --make llama3-8b --keep /tmp/l8b --systems ours --concurrency 1 \
-    --no-f32-check 2>&1 | grep "^jitkern engine"
-for round in 1 2; do
-  for s in "X=1" "JITKERN_LINEAR_L2_PREFETCH=64" "JITKERN_LINEAR_L2_PREFETCH=128" "JITKERN_PDL=1" \
-           "JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=64" "JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=128"; do
-    [ $SECONDS -gt 560 ] && break
-    echo "== round $round: $s"
-    env $s timeout 60 python3 perf/bench_e2e_cuda.py --model /tmp/l8b --systems ours --concurrency 1 64 \
-        --no-f32-check 2>&1 | grep "^jitkern engine"
-  done
-done
+bash perf/h200_ours_rounds.sh 2 $((560 - SECONDS)) "X=1" "JITKERN_LINEAR_L2_PREFETCH=64" \
+    "JITKERN_LINEAR_L2_PREFETCH=128" "JITKERN_PDL=1" "JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=64" \
+    "JITKERN_PDL=1 JITKERN_LINEAR_L2_PREFETCH=128"

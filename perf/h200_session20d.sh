@@ -8,13 +8,4 @@
 set -u
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_device_arrays.py tests/test_engine_cuda.py \
     -k "gated_x or gated_activation" 2>&1 | tail -4
-timeout 200 python3 perf/bench_e2e_cuda.py --make llama3-8b --keep /tmp/l8b --systems ours --concurrency 1 \
-    --no-f32-check 2>&1 | grep "^jitkern engine"
-for round in 1 2 3; do
-  for s in "JITKERN_GATED_X=0" "JITKERN_GATED_X=1"; do
-    [ $SECONDS -gt 540 ] && break
-    echo "== round $round: $s"
-    env $s timeout 60 python3 perf/bench_e2e_cuda.py --model /tmp/l8b --systems ours --concurrency 1 64 \
-        --no-f32-check 2>&1 | grep "^jitkern engine"
-  done
-done
+bash perf/h200_ours_rounds.sh 3 $((540 - SECONDS)) "JITKERN_GATED_X=0" "JITKERN_GATED_X=1"

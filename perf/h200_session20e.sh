@@ -11,13 +11,4 @@ timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_dsl.py te
     tests/ops/test_softmax.py -k "one_item or rms or softmax or norm" 2>&1 | tail -3
 sh perf/h200_profile.sh
 sh perf/h200_profile.sh JITKERN_REDUCE_ONE_EACH=0
-timeout 200 python3 perf/bench_e2e_cuda.py --make llama3-8b --keep /tmp/l8b --systems ours --concurrency 1 \
-    --no-f32-check 2>&1 | grep "^jitkern engine"
-for round in 1 2; do
-  for s in "JITKERN_REDUCE_ONE_EACH=1" "JITKERN_REDUCE_ONE_EACH=0"; do
-    [ $SECONDS -gt 360 ] && break
-    echo "== round $round: $s"
-    env $s timeout 60 python3 perf/bench_e2e_cuda.py --model /tmp/l8b --systems ours --concurrency 1 64 \
-        --no-f32-check 2>&1 | grep "^jitkern engine"
-  done
-done
+bash perf/h200_ours_rounds.sh 2 $((360 - SECONDS)) "JITKERN_REDUCE_ONE_EACH=1" "JITKERN_REDUCE_ONE_EACH=0"
