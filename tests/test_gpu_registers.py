@@ -600,6 +600,7 @@ def test_pdl_kernels_wait_for_their_predecessor_first(tmp_path, monkeypatch):
     first_mem = min(i for i in (body.find("ld.global"), body.find("st.global"), body.find("ld.shared"),
                                 body.find("st.shared")) if i >= 0)
     assert body.index("griddepcontrol.wait;") < body.index("griddepcontrol.launch_dependents;") < first_mem
+    assert _ptxas_usage(nptx, tmp_path)[1] == 0     # (its row sum: one work item a thread, gpu.REDUCE_ONE_EACH)
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
     from jitkern.ops.matmul import _gpu_linear_mma_kernel
@@ -865,3 +866,25 @@ def test_linear_l2_prefetch_comes_before_the_dependency_wait(tmp_path, monkeypat
     regs0, _ = _ptxas_usage(plain, tmp_path)
     regs, spilled = _ptxas_usage(ptx, tmp_path)
     assert spilled == 0 and regs <= regs0 + 4, (regs, regs0)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_x_linear_assembles_without_spills(tmp_path, act):
+    """linear(gated_x=) (JITKERN_GATED_X, off by default) at decode sizes on sm_90a: the down projection's tile
+    (Llama-3-8B's 4096 x 14336, K split in 4) loading gate and up and activating them compiles to the GATE kernel,
+    which ptxas assembles without spills (156 registers in session 20, against 114 without: see matmul.py)."""
+    from jitkern.ops import matmul as mm
+    from jitkern.runtime.launch import compile_only
+    from targets import get_target
+    T = get_target("sm_90a")
+    N, K = 4096, 14336
+    with compile_only(target=T) as co:
+        mm.linear(np.zeros((1, 2 * K), np.uint16), np.zeros((N, K), np.uint16), w_dtype="bf16", x_dtype="bf16",
+                  gated_x=act, target=T)
+    assert not co.errors, co.errors
+    ck = [c for c in co.compiled if c.name == "_gpu_linear_mma_kernel"][-1]
+    assert ck.constexprs.get("GATE") is not None and ck.constexprs.get("SPLIT") == 4
+    ptx = ck.artifacts["kernel.ptx"]
+    _, spilled = _ptxas_usage(ptx.decode() if isinstance(ptx, bytes) else ptx, tmp_path)
+    assert spilled == 0

@@ -453,9 +453,12 @@ class DecoderLM:
         linear(gated_x=), GPU_LINEAR_GATED_X): gate/up wrote its output in down's 16-bit input type (not as split-K
         slabs) and down's tile for T tokens loads x through registers (matmul.takes_gated_x). The same bits as
         act_and_mul into a 16-bit buffer and down on it."""
+        from jitkern.ops import matmul
+        if not matmul.GPU_LINEAR_GATED_X or gu16 is None:      # (the default: nothing more to look at)
+            return False
         from jitkern.ops._hostargs import resolve_target
         from jitkern.ops.matmul import SplitK, takes_gated_x
-        if gu16 is None or type(L.down) is not Linear or getattr(L.down, "x16", None) != gu16 or isinstance(gu, SplitK):
+        if type(L.down) is not Linear or getattr(L.down, "x16", None) != gu16 or isinstance(gu, SplitK):
             return False
         return takes_gated_x(L.down.kind, L.down.n, L.down.k, T, resolve_target(None, L.down.weight))
 
