@@ -327,6 +327,19 @@ def test_markdown_renders_and_model_html_stays_text(browser, srv):
     assert browser.execute_script("return window.__pwned === undefined && document.scripts.length === 1")
 
 
+def test_finished_answer_is_not_rendered_again_by_a_late_frame(browser, srv):
+    # Frames 400 ms late: the last streamed update's render is still pending when the answer ends, and
+    # must not replace the finished bubble's nodes (CI once saw them go stale under a test reading them).
+    open_page(browser, srv)
+    browser.execute_script("window.requestAnimationFrame = (f) => setTimeout(f, 400); "
+                           "window.cancelAnimationFrame = (id) => clearTimeout(id)")
+    bubble = send_prompt(browser, "show me some markdown")
+    assert wait_done(browser, bubble) == "done"
+    first = css(css(bubble, ".content")[0], "*")[0]
+    time.sleep(0.8)
+    assert browser.execute_script("return arguments[0].isConnected", first)
+
+
 RENDER_CASES = [
     ("[x](javascript:alert(1))", None),
     ("[x](JaVaScRiPt:alert(1))", None),

@@ -350,9 +350,9 @@
     scrollToBottom();
     let answer = "";
     let thoughts = "";
-    let pending = false;
+    let frame = 0;
     const render = () => {
-      pending = false;
+      frame = 0;
       const follow = scrolledToBottom();
       content.replaceChildren();
       renderMarkdown(answer, content);
@@ -365,12 +365,12 @@
       update(newAnswer, newThoughts) {
         answer = newAnswer;
         thoughts = newThoughts;
-        if (!pending) {
-          pending = true;
-          requestAnimationFrame(render);
-        }
+        if (!frame) frame = requestAnimationFrame(render);
       },
       finish(stateName, statsText, errorMessage) {
+        // A frame still pending would render the answer again after this one and replace the finished
+        // bubble's nodes (a reader holding them, or a test, would see them go stale): cancel it.
+        if (frame) cancelAnimationFrame(frame);
         render();
         msg.dataset.state = stateName;
         stats.textContent = statsText || "";
