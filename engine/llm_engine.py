@@ -194,6 +194,7 @@ class LLMEngine:
                                   max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
                                   max_model_len=self.max_model_len, use_graphs=args.use_graphs)
         self.runner.device_greedy = True          # plain greedy steps pick their tokens where the logits are
+        self.runner.reserve_buffers()             # the largest steps' buffers now: none moves under a graph later
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed, tokenizer=self.tokenizer)
         self.stop_ids = tuple(ckpt.stop_token_ids or cfg.eos_token_ids or ())
         self.spec = None

@@ -113,6 +113,57 @@ class ModelRunner:
         from engine.prefill_graphs import PrefillGraphs
         self.prefill_graphs = PrefillGraphs(self)   # prefill / mixed steps: graphs per padded token count
 
+    def reserve_buffers(self) -> bool:
+        """Sizes the activation buffers for the largest steps before the first one runs: a step larger than any
+        before would move a buffer, and a moved buffer drops every recorded graph (each is recorded again, an
+        eager run plus a capture, in the middle of serving). vLLM sizes its buffers so with a profile run at
+        start. Here the forward pass runs twice with its launches dry (runtime.launch.dry_launches: no kernel
+        compiles or runs, only the host code between them, which asks the pool for its buffers): a mixed step
+        of every token the batch arrays hold over every sequence, then a decode step of every sequence.
+
+        Only where graphs are recorded (elsewhere a moved buffer costs nothing); not for tensor-parallel
+        ranks (their forward talks to the other ranks between launches). Returns whether it ran; a forward
+        that fails dry leaves the buffers to grow as steps need them (logged)."""
+        if not self.use_graphs or getattr(self.model, "tp", None) is not None \
+                or not hasattr(self.model, "forward"):
+            return False
+        import logging
+
+        from jitkern.runtime.launch import dry_launches
+        b, d = self.batch, self.fwd_batch
+        maxT, maxS = len(b.input_ids), len(b.seq_lens)
+        try:
+            with dry_launches():
+                for T, S in ((maxT, maxS), (maxS, maxS)):
+                    S = min(S, T)
+                    per, extra = divmod(T, S)
+                    lens = np.full(S, per, np.int32)
+                    lens[:extra] += 1
+                    b.query_start[0] = 0
+                    b.query_start[1:S + 1] = np.cumsum(lens)
+                    b.seq_lens[:S] = lens                     # no cached context: every sequence starts here
+                    b.positions[:T] = 0
+                    b.slot_mapping[:T] = -1                   # (nothing runs; and were it to, no KV write)
+                    b.block_table[:S] = 0
+                    rows = (b.query_start[1:S + 1] - 1).astype(np.int32)
+                    for x in (b, d) if d is not b else (b,):
+                        x.num_tokens, x.num_seqs, x.logits_rows = T, S, rows
+                    self.model.forward(d)
+        except Exception as e:      # noqa: BLE001 - an optimisation: steps grow the buffers as before
+            logging.getLogger("engine").warning("activation buffers not reserved (%s: %s): the first large steps "
+                                                "size them", type(e).__name__, e)
+            return False
+        finally:
+            b.query_start[:] = 0
+            b.seq_lens[:] = 0
+            b.positions[:] = 0
+            b.slot_mapping[:] = -1
+            for x in (b, d) if d is not b else (b,):
+                x.num_tokens, x.num_seqs, x.logits_rows = 0, 0, np.zeros(0, np.int32)
+            self._graphs.clear()
+            self._graphs_generation = d.buffers.generation
+        return True
+
     def close(self) -> None:
         self.model.free_kv()
         self.batch.buffers.clear()

@@ -65,3 +65,19 @@ def test_pointer_tokens_carry_alignment():
     """A Pointer's 16-byte alignment is a GPU specialisation hint (jit.spec_hints), so it is in the memo key."""
     from jitkern import ir
     assert launch_mod._token(Pointer(4096, ir.f32)) != launch_mod._token(Pointer(4100, ir.f32))
+
+
+def test_dry_launches_neither_compile_nor_run(monkeypatch):
+    # runtime.launch.dry_launches: what ModelRunner.reserve_buffers drives the forward pass through
+    calls = _count_specialize(monkeypatch, _scale_k)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(64).astype(np.float32)
+    y = np.full(64, np.nan, np.float32)
+    with launch_mod.dry_launches():
+        assert launch_mod.launches_are_dry()
+        assert _scale_k[(4,)](x, y, 50, 1.5, BLOCK=16) is None
+    assert not launch_mod.launches_are_dry()
+    assert calls == [] and np.isnan(y).all()
+    _scale_k[(4,)](x, y, 50, 1.5, BLOCK=16)           # and after it, launches run again
+    assert calls == [1]
+    np.testing.assert_array_equal(y[:50], (x[:50] * np.float32(1.5)).astype(np.float32))

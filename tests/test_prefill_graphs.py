@@ -113,6 +113,32 @@ def test_cuda_prefill_graphs_equal_eager(tiny_llama, fake_or_cuda):
            max_num_seqs=8)
 
 
+def _graphs_survive_growing_steps(model, **kw):
+    """Steps that grow (one short prompt alone, then a wave of longer and chunked prompts beside decodes of more
+    sequences, then a decode batch of every sequence) move no activation buffer after the engine started
+    (ModelRunner.reserve_buffers), so no recorded graph is dropped and recorded again."""
+    rng = np.random.default_rng(21)
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, detokenize=False)
+    with LLM(model, num_blocks=128, block_size=16, max_num_batched_tokens=64, max_num_seqs=8, **kw) as llm:
+        runner = llm.engine.runner
+        gen = runner.fwd_batch.buffers.generation
+        llm.generate([rng.integers(3, 200, 6).tolist()], sp)
+        first = dict(runner._graphs)
+        assert first, "the short prompt's steps recorded no graph"
+        llm.generate([rng.integers(3, 200, n).tolist() for n in (90, 7, 40, 33, 12, 70, 5, 21)], sp)
+        assert runner.fwd_batch.buffers.generation == gen
+        assert all(runner._graphs.get(k) is g for k, g in first.items())
+        assert len(runner._graphs) > len(first)
+
+
+def test_steps_move_no_buffer_after_start(tiny_llama):
+    _graphs_survive_growing_steps(tiny_llama)
+
+
+def test_cuda_steps_move_no_buffer_after_start(tiny_llama, fake_or_cuda):
+    _graphs_survive_growing_steps(tiny_llama, device="cuda")
+
+
 def test_cuda_prefill_graph_token_cap(tiny_llama, monkeypatch):
     """Steps padded past JITKERN_CUDA_GRAPH_MAX_TOKENS run eagerly on CUDA (0: every prefill step); the CPU
     ignores the cap. Fake device."""

@@ -773,7 +773,8 @@ _LAST: dict = {}
 
 def _launch(kernel, grid, args, consts, target):
     ck = launch(kernel, grid, args, consts, target=target)
-    _LAST[kernel.__name__] = ck
+    if ck is not None:                  # None: a dry launch (runtime.launch.dry_launches)
+        _LAST[kernel.__name__] = ck
     return ck
 
 

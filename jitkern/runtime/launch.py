@@ -227,6 +227,27 @@ class compile_only:
         return False
 
 
+class dry_launches:
+    """Context manager: launches on this thread do nothing at all (no compile, no run) and return None. The
+    engine drives a forward pass through it to size its activation buffers for the largest steps at start
+    (ModelRunner.reserve_buffers): only the host code between launches runs, and the buffers it asks for are
+    allocated, never read or written by a kernel."""
+
+    def __enter__(self):
+        self.prev = getattr(_capture, "dry", False)
+        _capture.dry = True
+        return self
+
+    def __exit__(self, *exc):
+        _capture.dry = self.prev
+        return False
+
+
+def launches_are_dry() -> bool:
+    """Whether this thread is inside `dry_launches` (stand-in launchers, like the tests' fake device, ask)."""
+    return getattr(_capture, "dry", False)
+
+
 def _compile_only_launch(co, kernel, args, kwargs):
     from ..compiler import compile_kernel
     params, consts, _ = kernel.specialize(args, kwargs, co.target)
@@ -364,6 +385,8 @@ def _launch_gpu_staged(kernel, grid, args, kwargs, target):
 
 
 def launch(kernel, grid, args, kwargs, target=None):
+    if getattr(_capture, "dry", False):
+        return None
     co = getattr(_capture, "compile_only", None)
     if co is not None:
         return _compile_only_launch(co, kernel, args, kwargs)
