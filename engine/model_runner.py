@@ -80,6 +80,7 @@ class ModelRunner:
         # speculative decoding read the logits themselves)
         self.device_greedy = False
         self._greedy_bufs: dict = {}
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
         model.allocate_kv(num_blocks, block_size)
         maxT = max(max_num_batched_tokens, max_num_seqs)
@@ -135,7 +136,9 @@ class ModelRunner:
         try:
             with dry_launches():
                 for T, S in ((maxT, maxS), (maxS, maxS)):
+                    # no sequence holds more than max_model_len tokens, so no step more than S of them
                     S = min(S, T)
+                    T = min(T, S * self.max_model_len)
                     per, extra = divmod(T, S)
                     lens = np.full(S, per, np.int32)
                     lens[:extra] += 1

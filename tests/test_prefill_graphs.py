@@ -135,6 +135,18 @@ def test_steps_move_no_buffer_after_start(tiny_llama):
     _graphs_survive_growing_steps(tiny_llama)
 
 
+def test_buffers_reserved_when_steps_outgrow_the_context(tiny_llama):
+    # 64 batched tokens but sequences of at most 8: the dry step gives each sequence at most 8 (a sequence
+    # longer than its block table failed the dry run, which left the buffers unreserved)
+    with LLM(tiny_llama, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=2,
+             max_model_len=8) as llm:
+        runner = llm.engine.runner
+        gen = runner.fwd_batch.buffers.generation
+        assert runner.reserve_buffers() and runner.fwd_batch.buffers.generation == gen
+        assert runner.fwd_batch.buffers.get("h", (16, llm.engine.config.hidden_size)) is not None
+        assert runner.fwd_batch.buffers.generation == gen
+
+
 def test_cuda_steps_move_no_buffer_after_start(tiny_llama, fake_or_cuda):
     _graphs_survive_growing_steps(tiny_llama, device="cuda")
 
