@@ -1,6 +1,6 @@
 """The fused decode path (DecoderLM.fuse_decode: RMSNorm straight into a GGUF linear's int8 input, SiLU*up into
-the down projection's int8 input, RoPE + KV-cache write in one kernel, the first layer's residual copy inside its
-norm) gives bit for bit what the separate ops give, through the whole engine (prefill, decode graphs, batches),
+the down projection's int8 input, the attention's merge kernel writing the o projection's int8 input, RoPE +
+KV-cache write in one kernel, the first layer's residual copy inside its norm) gives bit for bit what the separate ops give, through the whole engine (prefill, decode graphs, batches),
 and launches fewer kernels per decode step (perf/count_step_kernels.py counts them)."""
 import numpy as np
 import pytest
@@ -61,10 +61,12 @@ def test_embedded_smollm2_fused_decode_is_bit_identical_and_launches_fewer_kerne
         assert _run(llm, prompts[1:2], True)[0] == fused[1]           # alone = in the batch
         L = len(llm.engine.model.layers)
         nf, nu = _decode_launches(llm, True), _decode_launches(llm, False)
-        # per layer: norm+quantise twice, act+quantise, rope+cache; per step: the first copy, the final quantise
-        assert len(nu) - len(nf) == 4 * L + 2, (len(nu), len(nf))
+        # per layer: norm+quantise twice, act+quantise, rope+cache, the o projection's input quantised by the
+        # attention's merge kernel; per step: the first copy, the final quantise
+        assert len(nu) - len(nf) == 5 * L + 2, (len(nu), len(nf))
         assert nf.count("rms_norm_q8_kernel") == 2 * L + 1 and nf.count("rope_cache_kernel") == L
-        assert nf.count("act_and_mul_q8_kernel") == L and nf.count("_quantize_q8_kernel") == L      # o_proj input
+        assert nf.count("act_and_mul_q8_kernel") == L and nf.count("_quantize_q8_kernel") == 0
+        assert nf.count("merge_kernel") == L
     finally:
         llm.close()
 

@@ -499,6 +499,18 @@ class DecoderLM:
         o4 = (buf.get(f"q8d4_{K}", (T, K // 8)), buf.get(f"q8s4_{K}", (T, K // 8))) if rep4 else None
         return o8, o4
 
+    def _attn_q8(self, lin, buf, T: int):
+        """The Q8Activations the attention fills with lin's (the o projection's) int8 input, quantised as lin
+        would quantise it (jitkern.ops.attention.paged_attention(q8_out=)); None where lin takes other input or
+        the fused decode path is off."""
+        spec = lin.q8_input(T) if self.fuse_decode else None
+        if spec is None or lin.k % 32:
+            return None
+        from jitkern.ops.quant import Q8Activations
+        layout, rep4 = spec
+        o8, o4 = self._q8_bufs(buf, T, lin.k, rep4)
+        return Q8Activations(*o8, layout, *(o4 or ()))
+
     def _gated_call(self, L, T: int, xg, gelu: bool, gu):
         """A callable (x, out) running L's gate/up projection (into the 16-bit `gu`) and the gated activation as one
         kernel (matmul.gated_linear, GPU_GATED_LINEAR) for a T-token step whose gate/up input is xg, or None where
@@ -629,6 +641,8 @@ class DecoderLM:
             # the o projection's input straight in its 16-bit storage where it takes one (Linear.x16) and the
             # flash kernels write it: rounded as they store, the bits the linear would round f32 to
             attn_o = buf.get("attn16", (T, H * D), L.o.x16) if self._attn16_for(L.o, li) else attn
+            # a GGUF o projection's int8 input written by the attention (its merge kernel, in decode steps)
+            o_q8 = self._attn_q8(L.o, buf, T) if attn_o is attn else None
             paged_attention(q, self.k_caches[li], self.v_caches[li], b.query_start[: b.num_seqs + 1],
                             b.seq_lens[: b.num_seqs], b.block_table[: b.num_seqs], scale=self.scale,
                             sliding_window=self.cfg.sliding_window if L.sliding else 0, softcap=self.softcap,
@@ -636,8 +650,10 @@ class DecoderLM:
                             out=attn_o.reshape(T, H, D), workspace=self._attn_ws[li],
                             # the full partition axis: a recorded decode graph stays valid as contexts grow
                             # (each sequence uses only the partitions its own length needs)
-                            num_partitions=MAX_PARTITIONS, host_step=host_step, operands=self._attn_operands)
-            osrc = L.o(attn_o, out=o, **self._fold_kw(L.o, fold and L.post_attn_norm is None))
+                            num_partitions=MAX_PARTITIONS, host_step=host_step, operands=self._attn_operands,
+                            q8_out=o_q8)
+            osrc = L.o.call_q8(o_q8, out=o) if o_q8 is not None else \
+                L.o(attn_o, out=o, **self._fold_kw(L.o, fold and L.post_attn_norm is None))
             if tp is not None:               # row-parallel o: partial sums
                 tp.all_reduce(o)
             if self.residual_scale is not None:

@@ -68,6 +68,7 @@ import numpy as np
 
 import jitkern as jk
 from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, is_device, resolve_target, run
+from .quant import q8_group, q8_store_blocks
 from jitkern import env as _env
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
@@ -544,12 +545,16 @@ def _decode_program(q, k_cache, v_cache, out, st_m, st_l, st_acc, q_ts, q_hs, o_
 
 
 @jk.kernel
-def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, window, sinks,
+def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, window, sinks, qx, xd, xs, xd4, xs4,
                  H: jk.constexpr, D: jk.constexpr, BS: jk.constexpr, NUM_PARTS: jk.constexpr,
-                 PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr, SKIP_IDLE: jk.constexpr = False):
+                 PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr, SKIP_IDLE: jk.constexpr = False,
+                 Q8G: jk.constexpr = 0, REP4: jk.constexpr = False):
     """Program (sequence, query head): combines the partial states of a decode sequence split in 2+.
     SKIP_IDLE: a sequence of one partition (or none) returns at once instead of reading all NUM_PARTS states
-    and storing nothing."""
+    and storing nothing.
+    Q8G > 0: the head's output (merged here, or the decode kernel's for one partition) is also written
+    quantised for the next GGUF linear, as quantize_q8 of the (tokens, H * D) output would in the layout of
+    group Q8G (quant.q8_store_blocks; qx .. xs4 its arrays, REP4 the 4-fold scales): that launch is saved."""
     seq = jk.program_id(0)
     hq = jk.program_id(1)
     q0 = jk.load(query_start + seq)
@@ -558,7 +563,17 @@ def merge_kernel(out, st_m, st_l, st_acc, query_start, seq_lens, o_ts, o_hs, win
     lo = jk.where(window > 0, jk.maximum(seq_len - window, 0), 0)
     nb = jk.where(active, (seq_len + BS - 1) // BS - lo // BS, 0)
     parts, per = _split(nb, PB, MAXP)
-    if SKIP_IDLE:
+    if Q8G > 0:
+        if active:
+            if parts > 1:
+                _merge_program(out, st_m, st_l, st_acc, sinks, o_ts, o_hs, q0, seq, hq, parts, H, D, BS, NUM_PARTS,
+                               SINKS)
+            # the f32 head output read back (this program's own store, or the decode kernel's for one part)
+            o = jk.load(out + q0.to(jk.i64) * o_ts + hq * o_hs + jk.arange(0, D))
+            blk = (hq * (D // 32)).to(jk.i64) + jk.arange(0, D // 32)
+            q8_store_blocks(jk.reshape(o, (D // 32, 32)), qx, xd, xs, xd4, xs4, q0.to(jk.i64), H * D // 32, blk,
+                            blk >= 0, D // 32, Q8G, REP4)
+    elif SKIP_IDLE:
         if parts > 1:
             _merge_program(out, st_m, st_l, st_acc, sinks, o_ts, o_hs, q0, seq, hq, parts, H, D, BS, NUM_PARTS,
                            SINKS)
@@ -1621,8 +1636,12 @@ def _vulkan_attention(st: _Step, q, k_cache, v_cache, target):
 def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out=None, max_query_len: int | None = None,
                     num_partitions: int | None = None, workspace: dict | None = None, prefetch: bool = True,
-                    validate: bool = True, host_step=None, sinks=None, target=None, operands=None):
+                    validate: bool = True, host_step=None, sinks=None, target=None, operands=None, q8_out=None):
     """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
+
+    q8_out: a jitkern.ops.quant.Q8Activations (arrays, layout, 4-fold scales) that also receives the output
+    quantised as quantize_q8 would (the next GGUF linear's input), written by the merge kernel in decode-only
+    steps (one launch fewer), else by quantize_q8 after the attention; out must be float32.
 
     sinks: f32 [num_heads] attention-sink logits (gpt-oss), or None: each head's softmax gets one more
     logit, sinks[h], that attends to nothing (out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h]))).
@@ -1656,13 +1675,22 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS)
     if _token_path(target, st):
         _f32_out_only(st, "token (Vulkan)")
-        return _vulkan_attention(st, q, k_cache, v_cache, target)
+        if q8_out is not None:
+            _check_q8_out(st, q8_out)
+        _vulkan_attention(st, q, k_cache, v_cache, target)
+        if q8_out is not None:
+            _quantize_out(st, q8_out, target)
+        return st.out
     if not flash:
         _f32_out_only(st, f"{target.name if target is not None else 'CPU'} attention")
     ws = workspace if workspace is not None else {}
     if flash:
-        return _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target,
-                             operands=operands)
+        if q8_out is not None:
+            _check_q8_out(st, q8_out)
+        _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target, operands=operands)
+        if q8_out is not None:
+            _quantize_out(st, q8_out, target)
+        return st.out
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q, touch=True)
     hsplit = _decode_head_split(st)
     skip = {"SKIP_IDLE": True} if DECODE_SKIP_IDLE and (target is None or target.is_cpu) else {}
@@ -1672,14 +1700,54 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS,
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, PREFETCH=bool(prefetch), SINKS=st.use_sinks,
         **({"HSPLIT": True} if hsplit else {}), **skip)
+    q8 = _q8_in_merge(st, q8_out, P, max_query_len)
     if P > 1:
+        qa = (q8[0], q8[1], q8[2], q8[1] if q8.scales4 is None else q8.scales4,
+              q8[2] if q8.sums4 is None else q8.sums4) if q8 is not None else (st.out,) * 5
+        qkw = {"Q8G": q8_group(q8.layout, st.heads * st.dim // 32), "REP4": q8.scales4 is not None} if q8 else {}
         run(merge_kernel, (st.num_seqs, st.heads),
-            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
+            (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks) + qa,
             target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS, MAXP=MAX_PARTITIONS,
-            SINKS=st.use_sinks, **skip)
+            SINKS=st.use_sinks, **skip, **qkw)
     if max_query_len > 1:
         _launch_prefill(st, q, k_cache, v_cache, ws, PREFILL_BLOCK_Q, True, target)
+    if q8_out is not None and q8 is None:
+        _quantize_out(st, q8_out, target)
     return st.out
+
+
+def _check_q8_out(st, q8_out):
+    """paged_attention's q8_out against the step: the arrays quantize_q8 would fill for the (tokens, heads *
+    head_dim) output, which must be float32."""
+    from .quant import Q8Activations
+    T, K = st.out.shape[0], st.heads * st.dim
+    if not isinstance(q8_out, Q8Activations):
+        raise TypeError("q8_out: a jitkern.ops.quant.Q8Activations (the arrays quantize_q8 fills)")
+    if st.out.dtype != np.float32:
+        raise ValueError("q8_out: the attention output must be float32 to be quantised")
+    if K % 32 or q8_out[0].shape != (T, K) or q8_out[1].shape != (T, K // 32):
+        raise ValueError(f"q8_out: arrays for a ({T}, {K}) output (K a multiple of 32), got qx {q8_out[0].shape}")
+
+
+def _q8_in_merge(st, q8_out, P: int, max_query_len: int):
+    """q8_out where the merge kernel writes it: a decode-only step (every output row is a decode's, which the
+    merge kernel sees), a merge launch (P > 1), head outputs of whole 32-blocks in a power-of-two count, rows
+    of the output one after another; else None (the output is quantised after the attention)."""
+    if q8_out is None:
+        return None
+    _check_q8_out(st, q8_out)
+    nb = st.dim // 32
+    ok = (max_query_len == 1 and P > 1 and st.dim % 32 == 0 and nb & (nb - 1) == 0 and st.o_hs == st.dim
+          and st.o_ts == st.heads * st.dim)
+    return q8_out if ok else None
+
+
+def _quantize_out(st, q8_out, target):
+    from .quant import quantize_q8
+    T, K = st.out.shape[0], st.heads * st.dim
+    rep4 = q8_out.scales4 is not None
+    quantize_q8(st.out.reshape(T, K), out=tuple(q8_out[:3]), layout=q8_out.layout, rep4=rep4,
+                out4=(q8_out.scales4, q8_out.sums4) if rep4 else None, target=target)
 
 
 # decode_kernel with a program per KV head (HSPLIT) for batches of fewer sequences than the CPU pool's threads

@@ -164,6 +164,42 @@ def _quantize_tail(x, qx, xd, xs, xd4, xs4, row, K, b0, NBT: jk.constexpr, REP4:
     _store_scales(xd, xs, xd4, xs4, row, K // 32, blk, d, s, NBT, REP4)
 
 
+@jk.jit
+def q8_store_blocks(v, qx, xd, xs, xd4, xs4, row, nblk, blk, ok, NB: jk.constexpr, G: jk.constexpr,
+                    REP4: jk.constexpr):
+    """Quantises the (NB, 32) f32 tile v, the 32-blocks `blk` (NB,) of row `row` of a (rows, nblk * 32)
+    activation, into quantize_q8's arrays (qx in the layout of group G: Q8Activations; scales, sums and with
+    REP4 their 4-fold copies), storing the blocks where `ok` (NB,). Each block lands where quantize_q8 puts it
+    whichever program quantises it, with the same arithmetic (_q8_blocks): a kernel that produces some blocks
+    of a row (an attention head's output) can write them quantised, with quantize_q8's bits."""
+    r, d, s = _q8_blocks(v)
+    span = nblk - nblk % G
+    grouped = blk < span
+    # a block of the whole groups: the group's 16-value halves of its G blocks, G * 16 apart; of the grouped
+    # layouts' leftovers a pair (G = 4, 2 or 3 left) is a group of 2, and an odd last block is in order
+    if G > 2:
+        pair = (blk >= span) & (blk - span < 2) & (nblk - span >= 2)
+        base = jk.where(grouped, (blk // G) * (G * 32) + (blk % G) * 16,
+                        jk.where(pair, span * 32 + (blk - span) * 16, blk * 32))
+        half = jk.where(grouped, G * 16, jk.where(pair, 32, 16))
+    else:
+        base = jk.where(grouped, (blk // G) * (G * 32) + (blk % G) * 16, blk * 32)
+        half = jk.where(grouped, G * 16, 16)
+    offs = base[:, None, None] + jk.arange(0, 2)[None, :, None] * half[:, None, None] + jk.arange(0, 16)[None, None, :]
+    jk.store(qx + row * nblk * 32 + offs, jk.reshape(r.to(jk.i32).to(jk.i8), (NB, 2, 16)), mask=ok[:, None, None])
+    jk.store(xd + row * nblk + blk, d, mask=ok)
+    jk.store(xs + row * nblk + blk, s, mask=ok)
+    if REP4:
+        o4 = row * nblk * 4 + blk[:, None] * 4 + jk.arange(0, 4)[None, :]
+        jk.store(xd4 + o4, jk.broadcast_to(d[:, None], (NB, 4)), mask=ok[:, None])
+        jk.store(xs4 + o4, jk.broadcast_to(s[:, None], (NB, 4)), mask=ok[:, None])
+
+
+def q8_group(layout: str, nblk: int) -> int:
+    """The group size G of `layout` for rows of nblk 32-blocks (q8_store_blocks' G)."""
+    return _eff_group(layout, nblk)
+
+
 @jk.kernel
 def _quantize_q8_kernel(x, qx, xd, xs, xd4, xs4, K, NBLK, BB: jk.constexpr, G: jk.constexpr, REP4: jk.constexpr):
     # program (row, chunk of BB 32-blocks); the last chunk of a row shifts back to end at the row's end.

@@ -501,3 +501,39 @@ def test_decode_idle_programs_skip_and_same_bits(tier, monkeypatch):
         outs.append(out)
     np.testing.assert_array_equal(outs[1], outs[0])
     check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+
+
+@pytest.mark.parametrize("layout", ["natural", "q4x4"])
+def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
+    """paged_attention(q8_out=): the output also written quantised for a GGUF o projection, as quantize_q8 of
+    the f32 output (bit for bit, in the linear's layout, with and without the 4-fold scales). Decode-only steps
+    on a partition axis > 1 write it from the merge kernel on the CPU tiers (no quantize_q8 launch); other steps
+    and paths quantise after the attention."""
+    from jitkern.ops import quant as Q
+    rng = np.random.default_rng(31)
+    quantised_after = []
+    real = A._quantize_out
+    monkeypatch.setattr(A, "_quantize_out", lambda *a: (quantised_after.append(1), real(*a)))
+    for seqs, mql, parts in ((DECODES, 1, A.MAX_PARTITIONS), (DECODES, 1, None), (MIXED, None, A.MAX_PARTITIONS)):
+        q, kc, vc, qs, sl, bt = make_step(rng, seqs, 9, 3, 64, np.float16)
+        T, K = q.shape[0], 9 * 64
+        want = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, num_partitions=parts, max_query_len=mql,
+                                 target=tier)
+        for rep4 in (False, True):
+            ref = Q.quantize_q8(np.ascontiguousarray(want.reshape(T, K)), layout=layout, rep4=rep4, target=tier)
+            got = Q.Q8Activations(np.full((T, K), 77, np.int8), np.full((T, K // 32), np.nan, np.float32),
+                                  np.full((T, K // 32), np.nan, np.float32), layout,
+                                  *([np.full((T, K // 8), np.nan, np.float32) for _ in range(2)] if rep4 else []))
+            del quantised_after[:]
+            out = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, num_partitions=parts, max_query_len=mql,
+                                    target=tier, q8_out=got)
+            np.testing.assert_array_equal(out, want)
+            for g, w in zip(list(got) + ([got.scales4, got.sums4] if rep4 else []),
+                            list(ref) + ([ref.scales4, ref.sums4] if rep4 else [])):
+                np.testing.assert_array_equal(g, w, err_msg=f"{len(seqs)} seqs, parts {parts}, rep4 {rep4}")
+            in_merge = tier.is_cpu and mql == 1         # (DECODES splits up to 3 ways: P > 1 either way)
+            assert quantised_after == ([] if in_merge else [1])
+    with pytest.raises(ValueError, match="q8_out: arrays for a"):
+        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier,
+                          q8_out=Q.Q8Activations(np.zeros((T, 64), np.int8), np.zeros((T, 2), np.float32),
+                                                 np.zeros((T, 2), np.float32)))

@@ -203,6 +203,41 @@ def test_quantize_q8_q4x4_layout(tier):
         _assert_div_exact(got[2], rs, tier)
 
 
+import jitkern as jk  # noqa: E402
+
+
+@jk.kernel
+def _q8_by_heads_kernel(x, qx, xd, xs, xd4, xs4, nblk, HB: jk.constexpr, G: jk.constexpr, REP4: jk.constexpr):
+    # program (row, head of HB blocks), heads in reverse order: each quantises its own blocks of the row
+    row = jk.program_id(0).to(jk.i64)
+    head = jk.num_programs(1) - 1 - jk.program_id(1)
+    blk = head.to(jk.i64) * HB + jk.arange(0, HB)
+    ok = blk < nblk
+    v = jk.load(x + row * nblk * 32 + blk[:, None] * 32 + jk.arange(0, 32)[None, :], mask=ok[:, None], other=0.0)
+    Q.q8_store_blocks(v, qx, xd, xs, xd4, xs4, row, nblk, blk, ok, HB, G, REP4)
+
+
+@pytest.mark.parametrize("layout", ["natural", "q4", "q4x4"])
+def test_q8_store_blocks_matches_quantize_q8(tier, layout):
+    # what a kernel producing a few blocks of a row (an attention head's output) uses to write them quantised
+    # (the o projection's input): every block where quantize_q8 puts it, with its bits, in every layout
+    from jitkern.runtime.launch import launch
+    rng = np.random.default_rng(23)
+    for nb, HB in ((18, 2), (19, 2), (7, 4), (5, 1), (3, 4), (1, 2)):
+        M, K = 3, 32 * nb
+        x = rng.standard_normal((M, K)).astype(np.float32) * 3
+        x[1, :32] = 0.0                                            # a zero block: d = 0, q = 0
+        for rep4 in (False, True):
+            want = Q.quantize_q8(x, layout=layout, rep4=rep4, target=tier)
+            got = [np.full(a.shape, 77 if a.dtype == np.int8 else np.nan, a.dtype)
+                   for a in (want[0], want[1], want[2])]
+            got4 = [np.full(a.shape, np.nan, np.float32) for a in (want.scales4, want.sums4)] if rep4 else got[1:]
+            launch(_q8_by_heads_kernel, (M, -(-nb // HB)), (x, *got, *got4, nb), {"HB": HB,
+                   "G": Q.q8_group(layout, nb), "REP4": rep4}, target=tier)
+            for g, w in zip(got + (got4 if rep4 else []), list(want) + ([want.scales4, want.sums4] if rep4 else [])):
+                np.testing.assert_array_equal(g, w, err_msg=f"{layout} nb={nb} HB={HB} rep4={rep4}")
+
+
 def test_layout_mismatch_is_an_error():
     raw = np.zeros(18 * 2 * 2, np.uint8)
     xq = Q.quantize_q8(np.ones(64, np.float32))                   # natural layout
