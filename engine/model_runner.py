@@ -17,6 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def decode_bucket(n: int, cap: int) -> int:
+    """The padded batch size of a CUDA decode step of n sequences: 1, 2, 4, then multiples of 8 (vLLM's
+    cudagraph capture sizes), at most cap (max_num_seqs)."""
+    b = n if n <= 2 else 4 if n <= 4 else -(-n // 8) * 8
+    return min(b, cap)
+
+
 class BufferPool:
     """Named activation buffers with stable addresses (grown, never shrunk)."""
 
@@ -113,6 +120,7 @@ class ModelRunner:
         self._graphs_generation = self.fwd_batch.buffers.generation
         from engine.prefill_graphs import PrefillGraphs
         self.prefill_graphs = PrefillGraphs(self)   # prefill / mixed steps: graphs per padded token count
+        self._decode_rows = np.zeros(max_num_seqs, np.int32)     # a padded decode step's logits rows
 
     def reserve_buffers(self) -> bool:
         """Sizes the activation buffers for the largest steps before the first one runs: a step larger than any
@@ -240,10 +248,19 @@ class ModelRunner:
         padded = None
         if not decode_graph and not (self.use_graphs and spec_step) and self.prefill_graphs.eligible(res):
             padded = self.prefill_graphs.pad(res)
+        # CUDA: a decode step replays the graph of its batch-size bucket (decode_bucket), padded; one graph per
+        # exact size would record up to max_num_seqs of them (an eager step + a capture each) as requests end
+        saved = self._pad_decode() if decode_graph and self.device == "cuda" else None
         if self.staging is not None:
             self._send_step()
         if decode_graph:
-            res.logits = self._replay_decode()
+            try:
+                res.logits = self._replay_decode()
+            finally:
+                if saved is not None:
+                    self._unpad(saved)
+            if saved is not None:
+                res.logits = res.logits[:saved[1]]
             picks = self._graph_greedy
             if picks is not None and self.device_greedy and self._plain_greedy(sched, res):
                 # the argmax ran inside the replayed graph (no separate launch waking the pool's threads; on
@@ -347,6 +364,36 @@ class ModelRunner:
         self._graph_greedy = ent[2] if len(ent) > 2 else None
         g.replay()
         return logits
+
+    def _pad_decode(self):
+        """Pads the host batch of a decode step of B sequences to decode_bucket(B) before its staged copy:
+        padding tokens (id 0, position 0, slot -1: no KV write) after the real ones, in no sequence; padding
+        sequences with no tokens and length 0 (the attention skips them); logits rows padded with row 0. Every
+        kernel computes a row from that row alone (batch invariance), so the real rows are the unpadded step's
+        bit for bit (tests/test_prefill_graphs.py). Returns what `_unpad` restores, or None (B is a bucket)."""
+        b = self.batch
+        B = b.num_seqs
+        Bp = decode_bucket(B, len(b.seq_lens))
+        if Bp <= B or Bp > len(b.input_ids):
+            return None
+        b.input_ids[B:Bp] = 0
+        b.positions[B:Bp] = 0
+        b.slot_mapping[B:Bp] = -1
+        b.query_start[B + 1:Bp + 1] = B
+        b.seq_lens[B:Bp] = 0
+        b.block_table[B:Bp] = 0
+        rows = self._decode_rows
+        rows[:B] = b.logits_rows
+        rows[B:Bp] = 0
+        saved = (b.num_tokens, b.num_seqs, b.logits_rows)
+        b.num_tokens, b.num_seqs, b.logits_rows = Bp, Bp, rows[:Bp]
+        return saved
+
+    def _unpad(self, saved) -> None:
+        b, d = self.batch, self.fwd_batch
+        b.num_tokens, b.num_seqs, b.logits_rows = saved
+        if d is not b:
+            d.num_tokens, d.num_seqs, d.logits_rows = saved
 
     def _record_greedy(self, logits, key):
         """CPU decode graphs of the engine's own runner (device_greedy) end with each row's argmax and its logit

@@ -151,6 +151,47 @@ def test_cuda_steps_move_no_buffer_after_start(tiny_llama, fake_or_cuda):
     _graphs_survive_growing_steps(tiny_llama, device="cuda")
 
 
+def test_decode_buckets():
+    from engine.model_runner import decode_bucket
+    assert [decode_bucket(n, 64) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 63, 64)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 24, 64, 64]
+    assert decode_bucket(9, 12) == 12 and decode_bucket(3, 3) == 3
+
+
+def test_cuda_decode_graphs_per_batch_bucket(tiny_llama, fake_or_cuda):
+    """CUDA decode steps are padded to their batch-size bucket (1, 2, 4, then multiples of 8) and replay that
+    bucket's graph: requests ending at different steps give decode batches of 11 sizes here, recorded as the
+    graphs of 5 buckets, and every sampled row's logits (and the tokens) equal the eager engine's bit for bit."""
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(3, 20, 11)]
+
+    def run(graphs):
+        sizes = []
+        with LLM(tiny_llama, use_graphs=graphs, device="cuda", num_blocks=64, block_size=16,
+                 max_num_batched_tokens=256, max_num_seqs=16) as llm:
+            log = _logit_log(llm)
+            real = llm.engine.runner.prepare
+
+            def prepare(sched):
+                res = real(sched)
+                b = llm.engine.runner.batch
+                if b.num_tokens == b.num_seqs:
+                    sizes.append(b.num_seqs)
+                return res
+            llm.engine.runner.prepare = prepare
+            outs = [o.outputs[0].token_ids for o in llm.generate(
+                prompts, [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True, detokenize=False,
+                                         logprobs=1) for i in range(len(prompts))])]
+            keys = [k for k in llm.engine.runner._graphs if isinstance(k, int)]
+        return outs, log, sizes, keys
+    t_e, log_e, _, _ = run(False)
+    t_g, log_g, sizes, keys = run(True)
+    assert sorted(set(sizes)) == list(range(1, 12)) and sorted(keys) == [1, 2, 4, 8, 16], (sorted(set(sizes)), keys)
+    assert t_g == t_e and log_g.keys() == log_e.keys()
+    for k in log_e:
+        np.testing.assert_array_equal(log_g[k], log_e[k], err_msg=str(k))
+
+
 def test_cuda_prefill_graph_token_cap(tiny_llama, monkeypatch):
     """Steps padded past JITKERN_CUDA_GRAPH_MAX_TOKENS run eagerly on CUDA (0: every prefill step); the CPU
     ignores the cap. Fake device."""
