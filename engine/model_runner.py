@@ -376,12 +376,8 @@ class ModelRunner:
         Bp = decode_bucket(B, len(b.seq_lens))
         if Bp <= B or Bp > len(b.input_ids):
             return None
-        b.input_ids[B:Bp] = 0
-        b.positions[B:Bp] = 0
-        b.slot_mapping[B:Bp] = -1
-        b.query_start[B + 1:Bp + 1] = B
-        b.seq_lens[B:Bp] = 0
-        b.block_table[B:Bp] = 0
+        from engine.prefill_graphs import write_padding
+        write_padding(b, B, Bp, B, Bp)
         rows = self._decode_rows
         rows[:B] = b.logits_rows
         rows[B:Bp] = 0

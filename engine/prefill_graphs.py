@@ -55,6 +55,19 @@ def seq_bucket(s: int, cap: int) -> int:
     return min(1 << max(s - 1, 0).bit_length(), cap)
 
 
+def write_padding(b, T: int, T_pad: int, S: int, S_pad: int) -> None:
+    """Pads the host batch b of T tokens in S sequences to T_pad tokens in S_pad sequences (a recorded
+    graph's step; the decode graphs' batch-size buckets too)."""
+    # padding tokens: no KV write (slot -1), a valid id and position, after every sequence's tokens
+    b.input_ids[T:T_pad] = 0
+    b.positions[T:T_pad] = 0
+    b.slot_mapping[T:T_pad] = -1
+    # padding sequences: no tokens, length 0 (the attention kernels skip them)
+    b.query_start[S + 1:S_pad + 1] = T
+    b.seq_lens[S:S_pad] = 0
+    b.block_table[S:S_pad] = 0
+
+
 def _gathers_rows_from_array(model) -> bool:
     """Whether the model's forward is DecoderLM.forward, which gathers the logits rows through
     `b.device_rows` (a fixed array) when set; other forwards (MLA, encoders) index with a temporary array
@@ -115,14 +128,7 @@ class PrefillGraphs:
         T_pad, S_pad = self._padded(b)
         if T_pad <= S_pad or T_pad < T:
             return None
-        # padding tokens: no KV write (slot -1), a valid id and position, after every sequence's tokens
-        b.input_ids[T:T_pad] = 0
-        b.positions[T:T_pad] = 0
-        b.slot_mapping[T:T_pad] = -1
-        # padding sequences: no tokens, length 0 (the attention kernels skip them)
-        b.query_start[S + 1:S_pad + 1] = T
-        b.seq_lens[S:S_pad] = 0
-        b.block_table[S:S_pad] = 0
+        write_padding(b, T, T_pad, S, S_pad)
         self.rows[:R] = rows
         self.rows[R:S_pad] = 0
         saved = (b.num_tokens, b.num_seqs, b.logits_rows, b.device_rows)
