@@ -658,8 +658,7 @@ def test_flash_step_blocks_assemble(tmp_path, sb):
     dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
             "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
             "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
-    msig = ("out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,query_start=*i32:16,seq_lens=*i32,o_ts=i32:16,"
-            "o_hs=i32:16,window=i32:16,sinks=*f32:16")
+    msig = FLASH_MERGE_SIG
     decode = ["num_warps=4", "R=16", "NUM_PARTS=16", "PIPE=False"]
     cases = [("flash_decode_kernel", dsig, decode),
              ("flash_prefill_kernel", FLASH_PREFILL_SIG, FLASH_PREFILL_CONSTS + ["LONGEST_FIRST=True", "FOLD_SKIP=True"]),
@@ -672,6 +671,30 @@ def test_flash_step_blocks_assemble(tmp_path, sb):
         params, cx = parse_sig(k, sig, common + extra + [f"SB={sb}"])
         ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
         _ptxas_usage(ptx, tmp_path)
+
+
+# flash_merge_kernel's arguments as the engine passes them (the quantised-output arrays: unused unless Q8G > 0)
+FLASH_MERGE_SIG = ("out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,query_start=*i32:16,seq_lens=*i32,o_ts=i32:16,"
+                   "o_hs=i32:16,window=i32:16,sinks=*f32:16,qx=*f32:16,xd=*f32:16,xs=*f32:16,xd4=*f32:16,xs4=*f32:16")
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
+def test_flash_merge_q8_output_assembles(tmp_path):
+    """flash_merge_kernel writing a GGUF o projection's int8 input (Q8G, SmolLM2's constants: 3 KV heads of 3
+    query heads padded to 4 rows, head_dim 64, the device's natural layout with 4-fold scales): ptxas takes it
+    without spills, and the read-back of the group's rows follows a CTA barrier. Its bits: tests/ops/
+    test_attention_flash.py -k q8 (CPU, lavapipe; on the GPU, -m gpu)."""
+    from jitkern.cli import load_kernel, parse_sig
+    from jitkern.compiler import compile_kernel
+    from targets import get_target
+    k = load_kernel("jitkern.ops.attention:flash_merge_kernel")
+    sig = FLASH_MERGE_SIG.replace("qx=*f32:16", "qx=*i8:16")
+    params, cx = parse_sig(k, sig, ["KVH=3", "G=3", "GP=4", "D=64", "BS=16", "NUM_PARTS=16", "PB=4", "MAXP=16",
+                                    "SINKS=False", "Q8G=1", "REP4=True"])
+    ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+    assert re.search(r"\bbar(rier)?\.sync", ptx)
+    regs, spilled = _ptxas_usage(ptx, tmp_path)
+    assert spilled == 0, (regs, spilled)
 
 
 def test_warp_rows_register_layout():

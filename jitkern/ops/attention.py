@@ -981,11 +981,13 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
 
 
 @jk.kernel
-def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_hs, window, sinks,
-                       KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
+def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_hs, window, sinks, qx, xd, xs, xd4,
+                       xs4, KVH: jk.constexpr, G: jk.constexpr, GP: jk.constexpr, D: jk.constexpr, BS: jk.constexpr,
                        NUM_PARTS: jk.constexpr, PB: jk.constexpr, MAXP: jk.constexpr, SINKS: jk.constexpr,
-                       SB: jk.constexpr = 1):
-    """Program (sequence, KV head): folds the partition states of a decode split in 2+, in partition order."""
+                       SB: jk.constexpr = 1, Q8G: jk.constexpr = 0, REP4: jk.constexpr = False):
+    """Program (sequence, KV head): folds the partition states of a decode split in 2+, in partition order.
+    Q8G > 0: the group's head outputs are also written quantised for the next GGUF linear (as merge_kernel's
+    Q8G: quantize_q8's layout of group Q8G and its bits; qx .. xs4 its arrays)."""
     seq = jk.program_id(0)
     kvh = jk.program_id(1)
     q0 = jk.load(query_start + seq)
@@ -1010,6 +1012,19 @@ def flash_merge_kernel(out, ws_m, ws_l, ws_acc, query_start, seq_lens, o_ts, o_h
         o = _flash_out(M, L, ACC, jk.load(sinks + kvh * G + g, mask=gm, other=0.0) if SINKS else 0.0, SINKS)
         jk.store(out + jk.maximum(q0, 0).to(jk.i64) * o_ts + (kvh * G + g[:, None]) * o_hs + d[None, :], o,
                  mask=(gm & (parts > 1))[:, None])
+    if Q8G > 0:
+        # the group's head outputs read back as 32-blocks: this program's stores above (other threads of the
+        # CTA wrote them: the barrier orders those stores before these loads) or, for one partition, the decode
+        # kernel's; rows of heads one after another (o_hs = D, checked by the caller)
+        jk.barrier()
+        if active:
+            idx = jk.arange(0, GP * (D // 32))
+            ok = idx // (D // 32) < G
+            blk = (kvh * G).to(jk.i64) * (D // 32) + idx
+            v = jk.load(out + q0.to(jk.i64) * o_ts + blk[:, None] * 32 + jk.arange(0, 32)[None, :], mask=ok[:, None],
+                        other=0.0)
+            q8_store_blocks(v, qx, xd, xs, xd4, xs4, q0.to(jk.i64), KVH * G * D // 32, blk, ok, GP * (D // 32), Q8G,
+                            REP4)
 
 
 @jk.kernel(do_not_specialize=('num_seqs', 'search_steps'))
@@ -1513,10 +1528,10 @@ def _flash_split(target, k_cache) -> bool:
 
 
 def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_len: int, decode: bool,
-                  block_m, split, target, pipeline=None, operands=None, step_blocks=None):
+                  block_m, split, target, pipeline=None, operands=None, step_blocks=None, q8=None):
     """The flash kernels over one step: decode (+ merge) for the q_len == 1 sequences and the prefill kernel
     for the others (decode=False: the prefill kernel for every sequence). operands: "f32" | "16bit" (None:
-    GPU_FLASH_OPERANDS)."""
+    GPU_FLASH_OPERANDS). q8: the Q8Activations the merge kernel also writes (_q8_in_merge), or None."""
     G, GP, D = st.G, _pow2(st.G), st.dim
     split = _flash_split(target, k_cache) if split is None else bool(split)
     mode = GPU_FLASH_OPERANDS if operands is None else operands
@@ -1551,10 +1566,11 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
             target=target, KVH=st.kvh, G=G, R=max(16, GP), D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
             MAXP=MAX_PARTITIONS, SPLIT=split, **common, **dw)
         if P > 1:
+            qa, qkw = _q8_merge_args(st, q8)
             run(flash_merge_kernel, (st.num_seqs, st.kvh),
-                (st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks),
+                (st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks) + qa,
                 target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
-                MAXP=MAX_PARTITIONS, SINKS=st.use_sinks, **({"SB": sb} if sb > 1 else {}))
+                MAXP=MAX_PARTITIONS, SINKS=st.use_sinks, **({"SB": sb} if sb > 1 else {}), **qkw)
     if max_query_len > 1 or not decode:
         # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
         rows = int(block_m) * GP if block_m else \
@@ -1581,7 +1597,7 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
                           num_partitions: int | None = None, workspace: dict | None = None, decode: bool = True,
                           block_m: int | None = None, split: bool | None = None, pipeline: bool | None = None,
                           validate: bool = True, host_step=None, sinks=None, target=None, operands=None,
-                          step_blocks: int | None = None):
+                          step_blocks: int | None = None, q8_out=None):
     """paged_attention through the GPU flash kernels, on any target (GPUs take this path from
     paged_attention; CPU tiers run it for tests). Arguments as for paged_attention, and:
     decode=False runs the prefill kernel for every sequence (decodes included: same bits as decode=True);
@@ -1602,8 +1618,12 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
     if max_query_len is None:
         max_query_len = int(np.diff(st.qs_host).max())
     P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS)
-    return _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
-                         decode, block_m, split, target, pipeline, operands, step_blocks)
+    q8 = _q8_in_merge(st, q8_out, P, max_query_len if decode else 2)
+    _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
+                  decode, block_m, split, target, pipeline, operands, step_blocks, q8=q8)
+    if q8_out is not None and q8 is None:
+        _quantize_out(st, q8_out, target)
+    return st.out
 
 
 def _partition_axis(st: _Step, num_partitions, validate: bool, pb: int) -> int:
@@ -1685,10 +1705,10 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         _f32_out_only(st, f"{target.name if target is not None else 'CPU'} attention")
     ws = workspace if workspace is not None else {}
     if flash:
-        if q8_out is not None:
-            _check_q8_out(st, q8_out)
-        _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target, operands=operands)
-        if q8_out is not None:
+        q8 = _q8_in_merge(st, q8_out, P, max_query_len)
+        _flash_launch(st, q, k_cache, v_cache, ws, P, max_query_len, True, None, None, target, operands=operands,
+                      q8=q8)
+        if q8_out is not None and q8 is None:
             _quantize_out(st, q8_out, target)
         return st.out
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q, touch=True)
@@ -1702,9 +1722,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
         **({"HSPLIT": True} if hsplit else {}), **skip)
     q8 = _q8_in_merge(st, q8_out, P, max_query_len)
     if P > 1:
-        qa = (q8[0], q8[1], q8[2], q8[1] if q8.scales4 is None else q8.scales4,
-              q8[2] if q8.sums4 is None else q8.sums4) if q8 is not None else (st.out,) * 5
-        qkw = {"Q8G": q8_group(q8.layout, st.heads * st.dim // 32), "REP4": q8.scales4 is not None} if q8 else {}
+        qa, qkw = _q8_merge_args(st, q8)
         run(merge_kernel, (st.num_seqs, st.heads),
             (st.out, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks) + qa,
             target=target, H=st.heads, D=st.dim, BS=st.bs, NUM_PARTS=P, PB=PARTITION_BLOCKS, MAXP=MAX_PARTITIONS,
@@ -1740,6 +1758,15 @@ def _q8_in_merge(st, q8_out, P: int, max_query_len: int):
     ok = (max_query_len == 1 and P > 1 and st.dim % 32 == 0 and nb & (nb - 1) == 0 and st.o_hs == st.dim
           and st.o_ts == st.heads * st.dim)
     return q8_out if ok else None
+
+
+def _q8_merge_args(st, q8):
+    """The merge kernels' quantised-output arguments (qx, scales, sums, the 4-fold scales and sums) and
+    constexprs for q8 (a Q8Activations, or None: unused arguments, Q8G left 0)."""
+    if q8 is None:
+        return (st.out_arg,) * 5, {}
+    qa = (q8[0], q8[1], q8[2], q8[1] if q8.scales4 is None else q8.scales4, q8[2] if q8.sums4 is None else q8.sums4)
+    return qa, {"Q8G": q8_group(q8.layout, st.heads * st.dim // 32), "REP4": q8.scales4 is not None}
 
 
 def _quantize_out(st, q8_out, target):

@@ -507,8 +507,8 @@ def test_decode_idle_programs_skip_and_same_bits(tier, monkeypatch):
 def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
     """paged_attention(q8_out=): the output also written quantised for a GGUF o projection, as quantize_q8 of
     the f32 output (bit for bit, in the linear's layout, with and without the 4-fold scales). Decode-only steps
-    on a partition axis > 1 write it from the merge kernel on the CPU tiers (no quantize_q8 launch); other steps
-    and paths quantise after the attention."""
+    on a partition axis > 1 write it from the merge kernel (CPU tiers; the flash merge on GPUs): no quantize_q8
+    launch; other steps, and Vulkan's token kernel, quantise after the attention."""
     from jitkern.ops import quant as Q
     rng = np.random.default_rng(31)
     quantised_after = []
@@ -531,7 +531,8 @@ def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
             for g, w in zip(list(got) + ([got.scales4, got.sums4] if rep4 else []),
                             list(ref) + ([ref.scales4, ref.sums4] if rep4 else [])):
                 np.testing.assert_array_equal(g, w, err_msg=f"{len(seqs)} seqs, parts {parts}, rep4 {rep4}")
-            in_merge = tier.is_cpu and mql == 1         # (DECODES splits up to 3 ways: P > 1 either way)
+            # (DECODES splits up to 3 ways: P > 1 either way; Vulkan's token kernel has no merge)
+            in_merge = mql == 1 and not tier.is_vulkan
             assert quantised_after == ([] if in_merge else [1])
     with pytest.raises(ValueError, match="q8_out: arrays for a"):
         A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier,

@@ -490,3 +490,29 @@ def test_flash_step_blocks(tier, sb):
                                                    block_m=8, step_blocks=1))
     with pytest.raises(ValueError, match="step_blocks must be 1, 2 or 4, got 3"):
         _flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, step_blocks=3)
+
+
+@pytest.mark.parametrize("layout,heads,kv_heads,dim", [("natural", 6, 2, 32), ("q4x4", 9, 3, 64), ("q4", 5, 1, 32)],
+                         ids=["natural-g3", "q4x4-smollm2", "q4-g5"])
+def test_flash_merge_writes_the_q8_input(tier, layout, heads, kv_heads, dim):
+    """flash_paged_attention(q8_out=): in a decode-only step the flash merge kernel also writes the output
+    quantised for a GGUF o projection (its head group's rows read back after a CTA barrier, or the decode
+    kernel's for one partition), bit for bit quantize_q8 of the f32 output, the 4-fold scales too; the f32
+    output unchanged. Padded head groups (G = 3, 5) mask their spare rows."""
+    from jitkern.ops import quant as Q
+    rng = np.random.default_rng(37)
+    seqs = [(1, 1), (15, 1), (300, 1), (0, 0), (70, 1), (600, 1), (17, 1)]
+    q, kc, vc, qs, sl, bt = make_step(rng, seqs, heads, kv_heads, dim, np.float16)
+    T, K = q.shape[0], heads * dim
+    want = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.2, num_partitions=A.MAX_PARTITIONS, max_query_len=1)
+    for rep4 in (False, True):
+        ref = Q.quantize_q8(np.ascontiguousarray(want.reshape(T, K)), layout=layout, rep4=rep4, target=tier)
+        got = Q.Q8Activations(np.full((T, K), 77, np.int8), np.full((T, K // 32), np.nan, np.float32),
+                              np.full((T, K // 32), np.nan, np.float32), layout,
+                              *([np.full((T, K // 8), np.nan, np.float32) for _ in range(2)] if rep4 else []))
+        out = _flash(tier, q, kc, vc, qs, sl, bt, scale=0.2, num_partitions=A.MAX_PARTITIONS, max_query_len=1,
+                     q8_out=got)
+        np.testing.assert_array_equal(out, want)
+        for g, w in zip(list(got) + ([got.scales4, got.sums4] if rep4 else []),
+                        list(ref) + ([ref.scales4, ref.sums4] if rep4 else [])):
+            np.testing.assert_array_equal(g, w, err_msg=f"rep4 {rep4}")
