@@ -135,6 +135,15 @@ def test_steps_move_no_buffer_after_start(tiny_llama):
     _graphs_survive_growing_steps(tiny_llama)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt2", "qwen3"])
+def test_buffers_reserved_for_other_architectures(tmp_path_factory, arch):
+    # the dry forward runs each model's host code between launches: a failure there only logs and leaves the
+    # buffers to grow (graphs dropped mid-serving), so check it really ran
+    with LLM(_tiny(tmp_path_factory, arch), num_blocks=64, block_size=16, max_num_batched_tokens=64,
+             max_num_seqs=4) as llm:
+        assert llm.engine.runner.reserve_buffers()
+
+
 def test_buffers_reserved_when_steps_outgrow_the_context(tiny_llama):
     # 64 batched tokens but sequences of at most 8: the dry step gives each sequence at most 8 (a sequence
     # longer than its block table failed the dry run, which left the buffers unreserved)
