@@ -1297,16 +1297,27 @@ class _Step:
 
 def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touch: bool = False):
     """Softmax-state scratch (m, l, acc) for `rows` (query head x program) rows, kept in ws across calls
-    (on the device `like` lives on). touch: host arrays are written once here (see WORKSPACE_TOUCH)."""
-    if ws.get(key) is None or ws[key][0] != (rows, bs, dim):
+    (on the device `like` lives on). touch: host arrays are written once here (see WORKSPACE_TOUCH).
+
+    Grown, never shrunk: a call needing fewer rows gets the first rows of the arrays there (the kernels index
+    rows from the start), so steps of every size, and the graphs recorded for them, share one set of arrays.
+    (Arrays of the exact size each time left every recorded graph of another batch size holding its own,
+    per layer: on CUDA the engine's decode graphs of 64 sequences' buckets held ~2.5 GB of them at the
+    Llama-3-8B shape.) The engine sizes them for its largest steps at start (ModelRunner.reserve_buffers)."""
+    dev = getattr(like, "device", None) if is_device(like) else None
+    ent = ws.get(key)
+    if ent is None or ent[0][0] < rows or ent[0][1:] != (bs, dim, dev):
         arrs = (empty_like_dev(like, rows, np.float32), empty_like_dev(like, rows * bs, np.float32),
                 empty_like_dev(like, rows * dim, np.float32))
         if touch and WORKSPACE_TOUCH:
             for a in arrs:
                 if isinstance(a, np.ndarray):
                     a.fill(0.0)
-        ws[key] = ((rows, bs, dim),) + arrs
-    return ws[key][1:]
+        ent = ws[key] = ((rows, bs, dim, dev),) + arrs
+    if ent[0][0] == rows:
+        return ent[1:]
+    m, l, acc = ent[1:]
+    return m[:rows], l[:rows * bs], acc[:rows * dim]
 
 
 # The decode workspace's host pages are written once when it is allocated. Its rows for partitions past a

@@ -538,3 +538,25 @@ def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
         A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier,
                           q8_out=Q.Q8Activations(np.zeros((T, 64), np.int8), np.zeros((T, 2), np.float32),
                                                  np.zeros((T, 2), np.float32)))
+
+
+def test_workspace_grows_and_smaller_steps_share_it(tier):
+    """The softmax-state workspace is grown, never shrunk: a smaller step after a larger one runs on the first
+    rows of the same arrays (so graphs recorded for other batch sizes share them) and gives the same results
+    as on a fresh workspace."""
+    if tier.is_vulkan:
+        pytest.skip("Vulkan's token kernel keeps no workspace")
+    rng = np.random.default_rng(41)
+    q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)
+    ws = {}
+    A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, max_query_len=1, num_partitions=A.MAX_PARTITIONS,
+                      workspace=ws, target=tier)
+    held = {k: tuple(id(a) for a in v[1:]) for k, v in ws.items()}
+    n = 3                                                        # the first 3 sequences alone
+    q3, qs3, sl3, bt3 = q[:int(qs[n])], qs[:n + 1], sl[:n], bt[:n]
+    want = A.paged_attention(q3, kc, vc, qs3, sl3, bt3, scale=0.125, max_query_len=1,
+                             num_partitions=A.MAX_PARTITIONS, workspace={}, target=tier)
+    got = A.paged_attention(q3, kc, vc, qs3, sl3, bt3, scale=0.125, max_query_len=1,
+                            num_partitions=A.MAX_PARTITIONS, workspace=ws, target=tier)
+    np.testing.assert_array_equal(got, want)
+    assert held and {k: tuple(id(a) for a in v[1:]) for k, v in ws.items()} == held
