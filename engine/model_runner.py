@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.prefill_graphs import write_padding
+
 
 def decode_bucket(n: int, cap: int) -> int:
     """The padded batch size of a CUDA decode step of n sequences: 1, 2, 4, then multiples of 8 (vLLM's
@@ -376,7 +378,6 @@ class ModelRunner:
         Bp = decode_bucket(B, len(b.seq_lens))
         if Bp <= B or Bp > len(b.input_ids):
             return None
-        from engine.prefill_graphs import write_padding
         write_padding(b, B, Bp, B, Bp)
         rows = self._decode_rows
         rows[:B] = b.logits_rows
