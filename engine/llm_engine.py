@@ -211,6 +211,9 @@ class LLMEngine:
         self._counter = itertools.count()
         self.load_seconds = time.perf_counter() - t0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
+        # "Type: message" of the last exception a model step raised (requests are told only INTERNAL_ERROR;
+        # the server's warm-up names it when it fails the start)
+        self.last_step_error: Optional[str] = None
         log.info("engine ready: %s, %d KV blocks x %d tokens (%s), max_model_len %d%s, load %.2fs", path,
                  num_blocks, args.block_size, kv_dtype, self.max_model_len,
                  " (auto-fitted)" if sizing.auto_fitted else "", self.load_seconds)
@@ -446,6 +449,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             if getattr(e, "fatal", False):        # a tensor-parallel rank died: no request can run
                 raise
+            self.last_step_error = f"{type(e).__name__}: {e}"
             if len(sched.scheduled) == 1:
                 log.exception("the step of request %s failed", sched.scheduled[0].req_id)
                 return {sched.scheduled[0].req_id: SampleResult(-1, error=INTERNAL_ERROR)}
@@ -456,8 +460,9 @@ class LLMEngine:
             alone = SchedulerOutput(scheduled=[s], num_scheduled_tokens=s.num_tokens)
             try:
                 out.update(self._sample(alone, self.runner.execute(alone)))
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 log.exception("the step of request %s failed", s.req_id)
+                self.last_step_error = f"{type(e).__name__}: {e}"
                 out[s.req_id] = SampleResult(-1, error=INTERNAL_ERROR)
         return out
 

@@ -475,13 +475,18 @@ def default_app() -> OpenAIServer:
             try:
                 warm_up(app.state)
             except Exception as e:  # noqa: BLE001
-                log.error("the warm-up generation failed: %s: %s", type(e).__name__, e, exc_info=settings.verbose)
+                why = str(e) if isinstance(e, WarmUpFailed) else f"{type(e).__name__}: {e}"
+                log.error("the warm-up generation failed: %s", why, exc_info=settings.verbose)
                 app.close()
                 raise SystemExit(WORKER_BOOT_ERROR) from None
         log.info("serving %s (max_model_len %d) in pid %d, ready in %.1fs", app.state.served_model_name,
                  app.state.max_model_len, os.getpid(), time.perf_counter() - t0)
         _default_app = app
         return app
+
+
+class WarmUpFailed(RuntimeError):
+    """The warm-up request ended in an error (the message is the engine's "Type: message" of the cause)."""
 
 
 def warm_up(state: AppState) -> None:
@@ -497,8 +502,16 @@ def warm_up(state: AppState) -> None:
         return
     stream = state.engine.submit(f"warmup-{os.getpid()}", ids, SamplingParams(max_tokens=2, temperature=0.0,
                                                                               ignore_eos=True))
-    for _ in stream:
+    last = None
+    for last in stream:
         pass
+    # the engine isolates a failing request (it ends with finish_reason "error" and the cause in the log)
+    # instead of raising: a server whose one warm-up request failed can serve nothing, so it must not start
+    if last is None:
+        raise WarmUpFailed("the warm-up request produced no output")
+    if last.error or any(o.finish_reason == "error" for o in last.outputs):
+        cause = getattr(getattr(state.engine, "engine", None), "last_step_error", None)
+        raise WarmUpFailed(cause or last.error or "the engine failed the request")
     log.info("warm-up generation done in %.1fs", time.perf_counter() - t0)
 
 

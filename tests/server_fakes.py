@@ -189,7 +189,10 @@ def make_engine(settings) -> AsyncEngine:
         # long enough that 32 concurrent 10-token requests overlap visibly in /metrics on a busy host
         step_delay=float(env.get("JITKERN_FAKE_STEP_DELAY", "0.015")),
         prefill_delay=float(env.get("JITKERN_FAKE_PREFILL_DELAY", "0")))
-    return make_async_engine(**kwargs)
+    engine = FakeLLMEngine(**kwargs)
+    # the first N model steps raise (a GPU that cannot load its kernels fails every step this way)
+    engine.fail_steps = int(env.get("JITKERN_FAKE_FAIL_STEPS", "0"))
+    return AsyncEngine(engine=engine)
 
 
 # ================================================================================ a real server process

@@ -65,6 +65,49 @@ def test_device_array_round_trip_and_views():
     assert not z.numpy().any()
 
 
+@jk.kernel
+def _scale_in_thread(x, out, n, a, BLOCK: jk.constexpr):
+    # a kernel of its own, so its module is first loaded by the thread below
+    offs = jk.program_id(0) * BLOCK + jk.arange(0, BLOCK)
+    m = offs < n
+    jk.store(out + offs, jk.load(x + offs, mask=m) * a - 1.0, mask=m)
+
+
+@pytest.mark.gpu
+def test_a_thread_that_did_not_create_the_device_loads_and_launches():
+    """The server's engine thread loads modules that the main thread never did; the driver's current context
+    is per thread, so the device must make its context current there (CUDA_ERROR_INVALID_CONTEXT before)."""
+    import threading
+    cuda = _cuda()
+    cuda.get_device(0)                       # created (and made current) in this thread
+    rng = np.random.default_rng(11)
+    n = 4099
+    x = rng.standard_normal(n).astype(np.float32)
+    result, errors = {}, []
+
+    def work():
+        try:
+            dx = cuda.to_device(x)
+            dout = cuda.DeviceArray.empty(n, np.float32)
+            _scale_in_thread[(jk.cdiv(n, 128),)](dx, dout, n, 1.5, BLOCK=128)
+            _scale_in_thread[(jk.cdiv(n, 128),)](dout, dout, n, 1.0, BLOCK=128)     # out = out - 1
+            with jk.capture() as g:
+                _scale_in_thread[(jk.cdiv(n, 128),)](dout, dout, n, 2.0, BLOCK=128)
+            g.replay()
+            result["out"] = dout.numpy()
+            result["mem"] = cuda.get_device(0).mem_info()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    np.testing.assert_allclose(result["out"], (x * 1.5 - 2.0) * 2.0 - 1.0, rtol=1e-6, atol=1e-5)
+    free, total = result["mem"]
+    assert 0 < free <= total
+
+
 @pytest.mark.gpu
 def test_launch_on_device_arrays_picks_the_gpu():
     cuda = _cuda()

@@ -32,6 +32,10 @@ class CudaUnavailable(CudaError):
 
 
 _driver = None
+# The CUDA context current in each thread (the driver keeps one per thread): a thread that did not create
+# the device (the server's engine thread, a user's worker thread) starts with none, and context-bound calls
+# (cuModuleLoadData, cuMemGetInfo, graph instantiation) then fail with CUDA_ERROR_INVALID_CONTEXT.
+_thread_ctx = threading.local()
 
 
 def driver():
@@ -77,7 +81,7 @@ class CudaDevice:
         self.ordinal = ordinal
         self.dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
-        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self.activate()
         A = cu.CUdevice_attribute
         self.cc = (check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev), "attr"),
                    check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev), "attr"))
@@ -112,41 +116,59 @@ class CudaDevice:
                                   f"has no target for") from None
 
     def activate(self) -> None:
-        check(driver().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        """Makes this device's context current in the calling thread (every driver call below does it first:
+        one thread-local read when it already is)."""
+        if getattr(_thread_ctx, "ctx", None) is not self.ctx:
+            check(driver().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            _thread_ctx.ctx = self.ctx
 
     def synchronize(self) -> None:
+        self.activate()
         check(driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def mem_info(self) -> tuple:
+        """(free, total) bytes of device memory, the driver's view (other processes' use included)."""
+        self.activate()
+        free, total = check(driver().cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
 
     # ------------------------------------------------------------------------------------ memory
     def alloc(self, nbytes: int) -> int:
+        self.activate()
         cu = driver()
         p = check(cu.cuMemAllocAsync(max(int(nbytes), 1), self.stream), f"cuMemAllocAsync({nbytes} bytes)")
         return int(p)
 
     def free(self, ptr: int) -> None:
         try:
+            self.activate()
             driver().cuMemFreeAsync(ptr, self.stream)
         except Exception:           # noqa: BLE001 - interpreter shutdown
             pass
 
     def upload(self, dst: int, host: np.ndarray) -> None:
+        self.activate()
         host = np.ascontiguousarray(host)
         check(driver().cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
         self.synchronize()          # the host buffer may go away once we return
 
     def download(self, host: np.ndarray, src: int) -> None:
+        self.activate()
         check(driver().cuMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
         self.synchronize()
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.activate()
         check(driver().cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
 
     def memset8(self, dst: int, value: int, nbytes: int) -> None:
+        self.activate()
         check(driver().cuMemsetD8Async(dst, value & 0xFF, nbytes, self.stream), "cuMemsetD8Async")
 
     # ----------------------------------------------------------------------------------- modules
     def load_function(self, image: bytes, symbol: str, shared_bytes: int = 0):
         """Loads a cubin (or PTX text) once per image and returns the CUfunction of `symbol`."""
+        self.activate()
         cu = driver()
         with self._lock:
             key = (hash(image), len(image), symbol)
@@ -164,6 +186,7 @@ class CudaDevice:
 
     def launch(self, fn, grid, num_threads: int, shared_bytes: int, slots: np.ndarray) -> None:
         """Launches with one 8-byte slot per kernel parameter (pointer, i64 or f64 bits)."""
+        self.activate()
         n = len(slots)
         ptrs = (ctypes.c_void_p * max(n, 1))()
         base = slots.ctypes.data
@@ -677,6 +700,7 @@ class CudaGraph:
         self._keep = []
 
     def begin(self) -> None:
+        self.device.activate()
         cu = driver()
         check(cu.cuStreamBeginCapture(self.device.stream,
                                       cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
@@ -685,6 +709,7 @@ class CudaGraph:
         _capturing[0] += 1
 
     def end(self) -> None:
+        self.device.activate()
         cu = driver()
         self.capturing = False
         _capturing[0] = max(_capturing[0] - 1, 0)
@@ -698,6 +723,7 @@ class CudaGraph:
         self._keep.append(tuple(v for v in values if isinstance(v, (DeviceArray, TensorMap))))
 
     def replay(self) -> None:
+        self.device.activate()
         check(driver().cuGraphLaunch(self.exec, self.device.stream), "cuGraphLaunch")
 
     def __len__(self):
