@@ -8,14 +8,35 @@ kernel the forward pass and the sampler launch is specialised the way that model
 from __future__ import annotations
 
 
+# Decode batches up to this many sequences are driven on a GPU path: every decode bucket (model_runner's
+# decode_bucket: 1, 2, 4, then multiples of 8) a server with vLLM's GPU default of 256 sequences steps at.
+GPU_MAX_DECODE_BATCH = 256
+
+
 def build_specializations(model: str | None = None, *, max_num_seqs: int = 8, device: str = "cpu") -> int:
     """Drives a short engine warm-up (prefills of several lengths, decodes, the sampler) so that every kernel
     specialisation the engine uses is launched; under `compile_only` that fills the kernel cache. `device`
-    is the engine's device path to drive ("cuda" on a stand-in device for GPU targets)."""
-    from engine.llm_engine import EngineArgs, LLMEngine
+    is the engine's device path to drive ("cuda" on a stand-in device for GPU targets).
+
+    A GPU path is driven twice: eagerly (steps of any row count, as prompt-logprob and speculative steps
+    run), then as a user's engine runs (graphs on, so kernels that only recorded steps launch, such as the
+    decode graphs' greedy pick, compile too) with a prompt long enough for the tallest prefill tile and a
+    decode step at every decode bucket up to GPU_MAX_DECODE_BATCH: the linear's tile depends on the step's
+    rows, so a bucket left out is a kernel the first run would compile."""
+    steps = _drive(_engine(model=model, num_blocks=256, block_size=16, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=256, use_graphs=False, device=device),
+                   [5, 37, 300], max_num_seqs)          # short, medium and a chunked (> 256 tokens) prefill
+    if device == "cpu":
+        return steps
+    B = max(max_num_seqs, GPU_MAX_DECODE_BATCH)
+    # max_model_len: the model's own (the pool holds it for most models), as a GPU server's is
+    eng = _engine(model=model, num_blocks=1024, block_size=16, max_num_seqs=B, max_num_batched_tokens=2048,
+                  device=device, max_model_len=None)
+    return steps + _drive(eng, [5, 1100], 4, decode_buckets=B)   # 1,100 rows: over GPU_LINEAR_XL_M
+
+
+def _drive(eng, lengths: list, max_num_seqs: int, decode_buckets: int = 0) -> int:
     from engine.sampling_params import SamplingParams
-    eng = LLMEngine(EngineArgs(model=model, num_blocks=256, block_size=16, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=256, use_graphs=False, max_model_len=2048, device=device))
     # Under compile-only launches no kernel runs, so sampled ids and logprobs are garbage: keep the
     # engine's bookkeeping valid by replacing them with a fixed in-vocabulary token.
     real_sample = eng.sampler.sample
@@ -26,13 +47,11 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8, de
     eng.sampler.sample = sample
     try:
         vocab = eng.config.vocab_size
-        lengths = [5, 37, 300]             # short, medium and a chunked (> 256 tokens) prefill
-        n = 0
+        lengths = [min(L, eng.max_model_len - 4) for L in lengths]
         for i, L in enumerate(lengths + [9] * (max_num_seqs - 1)):
             prompt = [(7 * j + 3 * i) % (vocab - 10) + 5 for j in range(L)]
             eng.add_request(f"warm-{i}", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
                                                                detokenize=False))
-            n += 1
         eng.add_request("warm-sampled", [11, 12, 13], SamplingParams(max_tokens=2, temperature=0.8, top_k=20,
                                                                     top_p=0.9, logprobs=2, seed=1,
                                                                     detokenize=False))
@@ -46,9 +65,30 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8, de
         while eng.has_unfinished_requests() and steps < 96:
             eng.step()
             steps += 1
+        if decode_buckets:
+            from engine.model_runner import decode_bucket
+            for B in sorted({decode_bucket(n, decode_buckets) for n in range(1, decode_buckets + 1)}):
+                # B short prompts prefilled together, then one decode step of exactly B sequences
+                for j in range(B):
+                    eng.add_request(f"warm-b{B}-{j}", [(5 * j + B) % (vocab - 10) + 5, 7, 9],
+                                    SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False))
+                while eng.has_unfinished_requests():
+                    eng.step()
+                    steps += 1
         return steps
     finally:
         eng.close()
+
+
+def _engine(max_model_len=2048, **kw):
+    """An engine of a 2,048-token context (None: the model's own), or the model's own where that is shorter."""
+    from engine.llm_engine import EngineArgs, LLMEngine
+    try:
+        return LLMEngine(EngineArgs(max_model_len=max_model_len, **kw))
+    except ValueError as e:
+        if "max_position_embeddings" not in str(e):
+            raise
+        return LLMEngine(EngineArgs(max_model_len=None, **kw))
 
 
 def _compiling_only() -> bool:

@@ -251,11 +251,12 @@ def cmd_build(args) -> int:
     seen, cached = set(), set()
 
     def on_compile(ck):
-        if ck.symbol in seen:
+        key = (ck.target.name, ck.symbol)
+        if key in seen:
             return
-        seen.add(ck.symbol)
+        seen.add(key)
         if ck.from_cache:
-            cached.add(ck.symbol)
+            cached.add(key)
         bar.update(1)
         bar.set_postfix_str(ck.name)
 
@@ -295,8 +296,12 @@ def cmd_build(args) -> int:
         return _fail(f"{len(co.errors)} kernel specialisation(s) failed to compile for {t.name}; first: "
                      f"{name}: {first[:500]}")
     from .compiler import kernel_cache
-    print(f"{len(seen)} kernel specialisations for {args.target} are in the cache ({len(cached)} were already there) "
-          f"at {kernel_cache().path}")
+    own = sum(1 for name, _ in seen if name == t.name)
+    host = {name for name, _ in seen if name != t.name}
+    also = f" (and {len(seen) - own} for this host's {', '.join(sorted(host))} tier: the kernels that run on " \
+        f"the host, such as the sampler's on logits copied back)" if host else ""
+    print(f"{own} kernel specialisations for {args.target} are in the cache{also} ({len(cached)} were already "
+          f"there) at {kernel_cache().path}")
     return 0
 
 

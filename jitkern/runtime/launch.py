@@ -248,11 +248,27 @@ def launches_are_dry() -> bool:
     return getattr(_capture, "dry", False)
 
 
-def _compile_only_launch(co, kernel, args, kwargs):
+def _compile_only_target(co, target, args):
+    """The target a compile-only launch builds for: where the launch would run. Building for a GPU, a launch
+    on host arrays alone (the sampler's kernels on logits copied back) runs on this host's CPU tier, so that
+    is what it compiles for (the tier of the machine that builds: build on the machine that serves, or force
+    its tier with JITKERN_CPU_TIER); everything else compiles for the build's target."""
+    if co.target is None or not getattr(co.target, "is_gpu", False):
+        return co.target
+    if target is None:
+        target = _device_target(args)
+    if target is None:
+        from .cpu import runtime_target
+        return runtime_target()
+    return co.target
+
+
+def _compile_only_launch(co, kernel, args, kwargs, target=None):
     from ..compiler import compile_kernel
-    params, consts, _ = kernel.specialize(args, kwargs, co.target)
+    target = co.target if target is None else target
+    params, consts, _ = kernel.specialize(args, kwargs, target)
     try:
-        ck = compile_kernel(kernel, params, consts, co.target, load=False)
+        ck = compile_kernel(kernel, params, consts, target, load=False)
     except Exception as e:
         # kept here too: the engine driving the build fails just the request whose step raised, so the
         # error would otherwise never reach `jitkern build`
@@ -389,7 +405,7 @@ def launch(kernel, grid, args, kwargs, target=None):
         return None
     co = getattr(_capture, "compile_only", None)
     if co is not None:
-        return _compile_only_launch(co, kernel, args, kwargs)
+        return _compile_only_launch(co, kernel, args, kwargs, _compile_only_target(co, target, args))
     if target is None:
         target = _device_target(args)
     if target is not None and target.is_gpu:

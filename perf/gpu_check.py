@@ -1,0 +1,376 @@
+"""The GPU check's steps (perf/gpu_check.sh runs them in order and prints `table` last).
+
+    python3 perf/gpu_check.py aot --model M [--target sm_90a] --json aot.json
+        `jitkern build --target T --model M` into a fresh cache, then the CLI, the `LLM` API and the server on
+        CUDA, each with that cache: every kernel specialisation a run compiles that the build did not is
+        listed (kernel, target, spec); the check passes with zero.
+    python3 perf/gpu_check.py serving --model M --concurrency 1 64 256 --json serving.json
+        The engine alone (LLMEngine in a process of its own, a closed loop of C requests in flight, as
+        perf/bench_serving.py keeps C streams open) against `python -m server` driven by perf/bench_serving.py
+        on the same random prompts: output tok/s, TTFT and ITL P50/P99, served / engine.
+    python3 perf/gpu_check.py table DIR
+        One summary table of every JSON result in DIR (pytest counts from DIR/pytest-*.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cache_entries(cache: Path) -> dict:
+    """{(device tag, key): meta} of every complete entry of the kernel cache rooted at `cache`."""
+    from jitkern.cache import KernelCache
+    out = {}
+    for e in KernelCache(cache).entries():
+        try:
+            meta = json.loads((e.path / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        out[(e.device_tag, e.key)] = meta
+    return out
+
+
+class Server:
+    """`python -m server` on a free loopback port, ready once /health answers 200."""
+
+    def __init__(self, model: str, extra: list, env: dict, log_path: Path, timeout: float = 900.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1",
+                                      "--port", str(self.port), "--disable-log-requests"] + list(extra),
+                                     cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                self.log.close()
+                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
+                                   + self.tail())
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n" + self.tail())
+            time.sleep(0.5)
+        self.ready_s = time.monotonic() - t0
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------------- aot
+# What the runs below ask of the engine: greedy and sampled requests, logprobs, a stop string, a prompt long
+# enough to take a taller prefill tile, several at once (decode batches of more than one sequence).
+_LLM_SCRIPT = """
+import sys
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda")
+words = " ".join(f"w{i}" for i in range(400))
+llm.generate(["The capital of France is", words], SamplingParams(max_tokens=8, temperature=0))
+llm.generate(["Once upon a time"] * 3, SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=1,
+                                                     logprobs=2))
+llm.generate(["Hello"], SamplingParams(max_tokens=6, temperature=0.7, min_p=0.05, repetition_penalty=1.1,
+                                       presence_penalty=0.2, stop=[" the"]))
+print("llm ok")
+"""
+
+
+def _server_requests(server: Server, model_name: str) -> None:
+    server.post("/v1/completions", {"model": model_name, "prompt": "The capital of France is", "max_tokens": 8,
+                                    "temperature": 0})
+    server.post("/v1/completions", {"model": model_name, "prompt": "Once upon a time", "max_tokens": 6, "n": 2,
+                                    "temperature": 0.8, "top_p": 0.9, "logprobs": 2, "seed": 3})
+    server.post("/v1/chat/completions", {"model": model_name, "messages": [{"role": "user", "content": "Hi!"}],
+                                         "max_tokens": 6, "temperature": 0.7, "frequency_penalty": 0.3})
+
+
+def cmd_aot(args) -> int:
+    cache = Path(args.cache or tempfile.mkdtemp(prefix="jitkern-aot-"))
+    env = _env(JITKERN_CACHE_DIR=cache)
+    logs = Path(args.logs or cache.parent)
+    t0 = time.monotonic()
+    build = subprocess.run([sys.executable, "-m", "jitkern", "build", "--target", args.target, "--model", args.model,
+                            "-q"], cwd=ROOT, env=env, capture_output=True, text=True)
+    build_s = time.monotonic() - t0
+    print(build.stdout.strip() or build.stderr.strip()[-2000:], flush=True)
+    result = {"step": "aot", "target": args.target, "build_s": round(build_s, 1), "build_rc": build.returncode,
+              "runs": {}}
+    if build.returncode != 0:
+        result["ok"] = False
+        _dump(args.json, result)
+        return 1
+    before = _cache_entries(cache)
+    result["built"] = len(before)
+
+    def diff(name, seen):
+        now = _cache_entries(cache)
+        new = [now[k] for k in now.keys() - seen.keys()]
+        result["runs"][name] = {"compiled": len(new),
+                                "kernels": sorted(f"{m.get('kernel')} [{m.get('target')}] {m.get('spec')}"[:300]
+                                                  for m in new)}
+        print(f"aot: {name}: {len(new)} specialisation(s) compiled after the build", flush=True)
+        for line in result["runs"][name]["kernels"]:
+            print(f"    {line}", flush=True)
+        return now
+
+    seen = before
+    cli = subprocess.run([sys.executable, "-m", "engine.cli", "--model", args.model, "--device", "cuda", "--prompt",
+                          "The capital of France is", "--max-tokens", "8"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    if cli.returncode != 0:
+        print(cli.stderr[-3000:], flush=True)
+    result["runs_rc"] = {"cli": cli.returncode}
+    seen = diff("cli", seen)
+    llm = subprocess.run([sys.executable, "-c", _LLM_SCRIPT, args.model], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    if llm.returncode != 0:
+        print(llm.stderr[-3000:], flush=True)
+    result["runs_rc"]["llm"] = llm.returncode
+    seen = diff("llm", seen)
+    try:
+        server = Server(args.model, [], env, logs / "aot-server.log")     # --device auto: CUDA here
+    except RuntimeError as e:
+        print(e, flush=True)
+        result["runs_rc"]["server"] = 1
+    else:
+        try:
+            name = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=30).read())["data"][0]["id"]
+            _server_requests(server, name)
+            result["runs_rc"]["server"] = 0
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            print(f"aot: server requests failed: {type(e).__name__}: {e}\n{server.tail()}", flush=True)
+            result["runs_rc"]["server"] = 1
+        finally:
+            server.stop()
+    diff("server", seen)
+    result["ok"] = all(rc == 0 for rc in result["runs_rc"].values()) and \
+        all(r["compiled"] == 0 for r in result["runs"].values())
+    _dump(args.json, result)
+    return 0 if result["ok"] else 1
+
+
+# ------------------------------------------------------------------------------------------------ serving
+def _closed_loop_engine(args, concurrency: int) -> dict:
+    """The engine alone: num_prompts requests, at most `concurrency` in flight (a finished one is replaced
+    at once, as bench_serving's client threads do); output tok/s over the whole run."""
+    from engine.llm_engine import EngineArgs, LLMEngine
+    from engine.sampling_params import SamplingParams
+    from perf.bench_serving import load_tokenizer, random_prompts
+    kw = dict(model=args.model, device="cuda", max_num_seqs=max(concurrency, 1))
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    engine = LLMEngine(EngineArgs(**kw))
+    tok = load_tokenizer(args.model)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def wave(prompts, tag):
+        pending = list(enumerate(prompts))
+        inflight, tokens = 0, 0
+        t0 = time.perf_counter()
+        while pending or engine.has_unfinished_requests():
+            while pending and inflight < concurrency:
+                i, p = pending.pop(0)
+                engine.add_request(f"{tag}-{i}", p, params)
+                inflight += 1
+            for out in engine.step():
+                if out.finished:
+                    inflight -= 1
+                    tokens += len(out.outputs[0].token_ids)
+        return tokens, time.perf_counter() - t0
+
+    n = args.num_prompts or max(concurrency, 8)
+    wave(random_prompts(tok, min(n, concurrency), args.input_len, args.seed + 1000), "warm")
+    tokens, wall = wave(random_prompts(tok, n, args.input_len, args.seed), "run")
+    engine.close()
+    return {"output_throughput": tokens / wall, "tokens": tokens, "wall_s": wall}
+
+
+def cmd_engine(args) -> int:
+    res = _closed_loop_engine(args, args.concurrency[0])
+    print(json.dumps(res))
+    return 0
+
+
+def cmd_serving(args) -> int:
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="jitkern-serving-"))
+    rows = []
+    # the engine alone first, each concurrency in a process of its own (a process holds the card's memory)
+    engine = {}
+    for c in args.concurrency:
+        cmd = [sys.executable, str(Path(__file__)), "engine", "--model", args.model, "--concurrency", str(c),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
+        if args.num_prompts:
+            cmd += ["--num-prompts", str(args.num_prompts)]
+        if args.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"serving: the engine alone at c={c} failed:\n{p.stderr[-3000:]}", flush=True)
+            engine[c] = None
+            continue
+        engine[c] = json.loads(p.stdout.strip().splitlines()[-1])
+        print(f"serving: engine alone c={c}: {engine[c]['output_throughput']:.1f} output tok/s", flush=True)
+    extra = ["--max-num-seqs", str(max(args.concurrency))]
+    if args.gpu_memory_utilization is not None:
+        extra += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    server = Server(args.model, extra, _env(), logs / "serving-server.log")
+    print(f"serving: server ready in {server.ready_s:.1f} s", flush=True)
+    try:
+        from perf import bench_serving
+        for c in args.concurrency:
+            n = args.num_prompts or max(c, 8)
+            ns = bench_serving.build_parser().parse_args([
+                "--base-url", server.url + "/v1", "--num-prompts", str(n), "--concurrency", str(c),
+                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
+                "--tokenizer", args.model, "--warmup", str(min(c, 8)), "-q"])
+            rep = bench_serving.run_benchmark(ns)
+            eng = engine.get(c)
+            row = {"concurrency": c, "served_tok_s": rep["output_throughput"],
+                   "engine_tok_s": eng["output_throughput"] if eng else None,
+                   "ttft_p50_ms": rep["ttft_ms"]["median"], "ttft_p99_ms": rep["ttft_ms"]["p99"],
+                   "itl_p50_ms": rep["itl_ms"]["median"], "itl_p99_ms": rep["itl_ms"]["p99"],
+                   "failed": rep["failed_requests"], "errors": rep["errors"]}
+            row["ratio"] = row["served_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
+            rows.append(row)
+            print(f"serving: served c={c}: {row['served_tok_s']:.1f} output tok/s, TTFT P50/P99 "
+                  f"{row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, {row['failed']} failed", flush=True)
+        metrics = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+        preempt = re.search(r"^vllm:num_preemptions(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)", metrics, re.M)
+        kv_line = [ln for ln in server.tail(400).splitlines() if "KV cache" in ln]
+    finally:
+        server.stop()
+    result = {"step": "serving", "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+              "rows": rows, "preemptions": float(preempt.group(1)) if preempt else None,
+              "kv_log": kv_line[-1] if kv_line else None}
+    _dump(args.json, result)
+    return 0 if rows and all(r["failed"] == 0 for r in rows) else 1
+
+
+# -------------------------------------------------------------------------------------------------- table
+def _dump(path, obj) -> None:
+    if path:
+        Path(path).write_text(json.dumps(obj, indent=1))
+
+
+def _fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def cmd_table(args) -> int:
+    d = Path(args.dir)
+    print("\n## GPU check summary")
+    card = d / "card.txt"
+    if card.exists():
+        print(f"card: {card.read_text().strip()}")
+    print("\n| check | result |\n|---|---|")
+    for f in sorted(glob.glob(str(d / "pytest-*.txt"))):
+        text = Path(f).read_text(errors="replace").strip().splitlines()
+        summary = next((ln for ln in reversed(text) if re.search(r"\d+ (passed|failed|error)", ln)), "no summary")
+        print(f"| {Path(f).stem} | {summary.strip('= ')} |")
+    aot = d / "aot.json"
+    if aot.exists():
+        a = json.loads(aot.read_text())
+        runs = ", ".join(f"{k} {v['compiled']}" for k, v in a.get("runs", {}).items())
+        rcs = ", ".join(f"{k} rc {v}" for k, v in a.get("runs_rc", {}).items())
+        print(f"| AOT `jitkern build --target {a['target']}` | {a.get('built', '-')} specialisations in "
+              f"{a['build_s']} s; compiled after it: {runs or '-'} ({rcs}) -> {'PASS' if a.get('ok') else 'FAIL'} |")
+    srv = d / "serving.json"
+    if srv.exists():
+        s = json.loads(srv.read_text())
+        print(f"\nserved vs engine alone, {s['input_len']} in / {s['output_len']} out, ignore_eos, greedy; "
+              f"preemptions {s.get('preemptions')}; {s.get('kv_log') or ''}")
+        print("\n| c | engine tok/s | served tok/s | served / engine | TTFT P50 ms | TTFT P99 ms | ITL P50 ms | "
+              "ITL P99 ms | failed |\n|---|---|---|---|---|---|---|---|---|")
+        for r in s["rows"]:
+            print(f"| {r['concurrency']} | {_fmt(r['engine_tok_s'])} | {_fmt(r['served_tok_s'])} | "
+                  f"{_fmt(r['ratio'], '.3f')} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} | "
+                  f"{_fmt(r['itl_p50_ms'], '.2f')} | {_fmt(r['itl_p99_ms'], '.2f')} | {r['failed']} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="perf/gpu_check.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("aot", help="zero compiles after `jitkern build` for the CLI, LLM and the server")
+    a.add_argument("--model", required=True)
+    a.add_argument("--target", default="sm_90a")
+    a.add_argument("--cache", help="kernel cache folder to build into (default: a new temporary one)")
+    a.add_argument("--logs", help="folder for the server's log")
+    a.add_argument("--json")
+    a.set_defaults(fn=cmd_aot)
+    for name, fn in (("serving", cmd_serving), ("engine", cmd_engine)):
+        s = sub.add_parser(name, help="served vs engine alone" if name == "serving" else "the engine alone (one C)")
+        s.add_argument("--model", required=True)
+        s.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+        s.add_argument("--num-prompts", type=int, default=None, help="requests per concurrency (default max(C, 8))")
+        s.add_argument("--input-len", type=int, default=128)
+        s.add_argument("--output-len", type=int, default=128)
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--gpu-memory-utilization", type=float, default=None)
+        s.add_argument("--logs", help="folder for the server's log")
+        s.add_argument("--json")
+        s.set_defaults(fn=fn)
+    t = sub.add_parser("table", help="the summary table of a results folder")
+    t.add_argument("dir")
+    t.set_defaults(fn=cmd_table)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU check: run it first (to see the state) and last (to prove the work) whenever GPU work is done.
+# On a machine with an NVIDIA GPU, from the repo root:
+#
+#     bash perf/gpu_check.sh [--model DIR|FILE] [--shape llama3-8b] [--layers N] [--out DIR]
+#                            [--skip-tests] [--tests-timeout S] [--concurrency "1 64 256"]
+#
+# 1. installs what the machine lacks from wheels brought along in .whl/ (perf/device_wheels.sh fetches them
+#    where PyPI is reachable) and the Vulkan loader from .gl/*.deb when present;
+# 2. the gpu-marked tests (pytest -m gpu), the server on CUDA among them (tests/test_server_device.py);
+# 3. AOT: `jitkern build --target sm_90a --model M` into a fresh cache, then the CLI, the LLM API and the
+#    server compile nothing (perf/gpu_check.py aot);
+# 4. the server against the engine alone at each concurrency (perf/gpu_check.py serving: random 128-token
+#    prompts, 128 out, ignore_eos), on a random-weight model of --shape made here unless --model is given;
+# 5. one summary table, last. Results (JSON, logs) land in --out (default $OUT or /tmp/gpu-check).
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-/tmp/gpu-check}
+MODEL=""
+SHAPE=llama3-8b
+LAYERS=""
+SKIP_TESTS=0
+TESTS_TIMEOUT=300
+CONCURRENCY="1 64 256"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --model) MODEL=$2; shift 2 ;;
+        --shape) SHAPE=$2; shift 2 ;;
+        --layers) LAYERS=$2; shift 2 ;;
+        --out) OUT_DIR=$2; shift 2 ;;
+        --skip-tests) SKIP_TESTS=1; shift ;;
+        --tests-timeout) TESTS_TIMEOUT=$2; shift 2 ;;
+        --concurrency) CONCURRENCY=$2; shift 2 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+stamp() { echo "[gpu_check $(( $(date +%s) - T0 )) s] $*"; }
+
+# 1. what the machine lacks
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-check-site \
+        .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH=/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ls .gl/*.deb >/dev/null 2>&1 && ! ldconfig -p | grep -q libvulkan.so.1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
+    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
+export PATH=$(dirname "$($PY -c 'import sys; print(sys.executable)')"):$PATH
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT_DIR/card.txt" 2>&1
+stamp "card: $(cat "$OUT_DIR/card.txt")"
+
+# the model
+if [ -z "$MODEL" ]; then
+    MODEL=/tmp/gpu-check-$SHAPE${LAYERS:+-$LAYERS}
+    if [ ! -f "$MODEL/config.json" ]; then
+        stamp "making a random-weight $SHAPE model in $MODEL"
+        $PY perf/peers/make_random_model.py "$SHAPE" "$MODEL" --device cuda ${LAYERS:+--layers $LAYERS} \
+            > "$OUT_DIR/make-model.log" 2>&1 || { tail -20 "$OUT_DIR/make-model.log"; exit 1; }
+    fi
+fi
+
+# 2. the gpu-marked tests
+if [ "$SKIP_TESTS" = 0 ]; then
+    stamp "pytest -m gpu (at most ${TESTS_TIMEOUT} s)"
+    timeout "$TESTS_TIMEOUT" $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist worksteal tests \
+        > "$OUT_DIR/pytest-gpu.txt" 2>&1
+    tail -3 "$OUT_DIR/pytest-gpu.txt"
+    grep -E "^(FAILED|ERROR) " "$OUT_DIR/pytest-gpu.txt" | head -30
+fi
+
+# 3. AOT: zero compiles after jitkern build
+stamp "AOT check on $MODEL"
+$PY perf/gpu_check.py aot --model "$MODEL" --target sm_90a --logs "$OUT_DIR" --json "$OUT_DIR/aot.json"
+
+# 4. served vs engine alone
+stamp "serving vs engine at c = $CONCURRENCY"
+$PY perf/gpu_check.py serving --model "$MODEL" --concurrency $CONCURRENCY --logs "$OUT_DIR" \
+    --json "$OUT_DIR/serving.json"
+
+# 5. the table, last
+stamp "done"
+$PY perf/gpu_check.py table "$OUT_DIR"
