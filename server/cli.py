@@ -128,6 +128,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
+        # no --device flag yet: JITKERN_DEVICE from the environment picks the engine's device (default auto)
+        device=getattr(args, "device", None) or os.environ.get("JITKERN_DEVICE") or None,
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_thinking=args.enable_thinking,
