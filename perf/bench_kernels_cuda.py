@@ -657,11 +657,11 @@ def _run(a) -> int:
     else:
         Ms, NKs = a.m or GEMM_M, GEMM_NK
         pre, dec = PREFILL_CASES, DECODE_CASES
+        copy_mib, elem = 1024, (8192, 4096, 14336)
     if a.decode_cases is not None:
         dec = tuple(tuple(int(v) for v in c.split("x")) for c in a.decode_cases)
     if a.prefill_cases is not None:
         pre = tuple(tuple(int(v) for v in c.split("x")) for c in a.prefill_cases)
-        copy_mib, elem = 1024, (8192, 4096, 14336)
     t0 = time.perf_counter()
     with torch.no_grad():
         copy_gbs = copy_bandwidth(b, copy_mib)
