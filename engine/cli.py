@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="top-k (0 means all)")
     p.add_argument("--seed", type=int, default=None, help="RNG seed (enables seeded sampling)")
     p.add_argument("--stream", action="store_true", help="stream token deltas to stdout")
-    p.add_argument("--max-num-seqs", type=positive_int, default=32, help="max concurrent sequences (default 32)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="max concurrent sequences (default 32; on CUDA vLLM's 256)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="on CUDA, the fraction of the GPU's memory the engine may use (0 < x <= 1, default 0.9, "
+                        "vLLM's): the KV cache gets what the weights and the activation reserve leave of it")
     p.add_argument("--repeat", type=positive_int, default=1, help="load once, run N blocking completions and print warm "
                    "decode tok/s (not with --stream)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -93,6 +97,11 @@ def _main(argv) -> int:
     rc = check_settings(PROG)
     if rc is not None:
         return rc
+    from engine.sizing import KVPoolTooSmallError, check_gpu_memory_utilization
+    try:
+        check_gpu_memory_utilization(args.gpu_memory_utilization)
+    except ValueError as e:
+        return _fail(f"argument {e}")
     why = _utf8_problem(args.prompt)
     if why:
         return _fail(f"argument --prompt {why}; pass the prompt as UTF-8 text")
@@ -118,13 +127,21 @@ def _main(argv) -> int:
     except InvalidRequestError as e:
         flag = f"argument --{e.param.replace('_', '-')}: " if getattr(e, "param", None) else ""
         return _fail(f"{flag}{e}")
+    max_num_seqs = args.max_num_seqs
+    if max_num_seqs is None:
+        # this command's own default off CUDA; on CUDA the engine's (vLLM's 256)
+        from engine.device import resolve_device
+        try:
+            max_num_seqs = None if resolve_device(args.device) == "cuda" else 32
+        except ModelLoadError as e:
+            return _fail(str(e))
     try:
         from engine.llm import LLM
-        llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=args.max_num_seqs,
-                  enable_jump_forward=args.enable_jump_forward,
+        llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=max_num_seqs,
+                  gpu_memory_utilization=args.gpu_memory_utilization, enable_jump_forward=args.enable_jump_forward,
                   device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
-    except ModelLoadError as e:
+    except (ModelLoadError, KVPoolTooSmallError) as e:     # (the latter: the model leaves no room for a KV cache)
         return _fail(str(e))
     except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary
         if spec is None or not hasattr(e, "field"):

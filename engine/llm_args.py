@@ -6,8 +6,10 @@
 Mapped: max_model_len, seed, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, block_size,
 kv_cache_dtype ("auto": f16 for 16-bit or quantised weights, f32 for f32 ones; float16 / fp16 / f16, float32 / fp32 /
 f32; anything else refused naming it), enforce_eager (decode graphs off), task / runner, generation_config, device,
-disable_async_output_proc (overlap_output off: vLLM V0's async output processing is that overlap).
-Accepted and logged (no effect here): gpu_memory_utilization, swap_space, cpu_offload_gb=0,
+disable_async_output_proc (overlap_output off: vLLM V0's async output processing is that overlap),
+gpu_memory_utilization (on CUDA the KV cache takes what weights and activations leave of that fraction of the card;
+no effect on the CPU), kv_cache_memory_bytes (-> kv_cache_memory: the KV pool's bytes, overriding it).
+Accepted and logged (no effect here): swap_space, cpu_offload_gb=0,
 trust_remote_code (no checkpoint code is ever run), tokenizer_mode, revision, download_dir, load_format,
 max_seq_len_to_capture, disable_custom_all_reduce, disable_log_stats, ...; dtype: "auto" / "float16" /
 "bfloat16" / "half" -> "auto" (on a GPU a 16-bit checkpoint's matrix-unit inputs are 16-bit, as vLLM; the
@@ -26,12 +28,12 @@ from pathlib import Path
 
 log = logging.getLogger("engine")
 
-_IGNORED = ("gpu_memory_utilization", "swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode",
+_IGNORED = ("swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode",
             "revision", "tokenizer_revision", "code_revision", "download_dir", "load_format",
             "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats",
             "hf_token", "hf_overrides", "compilation_config", "skip_tokenizer_init", "allowed_local_media_path",
             "max_logprobs_mode", "enable_chunked_prefill", "distributed_executor_backend", "worker_cls",
-            "disable_log_requests", "use_v2_block_manager", "num_scheduler_steps", "kv_cache_memory_bytes")
+            "disable_log_requests", "use_v2_block_manager", "num_scheduler_steps")
 _DTYPES_F32 = ("auto", "float32", "float", "fp32")
 _DTYPES_LOGGED = ("float16", "half", "bfloat16", "fp16", "bf16")
 
@@ -87,6 +89,9 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
     runner = take("runner")
     if runner is not None:
         out["task"] = {"pooling": "embed", "generate": "generate", "auto": "auto"}.get(runner, runner)
+    kvm = take("kv_cache_memory_bytes")
+    if kvm is not None:
+        out["kv_cache_memory"] = kvm                # vLLM's spelling of the pool's bytes
     kvd = take("kv_cache_dtype")
     if kvd is not None:
         from engine.sizing import kv_cache_dtype_name

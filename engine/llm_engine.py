@@ -49,8 +49,16 @@ class EngineArgs:
     # "f32" / "float32" / "fp32" | "f16" / "float16" / "fp16"; the engine's own args hold the resolved "f32" / "f16"
     kv_cache_dtype: str = "auto"
     max_model_len: Optional[int] = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: engine.sizing.default_batch_limits for the resolved device (the CPU: 64 and 2048; CUDA: vLLM's 256
+    # and a token budget by usage_context and card memory); the engine's own args hold the resolved numbers
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    # vLLM's --gpu-memory-utilization: on CUDA, without num_blocks / kv_cache_memory, the fraction of the card's
+    # memory this engine may hold; weights and the activation reserve are measured, the rest is KV blocks
+    gpu_memory_utilization: float = 0.9
+    # vLLM's UsageContext, for the CUDA default of max_num_batched_tokens: "llm_class" (offline batches: LLM,
+    # the engine CLI) or "openai_api_server" (the server)
+    usage_context: str = "llm_class"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
@@ -78,6 +86,9 @@ class EngineArgs:
     overlap_output: Optional[bool] = None
 
 
+# The KV pool's bytes without num_blocks / kv_cache_memory where the device's free memory is not measured: the
+# CPU, Vulkan (its runtime has heap sizes but no free-memory query: VK_EXT_memory_budget is not used), and a
+# stand-in device that reports no memory
 _DEFAULT_KV_MEMORY = 1 << 30
 # What a request is told when the engine failed on it; the exception itself goes to the log only.
 INTERNAL_ERROR = "internal error while running this request (the server log has the details)"
@@ -139,9 +150,12 @@ class LLMEngine:
         from engine.models import build_model
         from engine.model_runner import ModelRunner
         from engine.sampler import Sampler
-        from engine.sizing import (KV_DTYPE_BYTES, kv_block_bytes, kv_cache_dtype_name, num_blocks_for_memory,
+        from engine.sizing import (KV_DTYPE_BYTES, check_gpu_memory_utilization, default_batch_limits,
+                                   kv_block_bytes, kv_cache_dtype_name, kv_cache_log_line, num_blocks_for_memory,
                                    resolve_kv_cache_dtype, resolve_max_model_len)
         kv_cache_dtype_name(args.kv_cache_dtype)        # a bad spelling fails before the slow load
+        gpu_util = check_gpu_memory_utilization(args.gpu_memory_utilization)
+        default_batch_limits("cpu", args.usage_context)  # a bad usage_context fails before the load too
         path = args.model or str(default_model_path())
         spec_cfg = None
         if args.speculative_config is not None:
@@ -151,6 +165,11 @@ class LLMEngine:
         self.tensor_parallel_size = check_tensor_parallel(args.tensor_parallel_size, args.device,
                                                           backend=args.tensor_parallel_backend)   # before the load
         t0 = time.perf_counter()
+        # the device's (free, total) memory before anything of this engine is on it (None: not measured, see
+        # _memory_device): the card's size picks the default token budget, and without num_blocks /
+        # kv_cache_memory the weights' share of the KV sizing is what the load takes from the free bytes
+        mem_dev = self._memory_device(args) if self.tensor_parallel_size == 1 else None
+        mem_at_start = mem_dev.mem_info() if mem_dev is not None else None
         self.checkpoint = ckpt = load_checkpoint(path, tokenizer_config=args.tokenizer_config)
         self.config = cfg = ckpt.config
         self.tokenizer = ckpt.tokenizer
@@ -173,11 +192,29 @@ class LLMEngine:
                                      backend=args.tensor_parallel_backend, ckpt=ckpt)
         else:
             self.model = build_model(ckpt, kv_dtype=kv_dtype, device=args.device, dtype=args.dtype)
+        device_kind = getattr(self.model, "device", "cpu")
+        seqs, tokens = default_batch_limits(device_kind, args.usage_context,
+                                            mem_at_start[1] if mem_at_start is not None else None)
+        if args.max_num_seqs is None or args.max_num_batched_tokens is None:
+            args = self.args = dataclasses.replace(
+                args, max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens if args.max_num_batched_tokens is not None
+                else tokens)
         dsize = KV_DTYPE_BYTES[kv_dtype]
         per_block = kv_block_bytes(self.model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dsize) \
             if not hasattr(self.model, "kv_block_bytes") else self.model.kv_block_bytes(args.block_size, dsize)
-        num_blocks = args.num_blocks or num_blocks_for_memory(args.kv_cache_memory or _DEFAULT_KV_MEMORY, per_block)
+        self.gpu_memory = None        # the GpuMemoryProfile the pool was sized by (CUDA without an override)
+        self._reserved_buffers = None  # the measuring runner's device buffers, for the real runner
+        if args.num_blocks:
+            num_blocks = args.num_blocks
+        elif args.kv_cache_memory:
+            num_blocks = num_blocks_for_memory(args.kv_cache_memory, per_block)
+        elif mem_at_start is not None and device_kind == "cuda":
+            num_blocks = self._gpu_num_blocks(mem_dev, mem_at_start, gpu_util, per_block, cfg)
+        else:
+            num_blocks = num_blocks_for_memory(_DEFAULT_KV_MEMORY, per_block)
         sizing = resolve_max_model_len(num_blocks, args.block_size, args.max_model_len, cfg.max_position_embeddings)
+        log.info("%s", kv_cache_log_line(num_blocks, args.block_size, per_block, sizing.max_model_len))
         self.max_model_len = sizing.max_model_len
         if hasattr(self.model, "set_max_model_len"):        # Phi-3 LongRoPE picks its factors from it
             self.model.set_max_model_len(self.max_model_len)
@@ -192,7 +229,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
-                                  max_model_len=self.max_model_len, use_graphs=args.use_graphs)
+                                  max_model_len=self.max_model_len, use_graphs=args.use_graphs,
+                                  device_buffers=self._reserved_buffers)
+        self._reserved_buffers = None
         self.runner.device_greedy = True          # plain greedy steps pick their tokens where the logits are
         self.runner.reserve_buffers()             # the largest steps' buffers now: none moves under a graph later
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed, tokenizer=self.tokenizer)
@@ -217,6 +256,62 @@ class LLMEngine:
         log.info("engine ready: %s, %d KV blocks x %d tokens (%s), max_model_len %d%s, load %.2fs", path,
                  num_blocks, args.block_size, kv_dtype, self.max_model_len,
                  " (auto-fitted)" if sizing.auto_fitted else "", self.load_seconds)
+
+    @staticmethod
+    def _memory_device(args):
+        """The runtime device whose memory is measured, or None where nothing is: not CUDA (the CPU; Vulkan
+        keeps _DEFAULT_KV_MEMORY) or a device without a memory query (a stand-in that reports none). Resolving
+        the device here is what build_model does next (a cached device)."""
+        from engine.device import resolve_device
+        try:
+            if resolve_device(args.device) != "cuda":
+                return None
+        except Exception:       # noqa: BLE001 - build_model reports a bad or missing device with its one line
+            return None
+        from jitkern.runtime import cuda
+        dev = cuda.get_device(0)
+        query = getattr(dev, "mem_info", None)
+        return dev if query is not None and query() is not None else None
+
+    def _gpu_num_blocks(self, dev, mem_at_start, utilization: float, per_block: int, cfg) -> int:
+        """KV blocks for what is left of utilization x the card once the weights are loaded and the activation
+        buffers reserved (vLLM's profile run). The reserve runs on a throwaway runner over a one-block cache
+        with the longest context this engine could serve (the given max_model_len, else the model's: an
+        auto-fitted one is shorter and needs no more); its buffers go back to the allocator's pool, which
+        keeps them for the real runner's, built afterwards as on the other devices."""
+        from engine.model_runner import ModelRunner
+        from engine.sizing import GpuMemoryProfile, fmt_bytes, gpu_num_blocks
+        args = self.args
+        free_after_weights, total = dev.mem_info()
+        longest = args.max_model_len or cfg.max_position_embeddings or max(args.max_num_batched_tokens, 1)
+        probe = ModelRunner(self.model, num_blocks=1, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=max(args.max_num_batched_tokens, 1), max_model_len=longest,
+                            use_graphs=args.use_graphs)
+        try:
+            if not probe.reserve_buffers(measure=True):
+                log.warning("the activation buffers were not measured (see above): the KV cache takes what the "
+                            "weights leave of gpu_memory_utilization; lower it if large steps run out of memory")
+            dev.synchronize()
+            free_after_reserve, _ = dev.mem_info()
+            self._reserved_buffers = probe.fwd_batch.buffers
+            from engine.model_runner import BufferPool
+            probe.fwd_batch.buffers = BufferPool()      # (so close() leaves the handed-over buffers alone)
+        finally:
+            probe.close()
+        # the probe's step inputs go back to the pool now, for the real runner's (the runner and its prefill
+        # graphs refer to each other: without a collection they would stay allocated beside the new ones)
+        del probe
+        import gc
+        gc.collect()
+        prof = self.gpu_memory = GpuMemoryProfile(total=total, free_at_start=mem_at_start[0],
+                                                  free_after_weights=free_after_weights,
+                                                  free_after_reserve=free_after_reserve)
+        num_blocks = gpu_num_blocks(prof, utilization, per_block, args.block_size, args.max_model_len)
+        log.info("GPU memory: total %s x gpu_memory_utilization %g; weights %s, activation reserve %s, in use "
+                 "after both %s; KV cache %s (%d blocks of %s)", fmt_bytes(total), utilization,
+                 fmt_bytes(prof.weights), fmt_bytes(prof.activation_reserve), fmt_bytes(prof.in_use),
+                 fmt_bytes(num_blocks * per_block), num_blocks, fmt_bytes(per_block))
+        return num_blocks
 
     def _resolve_overlap(self, asked) -> bool:
         if asked is None:

@@ -26,6 +26,11 @@ def decode_bucket(n: int, cap: int) -> int:
     return min(b, cap)
 
 
+def decode_buckets(cap: int) -> list:
+    """Every padded batch size decode_bucket gives for 1..cap sequences (35 for vLLM's 256)."""
+    return sorted({decode_bucket(n, cap) for n in range(1, cap + 1)})
+
+
 class BufferPool:
     """Named activation buffers with stable addresses (grown, never shrunk)."""
 
@@ -82,7 +87,9 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, use_graphs: bool = True):
+                 max_model_len: int, use_graphs: bool = True, device_buffers=None):
+        # device_buffers: a DeviceBufferPool to adopt (LLMEngine's GPU sizing hands over its measuring runner's
+        # reserved buffers, so the step buffers are the ones measured, not new ones beside the KV cache)
         self.model = model
         self.block_size = block_size
         # greedy steps pick tokens on the device (set by LLMEngine for its own runner; draft-model runners of
@@ -103,7 +110,8 @@ class ModelRunner:
             h["slot_mapping"][:] = -1
             names = ("input_ids", "positions", "slot_mapping", "query_start", "seq_lens", "block_table")
             self.batch = Batch(**{k: h[k] for k in names}, buffers=BufferPool())
-            self.fwd_batch = Batch(**{k: d[k] for k in names}, buffers=DeviceBufferPool(self.device), host=self.batch,
+            self.fwd_batch = Batch(**{k: d[k] for k in names}, buffers=device_buffers or DeviceBufferPool(self.device),
+                                   host=self.batch,
                                    device_rows=d["logits_rows"])
         else:
             self.batch = Batch(
@@ -116,7 +124,9 @@ class ModelRunner:
         # models whose steps need host work between kernels (GGUF-quantised MoE experts) opt out of graphs
         self.use_graphs = self.use_graphs and getattr(model, "supports_graphs", True)
         from engine.limits import MAX_DECODE_GRAPHS
-        self.max_graphs = MAX_DECODE_GRAPHS
+        # at least one graph per decode bucket of max_num_seqs: with vLLM's GPU default of 256 sequences there
+        # are 35, and a bound below that would re-record graphs in turn under a steady mix of batch sizes
+        self.max_graphs = max(MAX_DECODE_GRAPHS, len(decode_buckets(max_num_seqs)))
         self._graphs: OrderedDict = OrderedDict()   # decode batch size -> (graph, logits[, picks]), LRU order
         self._graph_greedy = None     # CPU: (argmax ids, their logits) the last replayed decode graph wrote
         self._graphs_generation = self.fwd_batch.buffers.generation
@@ -124,7 +134,7 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(self)   # prefill / mixed steps: graphs per padded token count
         self._decode_rows = np.zeros(max_num_seqs, np.int32)     # a padded decode step's logits rows
 
-    def reserve_buffers(self) -> bool:
+    def reserve_buffers(self, measure: bool = False) -> bool:
         """Sizes the activation buffers for the largest steps before the first one runs: a step larger than any
         before would move a buffer, and a moved buffer drops every recorded graph (each is recorded again, an
         eager run plus a capture, in the middle of serving). vLLM sizes its buffers so with a profile run at
@@ -133,9 +143,10 @@ class ModelRunner:
         of every token the batch arrays hold over every sequence, then a decode step of every sequence.
 
         Only where graphs are recorded (elsewhere a moved buffer costs nothing); not for tensor-parallel
-        ranks (their forward talks to the other ranks between launches). Returns whether it ran; a forward
+        ranks (their forward talks to the other ranks between launches). measure=True runs it without graphs
+        too: LLMEngine sizes the GPU's KV cache by the memory it takes. Returns whether it ran; a forward
         that fails dry leaves the buffers to grow as steps need them (logged)."""
-        if not self.use_graphs or getattr(self.model, "tp", None) is not None \
+        if not (self.use_graphs or measure) or getattr(self.model, "tp", None) is not None \
                 or not hasattr(self.model, "forward"):
             return False
         import logging

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from server.reasoning import REASONING_PARSER_CHOICES
+from engine.device import DEVICES
 from server.settings import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, ServerSettings
 from server.tool_parsers import TOOL_PARSER_CHOICES
 
@@ -38,6 +39,14 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    from engine.sizing import check_gpu_memory_utilization
+    try:
+        return check_gpu_memory_utilization(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, got {text!r}") from None
+
+
 def _port(text: str) -> int:
     value = _non_negative(text)
     if value > 65535:
@@ -53,9 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000, help="bind port (default 8000)")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: model name)")
     p.add_argument("--tokenizer-config", help="tokenizer_config.json with the chat template")
+    p.add_argument("--device", choices=DEVICES, default=None,
+                   help="where the model runs: auto (a CUDA GPU when present, else the CPU; default), cpu, cuda or "
+                        "vulkan")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
+                   help="on CUDA, the fraction of the GPU's memory for this engine (0 < x <= 1, default 0.9, "
+                        "vLLM's): the KV cache gets what the weights and the activation reserve leave of it; "
+                        "--num-blocks / --kv-cache-memory override it")
     p.add_argument("--block-size", type=_positive, help="KV block size in tokens")
-    p.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
-    p.add_argument("--kv-cache-memory", type=_positive, help="bytes for the KV pool when --num-blocks is not given")
+    p.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool (overrides the GPU's sizing)")
+    p.add_argument("--kv-cache-memory", type=_positive, help="bytes for the KV pool when --num-blocks is not given "
+                   "(overrides the GPU's sizing; default 1 GiB off CUDA)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="KV-cache element type (default auto: the model's dtype, f16 for a 16-bit (bf16/f16) or "
                         "quantised (GGUF, FP8) checkpoint, f32 for an f32 one; f32/float32/fp32 or "
@@ -65,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "activations (hi + lo parts). The CPU computes in float32 either way")
     p.add_argument("--max-model-len", type=_non_negative, help="max sequence length (0: the model's, fitted to "
                    "the KV pool)")
-    p.add_argument("--max-num-seqs", type=_positive, help="max concurrent sequences in a batch")
-    p.add_argument("--max-num-batched-tokens", type=_non_negative, help="per-step token budget (0: default)")
+    p.add_argument("--max-num-seqs", type=_positive, help="max concurrent sequences in a batch (default 64 on the "
+                   "CPU, 256 on CUDA as vLLM)")
+    p.add_argument("--max-num-batched-tokens", type=_non_negative, help="per-step token budget (0: default: 2048 on "
+                   "the CPU; on CUDA vLLM's server choice, 8192 on a card of >= 70 GiB, else 2048)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (--no-enable-prefix-caching turns it off)")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
@@ -127,9 +146,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
-        tensor_parallel_size=args.tensor_parallel_size, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
-        # no --device flag yet: JITKERN_DEVICE from the environment picks the engine's device (default auto)
-        device=getattr(args, "device", None) or os.environ.get("JITKERN_DEVICE") or None,
+        tensor_parallel_size=args.tensor_parallel_size,
+        # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
+        device=args.device or os.environ.get("JITKERN_DEVICE") or None,
+        gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
         log_requests=args.log_requests, log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_metrics=args.enable_metrics, verbose=args.verbose, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_thinking=args.enable_thinking,

@@ -20,7 +20,11 @@ workers = 1
 # gunicorn's own error pages as OpenAI JSON: see server/http_worker.py.
 worker_class = "server.http_worker.ServerWorker"
 # A thread per in-flight request: enough for a full batch plus room for /metrics, /health and queued clients.
-threads = env_int("JITKERN_THREADS", max(env_int("JITKERN_MAX_NUM_SEQS", 64, low=1), 32) + 32, low=1)
+# Without JITKERN_MAX_NUM_SEQS the engine's default is 64 on the CPU and 256 on CUDA; the master does not touch
+# the GPU (the engine starts in the worker), so unless JITKERN_DEVICE says cpu the threads cover 256 (gthread
+# starts its threads as connections need them: idle ones cost nothing).
+_default_seqs = 64 if os.environ.get("JITKERN_DEVICE", "").strip().lower() == "cpu" else 256
+threads = env_int("JITKERN_THREADS", max(env_int("JITKERN_MAX_NUM_SEQS", _default_seqs, low=1), 32) + 32, low=1)
 timeout = 0
 graceful_timeout = env_int("JITKERN_GRACEFUL_TIMEOUT", 30, low=1)
 keepalive = 5

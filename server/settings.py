@@ -77,6 +77,8 @@ class ServerSettings:
     generation_config: Optional[str] = None      # JITKERN_GENERATION_CONFIG: auto | vllm | a folder
     tensor_parallel_size: Optional[int] = None   # JITKERN_TENSOR_PARALLEL_SIZE (engine.parallel.config decides)
     device: Optional[str] = None                 # JITKERN_DEVICE: auto | cpu | cuda | vulkan (engine.device)
+    # JITKERN_GPU_MEMORY_UTILIZATION: vLLM's fraction of the GPU's memory for the engine, 0 < x <= 1 (0.9)
+    gpu_memory_utilization: Optional[float] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -105,7 +107,7 @@ class ServerSettings:
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
         "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
         "speculative_config": "spec_config", "task": "task", "generation_config": "generation_config",
-        "tensor_parallel_size": "pos_int", "device": "device",
+        "tensor_parallel_size": "pos_int", "device": "device", "gpu_memory_utilization": "fraction",
     }
 
     @classmethod
@@ -144,8 +146,9 @@ class ServerSettings:
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config",
-                 "task", "generation_config", "tensor_parallel_size", "device")
+                 "task", "generation_config", "tensor_parallel_size", "device", "gpu_memory_utilization")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        out["usage_context"] = "openai_api_server"      # vLLM's server defaults (engine.sizing.default_batch_limits)
         if self.dtype in ("float32", "float"):
             out["dtype"] = "float32"          # the other spellings are the engine's default ("auto")
         return out
@@ -206,6 +209,12 @@ def _parse(kind: str, name: str, text: str):
         if value not in DEVICES:
             raise SettingsError(f"{name}={text!r}: expected one of {', '.join(DEVICES)}")
         return value
+    if kind == "fraction":
+        from engine.sizing import check_gpu_memory_utilization
+        try:
+            return check_gpu_memory_utilization(text.strip())
+        except ValueError:
+            raise SettingsError(f"{name}={text!r}: expected a number > 0 and <= 1") from None
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:
             raise SettingsError(f"{name}={text!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")

@@ -152,6 +152,8 @@ def test_engine_cli_unwritable_cache_dir_even_for_root(tmp_path):
     (["--max-num-seqs", "0"], ["--max-num-seqs", "at least 1"]),
     (["--max-num-seqs", "x"], ["--max-num-seqs", "whole number"]),
     (["--repeat", "0"], ["--repeat", "at least 1"]),
+    (["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "must be > 0 and <= 1"]),
+    (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization", "must be > 0 and <= 1"]),
     (["--top-p", "2"], ["--top-p", "top_p"]),
     (["--top-k", "-5"], ["--top-k", "top_k"]),
     (["--temperature", "nan"], ["--temperature", "temperature"]),

@@ -72,11 +72,14 @@ def test_constructor_arguments(tiny, caplog):
         LLM(path, dtype="int3", num_blocks=16)
     with pytest.raises(TypeError, match="no_such_argument"):
         LLM(path, no_such_argument=1, num_blocks=16)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 1.5"):
+        LLM(path, gpu_memory_utilization=1.5, num_blocks=16)
     with caplog.at_level(logging.INFO, logger="engine"):
         m = LLM(path, dtype="bfloat16", tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=64,
                 seed=3, enforce_eager=True, trust_remote_code=True, tokenizer=path, num_blocks=32)
     try:
-        assert "gpu_memory_utilization" in caplog.text and "trust_remote_code" in caplog.text
+        assert "trust_remote_code" in caplog.text
+        assert m.engine.args.gpu_memory_utilization == 0.5          # mapped (it sizes the KV cache on CUDA)
         assert m.engine.max_model_len == 64
         assert m.engine.args.seed == 3
         assert m.engine.args.use_graphs is False and m.engine.runner.use_graphs is False

@@ -1067,7 +1067,7 @@ def test_settings_from_env_and_errors():
     assert (s.model, s.block_size, s.api_key, s.enable_prefix_caching, s.max_model_len, s.sse_ping_s) == \
         ("/m", 32, "k", False, None, 0.0)
     assert s.engine_kwargs() == {"model": "/m", "block_size": 32, "enable_prefix_caching": False,
-                                 "scheduling_policy": "fcfs"}
+                                 "scheduling_policy": "fcfs", "usage_context": "openai_api_server"}
     assert ServerSettings.from_env(s.to_env()) == s
     for env, name in [({"JITKERN_BLOCK_SIZE": "abc"}, "JITKERN_BLOCK_SIZE"),
                       ({"JITKERN_NUM_BLOCKS": "0"}, "JITKERN_NUM_BLOCKS"),
@@ -1092,6 +1092,57 @@ def test_dtype_setting_reaches_the_engine():
     assert ServerSettings.from_env(env).engine_kwargs()["dtype"] == "float32"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dtype", "fp8"])
+
+
+def test_device_and_gpu_memory_utilization_reach_the_engine(capsys):
+    """--device and --gpu-memory-utilization travel through JITKERN_DEVICE / JITKERN_GPU_MEMORY_UTILIZATION to the
+    engine's arguments (with vLLM's server usage context, for its GPU batch defaults); a bad value is exit 2 naming
+    the flag, or a SettingsError naming the variable."""
+    from server.cli import build_parser, gunicorn_command, main
+    _, env = gunicorn_command(build_parser().parse_args(["--device", "cuda", "--gpu-memory-utilization", "0.5"]))
+    assert env["JITKERN_DEVICE"] == "cuda" and env["JITKERN_GPU_MEMORY_UTILIZATION"] == "0.5"
+    kw = ServerSettings.from_env(env).engine_kwargs()
+    assert (kw["device"], kw["gpu_memory_utilization"], kw["usage_context"]) == ("cuda", 0.5, "openai_api_server")
+    _, env = gunicorn_command(build_parser().parse_args([]))
+    assert "JITKERN_DEVICE" not in env and "JITKERN_GPU_MEMORY_UTILIZATION" not in env
+    kw = ServerSettings.from_env(env).engine_kwargs()
+    assert "device" not in kw and "gpu_memory_utilization" not in kw       # the engine's auto and 0.9
+    assert ServerSettings.from_env({"JITKERN_GPU_MEMORY_UTILIZATION": "1"}).gpu_memory_utilization == 1.0
+    for argv, needle in [(["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+                         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+                         (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
+                         (["--gpu-memory-utilization", "x"], "--gpu-memory-utilization"),
+                         (["--device", "tpu"], "--device")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]        # (argparse's usage lines come first)
+        assert last.startswith(f"python -m server: error: argument {needle}") and "Traceback" not in err
+    for env, name in [({"JITKERN_GPU_MEMORY_UTILIZATION": "0"}, "JITKERN_GPU_MEMORY_UTILIZATION"),
+                      ({"JITKERN_GPU_MEMORY_UTILIZATION": "2"}, "JITKERN_GPU_MEMORY_UTILIZATION"),
+                      ({"JITKERN_GPU_MEMORY_UTILIZATION": "lots"}, "JITKERN_GPU_MEMORY_UTILIZATION"),
+                      ({"JITKERN_DEVICE": "tpu"}, "JITKERN_DEVICE")]:
+        with pytest.raises(SettingsError, match=name):
+            ServerSettings.from_env(env)
+
+
+def test_gunicorn_threads_follow_the_device_default(monkeypatch):
+    """Without JITKERN_MAX_NUM_SEQS the threads cover the engine's default batch: 64 on the CPU, 256 where CUDA
+    may be picked."""
+    import importlib
+
+    import server.gunicorn_conf as conf
+    monkeypatch.delenv("JITKERN_MAX_NUM_SEQS", raising=False)
+    monkeypatch.delenv("JITKERN_THREADS", raising=False)
+    try:
+        monkeypatch.setenv("JITKERN_DEVICE", "cpu")
+        assert importlib.reload(conf).threads == 96
+        monkeypatch.setenv("JITKERN_DEVICE", "auto")
+        assert importlib.reload(conf).threads == 288
+    finally:
+        monkeypatch.undo()
+        importlib.reload(conf)
 
 
 def test_cli_flags_become_gunicorn_command():

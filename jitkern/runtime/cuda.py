@@ -274,6 +274,26 @@ class HostMemoryDevice:
         self._bufs: dict = {}
         self._poison = poison          # fill of new allocations (tests poison them: device memory is not zeroed)
         self.allocated = 0
+        self._sizes: dict = {}
+        self._in_use = 0
+        self._held = 0                 # the most ever in use at once: what a CUDA memory pool keeps mapped
+        self._memory = None            # (total, bytes used outside this device's allocations): set_memory
+
+    def set_memory(self, total: int, free: int) -> None:
+        """Make mem_info answer (free, total) now, as a card of `total` bytes with `free` of them free; later
+        allocations lower the free bytes as CudaDevice's memory pool does: freed memory stays held (the pool
+        keeps it for reuse), so free only falls by the peak in use. Without it mem_info answers None (no
+        memory to size a KV cache by: the engine keeps its fixed budget)."""
+        if not 0 <= free <= total:
+            raise ValueError(f"free ({free}) must be between 0 and total ({total}) bytes")
+        self._memory = (int(total), int(total) - int(free) - self._held)
+
+    def mem_info(self):
+        """(free, total) bytes once set_memory was called, else None."""
+        if self._memory is None:
+            return None
+        total, elsewhere = self._memory
+        return max(total - elsewhere - self._held, 0), total
 
     def target(self):
         return self._target
@@ -285,10 +305,14 @@ class HostMemoryDevice:
         ptr = addr + (-addr % 256)
         self._bufs[ptr] = buf
         self.allocated += int(nbytes)
+        self._sizes[ptr] = int(nbytes)
+        self._in_use += int(nbytes)
+        self._held = max(self._held, self._in_use)
         return ptr
 
     def free(self, ptr: int) -> None:
         self._bufs.pop(ptr, None)
+        self._in_use -= self._sizes.pop(ptr, 0)
 
     def upload(self, dst: int, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)
