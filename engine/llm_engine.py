@@ -142,7 +142,9 @@ class LLMEngine:
         from engine.sizing import (KV_DTYPE_BYTES, kv_block_bytes, kv_cache_dtype_name, num_blocks_for_memory,
                                    resolve_kv_cache_dtype, resolve_max_model_len)
         kv_cache_dtype_name(args.kv_cache_dtype)        # a bad spelling fails before the slow load
-        path = args.model or str(default_model_path())
+        # A Hugging Face id (Qwen/Qwen3-0.6B) becomes its cached or downloaded folder; a local path stays as it is.
+        from engine.hub import resolve_model
+        path = resolve_model(args.model) if args.model else str(default_model_path())
         spec_cfg = None
         if args.speculative_config is not None:
             from engine.spec_decode import SpeculativeConfig

@@ -47,6 +47,8 @@ def _version() -> str:
 def _served_name(settings: ServerSettings, model_path: Optional[str]) -> str:
     if settings.served_model_name:
         return settings.served_model_name
+    if settings.model and not os.path.exists(settings.model):
+        return settings.model          # a Hugging Face id, as vLLM names it (not its cache folder's commit hash)
     if not model_path:
         return "jitkern"
     p = Path(model_path)
