@@ -2,7 +2,8 @@
 
 Imports are lazy so that `import engine.tokenizer` (or the server's argument parsing) stays light.
 """
-__all__ = ["LLM", "LLMClosedError", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs", "AsyncEngine", "RequestOutput"]
+__all__ = ["LLM", "LLMClosedError", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs",
+           "AsyncEngine", "RequestOutput"]
 
 
 def __getattr__(name):
