@@ -2,13 +2,14 @@
 
 Imports are lazy so that `import engine.tokenizer` (or the server's argument parsing) stays light.
 """
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs", "AsyncEngine", "RequestOutput"]
+__all__ = ["LLM", "LLMClosedError", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs",
+           "AsyncEngine", "RequestOutput"]
 
 
 def __getattr__(name):
-    if name == "LLM":
-        from engine.llm import LLM
-        return LLM
+    if name in ("LLM", "LLMClosedError"):
+        from engine import llm
+        return getattr(llm, name)
     if name == "SamplingParams":
         from engine.sampling_params import SamplingParams
         return SamplingParams

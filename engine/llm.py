@@ -21,12 +21,39 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
+class LLMClosedError(RuntimeError):
+    """The LLM was closed (`llm.close()`, or the end of its `with` block): it has no engine any more."""
+
+    def __init__(self):
+        super().__init__("this LLM was closed (llm.close()); create a new one")
+
+
 class LLM:
+    _engine: Optional[LLMEngine] = None     # None before __init__ finished and after close()
+
     def __init__(self, model: Optional[str] = None, **engine_kwargs):
         # vLLM's constructor spelling (dtype, tensor_parallel_size, enforce_eager, ...): engine.llm_args
         from engine.llm_args import engine_kwargs_from_vllm
-        self.engine = LLMEngine(EngineArgs(**engine_kwargs_from_vllm({"model": model, **engine_kwargs})))
+        self._engine = LLMEngine(EngineArgs(**engine_kwargs_from_vllm({"model": model, **engine_kwargs})))
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        # Every method reaches the engine through here, so a closed LLM fails with one clear error instead
+        # of an AttributeError on None somewhere inside.
+        if self._engine is None:
+            raise LLMClosedError()
+        return self._engine
+
+    @engine.setter
+    def engine(self, value: Optional[LLMEngine]) -> None:
+        self._engine = value
+
+    llm_engine = engine           # vLLM's name for it
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
 
     @property
     def tokenizer(self):
@@ -145,9 +172,10 @@ class LLM:
         return [EmbeddingRequestOutput(self._next_id(), i, EmbeddingOutput(v.tolist())) for i, v in zip(ids, vecs)]
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        """Frees the engine (its memory, threads, GPU context); closing twice is harmless."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
     def __enter__(self):
         return self

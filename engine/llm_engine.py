@@ -156,7 +156,9 @@ class LLMEngine:
         kv_cache_dtype_name(args.kv_cache_dtype)        # a bad spelling fails before the slow load
         gpu_util = check_gpu_memory_utilization(args.gpu_memory_utilization)
         default_batch_limits("cpu", args.usage_context)  # a bad usage_context fails before the load too
-        path = args.model or str(default_model_path())
+        # A Hugging Face id (Qwen/Qwen3-0.6B) becomes its cached or downloaded folder; a local path stays as it is.
+        from engine.hub import resolve_model
+        path = resolve_model(args.model) if args.model else str(default_model_path())
         spec_cfg = None
         if args.speculative_config is not None:
             from engine.spec_decode import SpeculativeConfig

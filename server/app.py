@@ -47,6 +47,8 @@ def _version() -> str:
 def _served_name(settings: ServerSettings, model_path: Optional[str]) -> str:
     if settings.served_model_name:
         return settings.served_model_name
+    if settings.model and not os.path.exists(settings.model):
+        return settings.model          # a Hugging Face id, as vLLM names it (not its cache folder's commit hash)
     if not model_path:
         return "jitkern"
     p = Path(model_path)
@@ -371,12 +373,29 @@ def _handle_unexpected(req, resp, ex: Exception, params) -> None:
 
 # ====================================================================================== app
 
+class _App(falcon.App):
+    """A Falcon app that answers HEAD wherever GET works.
+
+    Falcon maps only the responders a resource defines, so HEAD would be a 405 everywhere (load balancers
+    and `curl -I` probe with it). The GET responder serves HEAD; Falcon then drops the body and keeps the
+    Content-Length of the GET body. A route without GET (POST-only) stays a 405 with its Allow header.
+    """
+
+    def add_route(self, uri_template: str, resource, **kwargs) -> None:
+        suffix = kwargs.get("suffix")
+        get_name, head_name = ("on_get", "on_head") if not suffix else (f"on_get_{suffix}", f"on_head_{suffix}")
+        get = getattr(resource, get_name, None)
+        if get is not None and getattr(resource, head_name, None) is None:
+            setattr(resource, head_name, get)
+        super().add_route(uri_template, resource, **kwargs)
+
+
 class OpenAIServer:
     """The WSGI callable (a Falcon app) plus the state it serves from."""
 
     def __init__(self, state: AppState):
         self.state = state
-        app = falcon.App(middleware=[Guard(state.settings.api_key, state.settings.max_body_bytes)])
+        app = _App(middleware=[Guard(state.settings.api_key, state.settings.max_body_bytes)])
         app.req_options.auto_parse_form_urlencoded = False
         app.add_error_handler(Exception, _handle_unexpected)
         app.add_error_handler(falcon.HTTPError, _handle_http_error)

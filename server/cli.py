@@ -57,7 +57,8 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server", description="OpenAI-compatible server (gunicorn + Falcon) "
                                 "for the jitkern engine.")
-    p.add_argument("--model", help="model directory (safetensors) or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--model", help="model directory (safetensors), .gguf file or Hugging Face model id (org/name, "
+                   "org/name:FILE.gguf; cached or downloaded) (default: the embedded SmolLM2)")
     p.add_argument("--host", default="0.0.0.0", help="bind host (default 0.0.0.0)")
     p.add_argument("--port", type=_port, default=8000, help="bind port (default 8000)")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: model name)")
@@ -186,7 +187,14 @@ def main(argv: list | None = None) -> int:
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             print(f"note: {flag} has no effect on this server", file=sys.stderr)
     if args.model is not None and not Path(args.model).exists():
-        parser.error(f"--model {args.model}: no such file or directory")
+        # A hub id is fetched here, before gunicorn (its progress bar on this terminal); the worker then finds
+        # it in the cache.
+        from engine.errors import ModelLoadError
+        from engine.hub import resolve_model
+        try:
+            resolve_model(args.model)
+        except ModelLoadError as e:
+            parser.error(f"--model {e}")
     if args.tokenizer_config is not None and not Path(args.tokenizer_config).is_file():
         parser.error(f"--tokenizer-config {args.tokenizer_config}: no such file")
     if args.speculative_config is not None:

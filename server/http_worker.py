@@ -12,6 +12,14 @@ otherwise the client gets a 408 and the connection is closed. Sockets handed to 
 JITKERN_IO_TIMEOUT_S (30 s) per read or write, so a client that stops reading a stream is dropped (and
 its generation aborted) instead of holding the thread.
 
+A body over the limit is answered 413 without being read, and the response says "Connection: close".
+Closing at once would leave the client's unsent body unread: the kernel answers it with a reset, and a
+client still writing sees a broken pipe instead of the 413 (gunicorn's own close drains only 64 KiB, and
+blocks the event loop while it does). Instead a closing connection lingers in the event loop: its write
+side is shut (the client reads the response and then end of stream) and what the client still sends is
+read and discarded, until the client closes, LINGER_IDLE_S pass without a byte, BODY_TIMEOUT_S pass in
+all, or 4x the body limit (plus 1 MiB) has been discarded; then it is closed. No thread waits for it.
+
 gunicorn's own error responses (a malformed request line or header, 414, 431, 417, a bad chunk size,
 an unsupported transfer coding) are HTML; here they are OpenAI error objects, and every client mistake
 is a 4xx (an unsupported transfer coding is a 400, not gunicorn's 501).
@@ -44,6 +52,10 @@ MAX_HEAD_PREREAD = 64 << 10
 # Bodies buffered in the event loop at one time, over all connections; past it, bodies are read by threads.
 MAX_PREREAD_TOTAL = env_int("JITKERN_MAX_PREREAD_BYTES", 512 << 20, low=1)
 RECV_CHUNK = 256 << 10
+# A closing connection whose client sends nothing for this long is closed without waiting further.
+LINGER_IDLE_S = 2.0
+# At most this much of a refused body is read and discarded before the connection is closed.
+LINGER_MAX_BYTES = 4 * MAX_BODY_BYTES + (1 << 20)
 
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
@@ -96,6 +108,7 @@ class _RequestScan:
         self.chunk_pos = 0           # offset (in buf) of the next chunk-size line
         self.done = False            # complete: hand to a thread
         self.expects_continue = False    # the client waits for "100 Continue" before it sends the body
+        self.oversize = False        # a body over the limit: the app answers 413 without reading it
 
     def feed(self, data: bytes, max_body: int) -> None:
         self.buf += data
@@ -142,13 +155,14 @@ class _RequestScan:
         elif len(lengths) == 1 and lengths[0].isdigit() and int(lengths[0]) <= max_body:
             self.body_len = int(lengths[0])
         else:
+            self.oversize = len(lengths) == 1 and lengths[0].isdigit()
             self.done = True                 # no body, or one the app refuses unread (413)
 
     def _scan_chunks(self, max_body: int) -> None:
         buf = self.buf
         while True:
             if self.chunk_pos - self.head_end > max_body + (64 << 10):
-                self.done = True             # too large: the app answers 413
+                self.done = self.oversize = True     # too large: the app answers 413
                 return
             eol = buf.find(b"\r\n", self.chunk_pos)
             if eol < 0:
@@ -158,6 +172,7 @@ class _RequestScan:
             size_text = bytes(buf[self.chunk_pos:eol]).split(b";", 1)[0].strip()
             if not _HEX.fullmatch(size_text) or int(size_text, 16) > max_body:
                 self.done = True             # an invalid chunk size (or a huge one): answered at once
+                self.oversize = bool(_HEX.fullmatch(size_text))
                 return
             size = int(size_text, 16)
             if size == 0:
@@ -204,6 +219,9 @@ class ServerConn(gthread.TConn):
         self.scan = None
         self.deadline = 0.0
         self.pending_bytes = b""
+        self.oversize = False        # this request's body is over the limit (see _RequestScan.oversize)
+        self.linger_left = 0         # bytes still discarded while the connection lingers before closing
+        self.linger_end = 0.0
 
     def init(self):
         super().init()
@@ -228,6 +246,7 @@ class ServerWorker(gthread.ThreadWorker):
         super().__init__(*args, **kwargs)
         self.reading_conns: deque = deque()
         self.preread_bytes = 0
+        self.lingering_conns: set = set()
 
     # ------------------------------------------------------------------------ connections in
     def accept(self, listener):
@@ -259,7 +278,19 @@ class ServerWorker(gthread.ThreadWorker):
         self.reading_conns.append(conn)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_readable, conn))
 
+    def handle_request(self, req, conn):
+        if getattr(conn, "oversize", False):
+            # The app refuses the body unread (413): the response says the connection closes, and the close
+            # lingers (see the module docstring) so that the client can finish sending and read it.
+            conn.oversize = False
+            req.must_close = True
+        return super().handle_request(req, conn)
+
     def finish_request(self, conn, fs):
+        if isinstance(conn, ServerConn) and not self.cfg.is_ssl and not conn.is_http2 and not fs.cancelled() \
+                and fs.exception() is None and fs.result() is False:
+            self._linger(conn)
+            return
         # Pipelined bytes after a request (read along with it) are the start of the next one: read the rest
         # of it here as well, not in a thread.
         if isinstance(conn, ServerConn) and self.alive and not fs.cancelled() and fs.exception() is None \
@@ -328,6 +359,7 @@ class ServerWorker(gthread.ThreadWorker):
         return data
 
     def _hand_to_thread(self, conn: ServerConn) -> None:
+        conn.oversize = conn.scan.oversize
         conn.pending_bytes = self._stop_reading(conn)
         conn.data_ready = True
         conn.sock.setblocking(True)
@@ -343,9 +375,52 @@ class ServerWorker(gthread.ThreadWorker):
         self.nr_conns -= 1
         conn.close()
 
+    # ------------------------------------------------------------------------ closing
+    def _linger(self, conn: ServerConn) -> None:
+        """Close `conn` once the client has stopped sending (see the module docstring)."""
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:                      # already gone
+            self.nr_conns -= 1
+            conn.close()
+            return
+        now = time.monotonic()
+        conn.linger_left = LINGER_MAX_BYTES
+        conn.linger_end = now + BODY_TIMEOUT_S
+        conn.deadline = min(now + LINGER_IDLE_S, conn.linger_end)
+        self.lingering_conns.add(conn)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_linger_readable, conn))
+
+    def _on_linger_readable(self, conn: ServerConn, client) -> None:
+        try:
+            data = conn.sock.recv(RECV_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        conn.linger_left -= len(data)
+        if not data or conn.linger_left <= 0:
+            self._end_linger(conn)
+            return
+        conn.deadline = min(time.monotonic() + LINGER_IDLE_S, conn.linger_end)
+
+    def _end_linger(self, conn: ServerConn) -> None:
+        if conn not in self.lingering_conns:
+            return
+        self.lingering_conns.discard(conn)
+        try:
+            self.poller.unregister(conn.sock)
+        except (OSError, KeyError, ValueError):
+            pass
+        self.nr_conns -= 1
+        conn.close()
+
     def murder_pending(self):
         super().murder_pending()
         now = time.monotonic()
+        for conn in [c for c in self.lingering_conns if not self.alive or c.deadline <= now]:
+            self._end_linger(conn)
         if not self.alive:
             # Stopping: connections that have not started a request are closed now, like idle kept-alive ones.
             for conn in [c for c in self.reading_conns if c.scan is not None and not c.scan.buf]:

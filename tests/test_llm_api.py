@@ -177,3 +177,33 @@ def test_beam_search_params_validate():
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="length_penalty"):
         BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=float("nan"))
+
+
+def test_a_closed_llm_says_so(tiny):
+    from engine import LLMClosedError
+    m = LLM(tiny[0], num_blocks=64, block_size=16, max_num_batched_tokens=256)
+    assert not m.closed and m.llm_engine is m.engine
+    ref = m.generate([P1], _greedy(2))[0].outputs[0].token_ids
+    assert len(ref) == 2
+    m.close()
+    m.close()          # twice is harmless
+    assert m.closed
+    calls = {
+        "generate": lambda: m.generate([P1], _greedy(2)),
+        "chat": lambda: m.chat([{"role": "user", "content": "t5"}], _greedy(2)),
+        "stream": lambda: list(m.stream("t5 t6", _greedy(2))),
+        "beam_search": lambda: m.beam_search(["t5"], BeamSearchParams(beam_width=2, max_tokens=2)),
+        "embed": lambda: m.embed(["t5"]),
+        "get_tokenizer": m.get_tokenizer,
+        "get_default_sampling_params": m.get_default_sampling_params,
+    }
+    for name, call in calls.items():
+        with pytest.raises(LLMClosedError) as info:
+            call()
+        assert isinstance(info.value, RuntimeError), name
+        assert str(info.value) == "this LLM was closed (llm.close()); create a new one", name
+    # A `with` block closes it too.
+    with LLM(tiny[0], num_blocks=64, block_size=16, max_num_batched_tokens=256) as m2:
+        assert m2.generate([P1], _greedy(2))[0].outputs[0].token_ids == ref
+    with pytest.raises(LLMClosedError):
+        m2.generate([P1], _greedy(2))

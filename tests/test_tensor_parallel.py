@@ -226,7 +226,7 @@ def test_engine_with_cpu_ranks_gives_unsharded_greedy_tokens(llama_path, world):
 
 
 def llm_procs_alive(llm):
-    return False if llm.engine is None or llm.engine.model is None else any(p.is_alive() for p in
+    return False if llm.closed or llm.engine.model is None else any(p.is_alive() for p in
                                                                             llm.engine.model._procs)
 
 
