@@ -207,7 +207,9 @@ def _closed_loop_engine(args, concurrency: int) -> dict:
     from engine.llm_engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
     from perf.bench_serving import load_tokenizer, random_prompts
-    kw = dict(model=args.model, device=args.device, max_num_seqs=max(concurrency, 1))
+    # the server's settings: its max_num_seqs and vLLM's server batch limits (usage_context)
+    kw = dict(model=args.model, device=args.device, max_num_seqs=args.max_num_seqs or max(concurrency, 1),
+              usage_context="openai_api_server")
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     engine = LLMEngine(EngineArgs(**kw))
@@ -251,7 +253,7 @@ def cmd_serving(args) -> int:
     for c in args.concurrency:
         cmd = [sys.executable, str(Path(__file__)), "engine", "--model", args.model, "--concurrency", str(c),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
-               "--device", args.device]
+               "--device", args.device, "--max-num-seqs", str(max(args.concurrency))]
         if args.num_prompts:
             cmd += ["--num-prompts", str(args.num_prompts)]
         if args.gpu_memory_utilization is not None:
@@ -361,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--gpu-memory-utilization", type=float, default=None)
         s.add_argument("--device", default="cuda", help="the engine's device (cpu: a smoke run of the check itself)")
+        s.add_argument("--max-num-seqs", type=int, default=None, help="engine: default max(concurrency)")
         s.add_argument("--logs", help="folder for the server's log")
         s.add_argument("--json")
         s.set_defaults(fn=fn)
