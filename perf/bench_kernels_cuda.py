@@ -95,7 +95,7 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-dm128": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 128},
                  "flash-16bit-shortest-first": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_LONGEST_FIRST": False},
                  "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
-                 # the settings before session 14: decode with the next block's loads in flight, 64-row prefill
+                 # the earlier settings: decode with the next block's loads in flight, 64-row prefill
                  # tiles at 8 warps
                  "flash-16bit-dpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_PIPELINE": True},
                  "flash-16bit-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 64, "FLASH_WARPS": (4, 8)},
@@ -126,7 +126,7 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                                                        "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
                  "flash-16bit-sb4-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
                                                 "FLASH_PIPELINE": False, "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
-                 # session 18's defaults (2-block steps, the decode pipeline) against 1 / 4-block steps
+                 # the defaults (2-block steps, the decode pipeline) against 1 / 4-block steps
                  "flash-16bit-sb1-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 1,
                                              "FLASH_DECODE_PIPELINE": False},
                  "flash-16bit-sb1": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 1},

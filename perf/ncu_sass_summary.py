@@ -1,13 +1,14 @@
-"""Summarise Nsight Compute's per-instruction source page (CSV, as perf/h200_ncu_source.sh writes it with
-`ncu -i REPORT --page source --csv --print-source sass`): per kernel the stall reasons over all samples, the
-instructions with the most samples (their top stall reasons) and those with the most excess shared-memory
-wavefronts (bank conflicts); or, with --range, every instruction between two addresses (a loop body) with its
-samples and execution count. Needs no GPU.
+"""Summarise Nsight Compute's per-instruction source page (CSV, from
+`ncu -i REPORT --page source --csv --print-source sass`; REPORT e.g. from `ncu --set full --import-source no
+-k regex:flash_prefill --launch-skip 1 --launch-count 1 -o REPORT python3 perf/ncu_probe.py --linear-m 1`):
+per kernel the stall reasons over all samples, the instructions with the most samples (their top stall reasons)
+and those with the most excess shared-memory wavefronts (bank conflicts); or, with --range, every instruction
+between two addresses (a loop body) with its samples and execution count. Needs no GPU.
 
     python3 perf/ncu_sass_summary.py flash_prefill.sass.csv [--top 40]
     python3 perf/ncu_sass_summary.py flash_prefill.sass.csv --range bb700 bba40
 
-Session 17 found the flash prefill's 16-way conflicted V stores and its rolled-up scores loop this way.
+It finds e.g. bank-conflicted shared-memory stores and rolled-up loops.
 """
 from __future__ import annotations
 

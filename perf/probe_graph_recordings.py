@@ -9,7 +9,7 @@ A tiny random bf16 Llama (tests/model_fixtures.py) as perf/bench_e2e_cuda.py dri
 the CUDA graphs recorded (ModelRunner._capture_cuda keys: decode batch buckets, ('prefill', tokens, seqs))
 and the activation pool's generation (a step that moves a buffer bumps it and drops every recorded graph).
 A timed call that records again pays an eager step plus a capture per graph on a real GPU. --no-reserve skips
-ModelRunner.reserve_buffers (the buffers then grow with the steps, as before session 21).
+ModelRunner.reserve_buffers (the buffers then grow with the steps).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ host functions by own time and cumulative time) and one with CUDA events around 
 
     python3 perf/probe_prefill_wall.py --layers 8 --prompt-len 1024
 
-Session 14 saw the 8-layer 1,024-token prefill's wall go from 14.7 to 23 ms while its kernels went from 12.5 to
-10.8 ms (perf/profile_engine_cuda.py --cupti); this finds out which host work is not hidden behind the GPU.
+When a prefill's wall grows while its kernels (perf/profile_engine_cuda.py --cupti) shrink, this finds out
+which host work is not hidden behind the GPU.
 """
 from __future__ import annotations
 

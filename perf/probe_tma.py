@@ -6,7 +6,7 @@
 
 Why: the cp.async linear (backends/gpu_staging.py) has every thread compute and issue 8-byte copies (16 per
 thread per K step on the (128, 128, 64, 8) tile) and covers one K step of memory latency; on the H200 it stays
-at 0.37-0.64x cuBLAS at M >= 256 (BENCHMARKS.md session 10). With TMA one thread issues one bulk copy per tile
+well below cuBLAS at M >= 256. With TMA one thread issues one bulk copy per tile
 and an mbarrier counts the bytes in. What this settles, on fresh random bf16 data (never zeros):
 1. The tensor map: `cuTensorMapEncodeTiled` (jitkern.runtime.cuda.tensor_map_2d) of a row-major (rows, K) bf16
    matrix, box (64 elements of K = 128 bytes, BR rows), 128-byte swizzle, kept in global memory (the kernel takes

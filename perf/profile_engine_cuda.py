@@ -245,7 +245,7 @@ def _cupti(args) -> int:
         llm.generate([prompt], sp1)                           # warm-up: compiles this token count's kernels
         walls = []
         for _ in range(max(1, args.wall_repeats)):
-            # (one sample was not enough: session 11's single-shot walls disagreed with the kernel sums)
+            # (one sample is not enough: single-shot walls can disagree with the kernel sums)
             t0 = time.perf_counter()
             llm.generate([rng.integers(10, min(1000, vocab), args.prompt_len).tolist()], sp1)
             walls.append(time.perf_counter() - t0)

@@ -1,6 +1,5 @@
 """Registers, spills, CTA barriers and lane shuffles (ptxas -v, sm_90a) of the flash prefill / decode kernels at the
-engine's Llama-3-8B constants (f16 cache, 16-bit operands), per tile setting. Needs ptxas, not a GPU. Session 16's
-warp-rows numbers come from it.
+engine's Llama-3-8B constants (f16 cache, 16-bit operands), per tile setting. Needs ptxas, not a GPU.
 
     python3 perf/ptxas_flash.py prefill:8:16:1 prefill:4:8:0 prefill:8:16:1:SB=2 decode:2:1
         (kernel:warps:BM (prefill; decode: omitted):warp_rows 0/1[:CONST=VALUE ...])

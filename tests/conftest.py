@@ -7,18 +7,34 @@ import pytest
 # Under CI=true a missing torch / transformers / sentencepiece fails the run instead of skipping (see there).
 pytest_plugins = ("tests.ci_oracles",)
 
-# A fresh cache per run keeps tests independent of the user's cache; set before jitkern is used.
-# Under pytest-xdist (`make test` runs `-n 2`) all workers of one run share one directory, keyed on the run's id
-# that xdist gives every worker, so a kernel compiled by one worker is a disk hit for the other (the cache's
-# writes are atomic renames, made for concurrent processes); the next run gets a new id, hence a fresh cache.
+# A fresh kernel cache per run keeps tests independent of the user's cache; set before jitkern is used.
+# The process that starts the run (plain pytest, or pytest-xdist's controller under `make test`'s `-n 2`) makes
+# the directory and exports it; xdist's workers inherit the environment and share it, so a kernel compiled by one
+# worker is a disk hit for the other (the cache's writes are atomic renames, made for concurrent processes). The
+# creating process removes it at the end of the session (pytest_unconfigure below): a run's cache is ~1.7 GB.
+# JITKERN_TEST_KEEP_CACHE=1 uses JITKERN_CACHE_DIR (or the default cache) as it is and never deletes it.
+_RUN_CACHE_ENV = "JITKERN_TEST_RUN_CACHE"
+_created_cache = None
 if "JITKERN_TEST_KEEP_CACHE" not in os.environ:
-    _xdist_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if _xdist_run:
-        _dir = os.path.join(tempfile.gettempdir(), f"jitkern-test-cache-xdist-{_xdist_run}")
-        os.makedirs(_dir, exist_ok=True)
-        os.environ["JITKERN_CACHE_DIR"] = _dir
-    else:
-        os.environ["JITKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jitkern-test-cache-")
+    _dir = os.environ.get(_RUN_CACHE_ENV) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if _dir is None and os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        # a worker whose controller did not export a directory (xdist started without this conftest in the
+        # controller): one directory per run, keyed on the run's id; left for the OS's temporary-file cleanup
+        _run = os.environ["PYTEST_XDIST_TESTRUNUID"]
+        _dir = os.path.join(tempfile.gettempdir(), f"jitkern-test-cache-xdist-{_run}")
+    if _dir is None:
+        _dir = _created_cache = tempfile.mkdtemp(prefix="jitkern-test-cache-")
+        os.environ[_RUN_CACHE_ENV] = _dir
+    os.makedirs(_dir, exist_ok=True)
+    os.environ["JITKERN_CACHE_DIR"] = _dir
+
+
+def pytest_unconfigure(config):
+    """Remove the run's kernel cache in the process that created it (the controller under xdist, after its
+    workers have exited); never a directory the user named."""
+    if _created_cache is not None:
+        import shutil
+        shutil.rmtree(_created_cache, ignore_errors=True)
 
 
 def runnable_tiers():

@@ -239,6 +239,7 @@ def _division_cases(n=4099):
     return a, b, amax
 
 
+@needs_vulkan
 def test_vulkan_f32_division_is_done_in_f64():
     """Vulkan lets OpFDiv on f32 be 2.5 ULP off (NVIDIA's driver is, in places: the q8 activation quantiser's
     1 / d then rounded an activation to the other integer and test_matmul_q[vulkan-q5_K] was off by 0.3 there,
