@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4} (a smaller model with the same tokenizer)')
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
-                   help="split the model over N GPUs (one process each, NCCL); 1 (default) on the CPU")
+                   help="tensor parallelism: only 1 (the default) runs today; N > 1 is refused with the reason")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default sampling settings for unset request fields: auto (the model's "
                         "generation_config.json, default), vllm (none), or a folder holding one")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=None,
-                   help="split the model over N GPUs (one process each, NCCL); default 1")
+                   help="tensor parallelism: only 1 (the default) runs today; N > 1 is refused with the reason")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)

@@ -8,7 +8,7 @@ JIT-compiled for the host with ORC LLJIT, and the workers are created with
 Python thread joins in as worker 0 through one ctypes call (ctypes releases the
 GIL for the duration of the call).
 
-Kernel ABI (see docs/HELPERS-BRIEF.md)::
+Kernel ABI (see docs/ARCHITECTURE.md, "The CPU kernel ABI")::
 
     void kernel(ptr args, i64 pid_begin, i64 pid_end)
 
