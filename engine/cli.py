@@ -13,6 +13,7 @@ import sys
 import time
 
 from jitkern.cli import ArgumentParser, check_settings, positive_int, run_main
+from engine.logits_process import LOGPROBS_MODES
 
 PROG = "python -m engine.cli"
 
@@ -66,8 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
                         '"num_speculative_tokens": 4} (a smaller model with the same tokenizer)')
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="tensor parallelism: only 1 (the default) runs today; N > 1 is refused with the reason")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each generated token's logprob and rank, and the top N, to stderr")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                   help="what --logprobs prints: raw_logprobs (default), raw_logits (before any processing), "
+                        "processed_logprobs, processed_logits (as sampled: after temperature, top-k/top-p)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
+
+
+def _print_logprobs(completion, mode: str) -> None:
+    """One stderr line per generated token: position, id, value (in --logprobs-mode), rank, then the top N."""
+    for pos, (tok, entry) in enumerate(zip(completion.token_ids, completion.logprobs or ())):
+        own = entry[tok]
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items())
+        extra = " ".join(f"{t}:{v:.4f}" for _, t, v in top)
+        print(f"{mode}\t{pos}\t{tok}\t{own.logprob:.6f}\trank {own.rank}\t{extra}", file=sys.stderr)
 
 
 def _fail(msg: str) -> int:
@@ -132,7 +147,7 @@ def _main(argv) -> int:
     temp = 0.0 if args.temperature <= 0 else args.temperature     # NaN stays NaN and is refused below
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
+                                seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
         params.validate()
     except InvalidRequestError as e:
         flag = f"argument --{e.param.replace('_', '-')}: " if getattr(e, "param", None) else ""
@@ -150,7 +165,8 @@ def _main(argv) -> int:
         llm = LLM(args.model, tokenizer_config=args.tokenizer_config, max_num_seqs=max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization, enable_jump_forward=args.enable_jump_forward,
                   device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size,
-                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, logprobs_mode=args.logprobs_mode,
+                  max_logprobs=-1)
     except (ModelLoadError, KVPoolTooSmallError) as e:     # (the latter: the model leaves no room for a KV cache)
         return _fail(str(e))
     except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary
@@ -178,6 +194,7 @@ def _main(argv) -> int:
             n = len(out.outputs[0].token_ids)
             if i == 0:
                 print(out.outputs[0].text)
+                _print_logprobs(out.outputs[0], args.logprobs_mode)
             if args.repeat > 1 and m.first_token_time and m.last_token_time and n > 1:
                 rates.append((n - 1) / max(m.last_token_time - m.first_token_time, 1e-9))
                 print(f"run {i + 1}: {n} tokens in {dt:.3f}s, ttft {(m.first_token_time - m.arrival_time) * 1e3:.1f} ms,"

@@ -23,6 +23,7 @@ MAX_BAD_WORD_CHARS = 256
 # Entries of allowed_token_ids (the largest vocabularies in use have 262,144 tokens).
 MAX_ALLOWED_TOKEN_IDS = 262_144
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGITS_PROCESSORS = 64         # per-request logits processors (LLM API only)
 # Seeds are 64-bit unsigned (numpy's PCG64 seed); -1 means "no seed".
 MAX_SEED = 2**64 - 1
 # Integer fields (max_tokens, min_tokens, top_k, ...) must fit a signed 64-bit integer.

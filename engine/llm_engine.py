@@ -84,6 +84,12 @@ class EngineArgs:
     # JITKERN_OVERLAP_OUTPUT ("0" off, "1" on), else on for device "cuda" and off elsewhere (on the CPU the
     # kernels run in the engine's thread: nothing to overlap). Never with speculative decoding.
     overlap_output: Optional[bool] = None
+    # vLLM's --logprobs-mode: which tensor returned logprobs are read from (engine.logits_process.LOGPROBS_MODES):
+    # raw_logprobs (default) / raw_logits before any processing, processed_logprobs / processed_logits as sampled
+    logprobs_mode: str = "raw_logprobs"
+    # vLLM v1's engine-wide logits processors: LogitsProcessor subclasses (built once with the engine) or
+    # instances (engine/logits_process.py)
+    logits_processors: Optional[list] = None
 
 
 # The KV pool's bytes without num_blocks / kv_cache_memory where the device's free memory is not measured: the
@@ -154,6 +160,12 @@ class LLMEngine:
                                    kv_block_bytes, kv_cache_dtype_name, kv_cache_log_line, num_blocks_for_memory,
                                    resolve_kv_cache_dtype, resolve_max_model_len)
         kv_cache_dtype_name(args.kv_cache_dtype)        # a bad spelling fails before the slow load
+        from engine.logits_process import EngineConfigView, build_engine_processors, check_logprobs_mode
+        check_logprobs_mode(args.logprobs_mode)
+        if args.logits_processors and args.speculative_config is not None:
+            # the verifier computes the target distribution itself and would skip them
+            raise ValueError("logits_processors cannot be combined with speculative_config (speculative "
+                             "decoding does not run engine-wide logits processors)")
         gpu_util = check_gpu_memory_utilization(args.gpu_memory_utilization)
         default_batch_limits("cpu", args.usage_context)  # a bad usage_context fails before the load too
         # A Hugging Face id (Qwen/Qwen3-0.6B) becomes its cached or downloaded folder; a local path stays as it is.
@@ -234,10 +246,17 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, use_graphs=args.use_graphs,
                                   device_buffers=self._reserved_buffers)
         self._reserved_buffers = None
-        self.runner.device_greedy = True          # plain greedy steps pick their tokens where the logits are
-        self.runner.reserve_buffers()             # the largest steps' buffers now: none moves under a graph later
-        self.sampler = Sampler(cfg.vocab_size, seed=args.seed, tokenizer=self.tokenizer)
         self.stop_ids = tuple(ckpt.stop_token_ids or cfg.eos_token_ids or ())
+        procs = build_engine_processors(
+            args.logits_processors, EngineConfigView(cfg.vocab_size, args.max_num_seqs, model_config=cfg,
+                                                     engine_args=args, eos_token_ids=self.stop_ids),
+            getattr(self.model, "device", "cpu"))
+        # plain greedy steps pick their tokens where the logits are, unless an engine-wide processor could change
+        # a pick (it must then see every row on the host)
+        self.runner.device_greedy = all(p.is_argmax_invariant() for p in procs)
+        self.runner.reserve_buffers()             # the largest steps' buffers now: none moves under a graph later
+        self.sampler = Sampler(cfg.vocab_size, seed=args.seed, tokenizer=self.tokenizer,
+                               logprobs_mode=args.logprobs_mode, logits_processors=procs)
         self.spec = None
         if spec_cfg is not None:
             from engine.spec_decode import SpecDecoder

@@ -1,10 +1,12 @@
 """Next-token selection in vLLM's order.
 
-    raw logits -> (logprobs are taken here, vLLM's default "raw_logprobs" mode)
+    raw logits -> (logprobs are taken here in vLLM's default "raw_logprobs" mode, and "raw_logits")
     -> logit_bias, allowed_token_ids, bad_words, min_tokens (stop ids masked until reached)
+    -> the request's own logits processors, then the engine's (engine/logits_process.py)
     -> repetition / presence / frequency penalties
     -> structured outputs: tokens the request's grammar forbids -> -inf (engine/structured_outputs.py)
     -> greedy (temperature 0)  |  temperature -> top-k -> top-p -> min-p -> sample
+       ("processed_logprobs" / "processed_logits" are read here: tokens cut by top-k/top-p/min-p are -inf)
 
 Seeded requests draw their uniform from their own generator (`Request.rng()`), so the same seed gives the
 same tokens whatever else is in the batch. The full-vocabulary work runs as jitkern kernels (argmax,
@@ -26,6 +28,8 @@ from typing import Optional
 import numpy as np
 
 from engine.logit_edits import LogitEdits
+from engine.logits_process import (BatchSlots, check_logprobs_mode, processor_name,
+                                   run_request_processors)
 
 log = logging.getLogger("engine.sampler")
 
@@ -47,8 +51,14 @@ INTERNAL_ERROR = "internal error while sampling this request (the server log has
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0, tokenizer=None):
+    def __init__(self, vocab_size: int, seed: int = 0, tokenizer=None, logprobs_mode: str = "raw_logprobs",
+                 logits_processors=()):
         self.vocab = vocab_size
+        # which tensor returned logprobs are read from (vLLM's --logprobs-mode)
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
+        # engine-wide LogitsProcessor instances, and the persistent batch they are told about
+        self.logits_processors = list(logits_processors)
+        self._slots = BatchSlots()
         self.rng = np.random.default_rng(seed)
         self.tokenizer = tokenizer
         self.grammar_compiler = None   # engine.structured_outputs.GrammarCompiler (its thread pool for masks)
@@ -135,12 +145,18 @@ class Sampler:
         # raw logprobs (vLLM's default logprobs mode) before any processing
         lp_rows = {}
         want_lp = [i for i, q in enumerate(reqs) if q.sampling_params.logprobs is not None]
-        if want_lp:
+        mode = self.logprobs_mode
+        if want_lp and mode == "raw_logprobs":
             from jitkern.ops.softmax import log_softmax
             lps = log_softmax(np.ascontiguousarray(logits[rows[want_lp]]))
             lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
+        elif want_lp and mode == "raw_logits":
+            lp_rows = {i: np.array(logits[rows[i]], np.float32) for i in want_lp}     # copies: x is edited below
+        # processed_*: row index -> the row sampled from, filled by the greedy pick and _draw
+        processed = {i: None for i in want_lp} if mode.startswith("processed") else None
         plain = [i for i, q in enumerate(reqs) if not self._has_processors(q)]
-        if len(plain) == len(reqs) and np.array_equal(rows, np.arange(logits.shape[0])):
+        if len(plain) == len(reqs) and not self.logits_processors \
+                and np.array_equal(rows, np.arange(logits.shape[0])):
             x = logits                                   # nothing edits the logits: no copy
         else:
             x = np.ascontiguousarray(logits[rows])
@@ -151,9 +167,14 @@ class Sampler:
         if greedy:
             sub = x if len(greedy) == len(reqs) else np.ascontiguousarray(x[greedy])
             toks[greedy] = argmax_rows(sub)
+            if processed is not None:
+                for i in greedy:
+                    if i in processed:
+                        processed[i] = x[i]          # greedy: no temperature, nothing cut
         sampled = [i for i in live if reqs[i].sampling_params.temperature != 0]
         if sampled:
-            toks[sampled] = self._draw(reqs, x, sampled, np.array([uniforms[rids[i]] for i in sampled]))
+            toks[sampled] = self._draw(reqs, x, sampled, np.array([uniforms[rids[i]] for i in sampled]),
+                                       processed)
         for i, rid in enumerate(rids):
             if i in failed:
                 out[rid] = SampleResult(-1, error=failed[i])
@@ -166,6 +187,12 @@ class Sampler:
             res = SampleResult(tok)
             if i in lp_rows:
                 self._fill_logprobs(res, reqs[i].sampling_params, lp_rows[i])
+            elif processed is not None and processed.get(i) is not None:
+                row = processed[i].astype(np.float64)
+                if mode == "processed_logprobs":
+                    top = row.max()
+                    row = row - (top + np.log(np.exp(row - top).sum()))
+                self._fill_logprobs(res, reqs[i].sampling_params, row)
             out[rid] = res
         return out
 
@@ -197,7 +224,8 @@ class Sampler:
 
     # ------------------------------------------------------------------------------ batch processing
     def _process_batch(self, reqs, x: np.ndarray) -> dict:
-        """Logit edits (sparse per-request edits on the host), then the penalties kernel.
+        """Logit edits (sparse per-request edits on the host), the request's own logits processors, the engine's
+        processors, then the penalties kernel and structured-output masks.
 
         Returns {row index: error message} for the requests whose edits raised (the rest go on)."""
         pen = []
@@ -214,8 +242,17 @@ class Sampler:
                 failed[i] = INTERNAL_ERROR
                 continue
             p = req.sampling_params
+            if p.logits_processors:
+                try:
+                    run_request_processors(p.logits_processors, req.prompt_token_ids, req.output_token_ids, x[i])
+                except Exception as e:  # noqa: BLE001 - the caller's code: this request alone fails, told why
+                    log.warning("a logits processor of request %s failed", req.request_id, exc_info=True)
+                    failed[i] = _processor_error(p.logits_processors, e)
+                    continue
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 pen.append(i)
+        if self.logits_processors:
+            self._apply_engine_processors(reqs, x, failed)
         if pen:
             from jitkern.ops.sampling import apply_penalties, penalty_tables
             ids, counts = penalty_tables([reqs[i].prompt_token_ids for i in pen],
@@ -234,6 +271,26 @@ class Sampler:
                 apply_bitmask(x[i], masks[j])
         return failed
 
+    def _apply_engine_processors(self, reqs, x: np.ndarray, failed: dict) -> None:
+        """The engine-wide processors over this step's rows in their persistent-batch order. One that raises
+        raises here: `sample` then re-runs the requests one by one, and only those it raises for fail."""
+        live = [i for i in range(len(reqs)) if i not in failed]
+        update, order = self._slots.update([reqs[i] for i in live])
+        for proc in self.logits_processors:
+            proc.update_state(update)
+        if not live:
+            return
+        idx = [live[k] for k in order]
+        batch = np.ascontiguousarray(x[idx])
+        for proc in self.logits_processors:
+            out = proc.apply(batch)
+            out = np.asarray(out) if out is not None else None
+            if out is None or out.shape != batch.shape:
+                raise ValueError(f"logits processor {type(proc).__name__} returned "
+                                 f"{'None' if out is None else out.shape}; expected the batch's {batch.shape}")
+            batch = out
+        x[idx] = batch
+
     def _edits(self, req) -> LogitEdits:
         """The request's edits, prepared at admission by the engine; built here for a bare Request."""
         edits = getattr(req, "logit_edits", None)
@@ -242,8 +299,10 @@ class Sampler:
                                                        eos_token_ids=req.eos_token_ids, tokenizer=self.tokenizer)
         return edits
 
-    def _draw(self, reqs, x: np.ndarray, idx: list, u: np.ndarray) -> np.ndarray:
-        """temperature -> top-k -> top-p -> min-p -> inverse-CDF draw with each request's own uniform u."""
+    def _draw(self, reqs, x: np.ndarray, idx: list, u: np.ndarray, processed: dict | None = None) -> np.ndarray:
+        """temperature -> top-k -> top-p -> min-p -> inverse-CDF draw with each request's own uniform u.
+        `processed` (row index -> None for the rows that want it) receives each such row as sampled from:
+        after temperature, the tokens top-k / top-p / min-p cut set to -inf."""
         from jitkern.ops.sampling import apply_temperature, sample_from_logits, topk_rows
         sub = np.ascontiguousarray(x[idx])
         apply_temperature(sub, np.array([reqs[i].sampling_params.temperature for i in idx], np.float32))
@@ -253,9 +312,12 @@ class Sampler:
         if full:
             s = sub if len(full) == len(idx) else np.ascontiguousarray(sub[full])
             toks[full] = sample_from_logits(s, u[full].astype(np.float32))
+        want = processed if processed is not None else {}
         for j, i in enumerate(idx):
             p = reqs[i].sampling_params
             if not self._truncates(p):
+                if i in want:
+                    want[i] = sub[j]
                 continue
             k = p.top_k if p.top_k and p.top_k > 0 else 0
             if k and k <= _TOPK_KERNEL_MAX:
@@ -271,6 +333,8 @@ class Sampler:
             ids, vals = ids[keep], vals[keep]
             if ids.size == 0:
                 toks[j] = int(np.argmax(sub[j]))
+                if i in want:
+                    want[i] = sub[j]
                 continue
             probs = np.exp(vals - vals[0])
             probs /= probs.sum()
@@ -282,6 +346,10 @@ class Sampler:
                 ids, probs = ids[keep], probs[keep] / probs[keep].sum()
             c = int(np.searchsorted(np.cumsum(probs), u[j], side="right"))
             toks[j] = int(ids[min(c, len(ids) - 1)])
+            if i in want:
+                row = np.full(self.vocab, -np.inf, np.float32)
+                row[ids] = sub[j][ids]
+                want[i] = row
         return toks
 
     @staticmethod
@@ -293,6 +361,14 @@ class Sampler:
         tok = res.token_id
         res.logprob = float(lp[tok])
         res.rank = int(np.count_nonzero(lp > lp[tok])) + 1
+        if p.logprob_token_ids:
+            # the explicit ids, each with its rank over the whole vocabulary
+            ids = np.asarray(p.logprob_token_ids, np.int64)
+            vals = lp[ids]
+            asc = np.sort(lp)
+            ranks = len(asc) - np.searchsorted(asc, vals, side="right") + 1
+            res.top_logprobs = tuple((int(t), float(v), int(r)) for t, v, r in zip(ids, vals, ranks))
+            return
         n = self.vocab if p.logprobs == -1 else p.logprobs
         if n:
             top = np.argpartition(-lp, min(n, self.vocab) - 1)[:n] if n < self.vocab else np.arange(self.vocab)
@@ -303,7 +379,7 @@ class Sampler:
     @staticmethod
     def _has_processors(req) -> bool:
         p = req.sampling_params
-        return bool(getattr(req, "grammar", None) is not None or
+        return bool(getattr(req, "grammar", None) is not None or p.logits_processors or
                     p.logit_bias or p.allowed_token_ids or p.bad_words or
                     (p.min_tokens and len(req.output_token_ids) < p.min_tokens) or
                     p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
@@ -330,3 +406,10 @@ class Sampler:
                 top = tuple((int(a), float(lp[a]), r + 1) for r, a in enumerate(t))
             out.append((tid, float(lp[tid]), rank, top))
         return out
+
+
+def _processor_error(procs, e: Exception) -> str:
+    """One line naming the request's processor that failed (the traceback goes to the log)."""
+    names = getattr(e, "logits_processor_name", None) or ", ".join(processor_name(fn) for fn in procs)
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"logits processor failed ({names}): {type(e).__name__}{': ' + text if text else ''}"

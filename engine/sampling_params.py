@@ -79,6 +79,13 @@ class SamplingParams:
     # Constrained decoding (engine/structured_outputs.py): a StructuredOutputsParams, or a dict of its fields
     # (json / json_object / regex / choice / grammar); compiled and checked here, at construction.
     structured_outputs: object = None
+    # vLLM v0's per-request logits processors: callables fn(output_ids, logits) or fn(prompt_ids, output_ids,
+    # logits) returning the logits (engine/logits_process.py); not deep-copied by clone(), as in vLLM
+    logits_processors: list | None = None
+    # Score these vocabulary ids at every generated position (at most 128): each one's logprob (read from the
+    # engine's logprobs_mode) and rank, plus the sampled token's. `logprobs` is derived from it (its count);
+    # set explicitly, it must equal that count.
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -95,6 +102,13 @@ class SamplingParams:
                                                            limits.MAX_ALLOWED_TOKEN_IDS))
         if self.seed == -1 and _is_int(self.seed):
             self.seed = None
+        if self.logits_processors is not None:
+            self.logits_processors = self._as_list("logits_processors", self.logits_processors,
+                                                   limits.MAX_LOGITS_PROCESSORS) or None
+        if self.logprob_token_ids is not None:
+            from engine.logits_process import MAX_LOGPROB_TOKEN_IDS
+            self.logprob_token_ids = _dedupe(self._as_list("logprob_token_ids", self.logprob_token_ids,
+                                                           MAX_LOGPROB_TOKEN_IDS))
         # OpenAI clients send booleans for these; True means "the sampled token only".
         if self.logprobs is True:
             self.logprobs = 1
@@ -178,7 +192,9 @@ class SamplingParams:
         return min(self.max_tokens, room)
 
     def clone(self) -> "SamplingParams":
-        return copy.deepcopy(self)
+        # Logits processors are the caller's objects (often holding state or big tables): shared, not copied.
+        memo = {id(fn): fn for fn in self.logits_processors or ()}
+        return copy.deepcopy(self, memo)
 
     # ----------------------------------------------------------------- validation
 
@@ -197,7 +213,8 @@ class SamplingParams:
             if value is None:
                 continue
             wanted = vocab_size if value == -1 else value
-            limit = max_logprobs
+            # explicit ids are bounded by their own limit (128), not --max-logprobs
+            limit = None if name == "logprobs" and self.logprob_token_ids else max_logprobs
             if limit == -1:
                 limit = vocab_size
             if limit is not None and wanted is not None and wanted > limit:
@@ -213,6 +230,8 @@ class SamplingParams:
                 self._check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
             if self.logit_bias is not None:
                 self._check_token_ids("logit_bias", list(self.logit_bias), vocab_size)
+            if self.logprob_token_ids:
+                self._check_token_ids("logprob_token_ids", self.logprob_token_ids, vocab_size)
 
     def _validate_fields(self) -> None:
         """Every check that needs nothing but the parameters themselves."""
@@ -284,6 +303,23 @@ class SamplingParams:
                     raise InvalidRequestError(
                         f"logit_bias value for token {token} must be a finite number, got {value!r}.",
                         "logit_bias", value)
+        if self.logits_processors is not None:
+            bad = [fn for fn in self.logits_processors if not callable(fn)]
+            if bad:
+                raise InvalidRequestError(f"logits_processors must contain only callables fn(output_ids, logits) "
+                                          f"or fn(prompt_ids, output_ids, logits), got {_short(bad[0])}.",
+                                          "logits_processors")
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids:
+                raise InvalidRequestError("logprob_token_ids is set but empty.", "logprob_token_ids")
+            self._check_token_ids("logprob_token_ids", self.logprob_token_ids, None)
+            n = len(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = n           # every "wants logprobs" path (host sampling, output lists) follows
+            elif self.logprobs != n:
+                raise InvalidRequestError(
+                    f"logprob_token_ids has {n} ids but logprobs is {self.logprobs}: leave logprobs unset, or "
+                    "set it to the number of ids.", "logprob_token_ids")
         if self.structured_outputs is not None:
             from engine.structured_outputs import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):

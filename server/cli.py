@@ -12,6 +12,7 @@ from pathlib import Path
 
 from server.reasoning import REASONING_PARSER_CHOICES
 from engine.device import DEVICES
+from engine.logits_process import LOGPROBS_MODES
 from server.settings import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, ServerSettings
 from server.tool_parsers import TOOL_PARSER_CHOICES
 
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs (default), or priority: honour the request field `priority`")
     p.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs a request may ask for")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=None,
+                   help="what returned logprobs hold: raw_logprobs (default), raw_logits (before any processing), "
+                        "processed_logprobs, processed_logits (as sampled: after temperature, top-k/top-p/min-p)")
     p.add_argument("--seed", type=int, help="engine random seed")
     logs = p.add_mutually_exclusive_group()
     logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
@@ -145,7 +149,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_model_len=args.max_model_len or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens or None,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-        max_logprobs=args.max_logprobs, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
+        max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size,
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)

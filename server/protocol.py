@@ -41,6 +41,8 @@ _SAMPLING_FIELDS = {
     # structured outputs (engine/structured_outputs.py): vLLM's field, its older guided_* spellings, llama.cpp's
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "grammar", "json_schema",
+    # vLLM's explicit ids to score at each generated position (engine.sampling_params)
+    "logprob_token_ids",
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -57,7 +59,6 @@ UNSUPPORTED_FIELDS = {
     "prompt_embeds": "prompt embeddings are not supported",
     "kv_transfer_params": "KV transfer is not supported", "ec_transfer_params": "encoder-cache transfer is not supported",
     "vllm_xargs": "vllm_xargs is not supported", "logits_processors": "custom logits processors are not supported",
-    "logprob_token_ids": "logprob_token_ids is not supported",
     "thinking_token_budget": "thinking_token_budget is not supported",
     "repetition_detection": "repetition_detection is not supported", "watermarking": "watermarking is not supported",
     "cache_salt": "cache_salt is not supported (the prefix cache is shared by all requests)",
@@ -460,7 +461,7 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
         logit_bias=logit_bias, allowed_token_ids=f.int_list("allowed_token_ids"), bad_words=bad_words or [],
         skip_special_tokens=f.bool("skip_special_tokens", True),
         spaces_between_special_tokens=f.bool("spaces_between_special_tokens", True),
-        structured_outputs=structured,
+        structured_outputs=structured, logprob_token_ids=f.int_list("logprob_token_ids"),
     )
     try:
         params = SamplingParams(**kwargs)
@@ -468,6 +469,12 @@ def _sampling_params(f: Fields, ctx: ServingContext, *, max_tokens: Optional[int
     except InvalidRequestError as e:
         raise bad_request(e.message, param=e.param) from None
     return params
+
+
+def _shown_logprobs(params: SamplingParams, logprobs: Optional[int]) -> Optional[int]:
+    """How many entries a response shows per token: with logprob_token_ids all of them (the ids and the
+    sampled token, each ranked over the whole vocabulary), else the request's own count."""
+    return -1 if params.logprob_token_ids else logprobs
 
 
 def _priority(f: Fields, ctx: ServingContext) -> int:
@@ -590,7 +597,7 @@ def parse_completion_request(body: dict, ctx: ServingContext) -> GenerationReque
     elif best_of is not None and best_of != params.n:
         raise bad_request(f"'best_of' must equal n ({params.n}) or be unset; best_of > n is not supported",
                           param="best_of", code="unsupported_parameter")
-    req = GenerationRequest("completion", model, [], params, echo=echo, logprobs=logprobs,
+    req = GenerationRequest("completion", model, [], params, echo=echo, logprobs=_shown_logprobs(params, logprobs),
                             prompt_logprobs=prompt_logprobs, echo_logprobs=echo and logprobs is not None)
     req.beam = beam
     _common(f, ctx, req)
@@ -728,6 +735,8 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     if top is not None and top < -1:
         raise bad_request(f"'top_logprobs' must be non-negative or -1, got {top}", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
+    if f.body.get("logprob_token_ids") is not None:
+        logprobs = top or None          # the ids' count (top_logprobs, when set, must equal it)
     prompt_logprobs = f.int("prompt_logprobs")
     if prompt_logprobs is not None and f.bool("stream", False):
         raise bad_request("'prompt_logprobs' is not available when streaming", param="prompt_logprobs")
@@ -739,7 +748,8 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
         if e.param == "logprobs" and top is not None:
             e.param = "top_logprobs"
         raise
-    req = GenerationRequest("chat", model, [], params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    req = GenerationRequest("chat", model, [], params, logprobs=_shown_logprobs(params, logprobs),
+                            prompt_logprobs=prompt_logprobs)
     _common(f, ctx, req)
     add_generation_prompt = f.bool("add_generation_prompt", True)
     continue_final = bool(f.bool("continue_final_message", False))

@@ -70,6 +70,7 @@ class ServerSettings:
     enable_prefix_caching: Optional[bool] = None
     scheduling_policy: str = "fcfs"
     max_logprobs: Optional[int] = None
+    logprobs_mode: Optional[str] = None          # JITKERN_LOGPROBS_MODE: vLLM's --logprobs-mode
     seed: Optional[int] = None
     speculative_config: Optional[str] = None     # JITKERN_SPECULATIVE_CONFIG: vLLM's JSON (engine.spec_decode)
     enable_jump_forward: Optional[bool] = None   # JITKERN_ENABLE_JUMP_FORWARD: structured outputs' forced tokens
@@ -102,6 +103,7 @@ class ServerSettings:
         "num_blocks": "pos_int", "kv_cache_memory": "pos_int", "kv_cache_dtype": "kv_dtype", "dtype": "dtype",
         "max_model_len": "len_int", "max_num_seqs": "pos_int", "max_num_batched_tokens": "len_int",
         "enable_prefix_caching": "bool", "scheduling_policy": "policy", "max_logprobs": "logprobs_int",
+        "logprobs_mode": "logprobs_mode",
         "seed": "int", "enable_jump_forward": "bool", "api_key": "str", "log_requests": "bool", "log_outputs": "bool",
         "max_log_len": "nonneg_int", "enable_metrics": "bool", "verbose": "bool", "max_body_bytes": "pos_int",
         "sse_ping_s": "nonneg_float", "drain_timeout_s": "nonneg_float", "warmup": "bool", "engine_factory": "str",
@@ -145,7 +147,7 @@ class ServerSettings:
         """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                 "scheduling_policy", "max_logprobs", "seed", "enable_jump_forward", "speculative_config",
+                 "scheduling_policy", "max_logprobs", "logprobs_mode", "seed", "enable_jump_forward", "speculative_config",
                  "task", "generation_config", "tensor_parallel_size", "device", "gpu_memory_utilization")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["usage_context"] = "openai_api_server"      # vLLM's server defaults (engine.sizing.default_batch_limits)
@@ -170,6 +172,11 @@ def _parse(kind: str, name: str, text: str):
         return value or None          # 0 means "the default" (the seeds' --max-model-len 0)
     if kind == "logprobs_int":
         return _parse_int(name, text, low=-1)
+    if kind == "logprobs_mode":
+        from engine.logits_process import LOGPROBS_MODES
+        if text not in LOGPROBS_MODES:
+            raise SettingsError(f"{name}={text!r}: expected one of {', '.join(LOGPROBS_MODES)}")
+        return text
     if kind == "nonneg_float":
         return _parse_float(name, text, low=0.0)
     if kind == "policy":
