@@ -3,7 +3,8 @@
 # On a machine with an NVIDIA GPU, from the repo root:
 #
 #     bash perf/gpu_check.sh [--model DIR|FILE] [--shape llama3-8b] [--layers N] [--out DIR]
-#                            [--skip-tests] [--tests-timeout S] [--concurrency "1 64 256"]
+#                            [--skip-tests] [--tests "PATHS"] [--tests-timeout S] [--concurrency "1 64 256"]
+#                            [--aot-model DIR|FILE]
 #
 # 1. installs what the machine lacks from wheels brought along in .whl/ (perf/device_wheels.sh fetches them
 #    where PyPI is reachable) and the Vulkan loader from .gl/*.deb when present;
@@ -21,6 +22,8 @@ SHAPE=llama3-8b
 LAYERS=""
 SKIP_TESTS=0
 TESTS_TIMEOUT=300
+TESTS=tests
+AOT_MODEL=""
 CONCURRENCY="1 64 256"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,8 +33,10 @@ while [ $# -gt 0 ]; do
         --out) OUT_DIR=$2; shift 2 ;;
         --skip-tests) SKIP_TESTS=1; shift ;;
         --tests-timeout) TESTS_TIMEOUT=$2; shift 2 ;;
+        --tests) TESTS=$2; shift 2 ;;
+        --aot-model) AOT_MODEL=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
     esac
 done
@@ -70,15 +75,16 @@ fi
 # 2. the gpu-marked tests
 if [ "$SKIP_TESTS" = 0 ]; then
     stamp "pytest -m gpu (at most ${TESTS_TIMEOUT} s)"
-    timeout "$TESTS_TIMEOUT" $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist worksteal tests \
+    timeout "$TESTS_TIMEOUT" $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist worksteal $TESTS \
         > "$OUT_DIR/pytest-gpu.txt" 2>&1
     tail -3 "$OUT_DIR/pytest-gpu.txt"
     grep -E "^(FAILED|ERROR) " "$OUT_DIR/pytest-gpu.txt" | head -30
 fi
 
 # 3. AOT: zero compiles after jitkern build
-stamp "AOT check on $MODEL"
-$PY perf/gpu_check.py aot --model "$MODEL" --target sm_90a --logs "$OUT_DIR" --json "$OUT_DIR/aot.json"
+# (--aot-model: a smaller model of the same kernels, e.g. fewer layers, where the whole check must be quick)
+stamp "AOT check on ${AOT_MODEL:-$MODEL}"
+$PY perf/gpu_check.py aot --model "${AOT_MODEL:-$MODEL}" --target sm_90a --logs "$OUT_DIR" --json "$OUT_DIR/aot.json"
 
 # 4. served vs engine alone
 stamp "serving vs engine at c = $CONCURRENCY"
