@@ -79,6 +79,9 @@ class SamplingParams:
     # Constrained decoding (engine/structured_outputs.py): a StructuredOutputsParams, or a dict of its fields
     # (json / json_object / regex / choice / grammar); compiled and checked here, at construction.
     structured_outputs: object = None
+    # vLLM's extra_args: per-request keys for engine extensions; read today: kv_cache_report_mode
+    # ("incremental" | "full", engine/kv_events.py), checked when the engine admits the request
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
