@@ -90,6 +90,8 @@ class BlockPool:
         # Ordered free queue: the head is evicted/allocated first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        # engine.kv_events.KVEventRecorder when KV-cache events are on: told of every eviction and reset
+        self.events = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +132,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) == bid:
                     del self._cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(bid)
@@ -171,6 +175,8 @@ class BlockPool:
         for bid in self._cached.values():
             self.blocks[bid].block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         # Former cached free blocks are now plain space; order does not matter any more.
 
 
@@ -192,7 +198,7 @@ class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: str | None = None):
+                 hash_seed: str | None = None, kv_events: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, block_size, enable_caching=enable_prefix_caching)
@@ -200,6 +206,11 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         # request_id -> how many of its leading blocks are registered in the cache
         self._num_registered: dict[str, int] = {}
+        # KV-cache events (engine.kv_events): None while off, so the hot paths pay one attribute test
+        self.events = None
+        if kv_events:
+            from engine.kv_events import KVEventRecorder
+            self.events = self.pool.events = KVEventRecorder(block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -283,6 +294,11 @@ class KVCacheManager:
         request.block_ids.extend(new_blocks)
         if admitting:
             self._num_registered[request.request_id] = len(hits)
+            extra = getattr(request.sampling_params, "extra_args", None)
+            if hits and self.events is not None and extra and extra.get("kv_cache_report_mode") == "full":
+                # "full": re-report the reused prefix, so a router learns this engine holds it
+                self.events.stored(request.block_hashes[:len(hits)], None,
+                                   request.all_token_ids[:len(hits) * self.block_size])
             if self.enable_prefix_caching:
                 self.stats.requests += 1
                 self.stats.queries += request.num_tokens
@@ -298,9 +314,29 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.update_block_hashes(request)
+        events = self.events
+        run: list[int] = []          # (events) indices of a contiguous run of newly registered blocks
         for i in range(start, num_full):
-            self.pool.cache_block(request.block_ids[i], hashes[i])
+            bid = request.block_ids[i]
+            new = events is not None and self.pool.blocks[bid].block_hash is None \
+                and self.pool.get_cached_block(hashes[i]) is None
+            self.pool.cache_block(bid, hashes[i])
+            if events is None:
+                continue
+            if new:
+                run.append(i)
+            elif run:               # (a block another request registered first is no new store: report none)
+                self._report_stored(request, hashes, run)
+                run = []
+        if run:
+            self._report_stored(request, hashes, run)
         self._num_registered[request.request_id] = num_full
+
+    def _report_stored(self, request: Request, hashes: list[bytes], run: list[int]) -> None:
+        bs = self.block_size
+        first, last = run[0], run[-1] + 1
+        self.events.stored(hashes[first:last], hashes[first - 1] if first else None,
+                           request.all_token_ids[first * bs:last * bs])
 
     def free(self, request: Request) -> None:
         """Give back a request's blocks, tail first; cached ones stay hit-able until evicted."""

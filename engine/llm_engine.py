@@ -90,12 +90,23 @@ class EngineArgs:
     # vLLM v1's engine-wide logits processors: LogitsProcessor subclasses (built once with the engine) or
     # instances (engine/logits_process.py)
     logits_processors: Optional[list] = None
+    # vLLM's --kv-events-config: a JSON string, dict or engine.kv_events.KVEventsConfig; None: no KV-cache events
+    kv_events_config: object = None
+    # Fairness: while prompts prefill beside running streams, each step's prefill tokens are sized from measured
+    # step times so a step takes about this long (engine.scheduler.PrefillBudget); the streams' inter-token
+    # latency. 0: off (only max_num_batched_tokens bounds a step). None: DEFAULT_ITL_TARGET_MS for the server
+    # (usage_context "openai_api_server") off CUDA, where one step of a 2048-token chunk deep in a long prompt
+    # takes seconds; off for offline batches (LLM, the engine CLI: throughput, not latency) and on CUDA.
+    itl_target_ms: Optional[float] = None
 
 
 # The KV pool's bytes without num_blocks / kv_cache_memory where the device's free memory is not measured: the
 # CPU, Vulkan (its runtime has heap sizes but no free-memory query: VK_EXT_memory_budget is not used), and a
 # stand-in device that reports no memory
 _DEFAULT_KV_MEMORY = 1 << 30
+# The server's default step-time target off CUDA (EngineArgs.itl_target_ms): 5 tokens/s per stream at worst
+# while a long prompt prefills; a decode-only step of 8 SmolLM2-135M streams takes ~20 ms on 2 cores.
+DEFAULT_ITL_TARGET_MS = 200.0
 # What a request is told when the engine failed on it; the exception itself goes to the log only.
 INTERNAL_ERROR = "internal error while running this request (the server log has the details)"
 
@@ -147,6 +158,7 @@ class PreparedRequest:
 class LLMEngine:
     overlap_output = False        # (set per engine in __init__; class defaults for engines built without it)
     _pending = None
+    kv_events_publisher = None
 
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
@@ -166,6 +178,8 @@ class LLMEngine:
             # the verifier computes the target distribution itself and would skip them
             raise ValueError("logits_processors cannot be combined with speculative_config (speculative "
                              "decoding does not run engine-wide logits processors)")
+        from engine.kv_events import KVEventsConfig
+        kv_events = KVEventsConfig.parse(args.kv_events_config)     # (so does a bad --kv-events-config)
         gpu_util = check_gpu_memory_utilization(args.gpu_memory_utilization)
         default_batch_limits("cpu", args.usage_context)  # a bad usage_context fails before the load too
         # A Hugging Face id (Qwen/Qwen3-0.6B) becomes its cached or downloaded folder; a local path stays as it is.
@@ -233,13 +247,27 @@ class LLMEngine:
         if hasattr(self.model, "set_max_model_len"):        # Phi-3 LongRoPE picks its factors from it
             self.model.set_max_model_len(self.max_model_len)
         self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                                 kv_events=bool(kv_events and kv_events.enabled))
+        self.kv_events_publisher = None
+        if kv_events is not None and kv_events.enabled:
+            from engine.kv_events import make_publisher
+            self.kv_events_publisher = make_publisher(kv_events)
         # Sampling params and prompt ids are validated by prepare_request, in the caller's thread; the
         # scheduler does not repeat that on the engine thread (no vocab_size in its config).
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=self.max_model_len,
             max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
             max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy), self.kv)
+        itl = args.itl_target_ms
+        if itl is None:
+            itl = DEFAULT_ITL_TARGET_MS if args.usage_context == "openai_api_server" and device_kind != "cuda" else 0
+        if itl < 0 or itl != itl:
+            raise ValueError(f"itl_target_ms must be >= 0 (0: off), got {args.itl_target_ms!r}")
+        self.itl_target_ms = float(itl)
+        if itl > 0:
+            from engine.scheduler import PrefillBudget
+            self.scheduler.prefill_budget = PrefillBudget(itl / 1000.0, max(args.max_num_batched_tokens, 1))
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
@@ -382,6 +410,12 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         params.validate(self.config.vocab_size, self.args.max_logprobs)
+        if params.extra_args is not None:
+            from engine.kv_events import check_report_mode
+            try:
+                check_report_mode(params.extra_args)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="extra_args") from None
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, but the maximum context length is {self.max_model_len} "
@@ -462,6 +496,20 @@ class LLMEngine:
         come back one step later too: when the pool is short, the scheduler may preempt differently for a step;
         tokens stay the same, but an n > 1 request's deltas may be split across outputs differently and
         unseeded sampled requests draw in another order, as with any other change of batch.)"""
+        budget = self.scheduler.prefill_budget
+        if budget is not None:
+            t0 = time.perf_counter()
+            try:
+                outs = self._step()
+            finally:
+                budget.observe(time.perf_counter() - t0, self._last_prefill_tokens)
+            return outs
+        return self._step()
+
+    _last_prefill_tokens = 0
+
+    def _step(self) -> list:
+        self._last_prefill_tokens = 0
         if self.spec is not None:
             self.spec.propose(self.scheduler)          # draft tokens for decoding requests
             try:
@@ -483,6 +531,7 @@ class LLMEngine:
         if sched.is_empty:
             previous_outputs()
             self._mark_errored(sched, changed)
+            self._publish_kv_events()
             outs.extend(self._emit(changed))
             return outs
         now = time.monotonic()
@@ -496,7 +545,8 @@ class LLMEngine:
             ent = self._seq_of.get(s.req_id)
             if ent and self._reqs[ent[0]].metrics.first_scheduled_time is None:
                 self._reqs[ent[0]].metrics.first_scheduled_time = now
-        self.stats["prompt_tokens"] += sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
+        self._last_prefill_tokens = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
+        self.stats["prompt_tokens"] += self._last_prefill_tokens
         for rid, smp in sampled.items():
             if smp.prompt_logprobs is not None and not getattr(smp, "error", None):
                 ent = self._seq_of.get(rid)
@@ -516,6 +566,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(
             sched, {rid: getattr(t, "token_ids", None) or [t.token_id] for rid, t in sampled.items()
                     if t.token_id >= 0 and not getattr(t, "error", None)})
+        self._publish_kv_events()
         work = (updates, sampled, time.monotonic(), changed)
         if self.overlap_output:
             self._pending = work if updates or changed else None
@@ -731,7 +782,18 @@ class LLMEngine:
         }
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        ok = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()        # AllBlocksCleared now, not at the next request's step
+        return ok
+
+    def _publish_kv_events(self) -> None:
+        """The events the KV cache queued since the last publish, as one KVEventBatch (none if nothing happened)."""
+        if self.kv_events_publisher is None:
+            return
+        events = self.kv.events.take()
+        if events:
+            from engine.kv_events import new_batch
+            self.kv_events_publisher.publish(new_batch(events))
 
     def close(self) -> None:
         """Frees the KV pool and model buffers; the engine cannot be used afterwards."""
@@ -739,6 +801,9 @@ class LLMEngine:
             self.abort_request(rid)
         self.runner.close()
         self.runner = None
+        if self.kv_events_publisher is not None:
+            self.kv_events_publisher.shutdown()
+            self.kv_events_publisher = None
         if self.spec is not None:
             self.spec.close()
         self.model = None

@@ -86,6 +86,9 @@ class SamplingParams:
     # engine's logprobs_mode) and rank, plus the sampled token's. `logprobs` is derived from it (its count);
     # set explicitly, it must equal that count.
     logprob_token_ids: list[int] | None = None
+    # vLLM's extra_args: per-request keys for engine extensions; read today: kv_cache_report_mode
+    # ("incremental" | "full", engine/kv_events.py), checked when the engine admits the request
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:

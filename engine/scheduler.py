@@ -12,9 +12,24 @@ Modelled on vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py): there is no s
    cache), goes back to the *front* of the waiting queue with num_computed_tokens = 0,
    and later recomputes prompt + outputs so far (recompute, not swap).
 2. If nobody was preempted this step, waiting requests are admitted in policy order
-   (fcfs: arrival; priority: lower value first, then arrival) while the budget and
-   `max_num_seqs` allow, each starting after its longest cached prefix. The first chunk
-   of a long prompt may be smaller than the prompt (chunked prefill).
+   (fcfs: arrival; priority: lower value first, then arrival; lpm: longest cached prefix
+   first, see below) while the budget and `max_num_seqs` allow, each starting after its
+   longest cached prefix. The first chunk of a long prompt may be smaller than the prompt
+   (chunked prefill).
+
+Prefill budget (fairness). A step's time is what every running stream waits for its next
+token. When at least one running request is decoding, the step's prefill tokens (prompt
+chunks, recomputation after preemption, new admissions) are capped by `prefill_budget`
+(a PrefillBudget that follows measured step times towards an inter-token-latency target;
+None: no cap beyond max_num_batched_tokens), and the decodes' tokens are reserved out of
+max_num_batched_tokens first, so a long prompt is cut into chunks small enough to keep
+the streams flowing. With no decode running nobody waits on the step: the full budget.
+
+lpm (SGLang's longest-prefix-match, cache-aware policy): before admitting, the waiting
+queue is ordered by the number of prompt tokens found in the prefix cache, longest first;
+ties keep fcfs order (preempted requests first, then arrival). As SGLang does, the sort is
+skipped (plain fcfs) when more than LPM_MAX_QUEUE requests wait, where matching every one
+each step costs more than it saves. Preemption picks its victim as fcfs does.
 
 A request that cannot fit the whole pool even alone is finished with
 FINISHED_ERROR ("error") and a message, instead of waiting forever.
@@ -51,7 +66,9 @@ from engine.request import Request, RequestStatus, status_for_finish_reason
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "lpm")
+# lpm orders the waiting queue by cached prefix only up to this many waiting requests (SGLang's 128)
+LPM_MAX_QUEUE = 128
 
 
 @dataclass
@@ -82,6 +99,42 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                 f"least max_model_len ({self.max_model_len}), or a long prompt could never be scheduled; "
                 "raise --max-num-batched-tokens or enable chunked prefill")
+
+
+class PrefillBudget:
+    """Prefill tokens per step that keep a step near `target_s`, from measured step times.
+
+    A step with p prefill tokens takes about d + p * c (d: the decodes' share, c: the cost of one chunk token,
+    which rises with the prompt's depth: attention reads every earlier position). Neither is measured directly;
+    after each step that prefilled, the budget is scaled by sqrt(target_s / step time), at most x2 / x0.5 per
+    step. Its fixed point is a step of exactly target_s whatever d and c are, it follows c as the prompt gets
+    deeper, and the square root damps step-to-step noise (no stale estimate of d, which cannot be measured
+    while a prompt prefills in every step). A slow step shrinks the budget from the tokens it actually ran, a
+    fast one grows it from the larger of the budget and those tokens. The budget stays between `floor` (a
+    prompt always advances, even when decodes alone take the target) and `ceiling` (max_num_batched_tokens);
+    the floor is 1 token: deep in a long prompt one chunk token's attention can cost ~25 ms on 2 CPU cores
+    (SmolLM2-135M at 7000 tokens), so a block-sized floor would already miss the target by 2x. Before any
+    measurement it gives `initial`, a first chunk cheap on any device this runs on.
+    """
+
+    def __init__(self, target_s: float, ceiling: int, floor: int = 1, initial: int = 64):
+        if not target_s > 0:
+            raise ValueError(f"the step-time target must be > 0 seconds, got {target_s!r}")
+        self.target_s = float(target_s)
+        self.ceiling = max(int(ceiling), 1)
+        self.floor = max(1, min(int(floor), self.ceiling))
+        self.budget = float(max(self.floor, min(int(initial), self.ceiling)))
+
+    def tokens(self) -> int:
+        return int(self.budget)
+
+    def observe(self, seconds: float, prefill_tokens: int) -> None:
+        """One step's wall time and how many prefill tokens it computed (decode-only steps teach nothing)."""
+        if seconds <= 0 or prefill_tokens <= 0:
+            return
+        ratio = min(2.0, max(0.5, (self.target_s / seconds) ** 0.5))
+        base = min(self.budget, prefill_tokens) if ratio < 1 else max(self.budget, prefill_tokens)
+        self.budget = float(max(self.floor, min(self.ceiling, base * ratio)))
 
 
 @dataclass
@@ -158,10 +211,10 @@ class RequestUpdate:
 
 
 class _WaitingQueue:
-    """fcfs: a deque (preempted requests go back to the front). priority: a heap."""
+    """fcfs, lpm: a deque (preempted requests go back to the front). priority: a heap."""
 
     def __init__(self, policy: str):
-        self.policy = policy
+        self.policy = "fcfs" if policy == "lpm" else policy
         self._deque: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
         self._tiebreak = itertools.count()
@@ -211,6 +264,10 @@ class _WaitingQueue:
         self._removed.add(tb)
         return True
 
+    def sort_deque(self, key) -> None:
+        """lpm: reorder the deque by key (a stable sort: equal keys keep their order)."""
+        self._deque = deque(sorted(self._deque, key=key))
+
     def __iter__(self):
         if self.policy == "fcfs":
             return iter(list(self._deque))
@@ -227,6 +284,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_schedule: set[str] = set()
         self._errored_pending: list[Request] = []
+        # PrefillBudget (or anything with .tokens()) capping prefill tokens while requests decode; None: no cap
+        self.prefill_budget = None
         # Counters for metrics.
         self.num_preemptions_total = 0
         self.num_steps = 0
@@ -335,11 +394,31 @@ class Scheduler:
                 f"{self.block_size}, but the whole pool is {self.kv.num_blocks} blocks "
                 f"({self.kv.num_blocks * self.block_size} tokens); raise --num-blocks or lower --max-model-len")
 
+    def _is_decoding(self, request: Request) -> bool:
+        """Only its last sampled token (and drafts) to compute: a stream that waits on every step."""
+        return request.num_computed_tokens >= request.num_prompt_tokens and \
+            request.num_tokens - request.num_computed_tokens <= 1
+
+    def _order_lpm(self) -> None:
+        """lpm: waiting requests with the longest cached prefix first (ties: fcfs order)."""
+        if not 1 < len(self.waiting) <= LPM_MAX_QUEUE or not self.kv.enable_prefix_caching:
+            return
+        hit = {id(r): self.kv.get_computed_blocks(r)[1] for r in self.waiting}
+        self.waiting.sort_deque(key=lambda r: -hit[id(r)])
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         # request -> number of tokens scheduled this step
         planned: dict[int, tuple[Request, int]] = {}
         preempted: list[Request] = []
+        # Prefill tokens this step may still take: capped only while some running request decodes, and never
+        # more than what the decodes leave of the token budget (decode-first).
+        prefill_left = budget
+        if self.prefill_budget is not None:
+            decoding = [r for r in self.running if self._is_decoding(r)]
+            if decoding:
+                need = sum(1 + len(r.spec_token_ids) for r in decoding)
+                prefill_left = max(0, min(self.prefill_budget.tokens(), budget - need))
 
         # 1. Running requests.
         index = 0
@@ -347,7 +426,8 @@ class Scheduler:
             request = self.running[index]
             # (+ draft tokens to verify, when speculative decoding proposed some: engine.spec_decode)
             pending = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
-            num_new = self._chunk(pending, budget)
+            is_prefill = not self._is_decoding(request)
+            num_new = self._chunk(pending, min(budget, prefill_left) if is_prefill else budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -359,7 +439,10 @@ class Scheduler:
                 self.running.pop(victim_pos)
                 if id(victim) in planned:
                     # Only possible under the priority policy: un-schedule it.
-                    budget += planned.pop(id(victim))[1]
+                    n_victim = planned.pop(id(victim))[1]
+                    budget += n_victim
+                    if not self._is_decoding(victim):
+                        prefill_left += n_victim
                 if victim_pos < index:
                     index -= 1
                 self._preempt(victim)
@@ -370,10 +453,15 @@ class Scheduler:
                 continue  # it preempted itself; self.running[index] is now the next one
             planned[id(request)] = (request, num_new)
             budget -= num_new
+            if is_prefill:
+                prefill_left -= num_new
             index += 1
 
         # 2. Waiting requests (not in a step that had to preempt: the pool is tight).
         if not preempted:
+            if self.config.policy == "lpm":
+                self._order_lpm()
+            budget = min(budget, prefill_left)          # (admissions are all prefill)
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting.peek()
                 if self.kv.blocks_needed(request.num_tokens) > self.kv.num_blocks:

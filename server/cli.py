@@ -48,6 +48,25 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, got {text!r}") from None
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _kv_events_config(text: str) -> str:
+    from engine.kv_events import KVEventsConfig, KVEventsConfigError
+    try:
+        KVEventsConfig.parse(text)
+    except KVEventsConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _port(text: str) -> int:
     value = _non_negative(text)
     if value > 65535:
@@ -91,7 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (--no-enable-prefix-caching turns it off)")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                   help="fcfs (default), or priority: honour the request field `priority`")
+                   help="fcfs (default); priority: honour the request field `priority`; lpm: SGLang's "
+                        "longest-prefix-match, waiting requests with the longest cached prefix first (fcfs "
+                        "beyond 128 waiting)")
+    p.add_argument("--kv-events-config", metavar="JSON", type=_kv_events_config, default=None,
+                   help='KV-cache events, vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "topic": "", "replay_endpoint": null}: one msgpack '
+                        'KVEventBatch per engine step on a ZMQ PUB socket (needs pyzmq and msgpack)')
+    p.add_argument("--itl-target-ms", type=_non_negative_float, default=None, metavar="MS",
+                   help="while prompts prefill beside running streams, size each step's prefill chunk so the "
+                        "step takes about MS milliseconds (the streams' inter-token latency); 0: off, only "
+                        "--max-num-batched-tokens bounds a step (default 200 on the CPU, off on CUDA)")
     p.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs a request may ask for")
     p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=None,
                    help="what returned logprobs hold: raw_logprobs (default), raw_logits (before any processing), "
@@ -151,7 +180,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, kv_events_config=args.kv_events_config,
+        itl_target_ms=args.itl_target_ms,
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
         device=args.device or os.environ.get("JITKERN_DEVICE") or None,
         gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),

@@ -46,7 +46,7 @@ def _parse_float(name: str, text: str, low: float | None = None) -> float:
     return value
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 # auto (f16 for 16-bit or quantised weights, f32 for f32 ones) and the explicit spellings; the engine resolves them
 from engine.sizing import KV_CACHE_DTYPES  # noqa: E402  (a light module: logging and dataclasses only)
 # vLLM's --dtype: the GPU compute precision of 16-bit checkpoints (engine.llm_args maps the spellings)
@@ -80,6 +80,10 @@ class ServerSettings:
     device: Optional[str] = None                 # JITKERN_DEVICE: auto | cpu | cuda | vulkan (engine.device)
     # JITKERN_GPU_MEMORY_UTILIZATION: vLLM's fraction of the GPU's memory for the engine, 0 < x <= 1 (0.9)
     gpu_memory_utilization: Optional[float] = None
+    kv_events_config: Optional[str] = None       # JITKERN_KV_EVENTS_CONFIG: vLLM's JSON (engine.kv_events)
+    # JITKERN_ITL_TARGET_MS: step-time target while prompts prefill beside running streams (engine.scheduler
+    # PrefillBudget); 0: off (only max_num_batched_tokens); unset: the engine's default for the device
+    itl_target_ms: Optional[float] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -110,6 +114,7 @@ class ServerSettings:
         "tool_call_parser": "tool_parser", "reasoning_parser": "reasoning_parser", "enable_thinking": "bool",
         "speculative_config": "spec_config", "task": "task", "generation_config": "generation_config",
         "tensor_parallel_size": "pos_int", "device": "device", "gpu_memory_utilization": "fraction",
+        "kv_events_config": "kv_events", "itl_target_ms": "nonneg_float",
     }
 
     @classmethod
@@ -147,8 +152,9 @@ class ServerSettings:
         """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                 "scheduling_policy", "max_logprobs", "logprobs_mode", "seed", "enable_jump_forward", "speculative_config",
-                 "task", "generation_config", "tensor_parallel_size", "device", "gpu_memory_utilization")
+                 "scheduling_policy", "max_logprobs", "logprobs_mode", "seed", "enable_jump_forward",
+                 "speculative_config", "task", "generation_config", "tensor_parallel_size", "device",
+                 "gpu_memory_utilization", "kv_events_config", "itl_target_ms")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["usage_context"] = "openai_api_server"      # vLLM's server defaults (engine.sizing.default_batch_limits)
         if self.dtype in ("float32", "float"):
@@ -222,6 +228,13 @@ def _parse(kind: str, name: str, text: str):
             return check_gpu_memory_utilization(text.strip())
         except ValueError:
             raise SettingsError(f"{name}={text!r}: expected a number > 0 and <= 1") from None
+    if kind == "kv_events":
+        from engine.kv_events import KVEventsConfig, KVEventsConfigError
+        try:
+            KVEventsConfig.parse(text)
+        except KVEventsConfigError as e:
+            raise SettingsError(f"{name}: {e}") from None
+        return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:
             raise SettingsError(f"{name}={text!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
