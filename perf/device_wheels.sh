@@ -38,6 +38,11 @@ PKGS=(
   # httpx2 -> httpcore2 -> truststore; jiter is compiled; sniffio is a direct requirement newer anyio dropped
   openai==3.63.0
   jiter==0.19.0
+  # the image has no pydantic (openai's models): pydantic with its compiled core and two pure helpers
+  pydantic==2.14.4
+  pydantic_core==2.50.5
+  annotated_types==0.8.0
+  typing_inspection==0.4.5
   httpx2==2.17.0
   httpcore2==2.17.0
   truststore==0.10.5

@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:         # run as a script: the repo's packages (jitkern, engine, perf) first
+    sys.path.insert(0, str(ROOT))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
