@@ -100,12 +100,17 @@ def _fake_sample(sched, result):
     """Drives the sampler's kernels (so they compile) but returns token 0 for every sampled request."""
     from engine.sampler import SampleResult
     import numpy as np
-    from jitkern.ops.sampling import argmax_rows, sample_from_logits, topk_rows
+    from jitkern.ops.sampling import (apply_penalties, apply_temperature, argmax_rows, penalty_tables,
+                                      sample_from_logits, topk_rows)
     from jitkern.ops.softmax import log_softmax
     if result.logits is not None and len(result.logits):
         x = np.zeros_like(result.logits)
+        B = x.shape[0]
         argmax_rows(x)
         log_softmax(x)
+        apply_temperature(x, np.ones(B, np.float32))
+        ids, counts = penalty_tables([[1]] * B, [[2]] * B)
+        apply_penalties(x, ids, counts, np.ones(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32))
         topk_rows(x, 20)
         topk_rows(x, 16)        # k is specialised on its divisibility by 16: both variants
         sample_from_logits(x, np.zeros(x.shape[0], np.float32))

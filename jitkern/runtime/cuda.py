@@ -381,6 +381,8 @@ class _Allocation:
 
     def __del__(self):
         if self.ptr:
+            if _capturing is None:          # interpreter shutdown: the module's globals are gone, so is the context
+                return
             if _capturing[0]:
                 # a free issued into a stream capture would be recorded into the graph (and repeated at every
                 # replay): hold it until the capture ends
