@@ -4,7 +4,7 @@
 #
 #     bash perf/gpu_check.sh [--model DIR|FILE] [--shape llama3-8b] [--layers N] [--out DIR]
 #                            [--skip-tests] [--tests "PATHS"] [--tests-timeout S] [--concurrency "1 64 256"]
-#                            [--aot-model DIR|FILE]
+#                            [--aot-model DIR|FILE] [--skip-aot] [--skip-serving]
 #
 # 1. installs what the machine lacks from wheels brought along in .whl/ (perf/device_wheels.sh fetches them
 #    where PyPI is reachable) and the Vulkan loader from .gl/*.deb when present;
@@ -21,6 +21,8 @@ MODEL=""
 SHAPE=llama3-8b
 LAYERS=""
 SKIP_TESTS=0
+SKIP_AOT=0
+SKIP_SERVING=0
 TESTS_TIMEOUT=300
 TESTS=tests
 AOT_MODEL=""
@@ -32,6 +34,8 @@ while [ $# -gt 0 ]; do
         --layers) LAYERS=$2; shift 2 ;;
         --out) OUT_DIR=$2; shift 2 ;;
         --skip-tests) SKIP_TESTS=1; shift ;;
+        --skip-aot) SKIP_AOT=1; shift ;;
+        --skip-serving) SKIP_SERVING=1; shift ;;
         --tests-timeout) TESTS_TIMEOUT=$2; shift 2 ;;
         --tests) TESTS=$2; shift 2 ;;
         --aot-model) AOT_MODEL=$2; shift 2 ;;
@@ -63,7 +67,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 stamp "card: $(cat "$OUT_DIR/card.txt")"
 
 # the model
-if [ -z "$MODEL" ]; then
+if [ -z "$MODEL" ] && { [ "$SKIP_AOT" = 0 ] || [ "$SKIP_SERVING" = 0 ]; }; then
     MODEL=/tmp/gpu-check-$SHAPE${LAYERS:+-$LAYERS}
     if [ ! -f "$MODEL/config.json" ]; then
         stamp "making a random-weight $SHAPE model in $MODEL"
@@ -83,13 +87,17 @@ fi
 
 # 3. AOT: zero compiles after jitkern build
 # (--aot-model: a smaller model of the same kernels, e.g. fewer layers, where the whole check must be quick)
-stamp "AOT check on ${AOT_MODEL:-$MODEL}"
-$PY perf/gpu_check.py aot --model "${AOT_MODEL:-$MODEL}" --target sm_90a --logs "$OUT_DIR" --json "$OUT_DIR/aot.json"
+if [ "$SKIP_AOT" = 0 ]; then
+    stamp "AOT check on ${AOT_MODEL:-$MODEL}"
+    $PY perf/gpu_check.py aot --model "${AOT_MODEL:-$MODEL}" --target sm_90a --logs "$OUT_DIR" --json "$OUT_DIR/aot.json"
+fi
 
 # 4. served vs engine alone
-stamp "serving vs engine at c = $CONCURRENCY"
-$PY perf/gpu_check.py serving --model "$MODEL" --concurrency $CONCURRENCY --logs "$OUT_DIR" \
-    --json "$OUT_DIR/serving.json"
+if [ "$SKIP_SERVING" = 0 ]; then
+    stamp "serving vs engine at c = $CONCURRENCY"
+    $PY perf/gpu_check.py serving --model "$MODEL" --concurrency $CONCURRENCY --logs "$OUT_DIR" \
+        --json "$OUT_DIR/serving.json"
+fi
 
 # 5. the table, last
 stamp "done"
