@@ -107,6 +107,24 @@ def _nvptx_short_pointers(llvm) -> None:
         _NVPTX_OPTIONS_SET = True
 
 
+# x86 codegen of a very large function with LLVM's register coalescer joining copies across blocks (its x86
+# default) is superlinear: the CPU tiers' largest kernels (the flash attention kernels' unrolled tiles on AVX2's
+# 16 registers, ~1 MB of IR) spent ~80% of a ~165 s codegen there, ~40 s without it (and smaller objects).
+# LLVM options are process-wide and a worker compiles for every target, so a worker that compiled with it exits
+# after its reply and the pool starts a fresh one: no other compile sees the option. The in-process fallback
+# (no workers) keeps LLVM's defaults. Register choices change; no instruction's arithmetic does.
+LARGE_X86_IR_CHARS = 400_000
+_IN_WORKER = False
+_exit_after_reply = False
+
+
+def _codegen_options(llvm, triple: str, ir_chars: int) -> None:
+    global _exit_after_reply
+    if _IN_WORKER and ir_chars > LARGE_X86_IR_CHARS and triple.startswith(("x86_64", "i686", "i386")):
+        llvm.set_option("jitkern", "-join-globalcopies=false")
+        _exit_after_reply = True
+
+
 def _compile_impl(
     llvm_ir: str, triple: str, cpu: str, features: str, opt: int, emit: Sequence[str]
 ) -> dict[str, bytes]:
@@ -114,6 +132,7 @@ def _compile_impl(
     target = llvm.Target.from_triple(triple)
     if triple.startswith("nvptx"):
         _nvptx_short_pointers(llvm)
+    _codegen_options(llvm, triple, len(llvm_ir))
 
     def fresh_tm():
         # A fresh TargetMachine per module: SPIR-V TMs cache IR pointers and segfault when reused.
@@ -212,6 +231,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _worker_main() -> int:
+    global _IN_WORKER
+    _IN_WORKER = True
     # Ctrl-C in a terminal reaches the whole process group; the parent decides what to do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Python-level tracebacks on SIGSEGV/SIGABRT land in stderr too (after LLVM's own message).
@@ -229,6 +250,8 @@ def _worker_main() -> int:
             return 1
         try:
             reply = ("ok", _handle(pickle.loads(payload)))
+            if _exit_after_reply:
+                reply = reply + ("restart",)       # the parent reaps this worker; a fresh one takes the next job
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
             reply = ("err", type(exc).__qualname__, str(exc), traceback.format_exc())
         try:
@@ -240,6 +263,8 @@ def _worker_main() -> int:
             )
         sys.stderr.flush()
         _write_all(reply_fd, _HEADER.pack(len(data)) + data)
+        if _exit_after_reply:
+            return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,6 +470,8 @@ class _Worker:
         if reply[0] == "ok":
             if stderr_text.strip():
                 log.warning("compile worker stderr:\n%s", stderr_text.rstrip())
+            if len(reply) > 2 and reply[2] == "restart":
+                self.kill()         # it set process-wide LLVM options for that compile (_codegen_options)
             return reply[1]
         _, type_name, message, tb = reply
         raise _RemoteError(type_name, message, tb, stderr_text)
