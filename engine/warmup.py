@@ -26,7 +26,7 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8, de
     steps = _drive(_engine(model=model, num_blocks=256, block_size=16, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=256, use_graphs=False, device=device),
                    [5, 37, 300], max_num_seqs)          # short, medium and a chunked (> 256 tokens) prefill
-    if device == "cpu":
+    if device == "cpu" or _compile_failed():
         return steps
     B = max(max_num_seqs, GPU_MAX_DECODE_BATCH)
     # max_model_len: the model's own (the pool holds it for most models), as a GPU server's is
@@ -56,23 +56,25 @@ def _drive(eng, lengths: list, max_num_seqs: int, decode_buckets: int = 0) -> in
                                                                     top_p=0.9, logprobs=2, seed=1,
                                                                     detokenize=False))
         steps = 0
-        while eng.has_unfinished_requests() and steps < 64:
+        while eng.has_unfinished_requests() and steps < 64 and not _compile_failed():
             eng.step()
             steps += 1
         # and one request alone: single-token decode steps (M = 1) take the GEMV tiles
         eng.add_request("warm-alone", [21, 22, 23, 24, 25, 26], SamplingParams(max_tokens=3, temperature=0,
                                                                                 ignore_eos=True, detokenize=False))
-        while eng.has_unfinished_requests() and steps < 96:
+        while eng.has_unfinished_requests() and steps < 96 and not _compile_failed():
             eng.step()
             steps += 1
         if decode_buckets:
             from engine.model_runner import decode_bucket
             for B in sorted({decode_bucket(n, decode_buckets) for n in range(1, decode_buckets + 1)}):
+                if _compile_failed():
+                    break
                 # B short prompts prefilled together, then one decode step of exactly B sequences
                 for j in range(B):
                     eng.add_request(f"warm-b{B}-{j}", [(5 * j + B) % (vocab - 10) + 5, 7, 9],
                                     SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False))
-                while eng.has_unfinished_requests():
+                while eng.has_unfinished_requests() and not _compile_failed():
                     eng.step()
                     steps += 1
         return steps
@@ -89,6 +91,14 @@ def _engine(max_model_len=2048, **kw):
         if "max_position_embeddings" not in str(e):
             raise
         return LLMEngine(EngineArgs(max_model_len=None, **kw))
+
+
+def _compile_failed() -> bool:
+    """Whether a compile of this build has failed: compiles are deterministic, so driving more steps would
+    only fail more requests on the same kernels (`jitkern build` reports the first failure and exits)."""
+    from jitkern.runtime import launch
+    co = getattr(launch._capture, "compile_only", None)
+    return co is not None and bool(co.errors)
 
 
 def _compiling_only() -> bool:

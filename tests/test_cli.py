@@ -235,8 +235,10 @@ SLOW_JITKERN = textwrap.dedent("""
 @pytest.mark.parametrize("script, prog", [(SLOW_ENGINE, "python -m engine.cli"), (SLOW_JITKERN, "jitkern")],
                          ids=["engine.cli", "jitkern"])
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, script, prog):
+    # A run started in the background of a non-interactive shell inherits SIGINT ignored, and Python keeps an
+    # ignored SIGINT ignored; a terminal's Ctrl-C reaches a process with the default disposition, so restore it.
     p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+                         stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().strip() in (b"loading", b"working")
         time.sleep(0.2)

@@ -216,6 +216,9 @@ class compile_only:
         self.on_compile = on_compile
         self.compiled = []
         self.errors = []          # (kernel name, exception) of compiles that failed
+        # a specialisation that failed is not compiled again: the warm-up driving the build keeps stepping
+        # after a failed request, and every later launch of that kernel would otherwise repeat the compile
+        self._failed = {}         # (id(kernel), spec, target name) -> exception
 
     def __enter__(self):
         self.prev = getattr(_capture, "compile_only", None)
@@ -266,13 +269,18 @@ def _compile_only_target(co, target, args):
 def _compile_only_launch(co, kernel, args, kwargs, target=None):
     from ..compiler import compile_kernel
     target = co.target if target is None else target
+    from ..compiler import spec_string
     params, consts, _ = kernel.specialize(args, kwargs, target)
+    key = (id(kernel), spec_string(params, consts), getattr(target, "name", None))
+    if key in co._failed:
+        raise co._failed[key]
     try:
         ck = compile_kernel(kernel, params, consts, target, load=False)
     except Exception as e:
         # kept here too: the engine driving the build fails just the request whose step raised, so the
         # error would otherwise never reach `jitkern build`
         co.errors.append((kernel.__name__, e))
+        co._failed[key] = e
         raise
     co.compiled.append(ck)
     if co.on_compile is not None:
