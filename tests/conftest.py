@@ -132,8 +132,52 @@ _VULKAN_DEFAULT_SUBSETS = {
 _VULKAN_BROKEN: dict = {}
 
 
+# The CPU tiers: the default suite runs every op test on two of them, `portable` (the baseline any CPU of the
+# architecture runs) and the best tier this host runs (what the engine uses here), each compile of which is a
+# few seconds to minutes on a 2-core machine. The tiers between them (sse2, sse2-f16c; on an AVX-512 host also
+# avx2, avx-vnni, avx512) share those two's lowering and differ in vector width and f16 conversion: they run the
+# DSL suite and the cheap op files (the Vulkan default's files), the whole op matrix with JITKERN_TEST_FULL=1.
+# Cases whose host-CPU run is minutes long (the GPU tensor-core linear's bit-identity checks on the host-memory
+# stand-in device, `fake`: their kernels emulate MMA fragments and are the largest the host compiles) run
+# with JITKERN_TEST_FULL=1 as well; their `cuda` cases run on a GPU.
+_HEAVY_CASES = {
+    "test_linear_serial_chain_gives_the_serial_splits_bits": "fake",
+    "test_linear_16bit_out_is_the_f32_result_rounded": "fake",
+    "test_linear_prefetch_2_gives_the_same_bits": "fake",
+    "test_linear_serial_split_gives_the_slab_paths_bits": "fake",
+    "test_linear_16bit_x_gives_the_16bit_activations_bits": "fake",
+    "test_split_k_sum_folded_into_the_norm_and_the_activation": "fake",
+}
+
+
+def _full_suite() -> bool:
+    return os.environ.get("JITKERN_TEST_FULL", "0") not in ("", "0")
+
+
+def _secondary_cpu_tiers() -> set:
+    tiers = runnable_tiers()
+    return set(tiers[1:-1])
+
+
 def pytest_collection_modifyitems(config, items):
-    full = os.environ.get("JITKERN_TEST_VULKAN", "1") == "all"
+    if not _full_suite():
+        secondary = _secondary_cpu_tiers()
+        skip_tier = pytest.mark.skip(reason="a CPU tier between portable and this host's best: the full op matrix "
+                                            "there runs with JITKERN_TEST_FULL=1")
+        skip_heavy = pytest.mark.skip(reason="minutes of host-CPU compile: runs with JITKERN_TEST_FULL=1 (and on "
+                                             "a GPU as its cuda case)")
+        for item in items:
+            callspec = getattr(item, "callspec", None)
+            params = callspec.params if callspec is not None else {}
+            path = item.nodeid.split("::")[0]
+            if secondary and params.get("tier") in secondary and path not in _VULKAN_DEFAULT_FILES:
+                item.add_marker(pytest.mark.slow)
+                item.add_marker(skip_tier)
+            want = _HEAVY_CASES.get(getattr(item, "originalname", None))
+            if want is not None and callspec is not None and want in callspec.id.split("-"):
+                item.add_marker(pytest.mark.slow)
+                item.add_marker(skip_heavy)
+    full = _full_suite() or os.environ.get("JITKERN_TEST_VULKAN", "1") == "all"
     skip = pytest.mark.skip(reason="Vulkan: the full op matrix on lavapipe runs with JITKERN_TEST_VULKAN=all")
     for item in items:
         if item.get_closest_marker("vulkan") is None:
