@@ -186,11 +186,11 @@ ARCHS: tuple[Arch, ...] = (
          gguf_qk_permuted=True, llama_layout=True,
          # llama.cpp writes Mixtral as "llama" with {arch}.expert_count
          moe=MoE(gguf_norm_topk=True)),
-    Arch("mistral", ("mistral",), ("MistralForCausalLM",), ("mistral",),
+    Arch("mistral", ("mistral",), ("MistralForCausalLM",), (),       # llama.cpp writes Mistral as "llama"
          hf_defaults=_ro(max_position_embeddings=4096 * 32, rope_theta=10000.0, rms_norm_eps=1e-6,
                          num_key_value_heads=8, tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
                          bos_token_id=1, eos_token_id=2),
-         gguf_qk_permuted=True, llama_layout=True),
+         llama_layout=True),
     Arch("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), ("qwen2",),
          hf_defaults=_ro(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=32,
                          tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
@@ -263,8 +263,8 @@ ARCHS: tuple[Arch, ...] = (
          # llama.cpp names the pre-MLP norm post_attention_norm
          tensors=_ro(ffn_norm=TENSORS["ffn_norm"] + ("blk.{i}.post_attention_norm.weight",))),
     # mixture-of-experts (the decoder with engine/models/moe.py MLPs)
-    Arch("mixtral", ("mixtral",), ("MixtralForCausalLM",), ("mixtral",),
-         moe=MoE(norm_topk=True, gguf_norm_topk=True,
+    Arch("mixtral", ("mixtral",), ("MixtralForCausalLM",), (),       # GGUF: "llama" with experts
+         moe=MoE(norm_topk=True,
                  hf_experts=("model.layers.{i}.block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")))),
     Arch("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), ("qwen2moe",), hf_sliding="max_window_layers"),
     Arch("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), ("qwen3moe",), hf_sliding="max_window_layers",
