@@ -103,6 +103,7 @@ class MoE:
 
 @dataclass(frozen=True, eq=False)
 class Arch:
+    """One architecture's facts. Every default is llama's, so a record lists only where it differs."""
     name: str                                   # the canonical name: ModelConfig.architecture
     hf_model_types: tuple[str, ...] = ()        # config.json model_type spellings
     hf_architectures: tuple[str, ...] = ()      # config.json "architectures" class names
