@@ -2,12 +2,13 @@
 
 One ``ModelConfig`` describes the transformer the model code builds. Both sources use different
 names for the same facts (``num_hidden_layers`` vs ``llama.block_count``); this module is the only
-place that knows both spellings.
+place that knows both spellings. What differs per architecture (its aliases, HF defaults, the GGUF
+values llama.cpp hard-codes, sliding-window layouts, traits) is its record in engine/models/arch.py.
 
 A key a file omits takes the *architecture's* default (the value HF's config class for that
-model_type would use), never a neutral one -- a Gemma-3 config.json without ``sliding_window`` still
-gets Gemma-3's 4096-token window. The core dimensions (vocab size, hidden size, layers, heads) have
-no safe default: a file without them is refused, naming the key and the file.
+model_type would use: ``Arch.hf_defaults``), never a neutral one -- a Gemma-3 config.json without
+``sliding_window`` still gets Gemma-3's 4096-token window. The core dimensions (vocab size, hidden
+size, layers, heads) have no safe default: a file without them is refused, naming the key and the file.
 """
 from __future__ import annotations
 
@@ -19,63 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine.errors import ModelLoadError
-
-# HF model_type -> our architecture name. Families that share llama's maths keep their own name so
-# the model registry can still refuse or special-case them by name.
-_HF_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3": "gemma3",
-    "gemma3_text": "gemma3",
-    "gpt2": "gpt2",
-    "gemma2": "gemma2",
-    "phi3": "phi3",
-    "granite": "granite",
-    "olmo2": "olmo2",
-    "gpt_oss": "gpt_oss",
-}
-
-# Defaults of HF's config classes (LlamaConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig,
-# GPT2Config) for the keys we read. tests/test_loader.py checks them against transformers.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                  bos_token_id=1, eos_token_id=2),
-    "mistral": dict(max_position_embeddings=4096 * 32, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=8,
-                    tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
-                    bos_token_id=1, eos_token_id=2),
-    "qwen2": dict(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=32,
-                  tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
-                  sliding_window=4096, max_window_layers=28),
-    "qwen3": dict(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=32,
-                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
-                  use_sliding_window=False, sliding_window=4096, max_window_layers=28, head_dim=128),
-    "gemma3": dict(max_position_embeddings=131072, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
-                   rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-                   num_key_value_heads=4,
-                   attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
-                   sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
-                   head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
-    "gpt2": dict(n_positions=1024, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-                 activation_function="gelu_new", bos_token_id=50256, eos_token_id=50256),
-    "gemma2": dict(max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                   hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, attention_bias=False,
-                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
-                   attn_logit_softcapping=50.0, head_dim=256, bos_token_id=2, eos_token_id=1, pad_token_id=0),
-    "phi3": dict(max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                 hidden_act="silu", sliding_window=None, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
-    "granite": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                    hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2,
-                    embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
-                    logits_scaling=1.0),
-    "olmo2": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  hidden_act="silu", attention_bias=False, eos_token_id=50279, pad_token_id=1),
-    "gpt_oss": dict(max_position_embeddings=131072, rope_theta=150000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                    hidden_act="silu", attention_bias=True, sliding_window=128, head_dim=64, num_key_value_heads=8),
-}
-_GENERIC_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+from engine.models.arch import arch_of
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -92,7 +37,7 @@ class ModelConfig:
     as a list (see ``engine.tokenizer.stop_token_ids`` for the merged stop set).
     """
 
-    architecture: str
+    architecture: str                           # canonical name (engine.models.arch.arch_of): the record's
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -129,6 +74,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
     source: str = ""                            # the file this was read from
+    gguf_architecture: str | None = None        # a GGUF's general.architecture as written: its metadata keys' prefix
     extra: dict = field(default_factory=dict, repr=False)  # the raw config, for model-specific keys
 
     @property
@@ -181,8 +127,9 @@ class ModelConfig:
         text = dict(top)
         if isinstance(top.get("text_config"), dict):
             text.update(top["text_config"])
-        arch = _HF_MODEL_TYPES.get(model_type, model_type)
-        defaults = _HF_DEFAULTS.get(arch, _GENERIC_DEFAULTS)
+        rec = arch_of(model_type)
+        arch = rec.name
+        defaults = rec.hf_defaults
 
         def get(key, *alts, default=KeyError):
             for k in (key, *alts):
@@ -199,27 +146,21 @@ class ModelConfig:
                                      path=source, key=key)
             return default
 
-        if arch == "gpt2":
-            hidden = int(get("n_embd", "hidden_size"))
-            num_layers = int(get("n_layer", "num_hidden_layers"))
-            num_heads = int(get("n_head", "num_attention_heads"))
-            n_inner = get("n_inner", default=None)
-            intermediate = int(n_inner) if n_inner else 4 * hidden
-            max_pos = int(get("n_positions", "max_position_embeddings"))
-            rope_theta = None
-            num_kv = num_heads
-            head_dim = hidden // num_heads
+        key = rec.hf_key
+        hidden = int(get(*key("hidden_size")))
+        num_layers = int(get(*key("num_hidden_layers")))
+        num_heads = int(get(*key("num_attention_heads")))
+        if rec.ffn_default_mult:            # GPT-2: n_inner null means 4 x hidden
+            inner = get(*key("intermediate_size"), default=None)
+            intermediate = int(inner) if inner else rec.ffn_default_mult * hidden
         else:
-            hidden = int(get("hidden_size"))
-            num_layers = int(get("num_hidden_layers"))
-            num_heads = int(get("num_attention_heads"))
-            intermediate = int(get("intermediate_size"))
-            max_pos = int(get("max_position_embeddings"))
-            num_kv = get("num_key_value_heads", default=None)
-            num_kv = int(num_kv) if num_kv is not None else num_heads
-            head_dim = get("head_dim", default=None)
-            head_dim = int(head_dim) if head_dim else hidden // num_heads
-            rope_theta = get("rope_theta", default=10000.0)
+            intermediate = int(get(*key("intermediate_size")))
+        max_pos = int(get(*key("max_position_embeddings")))
+        num_kv = get(*key("num_key_value_heads"), default=None)
+        num_kv = int(num_kv) if num_kv is not None else num_heads
+        head_dim = get(*key("head_dim"), default=None)
+        head_dim = int(head_dim) if head_dim else hidden // num_heads
+        rope_theta = get("rope_theta", default=10000.0) if rec.position == "rope" else None
         vocab = int(get("vocab_size"))
         _check_positive(source, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers,
                         num_attention_heads=num_heads, num_key_value_heads=num_kv, head_dim=head_dim)
@@ -232,7 +173,7 @@ class ModelConfig:
         rope_scaling = text.get("rope_scaling")
         rope_local = get("rope_local_base_freq", default=None)
         params = text.get("rope_parameters")
-        if isinstance(params, dict) and arch != "gpt2":
+        if isinstance(params, dict) and rec.position == "rope":
             if FULL_ATTENTION in params or SLIDING_ATTENTION in params:
                 full = params.get(FULL_ATTENTION) or {}
                 slide = params.get(SLIDING_ATTENTION) or {}
@@ -258,17 +199,19 @@ class ModelConfig:
         # Which layers slide.
         sliding_window = get("sliding_window", default=None)
         layer_types = text.get("layer_types")
-        if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if rec.hf_sliding == "max_window_layers":         # Qwen
             if not get("use_sliding_window", default=False):
                 sliding_window = None
             if layer_types is None:
                 mwl = int(get("max_window_layers", default=num_layers))
                 layer_types = [SLIDING_ATTENTION if sliding_window is not None and i >= mwl else FULL_ATTENTION
                                for i in range(num_layers)]
-        elif arch in ("gemma2", "gemma3", "gpt_oss") and layer_types is None:
+        elif rec.hf_sliding == "pattern" and layer_types is None:
             # Gemma 2 and gpt-oss alternate (even layers slide), Gemma 3 has one global layer in 6
-            pattern = 2 if arch in ("gemma2", "gpt_oss") else int(get("sliding_window_pattern", default=6))
-            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+            pattern = rec.sliding_pattern
+            if rec.sliding_pattern_key:
+                pattern = int(get(rec.sliding_pattern_key, default=pattern))
+            layer_types = _pattern_layers(pattern, num_layers)
         if layer_types is None:
             kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
             layer_types = [kind] * num_layers
@@ -296,8 +239,8 @@ class ModelConfig:
             rope_local_theta=float(rope_local) if rope_local is not None else None,
             rotary_dim=rotary_dim,
             rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
-            layer_norm_eps=float(get("layer_norm_epsilon")) if arch == "gpt2" else None,
-            norm_type="layernorm" if arch == "gpt2" else "rms",
+            layer_norm_eps=float(get("layer_norm_epsilon")) if rec.layernorm else None,
+            norm_type=rec.norm,
             tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
             sliding_window=int(sliding_window) if sliding_window else None,
             layer_types=layer_types,
@@ -305,10 +248,10 @@ class ModelConfig:
             final_logit_softcapping=_opt_float(get("final_logit_softcapping", default=None)),
             attn_logit_softcapping=_opt_float(get("attn_logit_softcapping", default=None)),
             hidden_act=str(get("hidden_activation", "hidden_act", "activation_function", default="silu")),
-            attention_bias=True if arch == "qwen2" else bool(get("attention_bias", default=False)),
+            attention_bias=rec.attention_bias or bool(get("attention_bias", default=False)),
             mlp_bias=bool(get("mlp_bias", default=False)),
-            qk_norm=arch in ("qwen3", "gemma3", "olmo2"),
-            position_embedding="learned" if arch == "gpt2" else "rope",
+            qk_norm=rec.qk_norm,
+            position_embedding=rec.position,
             embedding_multiplier=_opt_float(get("embedding_multiplier", default=None)),
             residual_multiplier=_opt_float(get("residual_multiplier", default=None)),
             attention_multiplier=_opt_float(get("attention_multiplier", default=None)),
@@ -348,13 +291,17 @@ class ModelConfig:
                 raise ModelLoadError(f"missing required GGUF metadata key {key!r}", path=source, key=key)
             return default
 
-        arch = str(get("general.architecture"))
-        p = arch + "."
+        gguf_arch = str(get("general.architecture"))
+        rec = arch_of(gguf_arch)
+        arch = rec.name
+        p = gguf_arch + "."
+        hard = rec.gguf_defaults           # what llama.cpp assumes for this architecture when the file omits a key
         hidden = int(get(p + "embedding_length"))
         num_layers = int(get(p + "block_count"))
         num_heads = _uniform(get(p + "attention.head_count"), p + "attention.head_count", source)
         num_kv = _uniform(get(p + "attention.head_count_kv", num_heads), p + "attention.head_count_kv", source)
-        ffn = _uniform(get(p + "feed_forward_length", 4 * hidden if arch == "gpt2" else KeyError),
+        ffn_default = rec.ffn_default_mult * hidden if rec.ffn_default_mult else KeyError     # GPT-2: 4 x hidden
+        ffn = _uniform(get(p + "feed_forward_length", ffn_default),
                        p + "feed_forward_length", source)
         max_pos = int(get(p + "context_length"))
         head_dim = int(get(p + "attention.key_length", hidden // num_heads if num_heads else 0))
@@ -374,12 +321,12 @@ class ModelConfig:
             raise ModelLoadError(f"head_count ({num_heads}) is not a multiple of head_count_kv ({num_kv})",
                                  path=source, key=p + "attention.head_count_kv")
 
-        if arch == "gpt2":
-            rope_theta = None
+        rope_theta = float(get(p + "rope.freq_base", hard.get("rope.freq_base", 10000.0))) \
+            if rec.position == "rope" else None
+        if rec.layernorm:
             rms_eps = 1e-6
             ln_eps = float(get(p + "attention.layer_norm_epsilon"))
         else:
-            rope_theta = float(get(p + "rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0))
             rms_eps = float(get(p + "attention.layer_norm_rms_epsilon"))
             ln_eps = None
         rotary_dim = int(get(p + "rope.dimension_count", head_dim)) if rope_theta is not None else None
@@ -398,40 +345,32 @@ class ModelConfig:
             if attn_factor is not None:
                 rope_scaling["attention_factor"] = float(attn_factor)
 
-        sliding_window = get(p + "attention.sliding_window", None)
-        rope_local = None
-        query_pre_attn_scalar = None
-        if arch == "gemma3":
-            # llama.cpp hard-codes Gemma-3's layout: every 6th layer global, the rest a 4096 window
-            # with rope base 10k; the query scale is 1/sqrt(head_dim) except for the 27B
-            # (62 layers), which uses 1/sqrt(hidden/heads). None of these are in the file.
-            sliding_window = int(sliding_window) if sliding_window else 4096
-            layer_types = [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(num_layers)]
-            rope_local = 10000.0
-            query_pre_attn_scalar = float(hidden // num_heads) if num_layers == 62 else float(head_dim)
-        elif arch == "gemma2":
-            # llama.cpp: every other layer slides (even ones), window 4096 unless the file says; the query
-            # scale is 1/sqrt(head_dim) except for the 27B (46 layers): 1/sqrt(hidden/heads)
-            sliding_window = int(sliding_window) if sliding_window else 4096
-            layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
-            query_pre_attn_scalar = float(hidden // num_heads) if num_layers == 46 else float(head_dim)
-        elif arch == "gpt-oss":
-            # llama.cpp hard-codes gpt-oss's pattern (set_swa_pattern(2): even layers slide), the window is in
-            # the file; its YaRN keeps the correction range unrounded (HF config truncate: false), and the
-            # converter writes no beta keys (HF's / llama.cpp's defaults 32 / 1 unless the file has them)
-            layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
-            if rope_scaling and rope_scaling["rope_type"] == "yarn":
-                rope_scaling["truncate"] = False
-                for k in ("beta_fast", "beta_slow"):
-                    v = get(p + f"rope.scaling.yarn_{k}", None)
-                    if v is not None:
-                        rope_scaling[k] = float(v)
+        # llama.cpp hard-codes the sliding layout of the architectures that have one (set_swa_pattern), and
+        # Gemma's window (4096) where the file has none
+        sliding_window = get(p + "attention.sliding_window", None) or hard.get("attention.sliding_window")
+        if rec.sliding_pattern:
+            layer_types = _pattern_layers(rec.sliding_pattern, num_layers)
         else:
             kind = SLIDING_ATTENTION if sliding_window else FULL_ATTENTION
             layer_types = [kind] * num_layers
+        rope_local = rec.gguf_swa_rope_theta
+        query_pre_attn_scalar = None
+        if rec.gguf_wide_query_layers:
+            # Gemma: the query scale is 1/sqrt(head_dim) except for the 27B (Gemma 2: 46 layers, Gemma 3: 62),
+            # which uses 1/sqrt(hidden/heads); not in the file
+            query_pre_attn_scalar = float(hidden // num_heads) if num_layers == rec.gguf_wide_query_layers \
+                else float(head_dim)
+        if rec.gguf_yarn_untruncated and rope_scaling and rope_scaling["rope_type"] == "yarn":
+            # gpt-oss: HF config truncate: false; the converter writes no beta keys (HF's / llama.cpp's
+            # defaults 32 / 1 unless the file has them)
+            rope_scaling["truncate"] = False
+            for k in ("beta_fast", "beta_slow"):
+                v = get(p + f"rope.scaling.yarn_{k}", None)
+                if v is not None:
+                    rope_scaling[k] = float(v)
 
         names = set(tensor_names or ())
-        if arch == "phi3" and "rope_factors_long.weight" in names:
+        if rec.gguf_longrope_tensors and "rope_factors_long.weight" in names:
             # Phi-3 LongRoPE (the factors themselves are tensors, read by the model code)
             attn_factor = get(p + "rope.scaling.attn_factor", None)
             rope_scaling = {"rope_type": "longrope", "original_max_position_embeddings":
@@ -456,31 +395,30 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             rms_norm_eps=rms_eps,
             layer_norm_eps=ln_eps,
-            norm_type="layernorm" if arch == "gpt2" else "rms",
+            norm_type=rec.norm,
             tie_word_embeddings=tie,
             sliding_window=int(sliding_window) if sliding_window else None,
             layer_types=layer_types,
             query_pre_attn_scalar=query_pre_attn_scalar,
-            # llama.cpp's Gemma 2 defaults when the file omits them: 30 (final) and 50 (attention)
             final_logit_softcapping=_opt_float(get(p + "final_logit_softcapping",
-                                                   30.0 if arch == "gemma2" else None)),
-            attn_logit_softcapping=_opt_float(get(p + "attn_logit_softcapping", 50.0 if arch == "gemma2" else None)),
-            hidden_act={"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
-                        "gpt2": "gelu_new"}.get(arch, "silu"),
-            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-            mlp_bias="blk.0.ffn_up.bias" in names and arch != "gpt2",
-            qk_norm="blk.0.attn_q_norm.weight" in names or arch in ("qwen3", "gemma3"),
+                                                   hard.get("final_logit_softcapping"))),
+            attn_logit_softcapping=_opt_float(get(p + "attn_logit_softcapping", hard.get("attn_logit_softcapping"))),
+            hidden_act=rec.activation,
+            attention_bias=bool(rec.attention_bias) or "blk.0.attn_q.bias" in names,
+            mlp_bias="blk.0.ffn_up.bias" in names and rec.mlp == "gated",
+            qk_norm="blk.0.attn_q_norm.weight" in names or rec.qk_norm,
             # Granite (llama.cpp: {arch}.embedding_scale, residual_scale, attention.scale, logit_scale)
             embedding_multiplier=_opt_float(get(p + "embedding_scale", None)),
             residual_multiplier=_opt_float(get(p + "residual_scale", None)),
             attention_multiplier=_opt_float(get(p + "attention.scale", None)),
             logits_scaling=_opt_float(get(p + "logit_scale", None)),
-            position_embedding="learned" if arch == "gpt2" else "rope",
+            position_embedding=rec.position,
             bos_token_id=_opt_int(get("tokenizer.ggml.bos_token_id", None)),
             eos_token_ids=_id_list(eos),
             pad_token_id=_opt_int(get("tokenizer.ggml.padding_token_id", None)),
             source=str(source),
-            extra=_deepseek2_extra(get, p, head_dim, rotary_dim) if arch == "deepseek2" else {},
+            gguf_architecture=gguf_arch,
+            extra=_deepseek2_extra(get, p, head_dim, rotary_dim) if rec.mla else {},
         )
 
 
@@ -537,6 +475,11 @@ def _deepseek2_extra(get, p: str, key_length: int, rope_dim: int | None) -> dict
     if log_mul:             # 0.1 * mscale_all_dim (llama.cpp applies it to the softmax scale only)
         ex["yarn_mscale_all_dim"] = float(log_mul) / 0.1
     return ex
+
+
+def _pattern_layers(pattern: int, num_layers: int) -> list[str]:
+    """Every `pattern`-th layer global (full attention), the others sliding."""
+    return [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
 
 
 def gguf_field_value(field) -> Any:

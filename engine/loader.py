@@ -62,6 +62,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.models.arch import arch_of
 
 # ----------------------------------------------------------------------------------- dtypes
 
@@ -86,8 +87,6 @@ _WEIGHT_KINDS = frozenset({"f32", "f64", "f16", "bf16", "f8_e4m3"}) | QUANT_TYPE
 
 ROPE_ADJACENT_PAIRS = "adjacent_pairs"
 ROPE_HALVES = "halves"
-# GGUF architectures whose Q/K rows llama.cpp's converter permutes (ggml rope type NORM).
-_GGUF_PERMUTED_QK_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci", "llama4", "mistral"})
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
@@ -422,12 +421,12 @@ def _load_gguf(path: Path, stats: LoadStats, tokenizer_config, load_tokenizer: b
             stops.append(int(gguf_field_value(f)))
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
         stops.append(tokenizer.eos_token_id)
-    arch = config.architecture
+    # the architectures whose Q/K rows llama.cpp's converter permutes (ggml rope type NORM): Arch.gguf_qk_permuted
     return Checkpoint(
         path=path, format="gguf", files=[path], config=config, tensors=tensors, tokenizer=tokenizer,
         stop_token_ids=stops,
         rope_layout=None if config.rope_theta is None else (
-            ROPE_ADJACENT_PAIRS if arch in _GGUF_PERMUTED_QK_ARCHS else ROPE_HALVES),
+            ROPE_ADJACENT_PAIRS if arch_of(config.architecture).gguf_qk_permuted else ROPE_HALVES),
         norm_weight_offset=0.0, linear_layout="out_in", metadata=metadata, stats=stats, gguf_reader=reader)
 
 
@@ -574,6 +573,7 @@ def _load_safetensors_dir(directory: Path, stats: LoadStats, tokenizer_config, l
             metadata.update(meta)
 
     attach_fp8_scales(tensors)
+    rec = arch_of(config.architecture)
     stops = stop_token_ids(directory / "config.json", directory / "generation_config.json")
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
         stops.append(tokenizer.eos_token_id)
@@ -581,8 +581,7 @@ def _load_safetensors_dir(directory: Path, stats: LoadStats, tokenizer_config, l
         path=directory, format="safetensors", files=list(shards), config=config, tensors=tensors,
         tokenizer=tokenizer, stop_token_ids=stops,
         rope_layout=None if config.rope_theta is None else ROPE_HALVES,
-        norm_weight_offset=1.0 if config.architecture in ("gemma2", "gemma3") else 0.0,
-        linear_layout="in_out" if config.architecture == "gpt2" else "out_in",
+        norm_weight_offset=rec.hf_norm_offset, linear_layout=rec.hf_linear_layout,
         metadata=metadata, stats=stats)
 
 
@@ -620,7 +619,7 @@ def expected_shapes(config: ModelConfig, fmt: str) -> tuple[dict[str, tuple], di
     H, V, F = config.hidden_size, config.vocab_size, config.intermediate_size
     q, kv, hd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.head_dim
     P = config.max_position_embeddings
-    if config.architecture == "gpt2":
+    if arch_of(config.architecture).position == "learned":          # GPT-2's layout
         if fmt == "gguf":
             return ({"token_embd.weight": (V, H), "position_embd.weight": (P, H), "output_norm.weight": (H,),
                      "output.weight": (V, H)},
@@ -660,23 +659,22 @@ def _arch_layer_shapes(cfg: ModelConfig, fmt: str) -> dict[str, tuple]:
     H, F = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     gguf = fmt == "gguf"
-    if cfg.architecture == "phi3":
+    rec = arch_of(cfg.architecture)
+    if rec.fused_gate_up:
         return {("attn_qkv.weight" if gguf else "self_attn.qkv_proj.weight"): (q + 2 * kv, H),
                 ("ffn_up.weight" if gguf else "mlp.gate_up_proj.weight"): (2 * F, H)}
-    if cfg.architecture in ("deepseek_v2", "deepseek_v3", "deepseek2"):
+    if rec.mla:
         # multi-head latent attention: q is heads x (qk_nope + qk_rope) wide, o reads heads x v_head_dim
         # (engine/models/mla.py checks the MLA projections themselves)
         ex = cfg.extra or {}
         nope, rope, v = (int(ex.get(k) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
         return {("attn_q.weight" if gguf else "self_attn.q_proj.weight"): (cfg.num_heads * (nope + rope), H),
                 ("attn_output.weight" if gguf else "self_attn.o_proj.weight"): (H, cfg.num_heads * v)}
-    if cfg.architecture == "olmo2":
+    if rec.qk_norm_full_width:
         return {("attn_q_norm.weight" if gguf else "self_attn.q_norm.weight"): (q,),
                 ("attn_k_norm.weight" if gguf else "self_attn.k_norm.weight"): (kv,)}
     return {}
 
-
-_LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite"})
 
 
 def check_tensor_shapes(ckpt: Checkpoint) -> None:
@@ -684,6 +682,7 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
     known tensor names must have the shape the config implies, layer indices must be < num_layers,
     and for the llama-like families every layer's attention/MLP weights must be present."""
     cfg = ckpt.config
+    rec = arch_of(cfg.architecture)
     glob, per_layer = expected_shapes(cfg, ckpt.format)
     per_layer = {**per_layer, **_arch_layer_shapes(cfg, ckpt.format)}
     seen_layers: dict[int, set[str]] = {}
@@ -692,7 +691,7 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
         m = _LAYER_RE.match(core)
         if m:
             layer, suffix = int(m.group(1)), m.group(2)
-            if layer >= cfg.num_layers and cfg.architecture in ("deepseek_v2", "deepseek_v3") and \
+            if layer >= cfg.num_layers and rec.mla and ckpt.format != "gguf" and \
                     layer < cfg.num_layers + int((cfg.extra or {}).get("num_nextn_predict_layers") or 0):
                 continue            # DeepSeek-V3's multi-token-prediction layers (not run; transformers skips them too)
             if layer >= cfg.num_layers:
@@ -711,7 +710,7 @@ def check_tensor_shapes(ckpt: Checkpoint) -> None:
         if want is not None and tuple(ref.shape) != tuple(want):
             raise ModelLoadError(f"shape disagrees with the config: expected {list(want)}, found "
                                  f"{list(ref.shape)}", path=ref.file, tensor=name)
-    if cfg.architecture in _LLAMA_LIKE:
+    if rec.llama_layout:
         required = _REQUIRED_LAYER[ckpt.format]
         for layer in range(cfg.num_layers):
             have = seen_layers.get(layer, set())

@@ -174,7 +174,7 @@ def test_gguf_metadata_and_names(mxfp4_model, tmp_path):
     path = write_gguf(hf, str(tmp_path / "m.gguf"), vocab=VOCAB)
     ckpt = load_checkpoint(path)
     cfg, c = ckpt.config, hf.config
-    assert ckpt.format == "gguf" and cfg.architecture == "gpt-oss"
+    assert ckpt.format == "gguf" and cfg.architecture == "gpt_oss" and cfg.gguf_architecture == "gpt-oss"
     assert cfg.layer_types == c.layer_types and cfg.sliding_window == c.sliding_window
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
     assert cfg.rope_scaling["truncate"] is False

@@ -1,28 +1,19 @@
-"""The model registry: architecture name -> implementation, or a clear refusal."""
+"""The model registry: architecture name -> implementation, or a clear refusal. Which implementation an
+architecture takes is its record's `model` in engine/models/arch.py."""
 from __future__ import annotations
 
 from engine.errors import ModelLoadError
+from engine.models import arch as _arch
 
-# Architectures implemented by the generic decoder (engine/models/decoder.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "granite", "phi3", "olmo2",
-             "gpt_oss", "gpt-oss")      # gpt-oss: llama.cpp's GGUF name
-
-# Mixture-of-experts architectures (the decoder with engine/models/moe.py MLPs); GGUF spellings included
-# (llama.cpp writes Mixtral as "llama" with {arch}.expert_count).
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe", "qwen3moe")
-
+# Architectures implemented by the generic decoder (engine/models/decoder.py); mixture-of-experts ones among them
+# run engine/models/moe.py MLPs (a checkpoint is sparse when its config / metadata counts experts)
+SUPPORTED = _arch.names("decoder")
 # Multi-head latent attention (engine/models/mla.py): DeepSeek-V2 / V3, dense or MoE
-MLA = ("deepseek_v2", "deepseek_v3", "deepseek2")      # deepseek2: llama.cpp's GGUF name for both
-
+MLA = _arch.names("mla")
 # Bidirectional encoders for embeddings (engine/models/encoder.py; engine.pooling)
-ENCODERS = ("bert",)
-
+ENCODERS = _arch.names("encoder")
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
-KNOWN_UNIMPLEMENTED = {
-    "falcon": "Falcon's parallel attention/MLP block and ALiBi",
-    "mamba": "selective state-space (Mamba) layers",
-    "qwen3_next": "gated delta-net (linear attention) layers",
-}
+KNOWN_UNIMPLEMENTED = {a.name: a.missing for a in _arch.ARCHS if a.model == "unimplemented"}
 
 
 def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: str = "auto"):
@@ -30,23 +21,25 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: 
     the GPU compute precision of 16-bit checkpoints (DecoderLM)."""
     from engine.device import resolve_device
     arch = ckpt.config.architecture
-    if arch in MLA and (device or "auto").strip().lower() == "auto":
+    rec = _arch.arch_of(arch)
+    model = rec.model if _arch.known(arch) else None
+    if model == "mla" and (device or "auto").strip().lower() == "auto":
         device = "cpu"          # MLA runs on the CPU only so far: "auto" must not pick a GPU it would refuse
     device = resolve_device(device)
-    if arch in SUPPORTED or arch in MOE:
+    if model == "decoder":
         from engine.models.decoder import DecoderLM
         return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device, dtype=dtype)
-    if arch in MLA:
+    if model == "mla":
         from engine.models.mla import MLADecoderLM
         return MLADecoderLM(ckpt, kv_dtype=kv_dtype, device=device)
-    if arch in ENCODERS:
+    if model == "encoder":
         if not getattr(ckpt, "pooling_only", False):
             raise ModelLoadError(f"'{arch}' is an encoder: it serves embeddings only (--task embed)",
                                  path=ckpt.path, key="architecture")
         from engine.models.encoder import BertEncoder
         return BertEncoder(ckpt, device=device)
-    if arch in KNOWN_UNIMPLEMENTED:
+    if model == "unimplemented":
         raise ModelLoadError(f"architecture '{arch}' is recognised but not implemented yet: missing "
-                             f"{KNOWN_UNIMPLEMENTED[arch]}", path=ckpt.path, key="architecture")
+                             f"{rec.missing}", path=ckpt.path, key="architecture")
     raise ModelLoadError(f"unknown architecture '{arch}' (supported: {', '.join(SUPPORTED)})", path=ckpt.path,
                          key="architecture")

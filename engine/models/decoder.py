@@ -1,11 +1,13 @@
 """One decoder-only transformer for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2, Qwen3,
-Gemma 3 and GPT-2, differing only by flags read from the config. Every tensor operation of the forward
-pass is a jitkern kernel (jitkern.ops); numpy here only slices views and allocates buffers.
+Gemma 2/3, GPT-2, Phi-3, Granite, OLMo 2, gpt-oss and the MoE families, differing only by the traits of the
+architecture's record (engine/models/arch.py: norm type and placement, positions, MLP form, embedding scale,
+tensor names) and the config. Every tensor operation of the forward pass is a jitkern kernel (jitkern.ops);
+numpy here only slices views and allocates buffers.
 
 Tensor names: GGUF (`blk.N.attn_q.weight`) and HF (`model.layers.N.self_attn.q_proj.weight`) are both
-understood. GGUF llama-family checkpoints have their Q/K rows permuted for RoPE on adjacent pairs
-(llama.cpp's convention, see engine.loader), so they run with the GPT-J rope layout; HF checkpoints use
-the NeoX (rotate-half) layout.
+understood (arch.TENSORS, replaced per architecture by its record's `tensors`). GGUF llama-family checkpoints
+have their Q/K rows permuted for RoPE on adjacent pairs (llama.cpp's convention, see engine.loader), so they
+run with the GPT-J rope layout; HF checkpoints use the NeoX (rotate-half) layout.
 """
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ import numpy as np
 from engine.config import SLIDING_ATTENTION
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
+from engine.models.arch import arch_of
 from engine.models.moe import load_moe_block, moe_spec
 from engine.models.weights import Linear, linear_from, vector_f32
 from jitkern import env as _env
 
 
-# logical name -> candidate checkpoint names ({i} = layer index)
 # CUDA with 16-bit compute (dtype "auto"): the norms / activation before a tensor-core linear write its input in
 # the weights' 16-bit type (Linear.x16), the same bits the linear would round f32 x to, from half the bytes
 # (H200, perf/tune_gemv_cuda.py --x16: 1.04-1.10x at 64 tokens, 1.08-1.15x at 256-1024)
@@ -50,52 +52,6 @@ GPU_GATE_UP16 = _env.gate_up16()
 # linear's one dot over a tile of gate rows and the same outputs' up rows (158 registers against 110: the rows are
 # not one affine range); not yet measured (sh perf/h200_session20.sh)
 GPU_GATED_LINEAR = _env.gated_linear()
-
-_NAMES = {
-    "embed": ["token_embd.weight", "model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
-              "model.language_model.embed_tokens.weight"],
-    "pos_embed": ["position_embd.weight", "transformer.wpe.weight", "wpe.weight"],
-    "final_norm": ["output_norm.weight", "model.norm.weight", "transformer.ln_f.weight", "ln_f.weight",
-                   "model.language_model.norm.weight"],
-    "final_norm_b": ["output_norm.bias", "transformer.ln_f.bias", "ln_f.bias"],
-    "lm_head": ["output.weight", "lm_head.weight"],
-    "attn_norm": ["blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", "transformer.h.{i}.ln_1.weight",
-                  "h.{i}.ln_1.weight", "model.language_model.layers.{i}.input_layernorm.weight"],
-    "attn_norm_b": ["blk.{i}.attn_norm.bias", "transformer.h.{i}.ln_1.bias", "h.{i}.ln_1.bias"],
-    "q": ["blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight"],
-    "k": ["blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight"],
-    "v": ["blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight"],
-    "q_b": ["blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"],
-    "k_b": ["blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"],
-    "v_b": ["blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"],
-    "qkv": ["blk.{i}.attn_qkv.weight", "transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.c_attn.weight",
-            "model.layers.{i}.self_attn.qkv_proj.weight"],
-    # Phi-3: gate and up in one matrix, gate rows first (GGUF: ffn_up with 2 x intermediate rows, no ffn_gate)
-    "gate_up": ["model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight"],
-    "qkv_b": ["blk.{i}.attn_qkv.bias", "transformer.h.{i}.attn.c_attn.bias", "h.{i}.attn.c_attn.bias"],
-    "q_norm": ["blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"],
-    "k_norm": ["blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"],
-    "o": ["blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight",
-          "transformer.h.{i}.attn.c_proj.weight", "h.{i}.attn.c_proj.weight"],
-    "o_b": ["blk.{i}.attn_output.bias", "model.layers.{i}.self_attn.o_proj.bias", "transformer.h.{i}.attn.c_proj.bias",
-            "h.{i}.attn.c_proj.bias"],
-    "sinks": ["blk.{i}.attn_sinks.weight", "model.layers.{i}.self_attn.sinks"],
-    "post_attn_norm": ["blk.{i}.post_attention_norm.weight"],          # gemma3 (HF: post_attention_layernorm)
-    "ffn_norm": ["blk.{i}.ffn_norm.weight", "transformer.h.{i}.ln_2.weight", "h.{i}.ln_2.weight"],
-    "ffn_norm_b": ["blk.{i}.ffn_norm.bias", "transformer.h.{i}.ln_2.bias", "h.{i}.ln_2.bias"],
-    "post_ffn_norm": ["blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
-                      "model.language_model.layers.{i}.post_feedforward_layernorm.weight"],
-    "gate": ["blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"],
-    "up": ["blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight", "transformer.h.{i}.mlp.c_fc.weight",
-           "h.{i}.mlp.c_fc.weight"],
-    "up_b": ["transformer.h.{i}.mlp.c_fc.bias", "h.{i}.mlp.c_fc.bias", "blk.{i}.ffn_up.bias"],
-    "down": ["blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", "transformer.h.{i}.mlp.c_proj.weight",
-             "h.{i}.mlp.c_proj.weight"],
-    "down_b": ["transformer.h.{i}.mlp.c_proj.bias", "h.{i}.mlp.c_proj.bias", "blk.{i}.ffn_down.bias"],
-}
-# HF spellings that mean something else per architecture
-_HF_POST_ATTN = "model.layers.{i}.post_attention_layernorm.weight"
-_HF_PRE_FFN = "model.layers.{i}.pre_feedforward_layernorm.weight"
 
 
 @dataclass
@@ -127,11 +83,8 @@ class DecoderLM:
             raise ValueError(f"dtype must be 'auto' or 'float32', got {dtype!r}")
         self.dtype = dtype
         cfg = self.cfg = ckpt.config
-        arch = cfg.architecture
-        self.arch = arch
-        self.gemma = arch in ("gemma2", "gemma3")
-        self.gpt2 = arch == "gpt2"
-        self.olmo2 = arch == "olmo2"        # norms after attention and MLP only (none before them)
+        self.arch = cfg.architecture
+        self.rec = rec = arch_of(self.arch)     # the architecture's traits and tensor names (engine/models/arch.py)
         if kv_dtype not in ("f32", "f16"):      # "auto" is the engine's to resolve (engine.sizing), never f32 here
             raise ValueError(f"kv_dtype must be 'f32' or 'f16', got {kv_dtype!r}")
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
@@ -156,15 +109,16 @@ class DecoderLM:
                                  path=ckpt.path, key="device")
         self.embed = self._t("embed")
         # Gemma: sqrt(hidden); Granite: embedding_multiplier
-        self.embed_scale = math.sqrt(self.hidden) if self.gemma else cfg.embedding_multiplier
+        self.embed_scale = math.sqrt(self.hidden) if rec.embed_scale == "sqrt_hidden" else cfg.embedding_multiplier
         self.residual_scale = cfg.residual_multiplier        # Granite: block outputs scaled before the residual add
-        self.pos_embed = vector_f32(self._t("pos_embed")) if self.gpt2 else None
+        self.pos_embed = vector_f32(self._t("pos_embed")) if rec.position == "learned" else None
         self.final_norm = vector_f32(self._t("final_norm"))
         fb = self._t("final_norm_b", required=False)
         self.final_norm_b = vector_f32(fb) if fb is not None else None
         head = self._t("lm_head", required=False)
         if head is None:
-            if not cfg.tie_word_embeddings and not self.gpt2 and not getattr(ckpt, "pooling_only", False):
+            if not cfg.tie_word_embeddings and rec.tie_embeddings != "if_missing" and \
+                    not getattr(ckpt, "pooling_only", False):
                 raise ModelLoadError("no output projection (lm_head / output.weight) and the config does not tie "
                                      "the word embeddings", path=ckpt.path, tensor="lm_head.weight")
             head = self.embed
@@ -197,7 +151,7 @@ class DecoderLM:
                 # (set_max_model_len; vLLM and llama.cpp do the same), so cached keys never mix the two sets
                 if cfg.max_position_embeddings > orig:
                     self.rope_global = long_cache
-            if self.gemma and cfg.rope_local_theta:
+            if rec.local_rope and cfg.rope_local_theta:
                 self.rope_local = rope_cos_sin_cache(self.D, rot, cfg.max_position_embeddings, cfg.rope_local_theta,
                                                      None)
         for i in range(cfg.num_layers):
@@ -298,15 +252,18 @@ class DecoderLM:
 
     # ------------------------------------------------------------------------------------ loading
     def _t(self, key, i=None, required=True):
-        for pat in _NAMES[key]:
+        """The checkpoint tensor of logical name `key` (layer i), under the architecture's names (Arch.tensor)."""
+        pats = arch_of(self.arch).tensor(key)
+        for pat in pats:
             name = pat.format(i=i)
             t = self.ckpt.get(name)
             if t is not None:
                 return t
         if required:
-            raise ModelLoadError(f"the {self.arch} model needs tensor {_NAMES[key][0].format(i=i)!r} "
-                                 f"(or {_NAMES[key][1].format(i=i)!r}), which the checkpoint lacks",
-                                 path=self.ckpt.path, tensor=_NAMES[key][1].format(i=i))
+            alt = pats[1] if len(pats) > 1 else pats[0]
+            raise ModelLoadError(f"the {self.arch} model needs tensor {pats[0].format(i=i)!r} "
+                                 f"(or {alt.format(i=i)!r}), which the checkpoint lacks",
+                                 path=self.ckpt.path, tensor=alt.format(i=i))
         return None
 
     def _vec(self, t):
@@ -317,13 +274,13 @@ class DecoderLM:
         return w
 
     def _layer(self, i) -> Layer:
-        cfg = self.cfg
+        cfg, rec = self.cfg, self.rec
         get = lambda k, req=True: self._t(k, i, req)  # noqa: E731
-        if self.gpt2:
+        if get("q", False) is None and get("qkv", False) is not None:
+            # fused q/k/v: GPT-2's c_attn / attn_qkv, Phi-3's qkv_proj / attn_qkv
+            qb = get("qkv_b", False)
             qkv = linear_from([get("qkv")], f"blk.{i}.qkv", transpose=self.transpose_linear,
-                              biases=[get("qkv_b")] if get("qkv_b", False) is not None else None)
-        elif get("q", False) is None and get("qkv", False) is not None:     # Phi-3's fused qkv_proj / attn_qkv
-            qkv = linear_from([get("qkv")], f"blk.{i}.qkv")
+                              biases=[qb] if qb is not None else None)
         else:
             bs = [get("q_b", False), get("k_b", False), get("v_b", False)]
             qkv = linear_from([get("q"), get("k"), get("v")], f"blk.{i}.qkv",
@@ -336,29 +293,15 @@ class DecoderLM:
         ob = get("o_b", False)
         o = linear_from([get("o")], f"blk.{i}.o", transpose=self.transpose_linear,
                         biases=[ob] if ob is not None else None)
-        attn_norm = None if self.olmo2 else self._norm_w(get("attn_norm"))
-        post_attn = ffn_norm = None
-        if self.olmo2:          # HF post_attention_layernorm is a post-norm here, and there is no pre-MLP norm
-            t = get("post_attn_norm", False) or self.ckpt.get(_HF_POST_ATTN.format(i=i))
-            if t is None:
-                raise ModelLoadError("missing the post-attention norm weight", path=self.ckpt.path,
-                                     tensor=_HF_POST_ATTN.format(i=i))
-            post_attn = self._norm_w(t)
-        elif self.gemma:
-            hp = self.ckpt.get(_HF_POST_ATTN.format(i=i))
-            post_attn = self._norm_w(get("post_attn_norm", False) or hp)
-            ffn_norm = self._norm_w(self.ckpt.get(_HF_PRE_FFN.format(i=i)) or get("ffn_norm"))
-        else:
-            t = get("ffn_norm", False) or self.ckpt.get(_HF_POST_ATTN.format(i=i))
-            if t is None and self.arch == "gpt-oss":       # llama.cpp names gpt-oss's pre-MLP norm so
-                t = get("post_attn_norm", False)
-            if t is None:
-                raise ModelLoadError("missing the pre-MLP norm weight", path=self.ckpt.path,
-                                     tensor=_HF_POST_ATTN.format(i=i))
-            ffn_norm = self._norm_w(t)
-        post_ffn = self._norm_w(get("post_ffn_norm")) if (self.gemma or self.olmo2) else None
+        # norm placement (Arch.norm_placement): "pre" norms before attention and the MLP, "sandwich" (Gemma) one
+        # after each too, "post" (OLMo 2) after each only; which HF name is which norm is in the record's tensors
+        placement = rec.norm_placement
+        attn_norm = None if placement == "post" else self._norm_w(get("attn_norm"))
+        post_attn = self._norm_w(get("post_attn_norm")) if placement in ("sandwich", "post") else None
+        ffn_norm = None if placement == "post" else self._norm_w(get("ffn_norm"))
+        post_ffn = self._norm_w(get("post_ffn_norm")) if placement in ("sandwich", "post") else None
         moe = None
-        if self.gpt2:
+        if rec.mlp == "plain":          # GPT-2: up, activation, down
             ub, db = get("up_b", False), get("down_b", False)
             up = linear_from([get("up")], f"blk.{i}.up", transpose=self.transpose_linear,
                              biases=[ub] if ub is not None else None)
@@ -377,7 +320,7 @@ class DecoderLM:
             up = None
         sliding = bool(cfg.layer_types) and cfg.layer_types[i] == SLIDING_ATTENTION and bool(cfg.sliding_window)
         rope = self.rope_global
-        if self.gemma and sliding and self.rope_local is not None:
+        if rec.local_rope and sliding and self.rope_local is not None:
             rope = self.rope_local
         return Layer(attn_norm=attn_norm, attn_norm_b=self._vec(get("attn_norm_b", False)), qkv=qkv,
                      q_norm=self._vec(get("q_norm", False)), k_norm=self._vec(get("k_norm", False)), o=o,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import ModelLoadError
+from engine.models.arch import arch_of
 from engine.models.decoder import DecoderLM
 from engine.models.moe import MoESpec, load_moe_block
 from engine.models.weights import Linear, linear_from, vector_f32
@@ -126,8 +127,9 @@ class MLADecoderLM(DecoderLM):
         ex = cfg.extra or {}
         # HF: DeepSeek-V2 rotates interleaved pairs (complex multiply); V3 too unless rope_interleave is false;
         # llama.cpp's deepseek2 rotates adjacent pairs too
-        self.is_neox = self.arch == "deepseek_v3" and ex.get("rope_interleave", True) is False
-        self.sigmoid_routing = self.arch == "deepseek_v3" or ex.get("scoring_func") == "sigmoid"
+        rec = arch_of(self.arch)
+        self.is_neox = rec.mla_rope_interleave_key and ex.get("rope_interleave", True) is False
+        self.sigmoid_routing = rec.moe.routing == "sigmoid" or ex.get("scoring_func") == "sigmoid"
         scaling = cfg.rope_scaling
         if scaling and ex.get("yarn_mscale_all_dim"):
             # GGUF (rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim): llama.cpp takes mscale ==

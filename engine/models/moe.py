@@ -31,11 +31,8 @@ import numpy as np
 
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, note_host_copy
+from engine.models.arch import arch_of
 from engine.models.weights import Linear, linear_from, vector_f32
-
-# llama.cpp's build_moe_ffn weight normalisation per GGUF architecture (norm_w), when the file has no
-# {arch}.expert_weights_norm key
-_GGUF_NORM_DEFAULT = {"llama": True, "mixtral": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
 @dataclass
@@ -49,10 +46,11 @@ class MoESpec:
 def moe_spec(ckpt) -> MoESpec | None:
     """The checkpoint's routing parameters, or None for a dense model."""
     cfg = ckpt.config
-    arch = cfg.architecture
+    rec = arch_of(cfg.architecture).moe      # the architecture's routing (engine/models/arch.py MoE)
     if ckpt.format == "gguf":
         fields = ckpt.gguf_reader.fields if ckpt.gguf_reader is not None else {}
         from engine.config import gguf_field_value
+        arch = cfg.gguf_architecture or cfg.architecture        # the metadata keys' prefix
 
         def get(key, default=None):
             f = fields.get(f"{arch}.{key}")
@@ -68,9 +66,10 @@ def moe_spec(ckpt) -> MoESpec | None:
         if int(gating) != 1:
             raise ModelLoadError(f"expert gating function {gating} is not supported (only softmax, 1)",
                                  path=ckpt.path, key=f"{arch}.expert_gating_func")
-        norm = get("expert_weights_norm", _GGUF_NORM_DEFAULT.get(arch, False))
+        # llama.cpp's build_moe_ffn weight normalisation (norm_w) when the file has no expert_weights_norm key
+        norm = get("expert_weights_norm", rec.gguf_norm_topk)
         spec = _checked(ckpt, E, int(K), bool(norm), f"{arch}.expert_used_count")
-        if arch == "gpt-oss":       # llama.cpp hard-codes gpt-oss's softmax over the top-k router logits
+        if rec.routing == "topk_softmax":       # llama.cpp hard-codes gpt-oss's softmax over the top-k logits
             from jitkern.ops.moe import TOPK_SOFTMAX
             spec.mode = TOPK_SOFTMAX
         return spec
@@ -82,9 +81,9 @@ def moe_spec(ckpt) -> MoESpec | None:
     if K is None:
         raise ModelLoadError("a mixture-of-experts config needs num_experts_per_tok", path=cfg.source,
                              key="num_experts_per_tok")
-    norm = True if arch == "mixtral" else bool(extra.get("norm_topk_prob", False))
+    norm = rec.norm_topk if rec.norm_topk is not None else bool(extra.get("norm_topk_prob", False))
     spec = _checked(ckpt, int(E), int(K), norm, "num_experts_per_tok")
-    if arch == "gpt_oss":        # softmax over the top-k router logits; the kernels' clamped SwiGLU constants
+    if rec.routing == "topk_softmax":   # softmax over the top-k router logits; the kernels' clamped SwiGLU constants
         from jitkern.ops.moe import TOPK_SOFTMAX
         for key, want in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
             if float(extra.get(key, want)) != want:
@@ -103,10 +102,6 @@ def _checked(ckpt, E, K, norm, key) -> MoESpec:
 
 _ROUTER = ["blk.{i}.ffn_gate_inp.weight", "model.layers.{i}.block_sparse_moe.gate.weight",
            "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.router.weight"]
-_HF_EXPERT = {  # prefix, (gate, up, down) names
-    "mixtral": ("model.layers.{i}.block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
-    "default": ("model.layers.{i}.mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-}
 _SHARED = {"gate": ["blk.{i}.ffn_gate_shexp.weight", "model.layers.{i}.mlp.shared_expert.gate_proj.weight"],
            "up": ["blk.{i}.ffn_up_shexp.weight", "model.layers.{i}.mlp.shared_expert.up_proj.weight"],
            "down": ["blk.{i}.ffn_down_shexp.weight", "model.layers.{i}.mlp.shared_expert.down_proj.weight"],
@@ -260,7 +255,8 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
                              tensor=router_t.name)
     gate = up = down = None
     oai = None
-    if ckpt.config.architecture == "gpt_oss" and ckpt.format != "gguf":
+    moe = arch_of(ckpt.config.architecture).moe
+    if moe.oai_experts and ckpt.format != "gguf":
         gate, up, down, inter, kind, oai = _gpt_oss_experts(ckpt, i, E, hidden)
     elif ckpt.get(f"blk.{i}.ffn_gate_exps.weight") is not None:                       # GGUF: [E, I, H] in place
         ts = [ckpt[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")]
@@ -293,7 +289,7 @@ def load_moe_block(ckpt, i: int, spec: MoESpec | None, hidden: int) -> MoEBlock 
                                  tensor=gu_t.name)
         gate, down = gu_t.raw, d_t.raw
     else:                                                                                # HF per expert: stack
-        prefix, (gn, un, dn) = _HF_EXPERT.get(ckpt.config.architecture, _HF_EXPERT["default"])
+        prefix, (gn, un, dn) = moe.hf_experts
         gus, ds = [], []
         kind = None
         for e in range(E):
