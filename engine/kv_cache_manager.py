@@ -238,6 +238,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self.root_hash
         for i in range(len(hashes), len(tokens) // bs):
             extra = (("cache_salt", request.cache_salt),) if i == 0 and request.cache_salt else ()
+            if request.lora is not None:    # KV computed under an adapter is that adapter's (as vLLM keys it)
+                extra += (("lora", request.lora.key),)
             parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra)
             hashes.append(parent)
         return hashes
