@@ -170,3 +170,23 @@ def test_bad_adapters_name_the_field_or_file(setup):
     with LLM(path, num_blocks=16) as plain:
         with pytest.raises(InvalidRequestError, match="enable_lora"):
             plain.generate([[5, 6]], sp, lora_request=LoRARequest("a1", 1, str(root / "a1")))
+
+
+def test_kv_blocks_are_keyed_and_reported_by_adapter():
+    """The prefix cache's hashes differ per adapter load; KV events carry the adapter's id (vLLM's lora_id)."""
+    from types import SimpleNamespace
+
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request
+    kv = KVCacheManager(16, 4, kv_events=True)
+    toks = list(range(2, 11))
+    reqs = [Request(f"r{i}", toks) for i in range(3)]
+    reqs[1].lora = SimpleNamespace(key="lora:a:1:1", int_id=1)
+    reqs[2].lora = SimpleNamespace(key="lora:b:2:2", int_id=2)
+    hashes = [kv.update_block_hashes(r)[:2] for r in reqs]
+    assert len({h[0] for h in hashes}) == 3 and len({h[1] for h in hashes}) == 3
+    for r in reqs:
+        assert kv.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_computed_blocks(r)
+    assert [e.lora_id for e in kv.events.take()] == [None, 1, 2]
