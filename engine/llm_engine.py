@@ -185,6 +185,9 @@ class LLMEngine:
                              "decoding does not run engine-wide logits processors)")
         from engine.kv_events import KVEventsConfig
         kv_events = KVEventsConfig.parse(args.kv_events_config)     # (so does a bad --kv-events-config)
+        if args.enable_lora:
+            from engine.lora import check_lora_args
+            check_lora_args(args)               # (and LoRA settings the engine cannot serve)
         gpu_util = check_gpu_memory_utilization(args.gpu_memory_utilization)
         default_batch_limits("cpu", args.usage_context)  # a bad usage_context fails before the load too
         # A Hugging Face id (Qwen/Qwen3-0.6B) becomes its cached or downloaded folder; a local path stays as it is.

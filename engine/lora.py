@@ -380,6 +380,23 @@ class LoRAManager:
         self.tiles = lora_tiles(np.repeat(np.asarray(slots, np.int32), counts))
 
 
+def check_lora_args(args) -> None:
+    """EngineArgs with enable_lora checked before the model loads: ValueError naming the setting."""
+    for name in ("max_loras", "max_lora_rank"):
+        v = getattr(args, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    from engine.device import resolve_device
+    dev = resolve_device(args.device)
+    if dev != "cpu":
+        raise ValueError(f"enable_lora: LoRA adapters run on the CPU only for now; device={args.device!r} resolves "
+                         f"to {dev!r} (pass device='cpu' / --device cpu)")
+    if args.tensor_parallel_size not in (None, 1):
+        raise ValueError("enable_lora cannot be combined with tensor_parallel_size > 1")
+    if args.speculative_config is not None:
+        raise ValueError("enable_lora cannot be combined with speculative_config")
+
+
 def enable_lora(engine, args) -> LoRAManager:
     """The engine's LoRAManager for EngineArgs with enable_lora, or a ValueError naming what cannot have one."""
     dev = getattr(engine.model, "device", "cpu")

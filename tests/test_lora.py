@@ -190,3 +190,14 @@ def test_kv_blocks_are_keyed_and_reported_by_adapter():
         r.num_computed_tokens = r.num_tokens
         kv.cache_computed_blocks(r)
     assert [e.lora_id for e in kv.events.take()] == [None, 1, 2]
+
+
+def test_lora_settings_and_devices_refused_before_the_load(monkeypatch):
+    from engine import device
+    from engine.llm_engine import EngineArgs
+    from engine.lora import check_lora_args
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        check_lora_args(EngineArgs(enable_lora=True, max_lora_rank=0, device="cpu"))
+    monkeypatch.setattr(device, "resolve_device", lambda setting: "cuda")
+    with pytest.raises(ValueError, match="CPU only"):
+        LLM("no-such-model-is-loaded", enable_lora=True, device="cuda")
