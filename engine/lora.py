@@ -317,6 +317,7 @@ class LoRAManager:
         if ad is not None:
             return ad
         ad = load_adapter(req, self.shapes, self.max_rank, len(self.model.layers))
+        self._to_model_layout(ad)
         with self._lock:
             have = self.adapters.get(req.lora_int_id)
             if have is not None:
@@ -324,6 +325,19 @@ class LoRAManager:
             ad.key = f"lora:{ad.name}:{ad.int_id}:{next(self._loads)}"
             self.adapters[req.lora_int_id] = ad
         return ad
+
+    def _to_model_layout(self, ad: LoRAAdapter) -> None:
+        """A GGUF llama-family checkpoint has its q/k rows permuted for rope on adjacent pairs (engine.loader):
+        the adapter's q/k output rows (B's rows) get the same permutation (llama.cpp's converter's)."""
+        from engine.loader import ROPE_ADJACENT_PAIRS
+        if getattr(self.model.ckpt, "rope_layout", None) != ROPE_ADJACENT_PAIRS:
+            return
+        heads = {"q_proj": self.model.H, "k_proj": self.model.KVH}
+        for (layer, mod), (A, B) in list(ad.weights.items()):
+            if mod in heads:
+                n = heads[mod]
+                B = B.reshape(n, 2, B.shape[0] // n // 2, B.shape[1]).swapaxes(1, 2).reshape(B.shape)
+                ad.weights[(layer, mod)] = (A, np.ascontiguousarray(B))
 
     def remove(self, int_id: int) -> bool:
         """Forgets the adapter (running requests keep theirs until they finish)."""

@@ -201,3 +201,18 @@ def test_lora_settings_and_devices_refused_before_the_load(monkeypatch):
     monkeypatch.setattr(device, "resolve_device", lambda setting: "cuda")
     with pytest.raises(ValueError, match="CPU only"):
         LLM("no-such-model-is-loaded", enable_lora=True, device="cuda")
+
+
+def test_gguf_checkpoint_takes_hf_adapters(setup):
+    """A GGUF llama's q/k rows are permuted for rope on adjacent pairs: an HF adapter's q/k deltas follow."""
+    from tests.gguf_export import write_gguf
+    root, _, hf, refs, reqs, _ = setup
+    gguf = write_gguf(hf, str(root / "model.gguf"))
+    p = _prompts(1, seed=9)[0]
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1, detokenize=False)
+    with LLM(gguf, enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=32, max_logprobs=-1) as llm:
+        out = llm.generate([p], sp, lora_request=reqs["a2"])[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(refs["a2"](torch.tensor([p])).logits[0].double(), -1).numpy()
+    got = np.array([[out.prompt_logprobs[i][t].logprob for t in range(256)] for i in range(1, len(p))])
+    np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
