@@ -123,10 +123,11 @@ class LLM:
             raise
         return [final[r] for r in ids]
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *, lora_request=None) -> Iterator[str]:
         """Yields text deltas of one request as they are generated."""
         rid = self._next_id()
-        self.engine.add_request(rid, prompt, (sampling_params or SamplingParams()).clone())
+        self.engine.add_request(rid, prompt, (sampling_params or SamplingParams()).clone(),
+                                **({"lora_request": lora_request} if lora_request is not None else {}))
         try:
             while True:
                 done = False

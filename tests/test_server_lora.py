@@ -103,3 +103,16 @@ def test_cli_flags_become_settings():
     assert ServerSettings.from_env(s.to_env()).lora_module_list() == s.lora_module_list()
     with pytest.raises(ValueError, match="name=path"):
         settings_from_args(build_parser().parse_args(["--enable-lora", "--lora-modules", "oops"]))
+
+
+def test_without_enable_lora_the_routes_are_400_and_modules_refused():
+    from types import SimpleNamespace
+
+    from server.lora import ServerLoRA
+    state = SimpleNamespace(engine_args={}, model_names={"base"})
+    lora = ServerLoRA(state, [])
+    for err in (lora.load("a", "/x"), lora.unload("a")):
+        assert err.status == 400 and "--enable-lora" in err.message
+    assert lora.request_for("a") is None and lora.cards() == []
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        ServerLoRA(state, [{"name": "a", "path": "/x"}])
