@@ -3,7 +3,7 @@
 Imports are lazy so that `import engine.tokenizer` (or the server's argument parsing) stays light.
 """
 __all__ = ["LLM", "LLMClosedError", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs",
-           "AsyncEngine", "RequestOutput"]
+           "AsyncEngine", "RequestOutput", "LoRARequest"]
 
 
 def __getattr__(name):
@@ -22,6 +22,9 @@ def __getattr__(name):
     if name == "AsyncEngine":
         from engine.async_engine import AsyncEngine
         return AsyncEngine
+    if name == "LoRARequest":
+        from engine.lora import LoRARequest
+        return LoRARequest
     if name == "RequestOutput":
         from engine.outputs import RequestOutput
         return RequestOutput

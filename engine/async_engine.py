@@ -165,15 +165,15 @@ class AsyncEngine:
         """Why the engine thread stopped, or None while it runs."""
         return self._dead
 
-    def submit(self, request_id: str, prompt, params, *, priority: int = 0) -> RequestStream:
+    def submit(self, request_id: str, prompt, params, *, priority: int = 0, lora_request=None) -> RequestStream:
         """Adds a request; raises the engine's validation error (InvalidRequestError) synchronously."""
         self._check_alive()
-        prep = self.engine.prepare_request(request_id, prompt, params, priority=priority)
+        prep = self.engine.prepare_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
         stream = RequestStream(self, request_id)
         self._command("add", ([prep], [stream]))
         return stream
 
-    def submit_batch(self, requests: list, *, priority: int = 0) -> RequestGroupStream:
+    def submit_batch(self, requests: list, *, priority: int = 0, lora_request=None) -> RequestGroupStream:
         """Adds several requests, given as (request id, prompt, params), in one engine command: all of them
         or (on an InvalidRequestError for any) none. Their outputs come through one RequestGroupStream."""
         self._check_alive()
@@ -184,7 +184,7 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"{len(requests)} prompts x n make {num_seqs} sequences; one request may start at most "
                 f"{limits.MAX_SEQUENCES_PER_REQUEST}.", param="n")
-        preps = [self.engine.prepare_request(rid, prompt, params, priority=priority)
+        preps = [self.engine.prepare_request(rid, prompt, params, priority=priority, lora_request=lora_request)
                  for rid, prompt, params in requests]
         group = RequestGroupStream(self, [rid for rid, _, _ in requests])
         self._command("add", (preps, group.members))

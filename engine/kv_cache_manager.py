@@ -238,6 +238,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self.root_hash
         for i in range(len(hashes), len(tokens) // bs):
             extra = (("cache_salt", request.cache_salt),) if i == 0 and request.cache_salt else ()
+            if request.lora is not None:    # KV computed under an adapter is that adapter's (as vLLM keys it)
+                extra += (("lora", request.lora.key),)
             parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra)
             hashes.append(parent)
         return hashes
@@ -298,7 +300,7 @@ class KVCacheManager:
             if hits and self.events is not None and extra and extra.get("kv_cache_report_mode") == "full":
                 # "full": re-report the reused prefix, so a router learns this engine holds it
                 self.events.stored(request.block_hashes[:len(hits)], None,
-                                   request.all_token_ids[:len(hits) * self.block_size])
+                                   request.all_token_ids[:len(hits) * self.block_size], _lora_id(request))
             if self.enable_prefix_caching:
                 self.stats.requests += 1
                 self.stats.queries += request.num_tokens
@@ -336,7 +338,7 @@ class KVCacheManager:
         bs = self.block_size
         first, last = run[0], run[-1] + 1
         self.events.stored(hashes[first:last], hashes[first - 1] if first else None,
-                           request.all_token_ids[first * bs:last * bs])
+                           request.all_token_ids[first * bs:last * bs], _lora_id(request))
 
     def free(self, request: Request) -> None:
         """Give back a request's blocks, tail first; cached ones stay hit-able until evicted."""
@@ -355,3 +357,8 @@ class KVCacheManager:
         bs = self.block_size
         table = request.block_ids
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+def _lora_id(request: Request):
+    """The adapter id a KV event reports for the request's blocks (vLLM's lora_id), None for the base model."""
+    return request.lora.int_id if request.lora is not None else None

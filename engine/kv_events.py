@@ -22,7 +22,7 @@ tests/test_kv_events.py checks against msgspec.
 Block hashes: vLLM sends the low 64 bits of its sha256 block hash as an unsigned int (the last 8 bytes read
 big-endian) unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, which sends the whole digest as bytes; we read the
 same variable and convert our sha256 hashes (engine/kv_cache_manager.py) the same way. medium is "GPU" as in
-vLLM, whose primary KV pool always reports MEDIUM_GPU whatever device holds it; lora_id is nil (no LoRA).
+vLLM, whose primary KV pool always reports MEDIUM_GPU whatever device holds it; lora_id is the request's adapter id (engine.lora), nil for the base model.
 
 Per request, SamplingParams.extra_args["kv_cache_report_mode"] is "incremental" (default: only blocks the
 request newly stored) or "full" (also a BlockStored for the cached blocks it reused when admitted, so a
@@ -201,11 +201,11 @@ class KVEventRecorder:
         self.as_int = _int_hashes()
         self.events: list = []
 
-    def stored(self, hashes: list, parent: Optional[bytes], token_ids: list) -> None:
+    def stored(self, hashes: list, parent: Optional[bytes], token_ids: list, lora_id: Optional[int] = None) -> None:
         if hashes:
             self.events.append(BlockStored([external_hash(h, self.as_int) for h in hashes],
                                            external_hash(parent, self.as_int) if parent is not None else None,
-                                           list(token_ids), self.block_size))
+                                           list(token_ids), self.block_size, lora_id))
 
     def removed(self, block_hash: bytes) -> None:
         self.events.append(BlockRemoved([external_hash(block_hash, self.as_int)]))

@@ -80,8 +80,9 @@ class LLM:
         return f"llm-{next(self._ids)}"
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generates for a batch of prompts (strings or token-id lists); returns outputs in prompt order."""
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """Generates for a batch of prompts (strings or token-id lists); returns outputs in prompt order.
+        lora_request: one engine.lora.LoRARequest for every prompt, or a list with one (or None) per prompt."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
                                                       isinstance(prompts[0], int))
         if single:
@@ -93,11 +94,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora requests")
         ids = []
         try:
-            for p, sp in zip(prompts, params):
+            for p, sp, lr in zip(prompts, params, loras):
                 rid = self._next_id()
-                self.engine.add_request(rid, p, sp.clone() if hasattr(sp, "clone") else sp)
+                self.engine.add_request(rid, p, sp.clone() if hasattr(sp, "clone") else sp,
+                                        **({"lora_request": lr} if lr is not None else {}))
                 ids.append(rid)
             final: dict[str, RequestOutput] = {}
             bar = None
@@ -118,10 +123,11 @@ class LLM:
             raise
         return [final[r] for r in ids]
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *, lora_request=None) -> Iterator[str]:
         """Yields text deltas of one request as they are generated."""
         rid = self._next_id()
-        self.engine.add_request(rid, prompt, (sampling_params or SamplingParams()).clone())
+        self.engine.add_request(rid, prompt, (sampling_params or SamplingParams()).clone(),
+                                **({"lora_request": lora_request} if lora_request is not None else {}))
         try:
             while True:
                 done = False
@@ -138,13 +144,13 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template_kwargs: dict | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         """Renders one conversation (a list of messages) or a list of conversations with the model's chat
         template and generates a reply to each; returns a list of outputs (one per conversation), as vLLM."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         ids = [self.tokenizer.encode_chat(m, add_generation_prompt=add_generation_prompt, tools=tools,
                                           **(chat_template_kwargs or {})) for m in convs]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts, params, *, use_tqdm: bool = False) -> list:
         """vLLM's LLM.beam_search (engine.beam_search): one BeamSearchOutput per prompt."""

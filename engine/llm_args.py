@@ -34,6 +34,8 @@ _IGNORED = ("swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode
             "hf_token", "hf_overrides", "compilation_config", "skip_tokenizer_init", "allowed_local_media_path",
             "max_logprobs_mode", "enable_chunked_prefill", "distributed_executor_backend", "worker_cls",
             "disable_log_requests", "use_v2_block_manager", "num_scheduler_steps")
+# vLLM's LoRA tuning knobs with no counterpart here (adapters stay in host memory; LoRA weights are f32)
+_IGNORED += ("max_cpu_loras", "lora_dtype", "fully_sharded_loras", "lora_extra_vocab_size")
 _DTYPES_F32 = ("auto", "float32", "float", "fp32")
 _DTYPES_LOGGED = ("float16", "half", "bfloat16", "fp16", "bf16")
 

@@ -98,6 +98,11 @@ class EngineArgs:
     # (usage_context "openai_api_server") off CUDA, where one step of a 2048-token chunk deep in a long prompt
     # takes seconds; off for offline batches (LLM, the engine CLI: throughput, not latency) and on CUDA.
     itl_target_ms: Optional[float] = None
+    # vLLM's --enable-lora / --max-loras / --max-lora-rank: LoRA adapters per request (engine.lora); max_loras
+    # adapters run at a time, each of rank at most max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
 
 # The KV pool's bytes without num_blocks / kv_cache_memory where the device's free memory is not measured: the
@@ -180,6 +185,9 @@ class LLMEngine:
                              "decoding does not run engine-wide logits processors)")
         from engine.kv_events import KVEventsConfig
         kv_events = KVEventsConfig.parse(args.kv_events_config)     # (so does a bad --kv-events-config)
+        if args.enable_lora:
+            from engine.lora import check_lora_args
+            check_lora_args(args)               # (and LoRA settings the engine cannot serve)
         gpu_util = check_gpu_memory_utilization(args.gpu_memory_utilization)
         default_batch_limits("cpu", args.usage_context)  # a bad usage_context fails before the load too
         # A Hugging Face id (Qwen/Qwen3-0.6B) becomes its cached or downloaded folder; a local path stays as it is.
@@ -221,6 +229,10 @@ class LLMEngine:
         else:
             self.model = build_model(ckpt, kv_dtype=kv_dtype, device=args.device, dtype=args.dtype)
         device_kind = getattr(self.model, "device", "cpu")
+        self.lora = None
+        if args.enable_lora:
+            from engine.lora import enable_lora
+            self.lora = enable_lora(self, args)
         seqs, tokens = default_batch_limits(device_kind, args.usage_context,
                                             mem_at_start[1] if mem_at_start is not None else None)
         if args.max_num_seqs is None or args.max_num_batched_tokens is None:
@@ -258,7 +270,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=self.max_model_len,
             max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
-            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy), self.kv)
+            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
+            max_loras=args.max_loras if self.lora is not None else 0), self.kv)
         itl = args.itl_target_ms
         if itl is None:
             itl = DEFAULT_ITL_TARGET_MS if args.usage_context == "openai_api_server" and device_kind != "cuda" else 0
@@ -271,8 +284,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=args.block_size,
                                   max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
-                                  max_model_len=self.max_model_len, use_graphs=args.use_graphs,
+                                  max_model_len=self.max_model_len,
+                                  # a LoRA step's tiles (grids) change with its adapters: no recorded graphs
+                                  use_graphs=args.use_graphs and self.lora is None,
                                   device_buffers=self._reserved_buffers)
+        self.runner.lora = self.lora
         self._reserved_buffers = None
         self.stop_ids = tuple(ckpt.stop_token_ids or cfg.eos_token_ids or ())
         procs = build_engine_processors(
@@ -391,12 +407,13 @@ class LLMEngine:
         raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                    arrival_time: float | None = None, stream: bool = True) -> None:
+                    arrival_time: float | None = None, stream: bool = True, lora_request=None) -> None:
         self.add_prepared(self.prepare_request(request_id, prompt, params, priority=priority,
-                                               arrival_time=arrival_time, stream=stream))
+                                               arrival_time=arrival_time, stream=stream, lora_request=lora_request))
 
     def prepare_request(self, request_id: str, prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                        arrival_time: float | None = None, stream: bool = True) -> PreparedRequest:
+                        arrival_time: float | None = None, stream: bool = True,
+                        lora_request=None) -> PreparedRequest:
         """Everything admission needs that does not touch engine state: safe in any thread, linear in the
         request's size. Raises InvalidRequestError (param names the field) for anything the engine would
         refuse or could fail on."""
@@ -410,6 +427,7 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         params.validate(self.config.vocab_size, self.args.max_logprobs)
+        adapter = self._lora_adapter(lora_request) if lora_request is not None else None
         if params.extra_args is not None:
             from engine.kv_events import check_report_mode
             try:
@@ -437,6 +455,7 @@ class LLMEngine:
             r = Request(sid, ids, p, arrival_time=arrival, priority=priority, eos_token_ids=self.stop_ids)
             r.logit_edits = edits
             r.grammar = grammars[i] if grammars else None
+            r.lora = adapter
             detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens, prompt_ids=ids) \
                 if p.detokenize else None
             st = _SeqState(i, r, detok, p, logprobs=[] if p.logprobs is not None else None,
@@ -445,6 +464,17 @@ class LLMEngine:
                 st.stop_buffer = max(len(s) for s in p.stop) - 1
             seqs.append(st)
         return PreparedRequest(request_id, text, ids, params, seqs, arrival, stream=stream)
+
+    def _lora_adapter(self, lora_request):
+        """The loaded adapter of a LoRARequest (engine.lora; loaded from its path the first time)."""
+        from engine.lora import LoRAError
+        if self.lora is None:
+            raise InvalidRequestError("this engine was started without LoRA support: pass enable_lora=True "
+                                      "(--enable-lora) to use lora_request", param="lora_request")
+        try:
+            return self.lora.get_or_load(lora_request)
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), param="lora_request") from None
 
     def add_prepared(self, prep: PreparedRequest) -> None:
         """Registers a prepared request with the scheduler (the engine thread's share of admission)."""

@@ -86,6 +86,8 @@ class StepResult:
 
 
 class ModelRunner:
+    lora = None                 # engine.lora.LoRAManager when the engine serves LoRA adapters
+
     def __init__(self, model, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, use_graphs: bool = True, device_buffers=None):
         # device_buffers: a DeviceBufferPool to adopt (LLMEngine's GPU sizing hands over its measuring runner's
@@ -239,6 +241,8 @@ class ModelRunner:
         b.num_tokens = t
         b.num_seqs = R
         b.logits_rows = np.asarray(rows, np.int32)
+        if self.lora is not None:             # engine.lora: the step's adapters in slots, tokens tiled by slot
+            self.lora.prepare_step(sched.scheduled)
         return StepResult(None, sample_rows, prompt_rows, spec_rows)
 
     def execute(self, sched) -> StepResult:

@@ -81,6 +81,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # engine.structured_outputs.GrammarState when sampling_params.structured_outputs is set (own per sequence)
     grammar: object = None
+    # engine.lora.LoRAAdapter this request runs with (None: the base model)
+    lora: object = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

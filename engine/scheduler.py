@@ -84,6 +84,8 @@ class SchedulerConfig:
     # When set, admission validates sampling params and prompt ids against it.
     vocab_size: int | None = None
     max_logprobs: int | None = None
+    # LoRA: requests of at most this many distinct adapters run at a time (engine.lora's slots); 0: no adapters
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -464,6 +466,8 @@ class Scheduler:
             budget = min(budget, prefill_left)          # (admissions are all prefill)
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting.peek()
+                if self.config.max_loras and request.lora is not None and self._lora_slots_full(request.lora):
+                    break                   # its adapter waits for a slot: one of the running adapters to finish
                 if self.kv.blocks_needed(request.num_tokens) > self.kv.num_blocks:
                     self.waiting.pop()
                     self._error(request, self._does_not_fit_message(request))
@@ -521,6 +525,10 @@ class Scheduler:
         self._errored_pending = []
         self.num_steps += 1
         return out
+
+    def _lora_slots_full(self, adapter) -> bool:
+        running = {id(r.lora) for r in self.running if r.lora is not None}
+        return id(adapter) not in running and len(running) >= self.config.max_loras
 
     def _error(self, request: Request, message: str) -> None:
         logger.error("%s", message)

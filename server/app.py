@@ -92,6 +92,8 @@ class AppState:
         self.model_names = {self.served_model_name}
         if settings.model:
             self.model_names.add(settings.model)
+        from server.lora import ServerLoRA
+        self.lora = ServerLoRA(self, settings.lora_module_list())     # --lora-modules, loaded now
         self.token_strings = TokenStrings(self.tokenizer)
         self.policy = self.engine_args.get("scheduling_policy", settings.scheduling_policy) or "fcfs"
         max_logprobs = self.engine_args.get("max_logprobs", settings.max_logprobs)
@@ -167,7 +169,7 @@ def _read_json(req: falcon.Request, state: AppState) -> dict:
 
 
 def _check_model(state: AppState, model: Optional[str]) -> None:
-    if model is not None and model not in state.model_names:
+    if model is not None and model not in state.model_names and state.lora.request_for(model) is None:
         raise APIError(f"The model `{model}` does not exist. This server serves `{state.served_model_name}`.",
                        status=404, param="model", code="model_not_found")
 
@@ -233,11 +235,12 @@ class ModelsResource:
                 "permission": []}
 
     def on_get(self, req, resp) -> None:
-        _json(resp, {"object": "list", "data": [self._card()]})
+        _json(resp, {"object": "list", "data": [self._card()] + self.state.lora.cards()})
 
     def on_get_one(self, req, resp, model_id: str) -> None:
         _check_model(self.state, model_id)
-        _json(resp, self._card())
+        adapter = [c for c in self.state.lora.cards() if c["id"] == model_id]
+        _json(resp, adapter[0] if adapter else self._card())
 
 
 class HealthResource:
@@ -418,7 +421,8 @@ class OpenAIServer:
         if state.task == "embed":          # an embedding model: /v1/embeddings (404 at the route table otherwise)
             from server.embeddings import EmbeddingsResource
             app.add_route("/v1/embeddings", EmbeddingsResource(state))
-        from server import webui
+        from server import lora, webui
+        lora.add_routes(app, state)    # /v1/load_lora_adapter, /v1/unload_lora_adapter
         webui.add_routes(app)          # GET /: the chat page (public; the /v1 routes it calls need the key)
         self.falcon_app = app
 

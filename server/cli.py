@@ -6,6 +6,7 @@ Flags are checked here, before gunicorn starts, so a typo is one clear line and 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -165,10 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation_config.json, default), vllm (none), or a folder holding one")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=None,
                    help="tensor parallelism: only 1 (the default) runs today; N > 1 is refused with the reason")
+    p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters (vLLM's flag)")
+    p.add_argument("--max-loras", type=_positive, default=None, help="adapters running at a time (default 1)")
+    p.add_argument("--max-lora-rank", type=_positive, default=None, help="largest adapter rank (default 16)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapters served under their names (name=path or vLLM's JSON object form)")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _lora_modules_json(items):
+    if not items:
+        return None
+    from server.lora import parse_lora_modules
+    return json.dumps(parse_lora_modules(items))
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -181,7 +194,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size, kv_events_config=args.kv_events_config,
-        itl_target_ms=args.itl_target_ms,
+        itl_target_ms=args.itl_target_ms, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, lora_modules=_lora_modules_json(args.lora_modules),
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
         device=args.device or os.environ.get("JITKERN_DEVICE") or None,
         gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
@@ -237,6 +251,14 @@ def main(argv: list | None = None) -> int:
             SpeculativeConfig.parse(args.speculative_config)
         except SpeculativeConfigError as e:
             parser.error(f"--speculative-config: {e}")
+    if args.lora_modules:
+        from server.lora import parse_lora_modules
+        try:
+            parse_lora_modules(args.lora_modules)
+        except ValueError as e:
+            parser.error(str(e))
+        if not args.enable_lora:
+            parser.error("--lora-modules needs --enable-lora")
     if args.tensor_parallel_size not in (None, 1):      # the engine's one decision, before gunicorn starts
         from engine.parallel.config import TensorParallelError, check_tensor_parallel
         try:

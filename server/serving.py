@@ -182,21 +182,25 @@ class Generation:
     def submit(self) -> None:
         engine = self.state.engine
         prompts = self.req.prompts
+        lora = self.state.lora.request_for(self.req.model) if getattr(self.state, "lora", None) else None
+        lkw = {"lora_request": lora} if lora is not None else {}       # a request naming a LoRA adapter
         try:
+            if lora is not None and self.req.beam is not None:
+                raise bad_request("use_beam_search is not available with a LoRA adapter", param="model")
             if self.req.beam is not None:          # use_beam_search: server.beam runs the search
                 from server.beam import BeamEvents
                 self.events = BeamEvents(self.state, self.id, prompts, self.req.beam, n=self.req.params.n)
                 self.engine_ids = [self.id]
             elif len(prompts) == 1:
                 stream = engine.submit(self.id, list(prompts[0].token_ids), self.req.params.clone(),
-                                       priority=self.req.priority)
+                                       priority=self.req.priority, **lkw)
                 self.engine_ids = [self.id]
                 self.events = StreamEvents(stream)
             else:
                 # All prompts of the request in one engine command: all admitted, or none.
                 rids = [f"{self.id}-{i}" for i in range(len(prompts))]
                 group = engine.submit_batch([(rid, list(p.token_ids), self.req.params.clone())
-                                             for rid, p in zip(rids, prompts)], priority=self.req.priority)
+                                             for rid, p in zip(rids, prompts)], priority=self.req.priority, **lkw)
                 self.engine_ids = rids
                 self.events = GroupEvents(group)
         except InvalidRequestError as e:

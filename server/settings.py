@@ -6,6 +6,7 @@ is reported naming the variable, not as a traceback.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
@@ -84,6 +85,12 @@ class ServerSettings:
     # JITKERN_ITL_TARGET_MS: step-time target while prompts prefill beside running streams (engine.scheduler
     # PrefillBudget); 0: off (only max_num_batched_tokens); unset: the engine's default for the device
     itl_target_ms: Optional[float] = None
+    # LoRA (vLLM's --enable-lora, --max-loras, --max-lora-rank, --lora-modules; engine.lora, server.lora):
+    # JITKERN_LORA_MODULES is a JSON list of {"name", "path"} objects
+    enable_lora: Optional[bool] = None
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+    lora_modules: Optional[str] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -115,6 +122,7 @@ class ServerSettings:
         "speculative_config": "spec_config", "task": "task", "generation_config": "generation_config",
         "tensor_parallel_size": "pos_int", "device": "device", "gpu_memory_utilization": "fraction",
         "kv_events_config": "kv_events", "itl_target_ms": "nonneg_float",
+        "enable_lora": "bool", "max_loras": "pos_int", "max_lora_rank": "pos_int", "lora_modules": "lora_modules",
     }
 
     @classmethod
@@ -148,13 +156,21 @@ class ServerSettings:
             env[self.env_name(f.name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
         return env
 
+    def lora_module_list(self) -> list:
+        """The --lora-modules entries as [{"name", "path"}] (server.lora)."""
+        if not self.lora_modules:
+            return []
+        from server.lora import parse_lora_modules
+        return parse_lora_modules([json.dumps(m) for m in json.loads(self.lora_modules)])
+
     def engine_kwargs(self) -> dict:
         """EngineArgs keyword arguments for the fields that are set (the rest keep the engine's defaults)."""
         names = ("model", "tokenizer_config", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "scheduling_policy", "max_logprobs", "logprobs_mode", "seed", "enable_jump_forward",
                  "speculative_config", "task", "generation_config", "tensor_parallel_size", "device",
-                 "gpu_memory_utilization", "kv_events_config", "itl_target_ms")
+                 "gpu_memory_utilization", "kv_events_config", "itl_target_ms", "enable_lora", "max_loras",
+                 "max_lora_rank")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["usage_context"] = "openai_api_server"      # vLLM's server defaults (engine.sizing.default_batch_limits)
         if self.dtype in ("float32", "float"):
@@ -233,6 +249,14 @@ def _parse(kind: str, name: str, text: str):
         try:
             KVEventsConfig.parse(text)
         except KVEventsConfigError as e:
+            raise SettingsError(f"{name}: {e}") from None
+        return text
+    if kind == "lora_modules":
+        from server.lora import parse_lora_modules
+        try:
+            items = json.loads(text)
+            parse_lora_modules([json.dumps(m) for m in items] if isinstance(items, list) else [text])
+        except ValueError as e:
             raise SettingsError(f"{name}: {e}") from None
         return text
     if kind == "kv_dtype":
