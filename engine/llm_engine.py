@@ -98,6 +98,11 @@ class EngineArgs:
     # (usage_context "openai_api_server") off CUDA, where one step of a 2048-token chunk deep in a long prompt
     # takes seconds; off for offline batches (LLM, the engine CLI: throughput, not latency) and on CUDA.
     itl_target_ms: Optional[float] = None
+    # vLLM's --data-parallel-size / --distributed-executor-backend ("mp" | "ray"; None: mp): N > 1 replicas of
+    # this engine behind one front end (engine.data_parallel); LLM and the server build that front end, an
+    # LLMEngine itself is always one replica
+    data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
 
 
 # The KV pool's bytes without num_blocks / kv_cache_memory where the device's free memory is not measured: the
