@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
@@ -318,6 +319,8 @@ class DataParallelEngine:
         self._closed = False
         self._dead: Optional[BaseException] = None
         self._ray_pg = None
+        # (request id, replica rank, cached blocks matched) of the latest routings: what /metrics counts, per request
+        self.route_log: deque = deque(maxlen=4096)
         self.replicas = self._make_replicas(kw)
         try:
             self._start_all()
@@ -616,6 +619,7 @@ class DataParallelEngine:
                 rep.cached.update(hashes)        # its events confirm (or evict) these once it has computed them
             rep.routed += len(reqs)
             rep.routed_by_prefix += len(reqs) if matched else 0
+            self.route_log.extend((rid, rep.rank, matched) for rid, _, _ in reqs)
         with self._lock:
             for rid, _, _ in reqs:
                 self._owner[rid] = rep
@@ -726,8 +730,9 @@ class DataParallelEngine:
                     snap = dict(self._call_on(rep, operator.methodcaller("metrics_snapshot"), ()))
                 except Exception as e:  # noqa: BLE001 - a replica going down while scraped
                     log.warning("metrics: replica %d: %s", rep.rank, e)
-            snap.update(dp_up=1 if rep.state == "up" else 0, dp_restarts=rep.restarts, dp_routed=rep.routed,
-                        dp_routed_by_prefix=rep.routed_by_prefix, dp_in_flight=rep.load)
+            snap.update(dp_replica_up=1 if rep.state == "up" else 0, dp_replica_restarts=rep.restarts,
+                        dp_routed_requests=rep.routed, dp_routed_by_prefix_requests=rep.routed_by_prefix,
+                        dp_in_flight=rep.load)
             per[rep.rank] = snap
         total: dict = {}
         for snap in per.values():

@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation_config.json, default), vllm (none), or a folder holding one")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=None,
                    help="tensor parallelism: only 1 (the default) runs today; N > 1 is refused with the reason")
+    p.add_argument("--data-parallel-size", "-dp", type=_positive, default=None,
+                   help="engine replicas behind this server, each with its own KV cache and scheduler (default 1)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                   help="where the replicas run: mp (local processes on disjoint cores, the default) or ray "
+                        "(Ray actors in placement groups: `ray start --head` first; pip install 'jitkern[distributed]')")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -181,7 +186,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, seed=args.seed, enable_jump_forward=args.enable_jump_forward,
         speculative_config=args.speculative_config, task=args.task, generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size, kv_events_config=args.kv_events_config,
-        itl_target_ms=args.itl_target_ms,
+        itl_target_ms=args.itl_target_ms, data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
         device=args.device or os.environ.get("JITKERN_DEVICE") or None,
         gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),

@@ -84,6 +84,10 @@ class ServerSettings:
     # JITKERN_ITL_TARGET_MS: step-time target while prompts prefill beside running streams (engine.scheduler
     # PrefillBudget); 0: off (only max_num_batched_tokens); unset: the engine's default for the device
     itl_target_ms: Optional[float] = None
+    # JITKERN_DATA_PARALLEL_SIZE / JITKERN_DISTRIBUTED_EXECUTOR_BACKEND: N engine replicas behind this server
+    # (engine.data_parallel), as local processes ("mp") or Ray actors ("ray")
+    data_parallel_size: Optional[int] = None
+    distributed_executor_backend: Optional[str] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -115,6 +119,7 @@ class ServerSettings:
         "speculative_config": "spec_config", "task": "task", "generation_config": "generation_config",
         "tensor_parallel_size": "pos_int", "device": "device", "gpu_memory_utilization": "fraction",
         "kv_events_config": "kv_events", "itl_target_ms": "nonneg_float",
+        "data_parallel_size": "pos_int", "distributed_executor_backend": "executor_backend",
     }
 
     @classmethod
@@ -154,7 +159,8 @@ class ServerSettings:
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "scheduling_policy", "max_logprobs", "logprobs_mode", "seed", "enable_jump_forward",
                  "speculative_config", "task", "generation_config", "tensor_parallel_size", "device",
-                 "gpu_memory_utilization", "kv_events_config", "itl_target_ms")
+                 "gpu_memory_utilization", "kv_events_config", "itl_target_ms", "data_parallel_size",
+                 "distributed_executor_backend")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["usage_context"] = "openai_api_server"      # vLLM's server defaults (engine.sizing.default_batch_limits)
         if self.dtype in ("float32", "float"):
@@ -234,6 +240,10 @@ def _parse(kind: str, name: str, text: str):
             KVEventsConfig.parse(text)
         except KVEventsConfigError as e:
             raise SettingsError(f"{name}: {e}") from None
+        return text
+    if kind == "executor_backend":
+        if text not in ("mp", "ray"):
+            raise SettingsError(f"{name}={text!r}: expected mp or ray")
         return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:
