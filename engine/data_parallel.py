@@ -380,11 +380,11 @@ class DataParallelEngine:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"Ray could not place {self.size} replicas of {bundle} (cluster: "
                                f"{ray.cluster_resources()})") from None
-        actor_cls = ray.remote(RayReplica)
+        actor_cls = ray.remote(concurrency_groups={"io": 2})(RayReplica)
         out = []
         for r in range(self.size):
             opts = dict(num_cpus=per, num_gpus=bundle.get("GPU", 0), max_restarts=-1, max_task_retries=0,
-                        concurrency_groups={"io": 2}, name=None,
+                        name=None,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self._ray_pg, placement_group_bundle_index=r))
             out.append(_Replica(r, _RayTransport(r, actor_cls, kw, per, opts)))
