@@ -341,7 +341,7 @@ class DataParallelEngine:
         if self.routing == "prefix" and not self.prefix_caching:
             raise ValueError("prefix-aware routing needs prefix caching (enable_prefix_caching)")
         self.max_load_imbalance = max_load_imbalance if max_load_imbalance is not None else \
-            max(4, (self.max_num_seqs or 32) // 4)
+            max(8, (self.max_num_seqs or 32) // 2)
         from engine.kv_cache_manager import root_hash
         self._root_hash = root_hash()
         log.info("data parallelism: %d replicas on %s, routing %s", n, backend, self.routing)

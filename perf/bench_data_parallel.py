@@ -30,13 +30,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _engine(args, dp: int, routing=None, num_blocks=None):
+def _engine(args, dp: int, routing=None, num_blocks=None, max_load_imbalance=None):
     from engine.data_parallel import DataParallelEngine
     from engine.llm_engine import EngineArgs
     ea = EngineArgs(model=args.model, max_num_seqs=max(args.concurrency, 1), data_parallel_size=dp,
                     distributed_executor_backend=args.backend, block_size=args.block_size,
                     usage_context="openai_api_server", itl_target_ms=0, num_blocks=num_blocks)
-    return DataParallelEngine(ea, routing=routing)
+    return DataParallelEngine(ea, routing=routing, max_load_imbalance=max_load_imbalance)
 
 
 def _wave(eng, prompts, params, concurrency: int) -> tuple:
@@ -105,7 +105,8 @@ def bench_prefix(args) -> None:
     params = SamplingParams(max_tokens=args.prefix_max_tokens, temperature=0, ignore_eos=True, detokenize=False)
     results = {}
     for routing in ("round_robin", "prefix"):
-        eng = _engine(args, dp, routing=routing, num_blocks=args.prefix_num_blocks)
+        eng = _engine(args, dp, routing=routing, num_blocks=args.prefix_num_blocks,
+                      max_load_imbalance=args.max_load_imbalance)
         try:
             vocab = [t for t in range(10, 250)]
             plen = args.prefix_blocks * eng.block_size
@@ -146,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-num-blocks", type=int, default=None,
                    help="KV blocks per replica for the prefix workload (default: the engine's pool). Routing shows "
                         "in the hit rate when one replica's pool cannot hold every system prompt")
+    p.add_argument("--max-load-imbalance", type=int, default=None,
+                   help="prefix routing: a replica more than this many unfinished requests above the least loaded "
+                        "one is passed over (default: the engine's, max(8, max_num_seqs // 2))")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-prefix", action="store_true")
     args = p.parse_args(argv)
