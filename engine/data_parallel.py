@@ -606,12 +606,16 @@ class DataParallelEngine:
         """Routes the requests (one HTTP request's prompts go to one replica, as they are admitted together)
         and waits for the replica's validation."""
         self._check_alive()
-        rep, hashes, matched = self.route(reqs[0][1])
         tag = next(self._tags)
         fut: Future = Future()
+        for attempt in range(len(self.replicas)):
+            rep, hashes, matched = self.route(reqs[0][1])
+            with rep.lock:
+                if rep.state == "up":
+                    break
+        else:
+            raise EngineUnavailableError("the data-parallel replicas went down while routing; try again later")
         with rep.lock:
-            if rep.state != "up":
-                raise EngineUnavailableError(f"data-parallel replica {rep.rank} went down; try again")
             rep.pending[tag] = fut
             for (rid, _, _), sink in zip(reqs, sinks):
                 rep.inflight[rid] = sink

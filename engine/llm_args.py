@@ -66,8 +66,13 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
     if tp not in (None, 1):
         out["tensor_parallel_size"] = tp            # checked by engine.parallel.config before the load
     dp = take("data_parallel_size", 1)
+    backend = take("distributed_executor_backend")
+    from engine.data_parallel import check_data_parallel
+    check_data_parallel(1 if dp is None else dp, backend)
     if dp not in (None, 1):
         out["data_parallel_size"] = dp              # engine.data_parallel: N replicas behind one front end
+    if backend is not None:
+        out["distributed_executor_backend"] = backend
     for par in ("pipeline_parallel_size",):
         v = take(par, 1)
         if v not in (None, 1):

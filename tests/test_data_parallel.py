@@ -58,6 +58,20 @@ def test_greedy_texts_identical_dp2_vs_dp1(tiny, dp2):
     assert all(n > 0 for n in routed), routed           # both replicas served part of the batch
 
 
+def test_bad_data_parallel_arguments_are_refused(tiny):
+    from engine import LLM
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(tiny, data_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(tiny, distributed_executor_backend="mpi")
+
+
+def test_core_sets_split_evenly():
+    from engine.data_parallel import core_sets
+    assert core_sets(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
+    assert core_sets(3, [0, 1]) == [None, None, None]
+
+
 def test_replicas_are_separate_processes_on_disjoint_cores(dp2):
     eng = dp2.engine
     pids = {r.transport.pid() for r in eng.replicas}
@@ -170,6 +184,26 @@ def test_server_completion_stream_and_metrics(dp_server, tiny):
     total = [float(ln.split()[-1]) for ln in lines if "engine=" not in ln]
     assert set(per) == {"0", "1"} and total == [sum(per.values())], lines
     assert "jitkern:dp_replica_up" in m
+
+
+def test_abort_reaches_the_owning_replica(dp2, dp_server):
+    eng = dp2.engine
+    s = eng.submit("ab", [30, 31, 32], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True,
+                                                       detokenize=False))
+    next(s)
+    owner = eng._owner["ab"]
+    s.abort()
+    deadline = time.monotonic() + 10
+    while owner.load and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert owner.load == 0
+    snap = eng.metrics_snapshot()["replicas"][owner.rank]
+    assert snap["num_requests_running"] == 0 and snap["num_requests_waiting"] == 0
+    # (the server aborts a stream whose client went away through the same RequestStream.abort); a streamed
+    # request on the pool after the abort runs to [DONE]
+    app, client = dp_server
+    r = client.simulate_post("/v1/completions", json={"prompt": [30, 31], "max_tokens": 3, "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
 
 
 def test_killed_replica_fails_its_requests_and_comes_back(dp2, dp_server):
