@@ -53,12 +53,16 @@ CONNECT_TIMEOUT_S = 5.0
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
-class ReplicaDeadError(EngineUnavailableError):
-    """A data-parallel replica died while running this request (the message names the replica)."""
+class DataParallelUnavailableError(EngineUnavailableError):
+    """No replica can take this request now (the server answers 503 with this message: it names no secret)."""
 
     @property
     def public_message(self) -> str:
         return str(self)
+
+
+class ReplicaDeadError(DataParallelUnavailableError):
+    """A data-parallel replica died while running this request (the message names the replica)."""
 
 
 def check_data_parallel(size, backend) -> None:
@@ -289,6 +293,17 @@ class _Replica:
         return len(self.inflight)
 
 
+class _AnyReplicaUp:
+    """Stands where the server's /health looks for the engine thread (AsyncEngine._thread): "alive" while at
+    least one replica serves, so a load balancer stops sending while every replica is restarting."""
+
+    def __init__(self, engine: "DataParallelEngine"):
+        self.engine = engine
+
+    def is_alive(self) -> bool:
+        return any(r.state == "up" for r in self.engine.replicas)
+
+
 class DataParallelEngine:
     """N replicas behind one AsyncEngine-like front end (submit / submit_batch / abort / call, for the
     server) that is also LLMEngine-like (add_request / step / has_unfinished_requests, for the LLM API)."""
@@ -322,6 +337,7 @@ class DataParallelEngine:
         # (request id, replica rank, cached blocks matched) of the latest routings: what /metrics counts, per request
         self.route_log: deque = deque(maxlen=4096)
         self.replicas = self._make_replicas(kw)
+        self._thread = _AnyReplicaUp(self)
         try:
             self._start_all()
         except BaseException:
@@ -575,7 +591,7 @@ class DataParallelEngine:
         up = [r for r in self.replicas if r.state == "up"]
         if not up:
             states = ", ".join(f"{r.rank}: {r.state}" for r in self.replicas)
-            raise EngineUnavailableError(f"no data-parallel replica is serving ({states}); try again later")
+            raise DataParallelUnavailableError(f"no data-parallel replica is serving ({states}); try again later")
         if self.routing == "round_robin":
             return up[next(self._rr) % len(up)], [], 0
         turn = next(self._rr)
@@ -614,7 +630,7 @@ class DataParallelEngine:
                 if rep.state == "up":
                     break
         else:
-            raise EngineUnavailableError("the data-parallel replicas went down while routing; try again later")
+            raise DataParallelUnavailableError("the data-parallel replicas went down while routing; try again later")
         with rep.lock:
             rep.pending[tag] = fut
             for (rid, _, _), sink in zip(reqs, sinks):

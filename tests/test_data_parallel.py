@@ -165,8 +165,7 @@ def dp_server(dp2):
     yield app, falcon.testing.TestClient(app)
 
 
-def test_server_completion_stream_and_metrics(dp_server, tiny):
-    from engine import LLM
+def test_server_completion_stream_and_metrics(dp2, dp_server):
     app, client = dp_server
     prompt = [5, 17, 33, 2, 9, 100]
     r = client.simulate_post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
@@ -184,6 +183,17 @@ def test_server_completion_stream_and_metrics(dp_server, tiny):
     total = [float(ln.split()[-1]) for ln in lines if "engine=" not in ln]
     assert set(per) == {"0", "1"} and total == [sum(per.values())], lines
     assert "jitkern:dp_replica_up" in m
+    assert client.simulate_get("/health").status_code == 200
+    saved = [r.state for r in dp2.engine.replicas]
+    try:
+        for r in dp2.engine.replicas:
+            r.state = "down"                         # every replica restarting: not ready, and a 503 to submit
+        assert client.simulate_get("/health").status_code == 503
+        r = client.simulate_post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 503 and "no data-parallel replica is serving" in r.json["error"]["message"]
+    finally:
+        for r, st in zip(dp2.engine.replicas, saved):
+            r.state = st
 
 
 def test_abort_reaches_the_owning_replica(dp2, dp_server):
