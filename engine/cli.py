@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4} (a smaller model with the same tokenizer)')
+    p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                   help="engine replicas (own process, KV cache and scheduler each; engine.data_parallel)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                   help="where the replicas run: mp (local processes, default) or ray (Ray actors)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="tensor parallelism: only 1 (the default) runs today; N > 1 is refused with the reason")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
@@ -166,7 +170,8 @@ def _main(argv) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, enable_jump_forward=args.enable_jump_forward,
                   device=args.device, speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, logprobs_mode=args.logprobs_mode,
-                  max_logprobs=-1)
+                  max_logprobs=-1, data_parallel_size=args.data_parallel_size,
+                  distributed_executor_backend=args.distributed_executor_backend)
     except (ModelLoadError, KVPoolTooSmallError) as e:     # (the latter: the model leaves no room for a KV cache)
         return _fail(str(e))
     except ValueError as e:                     # SpeculativeConfigError: e.g. a draft model's vocabulary

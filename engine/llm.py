@@ -34,7 +34,12 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **engine_kwargs):
         # vLLM's constructor spelling (dtype, tensor_parallel_size, enforce_eager, ...): engine.llm_args
         from engine.llm_args import engine_kwargs_from_vllm
-        self._engine = LLMEngine(EngineArgs(**engine_kwargs_from_vllm({"model": model, **engine_kwargs})))
+        args = EngineArgs(**engine_kwargs_from_vllm({"model": model, **engine_kwargs}))
+        if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
+            from engine.data_parallel import DataParallelEngine     # N replicas, one front end
+            self._engine = DataParallelEngine(args)
+        else:
+            self._engine = LLMEngine(args)
         self._ids = itertools.count()
 
     @property

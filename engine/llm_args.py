@@ -17,7 +17,9 @@ weights keep their stored formats; float32 elsewhere), "float32" / "float" -> "f
 hi + lo on the matrix units).
 tensor_parallel_size: passed to the engine, where engine.parallel.config alone decides (1: normal; > 1: refused
 on the CPU, and beyond the GPUs present naming both numbers).
-Refused with the reason: pipeline_parallel_size / data_parallel_size > 1 (one device per engine),
+data_parallel_size / distributed_executor_backend ("mp" | "ray"): N replicas behind one front end
+(engine.data_parallel).
+Refused with the reason: pipeline_parallel_size > 1,
 quantization other than None / "gguf" (read from the checkpoint), tokenizer pointing somewhere the model's own
 is not (a folder with tokenizer_config.json is taken as --tokenizer-config), unknown keywords.
 """
@@ -32,7 +34,7 @@ _IGNORED = ("swap_space", "cpu_offload_gb", "trust_remote_code", "tokenizer_mode
             "revision", "tokenizer_revision", "code_revision", "download_dir", "load_format",
             "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats",
             "hf_token", "hf_overrides", "compilation_config", "skip_tokenizer_init", "allowed_local_media_path",
-            "max_logprobs_mode", "enable_chunked_prefill", "distributed_executor_backend", "worker_cls",
+            "max_logprobs_mode", "enable_chunked_prefill", "worker_cls",
             "disable_log_requests", "use_v2_block_manager", "num_scheduler_steps")
 # vLLM's LoRA tuning knobs with no counterpart here (adapters stay in host memory; LoRA weights are f32)
 _IGNORED += ("max_cpu_loras", "lora_dtype", "fully_sharded_loras", "lora_extra_vocab_size")
@@ -65,7 +67,15 @@ def engine_kwargs_from_vllm(kwargs: dict) -> dict:
     tp = take("tensor_parallel_size", 1)
     if tp not in (None, 1):
         out["tensor_parallel_size"] = tp            # checked by engine.parallel.config before the load
-    for par in ("pipeline_parallel_size", "data_parallel_size"):
+    dp = take("data_parallel_size", 1)
+    backend = take("distributed_executor_backend")
+    from engine.data_parallel import check_data_parallel
+    check_data_parallel(1 if dp is None else dp, backend)
+    if dp not in (None, 1):
+        out["data_parallel_size"] = dp              # engine.data_parallel: N replicas behind one front end
+    if backend is not None:
+        out["distributed_executor_backend"] = backend
+    for par in ("pipeline_parallel_size",):
         v = take(par, 1)
         if v not in (None, 1):
             raise ValueError(f"{par}={v}: this engine runs a model on one device (no tensor/pipeline/data "

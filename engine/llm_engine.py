@@ -103,6 +103,11 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's --data-parallel-size / --distributed-executor-backend ("mp" | "ray"; None: mp): N > 1 replicas of
+    # this engine behind one front end (engine.data_parallel); LLM and the server build that front end, an
+    # LLMEngine itself is always one replica
+    data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
 
 
 # The KV pool's bytes without num_blocks / kv_cache_memory where the device's free memory is not measured: the

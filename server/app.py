@@ -116,6 +116,8 @@ class AppState:
         self._drain_timer: Optional[threading.Timer] = None
 
     def _snapshot(self) -> dict:
+        if hasattr(self.engine, "metrics_snapshot"):      # data parallelism: summed, with each replica's own
+            return self.engine.metrics_snapshot()
         return self.engine.call(lambda e: e.metrics_snapshot())
 
     # --------------------------------------------------------------------------- in-flight requests
@@ -333,7 +335,9 @@ class ResetPrefixCacheResource:
         self.state = state
 
     def on_post(self, req, resp) -> None:
-        ok = bool(self.state.engine.call(lambda e: e.reset_prefix_cache()))
+        engine = self.state.engine
+        ok = bool(engine.reset_prefix_cache() if hasattr(engine, "reset_prefix_cache")
+                  else engine.call(lambda e: e.reset_prefix_cache()))
         _json(resp, {"success": ok})
 
 
@@ -367,7 +371,9 @@ def _handle_unexpected(req, resp, ex: Exception, params) -> None:
         return _handle_api_error(req, resp, ex, params)
     if isinstance(ex, EngineUnavailableError):
         log.error("%s %r: the engine is unavailable: %r", req.method, req.path, str(ex))
-        return _handle_api_error(req, resp, APIError("the engine is unavailable; try again later", status=503,
+        # (a data-parallel replica's death names the replica: engine.data_parallel.ReplicaDeadError)
+        message = getattr(ex, "public_message", None) or "the engine is unavailable; try again later"
+        return _handle_api_error(req, resp, APIError(message, status=503,
                                                      code="engine_unavailable"), params)
     # The details (exception, traceback) go to the log only; the client learns that the server failed.
     log.exception("%s %r failed", req.method, req.path)
@@ -457,7 +463,11 @@ def build_engine(settings: ServerSettings):
         return factory(settings)
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import EngineArgs
-    return AsyncEngine(EngineArgs(**settings.engine_kwargs()))
+    args = EngineArgs(**settings.engine_kwargs())
+    if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
+        from engine.data_parallel import DataParallelEngine
+        return DataParallelEngine(args)
+    return AsyncEngine(args)
 
 
 def configure_logging(verbose: bool) -> None:

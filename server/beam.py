@@ -9,6 +9,8 @@ structured outputs (400 naming the field).
 """
 from __future__ import annotations
 
+import operator
+
 import queue
 import threading
 from typing import Optional
@@ -119,7 +121,7 @@ class BeamEvents:
         self.q.put(_END)
 
     def _eos(self):
-        return self.state.engine.call(lambda e: tuple(e.stop_ids))
+        return tuple(self.state.engine.call(operator.attrgetter("stop_ids")))    # (pickles: data parallelism)
 
     def next(self, timeout: float):
         from server.serving import _END as END, _TIMEOUT

@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=_positive, default=None, help="largest adapter rank (default 16)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="PEFT adapters served under their names (name=path or vLLM's JSON object form)")
+    p.add_argument("--data-parallel-size", "-dp", type=_positive, default=None,
+                   help="engine replicas behind this server, each with its own KV cache and scheduler (default 1)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                   help="where the replicas run: mp (local processes on disjoint cores, the default) or ray "
+                        "(Ray actors in placement groups: `ray start --head` first; pip install 'jitkern[distributed]')")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -196,6 +201,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tensor_parallel_size=args.tensor_parallel_size, kv_events_config=args.kv_events_config,
         itl_target_ms=args.itl_target_ms, enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, lora_modules=_lora_modules_json(args.lora_modules),
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
         device=args.device or os.environ.get("JITKERN_DEVICE") or None,
         gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),

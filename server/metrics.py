@@ -59,16 +59,25 @@ class _EngineCollector:
             return
         labels = ["model_name"]
         values = [self.model_name]
+        # data parallelism (engine.data_parallel): each replica's number under engine="<rank>" (vLLM's label),
+        # next to the sum over replicas, which keeps the model_name label alone
+        replicas = snap.get("replicas") or {}
+
+        def per_replica(family, name):
+            key = {"vllm:kv_cache_usage_perc": "kv_cache_usage"}.get(name, name.partition(":")[2])
+            for rank, rs in sorted(replicas.items()):
+                family.add_metric(values + [str(rank)], float(rs.get(key, 0)))
+            return family
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=labels)
+            g = GaugeMetricFamily(name, doc, labels=labels + (["engine"] if replicas else []))
             g.add_metric(values, float(value))
-            return g
+            return per_replica(g, name) if replicas else g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=labels)
+            c = CounterMetricFamily(name, doc, labels=labels + (["engine"] if replicas else []))
             c.add_metric(values, float(value))
-            return c
+            return per_replica(c, name) if replicas else c
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                     snap.get("num_requests_running", 0))
@@ -85,6 +94,16 @@ class _EngineCollector:
                       snap.get("prefix_cache_hits", 0))
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                       snap.get("num_preemptions", 0))
+        if replicas:
+            yield gauge("jitkern:dp_replica_up", "1 while a data-parallel replica serves (sum: replicas up).",
+                        snap.get("dp_replica_up", 0))
+            yield counter("jitkern:dp_replica_restarts", "Restarts of a data-parallel replica after it died.",
+                          snap.get("dp_replica_restarts", 0))
+            yield counter("jitkern:dp_routed_requests", "Requests routed to a data-parallel replica.",
+                          snap.get("dp_routed_requests", 0))
+            yield counter("jitkern:dp_routed_by_prefix_requests",
+                          "Requests routed to a replica because it holds their prompt's longest cached prefix.",
+                          snap.get("dp_routed_by_prefix_requests", 0))
         if "spec_decode_num_drafts" in snap:        # speculative decoding on (engine.spec_decode)
             yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
                           snap["spec_decode_num_drafts"])

@@ -530,9 +530,13 @@ class Generation:
             yield sse_frame(e.to_dict())
             yield DONE_FRAME
         except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not a dropped connection
-            log.exception("request %s failed mid-stream", self.id)
-            yield sse_frame(APIError("internal error while generating (the server log has the details)",
-                                     status=500).to_dict())
+            public = getattr(e, "public_message", None)     # a data-parallel replica died: say which
+            if public:
+                log.error("request %s failed mid-stream: %s", self.id, public)
+            else:
+                log.exception("request %s failed mid-stream", self.id)
+            yield sse_frame(APIError(public or "internal error while generating (the server log has the details)",
+                                     status=503 if public else 500).to_dict())
             yield DONE_FRAME
         finally:
             self.close()

@@ -91,6 +91,10 @@ class ServerSettings:
     max_loras: Optional[int] = None
     max_lora_rank: Optional[int] = None
     lora_modules: Optional[str] = None
+    # JITKERN_DATA_PARALLEL_SIZE / JITKERN_DISTRIBUTED_EXECUTOR_BACKEND: N engine replicas behind this server
+    # (engine.data_parallel), as local processes ("mp") or Ray actors ("ray")
+    data_parallel_size: Optional[int] = None
+    distributed_executor_backend: Optional[str] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -123,6 +127,7 @@ class ServerSettings:
         "tensor_parallel_size": "pos_int", "device": "device", "gpu_memory_utilization": "fraction",
         "kv_events_config": "kv_events", "itl_target_ms": "nonneg_float",
         "enable_lora": "bool", "max_loras": "pos_int", "max_lora_rank": "pos_int", "lora_modules": "lora_modules",
+        "data_parallel_size": "pos_int", "distributed_executor_backend": "executor_backend",
     }
 
     @classmethod
@@ -170,7 +175,7 @@ class ServerSettings:
                  "scheduling_policy", "max_logprobs", "logprobs_mode", "seed", "enable_jump_forward",
                  "speculative_config", "task", "generation_config", "tensor_parallel_size", "device",
                  "gpu_memory_utilization", "kv_events_config", "itl_target_ms", "enable_lora", "max_loras",
-                 "max_lora_rank")
+                 "max_lora_rank", "data_parallel_size", "distributed_executor_backend")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["usage_context"] = "openai_api_server"      # vLLM's server defaults (engine.sizing.default_batch_limits)
         if self.dtype in ("float32", "float"):
@@ -258,6 +263,9 @@ def _parse(kind: str, name: str, text: str):
             parse_lora_modules([json.dumps(m) for m in items] if isinstance(items, list) else [text])
         except ValueError as e:
             raise SettingsError(f"{name}: {e}") from None
+    if kind == "executor_backend":
+        if text not in ("mp", "ray"):
+            raise SettingsError(f"{name}={text!r}: expected mp or ray")
         return text
     if kind == "kv_dtype":
         if text not in KV_CACHE_DTYPES:

@@ -1,0 +1,305 @@
+"""One data-parallel replica: an AsyncEngine in its own process (multiprocessing) or Ray actor, talking to the
+front end (engine.data_parallel) in messages.
+
+This module is imported first in a fresh replica process, before anything that starts kernel threads, so its
+top level stays light: the thread count and the core set are applied before `engine.async_engine` is imported.
+
+Front end -> replica (commands, in order):
+    ("add", tag, [(request id, prompt, params), ...], priority)   admitted together or not at all
+    ("abort", [request id, ...])
+    ("call", tag, fn, args)             fn(LLMEngine, *args) between steps (fn must pickle: a module-level
+                                        function or an operator.methodcaller / attrgetter)
+    ("stop",)
+Replica -> front end (a list of messages per send, in order):
+    ("ready", facts)                    once, after the engine loaded
+    ("added", tag, error | None)        the add's validation (prepare_request) result
+    ("reply", tag, ok, value | error)
+    ("out", request id, RequestOutput)  ("end", request id): aborted; ("fail", request id, error)
+    ("kv", KVEventBatch)                the prefix cache's events, every step that changed it
+
+Errors travel as (class name, message, param) and are rebuilt on the other side (see wire_error/rebuild_error):
+exception classes with keyword arguments do not survive pickling.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+log = logging.getLogger("engine.dp")
+
+READY_TIMEOUT_S = 600.0
+
+
+def wire_error(e: BaseException) -> tuple:
+    return (type(e).__name__, str(e), getattr(e, "param", None))
+
+
+def rebuild_error(w) -> BaseException:
+    name, message, param = w
+    if name == "InvalidRequestError":
+        from engine.errors import InvalidRequestError
+        return InvalidRequestError(message, param=param)
+    if name in ("EngineDeadError", "EngineTimeoutError", "EngineUnavailableError"):
+        from engine import async_engine
+        return getattr(async_engine, name)(message)
+    return RuntimeError(message if name == "RuntimeError" else f"{name}: {message}")
+
+
+def apply_placement(cpus, threads) -> None:
+    """Pins this process to `cpus` (a list of core ids, or None) and sizes the kernel thread pool; must run
+    before jitkern's thread pool starts."""
+    if threads:
+        os.environ["JITKERN_NUM_THREADS"] = str(int(threads))
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, set(cpus))
+        except OSError as e:
+            log.warning("data-parallel replica: could not pin to cores %s: %s", cpus, e)
+
+
+def replica_facts(llm_engine) -> dict:
+    """What the front end keeps of a replica's engine (its first replica's): for routing and the LLM API."""
+    args = llm_engine.args
+    return {
+        "tokenizer": llm_engine.tokenizer,
+        "max_model_len": int(llm_engine.max_model_len),
+        "stop_ids": list(llm_engine.stop_ids),
+        "default_sampling": dict(getattr(llm_engine, "default_sampling", None) or {}),
+        "block_size": int(args.block_size),
+        "enable_prefix_caching": bool(args.enable_prefix_caching),
+        "max_num_seqs": int(args.max_num_seqs or 0),
+        "args": args,
+        "pid": os.getpid(),
+    }
+
+
+class _ForwardingPublisher:
+    """Stands in for the engine's KV-event publisher: each batch goes to the front end (the router), and to
+    the publisher the user configured, if any."""
+
+    def __init__(self, outbox: queue.Queue, rank: int, inner=None):
+        self.outbox = outbox
+        self.rank = rank
+        self.inner = inner
+
+    def publish(self, batch) -> None:
+        batch.data_parallel_rank = self.rank
+        self.outbox.put(("kv", batch))
+        if self.inner is not None:
+            self.inner.publish(batch)
+
+    def shutdown(self) -> None:
+        if self.inner is not None:
+            self.inner.shutdown()
+
+
+class _Sink:
+    """Where the replica's AsyncEngine delivers one request's outputs: into the outbox, tagged."""
+    __slots__ = ("outbox", "request_id")
+
+    def __init__(self, outbox: queue.Queue, request_id: str):
+        self.outbox = outbox
+        self.request_id = request_id
+
+    def _put(self, item) -> None:
+        from engine.async_engine import _DONE
+        if item is _DONE:
+            self.outbox.put(("end", self.request_id))
+        elif isinstance(item, BaseException):
+            self.outbox.put(("fail", self.request_id, wire_error(item)))
+        else:
+            self.outbox.put(("out", self.request_id, item))
+
+
+class ReplicaCore:
+    """The replica's engine and its message handling, the same under multiprocessing and Ray."""
+
+    def __init__(self, rank: int, engine_kwargs: dict):
+        from engine.async_engine import AsyncEngine
+        from engine.llm_engine import EngineArgs, LLMEngine
+        self.rank = rank
+        self.outbox: queue.Queue = queue.Queue()
+        kw = dict(engine_kwargs)
+        user_events = kw.get("kv_events_config")
+        if kw.get("enable_prefix_caching", True):
+            # the router learns what this replica caches from its KV-cache events: record them always
+            from engine.kv_events import KVEventsConfig
+            cfg = KVEventsConfig.parse(user_events)
+            if cfg is None or not cfg.enabled:
+                kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            else:
+                kw["kv_events_config"] = _rank_endpoint(cfg, rank)
+        llm_engine = LLMEngine(EngineArgs(**kw))
+        if llm_engine.kv_events_publisher is not None:
+            inner = llm_engine.kv_events_publisher
+            llm_engine.kv_events_publisher = _ForwardingPublisher(
+                self.outbox, rank, None if type(inner).__name__ == "NullEventPublisher" else inner)
+        self.engine = AsyncEngine(engine=llm_engine)
+        self.facts = replica_facts(llm_engine)
+
+    @property
+    def dead(self):
+        return self.engine.dead
+
+    def handle(self, cmd) -> bool:
+        """Runs one command; False for "stop"."""
+        kind = cmd[0]
+        if kind == "add":
+            _, tag, reqs, priority = cmd
+            self._add(tag, reqs, priority)
+        elif kind == "abort":
+            self.engine.abort_many(cmd[1])
+        elif kind == "call":
+            _, tag, fn, args = cmd
+            self._call(tag, fn, args)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _add(self, tag, reqs, priority) -> None:
+        from concurrent.futures import Future
+        eng = self.engine
+        try:
+            eng._check_alive()
+            preps = [eng.engine.prepare_request(rid, prompt, params, priority=priority)
+                     for rid, prompt, params in reqs]
+        except Exception as e:  # noqa: BLE001 - the caller's error (usually InvalidRequestError)
+            self.outbox.put(("added", tag, wire_error(e)))
+            return
+        sinks = [_Sink(self.outbox, rid) for rid, _, _ in reqs]
+        fut: Future = Future()
+
+        def added(f) -> None:
+            # registered by the engine thread (or refused there: e.g. an id in use) -> one "fail" per request
+            err = f.exception() if not f.cancelled() else RuntimeError("the add was withdrawn")
+            if err is not None:
+                for s in sinks:
+                    s._put(err)
+        fut.add_done_callback(added)
+        # validated: answered now, without waiting for the engine thread's next step boundary
+        self.outbox.put(("added", tag, None))
+        eng._cmds.put(("add", (preps, sinks), fut))
+        eng._wake.set()
+
+    def _call(self, tag, fn, args) -> None:
+        def run():
+            try:
+                value = self.engine.call(fn, *args)
+                self.outbox.put(("reply", tag, True, value))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                self.outbox.put(("reply", tag, False, wire_error(e)))
+        threading.Thread(target=run, daemon=True, name="dp-call").start()
+
+    def take(self, timeout: float) -> list:
+        """The messages queued since the last take (waits up to timeout for the first)."""
+        try:
+            out = [self.outbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        try:
+            self.engine.shutdown(timeout=0.0)
+        finally:
+            self.engine.engine.close()
+
+
+def _rank_endpoint(cfg, rank: int):
+    """A user's zmq endpoint per replica (vLLM offsets the port by the data-parallel rank): tcp://host:P -> P+rank."""
+    import dataclasses
+    ep = cfg.endpoint
+    head, _, port = ep.rpartition(":")
+    if rank and ep.startswith("tcp://") and port.isdigit():
+        return dataclasses.replace(cfg, endpoint=f"{head}:{int(port) + rank}")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ local processes
+def mp_main(address: str, authkey: bytes) -> None:
+    """A replica process (`python -m engine.dp_replica ADDRESS`, the authkey on stdin): connects back to the
+    front end, takes (rank, engine kwargs, cores, threads), and serves commands until "stop" or the front end
+    goes away (then it exits: a replica never outlives its server). A fresh interpreter, not a multiprocessing
+    spawn: the user's __main__ (a script without an `if __name__ == "__main__"` guard) is never re-run."""
+    from multiprocessing.connection import Client
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+    rank, engine_kwargs, cpus, threads = conn.recv()
+    apply_placement(cpus, threads)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s dp{rank} %(name)s: %(message)s")
+    try:
+        core = ReplicaCore(rank, engine_kwargs)
+    except BaseException as e:  # noqa: BLE001 - the front end reports it
+        try:
+            conn.send([("failed", wire_error(e))])
+        finally:
+            os._exit(3)
+    send_lock = threading.Lock()
+    stopping = threading.Event()
+
+    def sender() -> None:
+        with send_lock:
+            conn.send([("ready", core.facts)])
+        while not stopping.is_set():
+            msgs = core.take(0.5)
+            if core.dead is not None and not msgs:
+                log.error("replica %d: the engine thread stopped (%s); exiting", rank, core.dead)
+                os._exit(4)
+            if msgs:
+                try:
+                    with send_lock:
+                        conn.send(msgs)
+                except (OSError, EOFError, BrokenPipeError):
+                    os._exit(0)
+    threading.Thread(target=sender, daemon=True, name=f"dp{rank}-send").start()
+    try:
+        while True:
+            try:
+                cmd = conn.recv()
+            except (EOFError, OSError):
+                break                           # the front end is gone
+            if not core.handle(cmd):
+                break
+    finally:
+        stopping.set()
+        try:
+            core.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        os._exit(0)
+
+
+# ------------------------------------------------------------------------------------------ Ray
+class RayReplica:
+    """The Ray actor (wrapped with ray.remote by engine.data_parallel): `command` runs in the default
+    concurrency group (one at a time, in the order sent), `poll` and `ready` in the "io" group."""
+
+    def __init__(self, rank: int, engine_kwargs: dict, threads):
+        apply_placement(None, threads)
+        self.core = ReplicaCore(rank, engine_kwargs)
+
+    def ready(self) -> dict:
+        return self.core.facts
+
+    def command(self, cmd) -> None:
+        self.core.handle(cmd)
+
+    def poll(self, timeout: float) -> list:
+        msgs = self.core.take(timeout)
+        if self.core.dead is not None and not msgs:
+            # the engine thread stopped: end the actor so Ray restarts it
+            os._exit(4)
+        return msgs
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+if __name__ == "__main__":
+    import sys
+    mp_main(sys.argv[1], bytes.fromhex(sys.stdin.readline().strip()))
