@@ -263,6 +263,7 @@ def _parse(kind: str, name: str, text: str):
             parse_lora_modules([json.dumps(m) for m in items] if isinstance(items, list) else [text])
         except ValueError as e:
             raise SettingsError(f"{name}: {e}") from None
+        return text
     if kind == "executor_backend":
         if text not in ("mp", "ray"):
             raise SettingsError(f"{name}={text!r}: expected mp or ray")
