@@ -99,7 +99,10 @@ def test_prefix_aware_routing_follows_the_cached_prefix(dp2):
     # the first request of each system prompt, in flight together: load puts them on different replicas
     sa = eng.submit("a0", SYS_A + [1, 2], SamplingParams(max_tokens=4, temperature=0, detokenize=False))
     sb = eng.submit("b0", SYS_B + [1, 2], SamplingParams(max_tokens=4, temperature=0, detokenize=False))
-    owner_a, owner_b = eng._owner["a0"], eng._owner["b0"]
+    # the route log, not the live owner map: a request that already finished has left the map
+    routed = {r: rank for r, rank, _ in eng.route_log}
+    by_rank = {r.rank: r for r in eng.replicas}
+    owner_a, owner_b = by_rank[routed["a0"]], by_rank[routed["b0"]]
     assert owner_a is not owner_b
     for s in (sa, sb):
         for _ in s:
