@@ -6,7 +6,7 @@ PIP := $(VPY) -m pip
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: install install-test run test bench clean peers peer-server
+.PHONY: install install-test run test test-all bench clean peers peer-server
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ run: install
 PYTEST_XDIST ?= -n 2 --dist worksteal
 test: install-test
 	$(VPY) -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
+
+# Everything the default suite leaves out for time: the op matrix on every runnable CPU tier and on Vulkan, and
+# the host-memory stand-in cases of the GPU linear's bit-identity checks (tests/conftest.py says which).
+test-all: install-test
+	JITKERN_TEST_FULL=1 $(VPY) -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # llama.cpp as a peer for the benchmarks: building it takes minutes, so it is optional.
 peers: install
