@@ -35,6 +35,17 @@ def build_specializations(model: str | None = None, *, max_num_seqs: int = 8, de
     return steps + _drive(eng, [5, 1100], 4, decode_buckets=B)   # 1,100 rows: over GPU_LINEAR_XL_M
 
 
+def build_kernel_set(model: str | None, device: str = "cpu") -> int:
+    """`jitkern build`'s kernel set (registered in setup.cfg, group jitkern.kernel_sets): the warm-up above,
+    with a model the engine cannot load reported as jitkern's BuildInputError."""
+    from engine.errors import ModelLoadError
+    from jitkern.errors import BuildInputError
+    try:
+        return build_specializations(model, device=device)
+    except ModelLoadError as e:
+        raise BuildInputError(str(e)) from e
+
+
 def _drive(eng, lengths: list, max_num_seqs: int, decode_buckets: int = 0) -> int:
     from engine.sampling_params import SamplingParams
     # Under compile-only launches no kernel runs, so sampled ids and logprobs are garbage: keep the

@@ -231,6 +231,22 @@ def cmd_asm(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- build
+# What `jitkern build` compiles is registered by the package that launches the kernels (the engine registers
+# its warm-up in setup.cfg), so the compiler never imports its clients: an entry point of this group names a
+# callable (model, device) that drives the kernels' launches, raising BuildInputError for an unusable model.
+KERNEL_SET_GROUP = "jitkern.kernel_sets"
+
+
+def kernel_set():
+    """The registered kernel set's driver (LookupError naming the group when none is installed)."""
+    from importlib.metadata import entry_points
+    found = sorted(entry_points(group=KERNEL_SET_GROUP), key=lambda e: e.name)
+    if not found:
+        raise LookupError(f"no kernel set is registered (entry point group {KERNEL_SET_GROUP}); install the "
+                          f"package with `pip install -e .` so the engine's registration is seen")
+    return found[0].load()
+
+
 def cmd_build(args) -> int:
     from targets import get_target
     from .runtime.launch import compile_only
@@ -260,12 +276,12 @@ def cmd_build(args) -> int:
         bar.update(1)
         bar.set_postfix_str(ck.name)
 
+    from .errors import BuildInputError
     try:
-        from engine.errors import ModelLoadError
-        from engine.warmup import build_specializations
-    except ImportError as e:
+        drive = kernel_set()
+    except LookupError as e:
         bar.close()
-        return _fail(f"the engine's kernel list is not available ({e})")
+        return _fail(str(e), "jitkern build")
     co = compile_only(t, on_compile)
     try:
         if t.is_cuda or t.is_hip:
@@ -275,18 +291,18 @@ def cmd_build(args) -> int:
             # an engine on the AMD GPU asks for, not the CPU path's tiles (the engine has no AMD device yet)
             from .runtime.cuda import HostMemoryDevice, standing_in
             with co, standing_in(HostMemoryDevice(t)):
-                build_specializations(args.model, device="cuda")
+                drive(args.model, device="cuda")
         elif t.is_vulkan:
             # the engine's Vulkan path (device arrays; attention through its token kernel) on the same kind of
             # stand-in: no Vulkan device needed to build
             from .runtime.cuda import HostMemoryDevice
             from .runtime.vulkan import standing_in as vulkan_standing_in
             with co, vulkan_standing_in(HostMemoryDevice(t)):
-                build_specializations(args.model, device="vulkan")
+                drive(args.model, device="vulkan")
         else:
             with co:
-                build_specializations(args.model)
-    except ModelLoadError as e:
+                drive(args.model, device="cpu")
+    except BuildInputError as e:
         return _fail(f"--model: {e}", "jitkern build")
     finally:
         bar.close()

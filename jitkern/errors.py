@@ -12,6 +12,10 @@ class JitkernError(Exception):
     """Base class of every error jitkern raises on purpose."""
 
 
+class BuildInputError(JitkernError):
+    """`jitkern build` was given an input its kernel set cannot use (a kernel set raises it for a bad --model)."""
+
+
 class CompileError(JitkernError):
     """A kernel failed to compile (LLVM error, verifier error, crashed or timed-out worker).
 

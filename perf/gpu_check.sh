@@ -55,6 +55,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
     export PYTHONPATH=/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# the repo's own metadata: `jitkern build` finds the engine's kernel set through its entry points
+$PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
+    echo "gpu_check.sh: registering the repo (pip install -e .) failed: jitkern build will say so" >&2
 if ls .gl/*.deb >/dev/null 2>&1 && ! ldconfig -p | grep -q libvulkan.so.1; then
     for f in .gl/*.deb; do dpkg -x "$f" /; done
     ldconfig

@@ -26,8 +26,8 @@ from server.guard import Guard
 from server.logprobs import TokenStrings
 from server.protocol import (ServingContext, parse_chat_request, parse_completion_request, parse_detokenize_request,
                              parse_tokenize_request)
-from server.request_body import read_json_body
-from server.serving import ClientGone, Generation, SSEBody, dumps
+from server.resource_helpers import check_model as _check_model, json_response as _json, read_json as _read_json
+from server.serving import ClientGone, Generation, SSEBody
 from server.settings import ServerSettings, SettingsError
 
 log = logging.getLogger("jitkern.server")
@@ -165,22 +165,6 @@ class AppState:
 
 
 # ====================================================================================== resources
-
-def _read_json(req: falcon.Request, state: AppState) -> dict:
-    return read_json_body(req, state.settings.max_body_bytes)
-
-
-def _check_model(state: AppState, model: Optional[str]) -> None:
-    if model is not None and model not in state.model_names and state.lora.request_for(model) is None:
-        raise APIError(f"The model `{model}` does not exist. This server serves `{state.served_model_name}`.",
-                       status=404, param="model", code="model_not_found")
-
-
-def _json(resp: falcon.Response, obj, status: int = 200) -> None:
-    resp.status = falcon.code_to_http_status(status)
-    resp.content_type = "application/json"
-    resp.data = dumps(obj)
-
 
 class _GenerationResource:
     parse = None

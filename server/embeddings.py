@@ -15,6 +15,7 @@ import numpy as np
 from engine.errors import InvalidRequestError
 from server.errors import bad_request
 from server.protocol import MAX_PROMPTS_PER_REQUEST, check_text_length, encode_texts
+from server.resource_helpers import check_model as _check_model, json_response as _json, read_json as _read_json
 
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "add_special_tokens", "normalize"}
 
@@ -97,7 +98,6 @@ class EmbeddingsResource:
         self.state = state
 
     def on_post(self, req, resp) -> None:
-        from server.app import _check_model, _json, _read_json
         s = self.state
         model, ids, fmt, params = parse_embedding_request(_read_json(req, s), s.ctx)
         _check_model(s, model)
