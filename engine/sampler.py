@@ -336,14 +336,7 @@ class Sampler:
                 if i in want:
                     want[i] = sub[j]
                 continue
-            probs = np.exp(vals - vals[0])
-            probs /= probs.sum()
-            if p.top_p < 1.0:
-                cut = int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1
-                ids, probs = ids[:cut], probs[:cut] / probs[:cut].sum()
-            if p.min_p > 0.0:
-                keep = probs >= p.min_p * probs[0]
-                ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+            ids, probs = top_p_min_p_cut(ids, vals, p.top_p, p.min_p)
             c = int(np.searchsorted(np.cumsum(probs), u[j], side="right"))
             toks[j] = int(ids[min(c, len(ids) - 1)])
             if i in want:
@@ -406,6 +399,22 @@ class Sampler:
                 top = tuple((int(a), float(lp[a]), r + 1) for r, a in enumerate(t))
             out.append((tid, float(lp[tid]), rank, top))
         return out
+
+
+def top_p_min_p_cut(ids: np.ndarray, vals: np.ndarray, top_p: float, min_p: float) -> tuple:
+    """The candidates `ids` with their float64 logits `vals`, sorted descending and finite (after temperature and
+    top-k), cut by top-p (the smallest prefix whose probability reaches top_p) then min-p (probability at least
+    min_p times the top one's): (ids kept, their renormalised probabilities). The sampler draws from this and
+    speculative decoding's rejection sampling compares against it, so both use this one function."""
+    probs = np.exp(vals - vals[0])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), top_p, side="left")) + 1
+        ids, probs = ids[:cut], probs[:cut] / probs[:cut].sum()
+    if min_p > 0.0:
+        keep = probs >= min_p * probs[0]
+        ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+    return ids, probs
 
 
 def _processor_error(procs, e: Exception) -> str:

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.sampler import SampleResult
+from engine.sampler import SampleResult, top_p_min_p_cut
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine.spec_decode")
@@ -220,14 +220,7 @@ def target_probs(logits_row: np.ndarray, p: SamplingParams) -> np.ndarray:
     vals = x[order]
     keep = np.isfinite(vals)
     order, vals = order[keep], vals[keep]
-    probs = np.exp(vals - vals[0])
-    probs /= probs.sum()
-    if p.top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1
-        order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
-    if p.min_p > 0.0:
-        keep = probs >= p.min_p * probs[0]
-        order, probs = order[keep], probs[keep] / probs[keep].sum()
+    order, probs = top_p_min_p_cut(order, vals, p.top_p, p.min_p)
     out = np.zeros(V)
     out[order] = probs
     return out
