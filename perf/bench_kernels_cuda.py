@@ -17,7 +17,7 @@ max error against an f32 reference where one is cheap):
         and f16 caches, GB/s of KV read vs the copy bandwidth, and torch SDPA (bf16, enable_gqa) for reference.
         Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's
         default on GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
-        (GPU_TOKEN_ATTENTION = True, the path before them); --attn-variants adds flash settings to sweep
+        (tuning.token_attention, the path before them); --attn-variants adds flash settings to sweep
         (flash-rows32 flash-rows16 flash-nopipe flash-pb8 flash-w8 flash-w2 flash-w4p, see ATTN_VARIANTS;
         flash-bs32 / flash-bs64 hold the same tokens in a cache of 32- / 64-token blocks).
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
@@ -56,13 +56,13 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_CASES = ((1, 1024), (1, 4096), (8, 1024))          # (sequences, tokens each)
 DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))   # (sequences, context)
 # GPU attention paths timed A/B (see attention()): jitkern.ops.attention module settings per variant
-ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"FLASH_PIPELINE": False},
+ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"flash_prefill_pipeline": False},
                  "flash-pb8": {"flash_partition_blocks": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
                  "flash-rows16": {"FLASH_ROWS": 16}, "flash-w2": {"FLASH_WARPS": (2, 8)},
                  "flash-w4p": {"FLASH_WARPS": (4, 4)},
                  # the cache's block size (not a module setting): the flash kernels step one block at a time
                  "flash-bs32": {"BLOCK": 32}, "flash-bs64": {"BLOCK": 64},
-                 "flash-bs64-nopipe": {"BLOCK": 64, "FLASH_PIPELINE": False},
+                 "flash-bs64-nopipe": {"BLOCK": 64, "flash_prefill_pipeline": False},
                  "flash-bs64-pb1": {"BLOCK": 64, "flash_partition_blocks": 1},
                  "flash-16bit": {"GPU_FLASH_OPERANDS": "16bit"},
                  "flash-16bit-w2": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_WARPS": (2, 8)},
@@ -94,7 +94,7 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  "flash-16bit-dm168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 168},
                  "flash-16bit-dm128": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 128},
                  "flash-16bit-shortest-first": {"GPU_FLASH_OPERANDS": "16bit", "flash_longest_first": False},
-                 "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
+                 "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_prefill_pipeline": False},
                  # the earlier settings: decode with the next block's loads in flight, 64-row prefill
                  # tiles at 8 warps
                  "flash-16bit-dpipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_decode_pipeline": True},
@@ -116,23 +116,23 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  # warps 245 registers / 472 B spilled, at 4 warps 227 without spills at 4 blocks)
                  "flash-16bit-sb2": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2},
                  "flash-16bit-sb4": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4},
-                 "flash-16bit-sb2-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2, "FLASH_PIPELINE": False},
+                 "flash-16bit-sb2-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2, "flash_prefill_pipeline": False},
                  # 16-row prefill tiles: sb2 with the pipeline 255 registers, no spills; sb4 without it 192 B spilled
                  "flash-16bit-sb2-rows16": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2, "FLASH_ROWS": 16},
                  "flash-16bit-sb4-rows16-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4, "FLASH_ROWS": 16,
-                                                   "FLASH_PIPELINE": False},
+                                                   "flash_prefill_pipeline": False},
                  "flash-16bit-sb4-rows16-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4,
-                                                       "FLASH_ROWS": 16, "FLASH_PIPELINE": False,
+                                                       "FLASH_ROWS": 16, "flash_prefill_pipeline": False,
                                                        "flash_decode_wide": 1 << 30},
                  "flash-16bit-sb4-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4,
-                                                "FLASH_PIPELINE": False, "flash_decode_wide": 1 << 30},
+                                                "flash_prefill_pipeline": False, "flash_decode_wide": 1 << 30},
                  # the defaults (2-block steps, the decode pipeline) against 1 / 4-block steps
                  "flash-16bit-sb1-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 1,
                                              "flash_decode_pipeline": False},
                  "flash-16bit-sb1": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 1},
                  "flash-16bit-sb4-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4,
                                              "flash_decode_pipeline": False},
-                 "token": {"GPU_TOKEN_ATTENTION": True}}
+                 "token": {"token_attention": True}}
 ROTATE_BYTES = 256 << 20
 
 
@@ -453,8 +453,7 @@ class _attn_variant:
         # lower-case keys are entries of the device target's tuning table (targets/tuning.py), the rest module
         # settings of jitkern.ops.attention
         self.tuning = {k: v for k, v in settings.items() if k in names}
-        self.ja, self.flags = ja, dict(dict(GPU_TOKEN_ATTENTION=False, GPU_FLASH_ATTENTION=True),
-                                       **{k: v for k, v in settings.items() if k not in names})
+        self.ja, self.flags = ja, {k: v for k, v in settings.items() if k not in names}
 
     def __enter__(self):
         self.old = {k: getattr(self.ja, k) for k in self.flags}

@@ -7,7 +7,10 @@ with that entry changed (``choices_key()`` puts every non-default entry that sha
 
 Entries read by the GPU lowering (backends/gpu*.py, backends/nvptx.py) shape one kernel's code; the others are read
 where the ops choose a launch (tiles, warps, constexprs: those are in the kernel's specialisation already) or where
-the engine picks a kernel (engine/models/decoder.py).
+the engine picks a kernel (engine/models/decoder.py), and the CPU tiers' attention launches (ops/attention.py).
+
+Every target carries DEFAULT today (the GPU entries measured on an H200, the CPU ones on x86 hosts); a target
+family whose winners differ gets its own Tuning in targets/registry.py.
 """
 from __future__ import annotations
 
@@ -52,6 +55,14 @@ class Tuning:
     flash_fold_skip: bool = True     # the flash prefill folds its partitions only in blocks where a row needs it
     flash_longest_first: bool = True  # the flash prefill grid starts the longest causal tiles first
     rope_tiles: bool = True          # rope + KV cache writes of long steps take a token's heads as one tile
+    flash_prefill_pipeline: bool = True   # the flash prefill kernel loads the next cache block during the current one
+    token_attention: bool = False    # experiment: GPU attention all on token_attention_kernel (the pre-flash path)
+    # CPU tiers' attention launches (ops/attention.py)
+    decode_skip_idle: bool = True    # decode / merge programs without work return at once
+    decode_head_split: bool = True   # decode programs per KV head when there are fewer sequences than threads
+    prefill_token_group: int = 16    # prefill tokens sharing a cache block scored together (0: every token alone)
+    prefill_balance: bool = True     # prefill programs in _balanced_tile's order (off: grid order)
+    prefill_merge: int = 1           # 1: merge a token's partitions over the smallest power of two that holds them
 
     # ---- the engine's kernel choices on CUDA (engine/models/decoder.py)
     x16_attn: bool = True            # the flash kernels write the o projection's input in 16 bits (it then takes TMA)

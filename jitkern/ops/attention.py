@@ -69,7 +69,6 @@ import numpy as np
 import jitkern as jk
 from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, is_device, resolve_target, run
 from .quant import q8_group, q8_store_blocks
-from targets.tuning import DEFAULT as _DEFAULT_TUNING
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
 PARTITION_BLOCKS = 16  # a query's key range is split into partitions of this many blocks (256 tokens) ...
@@ -1297,7 +1296,7 @@ class _Step:
 
 def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touch: bool = False):
     """Softmax-state scratch (m, l, acc) for `rows` (query head x program) rows, kept in ws across calls
-    (on the device `like` lives on). touch: host arrays are written once here (see WORKSPACE_TOUCH).
+    (on the device `like` lives on). touch: host arrays are written once here (the decode workspace: see below).
 
     Grown, never shrunk: a call needing fewer rows gets the first rows of the arrays there (the kernels index
     rows from the start), so steps of every size, and the graphs recorded for them, share one set of arrays.
@@ -1309,7 +1308,7 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touc
     if ent is None or ent[0][0] < rows or ent[0][1:] != (bs, dim, dev):
         arrs = (empty_like_dev(like, rows, np.float32), empty_like_dev(like, rows * bs, np.float32),
                 empty_like_dev(like, rows * dim, np.float32))
-        if touch and WORKSPACE_TOUCH:
+        if touch:
             for a in arrs:
                 if isinstance(a, np.ndarray):
                     a.fill(0.0)
@@ -1323,25 +1322,28 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touc
 # The decode workspace's host pages are written once when it is allocated. Its rows for partitions past a
 # sequence's own are only ever the target of masked-off stores (decode_kernel's _init_state / output store
 # with mine false) and of loads, so a fresh np.empty left them never written (unmapped, or the shared zero
-# page after a load), and every such AVX-512 masked store then took a slow assist: on znver5 a c=16 decode
-# launch at context 101 (16 partitions x 16 sequences, 240 programs without work) took 1.47 ms on 1 thread /
-# 0.75 ms on 2 with a fresh workspace against 0.13 / 0.09 ms with its pages written, and which of the two an
-# engine got depended on whether the allocator handed back recycled pages. False: the old behaviour (A/B).
-WORKSPACE_TOUCH = True
+# page after a load), and every such AVX-512 masked store then took a slow assist (an order of magnitude on a
+# c=16 decode launch with many idle programs), depending on whether the allocator handed back recycled pages.
 
-# CPU decode_kernel programs without work (past their sequence's partitions) return at once (SKIP_IDLE) instead
-# of running masked-off stores: a recorded c=16 graph has 16 x 16 programs, 240 of them idle below 257 tokens of
-# context; likewise merge_kernel's programs of sequences with one partition. False: the old kernels (A/B; the
-# same outputs either way).
-DECODE_SKIP_IDLE = True
+# CPU tiers' choices (the target's tuning table, targets/tuning.py; _tuning(None): this host's tier's):
+# decode_skip_idle: decode_kernel programs without work (past their sequence's partitions) return at once
+# (SKIP_IDLE) instead of running masked-off stores, and merge_kernel's programs of sequences with one partition
+# (the same outputs either way); prefill_token_group: prefill_kernel's token groups (0: every token alone): TQ
+# tokens whose positions share a cache block compute their scores for a block together, the tokens in the vector
+# lanes (bit-identical); prefill_balance: prefill_kernel's programs in _balanced_tile's order (threads get about
+# equal work on a causal prompt; the same bits; off: grid order); prefill_merge: the partition merge, 1 =
+# _merge_rows over the smallest power of two of partitions that holds the token's (run-time branch), 0 =
+# _merge_parts over MAX_PARTITIONS lanes (the same bits); decode_head_split: decode_kernel with a program per KV
+# head (HSPLIT) for batches of fewer sequences than the CPU pool's threads.
 
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
     T = resolve_target(target, q)           # None: this host's CPU tier
+    tu = _tuning(T)
     # token groups (prefill_kernel's TQ) on CPU tiers, for tiles that can hold one
-    tq = min(PREFILL_TOKEN_GROUP, block_q) if T is None or T.is_cpu else 0
-    merge = PREFILL_MERGE if T is None or T.is_cpu else 0
+    tq = min(tu.prefill_token_group, block_q) if T is None or T.is_cpu else 0
+    merge = tu.prefill_merge if T is None or T.is_cpu else 0
     m, l, acc = _workspace(ws, "prefill", programs * st.kvh * (MAX_PARTITIONS * st.G * max(tq, 1) + merge), st.bs,
                            st.dim, like=q)
     if tq:
@@ -1357,31 +1359,13 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
          st.cap, st.sinks, tq_ws),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks, TQ=tq,
-        BALANCE=PREFILL_BALANCE and (T is None or T.is_cpu), MERGE=merge)
+        BALANCE=tu.prefill_balance and (T is None or T.is_cpu), MERGE=merge)
 
 
-# prefill_kernel's token groups on CPU tiers (0: every token alone): TQ tokens whose positions share a cache
-# block compute their scores for a block together, the tokens in the vector lanes (bit-identical)
-PREFILL_TOKEN_GROUP = 16
-
-
-
-# prefill_kernel's programs in _balanced_tile's order on CPU tiers (threads get about equal work on a causal
-# prompt; same bits); False: grid order
-PREFILL_BALANCE = True
-
-# prefill_kernel's partition merge on CPU tiers: 1 = _merge_rows over the smallest power of two of partitions
-# that holds the token's (run-time branch), 0 = _merge_parts over MAX_PARTITIONS lanes (same bits)
-PREFILL_MERGE = 1
-
-
-# GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel) by default. A/B switches:
-# GPU_TOKEN_ATTENTION = True puts them on token_attention_kernel (one program per (token, KV head), the whole
-# key range in one loop: the path before the flash kernels); GPU_FLASH_ATTENTION = False (token off) puts
-# them on the CPU-shaped decode/prefill kernels (~830 us a layer for one 128-token sequence on an H200).
-# Vulkan always takes the token kernel (compile times on lavapipe, see _vulkan_attention).
-GPU_TOKEN_ATTENTION = False
-GPU_FLASH_ATTENTION = True
+# GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel); with the target's
+# tuning.token_attention, token_attention_kernel (one program per (token, KV head), the whole key range in one
+# loop: the path before the flash kernels, and the one shapes the flash tiles do not fit take). Vulkan always takes
+# the token kernel (compile times on lavapipe, see _vulkan_attention).
 # The flash kernels' launch choices on GPUs are the target's tuning table (targets/tuning.py, _tuning(target)):
 # flash_partition_blocks (blocks per flash-decoding partition, at most MAX_PARTITIONS; decode and prefill split
 # alike at any setting), flash_step_blocks, flash_warp_rows, flash_decode_pipeline, flash_decode_wide,
@@ -1401,9 +1385,8 @@ FLASH_WARP_ROWS_TILE = (64, 8)      # (rows, warps) of the warp-rows prefill til
 # (32, D) accumulators alone would take 128 registers a thread)
 FLASH_ROWS_WIDE_HEADS = 32
 FLASH_PREFILL_WARPS_WIDE_HEADS = 8
-# load the next cache block while the current one is computed: the prefill kernel (FLASH_PIPELINE) and the decode
-# kernel (tuning.flash_decode_pipeline). The same bits either way.
-FLASH_PIPELINE = True
+# tuning.flash_prefill_pipeline / flash_decode_pipeline: load the next cache block while the current one is
+# computed (the prefill / decode kernel). The same bits either way.
 # tuning.flash_fold_skip: the prefill tile's partition fold runs only in the blocks where some row needs it
 # (flash_prefill_kernel FOLD_SKIP; the same bits). tuning.flash_longest_first: the prefill grid starts the longest
 # (last) causal tiles first (flash_prefill_kernel LONGEST_FIRST; the same bits).
@@ -1438,15 +1421,18 @@ FLASH_PREFILL_MAXNREG = None
 
 
 def _tuning(target):
-    """The launch choices for `target` (None, this host's CPU tier: the defaults)."""
-    return target.tuning if target is not None else _DEFAULT_TUNING
+    """The launch choices for `target` (None: this host's CPU tier's)."""
+    if target is None:
+        from ..runtime.cpu import runtime_target
+        target = runtime_target()
+    return target.tuning
 
 
 def _token_path(target, st) -> bool:
-    """Vulkan, the A/B flag, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take the
-    token kernel."""
+    """Vulkan, tuning.token_attention, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take
+    the token kernel."""
     return target is not None and (target.is_vulkan or (target.is_gpu and (
-        GPU_TOKEN_ATTENTION or (GPU_FLASH_ATTENTION and not _flash_fits(st)))))
+        target.tuning.token_attention or not _flash_fits(st))))
 
 
 def _pow2(x: int) -> int:
@@ -1496,8 +1482,8 @@ def _flash_fits(st) -> bool:
 
 
 def _flash_path(target, st) -> bool:
-    return (target is not None and target.is_gpu and not target.is_vulkan and GPU_FLASH_ATTENTION
-            and not GPU_TOKEN_ATTENTION and _flash_fits(st))
+    return (target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+            and _flash_fits(st))
 
 
 def writes_16bit_out(target, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -1514,8 +1500,7 @@ def partition_blocks_for(target) -> int:
     tuning.flash_partition_blocks; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
     partition axis a step needs there (head groups too wide for the flash kernels fall back to the token
     kernel, which ignores partitions)."""
-    flash = (target is not None and target.is_gpu and not target.is_vulkan and GPU_FLASH_ATTENTION
-             and not GPU_TOKEN_ATTENTION)
+    flash = target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
     return target.tuning.flash_partition_blocks if flash else PARTITION_BLOCKS
 
 
@@ -1540,7 +1525,7 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     sb = _flash_step_blocks(st, step_blocks, target)
     common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=mode == "16bit", **({"SB": sb} if sb > 1 else {}))
     gpu = target is not None and target.is_gpu
-    pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
+    pipe = (tu.flash_prefill_pipeline and gpu) if pipeline is None else bool(pipeline)
     dpipe = (tu.flash_decode_pipeline and gpu) if pipeline is None else bool(pipeline)
     wide = st.num_seqs * st.kvh * P >= tu.flash_decode_wide
     dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=dpipe) if gpu else dict(PIPE=dpipe)
@@ -1603,9 +1588,8 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
     block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group; on GPUs
     with matrix units at least 16 rows);
     split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
-    pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE for the
-    prefill kernel, the target's tuning.flash_decode_pipeline for the decode kernel on GPUs, off on CPUs); the same
-    bits either way.
+    pipeline: load the next cache block before computing the current one (default: the target's
+    tuning.flash_prefill_pipeline / flash_decode_pipeline on GPUs, off on CPUs); the same bits either way.
     step_blocks: cache blocks per online-softmax step, 1, 2 or 4 (default tuning.flash_step_blocks; 1 with a sliding
     window; decode and prefill alike, so their bits agree at any setting).
     Decode partitions are tuning.flash_partition_blocks blocks (at most MAX_PARTITIONS, decided by each sequence's
@@ -1714,8 +1698,9 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
             _quantize_out(st, q8_out, target)
         return st.out
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q, touch=True)
-    hsplit = _decode_head_split(st)
-    skip = {"SKIP_IDLE": True} if DECODE_SKIP_IDLE and (target is None or target.is_cpu) else {}
+    tu = _tuning(target)
+    hsplit = _decode_head_split(st, tu)
+    skip = {"SKIP_IDLE": True} if tu.decode_skip_idle and (target is None or target.is_cpu) else {}
     run(decode_kernel, (P * (st.kvh if hsplit else 1), st.num_seqs),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
@@ -1779,13 +1764,10 @@ def _quantize_out(st, q8_out, target):
                 out4=(q8_out.scales4, q8_out.sums4) if rep4 else None, target=target)
 
 
-# decode_kernel with a program per KV head (HSPLIT) for batches of fewer sequences than the CPU pool's threads
-# (c=1 with 2 threads: the one sequence's heads on both threads instead of one); False: never
-DECODE_HEAD_SPLIT = True
-
-
-def _decode_head_split(st) -> bool:
-    if not DECODE_HEAD_SPLIT or st.kvh < 2:
+def _decode_head_split(st, tu) -> bool:
+    """decode_kernel with a program per KV head (tuning.decode_head_split) for batches of fewer sequences than the
+    CPU pool's threads (one sequence with 2 threads: its heads on both threads instead of one)."""
+    if not tu.decode_head_split or st.kvh < 2:
         return False
     from ..runtime.cpu_pool import get_pool
     return st.num_seqs < get_pool().num_threads

@@ -360,7 +360,7 @@ def test_flash_partition_axis(tier):
 def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
     """paged_attention on a CUDA target launches the flash kernels (decode + merge for decodes, prefill for
     the chunks), their PTX has tensor-core MMAs for f16 caches and for split f32 caches, and the A/B flag
-    GPU_TOKEN_ATTENTION puts the GPU back on token_attention_kernel; CPU tiers keep the CPU kernels."""
+    tuning.token_attention puts the GPU back on token_attention_kernel; CPU tiers keep the CPU kernels."""
     from jitkern.runtime.launch import compile_only
     from targets import get_target
     sm90 = get_target("sm_90a")
@@ -391,9 +391,7 @@ def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
         # f16 q / probabilities: one MMA chain per cache part instead of hi + lo
         assert mmas[("16bit", np.float16, name)] < mmas[("f32", np.float16, name)], mmas
     monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "f32")
-    monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", True)
-    assert set(compiled(np.float32, sm90)) == {"token_attention_kernel"}
-    monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", False)
+    assert set(compiled(np.float32, tuned(sm90, token_attention=True))) == {"token_attention_kernel"}
     from targets import cpu_tier_names
     cpu = get_target(cpu_tier_names()[0])
     assert set(compiled(np.float32, cpu)) <= {"decode_kernel", "merge_kernel", "prefill_kernel"}
