@@ -1,4 +1,4 @@
-"""Every JITKERN_* environment setting of the compiler, runtime and engine, parsed and checked in one place.
+"""Every JITKERN_* environment setting of the compiler and runtime, parsed and checked in one place.
 
 The modules that use a setting with a value to check call the reader here (the thread pool, the compile
 workers, the kernel cache), so a bad value gives the same message wherever it is met; on/off flags and free
@@ -24,17 +24,19 @@ Settings (all optional):
     JITKERN_GPU_PROFILE         1: time every GPU launch outside graph capture (synchronising around it) and
                                 print device ms per kernel at exit (jitkern/runtime/gpu_profile.py).
     JITKERN_PREFIX_CACHING_HASH_SEED   seed of the prefix-cache block hashes (any text).
-    JITKERN_OVERLAP_OUTPUT      0 or 1: the engine's output work overlapped with the next GPU step (default:
-                                on for CUDA, off elsewhere).
-    JITKERN_SPEC_ADAPTIVE       0: speculative decoding always drafts num_speculative_tokens (no levels).
-    JITKERN_SPEC_BACKOFF        halve, reset or keep: the adaptive draft level after a rejection (default halve;
-                                keep: a step that accepted at least half its drafts keeps the level).
     JITKERN_POOL_SPLIT          static or dynamic: how the CPU pool deals a launch's programs to its threads
                                 (contiguous chunks, or chunks claimed from a shared counter).
-    JITKERN_CUDA_GRAPH_MAX_TOKENS  the largest padded token count of a CUDA prefill / mixed step recorded as a
-                                graph, an integer >= 0 (default 2048; 0: eager).
+    JITKERN_PTXAS               the ptxas to assemble CUDA kernels with (default: the nvidia-cuda-nvcc wheel's,
+                                $CUDA_HOME's or PATH's); JITKERN_NO_PTXAS=1: cache PTX only (the driver JITs it).
+    JITKERN_LLD                 the ld.lld that links AMD code objects (default: the ziglang wheel's, or PATH's).
+    JITKERN_SPIRV_VAL           the spirv-val that checks Vulkan kernels (default: PATH's; none: no check).
+    JITKERN_VULKAN_DEVICE       a substring of the Vulkan device's name to run on (default: the first).
+    JITKERN_VULKAN_TIMEOUT      seconds a Vulkan submission may take before the device is given up, a number > 0
+                                (default 120; 600 on a CPU implementation).
+    JITKERN_VULKAN_DUMP         a directory each Vulkan kernel's SPIR-V is written to as it loads (debugging).
 
-The server's own settings (JITKERN_MODEL, JITKERN_PORT, ...) are parsed by server/settings.py. Code-generation
+The engine's settings (overlapped output, speculative drafting, CUDA graph sizes) are parsed by
+engine/settings.py, the server's own (JITKERN_MODEL, JITKERN_PORT, ...) by server/settings.py. Code-generation
 choices (tiles, staging, pipelining) are not settings: they are each target's tuning table, targets/tuning.py.
 """
 from __future__ import annotations
@@ -49,8 +51,9 @@ from .errors import JitkernError
 SETTINGS = ("JITKERN_CPU_TIER", "JITKERN_CPU_MASK_FEATURES", "JITKERN_NUM_THREADS", "JITKERN_SPIN_US",
             "JITKERN_POLLS_PER_YIELD", "JITKERN_CACHE_DIR", "JITKERN_COMPILE_WORKERS", "JITKERN_COMPILE_TIMEOUT",
             "JITKERN_COMPILE_INPROCESS", "JITKERN_ALWAYS_COMPILE", "JITKERN_LOAD_STATS",
-            "JITKERN_PREFIX_CACHING_HASH_SEED", "JITKERN_GPU_PROFILE", "JITKERN_OVERLAP_OUTPUT",
-            "JITKERN_SPEC_ADAPTIVE", "JITKERN_SPEC_BACKOFF", "JITKERN_POOL_SPLIT", "JITKERN_CUDA_GRAPH_MAX_TOKENS")
+            "JITKERN_PREFIX_CACHING_HASH_SEED", "JITKERN_GPU_PROFILE", "JITKERN_POOL_SPLIT", "JITKERN_PTXAS",
+            "JITKERN_NO_PTXAS", "JITKERN_LLD", "JITKERN_SPIRV_VAL", "JITKERN_VULKAN_DEVICE", "JITKERN_VULKAN_TIMEOUT",
+            "JITKERN_VULKAN_DUMP")
 
 
 class SettingError(JitkernError, ValueError):
@@ -111,24 +114,8 @@ def env_choice(name: str, choices: tuple, environ=None) -> Optional[str]:
     raise SettingError(name, f"{name}={raw!r} is not one of {', '.join(choices)}; set it to one of them or unset it")
 
 
-def overlap_output(environ=None) -> Optional[bool]:
-    """JITKERN_OVERLAP_OUTPUT as True / False, or None when unset (the engine decides by device)."""
-    v = env_choice("JITKERN_OVERLAP_OUTPUT", ("0", "1"), environ)
-    return None if v is None else v == "1"
-
-
-def spec_backoff(default: str, environ=None) -> str:
-    """JITKERN_SPEC_BACKOFF ("halve" | "reset" | "keep"), or `default` when unset."""
-    return env_choice("JITKERN_SPEC_BACKOFF", ("halve", "reset", "keep"), environ) or default
-
-
 def pool_split(default: str, environ=None) -> str:
     return env_choice("JITKERN_POOL_SPLIT", ("static", "dynamic"), environ) or default
-
-
-def cuda_graph_max_tokens(default: int, environ=None) -> int:
-    v = env_int("JITKERN_CUDA_GRAPH_MAX_TOKENS", 0, environ)
-    return default if v is None else v
 
 
 def env_flag(name: str, environ=None) -> bool:
@@ -209,10 +196,8 @@ def check_environment(*, tier: bool = True, cache: bool = True, environ=None) ->
     env_int("JITKERN_POLLS_PER_YIELD", 1, environ)
     compile_workers(environ)
     compile_timeout(environ)
-    overlap_output(environ)
-    spec_backoff("halve", environ)
-    cuda_graph_max_tokens(0, environ)
     pool_split("static", environ)
+    env_seconds("JITKERN_VULKAN_TIMEOUT", environ)
     if tier:
         check_cpu_tier(environ)
     if cache:
