@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a completion on the jitkern engine (default model: the embedded "
                                    "SmolLM2-135M-Instruct Q4_1).",
                        epilog="Settings come from JITKERN_* environment variables (JITKERN_CPU_TIER, "
-                              "JITKERN_NUM_THREADS, JITKERN_CACHE_DIR, ...: see jitkern/env.py); they are "
+                              "JITKERN_NUM_THREADS, JITKERN_CACHE_DIR, ...: see jitkern/env.py and "
+                              "engine/settings.py); they are "
                               "checked before the model loads.")
     p.add_argument("--model", default=None, help="model directory (config.json + tokenizer + safetensors), .gguf "
                    "file or Hugging Face model id (org/name, org/name:FILE.gguf or org/name:QUANT; cached or "
@@ -114,7 +115,7 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     # Everything a user can get wrong is checked here, before the model loads (seconds) or a kernel compiles.
-    rc = check_settings(PROG)
+    rc = check_settings(PROG, engine=True)
     if rc is not None:
         return rc
     from engine.sizing import KVPoolTooSmallError, check_gpu_memory_utilization

@@ -385,7 +385,7 @@ class LLMEngine:
 
     def _resolve_overlap(self, asked) -> bool:
         if asked is None:
-            from jitkern.env import overlap_output
+            from engine.settings import overlap_output
             env = overlap_output()              # a bad value: SettingError naming the variable
             asked = env if env is not None else getattr(self.runner, "device", "cpu") == "cuda"
         if asked and self.spec is not None:

@@ -93,7 +93,7 @@ class PrefillGraphs:
         self.replays = 0                                     # steps served by a graph (tests, metrics)
         # CUDA: the largest padded step recorded (read once: a bad value is refused here, naming the variable,
         # not in the middle of a step)
-        from jitkern.env import cuda_graph_max_tokens
+        from engine.settings import cuda_graph_max_tokens
         self.cuda_max_tokens = cuda_graph_max_tokens(CUDA_MAX_TOKENS)
 
     def eligible(self, res) -> bool:

@@ -338,9 +338,9 @@ class SpecDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         # adaptive drafting (levels + n-gram anchoring); off: always k drafts, plain most-recent lookup
-        self.adaptive = os.environ.get("JITKERN_SPEC_ADAPTIVE", "1") not in ("0", "")
-        from jitkern.env import spec_backoff
-        self.backoff = spec_backoff(BACKOFF)          # a bad value: SettingError naming the variable
+        from engine.settings import spec_adaptive, spec_backoff
+        self.adaptive = spec_adaptive()               # a bad value: SettingError naming the variable
+        self.backoff = spec_backoff(BACKOFF)
         self.anchoring = True                         # n-gram re-anchoring with adaptive drafting (A/B switch)
         self._states: dict = {}               # req_id -> _DraftState
         self.max_model_len = engine.max_model_len

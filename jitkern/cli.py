@@ -43,11 +43,15 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_settings(prog: str, **what) -> int | None:
-    """jitkern.env.check_environment(**what); on a bad JITKERN_* setting prints one line and returns 2."""
+def check_settings(prog: str, *, engine: bool = False, **what) -> int | None:
+    """jitkern.env.check_environment(**what) (and with `engine`, engine/settings.py's check: commands that run
+    the engine); on a bad JITKERN_* setting prints one line and returns 2."""
     from .env import SettingError, check_environment
     try:
         check_environment(**what)
+        if engine:
+            from engine.settings import check_environment as check_engine_environment
+            check_engine_environment()
     except SettingError as e:
         return _fail(str(e), prog)
     return None
@@ -398,7 +402,7 @@ def _main(argv) -> int:
     # Settings are checked before any kernel is loaded or compiled. `targets` reports a bad JITKERN_CPU_TIER
     # in its listing; commands that name their --target do not use it; only commands that write check the cache.
     checks = {"targets": dict(tier=False, cache=False),
-              "build": dict(tier=False),
+              "build": dict(tier=False, engine=True),
               "ir": dict(tier=args.cmd == "ir" and args.target is None, cache=False),
               "asm": dict(tier=args.cmd == "asm" and args.target is None),
               "cache": dict(tier=False)}[args.cmd]

@@ -111,40 +111,15 @@ def lower_with_meta(fn: ir.Function, target) -> tuple:
 
 
 def _toolchain_key(target) -> tuple:
-    """Tools outside LLVM that shape the artifacts and belong in the key. CUDA entries leave ptxas out: the
+    """Tools outside LLVM and the target's tuning choices (targets/tuning.py) that shape the artifacts and belong
+    in the key. CUDA entries leave ptxas out: the
     PTX (from our LLVM, in the key) is the artifact of record and the cubin ptxas made from it is recorded in
     the entry's meta; a cubin any driver refuses falls back to that PTX (runtime/cuda.py), so a cache filled
     by `jitkern build` with one ptxas loads with no compile where another ptxas (or none) is installed."""
-    if target.is_cuda:
-        from .backends import gpu, gpu_fragments, gpu_staging
-        return (() if gpu.LDMATRIX else ("no-ldmatrix",)) + \
-            (() if gpu.LDMATRIX_TRANS else ("no-ldmatrix-trans",)) + \
-            ((f"wgmma-swizzle-{gpu.WGMMA_SWIZZLE}",) if gpu.WGMMA_SWIZZLE else ()) + \
-            (("wgmma-pipe",) if gpu.WGMMA_PIPE else ()) + \
-            (("tma-pipe",) if gpu.TMA_PIPE else ()) + \
-            (("pdl",) if gpu.PDL and target.async_copy == "tma" else ()) + \
-            (() if gpu.FRAG_OPS else ("no-frag-ops",)) + \
-            ((f"cp-async-{int(gpu.CP_ASYNC)}",) if gpu.CP_ASYNC is not None else ()) + \
-            ((f"mma-unroll-{gpu.MMA_UNROLL}",) if gpu.MMA_UNROLL else ()) + \
-            (("row-slots",) if gpu.ROW_SLOTS else ()) + \
-            (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
-            (("pin-regs",) if gpu.PIN_REGS and gpu.PIN_OPERANDS else ()) + \
-            (() if gpu_fragments.A_FROM_ROWS else ("staged-rows-a",)) + \
-            (() if gpu_staging.COSTAGE else ("no-costage",)) + \
-            (() if gpu.FAST_EXP else ("no-fast-exp",)) + \
-            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + \
-            (() if gpu.REDUCE_ONE_EACH else ("reduce-tiled",)) + \
-            (() if gpu.WG_SUMS else ("no-wg-sums",))
     if target.is_hip:
-        from .backends import gpu
         from .backends.amdgpu import find_lld, lld_version
-        return ("ld.lld", lld_version(find_lld())) + (() if gpu.FRAG_OPS else ("no-frag-ops",)) + \
-            (("row-slots",) if gpu.ROW_SLOTS else ()) + (("pin-operands",) if gpu.PIN_OPERANDS else ()) + \
-            (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + (() if gpu.REDUCE_ONE_EACH else ("reduce-tiled",))
-    if target.is_vulkan:
-        from .backends import gpu
-        return (() if gpu.REDUCE_DIRECT else ("two-pass-reduce",)) + (() if gpu.REDUCE_ONE_EACH else ("reduce-tiled",))
-    return ()
+        return ("ld.lld", lld_version(find_lld())) + target.tuning.choices_key(target)
+    return target.tuning.choices_key(target)
 
 
 def _compile_hip(fn, target, describe, kernel_name, spec) -> tuple:

@@ -525,8 +525,8 @@ def prefetch(pointer, locality=3, nbytes=None) -> None:
 
     With `nbytes` (a compile-time multiple of 16) each pointer of the tile, in any layout, starts a run of
     nbytes contiguous bytes, 16-byte aligned (e.g. the weight rows a GEMV program will stream): GPUs with bulk
-    copies (sm_90+) fetch each run into L2 with one instruction, which a program can issue before
-    `wait_dependencies`; elsewhere (CPU tiers, other GPUs) this form is ignored. Never faults either."""
+    copies (sm_90+) fetch each run into L2 with one instruction; elsewhere (CPU tiers, other GPUs) this form is
+    ignored. Never faults either."""
     pointer = to_tile(pointer)
     if not pointer.type.is_ptr:
         _error(f"prefetch needs a pointer, got {pointer.type}")
@@ -540,17 +540,6 @@ def prefetch(pointer, locality=3, nbytes=None) -> None:
             _error(f"prefetch nbytes must be a compile-time positive multiple of 16, got {nbytes!r}")
         attrs["nbytes"] = int(nbytes)
     _builder().op("prefetch", [pointer.value], [], attrs)
-
-
-@builtin
-def wait_dependencies() -> None:
-    """Where a program waits for the launches before it in its stream. Under programmatic dependent launch
-    (JITKERN_PDL=1, sm_90+) a launch's programs may start while the previous launch is still running; every
-    kernel waits at its first instruction, except one that calls this: it waits here, so the code before it
-    overlaps the previous launch. Before the call read only memory no earlier launch writes (weights) and
-    prefetch; call it once, outside loops and branches, before any other load or store. Without PDL, on the
-    CPU and on other GPUs it does nothing (program order is enough)."""
-    _builder().op("wait_dependencies", [], [])
 
 
 @builtin

@@ -3,7 +3,7 @@ round by round: "before" = the attention module at 06c0a37 (decode grid (sequenc
 token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. `split`: the CPU pool's static split ("before")
 against its dynamic split (CpuPool.dynamic, "after"), the tree's kernels in both; `heads`: decode attention
 without (before) and with (after) the per-KV-head programs for batches smaller than the thread count
-(attention.DECODE_HEAD_SPLIT; use --concurrency 1); `flag`: any module attribute, --flag module.attr set to the first of
+(the CPU tier's tuning.decode_head_split; use --concurrency 1); `flag`: any module attribute, --flag module.attr set to the first of
 --values (before) and to the second (after), e.g. `flag --flag jitkern.ops.quant.QMM_TILE_OVERRIDE --values None
 "(8, 4)"` (Python literals). Decode tok/s of C (default 16) random 37-token prompts from
 the moment every request has its first token; greedy tokens compared between variants.
@@ -72,6 +72,12 @@ def main(argv=None):
             raise SystemExit(f"{args.flag}: no such attribute")
         fvals = [ast.literal_eval(v) for v in args.values]
 
+    def _head_split(on):
+        # the runtime CPU tier's tuning table with decode_head_split set (targets/tuning.py)
+        from jitkern.runtime import cpu as runtime_cpu
+        from targets import tuned
+        runtime_cpu._target = tuned(runtime_cpu._target or runtime_cpu.runtime_target(), decode_head_split=on)
+
     def before():
         if args.which == "flag":
             setattr(fmod, fattr, fvals[0])
@@ -83,7 +89,7 @@ def main(argv=None):
         if args.which == "split":
             get_pool().dynamic = False
         if args.which == "heads":
-            A.DECODE_HEAD_SPLIT = False
+            _head_split(False)
 
     def after():
         if args.which == "flag":
@@ -93,7 +99,7 @@ def main(argv=None):
         Q.QMM_ROWS_OUTER = True
         if args.which == "split":
             get_pool().dynamic = True
-        A.DECODE_HEAD_SPLIT = True
+        _head_split(True)
 
     def wave():
         return ab_engine_cpu._wave(ours, prompts, C, OUT, clock=time.perf_counter)

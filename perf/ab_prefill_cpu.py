@@ -2,8 +2,9 @@
 
     JITKERN_NUM_THREADS=2 .venv/bin/python perf/ab_prefill_cpu.py [--tokens 2048] [--rounds 4] [--ops] VARIANT...
 
-A VARIANT is NAME[:ATTR=INT...]: module attributes of jitkern.ops.attention set before each of its runs (e.g.
-`before:PREFILL_TOKEN_GROUP=0:PREFILL_BALANCE=0 after`; an attribute a variant leaves out keeps the module's value);
+A VARIANT is NAME[:ATTR=INT...]: entries of the CPU tier's tuning table (targets/tuning.py) or module attributes of
+jitkern.ops.attention set before each of its runs (e.g. `before:prefill_token_group=0:prefill_balance=0 after`; an
+entry a variant leaves out keeps its default);
 in the engine, `layer_ws=1` gives every layer its own attention workspace (DecoderLM's layout before 4fff2e7)
 instead of the model's one shared dict. Each variant keeps its own workspaces, so switching variants never
 reallocates another's (a reallocation would time page faults).
@@ -41,18 +42,25 @@ _DEFAULTS = {}
 
 
 def _set(A, kw, variants):
-    """The module's own values for every attribute any variant sets, then this variant's."""
+    """The module's own values for every attribute any variant sets, then this variant's; tuning entries on a copy
+    of the runtime CPU tier (the launches on host arrays read its table)."""
+    from jitkern.runtime import cpu as runtime_cpu
+    from targets import Tuning, tuned
+    names = set(Tuning.__dataclass_fields__)
+    base = _DEFAULTS.setdefault("__target__", runtime_cpu.runtime_target())
     for _, other in variants:
         for k in other:
-            if k != "layer_ws" and k not in _DEFAULTS:
+            if k != "layer_ws" and k not in names and k not in _DEFAULTS:
                 if not hasattr(A, k):
-                    sys.exit(f"error: jitkern.ops.attention has no {k}")
+                    sys.exit(f"error: {k} is neither a tuning entry nor an attribute of jitkern.ops.attention")
                 _DEFAULTS[k] = getattr(A, k)
     for k, v in _DEFAULTS.items():
-        setattr(A, k, v)
-    for k, v in kw.items():
-        if k != "layer_ws":
+        if k != "__target__":
             setattr(A, k, v)
+    for k, v in kw.items():
+        if k != "layer_ws" and k not in names:
+            setattr(A, k, v)
+    runtime_cpu._target = tuned(base, **{k: v for k, v in kw.items() if k in names})
 
 
 def _summary(res):

@@ -17,7 +17,7 @@ max error against an f32 reference where one is cheap):
         and f16 caches, GB/s of KV read vs the copy bandwidth, and torch SDPA (bf16, enable_gqa) for reference.
         Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's
         default on GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
-        (GPU_TOKEN_ATTENTION = True, the path before them); --attn-variants adds flash settings to sweep
+        (tuning.token_attention, the path before them); --attn-variants adds flash settings to sweep
         (flash-rows32 flash-rows16 flash-nopipe flash-pb8 flash-w8 flash-w2 flash-w4p, see ATTN_VARIANTS;
         flash-bs32 / flash-bs64 hold the same tokens in a cache of 32- / 64-token blocks).
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
@@ -56,48 +56,48 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_CASES = ((1, 1024), (1, 4096), (8, 1024))          # (sequences, tokens each)
 DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))   # (sequences, context)
 # GPU attention paths timed A/B (see attention()): jitkern.ops.attention module settings per variant
-ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"FLASH_PIPELINE": False},
-                 "flash-pb8": {"GPU_PARTITION_BLOCKS": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
+ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"flash_prefill_pipeline": False},
+                 "flash-pb8": {"flash_partition_blocks": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
                  "flash-rows16": {"FLASH_ROWS": 16}, "flash-w2": {"FLASH_WARPS": (2, 8)},
                  "flash-w4p": {"FLASH_WARPS": (4, 4)},
                  # the cache's block size (not a module setting): the flash kernels step one block at a time
                  "flash-bs32": {"BLOCK": 32}, "flash-bs64": {"BLOCK": 64},
-                 "flash-bs64-nopipe": {"BLOCK": 64, "FLASH_PIPELINE": False},
-                 "flash-bs64-pb1": {"BLOCK": 64, "GPU_PARTITION_BLOCKS": 1},
+                 "flash-bs64-nopipe": {"BLOCK": 64, "flash_prefill_pipeline": False},
+                 "flash-bs64-pb1": {"BLOCK": 64, "flash_partition_blocks": 1},
                  "flash-16bit": {"GPU_FLASH_OPERANDS": "16bit"},
                  "flash-16bit-w2": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_WARPS": (2, 8)},
                  # decode partitions of 1 / 2 / 8 blocks (more programs at small batches, more merging), and the
                  # decode kernel at 4 warps however wide the launch
-                 "flash-16bit-pb1": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 1},
-                 "flash-16bit-pb2": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 2},
-                 "flash-16bit-pb8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_PARTITION_BLOCKS": 8},
-                 "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
+                 "flash-16bit-pb1": {"GPU_FLASH_OPERANDS": "16bit", "flash_partition_blocks": 1},
+                 "flash-16bit-pb2": {"GPU_FLASH_OPERANDS": "16bit", "flash_partition_blocks": 2},
+                 "flash-16bit-pb8": {"GPU_FLASH_OPERANDS": "16bit", "flash_partition_blocks": 8},
+                 "flash-16bit-dw4": {"GPU_FLASH_OPERANDS": "16bit", "flash_decode_wide": 1 << 30},
                  # 32-row prefill tiles at 4 warps: 255 registers, no spills (ptxas), so two CTAs an SM
                  "flash-16bit-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 32, "FLASH_WARPS": (4, 4)},
-                 # warp-owned rows (JITKERN_FLASH_WARP_ROWS: row max / sum on lane shuffles; registers and
+                 # warp-owned rows (tuning.flash_warp_rows: row max / sum on lane shuffles; registers and
                  # barriers per tile: perf/ptxas_flash.py; the default tile FLASH_WARP_ROWS_TILE is 64 / 8)
-                 "flash-16bit-warprows": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True},
-                 "flash-16bit-warprows-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
+                 "flash-16bit-warprows": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True},
+                 "flash-16bit-warprows-rows32-w4": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True,
                                                     "FLASH_WARP_ROWS_TILE": (32, 4)},
-                 "flash-16bit-warprows-rows16-w4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
+                 "flash-16bit-warprows-rows16-w4": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True,
                                                     "FLASH_WARP_ROWS_TILE": (16, 4)},
-                 "flash-16bit-warprows-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
+                 "flash-16bit-warprows-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True,
                                                     "FLASH_WARP_ROWS_TILE": (64, 8)},
-                 "flash-16bit-warprows-rows32-w8": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
+                 "flash-16bit-warprows-rows32-w8": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True,
                                                     "FLASH_WARP_ROWS_TILE": (32, 8)},
                  # with online-softmax steps of 2 / 4 blocks
-                 "flash-16bit-warprows-sb2": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
-                                              "FLASH_STEP_BLOCKS": 2},
-                 "flash-16bit-warprows-sb4": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_WARP_ROWS": True,
-                                              "FLASH_STEP_BLOCKS": 4},
+                 "flash-16bit-warprows-sb2": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True,
+                                              "flash_step_blocks": 2},
+                 "flash-16bit-warprows-sb4": {"GPU_FLASH_OPERANDS": "16bit", "flash_warp_rows": True,
+                                              "flash_step_blocks": 4},
                  # the decode kernel's registers capped (ptxas: 227 at 2 warps, 4 CTAs an SM; 168: 6, 128: 8)
                  "flash-16bit-dm168": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 168},
                  "flash-16bit-dm128": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_MAXNREG": 128},
-                 "flash-16bit-shortest-first": {"GPU_FLASH_OPERANDS": "16bit", "GPU_FLASH_LONGEST_FIRST": False},
-                 "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_PIPELINE": False},
+                 "flash-16bit-shortest-first": {"GPU_FLASH_OPERANDS": "16bit", "flash_longest_first": False},
+                 "flash-16bit-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_prefill_pipeline": False},
                  # the earlier settings: decode with the next block's loads in flight, 64-row prefill
                  # tiles at 8 warps
-                 "flash-16bit-dpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_DECODE_PIPELINE": True},
+                 "flash-16bit-dpipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_decode_pipeline": True},
                  "flash-16bit-rows64-w8": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 64, "FLASH_WARPS": (4, 8)},
                  # 16-row prefill tiles at 4 warps (2 CTAs an SM; capped at 168 registers: 3)
                  "flash-16bit-rows16-w4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_ROWS": 16, "FLASH_WARPS": (4, 4)},
@@ -111,28 +111,28 @@ ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe"
                  # registers since the fragment-layout values, so larger steps may fit now)
                  "flash-16bit-bs32": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 32},
                  "flash-16bit-bs64": {"GPU_FLASH_OPERANDS": "16bit", "BLOCK": 64},
-                 # online-softmax steps of 2 / 4 cache blocks (FLASH_STEP_BLOCKS: partitions stay 4 blocks; ptxas:
+                 # online-softmax steps of 2 / 4 cache blocks (flash_step_blocks: partitions stay 4 blocks; ptxas:
                  # the 32-row prefill spills 392 / 1028 B with the pipeline, 288 / 640 B without; the decode at 2
                  # warps 245 registers / 472 B spilled, at 4 warps 227 without spills at 4 blocks)
-                 "flash-16bit-sb2": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 2},
-                 "flash-16bit-sb4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4},
-                 "flash-16bit-sb2-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 2, "FLASH_PIPELINE": False},
+                 "flash-16bit-sb2": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2},
+                 "flash-16bit-sb4": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4},
+                 "flash-16bit-sb2-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2, "flash_prefill_pipeline": False},
                  # 16-row prefill tiles: sb2 with the pipeline 255 registers, no spills; sb4 without it 192 B spilled
-                 "flash-16bit-sb2-rows16": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 2, "FLASH_ROWS": 16},
-                 "flash-16bit-sb4-rows16-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4, "FLASH_ROWS": 16,
-                                                   "FLASH_PIPELINE": False},
-                 "flash-16bit-sb4-rows16-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
-                                                       "FLASH_ROWS": 16, "FLASH_PIPELINE": False,
-                                                       "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
-                 "flash-16bit-sb4-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
-                                                "FLASH_PIPELINE": False, "FLASH_DECODE_WIDE_PROGRAMS": 1 << 30},
+                 "flash-16bit-sb2-rows16": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 2, "FLASH_ROWS": 16},
+                 "flash-16bit-sb4-rows16-nopipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4, "FLASH_ROWS": 16,
+                                                   "flash_prefill_pipeline": False},
+                 "flash-16bit-sb4-rows16-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4,
+                                                       "FLASH_ROWS": 16, "flash_prefill_pipeline": False,
+                                                       "flash_decode_wide": 1 << 30},
+                 "flash-16bit-sb4-nopipe-dw4": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4,
+                                                "flash_prefill_pipeline": False, "flash_decode_wide": 1 << 30},
                  # the defaults (2-block steps, the decode pipeline) against 1 / 4-block steps
-                 "flash-16bit-sb1-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 1,
-                                             "FLASH_DECODE_PIPELINE": False},
-                 "flash-16bit-sb1": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 1},
-                 "flash-16bit-sb4-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "FLASH_STEP_BLOCKS": 4,
-                                             "FLASH_DECODE_PIPELINE": False},
-                 "token": {"GPU_TOKEN_ATTENTION": True}}
+                 "flash-16bit-sb1-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 1,
+                                             "flash_decode_pipeline": False},
+                 "flash-16bit-sb1": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 1},
+                 "flash-16bit-sb4-nodpipe": {"GPU_FLASH_OPERANDS": "16bit", "flash_step_blocks": 4,
+                                             "flash_decode_pipeline": False},
+                 "token": {"token_attention": True}}
 ROTATE_BYTES = 256 << 20
 
 
@@ -447,17 +447,31 @@ class _attn_variant:
     kernels (the fake device's target is the CPU tier): the rows check the script only."""
 
     def __init__(self, ja, variant):
-        self.ja, self.flags = ja, dict(dict(GPU_TOKEN_ATTENTION=False, GPU_FLASH_ATTENTION=True),
-                                       **{k: v for k, v in ATTN_VARIANTS[variant].items() if k != "BLOCK"})
+        from targets import Tuning
+        names = set(Tuning.__dataclass_fields__)
+        settings = {k: v for k, v in ATTN_VARIANTS[variant].items() if k != "BLOCK"}
+        # lower-case keys are entries of the device target's tuning table (targets/tuning.py), the rest module
+        # settings of jitkern.ops.attention
+        self.tuning = {k: v for k, v in settings.items() if k in names}
+        self.ja, self.flags = ja, {k: v for k, v in settings.items() if k not in names}
 
     def __enter__(self):
         self.old = {k: getattr(self.ja, k) for k in self.flags}
         for k, v in self.flags.items():
             setattr(self.ja, k, v)
+        self.dev = None
+        if self.tuning:
+            from jitkern.runtime import cuda
+            from targets import tuned
+            self.dev = cuda.get_device()
+            t = tuned(self.dev.target(), **self.tuning)
+            self.dev.target = lambda: t          # (an instance attribute over the method, removed on exit)
 
     def __exit__(self, *exc):
         for k, v in self.old.items():
             setattr(self.ja, k, v)
+        if self.dev is not None:
+            del self.dev.target
         return False
 
 

@@ -58,10 +58,13 @@ def main(argv=None) -> int:
         return _cupti(args)
     os.environ.setdefault("JITKERN_GPU_PROFILE", "1")
     from jitkern.runtime import gpu_profile
-    from jitkern.ops import attention
-    if args.attention:
-        attention.GPU_TOKEN_ATTENTION = args.attention == "token"
-        attention.GPU_FLASH_ATTENTION = args.attention == "flash"
+    if args.attention == "token":
+        # the device target's tuning table with every attention step on the token kernel (targets/tuning.py)
+        from jitkern.runtime import cuda
+        from targets import tuned
+        dev = cuda.get_device()
+        t = tuned(dev.target(), token_attention=True)
+        dev.target = lambda: t
     gpu_profile.ENABLED = True
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams

@@ -3,7 +3,7 @@ engine's Llama-3-8B constants (f16 cache, 16-bit operands), per tile setting. Ne
 
     python3 perf/ptxas_flash.py prefill:8:16:1 prefill:4:8:0 prefill:8:16:1:SB=2 decode:2:1
         (kernel:warps:BM (prefill; decode: omitted):warp_rows 0/1[:CONST=VALUE ...])
-Environment settings apply as in the engine (JITKERN_FAST_EXP=0 for the exp polynomial).
+The lowering's choices are sm_90a's tuning table (targets/tuning.py), as in the engine.
 """
 import os
 import re

@@ -3,8 +3,8 @@ flash attention kernels. Needs ptxas, not a GPU.
 
     python3 perf/ptxas_regs.py [--arch sm_90a] [--maxnreg 168] [--16bit] [--wgmma] [--tiles 64,256,32,4 ...]
 
---wgmma: the linear tiles with the `wgmma` launch option (warpgroup MMAs; staging from JITKERN_WGMMA_SWIZZLE /
-JITKERN_WGMMA_PIPE).
+--wgmma: the linear tiles with the `wgmma` launch option (warpgroup MMAs; staging as the target's tuning table
+says: targets/tuning.py wgmma_swizzle / wgmma_pipe).
 """
 import argparse
 import os

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="*", default=None,
                     help="fma,BN,BK,warps or mma,BM,BN,BK,warps[,SPLIT] (SPLIT 0: the engine's for the shape); "
-                         "wg,... as mma with the dots as warpgroup MMAs (matmul.GPU_LINEAR_WGMMA, sm_90a); mma and wg take the "
+                         "wg,... as mma with the dots as warpgroup MMAs (tuning.linear_wgmma, sm_90a); mma and wg take the "
                          "slab path (each K slab a program, then the sum kernel) at every M; wgs,... as wg with the K "
                          "split's slabs summed inside each program (SERIAL)")
     ap.add_argument("--m", default="1", help="comma-separated token counts (default 1)")
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                          "or rounded to the weights' 16-bit type (one MMA chain)")
     ap.add_argument("--serial-maxnreg", type=int, default=None,
                     help="register cap of the linear's launches that sum a split K in-program "
-                         "(matmul.GPU_LINEAR_SERIAL_MAXNREG; 0: none)")
+                         "(tuning.serial_maxnreg; 0: none)")
     args = ap.parse_args(argv)
     shapes = SHAPES
     if args.shapes:
@@ -75,8 +75,9 @@ def main(argv=None) -> int:
         if not shapes or any(len(sh) != 2 or min(sh) <= 0 for sh in shapes):
             ap.error(f"--shapes: expected NxK pairs of positive integers (e.g. 28672x4096), got {args.shapes}")
     from jitkern.ops import matmul
+    choices = {}            # the device target's tuning entries (targets/tuning.py) changed for the runs
     if args.serial_maxnreg is not None:
-        matmul.GPU_LINEAR_SERIAL_MAXNREG = args.serial_maxnreg or None
+        choices["serial_maxnreg"] = args.serial_maxnreg or None
     if args.maxnreg:
         matmul.GPU_LINEAR_MAXNREG = args.maxnreg
     if args.x16:
@@ -87,6 +88,12 @@ def main(argv=None) -> int:
     from jitkern.runtime import cuda
     import torch
     dev = cuda.get_device()
+    base_target = dev.target()
+
+    def use(**more):
+        from targets import tuned
+        t = tuned(base_target, **choices, **more)
+        dev.target = lambda: t          # every launch on this device's arrays compiles with these choices
     configs = [(c.split(",")[0],) + tuple(int(v) for v in c.split(",")[1:]) for c in args.configs] \
         if args.configs else CONFIGS
     if args.smoke:
@@ -125,9 +132,8 @@ def main(argv=None) -> int:
             for cfg in configs:
                 if cfg[0] == "fma" and M > 64:
                     continue                  # re-reads the weights per token: minutes at prefill sizes
-                matmul.GPU_LINEAR_WGMMA = cfg[0] in ("wg", "wgs")
-                # wgs: wg with a split K's slabs summed inside each program (matmul.GPU_LINEAR_SERIAL_SPLIT_M)
-                matmul.GPU_LINEAR_SERIAL_SPLIT_M = 0 if cfg[0] == "wgs" else 1 << 62
+                # wgs: wg with a split K's slabs summed inside each program (tuning.serial_split_m)
+                use(linear_wgmma=cfg[0] in ("wg", "wgs"), serial_split_m=0 if cfg[0] == "wgs" else 1 << 62)
                 if cfg[0] in ("mma", "wg", "wgs"):
                     # a 5th entry of 0: the engine's K split for this shape (gpu_linear_mma_tile's)
                     matmul.GPU_LINEAR_MMA_TILE = "auto"
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
                     matmul.GPU_LINEAR_MMA_TILE, matmul.GPU_LINEAR_TILE = None, cfg[1:]
                 matmul.linear(x, ws[0], out=y, w_dtype="bf16", **xkw)      # compile + load outside the capture
                 for wc in ws[1:]:
-                    # (and, with JITKERN_TMA=1, each weight copy's tensor map: none is made inside a capture)
+                    # (and, with tuning.linear_tma, each weight copy's tensor map: none is made inside a capture)
                     matmul.linear(x, wc, out=y, w_dtype="bf16", **xkw)
                 dev.synchronize()
                 if ref is not None:

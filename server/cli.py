@@ -275,9 +275,11 @@ def main(argv: list | None = None) -> int:
     command, env = gunicorn_command(args)
     # JITKERN_* settings (from the environment and the flags above) are checked here, before gunicorn and
     # the model load: one line naming the setting, exit 2
+    from engine.settings import check_environment as check_engine_environment
     from jitkern.env import SettingError, check_environment
     try:
         check_environment(environ=env)
+        check_engine_environment(environ=env)
     except SettingError as e:
         parser.exit(2, f"python -m server: error: {e}\n")
     sys.stdout.flush()

@@ -6,9 +6,11 @@ kernel costs nothing at run time.
 """
 from .base import Target, UnknownTargetError, TargetUnavailableError
 from .registry import all_targets, get_target, target_names
+from .tuning import Tuning, tuned
 from .cpu import host_cpu_features, select_cpu_tier, cpu_tier_names, check_runnable
 
 __all__ = [
     "Target", "UnknownTargetError", "TargetUnavailableError", "all_targets", "get_target", "target_names",
     "host_cpu_features", "select_cpu_tier", "cpu_tier_names", "check_runnable",
+    "Tuning", "tuned",
 ]

@@ -44,7 +44,8 @@ def install(monkeypatch) -> FakeDevice:
             if launch_mod.launches_are_dry():
                 return None
             if target is None or target is gpu or getattr(target, "is_gpu", False):
-                co = launch_mod.compile_only(target=gpu)
+                # (a test's tuned copy of the GPU target compiles with its own choices)
+                co = launch_mod.compile_only(target=target if getattr(target, "is_gpu", False) else gpu)
                 launch_mod._compile_only_launch(co, kernel, args, kwargs)
                 from jitkern.runtime.cpu import runtime_target
                 target = runtime_target()       # then run it on the CPU runtime tier

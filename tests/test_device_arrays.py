@@ -238,6 +238,13 @@ def _sm90a_backend(backend, monkeypatch):
     return cuda_mod
 
 
+def _tuned_for(arr, **choices):
+    """The target of device array `arr` with tuning entries changed (targets.tuned): a launch option of the ops."""
+    from jitkern.ops._hostargs import resolve_target
+    from targets import tuned
+    return tuned(resolve_target(None, arr), **choices)
+
+
 def _bf16_linear_case(cuda_mod, rng, M, N, K):
     """x [M, K] f32, bf16 weights [N, K] (and their float64 values), bias; weights and bias on the device."""
     w = to_bf16(rng.standard_normal((N, K)) / 8)
@@ -270,7 +277,7 @@ def test_linear_split_k_tiles(backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
-    """From GPU_LINEAR_SERIAL_SPLIT_M tokens a split K's slabs are summed inside each program (SERIAL, no slabs
+    """From tuning.serial_split_m tokens a split K's slabs are summed inside each program (SERIAL, no slabs
     through memory, no sum kernel): bit for bit what the slab programs plus the sum kernel give, with and without
     bias, and a token's row the same bits as its decode (slab path) row."""
     from jitkern.ops import matmul as mm
@@ -280,49 +287,48 @@ def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
     x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(31), 21, 96, 512)
     want = (to_bf16(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ w64.T + bias
     for b in (db, None):
-        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", 1 << 62)
         mm._LAST.clear()
-        slabs = mm.linear(_dev(cuda_mod, x), dw, bias=b, w_dtype="bf16").numpy()
+        slabs = mm.linear(_dev(cuda_mod, x), dw, bias=b, w_dtype="bf16",
+                          target=_tuned_for(dw, serial_split_m=1 << 62)).numpy()
         assert mm.last_compiled("_gpu_splitk_sum_kernel") is not None
         assert not mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("SERIAL")
-        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", 8)
+        T8 = _tuned_for(dw, serial_split_m=8)
         mm._LAST.clear()
-        serial = mm.linear(_dev(cuda_mod, x), dw, bias=b, w_dtype="bf16").numpy()
+        serial = mm.linear(_dev(cuda_mod, x), dw, bias=b, w_dtype="bf16", target=T8).numpy()
         ck = mm.last_compiled("_gpu_linear_mma_kernel")
         assert ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4
         assert mm.last_compiled("_gpu_splitk_sum_kernel") is None
         np.testing.assert_array_equal(serial, slabs)
         ref = want if b is not None else want - bias
         np.testing.assert_allclose(serial, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-        one = mm.linear(_dev(cuda_mod, x[9:10]), dw, bias=b, w_dtype="bf16").numpy()    # under 8 tokens: slabs
+        one = mm.linear(_dev(cuda_mod, x[9:10]), dw, bias=b, w_dtype="bf16", target=T8).numpy()   # under 8: slabs
         np.testing.assert_array_equal(one, serial[9:10])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
-    """GPU_LINEAR_PREFETCH = 2 (JITKERN_LINEAR_PREFETCH): the cp.async tiles' K loops load two steps ahead into
+    """tuning.linear_prefetch = 2: the cp.async tiles' K loops load two steps ahead into
     three buffers (num_stages=3, PREFETCH=2; wgmma tiles only): the same dots in the same order, the last two
     chained in the accumulator registers like the loop's, so bit for bit the result of PREFETCH 1, through the
     slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one step keep PREFETCH 1. On `fake` a small tile runs the kernel on the CPU (the DSL's order); on the GPU the
     engine's tiles, the huge one included."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
-    monkeypatch.setattr(mm, "GPU_LINEAR_TMA", False)    # (cp.async's chains; with TMA on, PREFETCH 2 is TMA's only)
+    choices = dict(linear_tma=False)      # (cp.async's chains: with TMA on, PREFETCH 2 is TMA's only)
     if backend == "fake":
         monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
         monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
-        monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", 16)     # (PREFETCH 2 runs on wgmma tiles only)
+        choices["linear_wgmma_min_bm"] = 16      # (PREFETCH 2 runs on wgmma tiles only)
         cases = [(21, 96, 512, 8), (21, 96, 512, 1 << 62), (5, 96, 128, 1 << 62)]
     else:
         cases = [(300, 512, 1024, 1 << 62), (300, 512, 1024, 8), (300, 6144, 512, 1 << 62), (70, 4096, 1024, 1 << 62)]
     for M, N, K, serial_m in cases:
-        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", serial_m)
         x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(M + N + K), M, N, K)
         xd = _dev(cuda_mod, to_bf16(x))
         got = {}
         for pf in (1, 2):
-            monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", pf)
-            got[pf] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+            T = _tuned_for(dw, serial_split_m=serial_m, linear_prefetch=pf, **choices)
+            got[pf] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16", target=T).numpy()
             ck = mm.last_compiled("_gpu_linear_mma_kernel")
             S = ck.constexprs.get("SPLIT", 1)
             steps = K // (S * ck.constexprs["BK"])
@@ -334,37 +340,34 @@ def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_tma_gives_the_same_bits(backend, monkeypatch):
-    """GPU_LINEAR_TMA (JITKERN_TMA=1): the wgmma tiles' K loops copy x and w by the tensor memory accelerator
+    """tuning.linear_tma: the wgmma tiles' K loops copy x and w by the tensor memory accelerator
     (tensor maps, mbarriers) into the same 128-byte swizzled staging cp.async writes: bit for bit the cp.async
     result, through the slab path, the serial split (its chains re-arm their barriers each slab), an unsplit
     weight, the 64-row tile, and token counts that leave a partial tile (TMA zero-fills the rows past M), with
     prefetch-2 chains (three buffers) too. On
     `fake` (no tensor maps: host memory) the launch keeps cp.async and the bits are the same trivially; on the
-    GPU the launch must have taken the `tma` option. TMA_PIPE (JITKERN_TMA_PIPE: the MMAs in flight into the
-    next step) gives the same bits too."""
-    from jitkern.backends import gpu
+    GPU the launch must have taken the `tma` option. tuning.tma_pipe (the MMAs in flight into the next step) gives
+    the same bits too."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
+    choices = {}
     if backend == "fake":
         monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
         monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
-        monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", 16)
+        choices["linear_wgmma_min_bm"] = 16
         cases = [(21, 96, 512, 8), (21, 96, 512, 1 << 62)]
     else:
         cases = [(300, 512, 1024, 1 << 62), (300, 512, 1024, 8), (300, 6144, 512, 1 << 62), (70, 4096, 1024, 1 << 62),
                  (1030, 1024, 4096, 1 << 62), (129, 28672 // 8, 4096, 1 << 62)]
     for M, N, K, serial_m in cases:
-        monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", serial_m)
         x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(M + N + K + 5), M, N, K)
         xd = _dev(cuda_mod, to_bf16(x))
         got = {}
         runs = ((False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True), (True, 2, True))
         for on, pf, pipe in runs:
-            monkeypatch.setattr(mm, "GPU_LINEAR_TMA", on)
-            monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", pf)
-            monkeypatch.setattr(gpu, "TMA_PIPE", pipe)
+            T = _tuned_for(dw, serial_split_m=serial_m, linear_tma=on, linear_prefetch=pf, tma_pipe=pipe, **choices)
             mm._LAST.clear()
-            got[on, pf, pipe] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16").numpy()
+            got[on, pf, pipe] = mm.linear(xd, dw, bias=db, w_dtype="bf16", x_dtype="bf16", target=T).numpy()
             ck = mm.last_compiled("_gpu_linear_mma_kernel")
             assert bool(ck.constexprs.get("tma")) == (on and backend == "cuda"), (M, N, K, ck.constexprs)
             if on and backend == "fake":
@@ -541,10 +544,10 @@ def test_linear_tile_tiers_by_token_count():
     assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=0)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
     assert "wgmma" in mm._mma_regs(T, huge[0], 1) and "wgmma" not in mm._mma_regs(T, huge[0], 0)
     assert "wgmma" not in mm._mma_regs(T, 16, 1) and "wgmma" not in mm._mma_regs(get_target("sm_80"), 128, 1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mm, "GPU_LINEAR_WGMMA", False)              # JITKERN_WGMMA=0: mma.sync, no huge tile
-        assert mm._mma_tile_for(T, 4096, 4096, 8192, act16=1)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
-        assert "wgmma" not in mm._mma_regs(T, huge[0], 1)
+    from targets import tuned
+    T0 = tuned(T, linear_wgmma=False)                       # mma.sync, no huge tile
+    assert mm._mma_tile_for(T0, 4096, 4096, 8192, act16=1)[:4] == tuple(mm.GPU_LINEAR_BIG_TILE[:4])
+    assert "wgmma" not in mm._mma_regs(T0, huge[0], 1)
 
 
 @pytest.mark.gpu
@@ -589,14 +592,12 @@ def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_linear_serial_chain_gives_the_serial_splits_bits(backend, prefetch, monkeypatch):
-    """The serial split with one copy chain through its slabs (GPU_SERIAL_CHAIN, _mma_serial_chain) at the
+    """The serial split with one copy chain through its slabs (tuning.serial_chain, _mma_serial_chain) at the
     engine's prefill tile for a narrow weight (K split in 4; 16-bit x on the device: warpgroup MMAs fed by TMA on
     the H200, cp.async on `fake`): bit for bit the serial split that restarts its pipeline a slab, and a token's
     row the same bits as its decode (slab programs) row; float64 close."""
     from jitkern.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
-    monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", prefetch)
-    monkeypatch.setattr(mm, "GPU_LINEAR_SERIAL_SPLIT_M", 200)
     rng = np.random.default_rng(41)
     N, K, M = 256, 1024, 263
     assert mm.gpu_linear_mma_tile(N, K)[4] == 4
@@ -607,9 +608,9 @@ def test_linear_serial_chain_gives_the_serial_splits_bits(backend, prefetch, mon
     dw, dx = _dev(cuda_mod, w), _dev(cuda_mod, x)
     got = {}
     for chain in (False, True):
-        monkeypatch.setattr(mm, "GPU_SERIAL_CHAIN", chain)
+        T = _tuned_for(dw, linear_prefetch=prefetch, serial_split_m=200, serial_chain=chain)
         mm._LAST.clear()
-        got[chain] = mm.linear(dx, dw, w_dtype="bf16", x_dtype="bf16").numpy()
+        got[chain] = mm.linear(dx, dw, w_dtype="bf16", x_dtype="bf16", target=T).numpy()
         ck = mm.last_compiled("_gpu_linear_mma_kernel")
         assert ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4 and ck.constexprs["CHAIN"] == chain
         if backend == "cuda":
@@ -619,7 +620,7 @@ def test_linear_serial_chain_gives_the_serial_splits_bits(backend, prefetch, mon
     want = x64 @ w64.T
     np.testing.assert_allclose(got[True], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     for lo, hi in ((0, 1), (100, 103)):
-        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, w_dtype="bf16", x_dtype="bf16").numpy()
+        part = mm.linear(_dev(cuda_mod, x[lo:hi]), dw, w_dtype="bf16", x_dtype="bf16", target=T).numpy()
         assert not mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("SERIAL")
         np.testing.assert_array_equal(part, got[True][lo:hi], err_msg=f"tokens {lo}:{hi}")
 
@@ -652,15 +653,16 @@ def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
     """`linear(..., out=uint16 array)`: the tensor-core linear stores its f32 result rounded to bf16 (nearest even),
     through every tile the token count picks, with bf16 x (TMA on sm_90a from 64 tokens): a wide weight (no K
     split: decode, tall, mid / big, huge, XL tiles) and a narrow one (K split in 4: slab programs + the sum kernel,
-    the serial split from GPU_LINEAR_SERIAL_SPLIT_M tokens). The fake sm_90a device runs the small sizes only."""
+    the serial split from tuning.serial_split_m tokens). The fake sm_90a device runs the small sizes only."""
     from jitkern.ops import matmul as mm
+    from targets import Tuning
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     rng = np.random.default_rng(23)
     N, K = (64 * mm.GPU_NOSPLIT_MIN_TILES, 512) if wide else (256, 1024)
     assert (mm.gpu_linear_mma_tile(N, K)[4] == 1) == wide
     w = to_bf16(rng.standard_normal((N, K)) / 8)
     dw = _dev(cuda_mod, w)
-    sizes = (1, 30, 70) if backend == "fake" else (1, 30, 70, 200, mm.GPU_LINEAR_SERIAL_SPLIT_M + 45)
+    sizes = (1, 30, 70) if backend == "fake" else (1, 30, 70, 200, Tuning().serial_split_m + 45)
     seen = set()
     for M in sizes:
         x = _dev(cuda_mod, to_bf16(rng.standard_normal((M, K))))
@@ -673,80 +675,6 @@ def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
     if backend == "cuda":
         assert any(t == 1 for _, _, t in seen), seen
         assert any(serial for _, serial, _ in seen) == (not wide), seen
-
-
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
-def test_linear_l2_prefetch_gives_the_same_bits(monkeypatch, backend):
-    """GPU_LINEAR_L2_PREFETCH (JITKERN_LINEAR_L2_PREFETCH, KiB a program): the tensor-core linear's launches of one row
-    of tiles (M up to the tile's BM) prefetch each program's weight rows from its K range's start into L2 first
-    (L2_ROWS bytes a row: the range, capped at the KiB over the tile's rows), with and without programmatic
-    dependent launch (gpu.PDL; the real GPU only): bit for bit the result without; taller launches take no
-    L2_ROWS. A narrow weight (K split in slab programs) and a wide one (unsplit)."""
-    from jitkern.backends import gpu
-    from jitkern.ops import matmul as mm
-    cuda_mod = _sm90a_backend(backend, monkeypatch)
-    rng = np.random.default_rng(41)
-    runs = ((0, False), (64, False), (4, False)) + (((0, True), (64, True)) if backend == "cuda" else ())
-    for N, K in ((256, 1024), (64 * mm.GPU_NOSPLIT_MIN_TILES, 512)):
-        dw = _dev(cuda_mod, to_bf16(rng.standard_normal((N, K)) / 8))
-        for M in (1, 7, 16, 40):
-            x = _dev(cuda_mod, to_bf16(rng.standard_normal((M, K))))
-            got = {}
-            for kib, pdl in runs:
-                monkeypatch.setattr(mm, "GPU_LINEAR_L2_PREFETCH", kib)
-                monkeypatch.setattr(gpu, "PDL", pdl)
-                got[kib, pdl] = mm.linear(x, dw, w_dtype="bf16", x_dtype="bf16").numpy()
-                cx = mm.last_compiled("_gpu_linear_mma_kernel").constexprs
-                k_range = K // (1 if cx.get("SERIAL") else cx.get("SPLIT", 1))
-                want = min(2 * k_range, kib * 1024 // cx["BN"]) // 16 * 16 if kib and M <= cx["BM"] else 0
-                assert cx.get("L2_ROWS", 0) == want, (N, K, M, kib, cx)
-            for key in runs[1:]:
-                np.testing.assert_array_equal(got[key], got[runs[0]], err_msg=f"N={N} K={K} M={M} {key}")
-
-
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
-@pytest.mark.parametrize("wdt,act", [("bf16", "silu"), ("f16", "gelu_tanh")])
-def test_linear_gated_x_is_act_and_mul_then_linear(monkeypatch, backend, wdt, act):
-    """`linear(gate_up, w, gated_x=act)` (the activation in the linear's x loads, decode sizes: matmul.takes_gated_x)
-    gives the bits of silu_and_mul / gelu_tanh_and_mul into a 16-bit array and the linear on it, for a narrow weight
-    (K split in slab programs, folded into a SplitK too) and a wide one (unsplit), 1 to 40 tokens; sizes past the
-    register-path tiles are refused with an error naming gated_x."""
-    from jitkern.ops import activation as A
-    from jitkern.ops import matmul as mm
-    from jitkern.ops._hostargs import resolve_target
-    cuda_mod = _sm90a_backend(backend, monkeypatch)
-    rng = np.random.default_rng(37)
-    st = np.uint16 if wdt == "bf16" else np.float16
-    fn = A.silu_and_mul if act == "silu" else A.gelu_tanh_and_mul
-
-    def half(a):
-        return to_bf16(a) if wdt == "bf16" else a.astype(np.float16)
-    wkw = {"w_dtype": "bf16"} if wdt == "bf16" else {}
-    for N, K in ((256, 1024), (64 * mm.GPU_NOSPLIT_MIN_TILES, 512)):
-        dw = _dev(cuda_mod, half(rng.standard_normal((N, K)) / 8))
-        for M in (1, 7, 40):
-            assert mm.takes_gated_x(wdt, N, K, M, resolve_target(None, dw), setting=False)
-            gu = _dev(cuda_mod, half(rng.standard_normal((M, 2 * K)) * 2))
-            act16 = cuda_mod.DeviceArray.empty((M, K), st, dw.device)
-            fn(gu, out=act16)
-            want = mm.linear(act16, dw, x_dtype=wdt, **wkw).numpy()
-            got = mm.linear(gu, dw, x_dtype=wdt, gated_x=act, **wkw).numpy()
-            assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs.get("GATE") is not None
-            np.testing.assert_array_equal(got, want, err_msg=f"N={N} K={K} M={M}")
-            if backend == "cuda" or M == 1:
-                folded = mm.linear(gu, dw, x_dtype=wdt, gated_x=act, fold_sum=True, **wkw)
-                if isinstance(folded, mm.SplitK):
-                    out = cuda_mod.DeviceArray.empty((M, N), np.float32, dw.device)
-                    np.testing.assert_array_equal(folded.sum_into(out).numpy(), want)
-    big = mm.GPU_LINEAR_ASYNC_MIN_BM          # (sm_90a: the 64-token tile, cp.async / TMA staging)
-    if backend == "fake":                     # (the fake keeps the decode tile at every M: make it a staged one)
-        monkeypatch.setattr(mm, "GPU_LINEAR_ASYNC_MIN_BM", 16)
-    assert not mm.takes_gated_x(wdt, 256, 1024, big, resolve_target(None, dw), setting=False)
-    gu = _dev(cuda_mod, half(rng.standard_normal((big, 2 * 1024))))
-    with pytest.raises(ValueError, match="gated_x"):
-        mm.linear(gu, _dev(cuda_mod, half(rng.standard_normal((256, 1024)))), x_dtype=wdt, gated_x=act, **wkw)
-    with pytest.raises(ValueError, match="gated_x must be"):
-        mm.linear(gu[:1], _dev(cuda_mod, half(rng.standard_normal((256, 1024)))), x_dtype=wdt, gated_x="relu", **wkw)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu), "fake"])
@@ -794,20 +722,19 @@ def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act)
 @pytest.mark.parametrize("swizzle,pipe,min_bm", [(0, False, 0), (128, False, 0), (128, True, 0), (0, False, 64)])
 @pytest.mark.parametrize("N,K", [(512, 512), (4096, 1024)])
 def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, N, K, swizzle, pipe, min_bm):
-    """The opt-in warpgroup-MMA linear (JITKERN_WGMMA=1, sm_90a: the dots as wgmma with weights as the 64-row
+    """The warpgroup-MMA linear (tuning.linear_wgmma, sm_90a: the dots as wgmma with weights as the 64-row
     operand and tokens as N): every tile the token count picks (decode 16, tall 32, mid / big 64) matches
     float64, and a token's row has the same bits whichever tile and batch it went through (narrow and wide
     weights: K split in 4 and in 2), with the operands staged as plain core matrices and 128-byte swizzled,
-    and with the K loop's MMAs overlapping the next step's staging (WGMMA_PIPE); min_bm 64: wgmma for the 64-row
+    and with the K loop's MMAs overlapping the next step's staging (tuning.wgmma_pipe); min_bm 64: wgmma for the 64-row
     tiles only, mma.sync below (equal bits across that switch or the mode is unusable). 16-bit activations: with
     f32 ones the linear keeps mma.sync (matmul._wgmma_for; test_linear_tile_tiers_by_token_count)."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
+    from targets import tuned
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
-    monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA", True)
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)
-    monkeypatch.setattr(gpu, "WGMMA_PIPE", pipe)
-    monkeypatch.setattr(mm, "GPU_LINEAR_WGMMA_MIN_BM", min_bm)
+    dev = cuda_mod.get_device()
+    T = tuned(dev.target(), linear_wgmma=True, wgmma_swizzle=swizzle, wgmma_pipe=pipe, linear_wgmma_min_bm=min_bm)
+    monkeypatch.setattr(dev, "target", lambda: T)      # (every launch on the device's arrays takes these choices)
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
     M = 160
     x, dw, db, full, _ = _tiled_linear_case16(cuda_mod, 16, M, N, K,

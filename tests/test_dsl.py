@@ -153,11 +153,9 @@ def test_barrier_orders_a_programs_stores_before_its_loads(tier):
 
 @jk.kernel
 def _row_sums_prefetched(w, out, K, ROWS: jk.constexpr, BK: jk.constexpr, NB: jk.constexpr):
-    # the rows' first NB bytes prefetched (a bulk L2 prefetch a row on sm_90+, ignored elsewhere), then the wait for
-    # earlier launches (programmatic dependent launch), then the rows' sums
+    # the rows' first NB bytes prefetched (a bulk L2 prefetch a row on sm_90+, ignored elsewhere), then the rows' sums
     r = jk.program_id(0) * ROWS + jk.arange(0, ROWS)
     jk.prefetch(w + r.to(jk.i64) * K, nbytes=NB)
-    jk.wait_dependencies()
     k = jk.arange(0, BK)
     acc = jk.zeros((ROWS,), jk.f32)
     for c in range(0, K, BK):
@@ -165,9 +163,8 @@ def _row_sums_prefetched(w, out, K, ROWS: jk.constexpr, BK: jk.constexpr, NB: jk
     jk.store(out + r, acc)
 
 
-def test_prefetch_rows_and_wait_dependencies_keep_the_results(tier):
-    """jk.prefetch(..., nbytes=) and jk.wait_dependencies() are hints and ordering: the kernel computes what it
-    would without them, on every tier."""
+def test_prefetch_rows_keeps_the_results(tier):
+    """jk.prefetch(..., nbytes=) is a hint: the kernel computes what it would without it, on every tier."""
     rng = np.random.default_rng(6)
     w = rng.standard_normal((64, 256)).astype(np.float32)
     out = np.zeros(64, np.float32)
@@ -200,19 +197,18 @@ def _reductions(x, out, N: jk.constexpr, R: jk.constexpr):
 
 
 @pytest.mark.parametrize("R,N", [(2, 2048), (4, 256), (2, 16), (32, 32), (1, 1024)])
-def test_reductions_one_item_a_thread_keep_the_bits(tier, monkeypatch, R, N):
+def test_reductions_one_item_a_thread_keep_the_bits(tier, R, N):
     """GPU lowerings (Vulkan, CUDA): a CTA-wide reduction of up to a thread per work item runs one item a thread
-    (gpu.REDUCE_ONE_EACH) with the bits of the tile layout's chunks (the same items, folded in the same order),
+    (tuning.reduce_one_each) with the bits of the tile layout's chunks (the same items, folded in the same order),
     sums, maxima and arg-reductions, one output and several (a (1, N) tile's row too: its arg-reduction gave the CPU
     tiers a scalar for the (1,) result, an LLVM type error); close to numpy on every tier."""
-    from jitkern.backends import gpu
+    from targets import tuned
     rng = np.random.default_rng(R * N)
     x = rng.standard_normal(R * N).astype(np.float32)
     got = {}
     for each in (True, False):
-        monkeypatch.setattr(gpu, "REDUCE_ONE_EACH", each)       # (in the compile cache key)
         out = np.zeros(3 + 2 * R, np.float32)
-        _run(_reductions, (1,), tier, x, out, N=N, R=R)
+        _run(_reductions, (1,), tuned(tier, reduce_one_each=each), x, out, N=N, R=R)     # (in the cache key)
         got[each] = out
     np.testing.assert_array_equal(got[True], got[False])
     m = x.reshape(R, N)
@@ -271,12 +267,11 @@ def _exp_fast(x):
     return jk.exp_fast(x)
 
 
-def test_exp_fast(tier, monkeypatch):
-    """jk.exp_fast: the target's hardware exponential where it has one (NVIDIA with JITKERN_FAST_EXP: ex2.approx of
+def test_exp_fast(tier):
+    """jk.exp_fast: the target's hardware exponential where it has one (NVIDIA with tuning.fast_exp: ex2.approx of
     x log2 e, within 2e-6 relative on the softmax range [-30, 0] and 0 for -inf / far below), elsewhere exactly
     jk.exp's bits."""
-    from jitkern.backends import gpu
-    monkeypatch.setattr(gpu, "FAST_EXP", True)
+    assert tier.tuning.fast_exp
     rng = np.random.default_rng(5)
     x = np.concatenate([-rng.random(1000).astype(np.float32) * 30, np.float32([0, -1000, -np.inf, np.nan])])
     out, ref = np.zeros_like(x), np.zeros_like(x)

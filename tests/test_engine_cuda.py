@@ -66,6 +66,18 @@ def _bf16_llama_on(where, tmp_path, monkeypatch, seed, overrides=None) -> None:
         str(tmp_path), safe_serialization=True)
 
 
+def _device_tuned(monkeypatch, **choices):
+    """The CUDA device's target with tuning entries changed (targets.tuned) for the rest of the test: the engine
+    reads its kernel choices from the target its weights live on."""
+    from jitkern.runtime import cuda as cuda_mod
+    from targets import tuned
+    dev = cuda_mod.get_device()
+    base = getattr(dev, "_untuned_target", None) or dev.target()
+    monkeypatch.setattr(dev, "_untuned_target", base, raising=False)
+    t = tuned(base, **choices)
+    monkeypatch.setattr(dev, "target", lambda: t)
+
+
 def _real_gpu() -> bool:
     try:
         from jitkern.runtime import cuda
@@ -369,7 +381,7 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
 def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, tile):
     """GPU_X16 (CUDA, dtype auto, bf16 checkpoint): the norms and the gated activation write the q/k/v, gate/up
     and down projections' inputs in bf16 (Linear.x16), which the tensor-core linear would round f32 x to anyway,
-    and GPU_X16_ATTN the flash attention kernels the o projection's (rounded as they store);
+    and (tuning.x16_attn) the flash attention kernels the o projection's (rounded as they store);
     GPU_FOLD_SPLITK: split-K linears hand their slabs to the add-norm / activation after them (a tile that splits
     the tiny model's K, so the fold runs). Greedy tokens and every prompt logprob are bit-identical to both off,
     batch and alone. (Checked on the fake sm_90a device too, where it compiles for minutes.)"""
@@ -398,14 +410,14 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, ti
     got = {}
     for on in (True, False):
         monkeypatch.setattr(decoder, "GPU_X16", on)
-        monkeypatch.setattr(decoder, "GPU_X16_ATTN", on)
+        _device_tuned(monkeypatch, x16_attn=on)
         monkeypatch.setattr(decoder, "GPU_FOLD_SPLITK", on)
         llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
         try:
             L = llm.engine.model.layers[0]
             assert [lin.x16 for lin in (L.qkv, L.o, L.gate_up, L.down)] == [np.uint16 if on else None] * 4
             outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-            # GPU_X16_ATTN: the flash kernels wrote the o projection's input in bf16
+            # tuning.x16_attn: the flash kernels wrote the o projection's input in bf16
             assert list(llm.engine.model._attn16_ok.values()) == ([True] * len(llm.engine.model.layers) if on else [])
             got[on] = _tokens_and_prompt_logprobs(outs)
         finally:
@@ -460,56 +472,10 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
 
 
 @pytest.mark.parametrize("where", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_down_projection_applies_the_gated_activation(tmp_path, monkeypatch, where):
-    """GPU_LINEAR_GATED_X (JITKERN_GATED_X): at decode sizes the down projection reads the bf16 gate/up output and
-    applies SiLU(gate) * up in its x loads (linear(gated_x=)), no silu_and_mul launch; prompt steps past the
-    register-path tiles (48+ tokens on sm_90a) keep the activation kernel. Greedy tokens and every prompt logprob are bit-identical to the
-    engine without it, batch and alone. "fake": the sm_90a fake device (GPU tiles compiled, run on the CPU)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from engine.llm import LLM
-    from jitkern.ops import activation as act
-    from jitkern.ops import matmul as mm
-    _bf16_llama_on(where, tmp_path, monkeypatch, 11, {"hidden_size": 128, "intermediate_size": 256})
-    monkeypatch.setattr(mm, "GPU_NOSPLIT_MIN_TILES", 1)
-    calls, gated = [], []
-    real_act, real_linear = act.silu_and_mul, mm.linear
-
-    def act_spy(gate_up, out=None, **k):
-        calls.append(gate_up.shape[0])
-        return real_act(gate_up, out=out, **k)
-
-    def linear_spy(x, *a, **k):
-        if k.get("gated_x"):
-            gated.append(x.shape[0])
-        return real_linear(x, *a, **k)
-    monkeypatch.setattr(act, "silu_and_mul", act_spy)
-    monkeypatch.setattr(mm, "linear", linear_spy)
-    prompts = _prompts(4, seed=13)
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(mm, "GPU_LINEAR_GATED_X", on)
-        calls.clear()
-        gated.clear()
-        with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:
-            outs = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        got[on] = _tokens_and_prompt_logprobs(outs)
-        if on:
-            # (the fake keeps the 16-token tile at every step size: every step gated there)
-            assert {1, 4} <= set(gated) and (not calls or min(calls) > max(gated)), (gated, calls)
-            assert bool(calls) == (where == "cuda"), calls
-        else:
-            assert not gated and {1, 4} <= set(calls), calls
-    assert got[True] == got[False]
-    assert got[True][0][0] == got[True][-1][0]     # alone as in the batch
-
-
-@pytest.mark.parametrize("where", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tile", [None, (16, 32, 16, 4)], ids=["engine-tiles", "small"])
 def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, tile):
-    """GPU_GATE_UP16 (CUDA, bf16 checkpoint, gate/up's K not split): the gate/up projection stores its output in
-    bf16 and the gated activation reads that, and at decode sizes GPU_GATED_LINEAR (off by default) runs both as one
+    """tuning.gate_up16 (CUDA, bf16 checkpoint, gate/up's K not split): the gate/up projection stores its output in
+    bf16 and the gated activation reads that, and at decode sizes tuning.gated_linear (off by default) runs both as one
     kernel (matmul.gated_linear). Greedy tokens and every prompt logprob are bit-identical, with and without the one
     kernel, to the f32 output rounded to bf16 (by jitkern's copy, nearest even) before the activation, batch and
     alone; the activation saw uint16 input. "fake": tests/fake_cuda.py's device with the sm_90a target (its GPU
@@ -520,7 +486,6 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from engine.llm import LLM
-    from engine.models import decoder
     from jitkern.ops import activation as act
     from jitkern.ops import matmul as mm
     _bf16_llama_on(where, tmp_path, monkeypatch, 7,
@@ -555,8 +520,7 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
     got = {}
     for on, one, round_first in ((True, True, False), (True, False, False), (False, True, True),
                                  (False, True, False)):
-        monkeypatch.setattr(decoder, "GPU_GATE_UP16", on)
-        monkeypatch.setattr(decoder, "GPU_GATED_LINEAR", one)
+        _device_tuned(monkeypatch, gate_up16=on, gated_linear=one)
         seen.clear()
         gated.clear()
         with LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda") as llm:

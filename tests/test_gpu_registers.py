@@ -65,7 +65,8 @@ LINEAR_SIG = ("x=*f32:16,w=*bf16:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:
               "xmap=i64,wmap=i64")
 
 
-def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2, sig=None):
+def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2, sig=None, target=None):
+    """The tensor-core linear's PTX for `target` (default sm_90a; a targets.tuned copy tries other choices)."""
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
     from jitkern.ops.matmul import _gpu_linear_mma_kernel
@@ -73,7 +74,7 @@ def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2, sig=None):
     consts = ["HAS_BIAS=False", f"BM={BM}", f"BN={BN}", f"BK={BK}", "EVEN=True", f"SPLIT={split}",
               f"num_warps={warps}", *extra]
     params, cx = parse_sig(_gpu_linear_mma_kernel, sig or LINEAR_SIG, consts)
-    ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, get_target("sm_90a"), load=False)
+    ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, target or get_target("sm_90a"), load=False)
     return ck.artifacts["kernel.ptx"].decode()
 
 
@@ -116,24 +117,21 @@ def test_engine_linear_tiles_assemble_without_spills(tmp_path):
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("swizzle,pipe", [(0, False), (128, False), (128, True)])
-def test_wgmma_linear_tiles_assemble(tmp_path, monkeypatch, swizzle, pipe):
+def test_wgmma_linear_tiles_assemble(tmp_path, swizzle, pipe):
     """The `wgmma` launch option turns every engine tile's dots into warpgroup MMAs (m64nNk16 with N = the
     tile's tokens; one per K step of 16, 64-row weight block and activation part, in both dots of the
     pipelined K loop), behind the async-proxy fence, and ptxas takes them for sm_90a. No spills with 16-bit
     activations; with f32 ones (hi and lo accumulators) the big tile is over 255 registers and spills (~170
     bytes, not asserted)."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
-    from targets import get_target
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)     # (both in the compile cache key)
-    monkeypatch.setattr(gpu, "WGMMA_PIPE", pipe)
-    T = get_target("sm_90a")
+    from targets import get_target, tuned
+    T = tuned(get_target("sm_90a"), wgmma_swizzle=swizzle, wgmma_pipe=pipe)     # (both in the compile cache key)
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
     tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
     for t in sorted(tiles):
         BM, BN, BK, W, S = t
         for act in (0, 1):
-            ptx = _linear_ptx(BM, BN, BK, extra=(f"ACT16={act}", "wgmma=1"), warps=W, split=S)
+            ptx = _linear_ptx(BM, BN, BK, extra=(f"ACT16={act}", "wgmma=1"), warps=W, split=S, target=T)
             n_mma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{BM}k16\.f32\.bf16\.bf16 ", ptx))
             assert n_mma == 2 * (BK // 16) * (BN // 64 // (W // 4)) * (2 if act == 0 else 1), (t, act, n_mma)
             assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
@@ -211,20 +209,18 @@ def test_ldmatrix_trans_gives_the_b_fragments_of_a_k_n_tile():
             np.testing.assert_array_equal(got[:, 1], B[k_want + 1, ni * 8 + n_want], err_msg=f"unit {ni} b{j} high")
 
 
-def test_flash_v_tile_by_ldmatrix_trans(monkeypatch, tmp_path):
+def test_flash_v_tile_by_ldmatrix_trans(tmp_path):
     """The flash prefill's P @ V (B = the (keys, D) V tile, not a transpose) at the engine's constants: with
-    LDMATRIX_TRANS (default) V is staged with vector stores and read by ldmatrix .trans, no 16-bit shared store left
-    in the kernel; JITKERN_LDMATRIX_TRANS=0 stages it transposed element by element (st.shared.b16 / u16) and
-    changes the cache key. ptxas takes both (where installed); bits: tests/ops/test_attention_flash.py on the GPU."""
-    from jitkern.backends import gpu
+    tuning.ldmatrix_trans (default) V is staged with vector stores and read by ldmatrix .trans, no 16-bit shared
+    store left in the kernel; without it V is staged transposed element by element (st.shared.b16 / u16) and the
+    cache key changes. ptxas takes both (where installed); bits: tests/ops/test_attention_flash.py on the GPU."""
     from jitkern.compiler import _toolchain_key
-    from targets import get_target
-    T = get_target("sm_90a")
+    from targets import get_target, tuned
     out, keys = [], []
     for on in (True, False):
-        monkeypatch.setattr(gpu, "LDMATRIX_TRANS", on)
+        T = tuned(get_target("sm_90a"), ldmatrix_trans=on)
         keys.append(_toolchain_key(T))
-        ptx = _warp_rows_prefill_ptx()
+        ptx = _warp_rows_prefill_ptx(target=T)
         out.append((len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x\d\.trans", ptx)),
                     len(re.findall(r"st\.shared\.(?:u16|b16)", ptx))))
         if find_ptxas() is not None:
@@ -235,20 +231,18 @@ def test_flash_v_tile_by_ldmatrix_trans(monkeypatch, tmp_path):
     assert keys[1] == ("no-ldmatrix-trans",) + keys[0]
 
 
-def test_flash_pin_regs_reads_the_query_fragments_once(monkeypatch, tmp_path):
-    """JITKERN_PIN_REGS (gpu.PIN_REGS): the flash prefill's pinned query tile is read into the scores' A fragment
+def test_flash_pin_regs_reads_the_query_fragments_once(tmp_path):
+    """tuning.pin_regs: the flash prefill's pinned query tile is read into the scores' A fragment
     registers once, before the block loop: every ldmatrix.x4 of the kernel precedes its first MMA (without it they
     sit among the loop's MMAs), as many as before, and the cache key says so. ptxas takes it without spills (where
     installed). Bits: the same fragments; tests/ops/test_attention_flash.py on the GPU with the switch."""
-    from jitkern.backends import gpu
     from jitkern.compiler import _toolchain_key
-    from targets import get_target
-    T = get_target("sm_90a")
+    from targets import get_target, tuned
     out, keys = [], []
     for on in (False, True):
-        monkeypatch.setattr(gpu, "PIN_REGS", on)
+        T = tuned(get_target("sm_90a"), pin_regs=on)
         keys.append(_toolchain_key(T))
-        ptx = _warp_rows_prefill_ptx()
+        ptx = _warp_rows_prefill_ptx(target=T)
         lines = ptx.split("\n")
         x4 = [i for i, ln in enumerate(lines) if "ldmatrix.sync.aligned.m8n8.x4" in ln]
         first_mma = min(i for i, ln in enumerate(lines) if "mma.sync" in ln)
@@ -261,37 +255,35 @@ def test_flash_pin_regs_reads_the_query_fragments_once(monkeypatch, tmp_path):
         keys[0][keys[0].index("pin-operands") + 1:]
 
 
-def test_dense_linear_fragments_by_ldmatrix(monkeypatch):
+def test_dense_linear_fragments_by_ldmatrix():
     """The tensor-core linear's K loop takes its fragments with ldmatrix (one x4 per A part and unit row, one
-    x2 per unit column) instead of 32-bit shared loads; JITKERN_LDMATRIX=0 (gpu.LDMATRIX) restores the loads
-    and changes the cache key."""
-    from jitkern.backends import gpu
+    x2 per unit column) instead of 32-bit shared loads; tuning.ldmatrix off restores the loads and changes the
+    cache key."""
     from jitkern.compiler import _toolchain_key
-    from targets import get_target
+    from targets import get_target, tuned
     ptx = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8)
     with_ldm = (len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4", ptx)),
                 len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x2", ptx)), len(re.findall(r"ld\.shared", ptx)))
     key = _toolchain_key(get_target("sm_90a"))
-    monkeypatch.setattr(gpu, "LDMATRIX", False)
-    assert _toolchain_key(get_target("sm_90a")) == ("no-ldmatrix",) + key
-    ptx0 = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8)
+    T0 = tuned(get_target("sm_90a"), ldmatrix=False)
+    assert _toolchain_key(T0) == ("no-ldmatrix",) + key
+    ptx0 = _linear_ptx(64, 256, 64, extra=("ACT16=1",), warps=8, target=T0)
     assert "ldmatrix" not in ptx0
     assert with_ldm[0] > 0 and with_ldm[1] > 0
     assert with_ldm[2] + 3 * with_ldm[0] + with_ldm[1] <= len(re.findall(r"ld\.shared", ptx0)), with_ldm
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
-def test_cp_async_linear_tiles(tmp_path, monkeypatch):
-    """num_stages=2 (the engine launches its linear tiles of GPU_LINEAR_ASYNC_MIN_BM+ tokens so; JITKERN_CP_ASYNC=0
-    turns it off): the tensor-core linear's prefetched tiles go global -> shared memory by cp.async straight
+def test_cp_async_linear_tiles(tmp_path):
+    """num_stages=2 (the engine launches its linear tiles of GPU_LINEAR_ASYNC_MIN_BM+ tokens so; tuning.cp_async
+    False turns it off): the tensor-core linear's prefetched tiles go global -> shared memory by cp.async straight
     into the dot's staging rows, two buffers, one 8-byte copy per chunk of 4 elements (the
     prologue's and the loop's), waited for before each dot (all but the step's own groups in the loop, all
     after it). With bf16 x both operands are copied: no tile is held in registers, so ptxas needs far fewer,
     and the buffers share shared memory with the C tile written after the last dot. With f32 x only the
     weights are (x is rounded to bf16 on the way; about as many registers as without). Off: no cp.async."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
-    from targets import get_target
+    from targets import get_target, tuned
     T = get_target("sm_90a")
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
     tiles = {mm._mma_tile_for(T, 4096, 4096, M) for M in ms} | {mm._mma_tile_for(T, 28672, 4096, M) for M in ms}
@@ -302,11 +294,11 @@ def test_cp_async_linear_tiles(tmp_path, monkeypatch):
         threads = 32 * W
         for x16 in (True, False):
             sig = sig16 if x16 else LINEAR_SIG
-            monkeypatch.setattr(gpu, "CP_ASYNC", None)          # the default: per launch (num_stages)
+            # the default (tuning.cp_async None): per launch (num_stages)
             off = _linear_ptx(BM, BN, BK, extra=("ACT16=1",), warps=W, split=S, sig=sig)
             on = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "num_stages=2"), warps=W, split=S, sig=sig)
-            monkeypatch.setattr(gpu, "CP_ASYNC", False)         # JITKERN_CP_ASYNC=0 wins over the option
-            never = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "num_stages=2"), warps=W, split=S, sig=sig)
+            never = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "num_stages=2"), warps=W, split=S, sig=sig,
+                                target=tuned(T, cp_async=False))          # (wins over the option)
             assert "cp.async" not in off and "cp.async" not in never
             assert ("num_stages" in mm._mma_regs(T, BM)) == (BM >= mm.GPU_LINEAR_ASYNC_MIN_BM)
             rows = BM + BN if x16 else BN
@@ -328,9 +320,9 @@ FLASH_COMMON = ["KVH=8", "G=4", "D=128", "PB=4", "MAXP=16", "SOFTCAP=False", "SI
 FLASH_PREFILL_CONSTS = ["num_warps=8", "GP=4", "BM=16", "SKIP_DECODE=True"]
 
 
-def _warp_rows_prefill_ptx(warp_rows=True) -> str:
+def _warp_rows_prefill_ptx(warp_rows=True, target=None) -> str:
     """The flash prefill's sm_90a PTX at the engine's Llama-3-8B constants and its warp-rows tile
-    (A.FLASH_WARP_ROWS_TILE), launched with `warp_rows` or not, under the lowering switches as they are set now."""
+    (A.FLASH_WARP_ROWS_TILE), launched with `warp_rows` or not, with `target`'s tuning (default sm_90a's)."""
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
     from jitkern.ops import attention as A
@@ -340,12 +332,12 @@ def _warp_rows_prefill_ptx(warp_rows=True) -> str:
     extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
              "LONGEST_FIRST=True"] + (["warp_rows=True"] if warp_rows else [])
     params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + extra)
-    return compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+    return compile_kernel(k, params, cx, target or get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_flash_fold_skip_keeps_the_fold_in_registers(tmp_path):
-    """FOLD_SKIP (JITKERN_FLASH_FOLD_SKIP=1): the prefill tile's partition fold sits in a run-time branch whose
+    """FOLD_SKIP (tuning.flash_fold_skip): the prefill tile's partition fold sits in a run-time branch whose
     results (the merged and partition accumulators) stay in the MMA registers through the `if`
     (FragmentOps.op_if): the block loop stores no more to shared memory than without it, and the fold's
     barriers are inside the branch, so blocks where no row folds skip them. ptxas takes it."""
@@ -376,14 +368,13 @@ def test_flash_fold_skip_keeps_the_fold_in_registers(tmp_path):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
-def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
-    """gpu.ROW_SLOTS: the flash kernels' row broadcasts into the accumulator registers share barriers (fewer
-    bar.sync in the PTX than without); gpu.PIN_OPERANDS: the query tile is staged once, before the block loop
+def test_flash_row_slots_share_barriers(tmp_path):
+    """tuning.row_slots: the flash kernels' row broadcasts into the accumulator registers share barriers (fewer
+    bar.sync in the PTX than without); tuning.pin_operands: the query tile is staged once, before the block loop
     (fewer shared stores in the loop). ptxas takes the kernels either way (16-bit operands: the engine's)."""
-    from jitkern.backends import gpu
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
-    from targets import get_target
+    from targets import get_target, tuned
     dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
             "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
             "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
@@ -393,11 +384,10 @@ def test_flash_row_slots_share_barriers(tmp_path, monkeypatch):
     for name, sig, extra in cases:
         k = load_kernel(f"jitkern.ops.attention:{name}")
         counts, stores = [], []
-        for switch in (None, "ROW_SLOTS", "PIN_OPERANDS"):
-            monkeypatch.setattr(gpu, "ROW_SLOTS", switch == "ROW_SLOTS")
-            monkeypatch.setattr(gpu, "PIN_OPERANDS", switch == "PIN_OPERANDS")
+        for switch in (None, "row_slots", "pin_operands"):
+            T = tuned(get_target("sm_90a"), row_slots=switch == "row_slots", pin_operands=switch == "pin_operands")
             params, cx = parse_sig(k, sig, common + extra)
-            art = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts
+            art = compile_kernel(k, params, cx, T, load=False).artifacts
             ptx = art["kernel.ptx"].decode()
             counts.append(len(re.findall(r"\bbar(rier)?\.sync", ptx)))
             stores.append(_block_loop_smem_stores(art["kernel.ll"].decode()))
@@ -428,17 +418,14 @@ def _block_loop_smem_stores(ll: str) -> int:
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("swizzle", [0, 128])
-def test_wgmma_linear_tiles_with_cp_async(tmp_path, monkeypatch, swizzle):
-    """`wgmma` with num_stages=2 (the engine's options for tiles of 64+ tokens under JITKERN_WGMMA=1): the K loop's
+def test_wgmma_linear_tiles_with_cp_async(tmp_path, swizzle):
+    """`wgmma` with num_stages=2 (the engine's options for tiles of 64+ tokens under tuning.linear_wgmma): the K loop's
     tiles are copied by cp.async straight into the warpgroup MMAs' core-matrix (or 128-byte swizzled) staging,
     waited for and fenced for the async proxy before the MMAs read them in place; with bf16 x no tile is held
     in registers (no spills, fewer registers than without cp.async)."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
-    from targets import get_target
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", swizzle)
-    monkeypatch.setattr(gpu, "CP_ASYNC", None)
-    T = get_target("sm_90a")
+    from targets import get_target, tuned
+    T = tuned(get_target("sm_90a"), wgmma_swizzle=swizzle)
     tiles = {mm._mma_tile_for(T, N, 4096, M, act16=1) for N in (4096, 28672)
              for M in (mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M, mm.GPU_LINEAR_HUGE_M)}
     assert tuple(mm.GPU_LINEAR_HUGE_TILE[:4]) + (4,) in tiles
@@ -446,8 +433,9 @@ def test_wgmma_linear_tiles_with_cp_async(tmp_path, monkeypatch, swizzle):
     for t in sorted(tiles):
         BM, BN, BK, W, S = t
         assert BM >= mm.GPU_LINEAR_ASYNC_MIN_BM
-        on = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1", "num_stages=2"), warps=W, split=S, sig=sig16)
-        off = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1"), warps=W, split=S, sig=sig16)
+        on = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1", "num_stages=2"), warps=W, split=S, sig=sig16,
+                         target=T)
+        off = _linear_ptx(BM, BN, BK, extra=("ACT16=1", "wgmma=1"), warps=W, split=S, sig=sig16, target=T)
         copies = len(re.findall(r"cp\.async\.ca\.shared\.global \[", on))
         assert copies == 2 * (BM + BN) * BK // (4 * 32 * W), (t, copies)
         n_mma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{BM}k16\.f32\.bf16\.bf16 ", on))
@@ -460,16 +448,13 @@ def test_wgmma_linear_tiles_with_cp_async(tmp_path, monkeypatch, swizzle):
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("wgmma", [True, False])
-def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma):
-    """PREFETCH=2 with num_stages=3 (JITKERN_LINEAR_PREFETCH=2): the K loop's prefetch-2 chains (x and w) are
+def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, wgmma):
+    """PREFETCH=2 with num_stages=3 (tuning.linear_prefetch 2): the K loop's prefetch-2 chains (x and w) are
     copied by cp.async into three buffers each, in turn: the copies of two steps at the prologue and one in the
     loop; the loop's dot waits until at most 4 groups are pending (its own step's 2 and the next step's 2), the
     first dot after the loop until 2 (the last step's), the last one until none. No spills with bf16 x (the
     huge tile: 108 registers; the last two dots chain in one set of accumulator registers)."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
-    monkeypatch.setattr(gpu, "CP_ASYNC", None)
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE if wgmma else mm.GPU_LINEAR_MID_TILE
     opts = ("ACT16=1",) + (("wgmma=1",) if wgmma else ())
@@ -494,17 +479,14 @@ def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, monkeypatch, wgmma
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("serial", [False, True])
-def test_linear_tma_tiles(tmp_path, monkeypatch, serial):
-    """The `tma` launch option (JITKERN_TMA=1) on the engine's wgmma tiles: the K loop's x and w tiles are
+def test_linear_tma_tiles(tmp_path, serial):
+    """The `tma` launch option (tuning.linear_tma) on the engine's wgmma tiles: the K loop's x and w tiles are
     jk.tma boxes, so one thread arms a buffer's mbarrier and issues one bulk tensor copy per 64-element atom
     (two at the chain's first step, two a loop step), every thread waits on the barrier's phase, and no
     cp.async or per-thread copy remains; a chain starts its barriers over (inval + init), the kernel once at
     entry. No spills, and fewer registers than cp.async's address math needs. Prefetch-2 chains too (three
     buffers and barriers a chain)."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
-    monkeypatch.setattr(gpu, "CP_ASYNC", None)
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     ser = ("SERIAL=True",) if serial else ()
     for BM, BN, BK, W in (mm.GPU_LINEAR_HUGE_TILE, (64, 128, 64, 8), (64, 256, 64, 8)):
@@ -535,23 +517,21 @@ def test_linear_tma_tiles(tmp_path, monkeypatch, serial):
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_linear_tma_pipe(tmp_path, monkeypatch, prefetch):
-    """JITKERN_TMA_PIPE=1 on the TMA-fed huge tile: a K loop step waits on its tiles' mbarriers, runs its
+def test_linear_tma_pipe(tmp_path, prefetch):
+    """tuning.tma_pipe on the TMA-fed huge tile: a K loop step waits on its tiles' mbarriers, runs its
     warpgroup MMAs with no fence or CTA barrier before them, commits them and waits only for the previous
     step's group (wait_group 1), then one CTA barrier, then issues its copies (into the buffer that group
     read): one CTA barrier a step (two without the switch). After the loop the last dot waits for every group.
     No spills, no more registers."""
-    from jitkern.backends import gpu
     from jitkern.ops import matmul as mm
-    monkeypatch.setattr(gpu, "WGMMA_SWIZZLE", 128)
-    monkeypatch.setattr(gpu, "CP_ASYNC", None)
+    from targets import get_target, tuned
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE
     opts = ("ACT16=1", "wgmma=1", "tma=1") + (("num_stages=2",) if prefetch == 1 else ("num_stages=3", "PREFETCH=2"))
     ptx = {}
     for pipe in (False, True):
-        monkeypatch.setattr(gpu, "TMA_PIPE", pipe)
-        ptx[pipe] = _linear_ptx(BM, BN, BK, extra=opts, warps=W, split=4, sig=sig16)
+        ptx[pipe] = _linear_ptx(BM, BN, BK, extra=opts, warps=W, split=4, sig=sig16,
+                                target=tuned(get_target("sm_90a"), tma_pipe=pipe))
 
     def loop_body(p):
         m = re.search(r"^(\$L__BB\d+_\d+):$(.*?)bra(?:\.uni)?\s+\1;", p, re.S | re.M)
@@ -570,47 +550,6 @@ def test_linear_tma_pipe(tmp_path, monkeypatch, prefetch):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
-def test_pdl_kernels_wait_for_their_predecessor_first(tmp_path, monkeypatch):
-    """JITKERN_PDL=1 (programmatic dependent launch): on sm_90a every kernel waits with griddepcontrol.wait before
-    any global memory access (a launch with programmatic stream serialization may begin before the previous
-    kernel has finished: the wait is what keeps its reads after that kernel's writes) and lets its dependents
-    launch: a kernel without jk.wait_dependencies() (rms_norm) waits first, at its entry; the tensor-core linear,
-    which calls it, lets its dependents launch at its entry and waits there, after its index math and shared-memory
-    setup; the switch is in the cache key; sm_80 kernels have neither."""
-    from jitkern.backends import gpu
-    from jitkern.compiler import _toolchain_key
-    from targets import get_target
-    monkeypatch.setattr(gpu, "PDL", True)
-    assert "pdl" in _toolchain_key(get_target("sm_90a")) and "pdl" not in _toolchain_key(get_target("sm_80"))
-    ptx = _linear_ptx(64, 128, 64, extra=("ACT16=1", "wgmma=1", "num_stages=2", "tma=1"), warps=8, split=4,
-                      sig=LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16"))
-    body = ptx[ptx.index("{", ptx.index(".entry")):]
-    first_global = min(i for i in (body.find("ld.global"), body.find("cp.async"), body.find("st.global")) if i >= 0)
-    assert body.count("griddepcontrol.wait;") == 1
-    assert body.index("griddepcontrol.launch_dependents;") < body.index("griddepcontrol.wait;") < first_global
-    assert _ptxas_usage(ptx, tmp_path)[1] == 0
-    from jitkern.ops import norm as N
-    from jitkern.runtime.launch import compile_only
-    T = get_target("sm_90a")
-    with compile_only(target=T) as co:
-        N.rms_norm(np.zeros((1, 4096), np.float32), np.zeros(4096, np.float32), 1e-5, target=T)
-    nptx = co.compiled[-1].artifacts["kernel.ptx"]
-    nptx = nptx.decode() if isinstance(nptx, bytes) else nptx
-    body = nptx[nptx.index("{", nptx.index(".entry")):]
-    first_mem = min(i for i in (body.find("ld.global"), body.find("st.global"), body.find("ld.shared"),
-                                body.find("st.shared")) if i >= 0)
-    assert body.index("griddepcontrol.wait;") < body.index("griddepcontrol.launch_dependents;") < first_mem
-    assert _ptxas_usage(nptx, tmp_path)[1] == 0     # (its row sum: one work item a thread, gpu.REDUCE_ONE_EACH)
-    from jitkern.cli import parse_sig
-    from jitkern.compiler import compile_kernel
-    from jitkern.ops.matmul import _gpu_linear_mma_kernel
-    params, cx = parse_sig(_gpu_linear_mma_kernel, LINEAR_SIG, ["HAS_BIAS=False", "BM=16", "BN=64", "BK=128",
-                                                                "EVEN=True", "SPLIT=2", "num_warps=4"])
-    ck = compile_kernel(_gpu_linear_mma_kernel, params, cx, get_target("sm_80"), load=False)
-    assert "griddepcontrol" not in ck.artifacts["kernel.ptx"].decode()
-
-
-@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_tma_probe_assembles_and_models_the_wgmma_staging():
     """perf/probe_tma.py (the TMA probe for the H200): its 128-byte swizzle model is probe_wgmma's validated sw128
     layout, and its mbarrier + cp.async.bulk.tensor kernels assemble for sm_90a."""
@@ -621,14 +560,13 @@ def test_tma_probe_assembles_and_models_the_wgmma_staging():
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
-def test_flash_reduce_direct_and_longest_first_assemble(tmp_path, monkeypatch):
-    """gpu.REDUCE_DIRECT (JITKERN_REDUCE_DIRECT=1): the flash kernels' short row reductions fold straight from the
+def test_flash_reduce_direct_and_longest_first_assemble(tmp_path):
+    """tuning.reduce_direct: the flash kernels' short row reductions fold straight from the
     staged row, so the PTX has fewer bar.sync than the two-pass form; with the prefill's LONGEST_FIRST grid too,
     ptxas takes both kernels (16-bit operands: the engine's)."""
-    from jitkern.backends import gpu
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
-    from targets import get_target
+    from targets import get_target, tuned
     dsig = ("q=*f32:16,k_cache=*f16:16,v_cache=*f16:16,out=*f32:16,ws_m=*f32:16,ws_l=*f32:16,ws_acc=*f32:16,"
             "query_start=*i32:16,seq_lens=*i32,block_table=*i32,q_ts=i32:16,q_hs=i32:16,o_ts=i32:16,o_hs=i32:16,"
             "bt_stride=i32,scale=f32,window=i32:16,softcap=f32,sinks=*f32:16")
@@ -638,9 +576,9 @@ def test_flash_reduce_direct_and_longest_first_assemble(tmp_path, monkeypatch):
         k = load_kernel(f"jitkern.ops.attention:{name}")
         counts = []
         for direct in (False, True):
-            monkeypatch.setattr(gpu, "REDUCE_DIRECT", direct)
             params, cx = parse_sig(k, sig, FLASH_COMMON + extra)
-            ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+            T = tuned(get_target("sm_90a"), reduce_direct=direct)
+            ptx = compile_kernel(k, params, cx, T, load=False).artifacts["kernel.ptx"].decode()
             counts.append(len(re.findall(r"\bbar(rier)?\.sync", ptx)))
             _ptxas_usage(ptx, tmp_path)
         assert counts[1] < counts[0], (name, counts)
@@ -649,7 +587,7 @@ def test_flash_reduce_direct_and_longest_first_assemble(tmp_path, monkeypatch):
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 @pytest.mark.parametrize("sb", [2, 4])
 def test_flash_step_blocks_assemble(tmp_path, sb):
-    """FLASH_STEP_BLOCKS (JITKERN_FLASH_STEP_BLOCKS, an A/B setting): the flash decode, merge and prefill kernels with
+    """tuning.flash_step_blocks (an A/B setting): the flash decode, merge and prefill kernels with
     online-softmax steps of sb cache blocks compile for sm_90a and ptxas takes them (16-bit operands, the engine's
     Llama-3-8B constants). Their speed and bits are for the GPU (tests/ops/test_attention_flash.py -k step_blocks)."""
     from jitkern.cli import load_kernel, parse_sig
@@ -716,7 +654,7 @@ def test_warp_rows_register_layout():
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra)")
 def test_flash_prefill_warp_rows_assemble(tmp_path):
-    """JITKERN_FLASH_WARP_ROWS's prefill tile (32 rows at 4 warps, launched with `warp_rows`: two warps a 16-row
+    """tuning.flash_warp_rows' prefill tile (32 rows at 4 warps, launched with `warp_rows`: two warps a 16-row
     tile, the scores in both, P @ V's columns split) at the engine's Llama-3-8B constants: the online softmax's
     row max and row sum are lane shuffles (shfl in the PTX) instead of shared-memory round trips, P @ V takes P
     from the score registers and its V tile is staged with K (under a quarter of the default tile's bar.sync), and
@@ -732,47 +670,42 @@ def test_flash_prefill_warp_rows_assemble(tmp_path):
     assert spills == 0, out
 
 
-def test_exp_fast_lowers_to_ex2(monkeypatch):
-    """jk.exp_fast on sm_90a with gpu.FAST_EXP (JITKERN_FAST_EXP=1): a multiply and ex2.approx.ftz an element, not
+def test_exp_fast_lowers_to_ex2():
+    """jk.exp_fast on sm_90a with tuning.fast_exp: a multiply and ex2.approx.ftz an element, not
     exp's Cody-Waite polynomial; without it, the polynomial (no ex2)."""
-    from jitkern.backends import gpu
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
-    from targets import get_target
+    from targets import get_target, tuned
     from tests.test_dsl import _exp_fast
     k = load_kernel("tests.test_dsl:_unary")
     out = []
     for on in (False, True):
-        monkeypatch.setattr(gpu, "FAST_EXP", on)
         params, cx = parse_sig(k, "x=*f32:16,out=*f32:16,n=i32", ["BLOCK=128", "F=0"])
         cx["F"] = _exp_fast
-        ptx = compile_kernel(k, params, cx, get_target("sm_90a"), load=False).artifacts["kernel.ptx"].decode()
+        ck = compile_kernel(k, params, cx, tuned(get_target("sm_90a"), fast_exp=on), load=False)
+        ptx = ck.artifacts["kernel.ptx"].decode()
         out.append(ptx.count("ex2.approx"))
     assert out[0] == 0 and out[1] > 0, out
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_serial_chain_sums_in_registers_and_shares_the_copy_buffers(monkeypatch, prefetch):
+def test_serial_chain_sums_in_registers_and_shares_the_copy_buffers(prefetch):
     """The engine's serial split at prefill sizes (a narrow weight, K split in 4, the huge tile on warpgroup MMAs
-    fed by TMA), compiled for sm_90a (no ptxas needed): with the copy chain through the slabs (GPU_SERIAL_CHAIN)
-    every tile is a TMA copy (no global loads), the slabs' running sum stays in the MMA registers (WG_SUMS: one
-    C tile in shared memory, at the end) and that tile shares the copy buffers, so the kernel needs no more
-    shared memory than the restarting form (H200, session 18: 170 KB and one CTA an SM without the register sums,
-    0.55-0.62x cuBLAS instead of 0.86-0.90x)."""
-    from jitkern.backends import gpu
+    fed by TMA), compiled for sm_90a (no ptxas needed): with the copy chain through the slabs (tuning.serial_chain)
+    every tile is a TMA copy (no global loads), the slabs' running sum stays in the MMA registers (tuning.wg_sums:
+    one C tile in shared memory, at the end) and that tile shares the copy buffers, so the kernel needs no more
+    shared memory than the restarting form (without the register sums: more than one CTA an SM can hold)."""
     from jitkern.ops import matmul as mm
     from jitkern.runtime.launch import compile_only
-    from targets import get_target
-    T = get_target("sm_90a")
-    monkeypatch.setattr(mm, "GPU_LINEAR_PREFETCH", prefetch)
+    from targets import get_target, tuned
+    T0 = tuned(get_target("sm_90a"), linear_prefetch=prefetch)
     rng = np.random.default_rng(5)
-    M, N, K = mm.GPU_LINEAR_SERIAL_SPLIT_M, 4096, 4096
+    M, N, K = T0.tuning.serial_split_m, 4096, 4096
     x = rng.integers(0, 1 << 14, (M, K), dtype=np.uint16)
     w = rng.integers(0, 1 << 14, (N, K), dtype=np.uint16)
     got = {}
     for chain, sums in ((False, False), (False, True), (True, True), (True, False)):
-        monkeypatch.setattr(mm, "GPU_SERIAL_CHAIN", chain)
-        monkeypatch.setattr(gpu, "WG_SUMS", sums)
+        T = tuned(T0, serial_chain=chain, wg_sums=sums)
         with compile_only(target=T) as co:
             mm.linear(x, w, w_dtype="bf16", target=T, x_dtype="bf16")
         assert not co.errors, co.errors
@@ -796,12 +729,12 @@ def test_serial_chain_sums_in_registers_and_shares_the_copy_buffers(monkeypatch,
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
-def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, monkeypatch, neox):
-    """JITKERN_ROPE_TILES: rope_and_cache of a step past ROPE_CACHE_PER_HEAD_MAX_T tokens on sm_90a (Llama-3-8B's
+def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, neox):
+    """tuning.rope_tiles: rope_and_cache of a step past ROPE_CACHE_PER_HEAD_MAX_T tokens on sm_90a (Llama-3-8B's
     heads, f16 cache) compiles to rope_cache_tile_kernel, which ptxas assembles without spills; off, the head loop."""
     from jitkern.ops import rope as R
     from jitkern.runtime.launch import compile_only
-    from targets import get_target
+    from targets import get_target, tuned
     T, H, KVH, D = R.ROPE_CACHE_PER_HEAD_MAX_T + 44, 32, 8, 128
     qkv = np.zeros((T, (H + 2 * KVH) * D), np.float32)
     q, k, v = (qkv[:, c:c + n * D].reshape(T, n, D) for c, n in ((0, H), (H * D, KVH), ((H + KVH) * D, KVH)))
@@ -809,10 +742,10 @@ def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, monkeypatch, 
     cache = R.rope_cos_sin_cache(D, D, 4096, 500000.0)
     names = {}
     for tiles in (False, True):
-        monkeypatch.setattr(R, "ROPE_CACHE_TILES", tiles)
-        with compile_only(target=get_target("sm_90a")) as co:
+        gpu = tuned(get_target("sm_90a"), rope_tiles=tiles)
+        with compile_only(target=gpu) as co:
             R.rope_and_cache(q, k, v, np.arange(T, dtype=np.int32), cache, D, D, neox, kc, kc.copy(),
-                             np.arange(T, dtype=np.int32) % 512, target=get_target("sm_90a"))
+                             np.arange(T, dtype=np.int32) % 512, target=gpu)
         assert not co.errors, co.errors
         ck = co.compiled[-1]
         names[tiles] = ck.name
@@ -825,7 +758,7 @@ def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, monkeypatch, 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
 def test_16bit_out_linear_and_gated_kernel_assemble_without_spills(tmp_path):
-    """The engine's gate/up projection with a bf16 output (GPU_GATE_UP16) at every tile the step size picks on
+    """The engine's gate/up projection with a bf16 output (tuning.gate_up16) at every tile the step size picks on
     sm_90a (decode, big, huge, XL; TMA from 64 tokens) and the one gated kernel (matmul.gated_linear, decode
     sizes) compile for sm_90a and ptxas assembles them without spills; the gated kernel stores the 16-bit gate_up,
     has one CTA barrier more than the linear's after its K loop and reads gate_up back."""
@@ -857,57 +790,3 @@ def test_16bit_out_linear_and_gated_kernel_assemble_without_spills(tmp_path):
                 assert "st.global" in ptx and ptx.count("bar.sync") >= 1
     assert ("_gpu_gated_linear_kernel", 16) in seen
     assert {bm for name, bm in seen if name == "_gpu_linear_mma_kernel"} >= {16, 64, 128, 256}, seen
-
-
-@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_linear_l2_prefetch_comes_before_the_dependency_wait(tmp_path, monkeypatch, pdl):
-    """The decode tile with L2_ROWS (matmul._l2_rows) on sm_90a: one bulk L2 prefetch of L2_ROWS bytes a weight row,
-    all before any global load; under programmatic dependent launch (gpu.PDL) the kernel lets its dependents
-    launch first and waits for earlier launches after the prefetches, before the first load (a kernel without
-    jk.wait_dependencies waits at its entry); ptxas assembles it without spills at the registers of the tile
-    without prefetches (+4)."""
-    from jitkern.backends import gpu
-    monkeypatch.setattr(gpu, "PDL", pdl)            # (in the compile cache key)
-    sig = LINEAR_SIG.replace("x=*f32", "x=*bf16")
-    base = ("ACT16=1", "maxnreg=168")
-    plain = _linear_ptx(16, 64, 128, extra=base, split=4, sig=sig)
-    ptx = _linear_ptx(16, 64, 128, extra=base + ("L2_ROWS=2048",), split=4, sig=sig)
-    lines = ptx.splitlines()
-    pf = [i for i, ln in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in ln]
-    assert pf and all(lines[i].rstrip().endswith("2048; }") for i in pf)
-    assert "cp.async.bulk.prefetch" not in plain
-    first_load = min(i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.ca" in ln
-                     or "cp.async.cg" in ln)
-    assert max(pf) < first_load
-    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
-    launches = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-    if pdl:
-        assert len(waits) == 1 and len(launches) == 1 and launches[0] < min(pf) and max(pf) < waits[0] < first_load
-    else:
-        assert not waits and not launches
-    regs0, _ = _ptxas_usage(plain, tmp_path)
-    regs, spilled = _ptxas_usage(ptx, tmp_path)
-    assert spilled == 0 and regs <= regs0 + 4, (regs, regs0)
-
-
-@pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (the [cuda] extra; the [test] extra brings it)")
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_gated_x_linear_assembles_without_spills(tmp_path, act):
-    """linear(gated_x=) (JITKERN_GATED_X, off by default) at decode sizes on sm_90a: the down projection's tile
-    (Llama-3-8B's 4096 x 14336, K split in 4) loading gate and up and activating them compiles to the GATE kernel,
-    which ptxas assembles without spills (156 registers in session 20, against 114 without: see matmul.py)."""
-    from jitkern.ops import matmul as mm
-    from jitkern.runtime.launch import compile_only
-    from targets import get_target
-    T = get_target("sm_90a")
-    N, K = 4096, 14336
-    with compile_only(target=T) as co:
-        mm.linear(np.zeros((1, 2 * K), np.uint16), np.zeros((N, K), np.uint16), w_dtype="bf16", x_dtype="bf16",
-                  gated_x=act, target=T)
-    assert not co.errors, co.errors
-    ck = [c for c in co.compiled if c.name == "_gpu_linear_mma_kernel"][-1]
-    assert ck.constexprs.get("GATE") is not None and ck.constexprs.get("SPLIT") == 4
-    ptx = ck.artifacts["kernel.ptx"]
-    _, spilled = _ptxas_usage(ptx.decode() if isinstance(ptx, bytes) else ptx, tmp_path)
-    assert spilled == 0

@@ -399,12 +399,11 @@ def _left_fold(a: np.ndarray, axis: int, op) -> np.ndarray:
 
 
 @needs_vulkan
-def test_short_reductions_fold_in_order_with_and_without_staged_partials(monkeypatch):
-    """GpuLowering._reduce_direct (JITKERN_REDUCE_DIRECT=1) folds each output straight from the staged
+def test_short_reductions_fold_in_order_with_and_without_staged_partials():
+    """GpuLowering._reduce_direct (tuning.reduce_direct) folds each output straight from the staged
     row: the same operations in the same order as the two-pass form, so both give a sequential f32 fold's bits,
     here for row and column sums, a row max and a scalar sum, on inputs whose sums depend on the order."""
-    from targets import get_target
-    from jitkern.backends import gpu
+    from targets import get_target, tuned
     from jitkern.runtime.launch import launch
     rng = np.random.default_rng(7)
     R, C = 32, 16
@@ -414,9 +413,9 @@ def test_short_reductions_fold_in_order_with_and_without_staged_partials(monkeyp
             _left_fold(x.reshape(-1)[:R], 0, np.add))
     assert not np.array_equal(want[0], x.astype(np.float64).sum(axis=1).astype(np.float32))   # order matters
     for direct in (True, False):
-        monkeypatch.setattr(gpu, "REDUCE_DIRECT", direct)
         got = (np.full(R, np.nan, np.float32), np.full(R, np.nan, np.float32), np.full(C, np.nan, np.float32),
                np.full(1, np.nan, np.float32))
-        launch(_short_reductions, (1,), (x, *got), {"R": R, "C": C}, target=get_target("vulkan"))
+        launch(_short_reductions, (1,), (x, *got), {"R": R, "C": C},
+               target=tuned(get_target("vulkan"), reduce_direct=direct))
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g.reshape(w.shape), w)

@@ -22,7 +22,6 @@ from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
 from engine.models.arch import arch_of
 from engine.models.moe import load_moe_block, moe_spec
 from engine.models.weights import Linear, linear_from, vector_f32
-from jitkern import env as _env
 
 
 # CUDA with 16-bit compute (dtype "auto"): the norms / activation before a tensor-core linear write its input in
@@ -30,28 +29,27 @@ from jitkern import env as _env
 # (H200, perf/tune_gemv_cuda.py --x16: 1.04-1.10x at 64 tokens, 1.08-1.15x at 256-1024)
 GPU_X16 = True
 # ... and the flash attention kernels write the o projection's input that way too (rounded as they store it; the
-# o projection then takes TMA at prefill sizes, which needs 16-bit x). The same bits: the GPU test
-# tests/test_engine_cuda.py test_16bit_linear_inputs_leave_every_bit_as_it_was (passed on the H200, session 12);
-# the op is checked on the CPU tiers and the fake sm_90a device (tests/ops/test_attention_flash.py). H200: the
-# 8-layer 1,024-token prefill's linears 8.06 -> 6.64 ms. On by default; JITKERN_X16_ATTN=0 turns it off
-GPU_X16_ATTN = _env.x16_attn()
+# o projection then takes TMA at prefill sizes, which needs 16-bit x; the same bits) where the device target's
+# tuning.x16_attn (targets/tuning.py)
 # CUDA: a split-K linear (o, gate/up, down; q/k/v up to ROPE_CACHE_PER_HEAD_MAX_T tokens) leaves its slabs to the
 # op after it (rms_norm with the residual add, the gated activation, rope + KV cache write), which sums them in the
 # sum kernel's order: the same bits, one launch a linear fewer
 GPU_FOLD_SPLITK = True
-# CUDA: where the down projection takes 16-bit input, the gate/up projection writes its [T, 2 I] output in the
-# weights' 16-bit type too (rounded once as the linear stores it; HF's bf16 gate_proj / up_proj outputs are rounded
-# so) and the gated activation reads that: half the bytes of the widest activation through memory twice (at a
-# 1,024-token Llama-3-8B prefill 117 MB of f32 a layer written and read back). JITKERN_GATE_UP16=0 writes f32.
-GPU_GATE_UP16 = _env.gate_up16()
-# ... and at decode sizes (matmul.gated_tile: the 16-token tile) the gate/up projection and the activation may run as
-# one kernel (matmul.gated_linear: the same bits, one launch and the [T, 2 I] round trip fewer). Off by default
-# (JITKERN_GATED_LINEAR=1): on the H200 (session 19, sh perf/h200_session19c.sh, same machine) its first form, two
-# dots a K step (gate's and up's tiles, x staged for each: twice the barriers), ran the 32-layer c=1 decode at
-# 198-201 tok/s against 208 without (CUPTI, 8 layers: 62.6 us a layer against ~57.5 + 1.6). The kernel now runs the
-# linear's one dot over a tile of gate rows and the same outputs' up rows (158 registers against 110: the rows are
-# not one affine range); not yet measured (sh perf/h200_session20.sh)
-GPU_GATED_LINEAR = _env.gated_linear()
+# CUDA: where the down projection takes 16-bit input and the target's tuning.gate_up16, the gate/up projection
+# writes its [T, 2 I] output in the weights' 16-bit type too (rounded once as the linear stores it; HF's bf16
+# gate_proj / up_proj outputs are rounded so) and the gated activation reads that: half the bytes of the widest
+# activation through memory twice. With tuning.gated_linear (an experiment), at decode sizes (matmul.gated_tile:
+# the 16-token tile) the gate/up projection and the activation run as one kernel (matmul.gated_linear: the same
+# bits, one launch and the [T, 2 I] round trip fewer).
+
+
+def _tuning(lin):
+    """The code-generation choices of the target `lin`'s weight lives on (targets/tuning.py)."""
+    from jitkern.ops._hostargs import resolve_target
+    from targets.tuning import DEFAULT
+    t = resolve_target(None, lin.weight)
+    return t.tuning if t is not None else DEFAULT
+
 
 
 @dataclass
@@ -373,11 +371,11 @@ class DecoderLM:
         return np.uint16 if lin.kind == "bf16" else np.float16
 
     def _gate_up16(self, L):
-        """The 16-bit storage the gate/up projection writes its output in (GPU_GATE_UP16), or None: CUDA, both
+        """The 16-bit storage the gate/up projection writes its output in (tuning.gate_up16), or None: CUDA, both
         projections plain 16-bit linears of one type on the tensor-core path taking 16-bit x (Linear.x16), and
         gate/up's K not split (matmul.gpu_linear_mma_tile: a split one's slabs may go to the activation as f32,
         matmul.SplitK, at some step sizes and not others, which would round differently)."""
-        if not GPU_GATE_UP16 or self.device != "cuda":
+        if self.device != "cuda" or not _tuning(L.gate_up).gate_up16:
             return None
         key = id(L)
         if key not in self._gate_up16_of:
@@ -391,24 +389,10 @@ class DecoderLM:
             self._gate_up16_of[key] = st
         return self._gate_up16_of[key]
 
-    def _down_gated_x(self, L, T: int, gu, gu16) -> bool:
-        """Whether the down projection of a T-token step applies the gated activation in its x loads (matmul
-        linear(gated_x=), GPU_LINEAR_GATED_X): gate/up wrote its output in down's 16-bit input type (not as split-K
-        slabs) and down's tile for T tokens loads x through registers (matmul.takes_gated_x). The same bits as
-        act_and_mul into a 16-bit buffer and down on it."""
-        from jitkern.ops import matmul
-        if not matmul.GPU_LINEAR_GATED_X or gu16 is None:      # (the default: nothing more to look at)
-            return False
-        from jitkern.ops._hostargs import resolve_target
-        from jitkern.ops.matmul import SplitK, takes_gated_x
-        if type(L.down) is not Linear or getattr(L.down, "x16", None) != gu16 or isinstance(gu, SplitK):
-            return False
-        return takes_gated_x(L.down.kind, L.down.n, L.down.k, T, resolve_target(None, L.down.weight))
-
     def _attn16_for(self, lin, li: int) -> bool:
-        """Whether attention writes `lin`'s (the o projection's) input in its 16-bit storage (GPU_X16_ATTN):
+        """Whether attention writes `lin`'s (the o projection's) input in its 16-bit storage (tuning.x16_attn):
         lin takes 16-bit x and paged_attention runs the flash kernels for this model's heads and cache."""
-        if not GPU_X16_ATTN or getattr(lin, "x16", None) is None or type(lin) is not Linear:
+        if getattr(lin, "x16", None) is None or type(lin) is not Linear or not _tuning(lin).x16_attn:
             return False
         ok = self._attn16_ok
         if li not in ok:
@@ -456,9 +440,9 @@ class DecoderLM:
 
     def _gated_call(self, L, T: int, xg, gelu: bool, gu):
         """A callable (x, out) running L's gate/up projection (into the 16-bit `gu`) and the gated activation as one
-        kernel (matmul.gated_linear, GPU_GATED_LINEAR) for a T-token step whose gate/up input is xg, or None where
+        kernel (matmul.gated_linear, tuning.gated_linear) for a T-token step whose gate/up input is xg, or None where
         that kernel does not apply (then gate/up and the activation run apart, with the same bits)."""
-        if not GPU_GATED_LINEAR or xg.dtype == np.float32:
+        if xg.dtype == np.float32 or not _tuning(L.gate_up).gated_linear:
             return None
         from jitkern.ops._hostargs import resolve_target
         from jitkern.ops.matmul import gated_linear, gated_tile
@@ -476,7 +460,7 @@ class DecoderLM:
         first layer's residual stream). A GGUF-quantised `lin` after an RMSNorm gets its int8 input straight from
         the norm kernel (jitkern.ops.norm.rms_norm_q8): one launch instead of norm + quantise; else the norm
         writes `x` and lin reads it. `src` may be a split-K linear's slabs (matmul.SplitK); `fold`: lin may
-        return its own (see GPU_FOLD_SPLITK). `call` (x, out): runs in lin's place (GPU_GATED_LINEAR)."""
+        return its own (see GPU_FOLD_SPLITK). `call` (x, out): runs in lin's place (tuning.gated_linear)."""
         T = src.shape[0]
         spec = None if (self.layernorm or w is None or not self.fuse_decode) else lin.q8_input(T)
         if spec is not None and not isinstance(src, np.ndarray) and hasattr(src, "sum_into"):
@@ -605,7 +589,6 @@ class DecoderLM:
                 rms_norm(o, L.post_attn_norm, self.eps, out=o, weight_offset=self.norm_offset)
             # MLP block
             down_q8 = None
-            down_kw = {}            # the down projection's gated_x, where it applies the activation (_down_gated_x)
             if L.moe is not None:
                 self._norm(osrc, L.ffn_norm, L.ffn_norm_b, x, residual=residual)
                 L.moe(x, h, buf)
@@ -629,8 +612,6 @@ class DecoderLM:
                         from jitkern.ops.activation import act_and_mul_q8
                         o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
                         L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
-                    elif self._down_gated_x(L, T, gu, gu16):
-                        act, down_kw = gu, {"gated_x": "gelu_tanh" if gelu else "silu"}   # (in down's x loads)
                     else:
                         st = getattr(L.down, "x16", None)
                         act = buf.get("act", (T, L.gate_up.n // 2)) if st is None else \
@@ -644,7 +625,7 @@ class DecoderLM:
             hsrc = h
             if L.moe is None:
                 if down_q8 is None:
-                    hsrc = L.down(act, out=h, **self._fold_kw(L.down, fold and L.post_ffn_norm is None), **down_kw)
+                    hsrc = L.down(act, out=h, **self._fold_kw(L.down, fold and L.post_ffn_norm is None))
                 if tp is not None:           # row-parallel down: partial sums
                     tp.all_reduce(h)
             if L.post_ffn_norm is not None:

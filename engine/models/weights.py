@@ -65,10 +65,9 @@ class Linear:
     def nbytes(self) -> int:
         return int(self.weight.nbytes)
 
-    def __call__(self, x: np.ndarray, out: np.ndarray | None = None, fold_sum: bool = False, gated_x=None):
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None, fold_sum: bool = False):
         """y into `out`; fold_sum (dense GPU weights): possibly a jitkern.ops.matmul.SplitK instead, whose
-        ordered sum the next op (rms_norm, act_and_mul) does itself (`out` then untouched). gated_x (dense 16-bit
-        GPU weights, decode sizes): x is a gate/up output and the input act(gate) * up (matmul.linear's)."""
+        ordered sum the next op (rms_norm, act_and_mul) does itself (`out` then untouched)."""
         if self.quantized:
             from jitkern.ops.quant import matmul_q
             y = matmul_q(x, self.weight, self.kind, self.n, self.k, out=out)
@@ -80,7 +79,7 @@ class Linear:
         xkw = {"x_dtype": self.kind} if x.dtype != np.float32 else {}
         return linear(x, self.weight, bias=self.bias, out=out, activations=self.activations,
                       **({"w_dtype": "bf16"} if self.kind == "bf16" else {}), **xkw,
-                      **({"fold_sum": True} if fold_sum else {}), **({"gated_x": gated_x} if gated_x else {}))
+                      **({"fold_sum": True} if fold_sum else {}))
 
 
     def q8_input(self, M: int):

@@ -337,9 +337,6 @@ class CpuLowering(LlvmEmitter):
         return self.val(f"call {vt} @{name}({vty('ptr', n)} {ptrs.ref}, i32 {align}, {m.ty} {m.ref}, {vt} {other.ref})",
                         et, n, shape)
 
-    def op_wait_dependencies(self, op):
-        return None          # launches on the CPU run one after the other
-
     def op_prefetch(self, op):
         """One llvm.prefetch (read, high locality) per 64-byte line of each contiguous row. The addresses
         are formed without `inbounds`: a prefetch may point past an array (it never faults). The `nbytes`

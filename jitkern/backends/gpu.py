@@ -33,9 +33,7 @@ and block ids, the barrier, the shared-memory address space and the math that ha
 from __future__ import annotations
 
 import math
-import os
 
-from .. import env as _env
 from .. import ir
 from ..language import CompilationError
 from .emitter import LV, PT, Aff, LlvmEmitter, _ops_of, _prod, elem_ty, vty
@@ -154,9 +152,6 @@ class GpuHooks:
         `pred` holds."""
         raise NotImplementedError
 
-    def wait_dependencies(self, low) -> None:
-        """jk.wait_dependencies(): the wait for earlier launches where the target launches programs early."""
-
     has_cp_async = False     # global -> shared copies that run while the thread goes on (cp.async)
     has_tma = False          # bulk tensor copies by the tensor memory accelerator, completed on mbarriers
 
@@ -211,81 +206,11 @@ class MmaAcc:
 
 
 _LAZY = object()      # a value left for the dot that consumes it to lower (see GpuLowering._mma_plan)
-# MMA fragments by ldmatrix where the target has it (NVIDIA); JITKERN_LDMATRIX=0 loads each register instead
-# (an A/B switch: part of the compiled kernels' cache key, jitkern/compiler.py _toolchain_key)
-LDMATRIX = os.environ.get("JITKERN_LDMATRIX", "1") != "0"
-# JITKERN_LDMATRIX_TRANS (default 1): a dot's (k, n) B operand (not trans(w): the flash kernels' V tile in P @ V)
-# staged in its own row order, rows of n + 8, with vector stores, its fragments read by ldmatrix .trans; 0: staged
-# transposed as (n, k) rows element by element (H200, Nsight Compute: the flash prefill's 16-bit V stores 16-way
-# bank conflicted, 90% of its shared-store wavefronts). The same fragment registers, so the same bits (cache key)
-LDMATRIX_TRANS = _env.ldmatrix_trans()
 # the MMA K loops of dots with a pinned A operand (Staging._pin_analysis: the flash kernels' scores) are unrolled
-# when they have at most this many steps (H200, session 17: the whole MMA unroll at 8, JITKERN_MMA_UNROLL=8, took the
-# flash prefill 0.200 -> 0.190 ms at B=1 S=1024 and decode 0.154 -> 0.149 ms at B=64 ctx=1024)
+# when they have at most this many steps (fewer loop-carried fragment copies; faster flash prefill and decode)
 PINNED_MMA_UNROLL = 8
-# how warpgroup-MMA operands are staged (GpuLowering._smem_write_cores): 0 = core matrices without swizzle,
-# 128 = 128-byte swizzled rows of 64 elements (conflict-free stores; needs K % 64 == 0). An A/B switch until
-# perf/probe_wgmma.py has run on the GPU (part of the cache key, jitkern/compiler.py _toolchain_key)
-WGMMA_SWIZZLE = _env.wgmma_swizzle()
-# JITKERN_WGMMA_PIPE=1: a warpgroup-MMA dot whose accumulator stays in registers (a K loop's) commits its MMAs
-# without waiting for them; the next dot waits until at most one group runs (wgmma.wait_group 1) and stages
-# into the other of two buffers (by the loop's iteration parity), so staging step i + 1 overlaps the MMAs of
-# step i (GpuLowering._dot_wgmma). An A/B switch like the one above (in the cache key)
-WGMMA_PIPE = _env.wgmma_pipe()
-# JITKERN_TMA_PIPE=1: in a K loop whose tiles come by TMA, a warpgroup-MMA dot commits its MMAs and waits only for
-# the previous step's group (wgmma.wait_group 1), then one CTA barrier, and only then are the step's copies
-# issued (they refill the buffer that group read): the MMAs of step s run while step s + 1's wait and barrier
-# do, with one CTA barrier a step instead of two (gpu_staging.py _tma_load / _dot_wgmma_async). The same MMAs in
-# the same order. On by default with prefetch 2 (the engine's default with TMA): H200, session 12, the 8-layer
-# prefill's linears 6.45 -> 6.29 ms, and the GEMM A/B within noise; with prefetch 1 it was ~1.2x slower
-# (perf/h200_tma_pipe.sh), so off there. In the cache key
-TMA_PIPE = _env.tma_pipe()
-# JITKERN_PDL=1: programmatic dependent launch (sm_90+). Every kernel starts with griddepcontrol.wait (it waits
-# until the grids it depends on have completed and their memory is visible: the same results) and then
-# griddepcontrol.launch_dependents, and the runtime launches with the programmatic stream serialization
-# attribute: the next kernel's CTAs are launched while this one's last wave drains, instead of after it. An A/B
-# switch (in the cache key). H200, session 12 (perf/h200_pdl.sh): right (68 GPU tests), but no faster at c=1
-# (196.9 vs 196.7 tok/s, decode from CUDA graphs) and slower at c=64 (5146 vs 5416 tok/s): off
-PDL = _env.pdl()
-# a CTA-wide reduction of up to T work items (output, chunk) runs one item a thread and unrolls its final fold (the
-# same items folded in the same order: the same bits; GpuLowering._reduce_lanes). JITKERN_REDUCE_ONE_EACH=0: the tile
-# layout's 4-lane chunks on a quarter of the threads (an A/B switch, in the cache key)
-REDUCE_ONE_EACH = _env.reduce_one_each()
-# JITKERN_FRAG_OPS=0: no fragment-layout values (FragV); elementwise ops on MMA accumulators then go through the
-# tile layout in shared memory (an A/B switch, in the cache key)
-FRAG_OPS = _env.frag_ops()
-# JITKERN_CP_ASYNC: 1 = prefetched dot operands of every K loop are copied global -> shared by cp.async
-# (AsyncTile), 0 = never, unset (None) = in kernels launched with num_stages >= 2 (an A/B switch, in the cache key)
-CP_ASYNC = _env.cp_async()
-# JITKERN_MMA_UNROLL=N: the MMA K loops' unroll count instead of the target's (an A/B switch, in the cache key)
-MMA_UNROLL = _env.mma_unroll()
-# JITKERN_ROW_SLOTS=1: row vectors broadcast into fragment layouts are staged in shared memory where they are
-# computed, so one barrier serves several broadcasts (GpuLowering._row_slot_analysis; A/B switch, cache key)
-ROW_SLOTS = _env.row_slots()
-# JITKERN_FAST_EXP (default 1): jk.exp_fast (the flash kernels' online softmax) on targets with a hardware
-# exponential (NVPTX: ex2.approx.ftz of x log2 e, ~25 instructions fewer an element; H200, session 16: prefill
-# attention 0.375 -> 0.280 ms with warp rows, flash GPU tests pass); 0: exp's polynomial (cache key)
-FAST_EXP = _env.fast_exp()
-# JITKERN_PIN_OPERANDS (default 1): a loop's dot stages an A operand defined outside the loop once, before it
-# (GpuLowering._pin_analysis; cache key). On the H200 (session 16) the flash prefill 0.465 -> 0.431 ms at B=1
-# S=1024 (1.08x), 3.646 -> 3.332 at B=8; decode unchanged; the flash file's GPU bit tests pass with it
-PIN_OPERANDS = _env.pin_operands()
-# JITKERN_PIN_REGS (default 1; 0 is the A/B; cache key): a pinned A operand whose dot reads its
-# fragments by ldmatrix is also read into the fragment registers once, right after it is pinned (_pin_frags), and
-# the dot takes them from there every step (one ldmatrix.x4 a K step and unit row fewer: in the flash prefill's
-# scores 8 a warp a step; ~32 registers a thread more). The same fragments, so the same bits. H200 (session 18):
-# prefill attention B=1 S=1024 0.191 -> 0.176 ms, B=8 1.530 -> 1.409, decode B=64 0.150 -> 0.147; bits 37 passed.
-PIN_REGS = _env.pin_regs()
-# JITKERN_WG_SUMS (default 1; cache key): an f32 add of two warpgroup-MMA accumulators of one layout (the serial
-# split's running sum of its slabs, kept in a loop slot) runs register by register (_wg_sum_analysis) instead of
-# through a C tile in shared memory each slab; the same fadds, so the same bits. With the chain through the slabs
-# (ops/matmul.py GPU_SERIAL_CHAIN) the C tile could not share the copy buffers (170 KB, one CTA an SM): 104 KB.
-WG_SUMS = _env.wg_sums()
-# JITKERN_REDUCE_DIRECT (default 1): reductions of at most one element a chunk (rows no longer than the CTA) skip
-# staging their partials (the two-pass form, JITKERN_REDUCE_DIRECT=0): each output folds the staged input directly,
-# with the same operations in the same order (GpuLowering._reduce_direct; A/B switch, cache key). H200: flash
-# prefill -3.6%, decode -1% (BENCHMARKS "Session 14").
-REDUCE_DIRECT = _env.reduce_direct()
+# The lowering's other choices (ldmatrix, wgmma staging, pinning, reductions, ...) are the target's tuning table,
+# targets/tuning.py: self.tuning.
 
 
 class _LaneExpr:
@@ -348,6 +273,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self.x86 = False
         self.f16c = False
         self.hooks = hooks
+        self.tuning = target.tuning     # code-generation choices (targets/tuning.py)
         self.num_warps = int(fn.constexprs.get("num_warps", 4))
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
             raise CompilationError(f"num_warps must be a power of two in 1..32, got {self.num_warps}")
@@ -617,8 +543,6 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self._pin_analysis()
             self._costage_analysis()
         self.start_block("entry")
-        # jk.wait_dependencies() in the kernel: the entry leaves the wait for earlier launches to it
-        self.explicit_wait = any(op.name == "wait_dependencies" for op in _ops_of(fn.body))
         h.entry(self)
         self.tid = h.thread_id(self)
         self.entry_defs = []
@@ -1159,10 +1083,6 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self.hooks.bulk_prefetch_l2(self, self.extract(ptrs, j).ref, nbytes, ok.ref)
         return None
 
-    def op_wait_dependencies(self, op):
-        self.hooks.wait_dependencies(self)
-        return None
-
     def op_barrier(self, op):
         self.barrier()
         return None
@@ -1484,7 +1404,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         # up to T items: one a thread (item = thread id) instead of the tile layout's 4-lane chunks, which left all
         # but W / 4 threads idle and gave each four items' reads in series (a 4096-wide row sum: 128 shared loads a
         # thread on one warp, against 32 on four). Each item folds the same elements in the same order: same bits
-        one_each = W <= T and RW > 1 and REDUCE_ONE_EACH
+        one_each = W <= T and RW > 1 and self.tuning.reduce_one_each
         if one_each:
             RW = 1
         et = x.et
@@ -1492,7 +1412,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         end = self.smem_write(x, 0)
         self.barrier()
         steps = -(-n // G)
-        if steps == 1 and G > 1 and not arg and REDUCE_DIRECT:
+        if steps == 1 and G > 1 and not arg and self.tuning.reduce_direct:
             return self._reduce_direct(op, kind, d, et, shape, oshape, n, post, G, half)
         if one_each:
             w = self.val(f"insertelement <1 x i32> poison, i32 {self.tid}, i32 0", "i32", 1)
@@ -1563,7 +1483,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                         self.val(f"select {better.ty} {better.ref}, {vi.ty} {vi.ref}, {vi.ty} {cur[1].ref}", "i32",
                                  n_out)]
             # (unrolled: the partials' reads are independent and can be in flight; the combines chain in order)
-            fin = self.emit_loop(G, cur0, fold, unroll=min(G, 16) if REDUCE_ONE_EACH else None)
+            fin = self.emit_loop(G, cur0, fold, unroll=min(G, 16) if self.tuning.reduce_one_each else None)
             res = fin[1] if arg else fin[0]
             if oshape:
                 res = LV(res.ref, res.et, R_out, oshape)
@@ -1730,9 +1650,10 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
 
     def _b_trans(self, plan) -> bool:
         """Whether a planned dot's B, a (k, n) tile rather than a folded trans(w), is staged in its own row order
-        (rows of n + 8 elements, vector stores) and read by ldmatrix .trans (LDMATRIX_TRANS: NVIDIA's m16n8k16;
+        (rows of n + 8 elements, vector stores) and read by ldmatrix .trans (tuning.ldmatrix_trans: NVIDIA's m16n8k16;
         elsewhere B is staged transposed as (n, k) rows, element by element)."""
-        return bool(LDMATRIX_TRANS and LDMATRIX and not plan["nk"] and not plan["wg"] and self.hooks.has_ldmatrix
+        t = self.tuning
+        return bool(t.ldmatrix_trans and t.ldmatrix and not plan["nk"] and not plan["wg"] and self.hooks.has_ldmatrix
                     and tuple(self.hooks.mma_shape) == (16, 8, 16) and plan["n"] % 8 == 0)
 
     def _b_rows(self, plan):
@@ -1953,10 +1874,10 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         return self._claim(off, (numel + V) * _ES[x.et])
 
     def _wgmma_swizzled(self) -> bool:
-        """Whether this kernel stages its warpgroup-MMA operands 128-byte swizzled (WGMMA_SWIZZLE, and every
+        """Whether this kernel stages its warpgroup-MMA operands 128-byte swizzled (tuning.wgmma_swizzle, and every
         such dot's K a multiple of 64)."""
         plans = [p for p in self.mma_plans.values() if p.get("wg")]
-        return WGMMA_SWIZZLE == 128 and bool(plans) and all(p["k"] % 64 == 0 for p in plans)
+        return self.tuning.wgmma_swizzle == 128 and bool(plans) and all(p["k"] % 64 == 0 for p in plans)
 
     def _dot_wgmma(self, op, plan) -> LV:
         """dot(x, trans(w)) as warpgroup MMAs with the operands' roles swapped ("swap AB"): w's (n, k) rows
@@ -1964,13 +1885,13 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         staged K-major as core matrices; f32 x as hi + lo parts in separate accumulators, as the mma.sync path
         does. Per output the K steps run in order as chains of m64nNk16 MMAs whatever the tile, so a
         token's result should not depend on the others (to be verified on the GPU: perf/probe_wgmma.py).
-        WGMMA_PIPE: operands in this dot's own buffers (two inside a register-accumulator loop, by iteration
+        tuning.wgmma_pipe: operands in this dot's own buffers (two inside a register-accumulator loop, by iteration
         parity), a wait for all but the latest group before staging, and no wait after the MMAs while the
         accumulator stays in registers (its consumers wait: _materialise, the next dot)."""
         m, n, k = plan["m"], plan["n"], plan["k"]
         g = self._mma_geometry(plan)
         acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
-        pipe = WGMMA_PIPE
+        pipe = self.tuning.wgmma_pipe
         regs_in = frag_in.regs if frag_in is not None else None
         if pipe and regs_in is not None:
             # the group that last read the buffer staged next has finished (only the latest may still run)
@@ -2253,7 +2174,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         register by register, which is the tile's elementwise add, with no C tile in shared memory (whose
         region could not share the copy buffers while the next slab's copies are in flight)."""
         self._wg_sums, self._wg_sum_slots = {}, {}
-        if not WG_SUMS or not any(p["wg"] for p in self.mma_plans.values()):
+        if not self.tuning.wg_sums or not any(p["wg"] for p in self.mma_plans.values()):
             return
 
         def acc_of(v):
@@ -2315,7 +2236,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         regs = []
         for acc in (a, b):
             r = acc.regs
-            if WGMMA_PIPE or acc.plan.get("in_flight"):
+            if self.tuning.wgmma_pipe or acc.plan.get("in_flight"):
                 r = self.hooks.wgmma_wait(self, 0, r)       # (its last group was committed, not waited)
             regs.append(r)
         out = MmaAcc(key, [self.val(f"fadd float {x}, {y}", "float", 0).ref for x, y in zip(*regs)], a.plan)
@@ -2332,7 +2253,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         g = self._mma_geometry(plan)
         if plan["wg"]:
             regs = acc.regs
-            if WGMMA_PIPE or plan.get("in_flight"):
+            if self.tuning.wgmma_pipe or plan.get("in_flight"):
                 regs = self.hooks.wgmma_wait(self, 0, regs)     # (its last group was committed, not waited)
             if self._async_live and not self._async_issued and not self._async_ahead_now:
                 # outside every loop, and the last async wait was after the last copy and had none of its
@@ -2371,7 +2292,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         # fragments in one (2), at the rows / k offsets ldmatrix_lanes gives each lane, instead of 6 loads;
         # each lane then holds exactly the registers mma_layout names (tests/test_gpu_registers.py models
         # both). Rows are 16-byte aligned: KP = k + 8 elements with k % 16 == 0, regions at 16-byte offsets
-        ldm = (LDMATRIX and (MS, NS, KS) == (16, 8, 16) and lay["a_ty"] == "i32" and lay["b_ty"] == "i32"
+        ldm = (self.tuning.ldmatrix and (MS, NS, KS) == (16, 8, 16) and lay["a_ty"] == "i32" and lay["b_ty"] == "i32"
                and KP % 8 == 0 and all(o is None or isinstance(o, str) or o % 16 == 0
                                        for o in list(offs_a or []) + ([offb] if offb is not None else []))
                and self.hooks.has_ldmatrix)
@@ -2391,7 +2312,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             else None
         if bt and not ldm:
             raise CompilationError(f"internal: a (k, n) MMA operand staged for ldmatrix .trans but the fragment loads "
-                                   f"cannot use ldmatrix (regions {offs_a!r}, {offb!r}); set JITKERN_LDMATRIX_TRANS=0")
+                                   f"cannot use ldmatrix (regions {offs_a!r}, {offb!r}); compile with "
+                                   f"tuning.ldmatrix_trans off")
 
         def coords(regs):        # per register: (symbolic ref or None, constant) of each coordinate
             return [_sym(x) for x, _ in regs], [_sym(y) for _, y in regs]
@@ -2524,7 +2446,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 for kk in range(ksteps):
                     cur = kstep(str(kk), cur, kk)
                 return [r.ref for r in cur]
-            return [r.ref for r in low.emit_loop(ksteps, start, kstep, unroll=MMA_UNROLL or unroll_pinned
+            return [r.ref for r in low.emit_loop(ksteps, start, kstep, unroll=self.tuning.mma_unroll or unroll_pinned
                                                       or low.hooks.mma_unroll)]
 
         def store_units(us, regs, offc):
@@ -2552,7 +2474,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
 
         def a_frags(us):
             """Per unit, per K step: the A fragment registers by ldmatrix (a single A part), all issued here
-            (PIN_REGS: before the loop of a dot with a pinned A; units sharing a row share the loads)."""
+            (tuning.pin_regs: before the loop of a dot with a pinned A; units sharing a row share the loads)."""
             cache = {}
             return [[ldmx(offs_a[0], add(u["lda"], mul(str(kk), KS)), 4, cache) for kk in range(ksteps)]
                     for u in us]
@@ -2629,7 +2551,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
 
     # ----------------------------------------------------------------------------------------- math
     def _has_fast_exp(self) -> bool:
-        return bool(getattr(self.hooks, "has_fast_exp", False)) and FAST_EXP
+        return bool(getattr(self.hooks, "has_fast_exp", False)) and self.tuning.fast_exp
 
     def math_call(self, name: str, x: LV) -> LV:
         hooked = self.hooks.math(self, name, x)

@@ -6,7 +6,7 @@ accumulator used to cost a round trip through shared memory. `FragV` keeps an (m
 accumulator layout instead (one vector lane per register), for the values `_frag_analysis` picks: what the flash
 kernels' online softmax does to its accumulator and scores. Cheap operands (constants, splats, broadcasts) are
 evaluated in that layout; anything else gets the tile value through shared memory (`get`). The same IEEE
-operations run per element, so the bits are the tile path's. Row slots (JITKERN_ROW_SLOTS) stage the row
+operations run per element, so the bits are the tile path's. Row slots (tuning.row_slots) stage the row
 vectors those ops broadcast where they are computed, so several broadcasts share one barrier.
 """
 from __future__ import annotations
@@ -15,18 +15,6 @@ from .. import ir
 from ..language import CompilationError
 from .emitter import LV, _ops_of, _prod, vty
 from .gpu_staging import _ROWS_BASE
-
-
-# warp-owned rows: a dot whose A operand is a fragment value of the rows its warp owns (P = the scores' registers
-# cast to 16 bits) takes A's fragments from those registers (packed in pairs) instead of staging A in shared
-# memory and reading it back with ldmatrix (the same values, so the same bits; tests patch this switch)
-A_FROM_ROWS = True
-
-
-def _gpu():
-    """backends/gpu.py (its switches are read there at call time: tests patch them there)."""
-    from . import gpu
-    return gpu
 
 
 class FragV:
@@ -59,7 +47,7 @@ class FragmentOps:
         agree. The flash kernels' online-softmax accumulator (`acc * alpha[:, None]` into dot(p, v, .))
         then never leaves the MMA registers; the K loops' `acc = dot(a, b, acc)` keep MmaAcc (_frag_slots)."""
         self.frag_keys, self._frag_plans, self._frag_keep, self._lazy_ops = {}, {}, {}, {}
-        if not _gpu().FRAG_OPS:
+        if not self.tuning.frag_ops:
             return
         dots, fresh = {}, set()
         for op in _ops_of(self.fn.body):
@@ -250,7 +238,7 @@ class FragmentOps:
                               or (len(u.results) == 1 and u.results[0].id in self._lazy_ops) for u, _ in us):
                     self._lazy_ops[r.id] = op
                     changed = True
-        if _gpu().ROW_SLOTS:
+        if self.tuning.row_slots:
             self._row_slot_analysis()
 
     def _row_slot_analysis(self) -> None:
@@ -456,7 +444,9 @@ class FragmentOps:
             raise CompilationError("internal lowering error: a fragment accumulator left its layout", op.loc)
         m, n, k = plan["m"], plan["n"], plan["k"]
         KP = k + 8
-        a_regs = self._a_from_rows(plan, g) if A_FROM_ROWS else None
+        # warp-owned rows: A's fragments from the registers of the rows its warp owns (P = the scores cast to 16 bits),
+        # packed in pairs, instead of staging A and reading it back with ldmatrix (the same values, the same bits)
+        a_regs = self._a_from_rows(plan, g) if self.tuning.a_from_rows else None
         pinned = self._pin_frags.get(plan.get("id")) if a_regs is None else None
         if pinned is not None and self._pinned.get(plan["a"].id) is not None:
             # (PIN_REGS: A's fragments were read into registers before the loop, Staging._pin_frags_load)

@@ -4,7 +4,7 @@ GpuLowering).
 - cp.async (`AsyncTile`, `_async_analysis`): in kernels launched with num_stages >= 2, a K loop's prefetched dot
   operands are copied global -> shared memory straight into the dot's staging layout (padded rows for mma.sync,
   core matrices for wgmma), two buffers by parity, so the copy of step k + 1 runs during step k's MMAs.
-- Pinned operands (`_pin_analysis`, JITKERN_PIN_OPERANDS): a loop's dot whose A operand is defined outside the
+- Pinned operands (`_pin_analysis`, tuning.pin_operands): a loop's dot whose A operand is defined outside the
   loop has it staged once, before the loop.
 Regions of both sit above the rest of shared memory (placeholders filled in at the end of lower()), or overlap
 it when nothing else claims shared memory while they are live.
@@ -18,13 +18,10 @@ _ASYNC_BASE = "__jk_async_base__"      # the async regions' byte offset, known o
 _ROWS_BASE = "__jk_rows_base__"        # the row slots' byte offset (after the async regions)
 _PIN_BASE = "__jk_pin_base__"          # the pinned operands' byte offset (after the row slots)
 _TMA_BASE = "__jk_tma_base__"          # the TMA regions' mbarriers' byte offset (after everything)
-# warp-owned rows: a loop's later dot whose A comes from registers has its B staged by the earlier dot
-# (_costage_analysis: the flash step's K and V staged between one barrier pair; tests patch this switch)
-COSTAGE = True
 
 
 def _gpu():
-    """backends/gpu.py (its switches are read there at call time: tests patch them there)."""
+    """backends/gpu.py (imported late: it imports this module)."""
     from . import gpu
     return gpu
 
@@ -48,9 +45,9 @@ class Staging:
         """Dots directly in a loop's body whose A operand (16-bit, or f32 split in parts) is defined outside the
         loop: the flash kernels' query tile, the same every block. Each such value gets a region of its own
         (above everything else, _PIN_BASE), written once before the loop (_pin_stage); the dots then stage
-        only B each step. On by default (PIN_OPERANDS; JITKERN_PIN_OPERANDS=0 turns it off)."""
+        only B each step. On by default (tuning.pin_operands)."""
         self._pins = {}
-        if not _gpu().PIN_OPERANDS:
+        if not self.tuning.pin_operands:
             return
         for op, body, _ in self._loops():
             inside = {r.id for o in _ops_of(body) for r in o.results if r is not None}
@@ -82,9 +79,8 @@ class Staging:
         barriers; D2 then stages nothing and needs no barrier (D1's trailing barrier made B visible, and the
         next step's D1 writes it again only after its leading barrier, which every warp reaches after its D2).
         The online softmax's step is then one barrier pair (K and V together) instead of two."""
-        from .gpu_fragments import A_FROM_ROWS
         self._costage, self._prestaged = {}, {}
-        if not (COSTAGE and A_FROM_ROWS and self._warp_rows_on()):
+        if not (self.tuning.costage and self.tuning.a_from_rows and self._warp_rows_on()):
             return
         staged_async = self._async_loads_values()
         for loop, body, _ in self._loops():
@@ -148,7 +144,7 @@ class Staging:
                 refs.append(ref)
             self._pinned[a.id] = refs
             out.append(a.id)
-        if pins and _gpu().PIN_REGS:
+        if pins and self.tuning.pin_regs:
             self._pin_frags_load(pins)
         return out
 
@@ -195,7 +191,7 @@ class Staging:
         self._async_loads, self._async_slots, self._async_bytes = {}, {}, 0
         self._async_ahead = {}
         self._async_align = 128
-        forced = _gpu().CP_ASYNC
+        forced = self.tuning.cp_async
         wanted = forced if forced is not None else int(self.fn.constexprs.get("num_stages") or 1) >= 2
         if not wanted or not self.hooks.has_cp_async:
             return
@@ -285,7 +281,7 @@ class Staging:
             for spec, loads, _, slots, link in cands:
                 if tma and link is None:
                     spec["tma"], spec["bar"] = True, self._tma_nbars
-                    spec["pipe"] = bool(_gpu().TMA_PIPE)
+                    spec["pipe"] = bool(self.tuning.tma_pipe)
                     self._tma_nbars += spec["nbuf"]
                 for ld, tm, at in loads:
                     hit = (spec, None, at) if isinstance(at, int) else (spec, at, None)
@@ -385,7 +381,7 @@ class Staging:
 
         def plan_of(d):
             plan = self.mma_plans.get(id(d))
-            ok = plan is not None and not (plan["wg"] and _gpu().WGMMA_PIPE) and not plan["split"] \
+            ok = plan is not None and not (plan["wg"] and self.tuning.wgmma_pipe) and not plan["split"] \
                 and d.results[0].id not in self.frag_keys
             return plan if ok else None
         if u.name == "dot" and idx == 0:

@@ -53,25 +53,6 @@ class NvptxHooks(GpuHooks):
         return low.val(f"call i32 @{name}()", "i32", 0).ref
 
     @property
-    def has_pdl(self) -> bool:
-        """Programmatic dependent launch (griddepcontrol, sm_90+) under JITKERN_PDL."""
-        from . import gpu
-        return bool(gpu.PDL) and self.target.async_copy == "tma"
-
-    def entry(self, low) -> None:
-        if self.has_pdl:
-            # before any memory access: wait for the grids this launch depends on (returns at once when it was
-            # not launched with programmatic serialization; a kernel with jk.wait_dependencies() waits there),
-            # then let the next launch's CTAs start
-            if not getattr(low, "explicit_wait", False):
-                self.wait_dependencies(low)
-            low.emit('call void asm sideeffect "griddepcontrol.launch_dependents;", "~{memory}"()')
-
-    def wait_dependencies(self, low) -> None:
-        if self.has_pdl:
-            low.emit('call void asm sideeffect "griddepcontrol.wait;", "~{memory}"()')
-
-    @property
     def has_bulk_prefetch(self) -> bool:
         return self.target.async_copy == "tma"          # sm_90+ (cp.async.bulk)
 

@@ -69,7 +69,6 @@ import numpy as np
 import jitkern as jk
 from ._hostargs import elem_strides, empty_like_dev, host_copy, is_array, is_device, resolve_target, run
 from .quant import q8_group, q8_store_blocks
-from jitkern import env as _env
 
 NEG = -1.0e30          # "minus infinity" for masked logits: keeps exp(m_old - m_new) free of inf - inf
 PARTITION_BLOCKS = 16  # a query's key range is split into partitions of this many blocks (256 tokens) ...
@@ -799,7 +798,7 @@ def token_attention_kernel(q, k_cache, v_cache, out, query_start, seq_lens, bloc
 # Decode (flash-decoding) and prefill/mixed (flash attention) kernels for GPUs. Both run every cache block
 # through the same step (_flash_step: scores and P @ V as `dot`s, so on NVIDIA/AMD they run on the matrix
 # units, online softmax in f32) and split a query's key range into the same partitions (_split of the
-# query's own range, GPU_PARTITION_BLOCKS blocks each) merged by the same fold in partition order: a token's
+# query's own range, tuning.flash_partition_blocks blocks each) merged by the same fold in partition order: a token's
 # output is bit-identical whether it is a decode (flash_decode_kernel + flash_merge_kernel) or a row of a
 # prefill tile (flash_prefill_kernel), and whatever the batch or the chunking of its prompt.
 @jk.jit
@@ -833,7 +832,7 @@ def _flash_step(qt, kt, vt, valid, m, l, acc, scale, softcap, SOFTCAP, SPLIT, OP
     exp(0), and p is 0), so tiles that cover more keys than a row needs give that row the same bits.
     OPS16 (GPU_FLASH_OPERANDS = "16bit"): the probabilities enter P @ V as f16 (the kernels round q to f16
     once), so each dot is one MMA chain per cache part instead of hi + lo (as FlashAttention computes).
-    Exponentials by jk.exp_fast (NVIDIA: ex2.approx, JITKERN_FAST_EXP; elsewhere exp): every flash kernel
+    Exponentials by jk.exp_fast (NVIDIA: ex2.approx, the target's tuning.fast_exp; elsewhere exp): every flash kernel
     takes the same, so decode and prefill still agree bit for bit."""
     s = _mm_qk(qt, kt, SPLIT) * scale
     if SOFTCAP:
@@ -920,7 +919,7 @@ def flash_decode_kernel(q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, query_star
     rows, padded to the matrix units' 16) over one partition of the key range, so K and V are read once
     for the group. The sequence's own length decides its partitions (_split); programs past them exit. A
     single-partition sequence writes its output here; otherwise the partition's (m, l, acc) go to the
-    workspace for flash_merge_kernel. SB: cache blocks per online-softmax step (FLASH_STEP_BLOCKS; the prefill
+    workspace for flash_merge_kernel. SB: cache blocks per online-softmax step (tuning.flash_step_blocks; the prefill
     kernel steps alike, so a token's bits agree; 1 with a sliding window)."""
     seq = jk.program_id(0)
     kvh = jk.program_id(1)
@@ -1041,9 +1040,9 @@ def flash_prefill_kernel(q, k_cache, v_cache, out, query_start, seq_lens, block_
     block starts a new partition of that row's own range (the split a decode at its position uses), the
     partition is folded in, as flash_merge_kernel does, so a row's bits equal a decode's at its position.
     The tile's sequence is found by a binary search over query_start (grid: num_tokens // BM + num_seqs).
-    FOLD_SKIP (GPU_FLASH_FOLD_SKIP): the fold runs only in blocks where some row of the tile starts a partition
+    FOLD_SKIP (tuning.flash_fold_skip): the fold runs only in blocks where some row of the tile starts a partition
     (_tile_folds, a scalar test); elsewhere it would leave every row's state as it was, so the bits are the same.
-    Grid (tiles, KV heads); LONGEST_FIRST (GPU_FLASH_LONGEST_FIRST): grid (KV heads, tiles), the tiles in reverse.
+    Grid (tiles, KV heads); LONGEST_FIRST (tuning.flash_longest_first): grid (KV heads, tiles), the tiles in reverse.
     GPUs start programs in grid order, x fastest, so the longest tiles (a causal prompt's last, which cover the most
     blocks) start first, each with all its KV heads, and the short ones fill in behind them (longest-first list
     scheduling: a 1,024-token prompt's 520 programs on 132 SMs take ~1.3x fewer step-waves than in tile order, by
@@ -1222,7 +1221,7 @@ def decode_partitions(seq_lens, block_size: int = 16, sliding_window: int = 0,
                       partition_blocks: int = PARTITION_BLOCKS) -> np.ndarray:
     """Each sequence's own decode partition count (int array): its key range in blocks (the last
     sliding_window positions, or all of them) split into partition_blocks-block partitions (the CPU
-    kernels' PARTITION_BLOCKS, or GPU_PARTITION_BLOCKS for the GPU flash kernels), at most MAX_PARTITIONS.
+    kernels' PARTITION_BLOCKS, or tuning.flash_partition_blocks for the GPU flash kernels), at most MAX_PARTITIONS.
     The kernels compute the same numbers from seq_lens; a launch needs a partition axis at least as long
     as the largest one."""
     seq_lens = np.asarray(seq_lens, np.int64)
@@ -1297,7 +1296,7 @@ class _Step:
 
 def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touch: bool = False):
     """Softmax-state scratch (m, l, acc) for `rows` (query head x program) rows, kept in ws across calls
-    (on the device `like` lives on). touch: host arrays are written once here (see WORKSPACE_TOUCH).
+    (on the device `like` lives on). touch: host arrays are written once here (the decode workspace: see below).
 
     Grown, never shrunk: a call needing fewer rows gets the first rows of the arrays there (the kernels index
     rows from the start), so steps of every size, and the graphs recorded for them, share one set of arrays.
@@ -1309,7 +1308,7 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touc
     if ent is None or ent[0][0] < rows or ent[0][1:] != (bs, dim, dev):
         arrs = (empty_like_dev(like, rows, np.float32), empty_like_dev(like, rows * bs, np.float32),
                 empty_like_dev(like, rows * dim, np.float32))
-        if touch and WORKSPACE_TOUCH:
+        if touch:
             for a in arrs:
                 if isinstance(a, np.ndarray):
                     a.fill(0.0)
@@ -1323,25 +1322,28 @@ def _workspace(ws: dict, key: str, rows: int, bs: int, dim: int, like=None, touc
 # The decode workspace's host pages are written once when it is allocated. Its rows for partitions past a
 # sequence's own are only ever the target of masked-off stores (decode_kernel's _init_state / output store
 # with mine false) and of loads, so a fresh np.empty left them never written (unmapped, or the shared zero
-# page after a load), and every such AVX-512 masked store then took a slow assist: on znver5 a c=16 decode
-# launch at context 101 (16 partitions x 16 sequences, 240 programs without work) took 1.47 ms on 1 thread /
-# 0.75 ms on 2 with a fresh workspace against 0.13 / 0.09 ms with its pages written, and which of the two an
-# engine got depended on whether the allocator handed back recycled pages. False: the old behaviour (A/B).
-WORKSPACE_TOUCH = True
+# page after a load), and every such AVX-512 masked store then took a slow assist (an order of magnitude on a
+# c=16 decode launch with many idle programs), depending on whether the allocator handed back recycled pages.
 
-# CPU decode_kernel programs without work (past their sequence's partitions) return at once (SKIP_IDLE) instead
-# of running masked-off stores: a recorded c=16 graph has 16 x 16 programs, 240 of them idle below 257 tokens of
-# context; likewise merge_kernel's programs of sequences with one partition. False: the old kernels (A/B; the
-# same outputs either way).
-DECODE_SKIP_IDLE = True
+# CPU tiers' choices (the target's tuning table, targets/tuning.py; _tuning(None): this host's tier's):
+# decode_skip_idle: decode_kernel programs without work (past their sequence's partitions) return at once
+# (SKIP_IDLE) instead of running masked-off stores, and merge_kernel's programs of sequences with one partition
+# (the same outputs either way); prefill_token_group: prefill_kernel's token groups (0: every token alone): TQ
+# tokens whose positions share a cache block compute their scores for a block together, the tokens in the vector
+# lanes (bit-identical); prefill_balance: prefill_kernel's programs in _balanced_tile's order (threads get about
+# equal work on a causal prompt; the same bits; off: grid order); prefill_merge: the partition merge, 1 =
+# _merge_rows over the smallest power of two of partitions that holds the token's (run-time branch), 0 =
+# _merge_parts over MAX_PARTITIONS lanes (the same bits); decode_head_split: decode_kernel with a program per KV
+# head (HSPLIT) for batches of fewer sequences than the CPU pool's threads.
 
 
 def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip_decode: bool, target):
     programs = st.T // block_q + st.num_seqs
     T = resolve_target(target, q)           # None: this host's CPU tier
+    tu = _tuning(T)
     # token groups (prefill_kernel's TQ) on CPU tiers, for tiles that can hold one
-    tq = min(PREFILL_TOKEN_GROUP, block_q) if T is None or T.is_cpu else 0
-    merge = PREFILL_MERGE if T is None or T.is_cpu else 0
+    tq = min(tu.prefill_token_group, block_q) if T is None or T.is_cpu else 0
+    merge = tu.prefill_merge if T is None or T.is_cpu else 0
     m, l, acc = _workspace(ws, "prefill", programs * st.kvh * (MAX_PARTITIONS * st.G * max(tq, 1) + merge), st.bs,
                            st.dim, like=q)
     if tq:
@@ -1357,66 +1359,37 @@ def _launch_prefill(st: _Step, q, k_cache, v_cache, ws: dict, block_q: int, skip
          st.cap, st.sinks, tq_ws),
         target=target, KVH=st.kvh, G=st.G, D=st.dim, BS=st.bs, BQ=block_q, PB=PARTITION_BLOCKS,
         MAXP=MAX_PARTITIONS, SOFTCAP=st.use_cap, SKIP_DECODE=skip_decode, SINKS=st.use_sinks, TQ=tq,
-        BALANCE=PREFILL_BALANCE and (T is None or T.is_cpu), MERGE=merge)
+        BALANCE=tu.prefill_balance and (T is None or T.is_cpu), MERGE=merge)
 
 
-# prefill_kernel's token groups on CPU tiers (0: every token alone): TQ tokens whose positions share a cache
-# block compute their scores for a block together, the tokens in the vector lanes (bit-identical)
-PREFILL_TOKEN_GROUP = 16
-
-
-
-# prefill_kernel's programs in _balanced_tile's order on CPU tiers (threads get about equal work on a causal
-# prompt; same bits); False: grid order
-PREFILL_BALANCE = True
-
-# prefill_kernel's partition merge on CPU tiers: 1 = _merge_rows over the smallest power of two of partitions
-# that holds the token's (run-time branch), 0 = _merge_parts over MAX_PARTITIONS lanes (same bits)
-PREFILL_MERGE = 1
-
-
-# GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel) by default. A/B switches:
-# GPU_TOKEN_ATTENTION = True puts them on token_attention_kernel (one program per (token, KV head), the whole
-# key range in one loop: the path before the flash kernels); GPU_FLASH_ATTENTION = False (token off) puts
-# them on the CPU-shaped decode/prefill kernels (~830 us a layer for one 128-token sequence on an H200).
-# Vulkan always takes the token kernel (compile times on lavapipe, see _vulkan_attention).
-GPU_TOKEN_ATTENTION = False
-GPU_FLASH_ATTENTION = True
-# flash-decoding partitions: this many blocks (64 tokens at 16), at most MAX_PARTITIONS
-# (JITKERN_FLASH_PARTITION_BLOCKS: an A/B switch; decode and prefill split alike at any setting)
-GPU_PARTITION_BLOCKS = _env.flash_partition_blocks()
+# GPUs (CUDA, AMDGPU) run the flash kernels (flash_decode/merge/prefill_kernel); with the target's
+# tuning.token_attention, token_attention_kernel (one program per (token, KV head), the whole key range in one
+# loop: the path before the flash kernels, and the one shapes the flash tiles do not fit take). Vulkan always takes
+# the token kernel (compile times on lavapipe, see _vulkan_attention).
+# The flash kernels' launch choices on GPUs are the target's tuning table (targets/tuning.py, _tuning(target)):
+# flash_partition_blocks (blocks per flash-decoding partition, at most MAX_PARTITIONS; decode and prefill split
+# alike at any setting), flash_step_blocks, flash_warp_rows, flash_decode_pipeline, flash_decode_wide,
+# flash_fold_skip, flash_longest_first.
 # query rows (tokens x padded query heads of a KV head) per prefill program, D <= 128. H200 (session 14,
 # perf/h200_decode_regs.sh, variant flash-16bit-rows32-w4 against 64 rows at 8 warps, same run): 32 rows at 4 warps
 # 1.08x (B=1 S=1024 0.505 -> 0.466 ms, B=8 3.933 -> 3.650): two CTAs an SM instead of one (255 registers either
 # way), the same warps resident, half as many at each barrier. A row's bits do not depend on the tile.
 FLASH_ROWS = 32
-# JITKERN_FLASH_WARP_ROWS=1: the prefill kernel on CUDA launched with `warp_rows` (backends/gpu.py _mma_geometry):
+# tuning.flash_warp_rows: the prefill kernel on CUDA launched with `warp_rows` (backends/gpu.py _mma_geometry):
 # each warp owns whole rows of its tiles (with FLASH_WARP_ROWS_TILE's 64 rows at 8 warps, two warps a 16-row tile:
 # the scores computed by both, P @ V's columns split between them), so the online softmax's row max / sum run on
 # lane shuffles, its row values stay in registers, P @ V takes P from registers and its V tile is staged with K
-# (ptxas, sm_90a: 5 CTA barriers in the kernel instead of 25, no spills). The same bits (the row sum in the tile
-# path's order). H200 (session 16, same run as SDPA): B=1 S=1024 0.431 -> 0.380 ms at 64 rows / 8 warps (0.420
-# at 32 / 4, 0.643 at 16 / 4, 0.667 at 32 / 8), B=8 3.334 -> 2.968; with JITKERN_FAST_EXP 0.280 / 2.208 ms, decode
-# B=64 ctx=1024 0.331 -> 0.303 (the decode kernel launched with warp_rows too). Default on (JITKERN_FLASH_WARP_ROWS).
-GPU_FLASH_WARP_ROWS = _env.flash_warp_rows()
+# (fewer CTA barriers, no spills). The same bits (the row sum in the tile path's order).
 FLASH_WARP_ROWS_TILE = (64, 8)      # (rows, warps) of the warp-rows prefill tile, D <= 128
 # heads wider than 128 keep the tile they had before (32 rows at 8 warps; unmeasured at 4 warps, where the two
 # (32, D) accumulators alone would take 128 registers a thread)
 FLASH_ROWS_WIDE_HEADS = 32
 FLASH_PREFILL_WARPS_WIDE_HEADS = 8
-# load the next cache block while the current one is computed: the prefill kernel (nopipe 0.98-0.99x) and the
-# decode kernel (H200, session 14: without it 1.02-1.07x at B = 16-64, ctx 1024-4096: ptxas 168 registers at 2
-# warps instead of 227, so 6 CTAs an SM instead of 4; since V by ldmatrix .trans, session 18: with it B=64
-# ctx=1024 0.150 -> 0.138 ms, B=16 0.049 -> 0.047). The same bits either way.
-FLASH_PIPELINE = True
-FLASH_DECODE_PIPELINE = _env.flash_decode_pipeline()      # (JITKERN_FLASH_DECODE_PIPELINE)
-# JITKERN_FLASH_FOLD_SKIP (default 1): the prefill tile's partition fold runs only in the blocks where some row
-# needs it (flash_prefill_kernel FOLD_SKIP; the same bits): on the H200 (session 11, perf/h200_fold_skip.sh)
-# 1.15-1.24x prefill attention, the 8-layer 1,024-token prefill's flash kernels 6.26 -> 5.33 ms
-GPU_FLASH_FOLD_SKIP = _env.flash_fold_skip()
-# JITKERN_FLASH_LONGEST_FIRST (default 1; H200: 21% less flash prefill time at 1,024 tokens): the prefill grid starts the longest (last) causal tiles first
-# (flash_prefill_kernel LONGEST_FIRST; the same bits)
-GPU_FLASH_LONGEST_FIRST = _env.flash_longest_first()
+# tuning.flash_prefill_pipeline / flash_decode_pipeline: load the next cache block while the current one is
+# computed (the prefill / decode kernel). The same bits either way.
+# tuning.flash_fold_skip: the prefill tile's partition fold runs only in the blocks where some row needs it
+# (flash_prefill_kernel FOLD_SKIP; the same bits). tuning.flash_longest_first: the prefill grid starts the longest
+# (last) causal tiles first (flash_prefill_kernel LONGEST_FIRST; the same bits).
 # the flash kernels' MMA operands: "f32" (q and the probabilities split into f16 hi + lo by the lowering: ~22
 # significant bits, two chains per dot) or "16bit" (q and the probabilities rounded to f16 once: one chain per
 # cache part, half the MMAs and A staging; FlashAttention's precision). Decode and prefill use the same setting
@@ -1427,13 +1400,10 @@ GPU_FLASH_OPERANDS = "f32"
 # spills at 8 warps, the 32-row one (FLASH_ROWS) 255 without spills at 4 (perf/bench_kernels_cuda.py
 # --attn-variants sweeps these settings on the GPU)
 FLASH_WARPS = (4, 4)
-# decode launches of at least this many programs (sequences x KV heads x partition axis) run the decode kernel
-# with FLASH_DECODE_WIDE_WARPS warps: its 16-row x 16-key score dot is then one MMA tile per warp (with 4, two
-# warps sit out) and more programs fit an SM. H200 (perf/bench_kernels_cuda.py --only attn --attn-variants flash
-# flash-w2): B = 16-64 at ctx 1024-4096 1.36-1.40x faster with an f16 cache, 1.08-1.11x with f32; B = 1 (128
-# programs) up to 1.3x slower with f32, so small launches keep FLASH_WARPS[0]. A token's bits do not depend on
-# the warps (every output is the same MMA chain; tests/ops/test_attention_flash.py checks it on the GPU)
-FLASH_DECODE_WIDE_PROGRAMS = _env.flash_decode_wide(1024)     # (JITKERN_FLASH_DECODE_WIDE: an A/B switch)
+# decode launches of at least tuning.flash_decode_wide programs (sequences x KV heads x partition axis) run the
+# decode kernel with FLASH_DECODE_WIDE_WARPS warps: its 16-row x 16-key score dot is then one MMA tile per warp (with
+# 4, two warps sit out) and more programs fit an SM; small launches keep FLASH_WARPS[0]. A token's bits do not
+# depend on the warps (every output is the same MMA chain; tests/ops/test_attention_flash.py checks it on the GPU)
 FLASH_DECODE_WIDE_WARPS = 2
 # a register cap (ptxas maxnreg) for the decode kernel on CUDA, None: none. ptxas (sm_90a, f16 cache, 2 warps)
 # gives it 227 registers (4 CTAs = 8 warps an SM; Nsight Compute: occupancy limited by registers, the warps
@@ -1443,24 +1413,26 @@ FLASH_DECODE_MAXNREG = None
 # ... and for the prefill kernel (ptxas, 16-bit operands: 255 registers at 32 rows / 4 warps; 16 rows at 4 warps
 # capped at 168 spill 128 B and fit 3 CTAs an SM). An A/B setting: flash-16bit-rows16-w4-m168.
 FLASH_PREFILL_MAXNREG = None
-# cache blocks per online-softmax step of the flash kernels on GPUs (JITKERN_FLASH_STEP_BLOCKS: 1, 2 or 4): a step of
-# SB blocks is one (rows, SB * BS) score tile, its row max / sum and one P @ V, so SB times fewer steps (barriers,
+# tuning.flash_step_blocks: cache blocks per online-softmax step of the flash kernels (1, 2 or 4): a step of SB
+# blocks is one (rows, SB * BS) score tile, its row max / sum and one P @ V, so SB times fewer steps (barriers,
 # shared-memory round trips) per key range. Decode and prefill step alike (partitions are whole steps, _split), so
 # a token's bits agree between them at any setting; other settings give other bits. Layers with a sliding window
 # step by one block (their rows' ranges start at different blocks); the staging must fit (_flash_step_blocks).
-# H200 (session 15, perf/h200_step_blocks.sh): right, but 2 / 4 blocks were 1.2-2x slower for prefill and decode
-# (the step's tiles outgrew the registers; ptxas: the 32-row prefill spilled). With warp rows and V by ldmatrix
-# .trans (session 18, same run as SDPA, ms): prefill B=1 S=1024 0.191 / 0.173 / 0.157 at 1 / 2 / 4 blocks, B=8
-# 1.530 / 1.374 / 1.235; decode B=64 ctx=1024 0.150 / 0.146 / 0.161. 2 is faster for both, so the default (ptxas
-# with JITKERN_PIN_REGS and the decode pipeline: prefill 240 registers, decode 248 at 2 warps, no spills).
-FLASH_STEP_BLOCKS = _env.flash_step_blocks(2)
+
+
+def _tuning(target):
+    """The launch choices for `target` (None: this host's CPU tier's)."""
+    if target is None:
+        from ..runtime.cpu import runtime_target
+        target = runtime_target()
+    return target.tuning
 
 
 def _token_path(target, st) -> bool:
-    """Vulkan, the A/B flag, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take the
-    token kernel."""
+    """Vulkan, tuning.token_attention, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take
+    the token kernel."""
     return target is not None and (target.is_vulkan or (target.is_gpu and (
-        GPU_TOKEN_ATTENTION or (GPU_FLASH_ATTENTION and not _flash_fits(st)))))
+        target.tuning.token_attention or not _flash_fits(st))))
 
 
 def _pow2(x: int) -> int:
@@ -1487,11 +1459,11 @@ def _flash_prefill_rows(G: int, D: int, BS: int) -> int:
     return rows
 
 
-def _flash_step_blocks(st, step_blocks=None) -> int:
-    """Cache blocks per online-softmax step for this step's shapes (FLASH_STEP_BLOCKS, or step_blocks): a function
-    of the head group, head size, block size and window alone (never of decode vs prefill or the tile a test asks
-    for), halved until both kernels' default tiles fit the shared-memory staging; 1 with a sliding window."""
-    sb = FLASH_STEP_BLOCKS if step_blocks is None else int(step_blocks)
+def _flash_step_blocks(st, step_blocks=None, target=None) -> int:
+    """Cache blocks per online-softmax step for this step's shapes (tuning.flash_step_blocks, or step_blocks): a
+    function of the head group, head size, block size and window alone (never of decode vs prefill or the tile a
+    test asks for), halved until both kernels' default tiles fit the shared-memory staging; 1 with a sliding window."""
+    sb = _tuning(target).flash_step_blocks if step_blocks is None else int(step_blocks)
     if sb not in (1, 2, 4):
         raise ValueError(f"step_blocks must be 1, 2 or 4, got {sb}")
     if sb == 1 or st.window > 0:
@@ -1510,8 +1482,8 @@ def _flash_fits(st) -> bool:
 
 
 def _flash_path(target, st) -> bool:
-    return (target is not None and target.is_gpu and not target.is_vulkan and GPU_FLASH_ATTENTION
-            and not GPU_TOKEN_ATTENTION and _flash_fits(st))
+    return (target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+            and _flash_fits(st))
 
 
 def writes_16bit_out(target, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -1525,12 +1497,11 @@ def writes_16bit_out(target, num_heads: int, num_kv_heads: int, head_dim: int, b
 
 def partition_blocks_for(target) -> int:
     """Blocks per decode partition that paged_attention uses on `target` (GPUs on the flash kernels:
-    GPU_PARTITION_BLOCKS; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
+    tuning.flash_partition_blocks; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
     partition axis a step needs there (head groups too wide for the flash kernels fall back to the token
     kernel, which ignores partitions)."""
-    flash = (target is not None and target.is_gpu and not target.is_vulkan and GPU_FLASH_ATTENTION
-             and not GPU_TOKEN_ATTENTION)
-    return GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS
+    flash = target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+    return target.tuning.flash_partition_blocks if flash else PARTITION_BLOCKS
 
 
 def _flash_split(target, k_cache) -> bool:
@@ -1549,12 +1520,14 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     if mode not in ("f32", "16bit"):
         what = "GPU_FLASH_OPERANDS" if operands is None else "operands"
         raise ValueError(f"{what} must be 'f32' or '16bit', got {mode!r}")
-    sb = _flash_step_blocks(st, step_blocks)
+    tu = _tuning(target)
+    PB = tu.flash_partition_blocks
+    sb = _flash_step_blocks(st, step_blocks, target)
     common = dict(SOFTCAP=st.use_cap, SINKS=st.use_sinks, OPS16=mode == "16bit", **({"SB": sb} if sb > 1 else {}))
     gpu = target is not None and target.is_gpu
-    pipe = (FLASH_PIPELINE and gpu) if pipeline is None else bool(pipeline)
-    dpipe = (FLASH_DECODE_PIPELINE and gpu) if pipeline is None else bool(pipeline)
-    wide = st.num_seqs * st.kvh * P >= FLASH_DECODE_WIDE_PROGRAMS
+    pipe = (tu.flash_prefill_pipeline and gpu) if pipeline is None else bool(pipeline)
+    dpipe = (tu.flash_decode_pipeline and gpu) if pipeline is None else bool(pipeline)
+    wide = st.num_seqs * st.kvh * P >= tu.flash_decode_wide
     dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=dpipe) if gpu else dict(PIPE=dpipe)
     if FLASH_DECODE_MAXNREG and gpu and target.is_cuda:
         dw["maxnreg"] = int(FLASH_DECODE_MAXNREG)
@@ -1562,7 +1535,7 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
         dict(PIPE=pipe)
     if FLASH_PREFILL_MAXNREG and gpu and target.is_cuda:
         pw["maxnreg"] = int(FLASH_PREFILL_MAXNREG)
-    warp_rows = bool(GPU_FLASH_WARP_ROWS and gpu and target.is_cuda and D <= 128)
+    warp_rows = bool(tu.flash_warp_rows and gpu and target.is_cuda and D <= 128)
     if warp_rows:
         pw.update(warp_rows=True, num_warps=FLASH_WARP_ROWS_TILE[1])
         # the decode kernel's 16 rows shared by its 2 / 4 warps (each computes the scores, P @ V's columns
@@ -1574,13 +1547,13 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
         run(flash_decode_kernel, (st.num_seqs, st.kvh, P),
             (q, k_cache, v_cache, st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.block_table,
              st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
-            target=target, KVH=st.kvh, G=G, R=max(16, GP), D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
+            target=target, KVH=st.kvh, G=G, R=max(16, GP), D=D, BS=st.bs, NUM_PARTS=P, PB=PB,
             MAXP=MAX_PARTITIONS, SPLIT=split, **common, **dw)
         if P > 1:
             qa, qkw = _q8_merge_args(st, q8)
             run(flash_merge_kernel, (st.num_seqs, st.kvh),
                 (st.out_arg, m, l, acc, st.query_start, st.seq_lens, st.o_ts, st.o_hs, st.window, st.sinks) + qa,
-                target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=GPU_PARTITION_BLOCKS,
+                target=target, KVH=st.kvh, G=G, GP=GP, D=D, BS=st.bs, NUM_PARTS=P, PB=PB,
                 MAXP=MAX_PARTITIONS, SINKS=st.use_sinks, **({"SB": sb} if sb > 1 else {}), **qkw)
     if max_query_len > 1 or not decode:
         # (CPU tiers, which run these kernels only for tests: 16 rows, quicker to compile)
@@ -1591,14 +1564,14 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
             # their sums would no longer be the decode kernel's (which pads its head group to 16 rows)
             rows = max(rows, 16)
         bm = max(1, rows // GP)
-        lf = bool(GPU_FLASH_LONGEST_FIRST)
+        lf = bool(tu.flash_longest_first)
         tiles = st.T // bm + st.num_seqs
         run(flash_prefill_kernel, (st.kvh, tiles) if lf else (tiles, st.kvh),
             (q, k_cache, v_cache, st.out_arg, st.query_start, st.seq_lens, st.block_table, st.num_seqs,
              int(st.num_seqs).bit_length(), st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window,
              st.cap, st.sinks),
-            target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=GPU_PARTITION_BLOCKS,
-            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, FOLD_SKIP=bool(GPU_FLASH_FOLD_SKIP),
+            target=target, KVH=st.kvh, G=G, GP=GP, BM=bm, D=D, BS=st.bs, PB=PB,
+            MAXP=MAX_PARTITIONS, SKIP_DECODE=bool(decode), SPLIT=split, FOLD_SKIP=bool(tu.flash_fold_skip),
             **({"LONGEST_FIRST": True} if lf else {}), **common, **pw)
     return st.out
 
@@ -1615,12 +1588,13 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
     block_m: query tokens per prefill program (default: FLASH_ROWS rows / the padded query-head group; on GPUs
     with matrix units at least 16 rows);
     split: K/V as f16 hi + lo for the matrix units (default: f32 cache on a target with them).
-    pipeline: load the next cache block before computing the current one (default: FLASH_PIPELINE for the
-    prefill kernel, FLASH_DECODE_PIPELINE for the decode kernel on GPUs, off on CPUs); the same bits either way.
-    step_blocks: cache blocks per online-softmax step, 1, 2 or 4 (default FLASH_STEP_BLOCKS; 1 with a sliding
+    pipeline: load the next cache block before computing the current one (default: the target's
+    tuning.flash_prefill_pipeline / flash_decode_pipeline on GPUs, off on CPUs); the same bits either way.
+    step_blocks: cache blocks per online-softmax step, 1, 2 or 4 (default tuning.flash_step_blocks; 1 with a sliding
     window; decode and prefill alike, so their bits agree at any setting).
-    Decode partitions are GPU_PARTITION_BLOCKS blocks (at most MAX_PARTITIONS, decided by each sequence's
-    own range): num_partitions must cover decode_partitions(..., partition_blocks=GPU_PARTITION_BLOCKS)."""
+    Decode partitions are tuning.flash_partition_blocks blocks (at most MAX_PARTITIONS, decided by each sequence's
+    own range): num_partitions must cover decode_partitions(..., partition_blocks=that).
+    The launch choices come from the target's tuning table: pass target=targets.tuned(t, ...) to try others."""
     target = resolve_target(target, q)
     st = _Step(q, k_cache, v_cache, query_start, seq_lens, block_table, out, scale, sliding_window, softcap,
                validate, host_step, sinks)
@@ -1628,7 +1602,7 @@ def flash_paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_tabl
         return st.out
     if max_query_len is None:
         max_query_len = int(np.diff(st.qs_host).max())
-    P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS)
+    P = _partition_axis(st, num_partitions, validate, _tuning(target).flash_partition_blocks)
     q8 = _q8_in_merge(st, q8_out, P, max_query_len if decode else 2)
     _flash_launch(st, q, k_cache, v_cache, workspace if workspace is not None else {}, P, max_query_len,
                   decode, block_m, split, target, pipeline, operands, step_blocks, q8=q8)
@@ -1703,7 +1677,8 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
     if max_query_len is None:
         max_query_len = int(np.diff(st.qs_host).max())
     flash = _flash_path(target, st)
-    P = _partition_axis(st, num_partitions, validate, GPU_PARTITION_BLOCKS if flash else PARTITION_BLOCKS)
+    P = _partition_axis(st, num_partitions, validate,
+                        target.tuning.flash_partition_blocks if flash else PARTITION_BLOCKS)
     if _token_path(target, st):
         _f32_out_only(st, "token (Vulkan)")
         if q8_out is not None:
@@ -1723,8 +1698,9 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
             _quantize_out(st, q8_out, target)
         return st.out
     m, l, acc = _workspace(ws, "decode", st.num_seqs * P * st.heads, st.bs, st.dim, like=q, touch=True)
-    hsplit = _decode_head_split(st)
-    skip = {"SKIP_IDLE": True} if DECODE_SKIP_IDLE and (target is None or target.is_cpu) else {}
+    tu = _tuning(target)
+    hsplit = _decode_head_split(st, tu)
+    skip = {"SKIP_IDLE": True} if tu.decode_skip_idle and (target is None or target.is_cpu) else {}
     run(decode_kernel, (P * (st.kvh if hsplit else 1), st.num_seqs),
         (q, k_cache, v_cache, st.out, m, l, acc, st.query_start, st.seq_lens, st.block_table,
          st.q_ts, st.q_hs, st.o_ts, st.o_hs, st.bt_stride, st.scale, st.window, st.cap, st.sinks),
@@ -1788,13 +1764,10 @@ def _quantize_out(st, q8_out, target):
                 out4=(q8_out.scales4, q8_out.sums4) if rep4 else None, target=target)
 
 
-# decode_kernel with a program per KV head (HSPLIT) for batches of fewer sequences than the CPU pool's threads
-# (c=1 with 2 threads: the one sequence's heads on both threads instead of one); False: never
-DECODE_HEAD_SPLIT = True
-
-
-def _decode_head_split(st) -> bool:
-    if not DECODE_HEAD_SPLIT or st.kvh < 2:
+def _decode_head_split(st, tu) -> bool:
+    """decode_kernel with a program per KV head (tuning.decode_head_split) for batches of fewer sequences than the
+    CPU pool's threads (one sequence with 2 threads: its heads on both threads instead of one)."""
+    if not tu.decode_head_split or st.kvh < 2:
         return False
     from ..runtime.cpu_pool import get_pool
     return st.num_seqs < get_pool().num_threads

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 
 import jitkern as jk
-from jitkern import env as _env
 from jitkern.ir import bf16 as _BF16
 from jitkern.jit import Pointer, as_pointer
 from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
@@ -238,8 +237,7 @@ def _gpu_linear_kernel(x, w, bias, y, M, N, K, ldx, ldy, HAS_BIAS: jk.constexpr,
 def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIAS: jk.constexpr, BM: jk.constexpr,
                            BN: jk.constexpr, BK: jk.constexpr, EVEN: jk.constexpr = False,
                            SPLIT: jk.constexpr = 1, ACT16: jk.constexpr = 0, SERIAL: jk.constexpr = False,
-                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False, L2_ROWS: jk.constexpr = 0,
-                           GATE: jk.constexpr = None):
+                           PREFETCH: jk.constexpr = 1, CHAIN: jk.constexpr = False):
     # GPUs with matrix units: y[BM tokens, BN outputs] per program, grid (M / BM, N / BN, SPLIT).
     # `dot(x, trans(w))` runs as MMAs: w's (BN, BK) rows go to shared memory as they are (the lowering folds
     # the transpose), f32 x as two 16-bit parts (hi + lo, ~16 significant bits). A token's row of MMAs and
@@ -256,13 +254,7 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     # as vLLM / cuBLAS bf16 inference computes). PREFETCH (1 or 2; EVEN, every K range of 2+ steps): how many
     # steps ahead the K loop loads its tiles (2 with num_stages=3: three cp.async buffers; the same dots in the
     # same order). xmap / wmap (i64): the global addresses of x's and w's tensor maps where the launch has the
-    # `tma` option (_tma_maps: the K loop's tiles are their boxes), else 0 and unused. L2_ROWS (bytes, decode
-    # sizes: _l2_rows): the program first prefetches that much of each of its weight rows, from its K range's
-    # start, into L2, before it waits for the launch that writes x (jk.wait_dependencies: under programmatic
-    # dependent launch the weight reads overlap that launch; without it the K loop's loads find them in L2).
-    # GATE (an activation: activation.silu / gelu_tanh; decode-size launches on the register path, `gated_x`): x is
-    # a [M, 2 K] gate/up output and the A operand GATE(x[:, :K]) * x[:, K:], rounded to ACT16's type: the bits of
-    # act_and_mul_kernel's 16-bit output read by the linear, without its launch and round trip.
+    # `tma` option (_tma_maps: the K loop's tiles are their boxes), else 0 and unused.
     t0 = jk.program_id(0) * BM
     r0 = jk.program_id(1) * BN
     tok = t0 + jk.arange(0, BM)
@@ -270,12 +262,6 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
     tm = tok < M
     rm = rows < N
     kk = jk.arange(0, BK)
-    if L2_ROWS > 0:
-        kp = 0
-        if SPLIT > 1 and not SERIAL:
-            kp = jk.program_id(2) * ((K // (SPLIT * BK)) * BK)
-        jk.prefetch(w + jk.minimum(rows, N - 1).to(jk.i64) * K.to(jk.i64) + kp, nbytes=L2_ROWS)
-    jk.wait_dependencies()
     xrows = x + tok.to(jk.i64)[:, None] * ldx.to(jk.i64)
     wrows = w + rows.to(jk.i64)[:, None] * K.to(jk.i64)
     if EVEN:
@@ -296,20 +282,15 @@ def _gpu_linear_mma_kernel(x, w, bias, y, M, N, K, ldx, ldy, xmap, wmap, HAS_BIA
             else:
                 k0 = jk.program_id(2) * KR
                 xm = tm[:, None] & (kk >= 0)[None, :]
-                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0,
-                                   GATE, K)
+                acc = _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0)
         else:
             xm = tm[:, None] & (kk >= 0)[None, :]
-            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0,
-                               GATE, K)
+            acc = _mma_k_range(xrows, wrows, xm, kk, 0, K, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0)
     else:
         acc = jk.zeros((BM, BN), jk.f32)
         for k in range(0, K, BK):
             km = (k + kk) < K
             xv = jk.load(xrows + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-            if GATE is not None:
-                xv = _gated(xv, jk.load(xrows + K + (k + kk)[None, :], mask=tm[:, None] & km[None, :], other=0.0),
-                            GATE)
             wv = jk.load(wrows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
     if SPLIT > 1 and not SERIAL:
@@ -350,20 +331,9 @@ def _gpu_gated_linear_kernel(x, w, gu, y, M, N2, K, ldx, ldg, ldy, ACT: jk.const
 
 
 @jk.jit
-def _gated(g, u, GATE):
-    """GATE(g) * u in f32, as act_and_mul_kernel computes it (its store then rounds it; here _act16 does)."""
-    return GATE(g.to(jk.f32)) * u.to(jk.f32)
-
-
-@jk.jit
-def _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0, GATE=None, KU=0):
+def _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0):
     """The (x, w) tiles of the K step at k: x's (BM, BK) and w's (BN, BK), also the boxes at (t0, k) / (r0, k) of
-    the tensor maps xmap / wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA). GATE: x's tile is
-    GATE(gate) * up of the gate/up rows, the up half KU elements on (no tensor map)."""
-    if GATE is not None:
-        return (_gated(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0),
-                       jk.load(xrows + KU + (k + kk)[None, :], mask=xm, other=0.0), GATE),
-                jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k))
+    the tensor maps xmap / wmap (jk.tma: launched with `tma`, sm_90a copies them by TMA)."""
     return (jk.tma(jk.load(xrows + (k + kk)[None, :], mask=xm, other=0.0), xmap, t0, k),
             jk.tma(jk.load(wrows + (k + kk)[None, :]), wmap, r0, k))
 
@@ -409,24 +379,24 @@ def _mma_serial_chain(xrows, wrows, xm, kk, KR, BM, BN, BK, ACT16, PREFETCH, xma
 
 
 @jk.jit
-def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0, GATE=None, KU=0):
+def _mma_k_range(xrows, wrows, xm, kk, k0, KR, BM, BN, BK, ACT16, PREFETCH, xmap, wmap, t0, r0):
     """The (BM, BN) tile's dots over K in [k0, k0 + KR) (EVEN: KR a multiple of BK, and of 2 BK or more with
     PREFETCH 2), from zero. Software pipelining: the tiles of the step PREFETCH ahead are loaded before this
     step's dot, so their global loads are in flight while the dot stages shared memory and runs its MMAs (same
     arithmetic order). The tiles are also the boxes at (t0, k) / (r0, k) of the tensor maps xmap / wmap (jk.tma:
-    launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps'). GATE, KU: _k_tiles'."""
+    launched with `tma`, sm_90a copies them by TMA; the maps are _tma_maps')."""
     acc = jk.zeros((BM, BN), jk.f32)
-    xv, wv = _k_tiles(xrows, wrows, xm, kk, k0, xmap, wmap, t0, r0, GATE, KU)
+    xv, wv = _k_tiles(xrows, wrows, xm, kk, k0, xmap, wmap, t0, r0)
     if PREFETCH == 2:
-        xv1, wv1 = _k_tiles(xrows, wrows, xm, kk, k0 + BK, xmap, wmap, t0, r0, GATE, KU)
+        xv1, wv1 = _k_tiles(xrows, wrows, xm, kk, k0 + BK, xmap, wmap, t0, r0)
         for k in range(k0 + 2 * BK, k0 + KR, BK):
-            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0, GATE, KU)
+            xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
             acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
             xv, wv, xv1, wv1 = xv1, wv1, xn, wn
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         return jk.dot(_act16(xv1, ACT16), jk.trans(wv1), acc)
     for k in range(k0 + BK, k0 + KR, BK):
-        xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0, GATE, KU)
+        xn, wn = _k_tiles(xrows, wrows, xm, kk, k, xmap, wmap, t0, r0)
         acc = jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
         xv, wv = xn, wn
     return jk.dot(_act16(xv, ACT16), jk.trans(wv), acc)
@@ -591,28 +561,24 @@ GPU_NOSPLIT_MIN_TILES = 200
 GPU_LINEAR_MAXNREG = None
 
 
-# the tensor-core linear's dots as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma), on by
-# default (JITKERN_WGMMA=0: mma.sync everywhere). On the H200 (BENCHMARKS.md sessions 8 and 10) a token's row has
-# the same bits as under mma.sync (perf/probe_wgmma.py; tests/test_device_arrays.py checks rows across tiles), and
-# fed by cp.async with 128-byte swizzled staging the (64, 256) tile runs 1.03-1.21x the mma.sync one
-GPU_LINEAR_WGMMA = _env.wgmma()
-# ... for tiles of at least this many tokens only (default 64: the cp.async tiles, GPU_LINEAR_ASYNC_MIN_BM; the
-# M = 1 decode tile was slower on wgmma with register staging)
-GPU_LINEAR_WGMMA_MIN_BM = _env.wgmma_min_bm()
+# The tensor-core linear's dots run as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma) for
+# tiles of T.tuning.linear_wgmma_min_bm tokens and more where T.tuning.linear_wgmma (targets/tuning.py): a token's
+# row has the same bits as under mma.sync, and the tiles fed by cp.async / TMA run faster on them.
 
 
 def _wgmma_for(T, BM: int, act16: int) -> bool:
     """Whether the tensor-core linear's tile of BM tokens runs on warpgroup MMAs on target T: with 16-bit
     activations only (f32 ones keep hi and lo accumulators, which spill the 64-row tiles under wgmma)."""
-    return bool(GPU_LINEAR_WGMMA and act16 and T.is_cuda and T.mma == "wgmma" and BM >= GPU_LINEAR_WGMMA_MIN_BM)
+    return bool(T.tuning.linear_wgmma and act16 and T.is_cuda and T.mma == "wgmma"
+                and BM >= T.tuning.linear_wgmma_min_bm)
 
 
 def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int = 0) -> dict:
     """Launch options of the tensor-core linear with a tile of BM tokens (act16: _act16_for's; serial: SERIAL;
     steps: the K steps of a program's K range, EVEN launches only): `maxnreg`, `wgmma`, `num_stages`, and the
-    PREFETCH constexpr (2 with GPU_LINEAR_PREFETCH = 2 where cp.async feeds warpgroup MMAs and the range has 2+
-    steps)."""
-    cap = GPU_LINEAR_SERIAL_MAXNREG if serial and GPU_LINEAR_SERIAL_MAXNREG else GPU_LINEAR_MAXNREG
+    PREFETCH constexpr (2 with T.tuning.linear_prefetch = 2 where cp.async feeds warpgroup MMAs and the range has
+    2+ steps)."""
+    cap = T.tuning.serial_maxnreg if serial and T.tuning.serial_maxnreg else GPU_LINEAR_MAXNREG
     out = {"maxnreg": int(cap)} if cap and T.is_cuda else {}
     if _wgmma_for(T, BM, act16):
         out["wgmma"] = 1
@@ -620,28 +586,18 @@ def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int =
         out["num_stages"] = 2
         # (wgmma tiles only: their last two dots chain in the accumulator registers like the loop's; mma.sync
         # adds a dot handed to the next one as a tile value, other bits than PREFETCH 1's)
-        if GPU_LINEAR_PREFETCH == 2 and steps >= 2 and "wgmma" in out:
+        if T.tuning.linear_prefetch == 2 and steps >= 2 and "wgmma" in out:
             out["num_stages"], out["PREFETCH"] = 3, 2
     return out
 
 
-# JITKERN_LINEAR_PREFETCH (default 2 with TMA on): the TMA-fed tiles' K loops load the tiles two steps ahead into
-# three buffers (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs
-# cover the copies' latency instead of one; the same dots in the same order (the same bits: the last two dots
-# chain in the accumulator registers, gpu.py _keep_frag; wgmma tiles only). The huge tile then needs 108 registers
-# (128 with PREFETCH 1). H200, session 11: on cp.async slower at every shape (perf/h200_prefetch.sh), so with TMA
-# on it applies to TMA launches only (_tma_maps); its first run found other bits than PREFETCH 1's (the last dot
-# summed from zero, then added), fixed by the chaining. Session 12 (perf/h200_x16_pf2.sh, the o projection on TMA
-# too): the 8-layer 1,024-token prefill's linears 6.64 -> 6.45 ms, 6.29 ms with the TMA pipe (gpu.py TMA_PIPE,
-# on by default with prefetch 2); the default since.
-GPU_LINEAR_PREFETCH = _env.linear_prefetch()
-
-# JITKERN_TMA (default 1): the wgmma tiles' K loops fed by the tensor memory accelerator: one bulk copy per tile
-# a step, issued by one thread and completed on an mbarrier, instead of every thread's cp.async address math and
-# copies (the same staging, so the same bits). H200 (session 11, perf/h200_tma.sh): the (128, 128) tile 0.52-0.80x
-# cuBLAS at M = 256 (cp.async 0.48-0.63x), the serial split 0.59-0.82x at M = 1024-2048 (0.46-0.54x); the 8-layer
-# 1,024-token prefill's linears 10.50 -> 8.07 ms.
-GPU_LINEAR_TMA = _env.tma()
+# T.tuning.linear_prefetch = 2: the TMA-fed tiles' K loops load the tiles two steps ahead into three buffers
+# (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs cover the copies'
+# latency instead of one; the same dots in the same order (the last two dots chain in the accumulator registers,
+# gpu.py _keep_frag; wgmma tiles only). On cp.async it was slower, so with T.tuning.linear_tma it applies to TMA
+# launches only (_tma_maps). T.tuning.linear_tma: the wgmma tiles' K loops fed by the tensor memory accelerator (one
+# bulk copy per tile a step, issued by one thread and completed on an mbarrier, instead of every thread's cp.async
+# address math and copies; the same staging, so the same bits).
 
 
 _COMPILE_ONLY_MAP = 1 << 40       # a tensor map argument's stand-in under compile_only (never launched)
@@ -650,14 +606,14 @@ _COMPILE_ONLY_MAP = 1 << 40       # a tensor map argument's stand-in under compi
 def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
               w_dtype: str) -> tuple:
     """(x's tensor map, w's) as kernel arguments: global addresses where the launch `opts` (_mma_regs') run
-    wgmma on cp.async staging, GPU_LINEAR_TMA is on, x is already 16-bit and both matrices are on a CUDA device
+    wgmma on cp.async staging, T.tuning.linear_tma is on, x is already 16-bit and both matrices are on a CUDA device
     with 16-byte aligned rows and the maps exist or can be made (then opts gets `tma`); else (0, 0). x's map has M
     rows (TMA reads the rows past them as zeros, as the kernel's mask does); boxes of (BM or BN) rows x 64
-    elements, the staging's 128-byte swizzle atoms. With GPU_LINEAR_TMA on, prefetch-2 chains (PREFETCH 2) are
+    elements, the staging's 128-byte swizzle atoms. With T.tuning.linear_tma on, prefetch-2 chains (PREFETCH 2) are
     for TMA launches only: a launch left on cp.async goes back to PREFETCH 1 (on cp.async prefetch 2 was slower
     at every shape on the H200, BENCHMARKS.md session 11)."""
     maps = _tma_maps_for(T, opts, x2, w, M, N, K, ldx, BM, BN, BK, x_dtype, w_dtype)
-    if GPU_LINEAR_TMA and "tma" not in opts and opts.get("PREFETCH") == 2:
+    if T.tuning.linear_tma and "tma" not in opts and opts.get("PREFETCH") == 2:
         del opts["PREFETCH"]
         opts["num_stages"] = 2
     return maps
@@ -666,7 +622,7 @@ def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, B
 def _tma_maps_for(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
                   w_dtype: str) -> tuple:
     """_tma_maps' maps and `tma` option, before its prefetch rule."""
-    if not (GPU_LINEAR_TMA and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
+    if not (T.tuning.linear_tma and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
             and opts.get("num_stages") in (2, 3) and BK % 64 == 0
             and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
         return 0, 0
@@ -715,45 +671,11 @@ def _act16_for(dt: str, activations=None) -> int:
 
 # split-K slabs are computed for at most this many tokens per launch (bounds the workspace)
 GPU_SPLITK_MAX_M = 1024
-# from this many tokens the tensor-core linear sums a split K's slabs inside each program (SERIAL: the same bits,
-# no slabs through memory and no sum kernel); below it each slab is a program of its own (more programs in flight).
-# H200 (perf/h200_serial.sh, BENCHMARKS.md session 10), the huge tile at 128 registers against the slab programs +
-# sum kernel: M = 2048 1.09-1.24x on every Llama-3-8B projection; M = 512 mixed (gate_up, lm_head 1.09-1.10x;
-# o_proj, qkv, down 0.91-1.03x). JITKERN_SERIAL_SPLIT_M
-GPU_LINEAR_SERIAL_SPLIT_M = _env.serial_split_m()
-# ... and those launches' register cap (None: GPU_LINEAR_MAXNREG's; JITKERN_SERIAL_MAXNREG). The huge tile with
-# SERIAL needs 174 registers uncapped (the running sum beside the slab's accumulator): one CTA of 256 threads an
-# SM; at 128 two fit and ptxas spills ~300 bytes (where in the code: not seen, no SASS disassembler here): 1.06-1.15x
-# uncapped at M = 2048
-GPU_LINEAR_SERIAL_MAXNREG = _env.serial_maxnreg()
-# JITKERN_SERIAL_CHAIN (default 1): the serial split keeps one copy chain through its slabs (_mma_serial_chain)
-# instead of a K loop a slab that restarts its copy pipeline at each (drain, barriers re-armed, the first tiles'
-# copies exposed: 9-22% of the time at M = 1024 on the H200, session 17). The same dots in the same order (H200
-# bits tests passed, session 18). It pays with the slab sums in the MMA registers (backends/gpu.py WG_SUMS: no C
-# tile in shared memory, which could not share the copy buffers while the next slab's copies are in flight: 170 KB
-# and one CTA an SM without them, 0.55-0.62x cuBLAS). H200 (session 18, same run as cuBLAS, M = 1024, o / qkv /
-# down): the restarting form 0.76 / 0.67 / 0.85x, with register sums 0.80 / 0.74 / 0.87x, + the chain 0.86 / 0.78 /
-# 0.90x (unsplit tiles, other bits: 0.92 / 0.83 / 0.93x).
-GPU_SERIAL_CHAIN = _env.serial_chain()
-
-
-# JITKERN_LINEAR_L2_PREFETCH (KiB, 0 = off): decode-size launches of the tensor-core linear (one row of tiles: each
-# weight tile is read by one program) on sm_90+ prefetch up to this much of each program's weight rows into L2
-# first (the L2_ROWS constexpr): the K loop's loads then wait on L2 rather than HBM, and under programmatic dependent
-# launch (JITKERN_PDL) the prefetch runs while the previous, latency-bound launch (norm, attention merge, activation)
-# still does. A hint: the same bits (H200 tests passed). Off: on the H200 (session 20, perf/h200_session20c.sh, ours
-# alone at c=1) 64 KiB gave 202.5-203.0 tok/s and 128 KiB 188-191 against 210-211 without, with PDL 207-208 and
-# 199-202 (PDL alone 209-210): the prefetches' traffic races the K loop's own loads.
-GPU_LINEAR_L2_PREFETCH = _env.linear_l2_prefetch()
-
-
-def _l2_rows(T, M: int, BM: int, BN: int, k_range: int) -> dict:
-    """The L2_ROWS constexpr of a tensor-core linear launch of M tokens in tiles of (BM, BN) whose programs each read
-    k_range elements (2 bytes) of their weight rows: bytes a row, a multiple of 16, or nothing."""
-    if not (GPU_LINEAR_L2_PREFETCH and T.is_cuda and T.async_copy == "tma" and M <= BM):
-        return {}
-    per_row = min(k_range * 2, GPU_LINEAR_L2_PREFETCH * 1024 // BN) // 16 * 16
-    return {"L2_ROWS": per_row} if per_row >= 16 else {}
+# From T.tuning.serial_split_m tokens the tensor-core linear sums a split K's slabs inside each program (SERIAL: the
+# same bits, no slabs through memory and no sum kernel; below it each slab is a program of its own, more programs in
+# flight), under the register cap T.tuning.serial_maxnreg (two CTAs an SM), with one copy chain through the slabs
+# where T.tuning.serial_chain (_mma_serial_chain: no pipeline drain and restart at each slab; the same dots in the
+# same order).
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -1074,7 +996,7 @@ class SplitK:
 
 
 def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dtype="f32", fold=False, w_arr=None,
-                   w_dtype="", gate=None):
+                   w_dtype=""):
     """The tensor-core linear with K split S ways: slabs into a reused workspace, then their ordered sum.
     Tokens go in chunks of GPU_SPLITK_MAX_M (each token's arithmetic is the same in any chunk). fold (one chunk,
     no bias): the sum is left to the consumer, returned as SplitK."""
@@ -1087,12 +1009,10 @@ def _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16=0, x_dt
         parts = device_scratch(x2, "linear_splitk", (S * mc, N), np.float32) if is_device(x2) \
             else np.empty((S * mc, N), np.float32)
         opts = _mma_regs(T, BM, act16, steps=K // (S * BK))
-        maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype) \
-            if gate is None else (0, 0)
+        maps = _tma_maps(T, opts, xc, w_arr, mc, N, K, xc.strides[0] // es, BM, BN, BK, x_dtype, w_dtype)
         _launch(_gpu_linear_mma_kernel, (-(-mc // BM), -(-N // BN), S),
                 (_x_arg(xc, x_dtype), warg, yc, parts, mc, N, K, xc.strides[0] // es, N) + maps,
-                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts,
-                     **_l2_rows(T, mc, BM, BN, K // S), **({"GATE": gate} if gate is not None else {})), T)
+                dict(HAS_BIAS=False, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, num_warps=NW, ACT16=act16, **opts), T)
         if fold:
             return SplitK(parts.reshape(S, mc, N))
         _launch(_gpu_splitk_sum_kernel, (mc, -(-N // 256)),
@@ -1108,30 +1028,8 @@ def takes_16bit_x(w_dtype: str, K: int, target=None) -> bool:
                 and K % 16 == 0)
 
 
-def takes_gated_x(w_dtype: str, N: int, K: int, M: int, target=None, setting: bool = True) -> bool:
-    """Whether `linear(..., gated_x=)` runs for M tokens of 16-bit x on an [N, K] weight on `target`: the
-    tensor-core GPU linear's tile for the size loads x through registers (below GPU_LINEAR_ASYNC_MIN_BM tokens a
-    tile, no serial split). setting: and GPU_LINEAR_GATED_X (JITKERN_GATED_X) is on."""
-    T = _target(target)
-    if (setting and not GPU_LINEAR_GATED_X) or not takes_16bit_x(w_dtype, K, T) or M < 1:
-        return False
-    BM = _mma_tile_for(T, N, K, M, 1 if w_dtype == "bf16" else 2)[0]
-    return (not GPU_LINEAR_ASYNC_MIN_BM or BM < GPU_LINEAR_ASYNC_MIN_BM) and M < GPU_LINEAR_SERIAL_SPLIT_M
-
-
-# JITKERN_GATED_X (default 0): the engine's down projection at decode sizes takes the gate/up output and applies the
-# gated activation in its x loads (linear(gated_x=)), instead of act_and_mul + linear. The same bits (H200 tests
-# passed), but much slower there (session 20, perf/h200_session20d.sh: c=1 128-130 tok/s against 210-214): the decode
-# tile's registers 114 -> 156 (3 CTAs an SM instead of 4), and each K step computes the next step's A operand right
-# after issuing its loads, so it waits on them before its MMAs (the weight loads no longer overlap the dot). An A/B
-# switch. Applying the activation at the dot instead (gate and up carried through the prefetch chain) takes 167
-# registers (ptxas, session 20): the 16-row x tile is activated whole though M = 1 uses one row. What would pay is
-# the activation done once a program for its rows and K range, staged in shared memory before the K loop.
-GPU_LINEAR_GATED_X = _env.gated_x()
-
-
 def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=None, x_dtype="f32",
-           fold_sum=False, gated_x=None):
+           fold_sum=False):
     """y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with f32 accumulation and output.
 
     x: float32 [M, K] (or [K], giving [N]). w: float32 or float16 [N, K], uint16 [N, K] holding bf16 with
@@ -1146,24 +1044,11 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
     same result as f32 x with activations "16bit" (which rounds x to that type first), from half the bytes of x.
     `fold_sum`: where the GPU kernel splits K (and M <= GPU_SPLITK_MAX_M, no bias), return a SplitK (the slabs,
     `out` untouched) for a consumer that sums them itself (rms_norm, act_and_mul); elsewhere the result as usual.
-    `gated_x` ("silu" | "gelu_tanh"; where `takes_gated_x`): x is a [M, 2 K] gate/up output in the 16-bit x_dtype and
-    the linear's input is act(gate) * up, exactly as silu_and_mul / gelu_tanh_and_mul would write it in x_dtype:
-    the activation runs inside the linear's x loads (one launch and the [M, K] round trip fewer).
     """
     T = _target(resolve_target(target, x, w))
     arr, dt, warg = _as_weight(w, w_dtype)
     N, K = arr.shape
-    gate = None
-    if gated_x is not None:
-        from .activation import gelu_tanh_f, silu
-        gate = {"silu": silu, "gelu_tanh": gelu_tanh_f}.get(gated_x)
-        if gate is None:
-            raise ValueError(f"linear: gated_x must be 'silu' or 'gelu_tanh', got {gated_x!r}")
-        M0 = x.shape[0] if getattr(x, "ndim", 0) == 2 else 1
-        if x_dtype == "f32" or not takes_gated_x(dt, N, K, M0, T, setting=False):
-            raise ValueError(f"linear: gated_x needs 16-bit x and the tensor-core GPU linear's register-path tile "
-                             f"(decode sizes, matmul.takes_gated_x), here {M0} tokens of {x_dtype} on {T.name}")
-    x2, squeeze = _as_x(x, 2 * K if gate is not None else K, x_dtype=x_dtype)
+    x2, squeeze = _as_x(x, K, x_dtype=x_dtype)
     es = x2.dtype.itemsize
     tensor_cores = takes_16bit_x(dt, K, T)
     if x_dtype != "f32":
@@ -1187,26 +1072,24 @@ def linear(x, w, bias=None, out=None, target=None, w_dtype=None, activations=Non
                 BM, BN, BK, NW = tile[:4]
                 S = tile[4] if len(tile) > 4 else 1
                 even = N % BN == 0 and K % BK == 0
-                if S > 1 and even and K % (S * BK) == 0 and M >= GPU_LINEAR_SERIAL_SPLIT_M:
+                if S > 1 and even and K % (S * BK) == 0 and M >= T.tuning.serial_split_m:
                     opts = _mma_regs(T, BM, act16, serial=True, steps=K // (S * BK))
                     maps = _tma_maps(T, opts, x2, arr, M, N, K, x2.strides[0] // es, BM, BN, BK, x_dtype, dt)
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=True, SPLIT=S, SERIAL=True,
-                                 CHAIN=GPU_SERIAL_CHAIN, num_warps=NW, ACT16=act16, **opts), T)
+                                 CHAIN=T.tuning.serial_chain, num_warps=NW, ACT16=act16, **opts), T)
                 elif S > 1 and even and K % (S * BK) == 0:
                     fold = bool(fold_sum and b is None and not squeeze and M <= GPU_SPLITK_MAX_M and is_device(x2))
-                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold, arr, dt,
-                                       gate)
+                    r = _linear_splitk(x2, warg, b, o2, M, N, K, BM, BN, BK, NW, S, T, act16, x_dtype, fold, arr, dt)
                     if fold:
                         return r
                 else:
                     opts = _mma_regs(T, BM, act16, steps=K // BK if even else 0)
                     maps = _tma_maps(T, opts, x2, arr, M, N, K, x2.strides[0] // es, BM, BN, BK, x_dtype, dt) \
-                        if even and gate is None else (0, 0)
+                        if even else (0, 0)
                     _launch(_gpu_linear_mma_kernel, (-(-M // BM), -(-N // BN)), args + maps,
                             dict(HAS_BIAS=b is not None, BM=BM, BN=BN, BK=BK, EVEN=even, num_warps=NW,
-                                 ACT16=act16, **opts, **_l2_rows(T, M, BM, BN, K),
-                                 **({"GATE": gate} if gate is not None else {})), T)
+                                 ACT16=act16, **opts), T)
             elif T.is_gpu:
                 BN, BK, NW = GPU_LINEAR_TILE
                 _launch(_gpu_linear_kernel, (M, -(-N // BN)), args,

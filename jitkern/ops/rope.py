@@ -15,7 +15,6 @@ import math
 import numpy as np
 
 import jitkern as jk
-from .. import env as _env
 from ._hostargs import check_dtype, elem_strides, fptr, is_array, is_device, pow2_at_least, resolve_target, run
 from .norm import _row_in
 
@@ -200,7 +199,7 @@ def rope_cache_tile_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
                            BLOCK: jk.constexpr, D: jk.constexpr, BD: jk.constexpr, TAIL: jk.constexpr,
                            HQ: jk.constexpr, HK: jk.constexpr):
     """rope_cache_kernel with a token's heads as one (heads, lanes) tile each for q, k and v instead of a loop
-    over them (GPUs from ROPE_CACHE_PER_HEAD_MAX_T tokens, ROPE_CACHE_TILES): all of a token's loads are issued
+    over them (GPUs from ROPE_CACHE_PER_HEAD_MAX_T tokens, tuning.rope_tiles): all of a token's loads are issued
     before its stores, where the loop's next head waited on the stores of the one before (they might alias). The
     same arithmetic per element. HQ / HK: n_q / n_k rounded up to a power of two (rows past them masked)."""
     t = jk.program_id(0)
@@ -231,11 +230,9 @@ def rope_cache_tile_kernel(q, q_st, q_sh, n_q, k, k_st, k_sh, v, v_st, v_sh, n_k
              mask=dm & kok)
 
 
-# JITKERN_ROPE_TILES (default 1): rope_and_cache on GPUs from ROPE_CACHE_PER_HEAD_MAX_T tokens runs
-# rope_cache_tile_kernel instead of rope_cache_kernel (the 1,024-token prefill's rope + cache moved ~45 MB in 31.6 us
-# a layer on the H200, ~1.4 TB/s: its head loop's loads wait on the previous head's stores). H200, session 19
-# (perf/h200_profile.sh, CUPTI, 8 layers of a 1,024-token prefill): 258.3 -> 98.0 us; bits tests 4 passed.
-ROPE_CACHE_TILES = _env.rope_tiles()
+# rope_and_cache on GPUs from ROPE_CACHE_PER_HEAD_MAX_T tokens runs rope_cache_tile_kernel instead of
+# rope_cache_kernel where the target's tuning.rope_tiles (targets/tuning.py): the head loop's loads wait on the
+# previous head's stores (they might alias), the tile kernel issues a token's loads first.
 
 
 def _heads_view(a, T, D, what):
@@ -364,7 +361,7 @@ def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
             D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim,
             **({"PARTS": parts} if parts > 1 else {}))
         return
-    tiles = ROPE_CACHE_TILES and target is not None and target.is_gpu and not target.is_vulkan
+    tiles = target is not None and target.is_gpu and not target.is_vulkan and target.tuning.rope_tiles
     run(rope_cache_tile_kernel if tiles else rope_cache_kernel, (T,),
         (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
          kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),

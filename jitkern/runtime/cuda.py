@@ -192,59 +192,8 @@ class CudaDevice:
         base = slots.ctypes.data
         for i in range(n):
             ptrs[i] = base + 8 * i
-        if self.pdl:
-            _launch_pdl(fn, grid, num_threads, shared_bytes, self.stream_handle, ptrs)
-            return
         check(driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], num_threads, 1, 1, shared_bytes, self.stream,
                                       ctypes.addressof(ptrs), 0), "cuLaunchKernel")
-
-    @property
-    def pdl(self) -> bool:
-        """Whether launches carry programmatic stream serialization (JITKERN_PDL on sm_90+: every kernel the GPU
-        lowering compiled then starts with griddepcontrol.wait, backends/nvptx.py). Read at every launch (the
-        switch must match the kernels'), so the backend module is looked up once."""
-        if not _gpu_backend:
-            from ..backends import gpu
-            _gpu_backend.append(gpu)
-        return bool(_gpu_backend[0].PDL) and self.cc >= (9, 0)
-
-
-class _LaunchAttr(ctypes.Structure):
-    # CUlaunchAttribute: an enum id, padding to 8 bytes, a 64-byte value union (its first int here)
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
-
-
-_launch_ex = []
-_gpu_backend = []           # backends/gpu.py, once imported (CudaDevice.pdl)
-
-
-def _launch_pdl(fn, grid, num_threads: int, shared_bytes: int, stream: int, params) -> None:
-    """cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1 (through ctypes on
-    libcuda: one C struct, no per-launch wrapper objects): the launch may begin while the previous kernel on
-    the stream drains; the kernel's griddepcontrol.wait keeps its reads after that kernel's writes."""
-    if not _launch_ex:
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        _launch_ex.append(f)
-        _launch_ex.append(int(driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION))
-    attr = _LaunchAttr()
-    attr.id = _launch_ex[1]
-    attr.value = 1
-    cfg = _LaunchConfig(grid[0], grid[1], grid[2], num_threads, 1, 1, shared_bytes, stream,
-                        ctypes.pointer(attr), 1)
-    err = _launch_ex[0](ctypes.byref(cfg), int(fn), ctypes.addressof(params), None)
-    if err != 0:
-        raise CudaError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
 
 
 _devices: dict = {}

@@ -263,7 +263,8 @@ def _compile_only_target(co, target, args):
     if target is None:
         from .cpu import runtime_target
         return runtime_target()
-    return co.target
+    # a launch for a tuned copy of the build's target (targets.tuned) builds with its choices
+    return target if getattr(target, "name", None) == co.target.name else co.target
 
 
 def _compile_only_launch(co, kernel, args, kwargs, target=None):

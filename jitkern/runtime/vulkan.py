@@ -353,7 +353,8 @@ class VulkanDevice:
         v = vk()
         self.check_usable()
         v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(commandBufferCount=1, pCommandBuffers=[cb])], self.fence)
-        limit = float(os.environ.get("JITKERN_VULKAN_TIMEOUT", "600" if self.is_cpu else "120"))
+        from ..env import env_seconds
+        limit = env_seconds("JITKERN_VULKAN_TIMEOUT") or (600.0 if self.is_cpu else 120.0)
         try:
             v.vkWaitForFences(self.device, 1, [self.fence], v.VK_TRUE, int(limit * 1e9))
         except v.VkTimeout:

@@ -12,6 +12,7 @@ import pytest
 
 import jitkern as jk
 from jitkern.ops import attention as A
+from targets import tuned
 
 BS = 16
 
@@ -200,8 +201,8 @@ def test_batch_invariance(tier):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
-def test_prefill_token_groups_are_bit_identical_to_single_tokens(tier, dtype, monkeypatch):
-    """CPU tiers run a prefill tile's tokens in groups of PREFILL_TOKEN_GROUP whose positions share a cache
+def test_prefill_token_groups_are_bit_identical_to_single_tokens(tier, dtype):
+    """CPU tiers run a prefill tile's tokens in groups of tuning.prefill_token_group whose positions share a cache
     block (K^T of a block once per group, scores with the keys in the vector lanes, P @ V a column chunk at
     a time), and deal the tiles in _balanced_tile's order: every row equals the kernel with groups off and
     in grid order, and the decode of that position, bit for bit: whole prompts (partitions from 256 tokens),
@@ -214,17 +215,14 @@ def test_prefill_token_groups_are_bit_identical_to_single_tokens(tier, dtype, mo
     for H, KVH, D, tq, kws in ((9, 3, 64, 16, ("", "sinks", "window")), (8, 2, 48, 8, ("softcap",))):
         q, kc, vc, qs, sl, bt = make_step(rng, seqs, H, KVH, D, dtype)
         sinks = rng.standard_normal(H).astype(np.float32)
-        monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", tq)
+        grouped_t = tuned(tier, prefill_token_group=tq)
+        alone_t = tuned(tier, prefill_token_group=0, prefill_balance=False)
         every = {"": dict(), "sinks": dict(sinks=sinks), "softcap": dict(softcap=2.5),
                  "window": dict(sliding_window=100)}
         for kw in (every[k] for k in kws):
             what = f"H={H} KVH={KVH} D={D} TQ={tq} {kw}"
-            grouped = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
-            monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", 0)
-            monkeypatch.setattr(A, "PREFILL_BALANCE", False)
-            alone = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
-            monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", tq)
-            monkeypatch.setattr(A, "PREFILL_BALANCE", True)
+            grouped = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=grouped_t, **kw)
+            alone = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=alone_t, **kw)
             np.testing.assert_array_equal(grouped, alone, err_msg=what)
             if not kw:
                 check(grouped, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
@@ -345,7 +343,7 @@ def _record_decode_step(tier, q, kc, vc, qs, sl, bt, P):
     return out, ws, graph
 
 
-def test_decode_grid_splits_work_over_thread_chunks(tier, monkeypatch):
+def test_decode_grid_splits_work_over_thread_chunks(tier):
     """The CPU pool gives each thread a contiguous chunk of the flat program ids. A batch of short decodes
     (one partition each) must put whole sequences in each chunk, and one long sequence's partitions must
     spread over the chunks (bit-reversed order): run the two halves of the grid separately and check which
@@ -353,7 +351,7 @@ def test_decode_grid_splits_work_over_thread_chunks(tier, monkeypatch):
     without the per-KV-head split, which batches of fewer sequences than threads take: see below.)"""
     if tier.is_gpu:
         pytest.skip("thread chunks of the CPU pool")
-    monkeypatch.setattr(A, "DECODE_HEAD_SPLIT", False)
+    tier = tuned(tier, decode_head_split=False)
     rng = np.random.default_rng(21)
     H, KVH, D, P = 9, 3, 64, A.MAX_PARTITIONS
     seqs = [(int(L), 1) for L in rng.integers(20, 200, 6)]
@@ -392,20 +390,19 @@ def test_decode_head_split_spreads_one_sequence_over_threads(tier, monkeypatch):
     pool = CpuPool(4)
     monkeypatch.setattr("jitkern.runtime.cpu_pool._pool", pool)     # 1 sequence < 4 threads
     try:
-        _check_head_split(tier, monkeypatch)
+        _check_head_split(tier)
     finally:
         pool.close()
 
 
-def _check_head_split(tier, monkeypatch):
+def _check_head_split(tier):
     rng = np.random.default_rng(23)
     H, KVH, D, P = 9, 3, 64, A.MAX_PARTITIONS
     for ctx in (150, 1000):
         q, kc, vc, qs, sl, bt = make_step(rng, [(ctx, 1)], H, KVH, D, np.float32)
         want = {}
         for split in (False, True):
-            monkeypatch.setattr(A, "DECODE_HEAD_SPLIT", split)
-            out, _, graph = _record_decode_step(tier, q, kc, vc, qs, sl, bt, P)
+            out, _, graph = _record_decode_step(tuned(tier, decode_head_split=split), q, kc, vc, qs, sl, bt, P)
             dec = graph.entries[0]
             assert dec[2] == P * (KVH if split else 1)
             if split and ctx == 150:
@@ -420,10 +417,10 @@ def _check_head_split(tier, monkeypatch):
 
 
 @pytest.mark.parametrize("tq", [16, 0], ids=["groups", "alone"])
-def test_prefill_merge_rows_is_bit_identical(tier, tq, monkeypatch):
+def test_prefill_merge_rows_is_bit_identical(tier, tq):
     """CPU tiers merge a prefill token's partitions with _merge_rows over the smallest power of two that holds
-    them (PREFILL_MERGE = 1; partitions that do not exist read a row of -0.0): every row equals
-    _merge_parts over MAX_PARTITIONS lanes (PREFILL_MERGE = 0) and the decode of its position, bit for bit,
+    them (tuning.prefill_merge = 1; partitions that do not exist read a row of -0.0): every row equals
+    _merge_parts over MAX_PARTITIONS lanes (prefill_merge = 0) and the decode of its position, bit for bit,
     for 2 .. 16 partitions (contexts of 300 to 4,100 tokens: NP 2, 4, 8 and 16, full and padded), with
     groups and per token, with sinks and a sliding window."""
     if getattr(tier, "is_gpu", False):
@@ -432,12 +429,10 @@ def test_prefill_merge_rows_is_bit_identical(tier, tq, monkeypatch):
     seqs = [(4100, 20), (2100, 7), (3000, 33), (1500, 30), (700, 17), (300, 5)]   # partitions 16, 9, 12, 6, 3, 2
     q, kc, vc, qs, sl, bt = make_step(rng, seqs, 9, 3, 64, np.float16)
     sinks = rng.standard_normal(9).astype(np.float32)
-    monkeypatch.setattr(A, "PREFILL_TOKEN_GROUP", tq)
+    tier = tuned(tier, prefill_token_group=tq)
     for kw in (dict(), dict(sinks=sinks), dict(sliding_window=2500)):
-        monkeypatch.setattr(A, "PREFILL_MERGE", 1)
-        rows = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
-        monkeypatch.setattr(A, "PREFILL_MERGE", 0)
-        lanes = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier, **kw)
+        rows = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tuned(tier, prefill_merge=1), **kw)
+        lanes = A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tuned(tier, prefill_merge=0), **kw)
         np.testing.assert_array_equal(rows, lanes, err_msg=str(kw))
         if not kw:
             check(rows, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
@@ -463,41 +458,33 @@ def _pages_written(a) -> bool:
     return all((e >> 56) & 1 for e in ent)
 
 
-def test_decode_workspace_pages_are_written_at_allocation(monkeypatch):
+def test_decode_workspace_pages_are_written_at_allocation():
     """The decode workspace's rows past a sequence's partitions only ever see masked-off stores, which take a
-    slow path on pages never written (~10x on a c=16 decode launch, znver5): its pages are written when it is
-    allocated. Same outputs with and without (WORKSPACE_TOUCH)."""
+    slow path on pages never written: its pages are written when it is allocated, and the outputs are right."""
     import os
     if not os.path.exists("/proc/self/pagemap"):
         pytest.skip("no /proc/self/pagemap")
     rng = np.random.default_rng(9)
     q, kc, vc, qs, sl, bt = make_step(rng, [(101, 1)] * 16, 9, 3, 64, np.float16)
-    outs = []
-    for touch in (True, False):
-        monkeypatch.setattr(A, "WORKSPACE_TOUCH", touch)
-        ws = {}
-        out = np.full_like(q, np.nan)
-        A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1,
-                          num_partitions=A.MAX_PARTITIONS, workspace=ws)
-        if touch:
-            assert all(_pages_written(a) for a in ws["decode"][1:])
-        outs.append(out)
-    np.testing.assert_array_equal(outs[0], outs[1])
-    check(outs[0], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
+    ws = {}
+    out = np.full_like(q, np.nan)
+    A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1,
+                      num_partitions=A.MAX_PARTITIONS, workspace=ws)
+    assert all(_pages_written(a) for a in ws["decode"][1:])
+    check(out, ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))
 
 
-def test_decode_idle_programs_skip_and_same_bits(tier, monkeypatch):
+def test_decode_idle_programs_skip_and_same_bits(tier):
     """CPU decode programs past their sequence's partitions, and merge programs of sequences with one partition,
-    return at once (DECODE_SKIP_IDLE): outputs equal the kernels without the skip bit for bit, on a partition axis
+    return at once (tuning.decode_skip_idle): outputs equal the kernels without the skip bit for bit, on a partition axis
     of MAX_PARTITIONS with 0 to 3 partitions a sequence (so some sequences are merged and some are not)."""
     rng = np.random.default_rng(11)
     q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)
     outs = []
     for skip in (False, True):
-        monkeypatch.setattr(A, "DECODE_SKIP_IDLE", skip)
         out = np.full_like(q, np.nan)
         A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, out=out, max_query_len=1,
-                          num_partitions=A.MAX_PARTITIONS, target=tier)
+                          num_partitions=A.MAX_PARTITIONS, target=tuned(tier, decode_skip_idle=skip))
         outs.append(out)
     np.testing.assert_array_equal(outs[1], outs[0])
     check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.125))

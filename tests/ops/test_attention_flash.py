@@ -3,7 +3,7 @@ float64 reference of tests/ops/test_attention.py, on every runnable CPU tier (fl
 them on any target) and on the GPU (marked `gpu`), where paged_attention itself dispatches to them.
 
 Shapes are small (head_dim 16/32) to keep CPU compiles short, with odd lengths, several decode partitions
-(GPU_PARTITION_BLOCKS = 4 blocks of 16: a 300-token context is 5 partitions), GQA ratios 1/3/5 (5 pads to 8
+(tuning.flash_partition_blocks = 4 blocks of 16: a 300-token context is 5 partitions), GQA ratios 1/3/5 (5 pads to 8
 rows per group), block sizes 16 and 32, windows, softcap and sinks, f32 caches with and without the f16
 hi + lo split the GPUs with matrix units use, and f16 caches. Tolerances as in test_attention.py (rtol 1e-4,
 atol 2e-5): the split keeps ~22 significant bits of each operand (observed errors ~1e-6). The split
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jitkern.ops import attention as A
+from targets import tuned
 
 from .test_attention import BS, check, make_step, ref_paged_attention
 
@@ -204,23 +205,19 @@ def test_flash_16bit_operands(tier, dtype, split, monkeypatch):
 
 
 def _same_bits_with_switch(tier, switch, dtype, split, ops, seed, monkeypatch):
-    """The flash kernels with backends/gpu.py's `switch` off and on (compiled afresh each way: the lowering
-    reads it, the launch plans memoise the compiled kernel): decodes, prefill tiles and windows give the same
-    bits, and match the float64 reference within 16-bit rounding."""
+    """The flash kernels with the tuning entry `switch` (targets/tuning.py, read by the GPU lowering) off and on:
+    decodes, prefill tiles and windows give the same bits, and match the float64 reference within 16-bit
+    rounding."""
     if not tier.is_gpu or tier.is_vulkan:
         pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
-    from jitkern.backends import gpu
     monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", ops)
     rng = np.random.default_rng(seed)
     q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, dtype)
     for window in (0, 40):
         outs = []
         for on in (False, True):
-            monkeypatch.setattr(gpu, switch, on)
-            for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
-                monkeypatch.setattr(k, "_plans", {})
-            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=8,
-                               split=split))
+            outs.append(_flash(tuned(tier, **{switch: on}), q, kc, vc, qs, sl, bt, scale=0.25,
+                               sliding_window=window, block_m=8, split=split))
         want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
         assert np.abs(outs[1] - want).max() < 3e-3 * np.abs(want).max()
         np.testing.assert_array_equal(outs[1], outs[0])
@@ -231,17 +228,17 @@ def _same_bits_with_switch(tier, switch, dtype, split, ops, seed, monkeypatch):
 def test_flash_fragment_ops_give_the_same_bits(tier, dtype, split, ops, monkeypatch):
     """The online-softmax accumulator and scores kept in the MMA registers (backends/gpu_fragments.py FragV:
     `acc * alpha[:, None]`, the prefill tile's partition fold, dot(p, v, acc) adding acc after the MMA chain as
-    the tile path does) against the tile path (gpu.FRAG_OPS off), with 16-bit operands (where the fragment path
+    the tile path does) against the tile path (tuning.frag_ops off), with 16-bit operands (where the fragment path
     applies) and f32 ones (where it does not: p is split in hi + lo)."""
-    _same_bits_with_switch(tier, "FRAG_OPS", dtype, split, ops, 33, monkeypatch)
+    _same_bits_with_switch(tier, "frag_ops", dtype, split, ops, 33, monkeypatch)
 
 
-@pytest.mark.parametrize("switch", ["ROW_SLOTS", "PIN_OPERANDS"])
+@pytest.mark.parametrize("switch", ["row_slots", "pin_operands"])
 @pytest.mark.parametrize("dtype,split", [(np.float16, False), (np.float32, True)], ids=["f16", "f32-split"])
 def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypatch):
-    """gpu.ROW_SLOTS (JITKERN_ROW_SLOTS=1): the row vectors the online softmax broadcasts into the accumulator
+    """tuning.row_slots: the row vectors the online softmax broadcasts into the accumulator
     registers (new maxima, alpha, the prefill fold's factors) are staged where they are computed and read
-    after one shared barrier. gpu.PIN_OPERANDS (JITKERN_PIN_OPERANDS=1): the query tile is staged once before
+    after one shared barrier. tuning.pin_operands: the query tile is staged once before
     the block loop instead of every block. The values read are the same either way (16-bit operands, where
     the fragment path applies)."""
     _same_bits_with_switch(tier, switch, dtype, split, "16bit", 35, monkeypatch)
@@ -250,22 +247,18 @@ def test_flash_row_slots_give_the_same_bits(tier, dtype, split, switch, monkeypa
 @pytest.mark.parametrize("case", ["f16-bm4", "f16-bm8", "f16-bm16", "gqa5-bm4", "f32-split-bm8", "staged-a-bm8",
                                   "own-v-bm8"])
 def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
-    """GPU_FLASH_WARP_ROWS (JITKERN_FLASH_WARP_ROWS=1, CUDA): the prefill kernel launched with `warp_rows`, each
+    """tuning.flash_warp_rows (CUDA): the prefill kernel launched with `warp_rows`, each
     warp holding whole rows of its MMA tiles (at 4 warps: 16-row tiles shared by 4 warps, 32 rows by 2 - the
     scores computed by each, P @ V's columns split between them - or 64 rows, one tile a warp), so the online
     softmax's row max / sum run on lane shuffles and its row values stay in registers. Against the reference, and
     the bits of the tile path: the row sum adds in its order. Decodes, prefill tiles, chunks, windows, GQA 5
     (8 padded rows a token) and an f32 cache split in hi + lo (two MMA chains: no warp rows, the same result); a
     token's bits as a decode equal its bits as a prefill row (decode=False). P @ V takes P's fragments from the
-    score registers (gpu_fragments.A_FROM_ROWS), or stages it ("staged-a"); its V tile is staged with K by the
-    scores' dot (gpu_staging.COSTAGE), or by itself ("own-v")."""
+    score registers (tuning.a_from_rows), or stages it ("staged-a"); its V tile is staged with K by the
+    scores' dot (tuning.costage), or by itself ("own-v")."""
     if not tier.is_gpu or not tier.is_cuda:
         pytest.skip("warp-owned rows: CUDA (lane shuffles in the NVPTX lowering)")
-    from jitkern.backends import gpu_fragments, gpu_staging
-    monkeypatch.setattr(gpu_fragments, "A_FROM_ROWS", not case.startswith("staged"))
-    monkeypatch.setattr(gpu_staging, "COSTAGE", not case.startswith("own-v"))
-    for k in (A.flash_decode_kernel, A.flash_merge_kernel, A.flash_prefill_kernel):
-        monkeypatch.setattr(k, "_plans", {})
+    tier = tuned(tier, a_from_rows=not case.startswith("staged"), costage=not case.startswith("own-v"))
     dtype, H = (np.float32, 8) if case.startswith("f32") else (np.float16, 10 if case.startswith("gqa5") else 8)
     block_m = int(case.rsplit("bm", 1)[1])
     monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "16bit")
@@ -274,9 +267,8 @@ def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
     for window in (0, 40):
         outs = []
         for on in (False, True):
-            monkeypatch.setattr(A, "GPU_FLASH_WARP_ROWS", on)
-            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=block_m,
-                               split=dtype == np.float32))
+            outs.append(_flash(tuned(tier, flash_warp_rows=on), q, kc, vc, qs, sl, bt, scale=0.25,
+                               sliding_window=window, block_m=block_m, split=dtype == np.float32))
         outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=block_m,
                            split=dtype == np.float32, decode=False))
         want = ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window)
@@ -286,8 +278,8 @@ def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
 
 
 @pytest.mark.parametrize("block_m", [8, 16])
-def test_flash_fold_skip_gives_the_same_bits(tier, block_m, monkeypatch):
-    """GPU_FLASH_FOLD_SKIP (JITKERN_FLASH_FOLD_SKIP=1): the prefill tile's partition fold runs only in the blocks
+def test_flash_fold_skip_gives_the_same_bits(tier, block_m):
+    """tuning.flash_fold_skip: the prefill tile's partition fold runs only in the blocks
     where _tile_folds finds a row starting a partition (on GPUs its accumulators stay in the MMA registers
     through the run-time `if`): the same bits as folding (a no-op for the other rows) every block, for
     prompts across many partitions, chunks starting mid-prompt, decodes in the same step and a window."""
@@ -296,23 +288,22 @@ def test_flash_fold_skip_gives_the_same_bits(tier, block_m, monkeypatch):
     for window in (0, 40):
         outs = []
         for on in (False, True):
-            monkeypatch.setattr(A, "GPU_FLASH_FOLD_SKIP", on)
-            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, sliding_window=window, block_m=block_m,
-                               decode=False))
+            outs.append(_flash(tuned(tier, flash_fold_skip=on), q, kc, vc, qs, sl, bt, scale=0.25,
+                               sliding_window=window, block_m=block_m, decode=False))
         check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25, window=window))
         np.testing.assert_array_equal(outs[1], outs[0])
 
 
-def test_flash_longest_first_gives_the_same_bits(tier, monkeypatch):
-    """GPU_FLASH_LONGEST_FIRST (JITKERN_FLASH_LONGEST_FIRST=1): the prefill grid is (KV heads, tiles) with
+def test_flash_longest_first_gives_the_same_bits(tier):
+    """tuning.flash_longest_first: the prefill grid is (KV heads, tiles) with
     the tiles in reverse, so the longest causal tiles start first; every tile still runs once, with the same
     arithmetic: the same bits as tile order, for prompts, chunks starting mid-prompt and decodes in one step."""
     rng = np.random.default_rng(41)
     q, kc, vc, qs, sl, bt = make_step(rng, SEQS, 8, 2, 32, np.float16)
     outs = []
     for on in (False, True):
-        monkeypatch.setattr(A, "GPU_FLASH_LONGEST_FIRST", on)
-        outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, block_m=8, decode=False))
+        outs.append(_flash(tuned(tier, flash_longest_first=on), q, kc, vc, qs, sl, bt, scale=0.25, block_m=8,
+                           decode=False))
     check(outs[1], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25))
     np.testing.assert_array_equal(outs[1], outs[0])
 
@@ -329,9 +320,9 @@ def test_flash_pipelined_loads_give_the_same_bits(tier):
         np.testing.assert_array_equal(piped, plain)
 
 
-def test_flash_decode_warps_give_the_same_bits(tier, monkeypatch):
-    """The decode kernel takes FLASH_DECODE_WIDE_WARPS warps for launches of many programs, FLASH_WARPS[0]
-    otherwise: a token's bits must not depend on which (GPU only: CPU tiers have no warps)."""
+def test_flash_decode_warps_give_the_same_bits(tier):
+    """The decode kernel takes FLASH_DECODE_WIDE_WARPS warps for launches of tuning.flash_decode_wide programs
+    and more, FLASH_WARPS[0] otherwise: a token's bits must not depend on which (GPU only: CPU tiers have no warps)."""
     if not tier.is_gpu or tier.is_vulkan:
         pytest.skip("warps per program exist on CUDA/HIP GPUs only")
     rng = np.random.default_rng(27)
@@ -339,21 +330,20 @@ def test_flash_decode_warps_give_the_same_bits(tier, monkeypatch):
         q, kc, vc, qs, sl, bt = make_step(rng, [(s, 1) for s, _ in SEQS if s], 8, 2, 32, dtype)
         outs = []
         for programs in (1 << 30, 0):            # never / always the wide setting
-            monkeypatch.setattr(A, "FLASH_DECODE_WIDE_PROGRAMS", programs)
-            outs.append(_flash(tier, q, kc, vc, qs, sl, bt, scale=0.25, max_query_len=1,
-                               num_partitions=A.MAX_PARTITIONS))
+            outs.append(_flash(tuned(tier, flash_decode_wide=programs), q, kc, vc, qs, sl, bt, scale=0.25,
+                               max_query_len=1, num_partitions=A.MAX_PARTITIONS))
         check(outs[0], ref_paged_attention(q, kc, vc, qs, sl, bt, 0.25))
         np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def test_flash_partition_axis(tier):
-    """Decode partitions are GPU_PARTITION_BLOCKS blocks, at most MAX_PARTITIONS, decided by each sequence's
+    """Decode partitions are tuning.flash_partition_blocks blocks, at most MAX_PARTITIONS, decided by each sequence's
     own length: axes of several lengths give the same bits; too short an axis is refused by name."""
     rng = np.random.default_rng(26)
     seqs = [(1, 1), (64, 1), (65, 1), (300, 1), (0, 0), (1100, 1), (2000, 1)]
     q, kc, vc, qs, sl, bt = make_step(rng, seqs, 4, 2, 16, np.float16)
-    parts = A.decode_partitions(sl, BS, partition_blocks=A.GPU_PARTITION_BLOCKS)
-    PB = A.GPU_PARTITION_BLOCKS        # JITKERN_FLASH_PARTITION_BLOCKS
+    PB = tier.tuning.flash_partition_blocks
+    parts = A.decode_partitions(sl, BS, partition_blocks=PB)
     blocks = [-(-s // BS) for s, _ in seqs]
     assert list(parts) == [min(-(-nb // PB), A.MAX_PARTITIONS) for nb in blocks]
     if PB == 4:
@@ -370,7 +360,7 @@ def test_flash_partition_axis(tier):
 def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
     """paged_attention on a CUDA target launches the flash kernels (decode + merge for decodes, prefill for
     the chunks), their PTX has tensor-core MMAs for f16 caches and for split f32 caches, and the A/B flag
-    GPU_TOKEN_ATTENTION puts the GPU back on token_attention_kernel; CPU tiers keep the CPU kernels."""
+    tuning.token_attention puts the GPU back on token_attention_kernel; CPU tiers keep the CPU kernels."""
     from jitkern.runtime.launch import compile_only
     from targets import get_target
     sm90 = get_target("sm_90a")
@@ -385,7 +375,7 @@ def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
 
     mmas = {}
     # (MMA counts of the PTX compare like for like at one-block steps: longer steps unroll their dots apart)
-    monkeypatch.setattr(A, "FLASH_STEP_BLOCKS", 1)
+    sm90 = tuned(sm90, flash_step_blocks=1)
     for operands in ("f32", "16bit"):            # (the engine's dtype auto runs "16bit" on 16-bit checkpoints)
         monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", operands)
         for dtype in (np.float16, np.float32):
@@ -401,9 +391,7 @@ def test_gpu_dispatch_compiles_flash_kernels_for_sm_90a(monkeypatch):
         # f16 q / probabilities: one MMA chain per cache part instead of hi + lo
         assert mmas[("16bit", np.float16, name)] < mmas[("f32", np.float16, name)], mmas
     monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", "f32")
-    monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", True)
-    assert set(compiled(np.float32, sm90)) == {"token_attention_kernel"}
-    monkeypatch.setattr(A, "GPU_TOKEN_ATTENTION", False)
+    assert set(compiled(np.float32, tuned(sm90, token_attention=True))) == {"token_attention_kernel"}
     from targets import cpu_tier_names
     cpu = get_target(cpu_tier_names()[0])
     assert set(compiled(np.float32, cpu)) <= {"decode_kernel", "merge_kernel", "prefill_kernel"}
@@ -464,12 +452,12 @@ def test_paged_attention_on_device_arrays_alone_equals_batched(backend, monkeypa
 
 @pytest.mark.parametrize("sb", [2, 4])
 def test_flash_step_blocks(tier, sb):
-    """FLASH_STEP_BLOCKS (JITKERN_FLASH_STEP_BLOCKS; step_blocks=): online-softmax steps of sb cache blocks, the
+    """tuning.flash_step_blocks (step_blocks=): online-softmax steps of sb cache blocks, the
     partitions whole steps. Against the reference; not the bits of one-block steps (the step is in the
     arithmetic); a token's bits the same as a decode, as the last row of a prefill chunk and from the prefill
     kernel alone over a step with decodes (contexts of 1 to 2,000 tokens: partial last steps, partitions longer
-    than GPU_PARTITION_BLOCKS past MAX_PARTITIONS); with a sliding window the kernels step by one block: the bits
-    of step_blocks=1."""
+    than tuning.flash_partition_blocks past MAX_PARTITIONS); with a sliding window the kernels step by one block:
+    the bits of step_blocks=1."""
     if sb == 4 and not tier.is_gpu:
         pytest.skip("4-block steps: on the GPU (the same code as 2 with another constant; slow CPU compiles)")
     rng = np.random.default_rng(51 + sb)

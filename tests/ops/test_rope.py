@@ -259,7 +259,7 @@ def test_rope_and_cache_errors_name_the_field():
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("D,rot,cache_dtype", [(80, 40, np.float32), (128, 128, np.float16)])
 def test_rope_cache_tile_kernel_gives_the_head_loops_bits(tier, neox, D, rot, cache_dtype):
-    """rope_cache_tile_kernel (a token's heads as one tile, JITKERN_ROPE_TILES for GPU steps of 256+ tokens) leaves
+    """rope_cache_tile_kernel (a token's heads as one tile, tuning.rope_tiles for GPU steps of 256+ tokens) leaves
     q and both caches bit-identical to rope_cache_kernel (the loop over heads): head counts that are not powers of
     two (masked tile rows), a skipped slot, partial rotary's tail, f32 and f16 caches."""
     from jitkern.ops import rope as R
