@@ -137,18 +137,53 @@ _VULKAN_BROKEN: dict = {}
 # few seconds to minutes on a 2-core machine. The tiers between them (sse2, sse2-f16c; on an AVX-512 host also
 # avx2, avx-vnni, avx512) share those two's lowering and differ in vector width and f16 conversion: they run the
 # DSL suite and the cheap op files (the Vulkan default's files), the whole op matrix with JITKERN_TEST_FULL=1.
-# Cases whose host-CPU run is minutes long (the GPU tensor-core linear's bit-identity checks on the host-memory
-# stand-in device, `fake`: their kernels emulate MMA fragments and are the largest the host compiles) run
-# with JITKERN_TEST_FULL=1 as well; their `cuda` cases run on a GPU.
+# Cases whose host-CPU run is minutes long run with JITKERN_TEST_FULL=1 as well: the GPU tensor-core linear's
+# bit-identity checks on the host-memory stand-in device (`fake`: their kernels emulate MMA fragments and are the
+# largest the host compiles; their `cuda` cases run on a GPU, and the stand-in keeps the float64 and batch-
+# invariance checks of the same kernels), the GPU flash kernels' same-bits checks of tuning variants on the CPU
+# tier (their GPU cases run on a GPU; the float64 checks of those kernels stay), and the largest portable-tier
+# cases of the CPU attention kernels (the same kernels run there in the file's other cases and on the best tier).
+# name -> the parameter sets it applies to: a case is left out when its id has every token of one of them
+# ("cpu": its `tier` is a CPU tier).
 _HEAVY_CASES = {
-    "test_linear_serial_chain_gives_the_serial_splits_bits": "fake",
-    "test_linear_16bit_out_is_the_f32_result_rounded": "fake",
-    "test_linear_prefetch_2_gives_the_same_bits": "fake",
-    "test_linear_serial_split_gives_the_slab_paths_bits": "fake",
-    "test_linear_16bit_x_gives_the_16bit_activations_bits": "fake",
-    "test_split_k_sum_folded_into_the_norm_and_the_activation": "fake",
-    "test_linear_l2_prefetch_gives_the_same_bits": "fake",
+    "test_linear_serial_chain_gives_the_serial_splits_bits": [("fake",)],
+    "test_linear_16bit_out_is_the_f32_result_rounded": [("fake",)],
+    "test_linear_prefetch_2_gives_the_same_bits": [("fake",)],
+    "test_linear_serial_split_gives_the_slab_paths_bits": [("fake",)],
+    "test_linear_16bit_x_gives_the_16bit_activations_bits": [("fake",)],
+    "test_split_k_sum_folded_into_the_norm_and_the_activation": [("fake",)],
+    "test_linear_tma_gives_the_same_bits": [("fake",)],
+    "test_gated_linear_is_linear_then_act_and_mul": [("fake",)],
+    "test_linear_big_tile_gives_the_decode_tiles_bits": [("fake",)],
+    "test_linear_huge_tile_gives_the_decode_tiles_bits": [("fake",)],
+    "test_linear_xl_tile_gives_the_decode_tiles_bits": [("fake",)],
+    "test_linear_tall_tile_gives_the_decode_tiles_bits": [("fake",)],
+    "test_split_k_qkv_folded_into_rope_and_cache": [("fake",)],
+    "test_flash_fragment_ops_give_the_same_bits": [("cpu",)],
+    "test_flash_row_slots_give_the_same_bits": [("cpu",)],
+    "test_flash_warp_rows_give_the_same_bits": [("cpu",)],
+    "test_flash_fold_skip_gives_the_same_bits": [("cpu",)],
+    "test_flash_longest_first_gives_the_same_bits": [("cpu",)],
+    "test_flash_pipelined_loads_give_the_same_bits": [("cpu",)],
+    "test_flash_decode_warps_give_the_same_bits": [("cpu",)],
+    "test_flash_step_blocks": [("cpu",)],
+    "test_flash_16bit_operands": [("cpu",)],
+    "test_prefill_token_groups_are_bit_identical_to_single_tokens": [("portable",)],
+    "test_mixed_step_gqa": [("portable", "f16")],
+    "test_mixed_step_head_layouts": [("portable", "gqa128")],
+    "test_attention_sinks": [("portable",)],
 }
+
+
+def _is_heavy(item, cpu_tiers) -> bool:
+    sets = _HEAVY_CASES.get(getattr(item, "originalname", None))
+    callspec = getattr(item, "callspec", None)
+    if not sets or callspec is None:
+        return False
+    tokens = set(callspec.id.split("-"))
+    if callspec.params.get("tier") in cpu_tiers:
+        tokens.add("cpu")
+    return any(all(t in tokens for t in want) for want in sets)
 
 
 def _full_suite() -> bool:
@@ -163,10 +198,11 @@ def _secondary_cpu_tiers() -> set:
 def pytest_collection_modifyitems(config, items):
     if not _full_suite():
         secondary = _secondary_cpu_tiers()
+        cpu_tiers = set(runnable_tiers())
         skip_tier = pytest.mark.skip(reason="a CPU tier between portable and this host's best: the full op matrix "
                                             "there runs with JITKERN_TEST_FULL=1")
-        skip_heavy = pytest.mark.skip(reason="minutes of host-CPU compile: runs with JITKERN_TEST_FULL=1 (and on "
-                                             "a GPU as its cuda case)")
+        skip_heavy = pytest.mark.skip(reason="minutes of host-CPU compile: runs with JITKERN_TEST_FULL=1 (a GPU "
+                                             "case of it runs on a GPU)")
         for item in items:
             callspec = getattr(item, "callspec", None)
             params = callspec.params if callspec is not None else {}
@@ -174,8 +210,7 @@ def pytest_collection_modifyitems(config, items):
             if secondary and params.get("tier") in secondary and path not in _VULKAN_DEFAULT_FILES:
                 item.add_marker(pytest.mark.slow)
                 item.add_marker(skip_tier)
-            want = _HEAVY_CASES.get(getattr(item, "originalname", None))
-            if want is not None and callspec is not None and want in callspec.id.split("-"):
+            if _is_heavy(item, cpu_tiers):
                 item.add_marker(pytest.mark.slow)
                 item.add_marker(skip_heavy)
     full = _full_suite() or os.environ.get("JITKERN_TEST_VULKAN", "1") == "all"
