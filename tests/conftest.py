@@ -144,7 +144,9 @@ _VULKAN_BROKEN: dict = {}
 # tier (their GPU cases run on a GPU; the float64 checks of those kernels stay), and the largest portable-tier
 # cases of the CPU attention kernels (the same kernels run there in the file's other cases and on the best tier).
 # name -> the parameter sets it applies to: a case is left out when its id has every token of one of them
-# ("cpu": its `tier` is a CPU tier).
+# ("cpu": its `tier` is a CPU tier; "secondary": a tier between portable and the best). The float64 checks of the
+# GPU flash kernels keep f32 and f16 caches, GQA and softcap / sinks on the CPU tier; the DSL's 16-bit dots
+# keep portable and the best tier.
 _HEAVY_CASES = {
     "test_linear_serial_chain_gives_the_serial_splits_bits": [("fake",)],
     "test_linear_16bit_out_is_the_f32_result_rounded": [("fake",)],
@@ -168,6 +170,15 @@ _HEAVY_CASES = {
     "test_flash_decode_warps_give_the_same_bits": [("cpu",)],
     "test_flash_step_blocks": [("cpu",)],
     "test_flash_16bit_operands": [("cpu",)],
+    "test_flash_block_size_32": [("cpu",)],
+    "test_flash_batch_invariance": [("cpu",)],
+    "test_flash_matches_reference": [("cpu", "split")],
+    "test_flash_head_groups": [("cpu", "mqa5"), ("cpu", "mha")],
+    "test_prefill_merge_rows_is_bit_identical": [("portable",)],
+    "test_dot_f32_by_bf16_rows_work_splits": [("secondary",)],
+    "test_dot_of_16_bit_inputs": [("secondary",)],
+    "test_dot_of_a_dot_with_a_tile_accumulator": [("secondary",)],
+    "test_strided_tile_chunk_addresses": [("secondary",)],
     "test_prefill_token_groups_are_bit_identical_to_single_tokens": [("portable",)],
     "test_mixed_step_gqa": [("portable", "f16")],
     "test_mixed_step_head_layouts": [("portable", "gqa128")],
@@ -175,7 +186,7 @@ _HEAVY_CASES = {
 }
 
 
-def _is_heavy(item, cpu_tiers) -> bool:
+def _is_heavy(item, cpu_tiers, secondary) -> bool:
     sets = _HEAVY_CASES.get(getattr(item, "originalname", None))
     callspec = getattr(item, "callspec", None)
     if not sets or callspec is None:
@@ -183,6 +194,8 @@ def _is_heavy(item, cpu_tiers) -> bool:
     tokens = set(callspec.id.split("-"))
     if callspec.params.get("tier") in cpu_tiers:
         tokens.add("cpu")
+    if callspec.params.get("tier") in secondary:
+        tokens.add("secondary")
     return any(all(t in tokens for t in want) for want in sets)
 
 
@@ -210,7 +223,7 @@ def pytest_collection_modifyitems(config, items):
             if secondary and params.get("tier") in secondary and path not in _VULKAN_DEFAULT_FILES:
                 item.add_marker(pytest.mark.slow)
                 item.add_marker(skip_tier)
-            if _is_heavy(item, cpu_tiers):
+            if _is_heavy(item, cpu_tiers, secondary):
                 item.add_marker(pytest.mark.slow)
                 item.add_marker(skip_heavy)
     full = _full_suite() or os.environ.get("JITKERN_TEST_VULKAN", "1") == "all"
