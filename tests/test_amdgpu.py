@@ -807,7 +807,7 @@ def test_dense_linear_picks_the_matrix_units(target, wdt, tmp_path):
 @pytest.mark.skipif(find_objdump() is None, reason="no llvm-objdump 17+ for AMDGPU (apt: llvm-19)")
 @pytest.mark.parametrize("target", ["gfx942", "gfx1100"])
 def test_serial_split_linear_on_the_matrix_units(target, tmp_path):
-    """From GPU_LINEAR_SERIAL_SPLIT_M tokens a split K's slabs are summed inside each program (SERIAL: a run-time
+    """From tuning.serial_split_m tokens a split K's slabs are summed inside each program (SERIAL: a run-time
     loop over the slabs around the K loop): on AMD targets that code object links, runs its dots on MFMA / WMMA
     and neither spills nor takes flat access. Compile-only (no AMD GPU)."""
     from jitkern.ops import matmul as mm
@@ -816,7 +816,7 @@ def test_serial_split_linear_on_the_matrix_units(target, tmp_path):
     rng = np.random.default_rng(9)
     w = rng.standard_normal((128, 512)).astype(np.float16)          # narrow: K split in 4
     with compile_only(t) as co:
-        mm.linear(rng.standard_normal((mm.GPU_LINEAR_SERIAL_SPLIT_M, 512)).astype(np.float32), w, target=t,
+        mm.linear(rng.standard_normal((t.tuning.serial_split_m, 512)).astype(np.float32), w, target=t,
                   w_dtype="f16")
     (ck,) = co.compiled
     assert ck.name == "_gpu_linear_mma_kernel" and ck.constexprs["SERIAL"] and ck.constexprs["SPLIT"] == 4
