@@ -25,7 +25,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 from engine import limits
-from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineArgs, LLMEngine
 from engine.outputs import RequestOutput
 
@@ -177,13 +176,7 @@ class AsyncEngine:
         """Adds several requests, given as (request id, prompt, params), in one engine command: all of them
         or (on an InvalidRequestError for any) none. Their outputs come through one RequestGroupStream."""
         self._check_alive()
-        if not requests:
-            raise InvalidRequestError("no prompts were given", param="prompt")
-        num_seqs = sum(getattr(p, "n", 1) or 1 for _, _, p in requests)
-        if num_seqs > limits.MAX_SEQUENCES_PER_REQUEST:
-            raise InvalidRequestError(
-                f"{len(requests)} prompts x n make {num_seqs} sequences; one request may start at most "
-                f"{limits.MAX_SEQUENCES_PER_REQUEST}.", param="n")
+        limits.check_batch(requests)
         preps = [self.engine.prepare_request(rid, prompt, params, priority=priority, lora_request=lora_request)
                  for rid, prompt, params in requests]
         group = RequestGroupStream(self, [rid for rid, _, _ in requests])

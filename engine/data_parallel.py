@@ -42,7 +42,6 @@ from engine import limits
 from engine.async_engine import (_DONE, EngineDeadError, EngineUnavailableError, RequestGroupStream,
                                  RequestStream)
 from engine.dp_replica import READY_TIMEOUT_S, rebuild_error
-from engine.errors import InvalidRequestError
 
 log = logging.getLogger("engine.dp")
 
@@ -669,13 +668,7 @@ class DataParallelEngine:
         return stream
 
     def submit_batch(self, requests: list, *, priority: int = 0) -> RequestGroupStream:
-        if not requests:
-            raise InvalidRequestError("no prompts were given", param="prompt")
-        num_seqs = sum(getattr(p, "n", 1) or 1 for _, _, p in requests)
-        if num_seqs > limits.MAX_SEQUENCES_PER_REQUEST:
-            raise InvalidRequestError(
-                f"{len(requests)} prompts x n make {num_seqs} sequences; one request may start at most "
-                f"{limits.MAX_SEQUENCES_PER_REQUEST}.", param="n")
+        limits.check_batch(requests)
         group = RequestGroupStream(self, [rid for rid, _, _ in requests])
         self._admit(list(requests), group.members, priority)
         return group

@@ -40,3 +40,16 @@ MAX_DECODE_GRAPHS = 32
 # How long a caller waits for the engine thread to take a command (admission, a call between steps)
 # before giving up with EngineDeadError; a step never takes this long on a healthy engine.
 ENGINE_COMMAND_TIMEOUT_S = 300.0
+
+
+def check_batch(requests: list) -> None:
+    """A batch of (request id, prompt, params) one API request starts: at least one prompt, and at most
+    MAX_SEQUENCES_PER_REQUEST sequences counting each params' n (InvalidRequestError naming the field)."""
+    from engine.errors import InvalidRequestError
+    if not requests:
+        raise InvalidRequestError("no prompts were given", param="prompt")
+    num_seqs = sum(getattr(p, "n", 1) or 1 for _, _, p in requests)
+    if num_seqs > MAX_SEQUENCES_PER_REQUEST:
+        raise InvalidRequestError(
+            f"{len(requests)} prompts x n make {num_seqs} sequences; one request may start at most "
+            f"{MAX_SEQUENCES_PER_REQUEST}.", param="n")

@@ -1,9 +1,9 @@
 """The `Target` record every kernel is compiled against."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from .tuning import DEFAULT as _DEFAULT_TUNING, Tuning
+from .tuning import DEFAULT as _DEFAULT_TUNING, CachedHash, Tuning
 
 
 class UnknownTargetError(ValueError):
@@ -15,7 +15,8 @@ class TargetUnavailableError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Target:
+class Target(CachedHash):
+    __hash__ = CachedHash.__hash__     # a frozen dataclass would otherwise generate its own
     name: str                    # "avx2", "sm_90a", "gfx942", "vulkan"
     backend: str                 # "cpu" | "cuda" | "hip" | "vulkan"
     triple: str
@@ -34,18 +35,6 @@ class Target:
     async_copy: str = ""         # "cp.async" (sm_80+), "tma" (sm_90+)
     # code-generation choices (targets/tuning.py); in cache keys through Tuning.choices_key
     tuning: Tuning = _DEFAULT_TUNING
-
-    def __hash__(self) -> int:
-        # computed once: a Target is part of every launch's memo key (runtime/launch.py resolve)
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self):
-        # the cached hash stays behind: str hashes differ between processes (compile workers unpickle targets)
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @property
     def is_cpu(self) -> bool:

@@ -18,8 +18,26 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 
+class CachedHash:
+    """For frozen dataclasses that sit in every launch's memo key (a Target and its Tuning): the hash is
+    computed once. A frozen dataclass generates its own __hash__ unless its body names one: subclasses say
+    `__hash__ = CachedHash.__hash__`."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self):
+        # the cached hash stays behind: str hashes differ between processes (compile workers unpickle targets)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
-class Tuning:
+class Tuning(CachedHash):
+    __hash__ = CachedHash.__hash__     # a frozen dataclass would otherwise generate its own
     # ---- GPU lowering (one kernel's code; in the cache key through choices_key)
     ldmatrix: bool = True            # MMA fragments by ldmatrix where the target has it (else 32-bit shared loads)
     ldmatrix_trans: bool = True      # a (k, n) B operand staged in row order, read by ldmatrix .trans (no conflicts)
@@ -68,18 +86,6 @@ class Tuning:
     x16_attn: bool = True            # the flash kernels write the o projection's input in 16 bits (it then takes TMA)
     gate_up16: bool = True           # the gate/up projection writes 16-bit output for the gated activation
     gated_linear: bool = False       # experiment: decode steps run gate/up + the gated activation as one kernel
-
-    def __hash__(self) -> int:
-        # computed once: a Target (and so its table) is part of every launch's memo key
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self):
-        # the cached hash stays behind: str hashes differ between processes (compile workers unpickle targets)
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def choices_key(self, target) -> tuple:
         """The entries that shape a kernel's code on `target` as cache-key tags (none at the defaults but the
