@@ -42,6 +42,7 @@ from engine import limits
 from engine.async_engine import (_DONE, EngineDeadError, EngineUnavailableError, RequestGroupStream,
                                  RequestStream)
 from engine.dp_replica import READY_TIMEOUT_S, rebuild_error
+from engine.output_wire import OutputDecoder
 
 log = logging.getLogger("engine.dp")
 
@@ -277,6 +278,7 @@ class _Replica:
         self.transport = transport
         self.state = "starting"          # starting | up | down | closed
         self.inflight: dict = {}         # request id -> sink
+        self.decoders: dict = {}         # request id -> OutputDecoder (its outputs arrive as deltas)
         self.pending: dict = {}          # tag -> Future (add / call replies)
         self.cached: set = set()         # block hashes the replica holds (events) or was sent (routing)
         self.lock = threading.Lock()
@@ -359,7 +361,10 @@ class DataParallelEngine:
             max(8, (self.max_num_seqs or 32) // 2)
         from engine.kv_cache_manager import root_hash
         self._root_hash = root_hash()
-        log.info("data parallelism: %d replicas on %s, routing %s", n, backend, self.routing)
+        if n == 1:
+            log.info("the engine runs in its own process (%s)", backend)
+        else:
+            log.info("data parallelism: %d replicas on %s, routing %s", n, backend, self.routing)
 
     # ----------------------------------------------------------------------------- start / stop
     def _make_replicas(self, kw: dict) -> list:
@@ -464,9 +469,13 @@ class DataParallelEngine:
     def _dispatch(self, rep: _Replica, m) -> None:
         kind = m[0]
         if kind == "out":
-            _, rid, out = m
+            _, rid, body = m
             sink = rep.inflight.get(rid)
             if sink is not None:
+                dec = rep.decoders.get(rid)
+                if dec is None:
+                    dec = rep.decoders[rid] = OutputDecoder()
+                out = dec.decode(rid, body)
                 sink._put(out)
                 if out.finished:
                     self._forget(rep, rid)
@@ -495,6 +504,7 @@ class DataParallelEngine:
     def _forget(self, rep: _Replica, rid: str) -> None:
         with rep.lock:
             rep.inflight.pop(rid, None)
+            rep.decoders.pop(rid, None)
         with self._lock:
             self._owner.pop(rid, None)
 
@@ -521,6 +531,7 @@ class DataParallelEngine:
             rep.last_error = why
             rep.generation += 1
             sinks, rep.inflight = rep.inflight, {}
+            rep.decoders = {}
             pending, rep.pending = rep.pending, {}
             rep.cached.clear()
         log.error("data-parallel replica %d died (%s): %d request(s) failed; restarting it", rep.rank, why,
@@ -591,7 +602,7 @@ class DataParallelEngine:
         if not up:
             states = ", ".join(f"{r.rank}: {r.state}" for r in self.replicas)
             raise DataParallelUnavailableError(f"no data-parallel replica is serving ({states}); try again later")
-        if self.routing == "round_robin":
+        if self.routing == "round_robin" or len(self.replicas) == 1:
             return up[next(self._rr) % len(up)], [], 0
         turn = next(self._rr)
         least = min(r.load for r in up)
@@ -617,7 +628,7 @@ class DataParallelEngine:
         return best, hashes, best_n
 
     # ----------------------------------------------------------------------------- client side (server)
-    def _admit(self, reqs: list, sinks: list, priority: int) -> None:
+    def _admit(self, reqs: list, sinks: list, priority: int, lora_request=None) -> None:
         """Routes the requests (one HTTP request's prompts go to one replica, as they are admitted together)
         and waits for the replica's validation."""
         self._check_alive()
@@ -643,7 +654,7 @@ class DataParallelEngine:
             for rid, _, _ in reqs:
                 self._owner[rid] = rep
         try:
-            rep.transport.send(("add", tag, reqs, priority))
+            rep.transport.send(("add", tag, reqs, priority, lora_request))
             self._wait(fut, rep, "add")
         except BaseException:
             for rid, _, _ in reqs:
@@ -662,15 +673,15 @@ class DataParallelEngine:
                 raise EngineTimeoutError(f"data-parallel replica {rep.rank} did not answer the {what!r} command "
                                          f"within {self.command_timeout_s:g} s")
 
-    def submit(self, request_id: str, prompt, params, *, priority: int = 0) -> RequestStream:
+    def submit(self, request_id: str, prompt, params, *, priority: int = 0, lora_request=None) -> RequestStream:
         stream = RequestStream(self, request_id)
-        self._admit([(request_id, prompt, params)], [stream], priority)
+        self._admit([(request_id, prompt, params)], [stream], priority, lora_request)
         return stream
 
-    def submit_batch(self, requests: list, *, priority: int = 0) -> RequestGroupStream:
+    def submit_batch(self, requests: list, *, priority: int = 0, lora_request=None) -> RequestGroupStream:
         limits.check_batch(requests)
         group = RequestGroupStream(self, [rid for rid, _, _ in requests])
-        self._admit(list(requests), group.members, priority)
+        self._admit(list(requests), group.members, priority, lora_request)
         return group
 
     def abort(self, request_id: str) -> None:

@@ -5,7 +5,7 @@ This module is imported first in a fresh replica process, before anything that s
 top level stays light: the thread count and the core set are applied before `engine.async_engine` is imported.
 
 Front end -> replica (commands, in order):
-    ("add", tag, [(request id, prompt, params), ...], priority)   admitted together or not at all
+    ("add", tag, [(request id, prompt, params), ...], priority, lora_request)   admitted together or not at all
     ("abort", [request id, ...])
     ("call", tag, fn, args)             fn(LLMEngine, *args) between steps (fn must pickle: a module-level
                                         function or an operator.methodcaller / attrgetter)
@@ -14,7 +14,8 @@ Replica -> front end (a list of messages per send, in order):
     ("ready", facts)                    once, after the engine loaded
     ("added", tag, error | None)        the add's validation (prepare_request) result
     ("reply", tag, ok, value | error)
-    ("out", request id, RequestOutput)  ("end", request id): aborted; ("fail", request id, error)
+    ("out", request id, delta)          a RequestOutput as engine.output_wire encodes it (the step's delta)
+    ("end", request id): aborted; ("fail", request id, error)
     ("kv", KVEventBatch)                the prefix cache's events, every step that changed it
 
 Errors travel as (class name, message, param) and are rebuilt on the other side (see wire_error/rebuild_error):
@@ -96,12 +97,14 @@ class _ForwardingPublisher:
 
 
 class _Sink:
-    """Where the replica's AsyncEngine delivers one request's outputs: into the outbox, tagged."""
-    __slots__ = ("outbox", "request_id")
+    """Where the replica's AsyncEngine delivers one request's outputs: into the outbox, tagged, as deltas."""
+    __slots__ = ("outbox", "request_id", "encoder")
 
     def __init__(self, outbox: queue.Queue, request_id: str):
+        from engine.output_wire import OutputEncoder
         self.outbox = outbox
         self.request_id = request_id
+        self.encoder = OutputEncoder()
 
     def _put(self, item) -> None:
         from engine.async_engine import _DONE
@@ -110,7 +113,7 @@ class _Sink:
         elif isinstance(item, BaseException):
             self.outbox.put(("fail", self.request_id, wire_error(item)))
         else:
-            self.outbox.put(("out", self.request_id, item))
+            self.outbox.put(("out", self.request_id, self.encoder.encode(item)))
 
 
 class ReplicaCore:
@@ -147,8 +150,8 @@ class ReplicaCore:
         """Runs one command; False for "stop"."""
         kind = cmd[0]
         if kind == "add":
-            _, tag, reqs, priority = cmd
-            self._add(tag, reqs, priority)
+            _, tag, reqs, priority, lora = cmd
+            self._add(tag, reqs, priority, lora)
         elif kind == "abort":
             self.engine.abort_many(cmd[1])
         elif kind == "call":
@@ -158,12 +161,12 @@ class ReplicaCore:
             return False
         return True
 
-    def _add(self, tag, reqs, priority) -> None:
+    def _add(self, tag, reqs, priority, lora=None) -> None:
         from concurrent.futures import Future
         eng = self.engine
         try:
             eng._check_alive()
-            preps = [eng.engine.prepare_request(rid, prompt, params, priority=priority)
+            preps = [eng.engine.prepare_request(rid, prompt, params, priority=priority, lora_request=lora)
                      for rid, prompt, params in reqs]
         except Exception as e:  # noqa: BLE001 - the caller's error (usually InvalidRequestError)
             self.outbox.put(("added", tag, wire_error(e)))

@@ -60,3 +60,27 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones of a request: `newer`'s cumulative fields, with each
+    completion's delta the two deltas joined (vLLM's streaming merges the same way the outputs a slow reader
+    has not taken yet)."""
+    before = {c.index: c for c in older.outputs}
+    comps = []
+    for c in newer.outputs:
+        o = before.pop(c.index, None)
+        if o is None or not (o.delta_text or o.delta_token_ids):
+            comps.append(c)
+            continue
+        lps = c.delta_logprobs if o.delta_logprobs is None else \
+            o.delta_logprobs + (c.delta_logprobs if c.delta_logprobs is not None else [])
+        comps.append(CompletionOutput(
+            index=c.index, text=c.text, token_ids=c.token_ids, cumulative_logprob=c.cumulative_logprob,
+            logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            delta_text=o.delta_text + c.delta_text, delta_token_ids=list(o.delta_token_ids) + list(c.delta_token_ids),
+            delta_logprobs=lps))
+    comps.extend(before.values())
+    comps.sort(key=lambda c: c.index)
+    return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, comps, newer.finished,
+                         prompt_logprobs=newer.prompt_logprobs, metrics=newer.metrics, error=newer.error)

@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -252,7 +253,7 @@ def cmd_serving(args) -> int:
     rows = []
     # the engine alone first, each concurrency in a process of its own (a process holds the card's memory)
     engine = {}
-    for c in args.concurrency:
+    for c in ([] if args.skip_engine else args.concurrency):
         cmd = [sys.executable, str(Path(__file__)), "engine", "--model", args.model, "--concurrency", str(c),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
                "--device", args.device, "--max-num-seqs", str(max(args.concurrency))]
@@ -267,7 +268,7 @@ def cmd_serving(args) -> int:
             continue
         engine[c] = json.loads(p.stdout.strip().splitlines()[-1])
         print(f"serving: engine alone c={c}: {engine[c]['output_throughput']:.1f} output tok/s", flush=True)
-    extra = ["--max-num-seqs", str(max(args.concurrency))]
+    extra = ["--max-num-seqs", str(max(args.concurrency))] + shlex.split(args.server_args or "")
     if args.gpu_memory_utilization is not None:
         extra += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     server = Server(args.model, extra, _env(JITKERN_DEVICE=args.device), logs / "serving-server.log")
@@ -375,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--max-num-seqs", type=int, default=None, help="engine: default max(concurrency)")
         s.add_argument("--logs", help="folder for the server's log")
         s.add_argument("--json")
+        if name == "serving":
+            s.add_argument("--server-args", help="more `python -m server` flags, as one string "
+                                                  "(e.g. \"--no-engine-process\")")
+            s.add_argument("--skip-engine", action="store_true", help="the server only (no engine-alone runs)")
         s.set_defaults(fn=fn)
     t = sub.add_parser("table", help="the summary table of a results folder")
     t.add_argument("dir")

@@ -448,10 +448,20 @@ def build_engine(settings: ServerSettings):
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import EngineArgs
     args = EngineArgs(**settings.engine_kwargs())
-    if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray":
+    if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray" or engine_in_own_process(settings):
         from engine.data_parallel import DataParallelEngine
         return DataParallelEngine(args)
     return AsyncEngine(args)
+
+
+def engine_in_own_process(settings: ServerSettings) -> bool:
+    """Whether the engine runs apart from the HTTP threads (settings.engine_process; unset: on CUDA). In one
+    process, each of the engine's waits on the device (a graph launch, a copy back) hands the interpreter lock
+    to handler threads formatting tokens, and the step resumes only when they let go of it."""
+    if settings.engine_process is not None:
+        return settings.engine_process
+    from engine.device import resolve_device
+    return resolve_device(settings.device) == "cuda"
 
 
 def configure_logging(verbose: bool) -> None:

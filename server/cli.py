@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
                    help="where the replicas run: mp (local processes on disjoint cores, the default) or ray "
                         "(Ray actors in placement groups: `ray start --head` first; pip install 'jitkern[distributed]')")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine in a process of its own (as vLLM's engine core), apart from the HTTP "
+                        "threads; default: on where the device is CUDA")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -202,7 +205,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         itl_target_ms=args.itl_target_ms, enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, lora_modules=_lora_modules_json(args.lora_modules),
         data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
+        distributed_executor_backend=args.distributed_executor_backend, engine_process=args.engine_process,
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
         device=args.device or os.environ.get("JITKERN_DEVICE") or None,
         gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),

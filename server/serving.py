@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.errors import InvalidRequestError
+from engine.outputs import merge_deltas
 from server.errors import APIError, bad_request
 from server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from server.protocol import GenerationRequest
@@ -487,14 +488,17 @@ class Generation:
                     continue
                 if ev is _END:
                     break
-                # Outputs that queued up while this thread waited for the GIL or the socket go out in one
-                # write (one HTTP chunk, one send) instead of one per token; the bytes are the same.
-                frames, ended = [], False
+                # Outputs that queued up while this thread waited (for the interpreter lock, the socket) go out
+                # as one chunk per choice, their deltas joined, as vLLM's streaming does: a reader that falls
+                # behind costs one chunk per wake-up instead of one per token, so it catches up.
+                merged: dict = {}
+                ended = False
                 try:
                     while True:
                         pidx, out = ev
                         self._on_output(pidx, out)
-                        frames.extend(self._stream_output(pidx, out))
+                        prev = merged.get(pidx)
+                        merged[pidx] = out if prev is None else merge_deltas(prev, out)
                         if all(p.finished for p in self.prompts):
                             ended = True
                             break
@@ -505,9 +509,11 @@ class Generation:
                             ended = True
                             break
                 except Exception:
+                    frames = [f for pi, o in merged.items() for f in self._stream_output(pi, o)]
                     if frames:              # what was due before the failure still goes out first
                         yield b"".join(frames)
                     raise
+                frames = [f for pi, o in merged.items() for f in self._stream_output(pi, o)]
                 if frames:
                     yield frames[0] if len(frames) == 1 else b"".join(frames)
                     last_write = time.monotonic()

@@ -95,6 +95,9 @@ class ServerSettings:
     # (engine.data_parallel), as local processes ("mp") or Ray actors ("ray")
     data_parallel_size: Optional[int] = None
     distributed_executor_backend: Optional[str] = None
+    # JITKERN_ENGINE_PROCESS: the engine in a process of its own (vLLM's engine core), so that the HTTP threads
+    # never hold the interpreter lock the engine's step needs; None: on where the device is CUDA
+    engine_process: Optional[bool] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -128,6 +131,7 @@ class ServerSettings:
         "kv_events_config": "kv_events", "itl_target_ms": "nonneg_float",
         "enable_lora": "bool", "max_loras": "pos_int", "max_lora_rank": "pos_int", "lora_modules": "lora_modules",
         "data_parallel_size": "pos_int", "distributed_executor_backend": "executor_backend",
+        "engine_process": "bool",
     }
 
     @classmethod
