@@ -181,3 +181,19 @@ def test_bad_image_requests(llava, tmp_path):
             text.generate({"prompt": "t5 t6", "multi_modal_data": {"image": random_image(1)}}, SamplingParams())
     finally:
         text.close()
+
+
+def test_chat_template_json_beside_the_tokenizer(tmp_path):
+    """llava-hf repos keep the processor's chat template in chat_template.json, not in tokenizer_config.json."""
+    import json
+
+    from engine.tokenizer import Tokenizer
+    from tests.vision_fixtures import CHAT_TEMPLATE, _tokenizer
+    _tokenizer(str(tmp_path))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "image"}]}]
+    assert tok.encode_chat(msgs) == [5, IMAGE_TOKEN_ID]
