@@ -118,7 +118,8 @@ class ModelConfig:
         """Build from a parsed HF config.json (Llama, Mistral, Qwen2, Qwen3, Gemma-3, GPT-2, ...).
 
         Gemma-3 multimodal configs nest the text tower under ``text_config``; its keys win over the
-        top level. A LLaVA config's architecture is its text_config's (``extra`` keeps the vision side). GPT-2's n_embd / n_layer / n_head / n_positions / n_inner are understood.
+        top level. A LLaVA config's architecture is its text_config's (``extra`` keeps the vision side).
+        GPT-2's n_embd / n_layer / n_head / n_positions / n_inner are understood.
         """
         top = dict(config)
         model_type = top.get("model_type")

@@ -121,3 +121,16 @@ def test_text_only_model_refuses_images():
         assert r.json["error"]["param"] == "messages[0].content[1]"
     finally:
         app.close()
+
+
+def test_string_only_template_gets_placeholder_lines():
+    """A template that renders content only as a string (no parts) gets the image token, one line per image,
+    before the message's text; a template that looks at the parts' types gets the parts."""
+    from server.protocol import _fit_template_format
+    parts = [{"type": "text", "text": "what is"}, {"type": "image"}, {"type": "image"}, {"type": "text", "text": "it"}]
+    msgs = [{"role": "user", "content": list(parts)}, {"role": "assistant", "content": "ok"}]
+    _fit_template_format(msgs, "{% for m in messages %}{{ m['content'] }}{% endfor %}", "<image>")
+    assert msgs[0]["content"] == "<image>\n<image>\nwhat is\nit" and msgs[1]["content"] == "ok"
+    msgs = [{"role": "user", "content": list(parts)}]
+    _fit_template_format(msgs, "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% endif %}", "<image>")
+    assert msgs[0]["content"] == parts
