@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from engine.errors import ModelLoadError
 from engine.models.arch import arch_of
+from engine.models.llava import LLAMA_TEXT_DEFAULTS, LLAVA_MODEL_TYPES
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -117,7 +118,8 @@ class ModelConfig:
         """Build from a parsed HF config.json (Llama, Mistral, Qwen2, Qwen3, Gemma-3, GPT-2, ...).
 
         Gemma-3 multimodal configs nest the text tower under ``text_config``; its keys win over the
-        top level. GPT-2's n_embd / n_layer / n_head / n_positions / n_inner are understood.
+        top level. A LLaVA config's architecture is its text_config's (``extra`` keeps the vision side).
+        GPT-2's n_embd / n_layer / n_head / n_positions / n_inner are understood.
         """
         top = dict(config)
         model_type = top.get("model_type")
@@ -127,6 +129,15 @@ class ModelConfig:
         text = dict(top)
         if isinstance(top.get("text_config"), dict):
             text.update(top["text_config"])
+        if model_type in LLAVA_MODEL_TYPES:
+            # LLaVA: the decoder is the text_config's architecture (engine/models/llava.py runs the vision side)
+            tc = top.get("text_config")
+            if not isinstance(tc, dict):
+                raise ModelLoadError("a LLaVA config needs a 'text_config' object", path=source, key="text_config")
+            model_type = tc.get("model_type") or "llama"
+            if model_type == "llama":
+                for k, v in LLAMA_TEXT_DEFAULTS.items():
+                    text.setdefault(k, v)
         rec = arch_of(model_type)
         arch = rec.name
         defaults = rec.hf_defaults

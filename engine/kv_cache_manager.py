@@ -240,6 +240,9 @@ class KVCacheManager:
             extra = (("cache_salt", request.cache_salt),) if i == 0 and request.cache_salt else ()
             if request.lora is not None:    # KV computed under an adapter is that adapter's (as vLLM keys it)
                 extra += (("lora", request.lora.key),)
+            for im in request.mm_inputs:    # a block holding image tokens is that image's (vLLM's mm_hashes)
+                if im.offset < (i + 1) * bs and im.end > i * bs:
+                    extra += (("mm", im.hash, im.offset),)
             parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra)
             hashes.append(parent)
         return hashes

@@ -8,6 +8,8 @@
         print(delta, end="", flush=True)
     llm.chat([{"role": "user", "content": "Hi!"}])[0]          # a list, one output per conversation
     llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "Hi"}])   # vLLM's prompt forms
+    llm.generate({"prompt": "USER: <image>\nWhat is this? ASSISTANT:",       # a vision-language model (LLaVA)
+                  "multi_modal_data": {"image": PIL.Image.open("cat.png")}})
     llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=16))   # engine.beam_search
     LLM("embedding-model-dir").embed(["a sentence"])[0].outputs.embedding     # engine.pooling
 """
@@ -74,6 +76,8 @@ class LLM:
     def _prompt(self, p):
         """One vLLM prompt (str, token-id list, {"prompt": str} or {"prompt_token_ids": [...]}) -> str | ids."""
         if isinstance(p, dict):
+            if p.get("multi_modal_data") is not None:
+                return p                    # the engine reads the images (engine.multimodal)
             if "prompt_token_ids" in p:
                 return list(p["prompt_token_ids"])
             if "prompt" in p:

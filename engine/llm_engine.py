@@ -234,6 +234,11 @@ class LLMEngine:
         else:
             self.model = build_model(ckpt, kv_dtype=kv_dtype, device=args.device, dtype=args.dtype)
         device_kind = getattr(self.model, "device", "cpu")
+        # image input (engine.multimodal): a model with a vision tower (LLaVA) takes prompts with images
+        self.image_inputs = None
+        if getattr(self.model, "vision", None) is not None:
+            from engine.multimodal import ImageInputs
+            self.image_inputs = ImageInputs(self.model, ckpt.path, self.tokenizer)
         self.lora = None
         if args.enable_lora:
             from engine.lora import enable_lora
@@ -428,9 +433,16 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request id must be a non-empty string", param="request_id")
+        images = []
+        if isinstance(prompt, dict):        # vLLM's prompt dicts, possibly with multi_modal_data
+            prompt, images = self._prompt_dict(prompt)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        mm_inputs = []
+        if images:
+            # each image token becomes the image's feature rows (engine.multimodal)
+            ids, mm_inputs = self.image_inputs.prepare(ids, images)
         params.validate(self.config.vocab_size, self.args.max_logprobs)
         adapter = self._lora_adapter(lora_request) if lora_request is not None else None
         if params.extra_args is not None:
@@ -461,6 +473,7 @@ class LLMEngine:
             r.logit_edits = edits
             r.grammar = grammars[i] if grammars else None
             r.lora = adapter
+            r.mm_inputs = mm_inputs
             detok = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens, prompt_ids=ids) \
                 if p.detokenize else None
             st = _SeqState(i, r, detok, p, logprobs=[] if p.logprobs is not None else None,
@@ -469,6 +482,26 @@ class LLMEngine:
                 st.stop_buffer = max(len(s) for s in p.stop) - 1
             seqs.append(st)
         return PreparedRequest(request_id, text, ids, params, seqs, arrival, stream=stream)
+
+    def _prompt_dict(self, prompt: dict) -> tuple:
+        """(str or token ids, PIL images) of a vLLM prompt dict: {"prompt": str} or {"prompt_token_ids": [...]},
+        with optional {"multi_modal_data": {"image": image or [images]}}."""
+        from engine.multimodal import images_of
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown:
+            raise InvalidRequestError(f"unknown prompt field {unknown[0]!r} (prompt, prompt_token_ids, "
+                                      "multi_modal_data)", param=unknown[0])
+        if "prompt_token_ids" in prompt:
+            body = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            body = prompt["prompt"]
+        else:
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        mm = prompt.get("multi_modal_data")
+        images = images_of(mm) if mm is not None else []
+        if images and getattr(self, "image_inputs", None) is None:
+            raise InvalidRequestError("this model does not take image input", param="multi_modal_data")
+        return body, images
 
     def _lora_adapter(self, lora_request):
         """The loaded adapter of a LoRARequest (engine.lora; loaded from its path the first time)."""

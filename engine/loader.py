@@ -573,6 +573,9 @@ def _load_safetensors_dir(directory: Path, stats: LoadStats, tokenizer_config, l
             metadata.update(meta)
 
     attach_fp8_scales(tensors)
+    from engine.models.llava import is_llava, rename_tensors
+    if is_llava(config):
+        tensors = rename_tensors(tensors)      # the language model under its own names, beside the vision tower
     rec = arch_of(config.architecture)
     stops = stop_token_ids(directory / "config.json", directory / "generation_config.json")
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:

@@ -67,6 +67,10 @@ class Batch:
     logits_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     host: "Batch | None" = None            # a device batch: its host twin (for host-side reads of lengths)
     device_rows: object = None              # a device batch: logits_rows staged on the device
+    # image input (engine.multimodal): rows of the step's tokens whose embeddings are image features, and those
+    # features [len(mm_rows), hidden]; None in steps without image tokens
+    mm_rows: np.ndarray | None = None
+    mm_embeds: np.ndarray | None = None
 
 
 @dataclass
@@ -241,9 +245,36 @@ class ModelRunner:
         b.num_tokens = t
         b.num_seqs = R
         b.logits_rows = np.asarray(rows, np.int32)
+        b.mm_rows = b.mm_embeds = None
+        if any(s.request.mm_inputs for s in sched.scheduled):
+            self._image_rows(sched, b)
         if self.lora is not None:             # engine.lora: the step's adapters in slots, tokens tiled by slot
             self.lora.prepare_step(sched.scheduled)
         return StepResult(None, sample_rows, prompt_rows, spec_rows)
+
+    def _image_rows(self, sched, b) -> None:
+        """The step's image-token rows and their features (Batch.mm_rows / mm_embeds): the vision tower runs
+        here, on the engine thread, for images whose tokens this step computes and whose features are not
+        computed yet (a prefix-cache hit over a whole image skips it)."""
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            return                     # a model without a vision tower (a draft model): token embeddings only
+        from engine.multimodal import ensure_embeds
+        t = 0
+        spans = []
+        for s in sched.scheduled:
+            lo, hi = s.start, s.start + s.num_tokens
+            for im in s.request.mm_inputs:
+                a, e = max(lo, im.offset), min(hi, im.end)
+                if a < e:
+                    spans.append((im, t + a - lo, a - im.offset, e - a))
+            t += s.num_tokens
+        if not spans:
+            return
+        ensure_embeds(vision, [sp[0] for sp in spans])
+        b.mm_rows = np.concatenate([np.arange(r, r + n, dtype=np.int32) for _, r, _, n in spans])
+        b.mm_embeds = np.concatenate([im.embeds[f:f + n] for im, _, f, n in spans]) if len(spans) > 1 \
+            else spans[0][0].embeds[spans[0][2]:spans[0][2] + spans[0][3]]
 
     def execute(self, sched) -> StepResult:
         return self.finish(sched, self.launch(sched))

@@ -103,8 +103,8 @@ class PrefillGraphs:
             return False
         if not getattr(r.model, "supports_graphs", True) or not _gathers_rows_from_array(r.model):
             return False
-        if res.prompt_rows or res.spec_rows or b.num_tokens == 0:
-            return False
+        if res.prompt_rows or res.spec_rows or b.num_tokens == 0 or b.mm_rows is not None:
+            return False            # (image features are scattered by a launch of their own shape: eager)
         R, S = len(b.logits_rows), b.num_seqs
         if not (R <= S and b.num_tokens > S):        # one row per sampling sequence; some sequence prefills
             return False

@@ -83,6 +83,8 @@ class Request:
     grammar: object = None
     # engine.lora.LoRAAdapter this request runs with (None: the base model)
     lora: object = None
+    # engine.multimodal.ImageInput of each image in the prompt (their placeholder ranges, hashes, features)
+    mm_inputs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -4,8 +4,9 @@ templates, stop ids and an incremental detokenizer.
 Sources
 -------
 * ``tokenizer.json`` (+ ``tokenizer_config.json``: chat_template, bos/eos tokens, add_bos_token;
-  ``chat_template.jinja`` beside it when the config has no template). The ``tokenizers`` library
-  runs any tokenizer.json as HF does, so no pre-tokenizer whitelist is needed there.
+  ``chat_template.jinja``, else a processor's ``chat_template.json``, beside it when the config has no
+  template). The ``tokenizers`` library runs any tokenizer.json as HF does, so no pre-tokenizer whitelist is
+  needed there.
 * A GGUF's ``tokenizer.ggml.*`` metadata, rebuilt into a ``tokenizers`` object the way llama.cpp
   (llama-vocab.cpp) tokenizes that file:
 
@@ -181,6 +182,10 @@ class Tokenizer:
         if template is None and (path.parent / "chat_template.jinja").is_file():
             tpl = path.parent / "chat_template.jinja"
             template, template_src = tpl.read_text(encoding="utf-8"), str(tpl)
+        if template is None and (path.parent / "chat_template.json").is_file():
+            # vision-language repos (llava-hf) keep their processor's template there: {"chat_template": "..."}
+            tpl = path.parent / "chat_template.json"
+            template, template_src = _template_from_config(_read_json(tpl, required=False), tpl)
         # Fallback ids from config.json when the tokenizer config names no bos/eos token.
         model_cfg = _read_json(path.with_name("config.json"), required=False)
         bos = _token_content(cfg.get("bos_token")) or _token_for_id(backend, model_cfg.get("bos_token_id"))

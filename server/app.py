@@ -70,6 +70,8 @@ def _engine_facts(llm_engine) -> dict:
         "architecture": getattr(cfg, "architecture", None),
         "task": getattr(llm_engine, "task", "generate"),                    # "embed": /v1/embeddings only
         "default_sampling": dict(getattr(llm_engine, "default_sampling", None) or {}),   # generation_config.json
+        # image input (engine.multimodal): the chat template's image placeholder text, None for text-only models
+        "image_placeholder": getattr(getattr(llm_engine, "image_inputs", None), "token_text", None),
     }
 
 
@@ -104,7 +106,8 @@ class AppState:
                                   max_logprobs=20 if max_logprobs is None else max_logprobs,
                                   scheduling_policy=self.policy, tool_parser=tool_parser,
                                   reasoning_parser=reasoning_parser, enable_thinking=settings.enable_thinking,
-                                  default_sampling=facts.get("default_sampling") or {})
+                                  default_sampling=facts.get("default_sampling") or {},
+                                  image_placeholder=facts.get("image_placeholder"))
         self.start_time = int(time.time())
         self.metrics = None
         if settings.enable_metrics:

@@ -291,6 +291,7 @@ class Fields:
 class PromptInput:
     text: Optional[str]            # None when the prompt was given as token ids
     token_ids: list
+    images: Optional[list] = None  # PIL images of a chat request's image_url parts, in prompt order
 
 
 @dataclass
@@ -329,6 +330,8 @@ class ServingContext:
     enable_thinking: Optional[bool] = None     # --enable-thinking: the template's default enable_thinking
     # generation_config.json's sampling defaults for fields a request leaves unset (--generation-config auto)
     default_sampling: dict = field(default_factory=dict)
+    # a model that takes image input (engine.multimodal): its image token's text; None: text only
+    image_placeholder: Optional[str] = None
 
 
 def _model(f: Fields) -> Optional[str]:
@@ -657,29 +660,92 @@ def _prompt_input(f: Fields, ctx: ServingContext, prompt, encoded: Optional[list
 
 # ------------------------------------------------------------------------------------- chat
 
-def _content_text(content, where: str) -> Optional[str]:
-    """A message's content as the template sees it: text parts are joined with newlines (as vLLM does)."""
+def _content_text(content, where: str, images: Optional[list] = None, placeholder: Optional[str] = None):
+    """A message's content as the template sees it: text parts are joined with newlines (as vLLM does). With
+    `images` (a model that takes image input, `placeholder` its image token's text), image_url parts are decoded
+    into it and the content is the parts list the template renders (`{"type": "image"}` where each image goes)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _type_error(where, "a string or an array of content parts", content)
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         pwhere = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise _type_error(pwhere, "a content-part object", part)
         kind = part.get("type")
+        if kind == "image_url":
+            if images is None:
+                raise bad_request("this model does not take image input", param=pwhere,
+                                  code="unsupported_parameter")
+            images.append(_data_url_image(part, pwhere))
+            parts.append({"type": "image"})
+            continue
         if kind != "text":
-            raise bad_request(f"'{pwhere}.type' {kind!r} is not supported by this text-only model (only 'text' "
-                              "parts)", param=f"{pwhere}.type", code="unsupported_parameter")
+            what = "'text' and 'image_url'" if images is not None else "only 'text'"
+            raise bad_request(f"'{pwhere}.type' {kind!r} is not supported by this model ({what} parts)",
+                              param=f"{pwhere}.type", code="unsupported_parameter")
         text = part.get("text")
         if not isinstance(text, str):
             raise _type_error(f"{pwhere}.text", "a string", text)
         texts.append(text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": text})
+    if images is None or all(p["type"] == "text" for p in parts):
+        return "\n".join(texts)
+    return parts
 
 
-def _messages(f: Fields, max_chars: Optional[int] = None) -> list:
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024      # a decoded image larger than this is refused (decompression bombs)
+
+
+def _data_url_image(part: dict, where: str):
+    """The PIL image of an image_url content part: only data: URLs (base64), since the server downloads nothing."""
+    iu = part.get("image_url")
+    url = iu.get("url") if isinstance(iu, dict) else iu
+    if not isinstance(url, str):
+        raise _type_error(f"{where}.image_url.url", "a string (a data: URL)", url)
+    if not url.startswith("data:"):
+        raise bad_request(f"'{where}.image_url.url' must be a data: URL (data:image/png;base64,...): this server "
+                          "does not download images", param=f"{where}.image_url.url", code="invalid_value")
+    head, sep, payload = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise bad_request(f"'{where}.image_url.url' must be a base64 data: URL (data:image/png;base64,...)",
+                          param=where, code="invalid_value")
+    import base64
+    import binascii
+    import io
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"'{where}' holds invalid base64 data", param=where, code="invalid_value") from None
+    try:
+        from PIL import Image
+    except ImportError:     # pragma: no cover - Pillow is a dependency
+        raise bad_request("image input needs Pillow on the server", param=where) from None
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw))
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise bad_request(f"'{where}' is a {img.width}x{img.height} image; at most {MAX_IMAGE_PIXELS} pixels",
+                                  param=where, code="invalid_value")
+            img.load()
+    except APIError:
+        raise
+    except Exception as e:      # noqa: BLE001 - whatever Pillow says, the part is not a readable image
+        raise bad_request(f"'{where}' is not a decodable image ({type(e).__name__}: {e})", param=where,
+                          code="invalid_value") from None
+    return img
+
+
+def _messages(f: Fields, max_chars: Optional[int] = None, ctx: Optional[ServingContext] = None,
+              images: Optional[list] = None) -> list:
+    """The request's messages checked, as the chat template takes them. `images`: a list to decode image_url
+    parts into (the server's context says whether the model takes image input)."""
+    placeholder = ctx.image_placeholder if ctx is not None else None
+    if placeholder is None and images is not None:
+        images = None                   # a text-only model: an image_url part is refused by name
     messages = f.body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", param="messages", code="missing_required_parameter")
@@ -700,11 +766,12 @@ def _messages(f: Fields, max_chars: Optional[int] = None) -> list:
             raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
                               param=f"{where}.role")
         msg = dict(m)
-        content = _content_text(m.get("content"), f"{where}.content")
+        content = _content_text(m.get("content"), f"{where}.content", images, placeholder)
         if content is None and not m.get("tool_calls"):
             content = ""
         msg["content"] = content
-        total_chars += len(content or "")
+        total_chars += len(content or "") if not isinstance(content, list) else \
+            sum(len(p.get("text", "")) for p in content)
         if max_chars is not None and total_chars > max_chars:
             raise bad_request(f"the messages' contents are longer than this server accepts ({max_chars} characters "
                               "in all)", param="messages", code="context_length_exceeded")
@@ -716,13 +783,33 @@ def _messages(f: Fields, max_chars: Optional[int] = None) -> list:
         if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
             raise _type_error(f"{where}.tool_call_id", "a string", m["tool_call_id"])
         out.append(msg)
+    if images:
+        _fit_template_format(out, getattr(ctx.tokenizer, "chat_template", None), placeholder)
     return out
+
+
+def _fit_template_format(messages: list, template, placeholder: str) -> None:
+    """Messages with images as the chat template takes them. A template that handles content parts (it looks at
+    a part's type: LLaVA's do) gets the parts list, `{"type": "image"}` where each image goes. A template that
+    renders content as a string gets the text with one placeholder line per image first (vLLM's "string"
+    content format)."""
+    if isinstance(template, dict):
+        template = "\n".join(str(t) for t in template.values())
+    if isinstance(template, str) and "image" in template and "type" in template:
+        return
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            n = sum(p["type"] == "image" for p in c)
+            text = "\n".join(p["text"] for p in c if p["type"] == "text")
+            m["content"] = (placeholder + "\n") * n + text
 
 
 def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     f = Fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = _model(f)
-    messages = _messages(f, max_text_chars(ctx))
+    images: list = []
+    messages = _messages(f, max_text_chars(ctx), ctx, images)
     from server.tool_request import chat_output_spec, enforce_forced_call, parse_tools
     tools, tool_choice, parallel_tool_calls = parse_tools(f.body)
     modalities = f.str_list("modalities")
@@ -768,6 +855,8 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     if tool_choice in ("required",) or isinstance(tool_choice, tuple):
         enforce_forced_call(params, tools, tool_choice, parallel_tool_calls)
     if f.bool("use_beam_search", False):
+        if images:
+            raise bad_request("use_beam_search is not available with image input", param="use_beam_search")
         from server.beam import beam_params
         req.beam = beam_params(f, ctx, params, None, req.stream, bool(f.bool("echo", False)))
     from engine.errors import ChatTemplateError
@@ -778,6 +867,8 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
                           code="chat_template_error") from None
     if continue_final:
         last = messages[-1].get("content") or ""
+        if isinstance(last, list):          # content parts with images: the final text part is what continues
+            last = next((p["text"] for p in reversed(last) if p["type"] == "text"), "")
         cut = text.rfind(last) if last else -1
         if cut < 0:
             raise bad_request("the final message could not be located in the rendered prompt, so it cannot be "
@@ -789,7 +880,7 @@ def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:
     check_text_length(ctx, text, "messages")
     (ids,) = encode_texts(ctx, [text], bool(f.bool("add_special_tokens", False)))
     ids = _truncate(f, ctx, ids, "messages")
-    req.prompts = [PromptInput(text, ids)]
+    req.prompts = [PromptInput(text, ids, images or None)]
     req.log_summary = {"prompt": text}
     req.chat_output = chat_output_spec(f.body, ctx, tools, tool_choice, parallel_tool_calls, prompt_text=text,
                                        template_kwargs=kwargs, skip_special_tokens=params.skip_special_tokens)
@@ -808,7 +899,7 @@ def parse_tokenize_request(body: dict, ctx: ServingContext) -> tuple:
         f = Fields(body, {"model", "messages", "add_generation_prompt", "continue_final_message",
                           "add_special_tokens", "chat_template_kwargs", "tools", "tool_choice",
                           "return_token_strs"}, "/tokenize")
-        msgs = _messages(f, max_text_chars(ctx))
+        msgs = _messages(f, max_text_chars(ctx), ctx, [])
         kwargs = f.dict("chat_template_kwargs") or {}
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:

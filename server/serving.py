@@ -193,8 +193,10 @@ class Generation:
                 self.events = BeamEvents(self.state, self.id, prompts, self.req.beam, n=self.req.params.n)
                 self.engine_ids = [self.id]
             elif len(prompts) == 1:
-                stream = engine.submit(self.id, list(prompts[0].token_ids), self.req.params.clone(),
-                                       priority=self.req.priority, **lkw)
+                prompt = list(prompts[0].token_ids)
+                if prompts[0].images:           # image_url parts: the engine expands and encodes them
+                    prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": prompts[0].images}}
+                stream = engine.submit(self.id, prompt, self.req.params.clone(), priority=self.req.priority, **lkw)
                 self.engine_ids = [self.id]
                 self.events = StreamEvents(stream)
             else:
@@ -206,7 +208,7 @@ class Generation:
                 self.events = GroupEvents(group)
         except InvalidRequestError as e:
             param = e.param
-            if self.chat and param == "prompt":
+            if self.chat and param in ("prompt", "multi_modal_data"):
                 param = "messages"
             raise bad_request(e.message, param=param) from None
         self.state.register(self)
@@ -253,6 +255,8 @@ class Generation:
         now = time.monotonic()
         p = self.prompts[pidx]
         p.last_output = out
+        if len(out.prompt_token_ids) != len(p.token_ids) and self.req.prompts[pidx].images:
+            p.token_ids = list(out.prompt_token_ids)    # image tokens expanded by the engine: usage counts them
         new = sum(len(c.delta_token_ids) for c in out.outputs)
         metrics = self.state.metrics
         if new:

@@ -23,12 +23,20 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: 
     arch = ckpt.config.architecture
     rec = _arch.arch_of(arch)
     model = rec.model if _arch.known(arch) else None
-    if model == "mla" and (device or "auto").strip().lower() == "auto":
-        device = "cpu"          # MLA runs on the CPU only so far: "auto" must not pick a GPU it would refuse
+    from engine.models.llava import is_llava
+    if (model == "mla" or is_llava(ckpt.config)) and (device or "auto").strip().lower() == "auto":
+        device = "cpu"          # MLA and LLaVA run on the CPU only so far: "auto" must not pick a GPU they would refuse
     device = resolve_device(device)
     if model == "decoder":
         from engine.models.decoder import DecoderLM
-        return DecoderLM(ckpt, kv_dtype=kv_dtype, device=device, dtype=dtype)
+        from engine.models.llava import LlavaVision
+        if is_llava(ckpt.config) and device != "cpu":
+            raise ModelLoadError("LLaVA (image input) runs on the CPU only so far: use --device cpu",
+                                 path=ckpt.path, key="device")
+        lm = DecoderLM(ckpt, kv_dtype=kv_dtype, device=device, dtype=dtype)
+        if is_llava(ckpt.config):
+            lm.vision = LlavaVision(ckpt)       # takes image input (engine.multimodal)
+        return lm
     if model == "mla":
         from engine.models.mla import MLADecoderLM
         return MLADecoderLM(ckpt, kv_dtype=kv_dtype, device=device)

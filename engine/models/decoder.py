@@ -511,6 +511,10 @@ class DecoderLM:
                 scale_inplace(h, self.embed_scale)
         if tp is not None:
             tp.all_reduce(h)
+        if getattr(b, "mm_rows", None) is not None:
+            # image input (LLaVA): the image tokens' embeddings are the projected image features
+            from jitkern.ops.vision import scatter_rows
+            scatter_rows(b.mm_embeds, b.mm_rows, h)
         if self.pos_embed is not None:
             pe = buf.get("pe", (T, self.hidden))
             embedding(pos, self.pos_embed, out=pe)
