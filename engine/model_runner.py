@@ -326,12 +326,12 @@ class ModelRunner:
     def _greedy_on_device(self, res) -> None:
         """The argmax of each logits row (and its value, for the sampler's NaN guard) on the device: R ints and
         R floats come back instead of R x vocab floats (32 MB a step at batch 64 with a 128k vocabulary)."""
-        from jitkern.ops.sampling import argmax_rows, gather_rows
+        from engine.ops.sampling import argmax_rows, gather_rows
         logits = res.logits
         R = logits.shape[0]
         bufs = self._greedy_bufs.get(R)
         if bufs is None:
-            from jitkern.ops._hostargs import empty_like_dev
+            from engine.ops._hostargs import empty_like_dev
             bufs = self._greedy_bufs[R] = (empty_like_dev(logits, R, np.int32), empty_like_dev(logits, R, np.float32))
         ids, vals = bufs
         argmax_rows(logits, out=ids)
@@ -415,7 +415,7 @@ class ModelRunner:
         if not (self.device_greedy and isinstance(key, int) and isinstance(logits, np.ndarray)
                 and logits.ndim == 2 and logits.flags.c_contiguous):
             return None
-        from jitkern.ops.sampling import argmax_rows, gather_rows
+        from engine.ops.sampling import argmax_rows, gather_rows
         R = logits.shape[0]
         ids, vals = np.zeros(R, np.int32), np.zeros(R, np.float32)
         argmax_rows(logits, out=ids)
@@ -475,7 +475,7 @@ class ModelRunner:
 
     @staticmethod
     def _pick_greedy(logits, picks) -> None:
-        from jitkern.ops.sampling import argmax_rows, gather_rows
+        from engine.ops.sampling import argmax_rows, gather_rows
         argmax_rows(logits, out=picks[0])
         gather_rows(logits, picks[0], out=picks[1])
 

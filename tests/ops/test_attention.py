@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jitkern as jk
-from jitkern.ops import attention as A
+from engine.ops import attention as A
 from targets import tuned
 
 BS = 16
@@ -496,7 +496,7 @@ def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
     the f32 output (bit for bit, in the linear's layout, with and without the 4-fold scales). Decode-only steps
     on a partition axis > 1 write it from the merge kernel (CPU tiers; the flash merge on GPUs): no quantize_q8
     launch; other steps, and Vulkan's token kernel, quantise after the attention."""
-    from jitkern.ops import quant as Q
+    from engine.ops import quant as Q
     rng = np.random.default_rng(31)
     quantised_after = []
     real = A._quantize_out

@@ -21,7 +21,7 @@ bits are the same as a decode (decode + merge kernels) or as a row of a prefill 
 import numpy as np
 import pytest
 
-from jitkern.ops import attention as A
+from engine.ops import attention as A
 from targets import tuned
 
 from .test_attention import BS, check, make_step, ref_paged_attention
@@ -487,7 +487,7 @@ def test_flash_merge_writes_the_q8_input(tier, layout, heads, kv_heads, dim):
     quantised for a GGUF o projection (its head group's rows read back after a CTA barrier, or the decode
     kernel's for one partition), bit for bit quantize_q8 of the f32 output, the 4-fold scales too; the f32
     output unchanged. Padded head groups (G = 3, 5) mask their spare rows."""
-    from jitkern.ops import quant as Q
+    from engine.ops import quant as Q
     rng = np.random.default_rng(37)
     seqs = [(1, 1), (15, 1), (300, 1), (0, 0), (70, 1), (600, 1), (17, 1)]
     q, kc, vc, qs, sl, bt = make_step(rng, seqs, heads, kv_heads, dim, np.float16)

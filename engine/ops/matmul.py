@@ -40,7 +40,7 @@ import numpy as np
 import jitkern as jk
 from jitkern.ir import bf16 as _BF16
 from jitkern.jit import Pointer, as_pointer
-from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
+from engine.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
 from jitkern.runtime.cpu import runtime_target
 from jitkern.runtime.launch import launch
 from targets import get_target

@@ -82,7 +82,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import jitkern as jk
-from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target, run
+from engine.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target, run
 
 __all__ = ["QTYPES", "QType", "Q8Activations", "LAYOUTS", "act_layout", "quantize_q8", "matmul_q", "matmul_q8",
            "dequantize_rows", "row_bytes", "qmm_tiles", "qmm_step"]

@@ -1423,7 +1423,7 @@ FLASH_PREFILL_MAXNREG = None
 def _tuning(target):
     """The launch choices for `target` (None: this host's CPU tier's)."""
     if target is None:
-        from ..runtime.cpu import runtime_target
+        from jitkern.runtime.cpu import runtime_target
         target = runtime_target()
     return target.tuning
 
@@ -1644,7 +1644,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
                     validate: bool = True, host_step=None, sinks=None, target=None, operands=None, q8_out=None):
     """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
 
-    q8_out: a jitkern.ops.quant.Q8Activations (arrays, layout, 4-fold scales) that also receives the output
+    q8_out: a engine.ops.quant.Q8Activations (arrays, layout, 4-fold scales) that also receives the output
     quantised as quantize_q8 would (the next GGUF linear's input), written by the merge kernel in decode-only
     steps (one launch fewer), else by quantize_q8 after the attention; out must be float32.
 
@@ -1727,7 +1727,7 @@ def _check_q8_out(st, q8_out):
     from .quant import Q8Activations
     T, K = st.out.shape[0], st.heads * st.dim
     if not isinstance(q8_out, Q8Activations):
-        raise TypeError("q8_out: a jitkern.ops.quant.Q8Activations (the arrays quantize_q8 fills)")
+        raise TypeError("q8_out: a engine.ops.quant.Q8Activations (the arrays quantize_q8 fills)")
     if st.out.dtype != np.float32:
         raise ValueError("q8_out: the attention output must be float32 to be quantised")
     if K % 32 or q8_out[0].shape != (T, K) or q8_out[1].shape != (T, K // 32):
@@ -1769,7 +1769,7 @@ def _decode_head_split(st, tu) -> bool:
     CPU pool's threads (one sequence with 2 threads: its heads on both threads instead of one)."""
     if not tu.decode_head_split or st.kvh < 2:
         return False
-    from ..runtime.cpu_pool import get_pool
+    from jitkern.runtime.cpu_pool import get_pool
     return st.num_seqs < get_pool().num_threads
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit import as_pointer
-from ..runtime.launch import launch
+from jitkern.jit import as_pointer
+from jitkern.runtime.launch import launch
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
@@ -31,7 +31,7 @@ def is_array(a) -> bool:
 def empty_like_dev(ref, shape, dtype):
     """An uninitialised array on the device `ref` lives on: a DeviceArray there, else numpy."""
     if is_device(ref):
-        from ..runtime.cuda import DeviceArray
+        from jitkern.runtime.cuda import DeviceArray
         return DeviceArray.empty(shape, dtype, ref.device)
     return np.empty(shape, dtype)
 
@@ -44,7 +44,7 @@ def device_scratch(ref, role: str, shape, dtype):
     across calls: stable addresses (what recorded CUDA graphs point at) and no allocation once the sizes
     were seen (stream capture must not allocate). Safe because every launch and copy goes to the device's
     one stream in order; a grown buffer stays alive in the graphs that recorded the old one."""
-    from ..runtime.cuda import DeviceArray
+    from jitkern.runtime.cuda import DeviceArray
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
     key = (id(ref.device), role, dtype.str)
@@ -129,7 +129,7 @@ def launch_target(target):
     """The Target a launch compiles for (the runtime tier when `target` is None)."""
     t = resolve_target(target)
     if t is None:
-        from ..runtime.cpu import runtime_target
+        from jitkern.runtime.cpu import runtime_target
         t = runtime_target()
     return t
 
