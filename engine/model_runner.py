@@ -466,7 +466,7 @@ class ModelRunner:
         if not (self.device_greedy and isinstance(key, int) and not isinstance(logits, np.ndarray)
                 and len(logits.shape) == 2):
             return None
-        from jitkern.runtime.cuda import DeviceArray
+        from jitkern.runtime.device import DeviceArray
         R = logits.shape[0]
         both = DeviceArray.empty((2 * R,), np.int32, logits.device)
         ids = DeviceArray(both.ptr, (R,), np.int32, logits.device, both)

@@ -331,7 +331,7 @@ class DecoderLM:
         shape = (num_blocks, block_size, self.KVH, self.D)
         if self.device in ("cuda", "vulkan"):
             from engine.device import runtime_device
-            from jitkern.runtime.cuda import DeviceArray
+            from jitkern.runtime.device import DeviceArray
             dev = runtime_device(self.device)
             self.k_caches = [DeviceArray.zeros(shape, self.kv_dtype, dev) for _ in self.layers]
             self.v_caches = [DeviceArray.zeros(shape, self.kv_dtype, dev) for _ in self.layers]

@@ -19,7 +19,7 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
 def is_device(a) -> bool:
-    """A GPU DeviceArray (jitkern.runtime.cuda), checked without importing the CUDA runtime."""
+    """A GPU DeviceArray (jitkern.runtime.device), checked without importing a GPU runtime."""
     return type(a).__name__ == "DeviceArray"
 
 
@@ -31,7 +31,7 @@ def is_array(a) -> bool:
 def empty_like_dev(ref, shape, dtype):
     """An uninitialised array on the device `ref` lives on: a DeviceArray there, else numpy."""
     if is_device(ref):
-        from jitkern.runtime.cuda import DeviceArray
+        from jitkern.runtime.device import DeviceArray
         return DeviceArray.empty(shape, dtype, ref.device)
     return np.empty(shape, dtype)
 
@@ -44,7 +44,7 @@ def device_scratch(ref, role: str, shape, dtype):
     across calls: stable addresses (what recorded CUDA graphs point at) and no allocation once the sizes
     were seen (stream capture must not allocate). Safe because every launch and copy goes to the device's
     one stream in order; a grown buffer stays alive in the graphs that recorded the old one."""
-    from jitkern.runtime.cuda import DeviceArray
+    from jitkern.runtime.device import DeviceArray
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
     key = (id(ref.device), role, dtype.str)

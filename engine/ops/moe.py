@@ -460,7 +460,7 @@ def direct_pairs(T: int, K: int, like=None):
         ar = np.arange(P, dtype=np.int32)
         tab = (ar // K, ar.reshape(T, K), ar, np.ones(P, np.int32))
         if dev is not None:
-            from jitkern.runtime.cuda import DeviceArray
+            from jitkern.runtime.device import DeviceArray
             tab = tuple(DeviceArray.from_numpy(a, device=dev) for a in tab)
         _direct_tables[key] = (tab, dev)
         return tab

@@ -292,7 +292,7 @@ def _compile_only_launch(co, kernel, args, kwargs, target=None):
 def _device_target(args):
     """The GPU target of the first device array among the arguments (as Triton does), else None. Until the
     device-array module is imported no argument can be one, so CPU launches skip the scan."""
-    mod = sys.modules.get("jitkern.runtime.cuda")
+    mod = sys.modules.get("jitkern.runtime.device")
     if mod is None:
         return None
     device_array = mod.DeviceArray
@@ -328,7 +328,8 @@ from . import gpu_profile as _gpu_profile  # noqa: E402
 def _launch_gpu(kernel, grid, args, kwargs, target):
     if target.is_vulkan:
         return _launch_vulkan(kernel, grid, args, kwargs, target)
-    from .cuda import CudaGraph, get_device, pack_slots
+    from .cuda import CudaGraph, get_device
+    from .device import pack_slots
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
         grid = grid(consts if consts is not None else dict(kwargs))
@@ -359,7 +360,7 @@ def run_staged(dev, args, run, what: str = "a GPU launch", error=TypeError):
     `dev` whole (views keep their offsets and strides, aliasing between arguments stays), `run(device_args)`
     launches, and every writeable buffer comes back (a kernel may write any of them). Returns run's result.
     Shared by the CUDA/Vulkan and HIP staged launches."""
-    from .cuda import DeviceArray
+    from .device import DeviceArray
     from ..jit import _NP_TO_DTYPE
     staged, dargs = {}, []
 
