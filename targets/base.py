@@ -33,7 +33,7 @@ class Target(CachedHash):
     shared_mem_bytes: int = 0    # shared memory one CTA / workgroup may use (dynamic opt-in maximum)
     mma: str = ""                # matrix unit: "mma.sync" (sm_80+), "wgmma" (sm_90a), "mfma", "wmma"
     async_copy: str = ""         # "cp.async" (sm_80+), "tma" (sm_90+)
-    # code-generation choices (targets/tuning.py); in cache keys through Tuning.choices_key
+    # code-generation choices (targets/tuning.py); in cache keys through Tuning.tags (jitkern/backends)
     tuning: Tuning = _DEFAULT_TUNING
 
     @property

@@ -321,6 +321,35 @@ class CudaGraph(StreamGraph):
         check(driver().cuGraphLaunch(self.exec, self.device.stream), "cuGraphLaunch")
 
 
+def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
+    """One launch on the CUDA device (launch.py comes here for a CUDA target). `jk_graph`: the `jk.capture()`
+    graph active on this thread, if any: stream capture starts at its first launch and the capture's exit ends
+    it. Host (numpy) arguments are staged through device memory (run_staged): a convenience for tests and
+    one-off calls that keeps the op wrappers' numpy interface; the engine passes DeviceArrays."""
+    from . import gpu_profile
+    from .launch import has_host_arrays, resolve_launch, run_staged
+    if has_host_arrays(args):
+        return run_staged(get_device(), args,
+                          lambda dargs: launch_args(kernel, grid, dargs, kwargs, target, jk_graph))
+    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    if g is None:
+        return ck
+    dev = get_device()
+    slots = pack_slots(values)
+    if jk_graph is not None:
+        if jk_graph.cuda is None:
+            jk_graph.cuda = CudaGraph(dev)
+            jk_graph.cuda.begin()
+        jk_graph.cuda.nodes += 1
+        jk_graph.cuda.keep(values)
+    lk = ck.loaded
+    if gpu_profile.ENABLED and jk_graph is None:
+        gpu_profile.timed(dev, kernel.__name__, lambda: dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes, slots))
+        return ck
+    dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes, slots)
+    return ck
+
+
 _live_graphs = weakref.WeakSet()
 
 

@@ -267,15 +267,12 @@ def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
     """One launch on the AMD GPU. `jk_graph`: the `jk.capture()` graph active on this thread, if any: its
     launches go into one HipGraph (stream capture starts at the first, capture's exit ends it; the graph's
     `cuda` slot holds it, as for a CUDA graph, so `Graph.replay()` replays it)."""
-    from .launch import Pointer, resolve
-    if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
+    from .launch import has_host_arrays, resolve_launch
+    if has_host_arrays(args):
         return _launch_staged(kernel, grid, args, kwargs, target, jk_graph)
     dev = get_device()
-    ck, values, consts = resolve(kernel, args, kwargs, target)
-    if callable(grid):
-        grid = grid(consts if consts is not None else dict(kwargs))
-    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    if g[0] * g[1] * g[2] == 0:
+    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    if g is None:
         return ck
     slots = pack_slots(values)
     graph = getattr(_capture, "graph", None)

@@ -551,6 +551,29 @@ def to_device(x, dtype=None, device: VulkanDevice | None = None):
     return x if isinstance(x, DeviceArray) else from_numpy(x, dtype, device)
 
 
+def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
+    """One dispatch on the Vulkan device (launch.py comes here for the vulkan target): synchronous; inside
+    `jk.capture()` (`jk_graph`) recorded into the graph's VulkanGraph instead (replayed as one command buffer).
+    Host (numpy) arguments are staged through device memory, outside a capture only."""
+    from .launch import has_host_arrays, resolve_launch, run_staged
+    if has_host_arrays(args):
+        if jk_graph is not None:
+            raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
+                                      "arguments (a staged copy per launch) cannot be replayed")
+        return run_staged(get_device(), args,
+                          lambda dargs: launch_args(kernel, grid, dargs, kwargs, target, jk_graph))
+    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    if g is None:
+        return ck
+    if jk_graph is not None:
+        if jk_graph.vulkan is None:
+            jk_graph.vulkan = VulkanGraph(ck.loaded.device)
+        jk_graph.vulkan.add(ck.loaded.pipeline, g, values)
+        return ck
+    ck.loaded.device.launch(ck.loaded.pipeline, g, values)
+    return ck
+
+
 class LoadedKernel:
     """What a launch needs: the device's pipeline for the kernel's SPIR-V."""
     __slots__ = ("pipeline", "num_threads", "device")
@@ -565,4 +588,4 @@ def load_kernel(artifacts: dict, symbol: str, meta: dict, device: VulkanDevice |
 
 
 __all__ = ["VulkanDevice", "VulkanGraph", "VulkanError", "VulkanUnavailable", "get_device", "is_available", "standing_in", "empty", "zeros",
-           "from_numpy", "to_device", "load_kernel"]
+           "from_numpy", "to_device", "load_kernel", "launch_args"]
