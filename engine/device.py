@@ -14,7 +14,8 @@ import numpy as np
 from engine.errors import ModelLoadError
 
 DEVICES = ("auto", "cpu", "cuda", "vulkan")
-GPU_DEVICES = ("cuda", "vulkan")        # device kinds whose forward pass runs on device arrays
+GPU_DEVICES = ("cuda", "vulkan")        # device kinds whose forward pass runs on device arrays (weights uploaded,
+                                        # KV cache and activations on the device, step inputs staged)
 
 
 class DeviceUnavailableError(ModelLoadError):

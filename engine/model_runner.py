@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.device import GPU_DEVICES
 from engine.prefill_graphs import write_padding
 
 
@@ -104,7 +105,7 @@ class ModelRunner:
         maxT = max(max_num_batched_tokens, max_num_seqs)
         self.device = getattr(model, "device", "cpu")
         self.staging = None
-        if self.device in ("cuda", "vulkan"):
+        if self.device in GPU_DEVICES:
             # step inputs: filled on the host as on the CPU (views of one staging array), sent in one copy
             from engine.device import DeviceBufferPool, StepStaging
             self.staging = st = StepStaging(maxT, max_num_seqs, self.max_blocks_per_seq, self.device)

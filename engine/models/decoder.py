@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import SLIDING_ATTENTION
+from engine.device import GPU_DEVICES
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
 from engine.models.arch import arch_of
@@ -179,7 +180,7 @@ class DecoderLM:
         kinds = {lin.kind for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.up, L.down) if lin is not None}
         self.compute16 = dtype == "auto" and device != "cpu" and bool(kinds) and kinds <= {"bf16", "f16"}
         self._attn_operands = "16bit" if self.compute16 else None
-        if device in ("cuda", "vulkan"):
+        if device in GPU_DEVICES:
             self._to_device()
         self._fold_splitk = self._folds()             # fixed by the architecture and device: decided once
 
@@ -329,7 +330,7 @@ class DecoderLM:
     # ---------------------------------------------------------------------------------- KV cache
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.KVH, self.D)
-        if self.device in ("cuda", "vulkan"):
+        if self.device in GPU_DEVICES:
             from engine.device import runtime_device
             from jitkern.runtime.device import DeviceArray
             dev = runtime_device(self.device)

@@ -154,7 +154,7 @@ def block_for(n: int, cap: int, target=None, half: bool = False) -> int:
     16-bit masked loads there either: a masked f16 row load of 1024 lanes took ~90 s to compile on avx2,
     64 lanes 0.07 s)."""
     t = launch_target(target)
-    if t.is_gpu and not t.is_vulkan:
+    if t.fast_workgroups:
         # a GPU program is a CTA of 128+ threads: a 128-wide chunk keeps most of them idle and loops (the
         # engine's 4096-wide rms_norm took 69 us on an H200); whole rows up to 4096 are 32 lanes a thread
         return min(pow2_at_least(max(int(n), 1), 16), max(cap, GPU_BLOCK_CAP))

@@ -1431,7 +1431,7 @@ def _tuning(target):
 def _token_path(target, st) -> bool:
     """Vulkan, tuning.token_attention, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take
     the token kernel."""
-    return target is not None and (target.is_vulkan or (target.is_gpu and (
+    return target is not None and (target.costly_workgroups or (target.is_gpu and (
         target.tuning.token_attention or not _flash_fits(st))))
 
 
@@ -1482,7 +1482,7 @@ def _flash_fits(st) -> bool:
 
 
 def _flash_path(target, st) -> bool:
-    return (target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+    return (target is not None and target.fast_workgroups and not target.tuning.token_attention
             and _flash_fits(st))
 
 
@@ -1500,7 +1500,7 @@ def partition_blocks_for(target) -> int:
     tuning.flash_partition_blocks; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
     partition axis a step needs there (head groups too wide for the flash kernels fall back to the token
     kernel, which ignores partitions)."""
-    flash = target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+    flash = target is not None and target.fast_workgroups and not target.tuning.token_attention
     return target.tuning.flash_partition_blocks if flash else PARTITION_BLOCKS
 
 
@@ -1529,13 +1529,13 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     dpipe = (tu.flash_decode_pipeline and gpu) if pipeline is None else bool(pipeline)
     wide = st.num_seqs * st.kvh * P >= tu.flash_decode_wide
     dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=dpipe) if gpu else dict(PIPE=dpipe)
-    if FLASH_DECODE_MAXNREG and gpu and target.is_cuda:
+    if FLASH_DECODE_MAXNREG and gpu and target.register_cap:
         dw["maxnreg"] = int(FLASH_DECODE_MAXNREG)
     pw = dict(num_warps=FLASH_WARPS[1] if D <= 128 else FLASH_PREFILL_WARPS_WIDE_HEADS, PIPE=pipe) if gpu else \
         dict(PIPE=pipe)
-    if FLASH_PREFILL_MAXNREG and gpu and target.is_cuda:
+    if FLASH_PREFILL_MAXNREG and gpu and target.register_cap:
         pw["maxnreg"] = int(FLASH_PREFILL_MAXNREG)
-    warp_rows = bool(tu.flash_warp_rows and gpu and target.is_cuda and D <= 128)
+    warp_rows = bool(tu.flash_warp_rows and gpu and target.lane_shuffles and D <= 128)
     if warp_rows:
         pw.update(warp_rows=True, num_warps=FLASH_WARP_ROWS_TILE[1])
         # the decode kernel's 16 rows shared by its 2 / 4 warps (each computes the scores, P @ V's columns

@@ -173,7 +173,7 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier, direct):
     into a jk.capture() graph, each replays with new activations and new routing written into the same arrays."""
     import jitkern as jk
     from engine.ops.moe import route_topk, routed_experts, expert_gate_up, expert_down
-    if tier.is_gpu or getattr(tier, "is_vulkan", False):
+    if tier.is_gpu:
         pytest.skip("CPU graphs")
     rng = _rng(tier, "direct")
     E, K, H, I, T = 6, 2, 29, 13, 5
@@ -213,7 +213,7 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier, direct):
 
 def test_group_kernel_equals_numpy_grouping(tier):
     from engine.ops.moe import group_by_expert_dev
-    if tier.is_gpu or getattr(tier, "is_vulkan", False):
+    if tier.is_gpu:
         pytest.skip("host-memory scalar loop check on CPU tiers")
     rng = _rng(tier, "group")
     for T, K, E, bm in [(1, 2, 8, 1), (7, 2, 5, 2), (33, 4, 16, 2), (5, 3, 3, 3), (40, 2, 2, 2)]:
