@@ -5,7 +5,7 @@ where there is none fails at start with one line naming the setting. On CUDA the
 uploaded once (GGUF quantised blocks stay compressed: the raw bytes go over as they are), the KV cache
 and the activations live on the device, and the step inputs go over in one copy per step (StepStaging).
 Vulkan (never picked by auto; Mesa's lavapipe counts as a device) takes the same path: its device arrays are
-`jitkern.runtime.cuda.DeviceArray`s on a `jitkern.runtime.vulkan.VulkanDevice`, launches dispatch SPIR-V.
+`jitkern.runtime.device.DeviceArray`s on a `jitkern.runtime.vulkan.VulkanDevice`, launches dispatch SPIR-V.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import numpy as np
 from engine.errors import ModelLoadError
 
 DEVICES = ("auto", "cpu", "cuda", "vulkan")
-GPU_DEVICES = ("cuda", "vulkan")        # device kinds whose forward pass runs on device arrays
+GPU_DEVICES = ("cuda", "vulkan")        # device kinds whose forward pass runs on device arrays (weights uploaded,
+                                        # KV cache and activations on the device, step inputs staged)
 
 
 class DeviceUnavailableError(ModelLoadError):
@@ -61,21 +62,20 @@ class Uploader:
     embedding / lm_head or one RoPE cache for all layers stay shared on the device)."""
 
     def __init__(self, kind: str = "cuda"):
-        from jitkern.runtime import cuda
-        self.cuda = cuda
         self.device = runtime_device(kind)
         self._done: dict = {}
         self.nbytes = 0
 
     def __call__(self, a):
-        if a is None or self.cuda.is_device_array(a):
+        from jitkern.runtime.device import DeviceArray
+        if a is None or isinstance(a, DeviceArray):
             return a
         if not isinstance(a, np.ndarray):
             raise TypeError(f"cannot upload {type(a).__name__}")
         key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
         hit = self._done.get(key)
         if hit is None:
-            hit = self._done[key] = (a, self.cuda.DeviceArray.from_numpy(a, device=self.device))
+            hit = self._done[key] = (a, DeviceArray.from_numpy(a, device=self.device))
             self.nbytes += a.nbytes
         return hit[1]
 
@@ -84,8 +84,6 @@ class DeviceBufferPool:
     """engine.model_runner.BufferPool on the device: named activation buffers with stable addresses."""
 
     def __init__(self, kind: str = "cuda"):
-        from jitkern.runtime import cuda
-        self.cuda = cuda
         self.device = runtime_device(kind)
         self._bufs: dict = {}
         self.generation = 0
@@ -95,7 +93,8 @@ class DeviceBufferPool:
         buf = self._bufs.get(name)
         if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
             cap = max(n, 2 * buf.size if buf is not None else n)
-            buf = self.cuda.DeviceArray.zeros(cap, dtype, self.device)
+            from jitkern.runtime.device import DeviceArray
+            buf = DeviceArray.zeros(cap, dtype, self.device)
             self._bufs[name] = buf
             self.generation += 1
         return buf[:n].reshape(shape)
@@ -111,13 +110,13 @@ class StepStaging:
     copy per step sends it over. The device views have fixed addresses (what recorded CUDA graphs read)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, kind: str = "cuda"):
-        from jitkern.runtime import cuda
+        from jitkern.runtime.device import DeviceArray
         sizes = [("input_ids", (max_tokens,)), ("positions", (max_tokens,)), ("slot_mapping", (max_tokens,)),
                  ("query_start", (max_seqs + 1,)), ("seq_lens", (max_seqs,)),
                  ("block_table", (max_seqs, max_blocks)), ("logits_rows", (max_tokens,))]
         total = sum(int(np.prod(s)) for _, s in sizes)
         self.host = np.zeros(total, np.int32)
-        self.dev = cuda.DeviceArray.zeros(total, np.int32, runtime_device(kind))
+        self.dev = DeviceArray.zeros(total, np.int32, runtime_device(kind))
         self.host_views, self.dev_views = {}, {}
         off = 0
         for name, shape in sizes:

@@ -70,7 +70,7 @@ from engine.models.arch import arch_of
 GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_K", "Q3_K": "q3_K", "Q4_K": "q4_K",
               "Q5_K": "q5_K", "Q6_K": "q6_K", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs", "MXFP4": "mxfp4"}
-# the quantised ones are computed on their compressed blocks (jitkern/ops/quant.py)
+# the quantised ones are computed on their compressed blocks (engine/ops/quant.py)
 QUANT_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl",
                          "iq4_xs", "mxfp4"})
 

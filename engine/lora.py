@@ -12,7 +12,7 @@ Serving (vLLM's design, on the CPU): loaded adapters are kept in host memory (`L
 lora_int_id); each step's adapters are copied into one of `max_loras` slots of every wrapped linear (least
 recently used slot first); the scheduler admits requests of at most max_loras distinct adapters at a time. The
 model's q/k/v, o, gate/up and down linears are wrapped (`LoRALinear`): the base product, then the segmented
-low-rank products of jitkern.ops.lora over the step's tokens by each token's slot (tokens without an adapter
+low-rank products of engine.ops.lora over the step's tokens by each token's slot (tokens without an adapter
 are skipped), so a batch mixes adapters and the base model in one forward pass. Prefix-cache blocks are keyed by
 the adapter (a prompt cached under adapter A is not reused under B or the base model).
 """
@@ -249,7 +249,7 @@ class LoRALinear:
         y = self.base(x, out=out)
         mgr = self._mgr
         if mgr.step_slots & self.live:
-            from jitkern.ops.lora import lora_apply
+            from engine.ops.lora import lora_apply
             T = x.shape[0]
             v = mgr.scratch(T, self.lora_a.shape[1])
             lora_apply(x, self.lora_a, self.lora_b, mgr.tiles, y, v)
@@ -390,7 +390,7 @@ class LoRAManager:
         if not busy:
             self.tiles = _EMPTY
             return
-        from jitkern.ops.lora import lora_tiles
+        from engine.ops.lora import lora_tiles
         self.tiles = lora_tiles(np.repeat(np.asarray(slots, np.int32), counts))
 
 

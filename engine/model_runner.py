@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.device import GPU_DEVICES
 from engine.prefill_graphs import write_padding
 
 
@@ -108,7 +109,7 @@ class ModelRunner:
         maxT = max(max_num_batched_tokens, max_num_seqs)
         self.device = getattr(model, "device", "cpu")
         self.staging = None
-        if self.device in ("cuda", "vulkan"):
+        if self.device in GPU_DEVICES:
             # step inputs: filled on the host as on the CPU (views of one staging array), sent in one copy
             from engine.device import DeviceBufferPool, StepStaging
             self.staging = st = StepStaging(maxT, max_num_seqs, self.max_blocks_per_seq, self.device)
@@ -357,12 +358,12 @@ class ModelRunner:
     def _greedy_on_device(self, res) -> None:
         """The argmax of each logits row (and its value, for the sampler's NaN guard) on the device: R ints and
         R floats come back instead of R x vocab floats (32 MB a step at batch 64 with a 128k vocabulary)."""
-        from jitkern.ops.sampling import argmax_rows, gather_rows
+        from engine.ops.sampling import argmax_rows, gather_rows
         logits = res.logits
         R = logits.shape[0]
         bufs = self._greedy_bufs.get(R)
         if bufs is None:
-            from jitkern.ops._hostargs import empty_like_dev
+            from engine.ops._hostargs import empty_like_dev
             bufs = self._greedy_bufs[R] = (empty_like_dev(logits, R, np.int32), empty_like_dev(logits, R, np.float32))
         ids, vals = bufs
         argmax_rows(logits, out=ids)
@@ -446,7 +447,7 @@ class ModelRunner:
         if not (self.device_greedy and isinstance(key, int) and isinstance(logits, np.ndarray)
                 and logits.ndim == 2 and logits.flags.c_contiguous):
             return None
-        from jitkern.ops.sampling import argmax_rows, gather_rows
+        from engine.ops.sampling import argmax_rows, gather_rows
         R = logits.shape[0]
         ids, vals = np.zeros(R, np.int32), np.zeros(R, np.float32)
         argmax_rows(logits, out=ids)
@@ -497,7 +498,7 @@ class ModelRunner:
         if not (self.device_greedy and isinstance(key, int) and not isinstance(logits, np.ndarray)
                 and len(logits.shape) == 2):
             return None
-        from jitkern.runtime.cuda import DeviceArray
+        from jitkern.runtime.device import DeviceArray
         R = logits.shape[0]
         both = DeviceArray.empty((2 * R,), np.int32, logits.device)
         ids = DeviceArray(both.ptr, (R,), np.int32, logits.device, both)
@@ -506,7 +507,7 @@ class ModelRunner:
 
     @staticmethod
     def _pick_greedy(logits, picks) -> None:
-        from jitkern.ops.sampling import argmax_rows, gather_rows
+        from engine.ops.sampling import argmax_rows, gather_rows
         argmax_rows(logits, out=picks[0])
         gather_rows(logits, picks[0], out=picks[1])
 

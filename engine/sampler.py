@@ -135,7 +135,7 @@ class Sampler:
                 res.token_id, res.error = -1, INTERNAL_ERROR
 
     def _sample_rows(self, by_id: dict, result, rids: list, uniforms: dict) -> dict:
-        from jitkern.ops.sampling import argmax_rows
+        from engine.ops.sampling import argmax_rows
         if getattr(result, "greedy_tokens", None) is not None:
             return self._device_greedy_rows(result, rids)
         logits = result.logits
@@ -147,7 +147,7 @@ class Sampler:
         want_lp = [i for i, q in enumerate(reqs) if q.sampling_params.logprobs is not None]
         mode = self.logprobs_mode
         if want_lp and mode == "raw_logprobs":
-            from jitkern.ops.softmax import log_softmax
+            from engine.ops.softmax import log_softmax
             lps = log_softmax(np.ascontiguousarray(logits[rows[want_lp]]))
             lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
         elif want_lp and mode == "raw_logits":
@@ -254,7 +254,7 @@ class Sampler:
         if self.logits_processors:
             self._apply_engine_processors(reqs, x, failed)
         if pen:
-            from jitkern.ops.sampling import apply_penalties, penalty_tables
+            from engine.ops.sampling import apply_penalties, penalty_tables
             ids, counts = penalty_tables([reqs[i].prompt_token_ids for i in pen],
                                          [reqs[i].output_token_ids for i in pen])
             sub = np.ascontiguousarray(x[pen])
@@ -303,7 +303,7 @@ class Sampler:
         """temperature -> top-k -> top-p -> min-p -> inverse-CDF draw with each request's own uniform u.
         `processed` (row index -> None for the rows that want it) receives each such row as sampled from:
         after temperature, the tokens top-k / top-p / min-p cut set to -inf."""
-        from jitkern.ops.sampling import apply_temperature, sample_from_logits, topk_rows
+        from engine.ops.sampling import apply_temperature, sample_from_logits, topk_rows
         sub = np.ascontiguousarray(x[idx])
         apply_temperature(sub, np.array([reqs[i].sampling_params.temperature for i in idx], np.float32))
         u = np.asarray(u, np.float64)
@@ -379,7 +379,7 @@ class Sampler:
 
     def _prompt_logprobs(self, req, rows: np.ndarray, start: int) -> list:
         """Logprobs of the prompt tokens at positions start+1 .. predicted by these rows."""
-        from jitkern.ops.softmax import log_softmax
+        from engine.ops.softmax import log_softmax
         prompt = req.prompt_token_ids
         n = min(len(rows), len(prompt) - 1 - start)
         if n <= 0:

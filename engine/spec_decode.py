@@ -409,7 +409,7 @@ class SpecDecoder:
 
     def verify(self, sched, result) -> dict:
         """req_id -> SpecSampleResult for every request in result.spec_rows."""
-        from jitkern.ops.sampling import argmax_rows
+        from engine.ops.sampling import argmax_rows
         by_id = sched.by_id()
         out = {}
         greedy = [rid for rid in result.spec_rows if by_id[rid].request.sampling_params.temperature == 0]

@@ -121,9 +121,9 @@ def _fake_sample(sched, result):
     """Drives the sampler's kernels (so they compile) but returns token 0 for every sampled request."""
     from engine.sampler import SampleResult
     import numpy as np
-    from jitkern.ops.sampling import (apply_penalties, apply_temperature, argmax_rows, penalty_tables,
+    from engine.ops.sampling import (apply_penalties, apply_temperature, argmax_rows, penalty_tables,
                                       sample_from_logits, topk_rows)
-    from jitkern.ops.softmax import log_softmax
+    from engine.ops.softmax import log_softmax
     if result.logits is not None and len(result.logits):
         x = np.zeros_like(result.logits)
         B = x.shape[0]

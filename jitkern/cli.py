@@ -76,6 +76,7 @@ def run_main(main, argv, prog: str) -> int:
 
 # -------------------------------------------------------------------------------------------- targets
 def cmd_targets(args) -> int:
+    from .backends import FAMILIES, backend_of
     from targets import all_targets
     from targets.cpu import can_run, host_arch, host_cpu_features, missing_features, select_cpu_tier
     import llvmlite.binding as llvm
@@ -104,14 +105,9 @@ def cmd_targets(args) -> int:
                 run = "compile-only: missing " + ",".join(missing_features(t))
             width = f"{t.vector_bits}b"
             notes = t.feature_string or "(baseline)"
-        elif t.is_cuda or t.is_hip:
+        elif t.backend in FAMILIES:
             lowering = "yes"
-            run = "on its GPU; build anywhere" if t.is_cuda else "build only (runtime untested)"
-            width = f"warp {t.warp_size}"
-            notes = t.description
-        elif t.is_vulkan:
-            lowering = "yes"
-            run = "on a Vulkan device (lavapipe counts)"
+            run = backend_of(t).runs(t)
             width = f"warp {t.warp_size}"
             notes = t.description
         else:
@@ -258,14 +254,14 @@ def cmd_build(args) -> int:
         return _fail(f"--model {args.model}: no such file or directory; pass a model directory or .gguf file "
                      f"(or leave --model out for the embedded SmolLM2)", "jitkern build")
     t = get_target(args.target)
-    if not (t.is_cpu or t.is_cuda or t.is_hip or t.is_vulkan):
+    from .backends import FAMILIES, backend_of
+    if t.backend not in FAMILIES:
         return _fail(f"target {t.name} ({t.backend}) has no lowering yet; CPU tiers, CUDA targets "
                      f"(sm_80 ... sm_120a), AMD targets (gfx90a, gfx942, gfx1100) and vulkan can be built now")
-    if t.is_hip:
-        from .backends.amdgpu import find_lld
-        if find_lld() is None:
-            return _fail(f"target {t.name}: no ld.lld that links AMDGPU code object v5 (install jitkern[hip], which "
-                         f"brings the ziglang wheel's ld.lld, or ld.lld-17+; or set JITKERN_LLD)", "jitkern build")
+    backend = backend_of(t)
+    problem = backend.build_problem(t)
+    if problem is not None:
+        return _fail(problem, "jitkern build")
     from tqdm import tqdm
     bar = tqdm(desc=f"compiling for {t.name}", unit="kernel", disable=args.quiet)
     seen, cached = set(), set()
@@ -288,24 +284,10 @@ def cmd_build(args) -> int:
         return _fail(str(e), "jitkern build")
     co = compile_only(t, on_compile)
     try:
-        if t.is_cuda or t.is_hip:
-            # the engine's CUDA path (its tiles, device buffers and their alignment) on a host-memory stand-in
-            # for the GPU: the cache gets what an engine on that GPU will ask for, so it loads with no compile.
-            # AMD targets take the same device-array path (GPU tiles: MFMA/WMMA linear, flash attention): what
-            # an engine on the AMD GPU asks for, not the CPU path's tiles (the engine has no AMD device yet)
-            from .runtime.cuda import HostMemoryDevice, standing_in
-            with co, standing_in(HostMemoryDevice(t)):
-                drive(args.model, device="cuda")
-        elif t.is_vulkan:
-            # the engine's Vulkan path (device arrays; attention through its token kernel) on the same kind of
-            # stand-in: no Vulkan device needed to build
-            from .runtime.cuda import HostMemoryDevice
-            from .runtime.vulkan import standing_in as vulkan_standing_in
-            with co, vulkan_standing_in(HostMemoryDevice(t)):
-                drive(args.model, device="vulkan")
-        else:
-            with co:
-                drive(args.model, device="cpu")
+        # GPU targets: the engine's device-array path on a host-memory stand-in for the device
+        # (backend.build_device): the cache gets what an engine on that GPU will ask for, so it loads with no compile
+        with co, backend.build_device(t):
+            drive(args.model, device=backend.engine_device)
     except BuildInputError as e:
         return _fail(f"--model: {e}", "jitkern build")
     finally:

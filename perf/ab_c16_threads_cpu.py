@@ -4,7 +4,7 @@ token-major GEMMs (QMM_ROWS_OUTER off); "after" = the tree's code. `split`: the 
 against its dynamic split (CpuPool.dynamic, "after"), the tree's kernels in both; `heads`: decode attention
 without (before) and with (after) the per-KV-head programs for batches smaller than the thread count
 (the CPU tier's tuning.decode_head_split; use --concurrency 1); `flag`: any module attribute, --flag module.attr set to the first of
---values (before) and to the second (after), e.g. `flag --flag jitkern.ops.quant.QMM_TILE_OVERRIDE --values None
+--values (before) and to the second (after), e.g. `flag --flag engine.ops.quant.QMM_TILE_OVERRIDE --values None
 "(8, 4)"` (Python literals). Decode tok/s of C (default 16) random 37-token prompts from
 the moment every request has its first token; greedy tokens compared between variants.
 
@@ -46,16 +46,16 @@ def main(argv=None):
     # after that import: ab_engine_cpu sets 1 kernel thread for its own scripts (before this, every run of this
     # script had 1 thread whatever --threads said); the pool starts at the first launch and reads it then
     os.environ["JITKERN_NUM_THREADS"] = str(args.threads)
-    import jitkern.ops.attention as A
-    import jitkern.ops.quant as Q
+    import engine.ops.attention as A
+    import engine.ops.quant as Q
     C, OUT = args.concurrency, args.output_len
     ours, prompts = ab_engine_cpu.open_engine(str(C), OUT)
-    src = subprocess.run(["git", "-C", ROOT, "show", "06c0a37:jitkern/ops/attention.py"], capture_output=True,
+    src = subprocess.run(["git", "-C", ROOT, "show", "06c0a37:engine/ops/attention.py"], capture_output=True,
                          text=True, check=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "old_attention.py")
     with open(path, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("jitkern.ops._old_attention", path)
+    spec = importlib.util.spec_from_file_location("engine.ops._old_attention", path)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     new_attention = A.paged_attention

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_engine_cpu import open_engine, run_ab  # noqa: E402  (sets 1 kernel thread before jitkern loads)
 
 from jitkern.compiler import default_target  # noqa: E402
-from jitkern.ops import quant  # noqa: E402
+from engine.ops import quant  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--rounds", type=int, default=3)

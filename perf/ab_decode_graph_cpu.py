@@ -3,11 +3,11 @@ engine, then the two replayed alternately; per kernel, each pool thread's busy t
 (perf/profile_threads_cpu.py's wrapper). For flags that change how kernels run but not what they compute
 (program order, tiles, prefetches): both graphs replay on the same engine buffers.
 
-    JITKERN_NUM_THREADS=2 .venv/bin/python perf/ab_decode_graph_cpu.py jitkern.ops.quant.QMM_ROWS_OUTER \
+    JITKERN_NUM_THREADS=2 .venv/bin/python perf/ab_decode_graph_cpu.py engine.ops.quant.QMM_ROWS_OUTER \
         [--concurrency 16] [--steps 60] [--rounds 30] [--values A B]
 
 --values A B: Python literals for the two variants instead of False / True, e.g.
-`jitkern.ops.quant.QMM_TILE_OVERRIDE --values None "(8, 4)"`.
+`engine.ops.quant.QMM_TILE_OVERRIDE --values None "(8, 4)"`.
 
 The off graph is recorded after --steps decode steps and the on graph after --steps more, so both replay at
 context input-len + 2 x steps. Output per variant: the plain graph's best / median replay, the sum over
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("flag", help="module.attribute to set False (A) and True (B), e.g. jitkern.ops.quant.QMM_ROWS_OUTER")
+    ap.add_argument("flag", help="module.attribute to set False (A) and True (B), e.g. engine.ops.quant.QMM_ROWS_OUTER")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=37)
     ap.add_argument("--steps", type=int, default=60)

@@ -1,4 +1,4 @@
-"""Engine decode with the CPU GEMV's software prefetch off / on in one process (jitkern.ops.quant
+"""Engine decode with the CPU GEMV's software prefetch off / on in one process (engine.ops.quant
 GEMV_PREFETCH_ROWS): 1 thread, decode tokens per second of the engine thread's CPU time (robust to other
 processes' load), rounds alternating the order, decode graphs re-recorded at each switch; checks that the
 greedy tokens are identical both ways (harness: perf/ab_engine_cpu.py).
@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_engine_cpu import open_engine, run_ab  # noqa: E402  (sets 1 kernel thread before jitkern loads)
 
-from jitkern.ops import quant  # noqa: E402
+from engine.ops import quant  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--rounds", type=int, default=4)

@@ -3,7 +3,7 @@
     JITKERN_NUM_THREADS=2 .venv/bin/python perf/ab_prefill_cpu.py [--tokens 2048] [--rounds 4] [--ops] VARIANT...
 
 A VARIANT is NAME[:ATTR=INT...]: entries of the CPU tier's tuning table (targets/tuning.py) or module attributes of
-jitkern.ops.attention set before each of its runs (e.g. `before:prefill_token_group=0:prefill_balance=0 after`; an
+engine.ops.attention set before each of its runs (e.g. `before:prefill_token_group=0:prefill_balance=0 after`; an
 entry a variant leaves out keeps its default);
 in the engine, `layer_ws=1` gives every layer its own attention workspace (DecoderLM's layout before 4fff2e7)
 instead of the model's one shared dict. Each variant keeps its own workspaces, so switching variants never
@@ -52,7 +52,7 @@ def _set(A, kw, variants):
         for k in other:
             if k != "layer_ws" and k not in names and k not in _DEFAULTS:
                 if not hasattr(A, k):
-                    sys.exit(f"error: {k} is neither a tuning entry nor an attribute of jitkern.ops.attention")
+                    sys.exit(f"error: {k} is neither a tuning entry nor an attribute of engine.ops.attention")
                 _DEFAULTS[k] = getattr(A, k)
     for k, v in _DEFAULTS.items():
         if k != "__target__":
@@ -76,7 +76,7 @@ class _Results(dict):
 
 
 def ops(args, variants):
-    import jitkern.ops.attention as A
+    import engine.ops.attention as A
     S, H, KVH, D, BS = args.tokens, 9, 3, 64, 16
     dt = np.float32 if args.f32 else np.float16
     rng = np.random.default_rng(0)
@@ -106,9 +106,9 @@ def ops(args, variants):
 
 
 def engine(args, variants):
-    import jitkern.ops._hostargs as hostargs
-    import jitkern.ops.attention as A
-    import jitkern.ops.matmul as matmul
+    import engine.ops._hostargs as hostargs
+    import engine.ops.attention as A
+    import engine.ops.matmul as matmul
     import jitkern.runtime.launch as launch_mod
     from engine.default_model import default_model_path
     from engine.llm_engine import EngineArgs, LLMEngine

@@ -15,7 +15,7 @@ import os, sys, time
 os.environ.setdefault("JITKERN_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
-from jitkern.ops import quant
+from engine.ops import quant
 from jitkern.runtime.launch import capture
 qt, N, K, M = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfgs = sys.argv[5:]

@@ -110,7 +110,7 @@ def _host_lines():
 # ------------------------------------------------------------------------------------------- kernel child
 def _weights(qt, N, K, rng):
     """Random GGUF blocks: random quant bytes, small positive f16 scales (and q4_1 minimums)."""
-    from jitkern.ops import quant
+    from engine.ops import quant
     import numpy as np
     q = quant.QTYPES[qt]
     raw = rng.integers(0, 256, N * quant.row_bytes(qt, K), dtype=np.uint8)
@@ -124,7 +124,7 @@ def _oracle(x, raw, qt, N, K, T):
     """float64 (dequantised int8 activations) @ (dequantised weights)^T, and sum |x| |w| per output."""
     import gguf
     import numpy as np
-    from jitkern.ops import quant
+    from engine.ops import quant
     qx, d, _ = quant.quantize_q8(x, target=T, layout="natural")
     xd = (qx.astype(np.float64).reshape(x.shape[0], -1, 32) * d.astype(np.float64)[..., None]).reshape(x.shape)
     w = gguf.quants.dequantize(raw.reshape(N, -1), getattr(gguf.GGMLQuantizationType, qt.upper()))
@@ -134,7 +134,7 @@ def _oracle(x, raw, qt, N, K, T):
 
 def child_kernels(args):
     import numpy as np
-    from jitkern.ops import quant
+    from engine.ops import quant
     from jitkern.runtime.cpu_pool import get_pool
     from jitkern.runtime.launch import capture
     from targets import get_target

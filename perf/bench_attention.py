@@ -47,7 +47,7 @@ os.environ["JITKERN_NUM_THREADS"] = str(args.threads)      # before the pool exi
 import numpy as np  # noqa: E402
 
 import jitkern as jk  # noqa: E402
-from jitkern.ops import attention as A  # noqa: E402
+from engine.ops import attention as A  # noqa: E402
 from jitkern.runtime.cpu import runtime_target, runtime_target_reason  # noqa: E402
 
 H, KVH, D, BS = 9, 3, 64, 16

@@ -17,11 +17,11 @@ import time
 import numpy as np
 
 import jitkern as jk
-from jitkern.ops.norm import rms_norm, rms_norm_q8
-from jitkern.ops.quant import quantize_q8, act_layout
-from jitkern.ops.activation import silu_and_mul, act_and_mul_q8
-from jitkern.ops.rope import rope, rope_and_cache, rope_cos_sin_cache
-from jitkern.ops.attention import reshape_and_cache
+from engine.ops.norm import rms_norm, rms_norm_q8
+from engine.ops.quant import quantize_q8, act_layout
+from engine.ops.activation import silu_and_mul, act_and_mul_q8
+from engine.ops.rope import rope, rope_and_cache, rope_cos_sin_cache
+from engine.ops.attention import reshape_and_cache
 rng=np.random.default_rng(0)
 
 

@@ -32,7 +32,7 @@ def main(argv=None):
     ap.add_argument("--m", type=int, default=16, help="tokens per step (decode concurrency)")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
-    from jitkern.ops import quant
+    from engine.ops import quant
     from jitkern.runtime.cpu import runtime_target
     from jitkern.runtime.launch import capture
     rng = np.random.default_rng(0)

@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 import jitkern as jk  # noqa: E402
 import targets  # noqa: E402
 from targets.cpu import can_run  # noqa: E402
-from jitkern.ops import matmul as mm  # noqa: E402
+from engine.ops import matmul as mm  # noqa: E402
 
 
 clock = time.process_time if ARGS.cpu_time else time.perf_counter

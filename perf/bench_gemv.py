@@ -83,7 +83,7 @@ import numpy as np  # noqa: E402
 import jitkern as jk  # noqa: E402
 import targets  # noqa: E402
 from targets.cpu import can_run  # noqa: E402
-from jitkern.ops import quant as Q  # noqa: E402
+from engine.ops import quant as Q  # noqa: E402
 from jitkern.runtime.cpu_pool import get_pool  # noqa: E402
 
 COLD_BYTES = 192e6
@@ -287,7 +287,7 @@ def main():
         f32_line = f"numpy f32 {t_np * 1e6:.1f} us ({w32.nbytes / t_np / 1e9:.1f} GB/s)"
         res = dict(kind="gemv_ref", N=N, K=K, quantize_s=t_quant, numpy_f32_cold_s=t_np)
         try:
-            from jitkern.ops import matmul as mm
+            from engine.ops import matmul as mm
             t_lin = cold_time(lambda w: mm.linear(x, w, out=y), cold32, ARGS.reps)
             f32_line += (f", jitkern f32 linear {t_lin * 1e6:.1f} us ({w32.nbytes / t_lin / 1e9:.1f} GB/s, "
                          f"ratio to numpy {t_lin / t_np:.2f})")

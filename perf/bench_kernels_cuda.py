@@ -15,7 +15,7 @@ max error against an f32 reference where one is cheap):
         paged prefill attention (f32 q, f32 and f16 paged caches), 32 q heads / 8 KV heads / head_dim 128;
         decode: jitkern's paged decode attention (the engine's call: num_partitions=MAX_PARTITIONS) with f32
         and f16 caches, GB/s of KV read vs the copy bandwidth, and torch SDPA (bf16, enable_gqa) for reference.
-        Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (jitkern.ops.attention's
+        Each jitkern row runs per variant, A/B: [flash] = the GPU flash kernels (engine.ops.attention's
         default on GPUs: flash_decode/merge_kernel, flash_prefill_kernel) and [token] = token_attention_kernel
         (tuning.token_attention, the path before them); --attn-variants adds flash settings to sweep
         (flash-rows32 flash-rows16 flash-nopipe flash-pb8 flash-w8 flash-w2 flash-w4p, see ATTN_VARIANTS;
@@ -55,7 +55,7 @@ GEMM_M = (1, 16, 64, 256, 2048, 8192)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_CASES = ((1, 1024), (1, 4096), (8, 1024))          # (sequences, tokens each)
 DECODE_CASES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))   # (sequences, context)
-# GPU attention paths timed A/B (see attention()): jitkern.ops.attention module settings per variant
+# GPU attention paths timed A/B (see attention()): engine.ops.attention module settings per variant
 ATTN_VARIANTS = {"flash": {}, "flash-rows32": {"FLASH_ROWS": 32}, "flash-nopipe": {"flash_prefill_pipeline": False},
                  "flash-pb8": {"flash_partition_blocks": 8}, "flash-w8": {"FLASH_WARPS": (8, 8)},
                  "flash-rows16": {"FLASH_ROWS": 16}, "flash-w2": {"FLASH_WARPS": (2, 8)},
@@ -284,7 +284,7 @@ def _weights(b, N, K, copies):
 
 def _linear_variant(b, x32, ws, y32):
     """jitkern linear on device arrays (the engine's dense op): f32 x, bf16 w, f32 out. Returns (fns, name)."""
-    from jitkern.ops import matmul as jm
+    from engine.ops import matmul as jm
     xd, yd = b.dev(x32), b.dev(y32)
     wds = [b.dev(w) for w in ws]
     fns = [lambda wd=wd: jm.linear(xd, wd, out=yd, w_dtype="bf16") for wd in wds]
@@ -441,7 +441,7 @@ def _step_arrays(b, qlens, seqlens):
 
 
 class _attn_variant:
-    """Selects a GPU attention path of jitkern.ops.attention for the calls inside (restored after): "flash"
+    """Selects a GPU attention path of engine.ops.attention for the calls inside (restored after): "flash"
     (the flash kernels at their defaults), "flash-*" (one setting changed: prefill rows, no pipelining,
     8-block partitions, 8 warps) or "token" (token_attention_kernel). On --device cpu all run the CPU
     kernels (the fake device's target is the CPU tier): the rows check the script only."""
@@ -451,7 +451,7 @@ class _attn_variant:
         names = set(Tuning.__dataclass_fields__)
         settings = {k: v for k, v in ATTN_VARIANTS[variant].items() if k != "BLOCK"}
         # lower-case keys are entries of the device target's tuning table (targets/tuning.py), the rest module
-        # settings of jitkern.ops.attention
+        # settings of engine.ops.attention
         self.tuning = {k: v for k, v in settings.items() if k in names}
         self.ja, self.flags = ja, {k: v for k, v in settings.items() if k not in names}
 
@@ -478,7 +478,7 @@ class _attn_variant:
 def attention(b: Bench, prefill_cases, decode_cases, copy_gbs, variants=ATTN_VARIANTS):
     torch = b.torch
     import torch.nn.functional as F
-    from jitkern.ops import attention as ja
+    from engine.ops import attention as ja
     scale = HEAD_DIM ** -0.5
     _header("prefill attention, causal, 32 q / 8 KV heads, D=128 (ratio: SDPA time / variant time)")
     for B, S in prefill_cases:
@@ -577,8 +577,8 @@ def attention(b: Bench, prefill_cases, decode_cases, copy_gbs, variants=ATTN_VAR
 
 def elementwise(b: Bench, copy_gbs, T, H, inter):
     torch = b.torch
-    from jitkern.ops.activation import silu_and_mul
-    from jitkern.ops.norm import rms_norm
+    from engine.ops.activation import silu_and_mul
+    from engine.ops.norm import rms_norm
     _header(f"elementwise (GB/s read + written; ratio: of the {copy_gbs:.0f} GB/s copy bandwidth)")
     x = torch.randn(T, H, device=b.device)
     w = torch.rand(H, device=b.device) + 0.5

@@ -28,7 +28,7 @@ ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDe
 ap.add_argument("--threads", type=int, default=int(os.environ.get("JITKERN_NUM_THREADS", "2")))
 ap.add_argument("--qtypes", default="q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,mxfp4,q2_K,q3_K,q4_K,q5_K,q6_K,iq4_xs,fp8-channel,"
                                     "fp8-block", help="GGUF types, and fp8-tensor / fp8-channel / fp8-block "
-                                                      "(jitkern/ops/fp8.py: e4m3 bytes, f32 activations)")
+                                                      "(engine/ops/fp8.py: e4m3 bytes, f32 activations)")
 ap.add_argument("--gemm-m", type=int, default=64)
 ap.add_argument("--reps", type=int, default=7)
 ARGS = ap.parse_args()
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import jitkern as jk  # noqa: E402
 from jitkern.compiler import default_target  # noqa: E402
-from jitkern.ops import quant as Q  # noqa: E402
+from engine.ops import quant as Q  # noqa: E402
 
 COLD_BYTES = 192e6
 _F16_FIELDS = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,),
@@ -86,7 +86,7 @@ def bandwidth_gbs(reps) -> float:
 
 
 def fp8_row(qtype, N, K, rng):
-    from jitkern.ops.fp8 import matmul_fp8
+    from engine.ops.fp8 import matmul_fp8
     kind = qtype.split("-")[1]
     w = rng.integers(0, 256, (N, K), dtype=np.uint8)
     w[(w & 0x7F) == 0x7F] = 0

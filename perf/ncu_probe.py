@@ -45,8 +45,8 @@ def main(argv=None) -> int:
                     "(warpgroup MMAs fed by TMA from 64 tokens)")
     ap.add_argument("--no-attention", action="store_true", help="the linears only")
     args = ap.parse_args(argv)
-    from jitkern.ops import attention as ja
-    from jitkern.ops import matmul
+    from engine.ops import attention as ja
+    from engine.ops import matmul
     from jitkern.runtime import cuda
     dev = cuda.get_device()
     rng = np.random.default_rng(0)

@@ -19,7 +19,7 @@ What it settles, on fresh random bf16 operands (never zeros):
    up in the reference to say where it really belongs.
 3. Batch invariance of "swap AB" (weights as wgmma's M = 64 operand A, tokens as N): the same (weight row,
    token) output must have the same bits for every N (8 .. 256) and every position of the token in the tile.
-4. Whether wgmma gives the bits of the engine's current mma.sync linear (`jitkern.ops.matmul.linear` on the
+4. Whether wgmma gives the bits of the engine's current mma.sync linear (`engine.ops.matmul.linear` on the
    device with bf16 weights; activations bf16-exact so its hi/lo split has lo = 0): if yes, wgmma can take the
    large-M tiles alone; if not, a wgmma linear must run every M (decode included) to stay batch invariant.
 
@@ -305,7 +305,7 @@ def main() -> int:
         fake_cuda.install(MonkeyPatch())
     if not args.ptxas_only:
         from jitkern.runtime import cuda as jc
-        from jitkern.ops.matmul import linear
+        from engine.ops.matmul import linear
         dev = jc.get_device()
     verdict = {}
     for K in ks:

@@ -33,8 +33,8 @@ def _best(fn, reps=3):
 
 
 def ops(S: int) -> None:
-    from jitkern.ops import quant
-    from jitkern.ops.attention import paged_attention
+    from engine.ops import quant
+    from engine.ops.attention import paged_attention
     H, KVH, D, BS, layers = 9, 3, 64, 16, 30
     rng = np.random.default_rng(0)
     nb = -(-S // BS)
@@ -63,8 +63,8 @@ def ops(S: int) -> None:
 
 
 def engine(S: int, rounds: int) -> None:
-    import jitkern.ops._hostargs as hostargs
-    import jitkern.ops.matmul as matmul
+    import engine.ops._hostargs as hostargs
+    import engine.ops.matmul as matmul
     import jitkern.runtime.launch as launch_mod
     from engine.default_model import default_model_path
     from engine.llm_engine import EngineArgs, LLMEngine

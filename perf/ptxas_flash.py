@@ -36,12 +36,12 @@ def main(argv) -> int:
         kind = parts[0]
         if kind == "prefill":
             w, bm, wr, extra = parts[1], parts[2], parts[3], parts[4:]
-            k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+            k = load_kernel("engine.ops.attention:flash_prefill_kernel")
             sig = FLASH_PREFILL_SIG
             consts = [f"num_warps={w}", "GP=4", f"BM={bm}", "SKIP_DECODE=True", "FOLD_SKIP=True", "LONGEST_FIRST=True"]
         elif kind == "decode":
             w, wr, extra = parts[1], parts[2], parts[3:]
-            k = load_kernel("jitkern.ops.attention:flash_decode_kernel")
+            k = load_kernel("engine.ops.attention:flash_decode_kernel")
             sig = DECODE_SIG.format(c="f16")
             consts = [f"num_warps={w}", "R=16", "NUM_PARTS=16", "PIPE=False"]
         else:

@@ -31,12 +31,12 @@ LINEAR_TILES = ((16, 64, 128, 4), (32, 64, 64, 4), (32, 128, 64, 4), (64, 256, 6
 
 def cases(tiles=LINEAR_TILES, flash=True):
     for bm, bn, bk, nw in tiles:
-        yield (f"linear ({bm},{bn},{bk},{nw},2)", "jitkern.ops.matmul:_gpu_linear_mma_kernel", LINEAR_SIG,
+        yield (f"linear ({bm},{bn},{bk},{nw},2)", "engine.ops.matmul:_gpu_linear_mma_kernel", LINEAR_SIG,
                ["HAS_BIAS=False", f"BM={bm}", f"BN={bn}", f"BK={bk}", "EVEN=True", "SPLIT=2", f"num_warps={nw}"])
     for c, kvh, g, d in (("f32", 3, 3, 64), ("f16", 8, 4, 128)) if flash else ():
-        yield (f"flash decode {c} cache D={d}", "jitkern.ops.attention:flash_decode_kernel", DECODE_SIG.format(c=c),
+        yield (f"flash decode {c} cache D={d}", "engine.ops.attention:flash_decode_kernel", DECODE_SIG.format(c=c),
                ["num_warps=4", f"KVH={kvh}", f"G={g}", "R=16", f"D={d}", "NUM_PARTS=16"] + _FLASH)
-        yield (f"flash prefill 64 rows {c} D={d}", "jitkern.ops.attention:flash_prefill_kernel",
+        yield (f"flash prefill 64 rows {c} D={d}", "engine.ops.attention:flash_prefill_kernel",
                PREFILL_SIG.format(c=c),
                ["num_warps=8", f"KVH={kvh}", f"G={g}", "GP=4", "BM=16", f"D={d}", "SKIP_DECODE=True"] + _FLASH)
 

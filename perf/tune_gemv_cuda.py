@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             shapes = []
         if not shapes or any(len(sh) != 2 or min(sh) <= 0 for sh in shapes):
             ap.error(f"--shapes: expected NxK pairs of positive integers (e.g. 28672x4096), got {args.shapes}")
-    from jitkern.ops import matmul
+    from engine.ops import matmul
     choices = {}            # the device target's tuning entries (targets/tuning.py) changed for the runs
     if args.serial_maxnreg is not None:
         choices["serial_maxnreg"] = args.serial_maxnreg or None

@@ -33,7 +33,7 @@ class Target(CachedHash):
     shared_mem_bytes: int = 0    # shared memory one CTA / workgroup may use (dynamic opt-in maximum)
     mma: str = ""                # matrix unit: "mma.sync" (sm_80+), "wgmma" (sm_90a), "mfma", "wmma"
     async_copy: str = ""         # "cp.async" (sm_80+), "tma" (sm_90+)
-    # code-generation choices (targets/tuning.py); in cache keys through Tuning.choices_key
+    # code-generation choices (targets/tuning.py); in cache keys through Tuning.tags (jitkern/backends)
     tuning: Tuning = _DEFAULT_TUNING
 
     @property
@@ -63,6 +63,32 @@ class Target(CachedHash):
     @property
     def is_arm(self) -> bool:
         return self.arch == "aarch64"
+
+    # ---- capabilities: what op and engine code asks, named by what it means, instead of naming a family
+    @property
+    def costly_workgroups(self) -> bool:
+        """Workgroups, their barriers and their programs cost much more than on a GPU's SIMT units: the Vulkan
+        target is tuned for Mesa's lavapipe, which runs a workgroup as coroutines on the CPU (one suspend point
+        per barrier) and compiles each barrier into that coroutine. Ops take barrier-light kernels (attention
+        through the token kernel) and fewer, larger programs there."""
+        return self.backend == "vulkan"
+
+    @property
+    def fast_workgroups(self) -> bool:
+        """A GPU whose workgroups run on SIMT hardware (not `costly_workgroups`): the flash attention kernels, a
+        row's groups spread over programs, whole-row tiles."""
+        return self.is_gpu and not self.costly_workgroups
+
+    @property
+    def register_cap(self) -> bool:
+        """Launches may cap the registers per thread (the `maxnreg` launch option; ptxas honours it)."""
+        return self.backend == "cuda"
+
+    @property
+    def lane_shuffles(self) -> bool:
+        """The lowering has lane shuffles, so a kernel may keep a tile's rows in the warps that own them (the
+        `warp_rows` launch option)."""
+        return self.backend == "cuda"
 
     def has(self, feature: str) -> bool:
         """Whether code for this target may use `feature` (an LLVM feature name such as "avx2")."""

@@ -3,7 +3,7 @@
 Each default is the measured winner on the hardware it was tuned on (docs/BENCHMARKS.md records the runs); the
 other values are experiments, kept where they are worth re-measuring on other hardware. A choice is data, not an
 environment switch: to try a variant, compile or launch against ``tuned(target, name=value)``, a copy of the target
-with that entry changed (``choices_key()`` puts every non-default entry that shapes code into the cache key).
+with that entry changed (``tags()`` puts every non-default entry that shapes code into the cache key).
 
 Entries read by the GPU lowering (backends/gpu*.py, backends/nvptx.py) shape one kernel's code; the others are read
 where the ops choose a launch (tiles, warps, constexprs: those are in the kernel's specialisation already) or where
@@ -38,7 +38,7 @@ class CachedHash:
 @dataclass(frozen=True)
 class Tuning(CachedHash):
     __hash__ = CachedHash.__hash__     # a frozen dataclass would otherwise generate its own
-    # ---- GPU lowering (one kernel's code; in the cache key through choices_key)
+    # ---- GPU lowering (one kernel's code; in the cache key through tags, as each backend lists them)
     ldmatrix: bool = True            # MMA fragments by ldmatrix where the target has it (else 32-bit shared loads)
     ldmatrix_trans: bool = True      # a (k, n) B operand staged in row order, read by ldmatrix .trans (no conflicts)
     a_from_rows: bool = True         # a dot's A taken from the previous dot's accumulator registers (flash P @ V)
@@ -87,36 +87,33 @@ class Tuning(CachedHash):
     gate_up16: bool = True           # the gate/up projection writes 16-bit output for the gated activation
     gated_linear: bool = False       # experiment: decode steps run gate/up + the gated activation as one kernel
 
-    def choices_key(self, target) -> tuple:
-        """The entries that shape a kernel's code on `target` as cache-key tags (none at the defaults but the
-        ones always recorded, so a cache filled with one table never serves another)."""
-        if target.is_cuda:
-            return (() if self.ldmatrix else ("no-ldmatrix",)) + \
-                (() if self.ldmatrix_trans else ("no-ldmatrix-trans",)) + \
-                ((f"wgmma-swizzle-{self.wgmma_swizzle}",) if self.wgmma_swizzle else ()) + \
-                (("wgmma-pipe",) if self.wgmma_pipe else ()) + \
-                (("tma-pipe",) if self.tma_pipe else ()) + \
-                (() if self.frag_ops else ("no-frag-ops",)) + \
-                ((f"cp-async-{int(self.cp_async)}",) if self.cp_async is not None else ()) + \
-                ((f"mma-unroll-{self.mma_unroll}",) if self.mma_unroll else ()) + \
-                (("row-slots",) if self.row_slots else ()) + \
-                (("pin-operands",) if self.pin_operands else ()) + \
-                (("pin-regs",) if self.pin_regs and self.pin_operands else ()) + \
-                (() if self.a_from_rows else ("staged-rows-a",)) + \
-                (() if self.costage else ("no-costage",)) + \
-                (() if self.fast_exp else ("no-fast-exp",)) + \
-                (() if self.reduce_direct else ("two-pass-reduce",)) + \
-                (() if self.reduce_one_each else ("reduce-tiled",)) + \
-                (() if self.wg_sums else ("no-wg-sums",))
-        if target.is_hip:
-            return (() if self.frag_ops else ("no-frag-ops",)) + (("row-slots",) if self.row_slots else ()) + \
-                (("pin-operands",) if self.pin_operands else ()) + \
-                (() if self.reduce_direct else ("two-pass-reduce",)) + \
-                (() if self.reduce_one_each else ("reduce-tiled",))
-        if target.is_vulkan:
-            return (() if self.reduce_direct else ("two-pass-reduce",)) + \
-                (() if self.reduce_one_each else ("reduce-tiled",))
-        return ()
+    def tags(self, entries) -> tuple:
+        """Cache-key tags of the named entries, in that order: a backend lists the entries that shape its code
+        (jitkern/backends: `Backend.tuning_entries`), so a cache filled with one table never serves another. Most
+        entries add a tag only away from their default; some are always recorded (see _TAGS)."""
+        return tuple(tag for name in entries for tag in _TAGS[name](self))
+
+
+# Each code-shaping entry's cache-key tags.
+_TAGS = {
+    "ldmatrix": lambda t: () if t.ldmatrix else ("no-ldmatrix",),
+    "ldmatrix_trans": lambda t: () if t.ldmatrix_trans else ("no-ldmatrix-trans",),
+    "wgmma_swizzle": lambda t: (f"wgmma-swizzle-{t.wgmma_swizzle}",) if t.wgmma_swizzle else (),
+    "wgmma_pipe": lambda t: ("wgmma-pipe",) if t.wgmma_pipe else (),
+    "tma_pipe": lambda t: ("tma-pipe",) if t.tma_pipe else (),
+    "frag_ops": lambda t: () if t.frag_ops else ("no-frag-ops",),
+    "cp_async": lambda t: (f"cp-async-{int(t.cp_async)}",) if t.cp_async is not None else (),
+    "mma_unroll": lambda t: (f"mma-unroll-{t.mma_unroll}",) if t.mma_unroll else (),
+    "row_slots": lambda t: ("row-slots",) if t.row_slots else (),
+    "pin_operands": lambda t: ("pin-operands",) if t.pin_operands else (),
+    "pin_regs": lambda t: ("pin-regs",) if t.pin_regs and t.pin_operands else (),
+    "a_from_rows": lambda t: () if t.a_from_rows else ("staged-rows-a",),
+    "costage": lambda t: () if t.costage else ("no-costage",),
+    "fast_exp": lambda t: () if t.fast_exp else ("no-fast-exp",),
+    "reduce_direct": lambda t: () if t.reduce_direct else ("two-pass-reduce",),
+    "reduce_one_each": lambda t: () if t.reduce_one_each else ("reduce-tiled",),
+    "wg_sums": lambda t: () if t.wg_sums else ("no-wg-sums",),
+}
 
 
 DEFAULT = Tuning()

@@ -52,13 +52,13 @@ def install(monkeypatch) -> FakeDevice:
             return launch(kernel, grid, args, kwargs, target=target)
 
         monkeypatch.setattr(launch_mod, "launch", dual_launch)
-        for mod in ("jitkern.ops._hostargs", "jitkern.ops.matmul"):
+        for mod in ("engine.ops._hostargs", "engine.ops.matmul"):
             import importlib
             monkeypatch.setattr(importlib.import_module(mod), "launch", dual_launch)
     # a GPU's tensor-core linear gives the same bits with its decode and its taller prefill tile (MMA
     # chains in K order); run on the CPU these kernels sum per K step, so the fake keeps one tile for every
     # M, or its batch-invariance checks would see the switch
-    from jitkern.ops import matmul
+    from engine.ops import matmul
     monkeypatch.setattr(matmul, "GPU_LINEAR_WIDE_M", 1 << 62)
     monkeypatch.setattr(cuda, "get_device", lambda ordinal=0: dev)
     monkeypatch.setattr(cuda, "is_available", lambda: True)

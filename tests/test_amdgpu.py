@@ -730,7 +730,7 @@ def test_mma_layout_model_catches_a_wrong_layout(monkeypatch):
 def _compile_linear_mma(target: str, wdt: str):
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
-    from jitkern.ops.matmul import _gpu_linear_mma_kernel
+    from engine.ops.matmul import _gpu_linear_mma_kernel
     params, consts = parse_sig(_gpu_linear_mma_kernel,
                                f"x=*f32:16,w=*{wdt}:16,bias=*f32:16,y=*f32:16,M=i32,N=i32:16,K=i32:16,ldx=i32:16,"
                                f"ldy=i32:16,xmap=i64,wmap=i64", ["HAS_BIAS=1", "BM=16", "BN=64", "BK=64", "EVEN=1"])
@@ -775,7 +775,7 @@ def test_dense_linear_picks_the_matrix_units(target, wdt, tmp_path):
     kernel with its engine tile (gpu_linear_mma_tile: decode M = 1 and a prefill-sized M alike, one kernel:
     batch invariant), and that code object runs its dots on MFMA / WMMA. f32 weights or K % 16 != 0 keep the
     FMA kernel. Compile-only (no AMD GPU): what the engine would launch there."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from jitkern.runtime.launch import compile_only
     t = get_target(target)
     rng = np.random.default_rng(7)
@@ -810,7 +810,7 @@ def test_serial_split_linear_on_the_matrix_units(target, tmp_path):
     """From tuning.serial_split_m tokens a split K's slabs are summed inside each program (SERIAL: a run-time
     loop over the slabs around the K loop): on AMD targets that code object links, runs its dots on MFMA / WMMA
     and neither spills nor takes flat access. Compile-only (no AMD GPU)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from jitkern.runtime.launch import compile_only
     t = get_target(target)
     rng = np.random.default_rng(9)

@@ -65,10 +65,10 @@ def _dev(cuda, a):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_basic_ops_on_device_arrays(cuda, dtype):
-    from jitkern.ops.activation import add, gelu_tanh, silu_and_mul
-    from jitkern.ops.embedding import embedding
-    from jitkern.ops.norm import layer_norm, rms_norm
-    from jitkern.ops.softmax import softmax
+    from engine.ops.activation import add, gelu_tanh, silu_and_mul
+    from engine.ops.embedding import embedding
+    from engine.ops.norm import layer_norm, rms_norm
+    from engine.ops.softmax import softmax
     rng = np.random.default_rng(11)
     T, n = 13, 197
     x = stored(rng.standard_normal((T, n + 50)), dtype)
@@ -103,7 +103,7 @@ def test_basic_ops_on_device_arrays(cuda, dtype):
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("M", [1, 5, 19])
 def test_linear_on_device_arrays(cuda, wdt, M):
-    from jitkern.ops.matmul import linear
+    from engine.ops.matmul import linear
     rng = np.random.default_rng(12)
     N, K = 37, 131
     x = rng.standard_normal((M, K)).astype(np.float32)
@@ -117,7 +117,7 @@ def test_linear_on_device_arrays(cuda, wdt, M):
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_K", "q6_K"])
 def test_quantised_matmul_and_rows_on_device_arrays(cuda, qtype):
     pytest.importorskip("gguf")
-    from jitkern.ops.quant import dequantize_rows, matmul_q
+    from engine.ops.quant import dequantize_rows, matmul_q
     from tests.ops.test_quant import make_weight
     rng = np.random.default_rng(13)
     N, K = 24, 512
@@ -137,8 +137,8 @@ def test_quantised_matmul_and_rows_on_device_arrays(cuda, qtype):
 
 
 def test_rope_and_attention_on_device_arrays(cuda):
-    from jitkern.ops.attention import paged_attention, reshape_and_cache
-    from jitkern.ops.rope import rope, rope_cos_sin_cache
+    from engine.ops.attention import paged_attention, reshape_and_cache
+    from engine.ops.rope import rope, rope_cos_sin_cache
     rng = np.random.default_rng(14)
     H, KVH, D = 4, 2, 64
     seqs = [(1, 1), (17, 1), (40, 23), (300, 1), (33, 33)]
@@ -179,7 +179,7 @@ def test_rope_and_attention_on_device_arrays(cuda):
 
 
 def test_argmax_on_device_arrays(cuda):
-    from jitkern.ops.sampling import argmax_rows
+    from engine.ops.sampling import argmax_rows
     rng = np.random.default_rng(15)
     x = rng.standard_normal((6, 1001)).astype(np.float32)
     got = argmax_rows(_dev(cuda, x))
@@ -240,7 +240,7 @@ def _sm90a_backend(backend, monkeypatch):
 
 def _tuned_for(arr, **choices):
     """The target of device array `arr` with tuning entries changed (targets.tuned): a launch option of the ops."""
-    from jitkern.ops._hostargs import resolve_target
+    from engine.ops._hostargs import resolve_target
     from targets import tuned
     return tuned(resolve_target(None, arr), **choices)
 
@@ -259,7 +259,7 @@ def test_linear_split_k_tiles(backend, monkeypatch):
     """The tensor-core linear with K split into slabs (a tile's 5th entry) plus their ordered sum, tokens in
     chunks of GPU_SPLITK_MAX_M: numpy's result, and each token's row the same bits alone as in the batch.
     On `fake` the sm_90a tiles are chosen and compiled (ptxas), then run on the CPU."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
     monkeypatch.setattr(mm, "GPU_SPLITK_MAX_M", 8)
@@ -280,7 +280,7 @@ def test_linear_serial_split_gives_the_slab_paths_bits(backend, monkeypatch):
     """From tuning.serial_split_m tokens a split K's slabs are summed inside each program (SERIAL, no slabs
     through memory, no sum kernel): bit for bit what the slab programs plus the sum kernel give, with and without
     bias, and a token's row the same bits as its decode (slab path) row."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 4))
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
@@ -312,7 +312,7 @@ def test_linear_prefetch_2_gives_the_same_bits(backend, monkeypatch):
     chained in the accumulator registers like the loop's, so bit for bit the result of PREFETCH 1, through the
     slab path, the serial split and an unsplit weight, with bf16 x; K ranges of one step keep PREFETCH 1. On `fake` a small tile runs the kernel on the CPU (the DSL's order); on the GPU the
     engine's tiles, the huge one included."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     choices = dict(linear_tma=False)      # (cp.async's chains: with TMA on, PREFETCH 2 is TMA's only)
     if backend == "fake":
@@ -348,7 +348,7 @@ def test_linear_tma_gives_the_same_bits(backend, monkeypatch):
     `fake` (no tensor maps: host memory) the launch keeps cp.async and the bits are the same trivially; on the
     GPU the launch must have taken the `tma` option. tuning.tma_pipe (the MMAs in flight into the next step) gives
     the same bits too."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     choices = {}
     if backend == "fake":
@@ -383,7 +383,7 @@ def test_linear_16bit_activations(backend, monkeypatch):
     """GPU_LINEAR_ACTIVATIONS = "16bit": the tensor-core linear rounds x to bf16 (one MMA chain): the result is
     float64's of the rounded x (closer to it than the f32 result is: the rounding is applied, not the hi + lo
     split), the split-K path takes it too, and a token's row is the same bits alone as in the batch."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 2))
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
@@ -414,7 +414,7 @@ def test_linear_16bit_x_gives_the_16bit_activations_bits(backend, monkeypatch, t
     bit for bit the f32 x with activations "16bit" (the kernel rounds x to bf16 first), through the split-K
     path and the whole-K one, alone and in a batch; the wrong storage or a path without the kernel is an error
     naming the field."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", tile)
     x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(37), 19, 96, 256)
@@ -439,9 +439,9 @@ def test_split_k_sum_folded_into_the_norm_and_the_activation(backend, monkeypatc
     """linear(fold_sum=True) leaves a split-K linear's slabs to its consumer (matmul.SplitK): rms_norm (with the
     residual add) and silu_and_mul sum them in slab order, bit for bit what the sum kernel + the op give; no
     split (one K range), a bias, or too many tokens give the ordinary result."""
-    from jitkern.ops import matmul as mm
-    from jitkern.ops.activation import silu_and_mul
-    from jitkern.ops.norm import rms_norm
+    from engine.ops import matmul as mm
+    from engine.ops.activation import silu_and_mul
+    from engine.ops.norm import rms_norm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 4))
     rng = np.random.default_rng(41)
@@ -478,7 +478,7 @@ def test_split_k_sum_folded_into_the_norm_and_the_activation(backend, monkeypatc
 def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
     """A bf16 linear case of M tokens launched whole: checks it took a tile of bm rows and matches float64;
     returns (x, weights, bias on the device, the result, the float64 reference)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(seed), M, N, K)
     mm._LAST.clear()
     full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
@@ -490,7 +490,7 @@ def _tiled_linear_case(cuda_mod, seed, M, N, K, bm):
 
 def _tiled_linear_case16(cuda_mod, seed, M, N, K, bm):
     """_tiled_linear_case with 16-bit activations: the float64 reference of the bf16-rounded x."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     x, w64, bias, dw, db = _bf16_linear_case(cuda_mod, np.random.default_rng(seed), M, N, K)
     mm._LAST.clear()
     full = mm.linear(_dev(cuda_mod, x), dw, bias=db, w_dtype="bf16").numpy()
@@ -507,7 +507,7 @@ def test_linear_tile_tiers_by_token_count():
     from GPU_LINEAR_BIG_M, all with the decode tile's K split (which depends on N and K only: 4 for narrow weights, none
     for wide ones), the huge / XL tiles on warpgroup MMAs; a weight a taller tile does not divide keeps the next
     smaller one."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import get_target
     T = get_target("sm_90a")
     dec = mm._mma_tile_for(T, 4096, 4096, 1)
@@ -556,7 +556,7 @@ def test_linear_big_tile_gives_the_decode_tiles_bits(monkeypatch, M, activations
     """From GPU_LINEAR_MID_M tokens the linear takes the mid tile (64 rows, 8 warps; N = 512 is narrow), from
     GPU_LINEAR_BIG_M the big one (the huge one with 16-bit activations): rows through them are the same bits as through the tall and the decode
     tiles, with either activation precision (GPU only: on the CPU a dot's sums depend on the tile)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", activations)
     bm = mm._mma_tile_for(cuda_mod.get_device().target(), 512, 512, M, int(activations == "16bit"))[0]
@@ -574,7 +574,7 @@ def test_linear_huge_tile_gives_the_decode_tiles_bits(monkeypatch, N, K):
     """From GPU_LINEAR_HUGE_M tokens with 16-bit activations the linear takes the huge tile (128 tokens, two
     warpgroups of wgmma fed by cp.async, the defaults): it matches float64 and a token's row
     is the same bits through it as through the big, mid, tall and decode tiles (mma.sync below 64 tokens)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
     M = mm.GPU_LINEAR_HUGE_M + 45
@@ -596,7 +596,7 @@ def test_linear_serial_chain_gives_the_serial_splits_bits(backend, prefetch, mon
     engine's prefill tile for a narrow weight (K split in 4; 16-bit x on the device: warpgroup MMAs fed by TMA on
     the H200, cp.async on `fake`): bit for bit the serial split that restarts its pipeline a slab, and a token's
     row the same bits as its decode (slab programs) row; float64 close."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     rng = np.random.default_rng(41)
     N, K, M = 256, 1024, 263
@@ -630,7 +630,7 @@ def test_linear_xl_tile_gives_the_decode_tiles_bits(monkeypatch):
     """A wide weight (GPU_NOSPLIT_MIN_TILES column tiles: no K split) from GPU_LINEAR_XL_M tokens with 16-bit
     activations takes the XL tile (256 tokens, two warpgroups of m64n256 wgmma fed by TMA): it matches float64 and a
     token's row is the same bits through it as through the huge, big, tall and decode tiles."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_ACTIVATIONS", "16bit")
     N, K = 64 * mm.GPU_NOSPLIT_MIN_TILES, 512
@@ -654,7 +654,7 @@ def test_linear_16bit_out_is_the_f32_result_rounded(monkeypatch, backend, wide):
     through every tile the token count picks, with bf16 x (TMA on sm_90a from 64 tokens): a wide weight (no K
     split: decode, tall, mid / big, huge, XL tiles) and a narrow one (K split in 4: slab programs + the sum kernel,
     the serial split from tuning.serial_split_m tokens). The fake sm_90a device runs the small sizes only."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import Tuning
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     rng = np.random.default_rng(23)
@@ -684,8 +684,8 @@ def test_gated_linear_is_linear_then_act_and_mul(monkeypatch, backend, wdt, act)
     activation in its epilogue) gives the bits of `linear(out=<16-bit>)` into a gate_up array (which it writes too)
     followed by silu_and_mul / gelu_tanh_and_mul, at 1 to GPU_GATED_MAX_M tokens, with K split (decode tile of a wide weight: none) or not
     applicable (gated_tile None where the tile would split K or from the tall tile on)."""
-    from jitkern.ops import activation as A
-    from jitkern.ops import matmul as mm
+    from engine.ops import activation as A
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     rng = np.random.default_rng(31)
     N, K = 2 * 64 * mm.GPU_NOSPLIT_MIN_TILES, 256
@@ -729,7 +729,7 @@ def test_wgmma_linear_matches_float64_and_is_batch_invariant(monkeypatch, N, K, 
     and with the K loop's MMAs overlapping the next step's staging (tuning.wgmma_pipe); min_bm 64: wgmma for the 64-row
     tiles only, mma.sync below (equal bits across that switch or the mode is unusable). 16-bit activations: with
     f32 ones the linear keeps mma.sync (matmul._wgmma_for; test_linear_tile_tiers_by_token_count)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import tuned
     cuda_mod = _sm90a_backend("cuda", monkeypatch)
     dev = cuda_mod.get_device()
@@ -752,7 +752,7 @@ def test_linear_tall_tile_gives_the_decode_tiles_bits(backend, monkeypatch):
     than at decode sizes (16 rows, K steps of 128): each token's row must be the same bits either way (the
     engine's batch invariance across that switch). On `fake` the sm_90a choice and PTX are exercised and
     the CPU runs the kernels."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MID_M", 1 << 62)         # (the mid / big tiles: the test above)
     if backend == "fake":
@@ -780,8 +780,8 @@ def test_split_k_qkv_folded_into_rope_and_cache(backend, monkeypatch, neox, rota
     """rope_and_cache(parts=S) reads a split-K q/k/v projection's slabs (matmul.SplitK) and sums them in slab order
     as it reads: the rotated q (its unrotated tail too) and both caches are bit for bit what the sum kernel + the
     in-place op give; slot -1 writes nothing. Wrong q_out / too many tokens are refused."""
-    from jitkern.ops import matmul as mm
-    from jitkern.ops import rope as rp
+    from engine.ops import matmul as mm
+    from engine.ops import rope as rp
     cuda_mod = _sm90a_backend(backend, monkeypatch)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 64, 4, 4))
     rng = np.random.default_rng(43 + rotary + neox)

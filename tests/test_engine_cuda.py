@@ -342,7 +342,7 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
     pytest.importorskip("transformers")
     import torch
     from engine.llm import LLM
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from tests.model_fixtures import make_model_dir
     hf = make_model_dir("llama", str(tmp_path), seed=3).to(torch.bfloat16)
     hf.save_pretrained(str(tmp_path), safe_serialization=True)
@@ -397,7 +397,7 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, ti
     hf.save_pretrained(str(tmp_path), safe_serialization=True)
     prompts = _prompts(4, seed=9)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     if tile is not None:
         monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", tile)
     folded = []
@@ -439,8 +439,8 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
     import torch
     from engine.llm import LLM
     from engine.models import decoder
-    from jitkern.ops import matmul as mm
-    from jitkern.ops import rope as rp
+    from engine.ops import matmul as mm
+    from engine.ops import rope as rp
     from tests.fake_cuda import install
     from tests.model_fixtures import make_model_dir
     monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
@@ -486,8 +486,8 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from engine.llm import LLM
-    from jitkern.ops import activation as act
-    from jitkern.ops import matmul as mm
+    from engine.ops import activation as act
+    from engine.ops import matmul as mm
     _bf16_llama_on(where, tmp_path, monkeypatch, 7,
                    {"hidden_size": 128, "intermediate_size": 128} if tile is None else None)
     if tile is None:

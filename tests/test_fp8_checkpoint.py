@@ -1,4 +1,4 @@
-"""FP8 (e4m3) safetensors checkpoints through the engine, weights kept compressed (jitkern/ops/fp8.py):
+"""FP8 (e4m3) safetensors checkpoints through the engine, weights kept compressed (engine/ops/fp8.py):
 a tiny random Llama (tests/model_fixtures.py) whose linear weights are stored as F8_E4M3 in the two layouts
 the hub uses -
 
@@ -24,7 +24,7 @@ from engine.errors import ModelLoadError  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from jitkern.ops.fp8 import dequantize_fp8  # noqa: E402
+from engine.ops.fp8 import dequantize_fp8  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

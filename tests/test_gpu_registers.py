@@ -69,7 +69,7 @@ def _linear_ptx(BM, BN, BK, extra=(), warps=4, split=2, sig=None, target=None):
     """The tensor-core linear's PTX for `target` (default sm_90a; a targets.tuned copy tries other choices)."""
     from jitkern.cli import parse_sig
     from jitkern.compiler import compile_kernel
-    from jitkern.ops.matmul import _gpu_linear_mma_kernel
+    from engine.ops.matmul import _gpu_linear_mma_kernel
     from targets import get_target
     consts = ["HAS_BIAS=False", f"BM={BM}", f"BN={BN}", f"BK={BK}", "EVEN=True", f"SPLIT={split}",
               f"num_warps={warps}", *extra]
@@ -103,7 +103,7 @@ def test_dense_linear_tiles_fit_three_ctas_per_sm(tile, tmp_path):
 def test_engine_linear_tiles_assemble_without_spills(tmp_path):
     """Every tile the engine's linear picks on sm_90a by token count (decode, tall, mid, big: matmul._mma_tile_for)
     assembles with ptxas and spills nothing, with f32 and 16-bit activations (no GPU needed; on the GPU they are checked for equal bits)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import get_target
     T = get_target("sm_90a")
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
@@ -123,7 +123,7 @@ def test_wgmma_linear_tiles_assemble(tmp_path, swizzle, pipe):
     pipelined K loop), behind the async-proxy fence, and ptxas takes them for sm_90a. No spills with 16-bit
     activations; with f32 ones (hi and lo accumulators) the big tile is over 255 registers and spills (~170
     bytes, not asserted)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import get_target, tuned
     T = tuned(get_target("sm_90a"), wgmma_swizzle=swizzle, wgmma_pipe=pipe)     # (both in the compile cache key)
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
@@ -282,7 +282,7 @@ def test_cp_async_linear_tiles(tmp_path):
     after it). With bf16 x both operands are copied: no tile is held in registers, so ptxas needs far fewer,
     and the buffers share shared memory with the C tile written after the last dot. With f32 x only the
     weights are (x is rounded to bf16 on the way; about as many registers as without). Off: no cp.async."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import get_target, tuned
     T = get_target("sm_90a")
     ms = (1, mm.GPU_LINEAR_WIDE_M, mm.GPU_LINEAR_MID_M, mm.GPU_LINEAR_BIG_M)
@@ -325,9 +325,9 @@ def _warp_rows_prefill_ptx(warp_rows=True, target=None) -> str:
     (A.FLASH_WARP_ROWS_TILE), launched with `warp_rows` or not, with `target`'s tuning (default sm_90a's)."""
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
-    from jitkern.ops import attention as A
+    from engine.ops import attention as A
     from targets import get_target
-    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    k = load_kernel("engine.ops.attention:flash_prefill_kernel")
     rows, warps = A.FLASH_WARP_ROWS_TILE
     extra = [f"num_warps={warps}", "GP=4", f"BM={rows // 4}", "SKIP_DECODE=True", "FOLD_SKIP=True",
              "LONGEST_FIRST=True"] + (["warp_rows=True"] if warp_rows else [])
@@ -344,7 +344,7 @@ def test_flash_fold_skip_keeps_the_fold_in_registers(tmp_path):
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
     from targets import get_target
-    k = load_kernel("jitkern.ops.attention:flash_prefill_kernel")
+    k = load_kernel("engine.ops.attention:flash_prefill_kernel")
     stores, branch_barriers = [], []
     for skip in (False, True):
         params, cx = parse_sig(k, FLASH_PREFILL_SIG, FLASH_COMMON + FLASH_PREFILL_CONSTS + [f"FOLD_SKIP={skip}"])
@@ -382,7 +382,7 @@ def test_flash_row_slots_share_barriers(tmp_path):
     cases = [("flash_decode_kernel", dsig, ["num_warps=2", "R=16", "NUM_PARTS=16"]),
              ("flash_prefill_kernel", psig, FLASH_PREFILL_CONSTS)]
     for name, sig, extra in cases:
-        k = load_kernel(f"jitkern.ops.attention:{name}")
+        k = load_kernel(f"engine.ops.attention:{name}")
         counts, stores = [], []
         for switch in (None, "row_slots", "pin_operands"):
             T = tuned(get_target("sm_90a"), row_slots=switch == "row_slots", pin_operands=switch == "pin_operands")
@@ -423,7 +423,7 @@ def test_wgmma_linear_tiles_with_cp_async(tmp_path, swizzle):
     tiles are copied by cp.async straight into the warpgroup MMAs' core-matrix (or 128-byte swizzled) staging,
     waited for and fenced for the async proxy before the MMAs read them in place; with bf16 x no tile is held
     in registers (no spills, fewer registers than without cp.async)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import get_target, tuned
     T = tuned(get_target("sm_90a"), wgmma_swizzle=swizzle)
     tiles = {mm._mma_tile_for(T, N, 4096, M, act16=1) for N in (4096, 28672)
@@ -454,7 +454,7 @@ def test_linear_prefetch_2_chain_uses_three_buffers(tmp_path, wgmma):
     loop; the loop's dot waits until at most 4 groups are pending (its own step's 2 and the next step's 2), the
     first dot after the loop until 2 (the last step's), the last one until none. No spills with bf16 x (the
     huge tile: 108 registers; the last two dots chain in one set of accumulator registers)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE if wgmma else mm.GPU_LINEAR_MID_TILE
     opts = ("ACT16=1",) + (("wgmma=1",) if wgmma else ())
@@ -486,7 +486,7 @@ def test_linear_tma_tiles(tmp_path, serial):
     cp.async or per-thread copy remains; a chain starts its barriers over (inval + init), the kernel once at
     entry. No spills, and fewer registers than cp.async's address math needs. Prefetch-2 chains too (three
     buffers and barriers a chain)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     ser = ("SERIAL=True",) if serial else ()
     for BM, BN, BK, W in (mm.GPU_LINEAR_HUGE_TILE, (64, 128, 64, 8), (64, 256, 64, 8)):
@@ -523,7 +523,7 @@ def test_linear_tma_pipe(tmp_path, prefetch):
     step's group (wait_group 1), then one CTA barrier, then issues its copies (into the buffer that group
     read): one CTA barrier a step (two without the switch). After the loop the last dot waits for every group.
     No spills, no more registers."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from targets import get_target, tuned
     sig16 = LINEAR_SIG.replace("x=*f32:16", "x=*bf16:16")
     BM, BN, BK, W = mm.GPU_LINEAR_HUGE_TILE
@@ -573,7 +573,7 @@ def test_flash_reduce_direct_and_longest_first_assemble(tmp_path):
     cases = [("flash_decode_kernel", dsig, ["num_warps=4", "R=16", "NUM_PARTS=16"]),
              ("flash_prefill_kernel", FLASH_PREFILL_SIG, FLASH_PREFILL_CONSTS + ["LONGEST_FIRST=True"])]
     for name, sig, extra in cases:
-        k = load_kernel(f"jitkern.ops.attention:{name}")
+        k = load_kernel(f"engine.ops.attention:{name}")
         counts = []
         for direct in (False, True):
             params, cx = parse_sig(k, sig, FLASH_COMMON + extra)
@@ -603,7 +603,7 @@ def test_flash_step_blocks_assemble(tmp_path, sb):
              ("flash_merge_kernel", msig, ["KVH=8", "G=4", "GP=4", "D=128", "BS=16", "NUM_PARTS=16", "PB=4", "MAXP=16",
                                           "SINKS=False"])]
     for name, sig, extra in cases:
-        k = load_kernel(f"jitkern.ops.attention:{name}")
+        k = load_kernel(f"engine.ops.attention:{name}")
         common = [] if name == "flash_merge_kernel" else \
             [c for c in FLASH_COMMON if not any(c.split("=")[0] == e.split("=")[0] for e in extra)]
         params, cx = parse_sig(k, sig, common + extra + [f"SB={sb}"])
@@ -625,7 +625,7 @@ def test_flash_merge_q8_output_assembles(tmp_path):
     from jitkern.cli import load_kernel, parse_sig
     from jitkern.compiler import compile_kernel
     from targets import get_target
-    k = load_kernel("jitkern.ops.attention:flash_merge_kernel")
+    k = load_kernel("engine.ops.attention:flash_merge_kernel")
     sig = FLASH_MERGE_SIG.replace("qx=*f32:16", "qx=*i8:16")
     params, cx = parse_sig(k, sig, ["KVH=3", "G=3", "GP=4", "D=64", "BS=16", "NUM_PARTS=16", "PB=4", "MAXP=16",
                                     "SINKS=False", "Q8G=1", "REP4=True"])
@@ -695,7 +695,7 @@ def test_serial_chain_sums_in_registers_and_shares_the_copy_buffers(prefetch):
     every tile is a TMA copy (no global loads), the slabs' running sum stays in the MMA registers (tuning.wg_sums:
     one C tile in shared memory, at the end) and that tile shares the copy buffers, so the kernel needs no more
     shared memory than the restarting form (without the register sums: more than one CTA an SM can hold)."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from jitkern.runtime.launch import compile_only
     from targets import get_target, tuned
     T0 = tuned(get_target("sm_90a"), linear_prefetch=prefetch)
@@ -732,7 +732,7 @@ def test_serial_chain_sums_in_registers_and_shares_the_copy_buffers(prefetch):
 def test_rope_cache_tile_kernel_assembles_without_spills(tmp_path, neox):
     """tuning.rope_tiles: rope_and_cache of a step past ROPE_CACHE_PER_HEAD_MAX_T tokens on sm_90a (Llama-3-8B's
     heads, f16 cache) compiles to rope_cache_tile_kernel, which ptxas assembles without spills; off, the head loop."""
-    from jitkern.ops import rope as R
+    from engine.ops import rope as R
     from jitkern.runtime.launch import compile_only
     from targets import get_target, tuned
     T, H, KVH, D = R.ROPE_CACHE_PER_HEAD_MAX_T + 44, 32, 8, 128
@@ -762,7 +762,7 @@ def test_16bit_out_linear_and_gated_kernel_assemble_without_spills(tmp_path):
     sm_90a (decode, big, huge, XL; TMA from 64 tokens) and the one gated kernel (matmul.gated_linear, decode
     sizes) compile for sm_90a and ptxas assembles them without spills; the gated kernel stores the 16-bit gate_up,
     has one CTA barrier more than the linear's after its K loop and reads gate_up back."""
-    from jitkern.ops import matmul as mm
+    from engine.ops import matmul as mm
     from jitkern.runtime.launch import compile_only
     from targets import get_target
     T = get_target("sm_90a")

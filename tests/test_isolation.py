@@ -134,7 +134,7 @@ def test_model_step_failure_triggered_by_one_request(engine, monkeypatch):
 def test_batch_sampling_kernel_failure_triggered_by_one_request(engine, monkeypatch):
     """A batched sampling kernel raises when the bad request's row is in it; seeded requests keep their
     tokens although the step was sampled twice (uniforms are drawn once per step)."""
-    import jitkern.ops.sampling as sampling
+    import engine.ops.sampling as sampling
     alone = good_alone(engine)
     free_before = engine.kv.num_free_blocks
     real = sampling.apply_temperature

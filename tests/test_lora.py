@@ -2,7 +2,7 @@
 
 The oracle: a tiny random Llama (transformers) and random PEFT adapters written with numpy + safetensors; the
 reference model for an adapter is the HF model with W + scale * B @ A merged into each targeted weight (float64,
-stored as float32). Ours runs the base weights plus the segmented low-rank kernels (jitkern.ops.lora) in batches
+stored as float32). Ours runs the base weights plus the segmented low-rank kernels (engine.ops.lora) in batches
 that mix both adapters and the base model in one step.
 """
 import copy

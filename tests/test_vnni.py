@@ -16,7 +16,7 @@ import pytest
 
 import jitkern as jk
 import jitkern.compiler as compiler
-from jitkern.ops import quant
+from engine.ops import quant
 from jitkern.runtime import launch as launch_mod
 from targets import cpu as tcpu
 from targets import get_target

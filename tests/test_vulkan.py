@@ -246,7 +246,7 @@ def test_vulkan_f32_division_is_done_in_f64():
     while lavapipe's division is exact). The SPIR-V hooks divide f32 in f64 and round back, which is IEEE's
     correctly rounded quotient on any driver: no f32 OpFDiv may reach a module."""
     from targets import get_target
-    from jitkern.ops.quant import _quantize_q8_kernel
+    from engine.ops.quant import _quantize_q8_kernel
     vk = get_target("vulkan")
     a, b, amax = _division_cases(64)
     for ck in (_divide.compile(a, b, amax, a, a, a, 64, BLOCK=128, target=vk),

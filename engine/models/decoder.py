@@ -1,7 +1,7 @@
 """One decoder-only transformer for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2, Qwen3,
 Gemma 2/3, GPT-2, Phi-3, Granite, OLMo 2, gpt-oss and the MoE families, differing only by the traits of the
 architecture's record (engine/models/arch.py: norm type and placement, positions, MLP form, embedding scale,
-tensor names) and the config. Every tensor operation of the forward pass is a jitkern kernel (jitkern.ops);
+tensor names) and the config. Every tensor operation of the forward pass is a jitkern kernel (engine.ops);
 numpy here only slices views and allocates buffers.
 
 Tensor names: GGUF (`blk.N.attn_q.weight`) and HF (`model.layers.N.self_attn.q_proj.weight`) are both
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import SLIDING_ATTENTION
+from engine.device import GPU_DEVICES
 from engine.errors import ModelLoadError
 from engine.loader import QUANT_TYPES, ROPE_ADJACENT_PAIRS
 from engine.models.arch import arch_of
@@ -45,7 +46,7 @@ GPU_FOLD_SPLITK = True
 
 def _tuning(lin):
     """The code-generation choices of the target `lin`'s weight lives on (targets/tuning.py)."""
-    from jitkern.ops._hostargs import resolve_target
+    from engine.ops._hostargs import resolve_target
     from targets.tuning import DEFAULT
     t = resolve_target(None, lin.weight)
     return t.tuning if t is not None else DEFAULT
@@ -131,7 +132,7 @@ class DecoderLM:
         rot = cfg.rotary_dim or self.D
         self.rotary_dim = rot
         self.layers = []
-        from jitkern.ops.rope import rope_cos_sin_cache
+        from engine.ops.rope import rope_cos_sin_cache
         self.rope_global = None
         self.rope_local = None
         self.longrope = None        # Phi-3 LongRoPE: {"short": cache, "long": cache, "orig": pretrained context}
@@ -154,7 +155,7 @@ class DecoderLM:
                                                      None)
         for i in range(cfg.num_layers):
             self.layers.append(self._layer(i))
-        # decode graphs: MoE layers run all-kernel while a graph records (jitkern.ops.moe.routed_experts), except
+        # decode graphs: MoE layers run all-kernel while a graph records (engine.ops.moe.routed_experts), except
         # GGUF-quantised experts (a host loop over the experts that have tokens)
         self.supports_graphs = not any(L.moe is not None and L.moe.quantized for L in self.layers)
         if device != "cpu" and not self.supports_graphs:
@@ -179,7 +180,7 @@ class DecoderLM:
         kinds = {lin.kind for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.up, L.down) if lin is not None}
         self.compute16 = dtype == "auto" and device != "cpu" and bool(kinds) and kinds <= {"bf16", "f16"}
         self._attn_operands = "16bit" if self.compute16 else None
-        if device in ("cuda", "vulkan"):
+        if device in GPU_DEVICES:
             self._to_device()
         self._fold_splitk = self._folds()             # fixed by the architecture and device: decided once
 
@@ -329,9 +330,9 @@ class DecoderLM:
     # ---------------------------------------------------------------------------------- KV cache
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.KVH, self.D)
-        if self.device in ("cuda", "vulkan"):
+        if self.device in GPU_DEVICES:
             from engine.device import runtime_device
-            from jitkern.runtime.cuda import DeviceArray
+            from jitkern.runtime.device import DeviceArray
             dev = runtime_device(self.device)
             self.k_caches = [DeviceArray.zeros(shape, self.kv_dtype, dev) for _ in self.layers]
             self.v_caches = [DeviceArray.zeros(shape, self.kv_dtype, dev) for _ in self.layers]
@@ -344,16 +345,16 @@ class DecoderLM:
 
     # ----------------------------------------------------------------------------------- forward
     def _norm(self, x, w, b, out, residual=None):
-        from jitkern.ops.norm import layer_norm, rms_norm
+        from engine.ops.norm import layer_norm, rms_norm
         if w is None:          # OLMo 2: no pre-norm; the block reads the residual stream itself
-            from jitkern.ops.activation import add, copy
+            from engine.ops.activation import add, copy
             if residual is not None:
                 add(residual, x, out=residual)
                 x = residual
             return copy(x, out=out)
         if self.layernorm:
             if residual is not None:
-                from jitkern.ops.activation import add
+                from engine.ops.activation import add
                 add(residual, x, out=residual)
                 x = residual
             return layer_norm(x, w, b, self.eps, out=out)
@@ -364,8 +365,8 @@ class DecoderLM:
         16-bit Linear on the tensor-core path, after an RMSNorm or the gated activation), else None."""
         if not GPU_X16 or self.device != "cuda" or type(lin) is not Linear or self.layernorm:
             return None
-        from jitkern.ops._hostargs import resolve_target
-        from jitkern.ops.matmul import takes_16bit_x
+        from engine.ops._hostargs import resolve_target
+        from engine.ops.matmul import takes_16bit_x
         if not takes_16bit_x(lin.kind, lin.k, resolve_target(None, lin.weight)):
             return None
         return np.uint16 if lin.kind == "bf16" else np.float16
@@ -381,7 +382,7 @@ class DecoderLM:
         if key not in self._gate_up16_of:
             st = getattr(L.gate_up, "x16", None)
             if st is not None and getattr(L.down, "x16", None) == st and type(L.gate_up) is Linear:
-                from jitkern.ops.matmul import gpu_linear_mma_tile
+                from engine.ops.matmul import gpu_linear_mma_tile
                 tile = gpu_linear_mma_tile(L.gate_up.n, L.gate_up.k)
                 st = st if len(tile) < 5 or tile[4] == 1 else None
             else:
@@ -396,8 +397,8 @@ class DecoderLM:
             return False
         ok = self._attn16_ok
         if li not in ok:
-            from jitkern.ops._hostargs import resolve_target
-            from jitkern.ops.attention import writes_16bit_out
+            from engine.ops._hostargs import resolve_target
+            from engine.ops.attention import writes_16bit_out
             kc = self.k_caches[li]
             ok[li] = writes_16bit_out(resolve_target(None, lin.weight), self.H,
                                       kc.shape[2], kc.shape[3], kc.shape[1])
@@ -428,12 +429,12 @@ class DecoderLM:
 
     def _attn_q8(self, lin, buf, T: int):
         """The Q8Activations the attention fills with lin's (the o projection's) int8 input, quantised as lin
-        would quantise it (jitkern.ops.attention.paged_attention(q8_out=)); None where lin takes other input or
+        would quantise it (engine.ops.attention.paged_attention(q8_out=)); None where lin takes other input or
         the fused decode path is off."""
         spec = lin.q8_input(T) if self.fuse_decode else None
         if spec is None or lin.k % 32:
             return None
-        from jitkern.ops.quant import Q8Activations
+        from engine.ops.quant import Q8Activations
         layout, rep4 = spec
         o8, o4 = self._q8_bufs(buf, T, lin.k, rep4)
         return Q8Activations(*o8, layout, *(o4 or ()))
@@ -444,8 +445,8 @@ class DecoderLM:
         that kernel does not apply (then gate/up and the activation run apart, with the same bits)."""
         if xg.dtype == np.float32 or not _tuning(L.gate_up).gated_linear:
             return None
-        from jitkern.ops._hostargs import resolve_target
-        from jitkern.ops.matmul import gated_linear, gated_tile
+        from engine.ops._hostargs import resolve_target
+        from engine.ops.matmul import gated_linear, gated_tile
         lin = L.gate_up
         if gated_tile(lin.kind, lin.n, lin.k, T, lin.kind, resolve_target(None, lin.weight)) is None:
             return None
@@ -458,7 +459,7 @@ class DecoderLM:
     def _norm_linear(self, src, w, b, lin, out, x, buf, residual=None, first=False, fold=False, call=None):
         """lin(norm(src)) into `out`, the pre-norm's residual handling as `_norm` (`first`: residual = src, the
         first layer's residual stream). A GGUF-quantised `lin` after an RMSNorm gets its int8 input straight from
-        the norm kernel (jitkern.ops.norm.rms_norm_q8): one launch instead of norm + quantise; else the norm
+        the norm kernel (engine.ops.norm.rms_norm_q8): one launch instead of norm + quantise; else the norm
         writes `x` and lin reads it. `src` may be a split-K linear's slabs (matmul.SplitK); `fold`: lin may
         return its own (see GPU_FOLD_SPLITK). `call` (x, out): runs in lin's place (tuning.gated_linear)."""
         T = src.shape[0]
@@ -467,16 +468,16 @@ class DecoderLM:
             src = src.sum_into(buf.get("hsum", src.shape))       # rms_norm_q8 reads a plain array
         if spec is None:
             if first and w is not None and not self.layernorm and self.fuse_decode:
-                from jitkern.ops.norm import rms_norm        # residual = src and its norm: one launch
+                from engine.ops.norm import rms_norm        # residual = src and its norm: one launch
                 rms_norm(src, w, self.eps, out=x, residual=residual, residual_copy=True, weight_offset=self.norm_offset)
             elif first:
-                from jitkern.ops.activation import copy
+                from engine.ops.activation import copy
                 copy(src, out=residual)
                 self._norm(residual, w, b, x)
             else:
                 self._norm(src, w, b, x, residual=residual)
             return (call or lin)(x, out=out, **self._fold_kw(lin, fold))
-        from jitkern.ops.norm import rms_norm_q8
+        from engine.ops.norm import rms_norm_q8
         layout, rep4 = spec
         o8, o4 = self._q8_bufs(buf, T, lin.k, rep4)
         xq = rms_norm_q8(src, w, self.eps, o8, layout=layout, out4=o4, residual=residual, residual_copy=first,
@@ -485,13 +486,13 @@ class DecoderLM:
 
     def forward(self, b) -> np.ndarray:
         """One step over the flat batch `b` (engine.model_runner.Batch); returns logits [len(b.logits_rows), V]."""
-        from jitkern.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, scale_inplace, silu_and_mul
-        from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
-        from jitkern.ops.embedding import embedding
-        from jitkern.ops.norm import rms_norm, rms_norm_heads
-        from jitkern.ops._hostargs import resolve_target
-        from jitkern.ops.matmul import SplitK
-        from jitkern.ops.rope import rope, rope_and_cache, takes_split_k
+        from engine.ops.activation import add, gelu_tanh, gelu_tanh_and_mul, scale_inplace, silu_and_mul
+        from engine.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
+        from engine.ops.embedding import embedding
+        from engine.ops.norm import rms_norm, rms_norm_heads
+        from engine.ops._hostargs import resolve_target
+        from engine.ops.matmul import SplitK
+        from engine.ops.rope import rope, rope_and_cache, takes_split_k
         T = b.num_tokens
         H, KVH, D = self.H, self.KVH, self.D
         ids = b.input_ids[:T]
@@ -504,16 +505,16 @@ class DecoderLM:
         if self.embed_table is not None:
             embedding(ids, self.embed_table, out=h, scale=self.embed_scale)
         else:
-            from jitkern.ops.quant import dequantize_rows
+            from engine.ops.quant import dequantize_rows
             dequantize_rows(self.embed_raw, self.embed.dtype, ids, self.hidden, out=h)
             if self.embed_scale is not None:
-                from jitkern.ops.activation import scale_inplace
+                from engine.ops.activation import scale_inplace
                 scale_inplace(h, self.embed_scale)
         if tp is not None:
             tp.all_reduce(h)
         if getattr(b, "mm_rows", None) is not None:
             # image input (LLaVA): the image tokens' embeddings are the projected image features
-            from jitkern.ops.vision import scatter_rows
+            from engine.ops.vision import scatter_rows
             scatter_rows(b.mm_embeds, b.mm_rows, h)
         if self.pos_embed is not None:
             pe = buf.get("pe", (T, self.hidden))
@@ -613,7 +614,7 @@ class DecoderLM:
                                            residual=residual, fold=fold and down_q8 is None)
                     if down_q8 is not None:
                         # the activation writes the down projection's int8 input directly: one launch fewer
-                        from jitkern.ops.activation import act_and_mul_q8
+                        from engine.ops.activation import act_and_mul_q8
                         o8, o4 = self._q8_bufs(buf, T, L.down.k, down_q8[1])
                         L.down.call_q8(act_and_mul_q8(gu, o8, gelu=gelu, layout=down_q8[0], out4=o4), out=h)
                     else:
@@ -663,16 +664,16 @@ class DecoderLM:
         R, T = len(rows), x.shape[0]
         if R == T and np.array_equal(rows, np.arange(T)):
             return x
-        from jitkern.ops.embedding import embedding as gather_rows
+        from engine.ops.embedding import embedding as gather_rows
         xs = buf.get("xs", (R, self.hidden))
         idx = b.device_rows[:R] if b.device_rows is not None else rows.astype(np.int32)
         gather_rows(idx, x, out=xs)
         return xs
 
     def _finish_logits(self, logits):
-        from jitkern.ops.activation import scale_inplace
+        from engine.ops.activation import scale_inplace
         if self.final_softcap:
-            from jitkern.ops.activation import softcap_inplace
+            from engine.ops.activation import softcap_inplace
             softcap_inplace(logits, self.final_softcap)
         if self.cfg.logits_scaling is not None:        # Granite: logits / logits_scaling
             scale_inplace(logits, 1.0 / self.cfg.logits_scaling)

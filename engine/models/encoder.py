@@ -108,10 +108,10 @@ class BertEncoder:
     def forward(self, b) -> np.ndarray:
         """The final hidden states of the rows `b.logits_rows` (every token of each prompt, as engine.pooling
         lays the batch out: prompts from position 0, whole prompts only)."""
-        from jitkern.ops.activation import add, gelu, gelu_tanh
-        from jitkern.ops.attention import paged_attention, reshape_and_cache
-        from jitkern.ops.embedding import embedding
-        from jitkern.ops.norm import layer_norm
+        from engine.ops.activation import add, gelu, gelu_tanh
+        from engine.ops.attention import paged_attention, reshape_and_cache
+        from engine.ops.embedding import embedding
+        from engine.ops.norm import layer_norm
         T, S = b.num_tokens, b.num_seqs
         H, D = self.H, self.D
         buf = b.buffers

@@ -153,8 +153,8 @@ class VisionConfig:
 
 
 def _act(name: str):
-    from jitkern.ops.activation import gelu, gelu_tanh
-    from jitkern.ops.vision import quick_gelu
+    from engine.ops.activation import gelu, gelu_tanh
+    from engine.ops.vision import quick_gelu
     return {"quick_gelu": quick_gelu, "gelu": gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh}[name]
 
 
@@ -250,10 +250,10 @@ class LlavaVision:
 
     def hidden_states(self, pixels: np.ndarray) -> list:
         """The selected hidden states [N * (P + 1), hidden] (vision_feature_layer order) of N images."""
-        from jitkern.ops.activation import add, copy
-        from jitkern.ops.attention import paged_attention, reshape_and_cache
-        from jitkern.ops.embedding import embedding
-        from jitkern.ops.norm import layer_norm
+        from engine.ops.activation import add, copy
+        from engine.ops.attention import paged_attention, reshape_and_cache
+        from engine.ops.embedding import embedding
+        from engine.ops.norm import layer_norm
         vc = self.cfg
         pixels = np.ascontiguousarray(pixels, np.float32)
         N = pixels.shape[0]
@@ -306,8 +306,8 @@ class LlavaVision:
 
     def features(self, pixels: np.ndarray) -> np.ndarray:
         """The vision features the projector reads, [N, F, hidden x feature layers] (F = num_features)."""
-        from jitkern.ops.activation import copy
-        from jitkern.ops.embedding import embedding
+        from engine.ops.activation import copy
+        from engine.ops.embedding import embedding
         vc = self.cfg
         states = self.hidden_states(pixels)
         N, S, Hd = pixels.shape[0], vc.num_patches + 1, vc.hidden_size

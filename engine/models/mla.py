@@ -11,14 +11,14 @@ What the engine stores and computes (the "absorbed" form, for every token, prefi
 - the paged cache holds one row per token and layer: [c (kv_lora), k_r (rope)] -- one shared "KV head" of
   kv_lora + rope floats instead of 2 x H x head_dim (DeepSeek-V3: 576 floats vs 2 x 128 x 192);
 - q_h . k_h = (W_UK_h^T q_nope_h) . c + q_r_h . k_r, so each head's query becomes [W_UK_h^T q_nope_h, q_r_h]
-  and attention runs as multi-query attention over the cache rows (jitkern.ops.attention.paged_attention with
+  and attention runs as multi-query attention over the cache rows (engine.ops.attention.paged_attention with
   one KV head of width kv_lora + rope, the same array passed as K and V cache);
 - the attention output over the rows is sum_j p_j [c_j, k_r_j]; its first kv_lora columns are the latent
   output, and W_UV_h maps it to the head's value output (o_h = W_UV_h sum_j p_j c_j).
 Every step is per-token arithmetic (linear kernels, paged attention), so a token's result does not depend on
 the batch (batch invariance as in the dense decoder).
 
-The per-head absorption matmuls run as one launch over all heads (jitkern.ops.mla.head_linear).
+The per-head absorption matmuls run as one launch over all heads (engine.ops.mla.head_linear).
 Limits (see docs/STATUS.md): CPU only; W_UK / W_UV are kept in float32 (a quantised kv_b is dequantised).
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ class MLADecoderLM(DecoderLM):
                 factor = float(scaling["factor"])
                 m = 1.0 if factor <= 1 else 0.1 * float(mall) * math.log(factor) + 1.0
                 self.scale *= m * m
-        from jitkern.ops.rope import rope_cos_sin_cache
+        from engine.ops.rope import rope_cos_sin_cache
         self.rope_cache = rope_cos_sin_cache(s.rope, s.rope, cfg.max_position_embeddings, cfg.rope_theta or 10000.0,
                                              scaling, max_position_embeddings=cfg.max_position_embeddings)
         self.moe_spec = self._moe_spec()
@@ -286,7 +286,7 @@ class MLADecoderLM(DecoderLM):
         tg = int(ex.get("topk_group") or ng)
         v2_groups = not self.sigmoid_routing and ex.get("topk_method") == "group_limited_greedy" and tg < ng
         if self.sigmoid_routing or v2_groups:
-            from jitkern.ops.moe import SIGMOID_GROUP_TOPK
+            from engine.ops.moe import SIGMOID_GROUP_TOPK
             if E % ng or not 1 <= tg <= ng or (ng > 1 and E // ng < 2) or K > tg * (E // ng):
                 raise ModelLoadError(f"n_group {ng} / topk_group {tg} do not fit {E} experts with {K} per token "
                                      "(equal groups of at least 2, enough eligible experts)", path=self.cfg.source,
@@ -312,10 +312,10 @@ class MLADecoderLM(DecoderLM):
 
     # ----------------------------------------------------------------------------------- forward
     def _attention(self, li, L: MLALayer, x, b, buf, out, host_step):
-        from jitkern.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
-        from jitkern.ops.mla import copy_heads, head_linear
-        from jitkern.ops.norm import rms_norm
-        from jitkern.ops.rope import rope
+        from engine.ops.attention import MAX_PARTITIONS, paged_attention, reshape_and_cache
+        from engine.ops.mla import copy_heads, head_linear
+        from engine.ops.norm import rms_norm
+        from engine.ops.rope import rope
         s, H = self.shape, self.H
         T = x.shape[0]
         pos = b.positions[:T]
@@ -352,9 +352,9 @@ class MLADecoderLM(DecoderLM):
         L.o(attn, out=out)
 
     def forward(self, b) -> np.ndarray:
-        from jitkern.ops.activation import copy, silu_and_mul
-        from jitkern.ops.embedding import embedding
-        from jitkern.ops.norm import rms_norm
+        from engine.ops.activation import copy, silu_and_mul
+        from engine.ops.embedding import embedding
+        from engine.ops.norm import rms_norm
         T = b.num_tokens
         buf = b.buffers
         h = buf.get("h", (T, self.hidden))

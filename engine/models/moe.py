@@ -3,7 +3,7 @@
 Entry points: `moe_spec(ckpt)` reads the routing hyper-parameters (HF config.json keys or llama.cpp GGUF
 metadata), `load_moe_block(ckpt, layer, spec)` builds a layer's `MoEBlock` (None for a dense layer: a layer
 is sparse when its router tensor is present, which covers Qwen2-MoE's decoder_sparse_step / mlp_only_layers),
-and `MoEBlock(x, out, buffers)` runs it. The kernels are jitkern.ops.moe (routing, grouped expert matmuls,
+and `MoEBlock(x, out, buffers)` runs it. The kernels are engine.ops.moe (routing, grouped expert matmuls,
 combine); see there for the batch-invariance argument.
 
 Tensor names:
@@ -16,7 +16,7 @@ Tensor names:
 
 Weights: f32 / f16 / bf16 experts run in the grouped DSL kernels (GGUF's are used in place; HF per-expert
 tensors are stacked once at load, counted by JITKERN_LOAD_STATS). GGUF-quantised experts run the quantised
-matmul kernels (jitkern.ops.quant) once per expert that has tokens, on that expert's contiguous segment of
+matmul kernels (engine.ops.quant) once per expert that has tokens, on that expert's contiguous segment of
 grouped rows. The router (and Qwen2-MoE's shared-expert gate, fused in as one extra output) is kept in f32.
 
 gpt-oss: HF float experts (interleaved gate/up, biases) run in the grouped kernels; its MXFP4 experts (HF
@@ -40,7 +40,7 @@ class MoESpec:
     num_experts: int
     top_k: int
     norm_topk: bool          # divide the top-k weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
-    mode: int = 0            # jitkern.ops.moe.SOFTMAX_TOPK (these models) or TOPK_SOFTMAX (gpt-oss)
+    mode: int = 0            # engine.ops.moe.SOFTMAX_TOPK (these models) or TOPK_SOFTMAX (gpt-oss)
 
 
 def moe_spec(ckpt) -> MoESpec | None:
@@ -70,7 +70,7 @@ def moe_spec(ckpt) -> MoESpec | None:
         norm = get("expert_weights_norm", rec.gguf_norm_topk)
         spec = _checked(ckpt, E, int(K), bool(norm), f"{arch}.expert_used_count")
         if rec.routing == "topk_softmax":       # llama.cpp hard-codes gpt-oss's softmax over the top-k logits
-            from jitkern.ops.moe import TOPK_SOFTMAX
+            from engine.ops.moe import TOPK_SOFTMAX
             spec.mode = TOPK_SOFTMAX
         return spec
     extra = cfg.extra or {}
@@ -84,7 +84,7 @@ def moe_spec(ckpt) -> MoESpec | None:
     norm = rec.norm_topk if rec.norm_topk is not None else bool(extra.get("norm_topk_prob", False))
     spec = _checked(ckpt, int(E), int(K), norm, "num_experts_per_tok")
     if rec.routing == "topk_softmax":   # softmax over the top-k router logits; the kernels' clamped SwiGLU constants
-        from jitkern.ops.moe import TOPK_SOFTMAX
+        from engine.ops.moe import TOPK_SOFTMAX
         for key, want in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
             if float(extra.get(key, want)) != want:
                 raise ModelLoadError(f"gpt-oss {key} = {extra[key]} is not supported (the kernel uses {want})",
@@ -154,8 +154,8 @@ class MoEBlock:
                 lin.to_device(upload)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, buffers) -> np.ndarray:
-        from jitkern.ops.activation import silu_and_mul
-        from jitkern.ops.moe import route_topk, routed_experts
+        from engine.ops.activation import silu_and_mul
+        from engine.ops.moe import route_topk, routed_experts
         T = x.shape[0]
         E, K = self.spec.num_experts, self.spec.top_k
         get = buffers.get
@@ -170,7 +170,7 @@ class MoEBlock:
             shared = get("moe.sh", (T, self.hidden))
             self.shared_down(sact, out=shared)
         if self.score_bias is not None:
-            from jitkern.ops.moe import route_sigmoid_group
+            from engine.ops.moe import route_sigmoid_group
             ids, wts = route_sigmoid_group(logits, self.score_bias, E, K, n_group=self.groups[0],
                                            topk_group=self.groups[1], norm=self.spec.norm_topk,
                                            scale=self.routed_scale, ids=get("moe.ids", (T, K), np.int32),
@@ -179,12 +179,12 @@ class MoEBlock:
             ids, wts = route_topk(logits, E, K, norm=self.spec.norm_topk, mode=self.spec.mode,
                                   ids=get("moe.ids", (T, K), np.int32), weights=get("moe.w", (T, K), np.float32))
             if self.routed_scale != 1.0:
-                from jitkern.ops.activation import scale_inplace
+                from engine.ops.activation import scale_inplace
                 scale_inplace(wts, self.routed_scale)
         if self.quantized:
             gate_up_fn, down_fn = self._q_gate_up, self._q_down
         else:
-            from jitkern.ops.moe import expert_down, expert_gate_up
+            from engine.ops.moe import expert_down, expert_gate_up
             gate_up_fn = lambda xs, tiles, bm, o: expert_gate_up(xs, self.gate, tiles, bm, o, w_up=self.up,  # noqa
                                                                  bias=self.gate_up_bias, act=self.act,
                                                                  interleaved=self.interleaved)
@@ -207,10 +207,10 @@ class MoEBlock:
         return list(zip(te[firsts].tolist(), ts[firsts].tolist(), (ts[lasts] + tl[lasts]).tolist()))
 
     def _q_gate_up(self, xs, tiles, bm, out):
-        from jitkern.ops.activation import silu_and_mul
-        from jitkern.ops.quant import matmul_q
+        from engine.ops.activation import silu_and_mul
+        from engine.ops.quant import matmul_q
         I, H = self.inter, self.hidden
-        from jitkern.ops.activation import copy
+        from engine.ops.activation import copy
         P = xs.shape[0]
         g, u = np.empty((P, I), np.float32), np.empty((P, I), np.float32)     # matmul_q wants contiguous rows
         for e, s, t in self._segments(tiles):
@@ -220,7 +220,7 @@ class MoEBlock:
         copy(g, out=gu[:, :I])
         copy(u, out=gu[:, I:])
         if self.gate_up_bias is not None:       # gpt-oss: + per-expert biases, then its clamped SwiGLU
-            from jitkern.ops.moe import expert_bias_act
+            from engine.ops.moe import expert_bias_act
             return expert_bias_act(gu, self._pair_experts(tiles, P), self.gate_up_bias, out=out, act=self.act)
         return silu_and_mul(gu, out=out)
 
@@ -231,11 +231,11 @@ class MoEBlock:
         return pe
 
     def _q_down(self, act, tiles, bm, out):
-        from jitkern.ops.quant import matmul_q
+        from engine.ops.quant import matmul_q
         for e, s, t in self._segments(tiles):
             matmul_q(act[s:t], self.down[e], self.kind, self.hidden, self.inter, out=out[s:t])
         if self.down_bias is not None:
-            from jitkern.ops.moe import expert_bias_act
+            from engine.ops.moe import expert_bias_act
             expert_bias_act(out, self._pair_experts(tiles, out.shape[0]), self.down_bias, out=out, gated=False)
         return out
 

@@ -66,16 +66,16 @@ class Linear:
         return int(self.weight.nbytes)
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None, fold_sum: bool = False):
-        """y into `out`; fold_sum (dense GPU weights): possibly a jitkern.ops.matmul.SplitK instead, whose
+        """y into `out`; fold_sum (dense GPU weights): possibly a engine.ops.matmul.SplitK instead, whose
         ordered sum the next op (rms_norm, act_and_mul) does itself (`out` then untouched)."""
         if self.quantized:
-            from jitkern.ops.quant import matmul_q
+            from engine.ops.quant import matmul_q
             y = matmul_q(x, self.weight, self.kind, self.n, self.k, out=out)
             if self.bias is not None:
-                from jitkern.ops.activation import add
+                from engine.ops.activation import add
                 add(y, _bias_rows(self.bias, y.shape[0]), out=y)
             return y
-        from jitkern.ops.matmul import linear
+        from engine.ops.matmul import linear
         xkw = {"x_dtype": self.kind} if x.dtype != np.float32 else {}
         return linear(x, self.weight, bias=self.bias, out=out, activations=self.activations,
                       **({"w_dtype": "bf16"} if self.kind == "bf16" else {}), **xkw,
@@ -86,21 +86,21 @@ class Linear:
         """(layout, rep4) of the int8 activations `call_q8` takes for an M-row input (what matmul_q would make
         with quantize_q8 on the way), or None when this linear does not take quantised activations (dense
         weights, FP8, stacked parts of different types). Lets the op before it write its output quantised
-        (jitkern.ops.norm.rms_norm_q8, jitkern.ops.activation.act_and_mul_q8): one launch fewer."""
+        (engine.ops.norm.rms_norm_q8, engine.ops.activation.act_and_mul_q8): one launch fewer."""
         if type(self) is not Linear or not self.quantized:
             return None
-        from jitkern.ops._hostargs import is_device, resolve_target
-        from jitkern.ops.quant import _qmm_kernel_for, _qtype, act_layout
+        from engine.ops._hostargs import is_device, resolve_target
+        from engine.ops.quant import _qmm_kernel_for, _qtype, act_layout
         q = _qtype(self.kind)
         dev = is_device(self.weight)
         return act_layout(q, M, resolve_target(None, self.weight)), (M > 1 or dev) and _qmm_kernel_for(q)
 
     def call_q8(self, xq, out):
-        """y = x @ W^T (+ b) from x already quantised as `q8_input` says (a jitkern.ops.quant.Q8Activations)."""
-        from jitkern.ops.quant import matmul_q8
+        """y = x @ W^T (+ b) from x already quantised as `q8_input` says (a engine.ops.quant.Q8Activations)."""
+        from engine.ops.quant import matmul_q8
         y = matmul_q8(xq, self.weight, self.kind, self.n, self.k, out=out)
         if self.bias is not None:
-            from jitkern.ops.activation import add
+            from engine.ops.activation import add
             add(y, _bias_rows(self.bias, y.shape[0]), out=y)
         return y
 
@@ -130,10 +130,10 @@ class StackedLinear(Linear):
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        from jitkern.ops.activation import copy
+        from engine.ops.activation import copy
         if out is None:
             out = np.empty(x.shape[:-1] + (self.n,), np.float32)
-        from jitkern.ops._hostargs import empty_like_dev
+        from engine.ops._hostargs import empty_like_dev
         rows = x.shape[0] if len(x.shape) == 2 else 1
         col = 0
         for j, p in enumerate(self.parts):
@@ -148,7 +148,7 @@ class StackedLinear(Linear):
 
 
 class Fp8Linear(Linear):
-    """y = x @ (W * scales)^T (+ b) with W the FP8 e4m3 bytes as stored (jitkern/ops/fp8.py: per-tensor,
+    """y = x @ (W * scales)^T (+ b) with W the FP8 e4m3 bytes as stored (engine/ops/fp8.py: per-tensor,
     per-channel or 128 x 128 block scales)."""
 
     def __init__(self, weight, scale, n: int, k: int, bias=None, name: str = ""):
@@ -164,17 +164,17 @@ class Fp8Linear(Linear):
         return True
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        from jitkern.ops.fp8 import matmul_fp8
+        from engine.ops.fp8 import matmul_fp8
         y = matmul_fp8(x, self.weight, self.scale, out=out)
         if self.bias is not None:
-            from jitkern.ops.activation import add
+            from engine.ops.activation import add
             add(y, _bias_rows(self.bias, y.shape[0]), out=y)
         return y
 
 
 def _fp8_linear(tensors: list, name: str, transpose: bool, biases) -> Linear:
     """FP8 weights: one Fp8Linear per tensor (their scales differ; fused groups run as a StackedLinear)."""
-    from jitkern.ops.fp8 import scale_kind
+    from engine.ops.fp8 import scale_kind
     if len(tensors) > 1:
         return StackedLinear([_fp8_linear([t], f"{name}[{t.name}]", transpose, [biases[j]] if biases else None)
                               for j, t in enumerate(tensors)], name)

@@ -172,7 +172,7 @@ class EqualChunkGather(Communicator):
         raise NotImplementedError
 
     def _scratch(self, name, like, shape):
-        from jitkern.ops._hostargs import empty_like_dev
+        from engine.ops._hostargs import empty_like_dev
         bufs = self.__dict__.setdefault("_gather_bufs", {})
         key = (name, tuple(shape), type(like).__name__)
         if key not in bufs:
@@ -180,7 +180,7 @@ class EqualChunkGather(Communicator):
         return bufs[key]
 
     def all_gather(self, local, out) -> None:
-        from jitkern.ops.activation import copy
+        from engine.ops.activation import copy
         R, V = out.shape
         P = -(-V // self.world)
         widths = [min((r + 1) * P, V) - min(r * P, V) for r in range(self.world)]

@@ -100,7 +100,7 @@ class VocabParallelHead:
         if out is None:
             out = np.empty((rows, self.n), np.float32)
         if self._buf is None or self._buf.shape[0] < rows or type(self._buf) is not type(x):
-            from jitkern.ops._hostargs import empty_like_dev
+            from engine.ops._hostargs import empty_like_dev
             self._buf = empty_like_dev(x, (max(rows, 16), self.lin.n), np.float32)
         local = self._buf[:rows]
         self.lin(x, out=local)
@@ -121,8 +121,8 @@ class TPShard:
     def local_ids(self, ids):
         """Token ids as rows of this rank's embedding slice; ids outside it read the appended zero row (a
         kernel: runs on device ids; the output buffer keeps its address while it is large enough)."""
-        from jitkern.ops._hostargs import empty_like_dev
-        from jitkern.ops.parallel import vocab_local_ids
+        from engine.ops._hostargs import empty_like_dev
+        from engine.ops.parallel import vocab_local_ids
         n = ids.shape[0]
         if self._ids is None or self._ids.shape[0] < n or type(self._ids) is not type(ids):
             self._ids = empty_like_dev(ids, (max(n, 256),), np.int32)

@@ -30,8 +30,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from ..errors import CompileError
+from .base import GpuBackend, Options
 from .emitter import LV
 from .gpu import GpuHooks, GpuLowering
 
@@ -271,3 +273,54 @@ def code_object_digest(blob: bytes) -> str:
 
 
 __all__ = ["AmdgpuHooks", "lower_to_amdgpu", "find_lld", "lld_version", "link_code_object", "CODE_OBJECT_VERSION"]
+
+
+# ------------------------------------------------------------------------------------------ backend
+@dataclass(frozen=True)
+class AmdgpuOptions(Options):
+    """AMDGPU's key also holds the ld.lld release that links the code object (the artifact a launch loads)."""
+    lld: str = ""
+
+    def key(self) -> tuple:
+        return ("ld.lld", self.lld) + self.tuning
+
+
+class AmdgpuBackend(GpuBackend):
+    """AMD targets: LLVM IR -> relocatable AMDGPU object (isolated LLVM) -> code object (ld.lld), loaded by
+    runtime/hip.py. `jitkern build` runs the engine's device-array path (GPU tiles: MFMA/WMMA linear, flash
+    attention) on the CUDA runtime's host-memory stand-in: what an engine on the AMD GPU asks for."""
+    family = "hip"
+    artifact = "kernel.hsaco"
+    tuning_entries = ("frag_ops", "row_slots", "pin_operands", "reduce_direct", "reduce_one_each")
+
+    def options(self, target) -> AmdgpuOptions:
+        return AmdgpuOptions(target.tuning.tags(self.tuning_entries), lld_version(find_lld()))
+
+    def lower(self, fn, target) -> tuple:
+        return lower_to_amdgpu(fn, target)
+
+    def compile(self, fn, target, emit, describe, kernel_name, spec) -> tuple:
+        llvm_ir, launch_meta = lower_to_amdgpu(fn, target)
+        obj = self.llvm(llvm_ir, target, ("obj",), describe, kernel_name, spec)["obj"]
+        return {**self.sources(fn, llvm_ir), "kernel.o": obj,
+                "kernel.hsaco": link_code_object(obj, target=target.name, describe=describe)}, {"launch": launch_meta}
+
+    def runtime(self):
+        from ..runtime import hip
+        return hip
+
+    def runs(self, target) -> str:
+        return "build only (runtime untested)"
+
+    def build_problem(self, target):
+        if find_lld() is None:
+            return (f"target {target.name}: no ld.lld that links AMDGPU code object v5 (install jitkern[hip], which "
+                    f"brings the ziglang wheel's ld.lld, or ld.lld-17+; or set JITKERN_LLD)")
+        return None
+
+    def build_device(self, target):
+        from ..runtime.cuda import HostMemoryDevice, standing_in
+        return standing_in(HostMemoryDevice(target))
+
+
+BACKEND = AmdgpuBackend()

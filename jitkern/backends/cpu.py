@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from .. import ir
 from ..ir import DType
+from ..errors import CompileError
 from ..language import CompilationError
+from .base import Backend
 from .emitter import _SUFFIX, LV, PT, Aff, LlvmEmitter, _prod, elem_ty, vty
 
 
@@ -842,3 +844,36 @@ class CpuLowering(LlvmEmitter):
 
 def lower_to_llvm(fn: ir.Function, target) -> str:
     return CpuLowering(fn, target).lower()
+
+
+# ------------------------------------------------------------------------------------------ backend
+class CpuBackend(Backend):
+    """CPU tiers: LLVM IR -> a relocatable object (and, on request, assembly / optimised IR) through an isolated
+    LLVM; loaded through ORC LLJIT (runtime/cpu.py) and run by the thread pool (runtime/cpu_pool.py)."""
+    family = "cpu"
+    artifact = "kernel.o"
+
+    def lower(self, fn, target) -> tuple:
+        return lower_to_llvm(fn, target), {}
+
+    def compile(self, fn, target, emit, describe, kernel_name, spec) -> tuple:
+        llvm_ir = lower_to_llvm(fn, target)
+        out = self.llvm(llvm_ir, target, emit, describe, kernel_name, spec)
+        artifacts = self.sources(fn, llvm_ir)
+        names = {"obj": "kernel.o", "asm": "kernel.s", "opt_ll": "kernel.opt.ll"}
+        for k, v in out.items():
+            artifacts[names[k]] = v
+        return artifacts, {}
+
+    def load(self, ck, describe: str, spec: str) -> None:
+        if "kernel.o" not in ck.artifacts:
+            return
+        from ..runtime.cpu import load_object
+        try:
+            ck.address = load_object(ck.artifacts["kernel.o"], ck.symbol, describe=describe)
+        except CompileError as e:
+            e.kernel, e.specialization, e.target = ck.name, spec, ck.target.name
+            raise
+
+
+BACKEND = CpuBackend()

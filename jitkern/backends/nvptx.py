@@ -16,6 +16,7 @@ import tempfile
 from ..errors import CompileError
 from .cpu import LV, elem_ty
 from .emitter import vty
+from .base import GpuBackend
 from .gpu import GpuHooks, GpuLowering
 
 
@@ -422,3 +423,39 @@ def ptx_digest(ptx: bytes) -> str:
 
 
 __all__ = ["NvptxHooks", "lower_to_nvptx", "find_ptxas", "ptxas_version", "ptx_to_cubin", "elem_ty"]
+
+
+# ------------------------------------------------------------------------------------------ backend
+class NvptxBackend(GpuBackend):
+    """CUDA targets: LLVM IR -> PTX (isolated LLVM) -> cubin (ptxas, when present), loaded by runtime/cuda.py.
+    The key leaves ptxas out: the PTX (from our LLVM, in the key) is the artifact of record and the ptxas release
+    that made the cubin is recorded in the entry's meta; a cubin the driver refuses falls back to that PTX, so a
+    cache filled by `jitkern build` with one ptxas loads with no compile where another ptxas (or none) is
+    installed."""
+    family = "cuda"
+    artifact = "kernel.cubin"
+    tuning_entries = ("ldmatrix", "ldmatrix_trans", "wgmma_swizzle", "wgmma_pipe", "tma_pipe", "frag_ops", "cp_async",
+                      "mma_unroll", "row_slots", "pin_operands", "pin_regs", "a_from_rows", "costage", "fast_exp",
+                      "reduce_direct", "reduce_one_each", "wg_sums")
+
+    def lower(self, fn, target) -> tuple:
+        return lower_to_nvptx(fn, target)
+
+    def compile(self, fn, target, emit, describe, kernel_name, spec) -> tuple:
+        llvm_ir, launch_meta = lower_to_nvptx(fn, target)
+        ptx = self.llvm(llvm_ir, target, ("asm",), describe, kernel_name, spec)["asm"]
+        artifacts = {**self.sources(fn, llvm_ir), "kernel.ptx": ptx}
+        if find_ptxas() is not None and not os.environ.get("JITKERN_NO_PTXAS"):
+            artifacts["kernel.cubin"] = ptx_to_cubin(ptx, target.cpu, describe=describe)
+        return artifacts, {"launch": launch_meta,
+                           "ptxas": "none" if "kernel.cubin" not in artifacts else ptxas_version(find_ptxas())}
+
+    def runtime(self):
+        from ..runtime import cuda
+        return cuda
+
+    def runs(self, target) -> str:
+        return "on its GPU; build anywhere"
+
+
+BACKEND = NvptxBackend()

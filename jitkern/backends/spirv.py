@@ -33,6 +33,7 @@ import tempfile
 
 from ..errors import CompileError
 from ..language import CompilationError
+from .base import GpuBackend
 from .emitter import LV, elem_ty, vty
 from .gpu import _ES, GpuHooks, GpuLowering
 from .scalarize import scalarize
@@ -560,3 +561,31 @@ def spirv_validate(spv: bytes, env: str = "vulkan1.2") -> str | None:
 
 
 __all__ = ["SpirvHooks", "lower_to_spirv", "compile_module", "duplicate_result_ids", "strip_int8_capability", "fix_barrier_semantics", "finish_module", "spirv_validate", "find_spirv_val"]
+
+
+# ------------------------------------------------------------------------------------------ backend
+class SpirvBackend(GpuBackend):
+    """Vulkan: LLVM IR -> logical SPIR-V (LLVM's SPIR-V backend, isolated; fixed up: `compile_module`), loaded as
+    a compute pipeline by runtime/vulkan.py."""
+    family = "vulkan"
+    artifact = "kernel.spv"
+    tuning_entries = ("reduce_direct", "reduce_one_each")
+    engine_device = "vulkan"
+
+    def lower(self, fn, target) -> tuple:
+        return lower_to_spirv(fn, target)
+
+    def compile(self, fn, target, emit, describe, kernel_name, spec) -> tuple:
+        llvm_ir, launch_meta = lower_to_spirv(fn, target)
+        return {**self.sources(fn, llvm_ir),
+                "kernel.spv": compile_module(llvm_ir, target, describe, kernel_name, spec)}, {"launch": launch_meta}
+
+    def runtime(self):
+        from ..runtime import vulkan
+        return vulkan
+
+    def runs(self, target) -> str:
+        return "on a Vulkan device (lavapipe counts)"
+
+
+BACKEND = SpirvBackend()

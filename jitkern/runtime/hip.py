@@ -3,11 +3,12 @@ no AMD GPU has run it yet; its code paths are exercised by tests/test_amdgpu.py 
 
 Imported lazily: nothing on the CPU or CUDA paths imports this module. hip-python itself imports without
 ROCm; the first driver call fails to dlopen libamdhip64.so, which `HipDevice` turns into one clear
-`HipUnavailable` error. The surface mirrors runtime/cuda.py:
+`HipUnavailable` error. The memory, module and launch calls are runtime/device.py's StreamDevice, shared with
+runtime/cuda.py:
 - `HipDevice`: one GPU (hipSetDevice), one non-blocking stream that every launch and copy goes to; memory
   through hipMallocAsync / hipFreeAsync on that stream from the device's default pool, kept warm (release
   threshold at its maximum, as runtime/cuda.py does): a caching allocator;
-- `DeviceArray` is runtime/cuda.py's class (it only calls its device's alloc/free/upload/download/copy/
+- `DeviceArray` is runtime/device.py's class (it only calls its device's alloc/free/upload/download/copy/
   memset8), made here with a `HipDevice`: `to_device(x)`, `empty`, `zeros`;
 - module loading of the linked code object (`kernel.hsaco`, backends/amdgpu.py) with hipModuleLoadData and
   launches through hipModuleLaunchKernel with one 8-byte slot per kernel parameter (the CPU ABI's slots),
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import JitkernError
+from .device import DeviceArray, LoadedKernel, StreamDevice, StreamGraph, pack_slots  # noqa: F401
 
 
 class HipError(JitkernError):
@@ -79,7 +81,13 @@ def check(res, call: str):
 
 
 # --------------------------------------------------------------------------------------------- device
-class HipDevice:
+class HipDevice(StreamDevice):
+    kind = "hip"
+    CALLS = {"alloc": "hipMallocAsync", "free": "hipFreeAsync", "upload": "hipMemcpyHtoDAsync",
+             "download": "hipMemcpyDtoHAsync", "copy": "hipMemcpyDtoDAsync", "memset8": "hipMemsetD8Async",
+             "module_load": "hipModuleLoadData", "get_function": "hipModuleGetFunction",
+             "launch": "hipModuleLaunchKernel"}
+
     def __init__(self, ordinal: int = 0):
         h = hip_api()
         try:
@@ -104,8 +112,7 @@ class HipDevice:
         threshold = ctypes.c_uint64(0xFFFFFFFFFFFFFFFF)
         check(h.hipMemPoolSetAttribute(pool, h.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold,
                                        ctypes.addressof(threshold)), "hipMemPoolSetAttribute(release threshold)")
-        self._modules = {}
-        self._lock = threading.Lock()
+        self._init_modules()
 
     @property
     def target_name(self) -> str:
@@ -130,61 +137,22 @@ class HipDevice:
     def synchronize(self) -> None:
         check(hip_api().hipStreamSynchronize(self.stream), "hipStreamSynchronize")
 
-    # ------------------------------------------------------------------------------------ memory
-    def alloc(self, nbytes: int) -> int:
-        p = check(hip_api().hipMallocAsync(max(int(nbytes), 1), self.stream), f"hipMallocAsync({nbytes} bytes)")
-        return int(p)
+    # memory, modules and launches: StreamDevice (runtime/device.py) with HIP's calls
+    def api(self):
+        return hip_api()
 
-    def free(self, ptr: int) -> None:
-        try:
-            hip_api().hipFreeAsync(ptr, self.stream)
-        except Exception:           # noqa: BLE001 - interpreter shutdown
-            pass
+    def check(self, res, call: str):
+        return check(res, call)
 
-    def upload(self, dst: int, host: np.ndarray) -> None:
-        host = np.ascontiguousarray(host)
-        check(hip_api().hipMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self.stream), "hipMemcpyHtoDAsync")
-        self.synchronize()          # the host buffer may go away once we return
-
-    def download(self, host: np.ndarray, src: int) -> None:
-        check(hip_api().hipMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, self.stream), "hipMemcpyDtoHAsync")
-        self.synchronize()
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        check(hip_api().hipMemcpyDtoDAsync(dst, src, nbytes, self.stream), "hipMemcpyDtoDAsync")
-
-    def memset8(self, dst: int, value: int, nbytes: int) -> None:
-        check(hip_api().hipMemsetD8Async(dst, value & 0xFF, nbytes, self.stream), "hipMemsetD8Async")
-
-    # ----------------------------------------------------------------------------------- modules
-    def load_function(self, image: bytes, symbol: str, shared_bytes: int = 0):
-        """Loads a code object once per image and returns (module, hipFunction) of `symbol`. LDS needs no
-        opt-in on AMD (a workgroup may use all of it), but more than the device has fails every launch:
-        refused here with the numbers."""
+    def _check_shared(self, symbol: str, shared_bytes: int) -> None:
+        """LDS needs no opt-in on AMD (a workgroup may use all of it), but more than the device has fails every
+        launch: refused here with the numbers."""
         if shared_bytes > self.max_shared_bytes:
             raise HipError(f"kernel {symbol} needs {shared_bytes} bytes of LDS, {self.name} has "
                            f"{self.max_shared_bytes} per workgroup: use smaller tiles")
-        h = hip_api()
-        with self._lock:
-            key = (hash(image), len(image), symbol)
-            hit = self._modules.get(key)
-            if hit is not None:
-                return hit
-            mod = check(h.hipModuleLoadData(image), f"hipModuleLoadData({symbol})")
-            fn = check(h.hipModuleGetFunction(mod, symbol.encode()), f"hipModuleGetFunction({symbol})")
-            self._modules[key] = (mod, fn)
-            return mod, fn
 
-    def launch(self, fn, grid, num_threads: int, shared_bytes: int, slots: np.ndarray) -> None:
-        """Launches with one 8-byte slot per kernel parameter (pointer, i64 or f64 bits); kernelParams is
-        an array of the slots' addresses, as hipModuleLaunchKernel (and cuLaunchKernel) take them."""
-        n = len(slots)
-        ptrs = (ctypes.c_void_p * max(n, 1))()
-        base = slots.ctypes.data
-        for i in range(n):
-            ptrs[i] = base + 8 * i
-        check(hip_api().hipModuleLaunchKernel(fn, grid[0], grid[1], grid[2], num_threads, 1, 1, shared_bytes,
-                                              self.stream, ctypes.addressof(ptrs), None), "hipModuleLaunchKernel")
+    def load_kernel(self, artifacts: dict, symbol: str, meta: dict) -> LoadedKernel:
+        return load_kernel(artifacts, symbol, meta, self)
 
 
 def _first_line(e: BaseException) -> str:
@@ -217,29 +185,19 @@ def is_available() -> bool:
 
 # ---------------------------------------------------------------------------------------- arrays
 def to_device(x, dtype=None, device: HipDevice | None = None):
-    """Uploads a numpy array to the AMD GPU (a DeviceArray of runtime/cuda.py, on a HipDevice)."""
-    from .cuda import DeviceArray
+    """Uploads a numpy array to the AMD GPU (a DeviceArray on a HipDevice)."""
     return DeviceArray.from_numpy(np.asarray(x), dtype, device or get_device())
 
 
 def empty(shape, dtype, device: HipDevice | None = None):
-    from .cuda import DeviceArray
     return DeviceArray.empty(shape, dtype, device or get_device())
 
 
 def zeros(shape, dtype, device: HipDevice | None = None):
-    from .cuda import DeviceArray
     return DeviceArray.zeros(shape, dtype, device or get_device())
 
 
 # --------------------------------------------------------------------------------------- kernels
-class LoadedKernel:
-    __slots__ = ("module", "fn", "num_threads", "shared_bytes")
-
-    def __init__(self, module, fn, num_threads, shared_bytes):
-        self.module, self.fn, self.num_threads, self.shared_bytes = module, fn, num_threads, shared_bytes
-
-
 def load_kernel(artifacts: dict, symbol: str, meta: dict, device: HipDevice | None = None) -> LoadedKernel:
     device = device or get_device()
     image = artifacts.get("kernel.hsaco")
@@ -249,53 +207,24 @@ def load_kernel(artifacts: dict, symbol: str, meta: dict, device: HipDevice | No
     return LoadedKernel(mod, fn, meta["num_threads"], meta.get("shared_bytes", 0))
 
 
-def pack_slots(values) -> np.ndarray:
-    from .cuda import pack_slots as pack
-    return pack(values)
-
-
-class HipGraph:
+class HipGraph(StreamGraph):
     """Launches recorded by HIP stream capture; `replay()` runs them as one graph launch."""
 
-    def __init__(self, device: HipDevice):
-        self.device = device
-        self.graph = None
-        self.exec = None
-        self.nodes = 0
-        self.capturing = False
-        self._keep = []
-
-    def begin(self) -> None:
-        from . import cuda
+    def _begin(self) -> None:
         h = hip_api()
         check(h.hipStreamBeginCapture(self.device.stream, h.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal),
               "hipStreamBeginCapture")
-        self.capturing = True
-        cuda._capturing[0] += 1            # DeviceArray frees wait for the end (runtime/cuda.py _Allocation)
 
-    def end(self) -> None:
-        from . import cuda
+    def _end(self) -> tuple:
         h = hip_api()
-        self.capturing = False
-        cuda._capturing[0] = max(cuda._capturing[0] - 1, 0)
-        try:
-            self.graph = check(h.hipStreamEndCapture(self.device.stream), "hipStreamEndCapture")
-            out = check(h.hipGraphInstantiate(self.graph, 0), "hipGraphInstantiate")
-            self.exec = out[0] if isinstance(out, tuple) else out     # (exec, error node, log) in hip-python
-        finally:
-            cuda._flush_deferred_frees()
+        graph = check(h.hipStreamEndCapture(self.device.stream), "hipStreamEndCapture")
+        out = check(h.hipGraphInstantiate(graph, 0), "hipGraphInstantiate")
+        return graph, (out[0] if isinstance(out, tuple) else out)     # (exec, error node, log) in hip-python
 
-    def keep(self, values) -> None:
-        from .cuda import DeviceArray
-        self._keep.append(tuple(v for v in values if isinstance(v, DeviceArray)))
-
-    def replay(self) -> None:
+    def _replay(self) -> None:
         if self.exec is None:
             raise HipError("replay() of a graph whose capture has not ended")
         check(hip_api().hipGraphLaunch(self.exec, self.device.stream), "hipGraphLaunch")
-
-    def __len__(self):
-        return self.nodes
 
 
 _capture = threading.local()
@@ -338,15 +267,12 @@ def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
     """One launch on the AMD GPU. `jk_graph`: the `jk.capture()` graph active on this thread, if any: its
     launches go into one HipGraph (stream capture starts at the first, capture's exit ends it; the graph's
     `cuda` slot holds it, as for a CUDA graph, so `Graph.replay()` replays it)."""
-    from .launch import Pointer, resolve
-    if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
+    from .launch import has_host_arrays, resolve_launch
+    if has_host_arrays(args):
         return _launch_staged(kernel, grid, args, kwargs, target, jk_graph)
     dev = get_device()
-    ck, values, consts = resolve(kernel, args, kwargs, target)
-    if callable(grid):
-        grid = grid(consts if consts is not None else dict(kwargs))
-    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    if g[0] * g[1] * g[2] == 0:
+    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    if g is None:
         return ck
     slots = pack_slots(values)
     graph = getattr(_capture, "graph", None)

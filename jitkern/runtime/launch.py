@@ -292,7 +292,7 @@ def _compile_only_launch(co, kernel, args, kwargs, target=None):
 def _device_target(args):
     """The GPU target of the first device array among the arguments (as Triton does), else None. Until the
     device-array module is imported no argument can be one, so CPU launches skip the scan."""
-    mod = sys.modules.get("jitkern.runtime.cuda")
+    mod = sys.modules.get("jitkern.runtime.device")
     if mod is None:
         return None
     device_array = mod.DeviceArray
@@ -302,64 +302,27 @@ def _device_target(args):
     return None
 
 
-def _launch_vulkan(kernel, grid, args, kwargs, target):
-    """A Vulkan dispatch (runtime/vulkan.py): synchronous; under jk.capture() recorded into the graph's
-    VulkanGraph instead (replayed as one command buffer)."""
+def resolve_launch(kernel, grid, args, kwargs, target):
+    """(compiled kernel, run-time argument values, 3-D grid) of a GPU launch; the grid is None when it is empty.
+    The GPU runtimes' launch_args start here."""
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
         grid = grid(consts if consts is not None else dict(kwargs))
     g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    if g[0] * g[1] * g[2] == 0:
-        return ck
-    graph = getattr(_capture, "graph", None)
-    if graph is not None:
-        if graph.vulkan is None:
-            from .vulkan import VulkanGraph
-            graph.vulkan = VulkanGraph(ck.loaded.device)
-        graph.vulkan.add(ck.loaded.pipeline, g, values)
-        return ck
-    ck.loaded.device.launch(ck.loaded.pipeline, g, values)
-    return ck
+    return ck, values, (g if g[0] * g[1] * g[2] else None)
 
 
-from . import gpu_profile as _gpu_profile  # noqa: E402
-
-
-def _launch_gpu(kernel, grid, args, kwargs, target):
-    if target.is_vulkan:
-        return _launch_vulkan(kernel, grid, args, kwargs, target)
-    from .cuda import CudaGraph, get_device, pack_slots
-    ck, values, consts = resolve(kernel, args, kwargs, target)
-    if callable(grid):
-        grid = grid(consts if consts is not None else dict(kwargs))
-    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    if g[0] * g[1] * g[2] == 0:
-        return ck
-    dev = get_device()
-    slots = pack_slots(values)
-    graph = getattr(_capture, "graph", None)
-    if graph is not None:
-        # jk.capture() on a GPU is CUDA stream capture: the first launch starts it, capture's exit ends it
-        if graph.cuda is None:
-            graph.cuda = CudaGraph(dev)
-            graph.cuda.begin()
-        graph.cuda.nodes += 1
-        graph.cuda.keep(values)
-    lk = ck.loaded
-    if _gpu_profile.ENABLED and graph is None:
-        _gpu_profile.timed(dev, kernel.__name__, lambda: dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes,
-                                                                   slots))
-        return ck
-    dev.launch(lk.fn, g, lk.num_threads, lk.shared_bytes, slots)
-    return ck
+def has_host_arrays(args) -> bool:
+    """Whether a GPU launch was given host (numpy / Pointer) arguments: its runtime stages them (run_staged)."""
+    return any(isinstance(a, (np.ndarray, Pointer)) for a in args)
 
 
 def run_staged(dev, args, run, what: str = "a GPU launch", error=TypeError):
     """Host (numpy / Pointer-over-numpy) arguments through device memory: each distinct root buffer goes to
     `dev` whole (views keep their offsets and strides, aliasing between arguments stays), `run(device_args)`
     launches, and every writeable buffer comes back (a kernel may write any of them). Returns run's result.
-    Shared by the CUDA/Vulkan and HIP staged launches."""
-    from .cuda import DeviceArray
+    Shared by the GPU runtimes' staged launches."""
+    from .device import DeviceArray
     from ..jit import _NP_TO_DTYPE
     staged, dargs = {}, []
 
@@ -394,21 +357,6 @@ def run_staged(dev, args, run, what: str = "a GPU launch", error=TypeError):
     return out
 
 
-def _launch_gpu_staged(kernel, grid, args, kwargs, target):
-    """A GPU launch given host arrays (`target=` a GPU, numpy arguments): a convenience for tests and one-off
-    calls that keeps the op wrappers' numpy interface (run_staged); the engine passes DeviceArrays."""
-    from .cuda import get_device
-    if target.is_vulkan:
-        if getattr(_capture, "graph", None) is not None:
-            raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
-                                      "arguments (a staged copy per launch) cannot be replayed")
-        from .vulkan import get_device as vulkan_device
-        dev = vulkan_device()
-    else:
-        dev = get_device()
-    return run_staged(dev, args, lambda dargs: _launch_gpu(kernel, grid, dargs, kwargs, target))
-
-
 def launch(kernel, grid, args, kwargs, target=None):
     if getattr(_capture, "dry", False):
         return None
@@ -418,13 +366,11 @@ def launch(kernel, grid, args, kwargs, target=None):
     if target is None:
         target = _device_target(args)
     if target is not None and target.is_gpu:
-        if target.is_hip:
-            # AMD GPUs: runtime/hip.py (device arrays from hip.to_device; graphs through hip.capture())
-            from .hip import launch_args
-            return launch_args(kernel, grid, args, kwargs, target, getattr(_capture, "graph", None))
-        if any(isinstance(a, (np.ndarray, Pointer)) for a in args):
-            return _launch_gpu_staged(kernel, grid, args, kwargs, target)
-        return _launch_gpu(kernel, grid, args, kwargs, target)
+        # the target family's runtime (runtime/cuda.py, hip.py, vulkan.py): device arrays, or host arrays staged
+        # through device memory; inside jk.capture() the launch goes into the runtime's graph
+        from ..backends import backend_of
+        return backend_of(target).runtime().launch_args(kernel, grid, args, kwargs, target,
+                                                        getattr(_capture, "graph", None))
     global _pool
     if _pool is None or _pool.closed:
         from .cpu_pool import get_pool

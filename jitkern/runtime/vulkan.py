@@ -6,7 +6,7 @@ point turns that into `VulkanUnavailable`. What lives here:
   else the first discrete GPU, else the first device: Mesa's lavapipe on a machine without a GPU), a logical
   device with a compute queue and the features the kernels use (8/16-bit storage, Int8/16/64, Float64);
 - memory: every allocation is its own storage buffer in host-visible, coherent memory, mapped once. Device
-  arrays are `runtime.cuda.DeviceArray`s whose `ptr` is a *virtual* address (each allocation gets a range of
+  arrays are `runtime.device.DeviceArray`s whose `ptr` is a *virtual* address (each allocation gets a range of
   its own), so views, strides and offsets work as on CUDA; a launch turns an address back into (buffer,
   offset). Host-visible memory is right for lavapipe (all memory is host memory) and correct, not fast, on
   a discrete GPU (staging buffers are the next step);
@@ -27,6 +27,7 @@ import threading
 import numpy as np
 
 from ..errors import JitkernError
+from .device import Device, DeviceArray, pack_slots
 
 _ES = {"float": 4, "double": 8, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
 _VA_START = 1 << 40           # virtual addresses of device arrays: away from small integers
@@ -77,7 +78,9 @@ class _Pipeline:
     __slots__ = ("module", "dsl", "layout", "pipeline", "bindings", "num_threads", "slots", "keep", "entry")
 
 
-class VulkanDevice:
+class VulkanDevice(Device):
+    kind = "vulkan"
+
     def __init__(self):
         v = vk()
         self.lock = threading.RLock()
@@ -317,7 +320,6 @@ class VulkanDevice:
         for ax in range(3):
             if g[ax] > self.max_groups[ax]:
                 raise VulkanError(f"grid {g} exceeds {self.name}'s maxComputeWorkGroupCount {self.max_groups}")
-        from .cuda import DeviceArray, pack_slots
         slots = np.zeros(3 + len(values), np.uint64)
         slots[:3] = g
         infos = []
@@ -391,6 +393,9 @@ class VulkanDevice:
             v.vkCmdDispatch(cb, g[0], g[1], g[2])
             v.vkEndCommandBuffer(cb)
             self._submit_wait(cb, f"a dispatch of {p.entry}")
+
+    def load_kernel(self, artifacts: dict, symbol: str, meta: dict) -> "LoadedKernel":
+        return LoadedKernel(self, self.pipeline(artifacts["kernel.spv"], meta))
 
 
 class VulkanGraph:
@@ -531,23 +536,42 @@ def is_available() -> bool:
 
 # ------------------------------------------------------------------------------------ device arrays
 def empty(shape, dtype, device: VulkanDevice | None = None):
-    from .cuda import DeviceArray
     return DeviceArray.empty(shape, dtype, device or get_device())
 
 
 def zeros(shape, dtype, device: VulkanDevice | None = None):
-    from .cuda import DeviceArray
     return DeviceArray.zeros(shape, dtype, device or get_device())
 
 
 def from_numpy(host, dtype=None, device: VulkanDevice | None = None):
-    from .cuda import DeviceArray
     return DeviceArray.from_numpy(host, dtype, device or get_device())
 
 
 def to_device(x, dtype=None, device: VulkanDevice | None = None):
-    from .cuda import DeviceArray
     return x if isinstance(x, DeviceArray) else from_numpy(x, dtype, device)
+
+
+def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
+    """One dispatch on the Vulkan device (launch.py comes here for the vulkan target): synchronous; inside
+    `jk.capture()` (`jk_graph`) recorded into the graph's VulkanGraph instead (replayed as one command buffer).
+    Host (numpy) arguments are staged through device memory, outside a capture only."""
+    from .launch import has_host_arrays, resolve_launch, run_staged
+    if has_host_arrays(args):
+        if jk_graph is not None:
+            raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
+                                      "arguments (a staged copy per launch) cannot be replayed")
+        return run_staged(get_device(), args,
+                          lambda dargs: launch_args(kernel, grid, dargs, kwargs, target, jk_graph))
+    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    if g is None:
+        return ck
+    if jk_graph is not None:
+        if jk_graph.vulkan is None:
+            jk_graph.vulkan = VulkanGraph(ck.loaded.device)
+        jk_graph.vulkan.add(ck.loaded.pipeline, g, values)
+        return ck
+    ck.loaded.device.launch(ck.loaded.pipeline, g, values)
+    return ck
 
 
 class LoadedKernel:
@@ -564,4 +588,4 @@ def load_kernel(artifacts: dict, symbol: str, meta: dict, device: VulkanDevice |
 
 
 __all__ = ["VulkanDevice", "VulkanGraph", "VulkanError", "VulkanUnavailable", "get_device", "is_available", "standing_in", "empty", "zeros",
-           "from_numpy", "to_device", "load_kernel"]
+           "from_numpy", "to_device", "load_kernel", "launch_args"]

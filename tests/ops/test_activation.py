@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.activation import (add, add_inplace, copy, gelu_tanh, gelu_tanh_and_mul, scale_inplace,
+from engine.ops.activation import (add, add_inplace, copy, gelu_tanh, gelu_tanh_and_mul, scale_inplace,
                                     silu_and_mul, softcap_inplace)
 
 from .ref_basic import as_f64, assert_close, from_bf16, gelu_tanh_ref, silu_ref, stored, to_bf16
@@ -127,7 +127,7 @@ def test_shape_errors_name_the_argument():
 def test_gelu_erf_matches_float64(tier):
     """Exact GELU (BERT's "gelu") vs 0.5 x (1 + erf(x / sqrt 2)) in float64, odd sizes, in place."""
     import math
-    from jitkern.ops.activation import gelu
+    from engine.ops.activation import gelu
     x = _rng(tier, "gelu-erf").standard_normal((3, 1003)).astype(np.float32) * 4
     ref = 0.5 * x.astype(np.float64) * (1 + np.vectorize(math.erf)(x.astype(np.float64) / math.sqrt(2)))
     y = gelu(x, target=tier)
@@ -146,8 +146,8 @@ def test_act_and_mul_q8_is_act_then_quantize(tier, I, layout, op):
     """act_and_mul_q8 gives bit for bit quantize_q8(silu_and_mul(gu)) (the engine's unfused path) on a
     row-strided input; dequantised values within half a step of the float64 activation; rows alone equal the
     rows in the batch."""
-    from jitkern.ops.activation import act_and_mul_q8
-    from jitkern.ops.quant import quantize_q8
+    from engine.ops.activation import act_and_mul_q8
+    from engine.ops.quant import quantize_q8
     rng = _rng(tier, "q8", I, layout, op)
     T = 5
     buf = (rng.standard_normal((T, 2 * I + 7)) * 3).astype(np.float32)
@@ -168,7 +168,7 @@ def test_act_and_mul_q8_is_act_then_quantize(tier, I, layout, op):
     for a, b in zip(list(ref) + [ref.scales4, ref.sums4], full):
         np.testing.assert_array_equal(a, b)
     # the split of a row over programs (GPUs: 8 blocks a program) never changes a value
-    import jitkern.ops.activation as act_mod
+    import engine.ops.activation as act_mod
     for bpp in (4, 8):
         act_mod.ACT_Q8_BLOCKS_PER_PROGRAM = bpp
         try:
@@ -190,7 +190,7 @@ def test_act_and_mul_q8_is_act_then_quantize(tier, I, layout, op):
 
 
 def test_act_and_mul_q8_bad_arguments_name_the_field():
-    from jitkern.ops.activation import act_and_mul_q8
+    from engine.ops.activation import act_and_mul_q8
     o8 = (np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
     with pytest.raises(ValueError, match="multiple of 32"):
         act_and_mul_q8(np.ones((2, 80), np.float32), o8)

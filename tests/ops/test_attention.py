@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jitkern as jk
-from jitkern.ops import attention as A
+from engine.ops import attention as A
 from targets import tuned
 
 BS = 16
@@ -496,7 +496,7 @@ def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
     the f32 output (bit for bit, in the linear's layout, with and without the 4-fold scales). Decode-only steps
     on a partition axis > 1 write it from the merge kernel (CPU tiers; the flash merge on GPUs): no quantize_q8
     launch; other steps, and Vulkan's token kernel, quantise after the attention."""
-    from jitkern.ops import quant as Q
+    from engine.ops import quant as Q
     rng = np.random.default_rng(31)
     quantised_after = []
     real = A._quantize_out
@@ -519,7 +519,7 @@ def test_q8_out_is_quantize_q8_of_the_output(tier, layout, monkeypatch):
                             list(ref) + ([ref.scales4, ref.sums4] if rep4 else [])):
                 np.testing.assert_array_equal(g, w, err_msg=f"{len(seqs)} seqs, parts {parts}, rep4 {rep4}")
             # (DECODES splits up to 3 ways: P > 1 either way; Vulkan's token kernel has no merge)
-            in_merge = mql == 1 and not tier.is_vulkan
+            in_merge = mql == 1 and not tier.costly_workgroups
             assert quantised_after == ([] if in_merge else [1])
     with pytest.raises(ValueError, match="q8_out: arrays for a"):
         A.paged_attention(q, kc, vc, qs, sl, bt, scale=0.125, target=tier,
@@ -531,7 +531,7 @@ def test_workspace_grows_and_smaller_steps_share_it(tier):
     """The softmax-state workspace is grown, never shrunk: a smaller step after a larger one runs on the first
     rows of the same arrays (so graphs recorded for other batch sizes share them) and gives the same results
     as on a fresh workspace."""
-    if tier.is_vulkan:
+    if tier.costly_workgroups:
         pytest.skip("Vulkan's token kernel keeps no workspace")
     rng = np.random.default_rng(41)
     q, kc, vc, qs, sl, bt = make_step(rng, DECODES, 9, 3, 64, np.float16)

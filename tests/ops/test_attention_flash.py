@@ -21,7 +21,7 @@ bits are the same as a decode (decode + merge kernels) or as a row of a prefill 
 import numpy as np
 import pytest
 
-from jitkern.ops import attention as A
+from engine.ops import attention as A
 from targets import tuned
 
 from .test_attention import BS, check, make_step, ref_paged_attention
@@ -208,7 +208,7 @@ def _same_bits_with_switch(tier, switch, dtype, split, ops, seed, monkeypatch):
     """The flash kernels with the tuning entry `switch` (targets/tuning.py, read by the GPU lowering) off and on:
     decodes, prefill tiles and windows give the same bits, and match the float64 reference within 16-bit
     rounding."""
-    if not tier.is_gpu or tier.is_vulkan:
+    if not tier.fast_workgroups:
         pytest.skip("MMA fragments exist on CUDA/HIP GPUs only")
     monkeypatch.setattr(A, "GPU_FLASH_OPERANDS", ops)
     rng = np.random.default_rng(seed)
@@ -256,7 +256,7 @@ def test_flash_warp_rows_give_the_same_bits(tier, case, monkeypatch):
     token's bits as a decode equal its bits as a prefill row (decode=False). P @ V takes P's fragments from the
     score registers (tuning.a_from_rows), or stages it ("staged-a"); its V tile is staged with K by the
     scores' dot (tuning.costage), or by itself ("own-v")."""
-    if not tier.is_gpu or not tier.is_cuda:
+    if not tier.lane_shuffles:
         pytest.skip("warp-owned rows: CUDA (lane shuffles in the NVPTX lowering)")
     tier = tuned(tier, a_from_rows=not case.startswith("staged"), costage=not case.startswith("own-v"))
     dtype, H = (np.float32, 8) if case.startswith("f32") else (np.float16, 10 if case.startswith("gqa5") else 8)
@@ -323,7 +323,7 @@ def test_flash_pipelined_loads_give_the_same_bits(tier):
 def test_flash_decode_warps_give_the_same_bits(tier):
     """The decode kernel takes FLASH_DECODE_WIDE_WARPS warps for launches of tuning.flash_decode_wide programs
     and more, FLASH_WARPS[0] otherwise: a token's bits must not depend on which (GPU only: CPU tiers have no warps)."""
-    if not tier.is_gpu or tier.is_vulkan:
+    if not tier.fast_workgroups:
         pytest.skip("warps per program exist on CUDA/HIP GPUs only")
     rng = np.random.default_rng(27)
     for dtype in (np.float32, np.float16):
@@ -487,7 +487,7 @@ def test_flash_merge_writes_the_q8_input(tier, layout, heads, kv_heads, dim):
     quantised for a GGUF o projection (its head group's rows read back after a CTA barrier, or the decode
     kernel's for one partition), bit for bit quantize_q8 of the f32 output, the 4-fold scales too; the f32
     output unchanged. Padded head groups (G = 3, 5) mask their spare rows."""
-    from jitkern.ops import quant as Q
+    from engine.ops import quant as Q
     rng = np.random.default_rng(37)
     seqs = [(1, 1), (15, 1), (300, 1), (0, 0), (70, 1), (600, 1), (17, 1)]
     q, kc, vc, qs, sl, bt = make_step(rng, seqs, heads, kv_heads, dim, np.float16)

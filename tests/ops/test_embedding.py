@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jitkern as jk
-from jitkern.ops.embedding import embedding
+from engine.ops.embedding import embedding
 
 from .ref_basic import as_f64, stored
 

@@ -1,4 +1,4 @@
-"""FP8 e4m3 weights kept compressed (jitkern/ops/fp8.py) against float references, on every tier.
+"""FP8 e4m3 weights kept compressed (engine/ops/fp8.py) against float references, on every tier.
 
 Oracles: torch.float8_e4m3fn decodes every byte (the format's definition in numpy, `e4m3_to_f32_table`, must
 equal it); the weights' float values are that decode times the scales (per-tensor, per-channel, 128 x 128
@@ -9,7 +9,7 @@ Tolerance: the kernel accumulates in f32 (16 lanes per chunk, then the chunks), 
 import numpy as np
 import pytest
 
-from jitkern.ops import fp8 as F
+from engine.ops import fp8 as F
 
 
 def _weight(rng, N, K):

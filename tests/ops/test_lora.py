@@ -1,4 +1,4 @@
-"""jitkern.ops.lora (the segmented multi-LoRA products) against a numpy float64 reference.
+"""engine.ops.lora (the segmented multi-LoRA products) against a numpy float64 reference.
 
 Tolerance: each output is an f32 dot product of length K (shrink) or R (expand), plus the add in place; the
 standard bound (n + 2) * 2**-24 * (|x| @ |w|^T + |y|) for the float64 product of the same f32 values holds for the
@@ -8,7 +8,7 @@ token without an adapter touched is off by ~|x||w| (orders of magnitude over it)
 import numpy as np
 import pytest
 
-from jitkern.ops import lora
+from engine.ops import lora
 
 U32 = 2.0 ** -24
 

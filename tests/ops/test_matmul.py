@@ -1,4 +1,4 @@
-"""jitkern.ops.matmul (linear, pack_weight + linear_packed, matmul) against numpy float64 references, on every
+"""engine.ops.matmul (linear, pack_weight + linear_packed, matmul) against numpy float64 references, on every
 CPU tier this host can run.
 
 Tolerances, per weight dtype:
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jitkern as jk
-from jitkern.ops import matmul as mm
+from engine.ops import matmul as mm
 
 U32 = 2.0 ** -24
 SHAPES_NK = [(37, 45), (45, 129), (64, 128), (129, 37)]

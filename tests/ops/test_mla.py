@@ -1,4 +1,4 @@
-"""Per-head matmuls of multi-head latent attention (jitkern/ops/mla.py) against float64 numpy on every runnable
+"""Per-head matmuls of multi-head latent attention (engine/ops/mla.py) against float64 numpy on every runnable
 tier: odd sizes (K and N not multiples of the block sizes), strided views in and out, and batch invariance
 (each token alone vs in the batch: bit-identical). Tolerance: 2e-5 relative to the output's scale (f32
 accumulation over K <= 133)."""
@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.mla import copy_heads, head_linear
+from engine.ops.mla import copy_heads, head_linear
 
 
 def _rng(tier, *salt):

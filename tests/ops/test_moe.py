@@ -1,4 +1,4 @@
-"""Mixture-of-experts ops (jitkern/ops/moe.py) against float64 numpy on every runnable tier: top-k routing in
+"""Mixture-of-experts ops (engine/ops/moe.py) against float64 numpy on every runnable tier: top-k routing in
 each normalisation, the host grouping, the routed-experts MLP (f32/f16/bf16 expert weights, odd sizes, masked
 tails) and the weighted combine with a gated shared expert; batch invariance (each token alone vs in batches
 of several sizes: bit-identical). Tolerances: 2e-5 relative (f32 accumulation over K <= 133) of the
@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.moe import (SOFTMAX_TOPK, TOPK_SOFTMAX, combine_experts, group_by_expert, moe_mlp, route_topk)
+from engine.ops.moe import (SOFTMAX_TOPK, TOPK_SOFTMAX, combine_experts, group_by_expert, moe_mlp, route_topk)
 
 from .ref_basic import stored, as_f64
 
@@ -172,8 +172,8 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier, direct):
     """The ungrouped path (decode) and the kernel-grouped path give the host-grouped path's bits; recorded once
     into a jk.capture() graph, each replays with new activations and new routing written into the same arrays."""
     import jitkern as jk
-    from jitkern.ops.moe import route_topk, routed_experts, expert_gate_up, expert_down
-    if tier.is_gpu or getattr(tier, "is_vulkan", False):
+    from engine.ops.moe import route_topk, routed_experts, expert_gate_up, expert_down
+    if tier.is_gpu:
         pytest.skip("CPU graphs")
     rng = _rng(tier, "direct")
     E, K, H, I, T = 6, 2, 29, 13, 5
@@ -212,8 +212,8 @@ def test_direct_path_equals_grouped_and_replays_in_a_graph(tier, direct):
 
 
 def test_group_kernel_equals_numpy_grouping(tier):
-    from jitkern.ops.moe import group_by_expert_dev
-    if tier.is_gpu or getattr(tier, "is_vulkan", False):
+    from engine.ops.moe import group_by_expert_dev
+    if tier.is_gpu:
         pytest.skip("host-memory scalar loop check on CPU tiers")
     rng = _rng(tier, "group")
     for T, K, E, bm in [(1, 2, 8, 1), (7, 2, 5, 2), (33, 4, 16, 2), (5, 3, 3, 3), (40, 2, 2, 2)]:
@@ -255,7 +255,7 @@ def _route_sigmoid_ref(logits, bias, E, K, ng, tg, norm, scale, softmax=False):
 @pytest.mark.parametrize("E,K,ng,tg,norm", [(8, 2, 4, 2, True), (12, 3, 3, 1, True), (16, 4, 1, 1, False),
                                             (64, 8, 8, 4, True), (10, 1, 5, 5, False)])
 def test_route_sigmoid_group(tier, E, K, ng, tg, norm):
-    from jitkern.ops.moe import route_sigmoid_group
+    from engine.ops.moe import route_sigmoid_group
     rng = _rng(tier, "sigmoid", E, K, ng, tg, norm)
     T = 11
     buf = rng.standard_normal((T, E + 2)).astype(np.float32) * 3
@@ -277,7 +277,7 @@ def test_route_sigmoid_group(tier, E, K, ng, tg, norm):
 @pytest.mark.parametrize("E,K,ng,tg", [(8, 3, 4, 2), (12, 3, 3, 1), (64, 6, 8, 3)])   # K > tg: limiting matters
 def test_route_softmax_group_limited(tier, E, K, ng, tg):
     """DeepSeek-V2's group_limited_greedy: softmax scores, groups ranked by their best score, no renormalisation."""
-    from jitkern.ops.moe import route_sigmoid_group
+    from engine.ops.moe import route_sigmoid_group
     rng = _rng(tier, "softmax-group", E, K, ng, tg)
     logits = (rng.standard_normal((9, E)) * 3).astype(np.float32)
     zero = np.zeros(E, np.float32)

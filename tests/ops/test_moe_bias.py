@@ -1,4 +1,4 @@
-"""expert_bias_act (jitkern/ops/moe.py): per-pair expert biases + gated activation after matmuls that do not add
+"""expert_bias_act (engine/ops/moe.py): per-pair expert biases + gated activation after matmuls that do not add
 biases (the quantised experts' matmul_q; gpt-oss), against float64 numpy on every runnable tier, odd sizes,
 and each row alone vs in the batch bit for bit."""
 import zlib
@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.moe import expert_bias_act
+from engine.ops.moe import expert_bias_act
 
 
 def _rng(tier, *salt):

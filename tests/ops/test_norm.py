@@ -5,7 +5,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.norm import layer_norm, rms_norm, rms_norm_heads
+from engine.ops.norm import layer_norm, rms_norm, rms_norm_heads
 
 from .ref_basic import as_f64, assert_close, layer_norm_ref, rms_norm_ref, stored
 
@@ -134,8 +134,8 @@ def test_rms_norm_q8_is_norm_then_quantize(tier, n, layout, mode):
     """rms_norm_q8 gives bit for bit quantize_q8(rms_norm(...)) (the engine's unfused path), with the residual
     stream updated as rms_norm does (residual += x; `first`: residual = x); the dequantised values are within
     half a quantisation step of the float64 norm; every row alone equals the row in the batch."""
-    from jitkern.ops.norm import rms_norm_q8
-    from jitkern.ops.quant import quantize_q8
+    from engine.ops.norm import rms_norm_q8
+    from engine.ops.quant import quantize_q8
     rng = _rng(tier, f"q8/{n}/{layout}/{mode}")
     T = 5
     x = (rng.standard_normal((T, n)) * 2).astype(np.float32)
@@ -179,7 +179,7 @@ def test_rms_norm_q8_is_norm_then_quantize(tier, n, layout, mode):
 
 
 def test_rms_norm_q8_bad_arguments_name_the_field():
-    from jitkern.ops.norm import rms_norm_q8
+    from engine.ops.norm import rms_norm_q8
     x = np.ones((2, 64), np.float32)
     w = np.ones(64, np.float32)
     o8, _ = _q8_out(2, 64, False)
@@ -195,7 +195,7 @@ def test_rms_norm_q8_bad_arguments_name_the_field():
 def test_rms_norm_residual_copy_is_copy_then_norm(tier, dtype):
     """rms_norm(x, residual=r, residual_copy=True): r = x (rounded to r's dtype), out = norm(r), bit for bit as
     copy + rms_norm (a first layer's residual stream in one launch)."""
-    from jitkern.ops.activation import copy
+    from engine.ops.activation import copy
     rng = _rng(tier, f"rescopy/{dtype}")
     T, n = 4, 577
     x = stored(rng.standard_normal((T, n)) * 2, "f32")

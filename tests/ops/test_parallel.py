@@ -5,7 +5,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.parallel import vocab_local_ids
+from engine.ops.parallel import vocab_local_ids
 
 
 def _ref(ids, v0, v1):

@@ -1,4 +1,4 @@
-"""GGUF quantised matmul/GEMV ops (jitkern/ops/quant.py) against numpy + the `gguf` package, on every tier.
+"""GGUF quantised matmul/GEMV ops (engine/ops/quant.py) against numpy + the `gguf` package, on every tier.
 
 References:
 - weights: `gguf.quants.dequantize` of the raw blocks. q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks come from
@@ -23,7 +23,7 @@ import pytest
 import gguf
 import gguf.quants as gq
 
-from jitkern.ops import quant as Q
+from engine.ops import quant as Q
 
 QTYPES = ["q8_0", "q4_0", "q4_1", "q4_K", "q5_K", "q6_K", "q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs",
           "mxfp4"]
@@ -298,7 +298,7 @@ NEW_QTYPES = ["q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K", "iq4_xs", "mxfp4"]
 
 
 def _record_launches(monkeypatch) -> list:
-    """Every launch of jitkern.ops.quant from here on, as (kernel, args, constexprs), still run as usual."""
+    """Every launch of engine.ops.quant from here on, as (kernel, args, constexprs), still run as usual."""
     launches = []
     real_run = Q.run
 

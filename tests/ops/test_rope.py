@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jitkern as jk
-from jitkern.ops.rope import rope, rope_cos_sin_cache, rope_inv_freq
+from engine.ops.rope import rope, rope_cos_sin_cache, rope_inv_freq
 
 from .ref_basic import as_f64, assert_close, rope_ref, stored
 
@@ -187,8 +187,8 @@ def test_rope_and_cache_is_rope_then_reshape_and_cache(tier, neox, D, rot, cache
     """rope_and_cache leaves q and both caches bit-identical to rope + reshape_and_cache (the engine's unfused
     path) on strided views of a fused qkv buffer: slot -1 writes nothing, partial rotary copies the tail; the
     cached keys match the float64 rotation; one token alone writes what it writes in the batch."""
-    from jitkern.ops.attention import reshape_and_cache
-    from jitkern.ops.rope import rope_and_cache
+    from engine.ops.attention import reshape_and_cache
+    from engine.ops.rope import rope_and_cache
     rng = np.random.default_rng(zlib.crc32(f"{tier.name}/cache/{neox}/{D}/{rot}/{cache_dtype}".encode()))
     T, H, KVH, BS, NB = 7, 5, 3, 16, 4
     cache = rope_cos_sin_cache(D, rot, 500, 10000.0)
@@ -239,7 +239,7 @@ def test_rope_and_cache_is_rope_then_reshape_and_cache(tier, neox, D, rot, cache
 
 
 def test_rope_and_cache_errors_name_the_field():
-    from jitkern.ops.rope import rope_and_cache
+    from engine.ops.rope import rope_and_cache
     T, H, KVH, D = 2, 2, 1, 32
     q = np.ones((T, H, D), np.float32)
     k = np.ones((T, KVH, D), np.float32)
@@ -262,8 +262,8 @@ def test_rope_cache_tile_kernel_gives_the_head_loops_bits(tier, neox, D, rot, ca
     """rope_cache_tile_kernel (a token's heads as one tile, tuning.rope_tiles for GPU steps of 256+ tokens) leaves
     q and both caches bit-identical to rope_cache_kernel (the loop over heads): head counts that are not powers of
     two (masked tile rows), a skipped slot, partial rotary's tail, f32 and f16 caches."""
-    from jitkern.ops import rope as R
-    from jitkern.ops._hostargs import fptr, pow2_at_least, run
+    from engine.ops import rope as R
+    from engine.ops._hostargs import fptr, pow2_at_least, run
     rng = np.random.default_rng(zlib.crc32(f"{tier.name}/tile/{neox}/{D}/{rot}/{cache_dtype}".encode()))
     T, H, KVH, BS, NB = 6, 5, 3, 16, 4
     cache = rope_cos_sin_cache(D, rot, 300, 10000.0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jitkern as jk
-from jitkern.ops.sampling import (apply_penalties, apply_temperature, argmax_rows, penalty_tables,
+from engine.ops.sampling import (apply_penalties, apply_temperature, argmax_rows, penalty_tables,
                                   sample_from_logits, sample_from_probs, topk_rows)
 
 from .ref_basic import penalties_ref, topk_ref
@@ -34,7 +34,7 @@ def test_argmax_rows(tier):
 
 
 def test_gather_rows(tier):
-    from jitkern.ops.sampling import gather_rows
+    from engine.ops.sampling import gather_rows
     rng = _rng(tier, "gather")
     B, V = 7, 4099
     buf = rng.standard_normal((B, V + 5)).astype(np.float32)

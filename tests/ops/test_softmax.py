@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jitkern.ops.softmax import log_softmax, softmax
+from engine.ops.softmax import log_softmax, softmax
 
 from .ref_basic import as_f64, stored
 

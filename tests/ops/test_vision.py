@@ -1,11 +1,11 @@
-"""The vision encoders' ops (jitkern/ops/vision.py): quick GELU and the row scatter, against float64 numpy
+"""The vision encoders' ops (engine/ops/vision.py): quick GELU and the row scatter, against float64 numpy
 references on every runnable tier."""
 import zlib
 
 import numpy as np
 import pytest
 
-from jitkern.ops.vision import quick_gelu, scatter_rows
+from engine.ops.vision import quick_gelu, scatter_rows
 
 from .ref_basic import as_f64, assert_close, stored
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from jitkern.ops._hostargs import empty_like_dev, is_array, is_device, resolve_target, run
+from engine.ops._hostargs import empty_like_dev, is_array, is_device, resolve_target, run
 
 __all__ = ["matmul_fp8", "dequantize_fp8", "scale_kind", "e4m3_to_f32_table"]
 

@@ -1423,7 +1423,7 @@ FLASH_PREFILL_MAXNREG = None
 def _tuning(target):
     """The launch choices for `target` (None: this host's CPU tier's)."""
     if target is None:
-        from ..runtime.cpu import runtime_target
+        from jitkern.runtime.cpu import runtime_target
         target = runtime_target()
     return target.tuning
 
@@ -1431,7 +1431,7 @@ def _tuning(target):
 def _token_path(target, st) -> bool:
     """Vulkan, tuning.token_attention, and GPU shapes the flash tiles do not fit (e.g. MLA's wide MQA rows) take
     the token kernel."""
-    return target is not None and (target.is_vulkan or (target.is_gpu and (
+    return target is not None and (target.costly_workgroups or (target.is_gpu and (
         target.tuning.token_attention or not _flash_fits(st))))
 
 
@@ -1482,7 +1482,7 @@ def _flash_fits(st) -> bool:
 
 
 def _flash_path(target, st) -> bool:
-    return (target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+    return (target is not None and target.fast_workgroups and not target.tuning.token_attention
             and _flash_fits(st))
 
 
@@ -1500,7 +1500,7 @@ def partition_blocks_for(target) -> int:
     tuning.flash_partition_blocks; elsewhere PARTITION_BLOCKS); decode_partitions(..., partition_blocks=this) gives the
     partition axis a step needs there (head groups too wide for the flash kernels fall back to the token
     kernel, which ignores partitions)."""
-    flash = target is not None and target.is_gpu and not target.is_vulkan and not target.tuning.token_attention
+    flash = target is not None and target.fast_workgroups and not target.tuning.token_attention
     return target.tuning.flash_partition_blocks if flash else PARTITION_BLOCKS
 
 
@@ -1529,13 +1529,13 @@ def _flash_launch(st: _Step, q, k_cache, v_cache, ws: dict, P: int, max_query_le
     dpipe = (tu.flash_decode_pipeline and gpu) if pipeline is None else bool(pipeline)
     wide = st.num_seqs * st.kvh * P >= tu.flash_decode_wide
     dw = dict(num_warps=FLASH_DECODE_WIDE_WARPS if wide else FLASH_WARPS[0], PIPE=dpipe) if gpu else dict(PIPE=dpipe)
-    if FLASH_DECODE_MAXNREG and gpu and target.is_cuda:
+    if FLASH_DECODE_MAXNREG and gpu and target.register_cap:
         dw["maxnreg"] = int(FLASH_DECODE_MAXNREG)
     pw = dict(num_warps=FLASH_WARPS[1] if D <= 128 else FLASH_PREFILL_WARPS_WIDE_HEADS, PIPE=pipe) if gpu else \
         dict(PIPE=pipe)
-    if FLASH_PREFILL_MAXNREG and gpu and target.is_cuda:
+    if FLASH_PREFILL_MAXNREG and gpu and target.register_cap:
         pw["maxnreg"] = int(FLASH_PREFILL_MAXNREG)
-    warp_rows = bool(tu.flash_warp_rows and gpu and target.is_cuda and D <= 128)
+    warp_rows = bool(tu.flash_warp_rows and gpu and target.lane_shuffles and D <= 128)
     if warp_rows:
         pw.update(warp_rows=True, num_warps=FLASH_WARP_ROWS_TILE[1])
         # the decode kernel's 16 rows shared by its 2 / 4 warps (each computes the scores, P @ V's columns
@@ -1644,7 +1644,7 @@ def paged_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, *, 
                     validate: bool = True, host_step=None, sinks=None, target=None, operands=None, q8_out=None):
     """Attention for one engine step over a paged KV cache (layouts in the module docstring); returns out.
 
-    q8_out: a jitkern.ops.quant.Q8Activations (arrays, layout, 4-fold scales) that also receives the output
+    q8_out: a engine.ops.quant.Q8Activations (arrays, layout, 4-fold scales) that also receives the output
     quantised as quantize_q8 would (the next GGUF linear's input), written by the merge kernel in decode-only
     steps (one launch fewer), else by quantize_q8 after the attention; out must be float32.
 
@@ -1727,7 +1727,7 @@ def _check_q8_out(st, q8_out):
     from .quant import Q8Activations
     T, K = st.out.shape[0], st.heads * st.dim
     if not isinstance(q8_out, Q8Activations):
-        raise TypeError("q8_out: a jitkern.ops.quant.Q8Activations (the arrays quantize_q8 fills)")
+        raise TypeError("q8_out: a engine.ops.quant.Q8Activations (the arrays quantize_q8 fills)")
     if st.out.dtype != np.float32:
         raise ValueError("q8_out: the attention output must be float32 to be quantised")
     if K % 32 or q8_out[0].shape != (T, K) or q8_out[1].shape != (T, K // 32):
@@ -1769,7 +1769,7 @@ def _decode_head_split(st, tu) -> bool:
     CPU pool's threads (one sequence with 2 threads: its heads on both threads instead of one)."""
     if not tu.decode_head_split or st.kvh < 2:
         return False
-    from ..runtime.cpu_pool import get_pool
+    from jitkern.runtime.cpu_pool import get_pool
     return st.num_seqs < get_pool().num_threads
 
 

@@ -444,7 +444,7 @@ _direct_tables: dict = {}
 def capturing() -> bool:
     """Whether launches are being recorded into a jk.capture() graph (they do not run: no host work may read
     their results)."""
-    from ..runtime import launch as _launch_mod
+    from jitkern.runtime import launch as _launch_mod
     return getattr(_launch_mod._capture, "graph", None) is not None
 
 
@@ -460,7 +460,7 @@ def direct_pairs(T: int, K: int, like=None):
         ar = np.arange(P, dtype=np.int32)
         tab = (ar // K, ar.reshape(T, K), ar, np.ones(P, np.int32))
         if dev is not None:
-            from ..runtime.cuda import DeviceArray
+            from jitkern.runtime.device import DeviceArray
             tab = tuple(DeviceArray.from_numpy(a, device=dev) for a in tab)
         _direct_tables[key] = (tab, dev)
         return tab

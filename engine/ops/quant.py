@@ -82,7 +82,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import jitkern as jk
-from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target, run
+from engine.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target, run
 
 __all__ = ["QTYPES", "QType", "Q8Activations", "LAYOUTS", "act_layout", "quantize_q8", "matmul_q", "matmul_q8",
            "dequantize_rows", "row_bytes", "qmm_tiles", "qmm_step"]
@@ -1110,7 +1110,7 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     vbytes = max(16, target.vector_bits // 8)
     while S > 1 and S > K // 32:
         S //= 2
-    if target.is_vulkan and N >= 16:
+    if target.costly_workgroups and N >= 16:
         # lavapipe runs a workgroup as one coroutine per 8 invocations: per-program overhead dominates, so
         # 16 rows per program (GEMV 9x, 12-token GEMM 2.8x faster there than the tiles below; 4 x 32 would
         # exceed its 32 KiB of workgroup memory). The outputs do not depend on the tile (batch invariant).

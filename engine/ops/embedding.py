@@ -1,6 +1,6 @@
 """Token embedding lookup (gather of table rows) for float tables.
 
-Quantised (GGUF) tables are dequantised row-wise by `jitkern.ops.quant.dequantize_rows`; this module
+Quantised (GGUF) tables are dequantised row-wise by `engine.ops.quant.dequantize_rows`; this module
 handles f32 / f16 / bf16 (uint16 storage) tables.
 """
 from __future__ import annotations

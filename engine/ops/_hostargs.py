@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit import as_pointer
-from ..runtime.launch import launch
+from jitkern.jit import as_pointer
+from jitkern.runtime.launch import launch
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
 def is_device(a) -> bool:
-    """A GPU DeviceArray (jitkern.runtime.cuda), checked without importing the CUDA runtime."""
+    """A GPU DeviceArray (jitkern.runtime.device), checked without importing a GPU runtime."""
     return type(a).__name__ == "DeviceArray"
 
 
@@ -31,7 +31,7 @@ def is_array(a) -> bool:
 def empty_like_dev(ref, shape, dtype):
     """An uninitialised array on the device `ref` lives on: a DeviceArray there, else numpy."""
     if is_device(ref):
-        from ..runtime.cuda import DeviceArray
+        from jitkern.runtime.device import DeviceArray
         return DeviceArray.empty(shape, dtype, ref.device)
     return np.empty(shape, dtype)
 
@@ -44,7 +44,7 @@ def device_scratch(ref, role: str, shape, dtype):
     across calls: stable addresses (what recorded CUDA graphs point at) and no allocation once the sizes
     were seen (stream capture must not allocate). Safe because every launch and copy goes to the device's
     one stream in order; a grown buffer stays alive in the graphs that recorded the old one."""
-    from ..runtime.cuda import DeviceArray
+    from jitkern.runtime.device import DeviceArray
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
     key = (id(ref.device), role, dtype.str)
@@ -129,7 +129,7 @@ def launch_target(target):
     """The Target a launch compiles for (the runtime tier when `target` is None)."""
     t = resolve_target(target)
     if t is None:
-        from ..runtime.cpu import runtime_target
+        from jitkern.runtime.cpu import runtime_target
         t = runtime_target()
     return t
 
@@ -154,7 +154,7 @@ def block_for(n: int, cap: int, target=None, half: bool = False) -> int:
     16-bit masked loads there either: a masked f16 row load of 1024 lanes took ~90 s to compile on avx2,
     64 lanes 0.07 s)."""
     t = launch_target(target)
-    if t.is_gpu and not t.is_vulkan:
+    if t.fast_workgroups:
         # a GPU program is a CTA of 128+ threads: a 128-wide chunk keeps most of them idle and loops (the
         # engine's 4096-wide rms_norm took 69 us on an H200); whole rows up to 4096 are 32 lanes a thread
         return min(pow2_at_least(max(int(n), 1), 16), max(cap, GPU_BLOCK_CAP))

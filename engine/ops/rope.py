@@ -361,7 +361,7 @@ def rope_and_cache(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
             D=head_dim, BD=pow2_at_least(head_dim, 16), TAIL=rotary_dim < head_dim,
             **({"PARTS": parts} if parts > 1 else {}))
         return
-    tiles = target is not None and target.is_gpu and not target.is_vulkan and target.tuning.rope_tiles
+    tiles = target is not None and target.fast_workgroups and target.tuning.rope_tiles
     run(rope_cache_tile_kernel if tiles else rope_cache_kernel, (T,),
         (fptr(q, "q"), qs0, qs1, q.shape[1], fptr(k, "k"), ks0, ks1, fptr(v, "v"), vs0, vs1,
          kvh, positions, cos_sin_cache, max_pos, k_cache, v_cache, slot_mapping),

@@ -229,7 +229,7 @@ def act_and_mul_q8(gate_up: np.ndarray, out: tuple, *, gelu: bool = False, layou
     # CUDA/HIP: 8 blocks (256 values) a CTA, a row's groups in parallel; CPUs (and lavapipe, where a program
     # costs more than this work): one program a row, so a decode step's single row never waits for a second
     # thread to wake (a multi-program launch on a busy 2-core host measured milliseconds, a single one ~2 us)
-    GP = max(1, 8 // G) if t.is_gpu and not t.is_vulkan else max(1, nblk // G)
+    GP = max(1, 8 // G) if t.fast_workgroups else max(1, nblk // G)
     if ACT_Q8_BLOCKS_PER_PROGRAM is not None:          # tests: the GPU split on a CPU tier
         GP = max(1, ACT_Q8_BLOCKS_PER_PROGRAM // G)
     run(act_and_mul_q8_kernel, (R, max(1, -(-(nblk // G) // GP))),

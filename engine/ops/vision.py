@@ -1,7 +1,7 @@
 """Ops the vision encoders need beyond the decoder's: CLIP's quick GELU, and the row scatter that puts image
 features into a prefill's token embeddings (engine/models/llava.py).
 
-Arrays as in jitkern.ops.activation: float32, float16 or uint16 (= bf16), math in f32 and rounded once when
+Arrays as in engine.ops.activation: float32, float16 or uint16 (= bf16), math in f32 and rounded once when
 stored; 2-D arrays may be row-strided views (last axis contiguous).
 """
 from __future__ import annotations

@@ -251,7 +251,7 @@ def rms_norm_q8(x: np.ndarray, weight: np.ndarray, eps: float, out: tuple, *, la
                 out4: tuple | None = None, residual: np.ndarray | None = None, residual_copy: bool = False,
                 weight_offset: float = 0.0, target=None) -> Q8Activations:
     """`rms_norm` fused with `quantize_q8`: x [T, N] (N a multiple of 32) normalised and quantised into
-    out = (qx int8 [T, N], scales f32 [T, N/32], sums f32 [T, N/32]) in `layout` (jitkern.ops.quant.act_layout
+    out = (qx int8 [T, N], scales f32 [T, N/32], sums f32 [T, N/32]) in `layout` (engine.ops.quant.act_layout
     of the weight the result feeds), with `out4` = (scales4, sums4) [T, N/8] the repeated scales (quantize_q8's
     rep4) when given. The result is bit-identical to quantize_q8(rms_norm(x, ...)): one launch instead of two,
     and the normalised row never goes through memory. `residual` as in rms_norm (residual += x, the sum

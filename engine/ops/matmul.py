@@ -40,7 +40,7 @@ import numpy as np
 import jitkern as jk
 from jitkern.ir import bf16 as _BF16
 from jitkern.jit import Pointer, as_pointer
-from jitkern.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
+from engine.ops._hostargs import device_scratch, empty_like_dev, is_array, is_device, resolve_target
 from jitkern.runtime.cpu import runtime_target
 from jitkern.runtime.launch import launch
 from targets import get_target
@@ -569,7 +569,7 @@ GPU_LINEAR_MAXNREG = None
 def _wgmma_for(T, BM: int, act16: int) -> bool:
     """Whether the tensor-core linear's tile of BM tokens runs on warpgroup MMAs on target T: with 16-bit
     activations only (f32 ones keep hi and lo accumulators, which spill the 64-row tiles under wgmma)."""
-    return bool(T.tuning.linear_wgmma and act16 and T.is_cuda and T.mma == "wgmma"
+    return bool(T.tuning.linear_wgmma and act16 and T.mma == "wgmma"
                 and BM >= T.tuning.linear_wgmma_min_bm)
 
 
@@ -579,10 +579,10 @@ def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int =
     PREFETCH constexpr (2 with T.tuning.linear_prefetch = 2 where cp.async feeds warpgroup MMAs and the range has
     2+ steps)."""
     cap = T.tuning.serial_maxnreg if serial and T.tuning.serial_maxnreg else GPU_LINEAR_MAXNREG
-    out = {"maxnreg": int(cap)} if cap and T.is_cuda else {}
+    out = {"maxnreg": int(cap)} if cap and T.register_cap else {}
     if _wgmma_for(T, BM, act16):
         out["wgmma"] = 1
-    if GPU_LINEAR_ASYNC_MIN_BM and T.is_cuda and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
+    if GPU_LINEAR_ASYNC_MIN_BM and T.async_copy and BM >= GPU_LINEAR_ASYNC_MIN_BM:
         out["num_stages"] = 2
         # (wgmma tiles only: their last two dots chain in the accumulator registers like the loop's; mma.sync
         # adds a dot handed to the next one as a tile value, other bits than PREFETCH 1's)
@@ -622,7 +622,7 @@ def _tma_maps(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, B
 def _tma_maps_for(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: int, BN: int, BK: int, x_dtype: str,
                   w_dtype: str) -> tuple:
     """_tma_maps' maps and `tma` option, before its prefetch rule."""
-    if not (T.tuning.linear_tma and T.is_cuda and T.async_copy == "tma" and opts.get("wgmma")
+    if not (T.tuning.linear_tma and T.async_copy == "tma" and opts.get("wgmma")
             and opts.get("num_stages") in (2, 3) and BK % 64 == 0
             and x_dtype in ("bf16", "f16") and x_dtype == w_dtype):
         return 0, 0
