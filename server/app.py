@@ -299,6 +299,20 @@ class DetokenizeResource:
         _json(resp, {"prompt": s.tokenizer.decode(ids)})
 
 
+def _plain(value):
+    """A setting as JSON can carry it: config objects (a dataclass such as KVEventsConfig) as their fields."""
+    import dataclasses
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
 class ServerInfoResource:
     def __init__(self, state: AppState):
         self.state = state
@@ -307,7 +321,7 @@ class ServerInfoResource:
         s = self.state
         settings = {k: v for k, v in vars(s.settings).items() if k != "api_key"}
         settings["api_key"] = "<set>" if s.settings.api_key else None
-        engine_cfg = dict(s.engine_args)
+        engine_cfg = {k: _plain(v) for k, v in dict(s.engine_args).items()}
         engine_cfg.update(model=s.model_path, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
                           num_blocks=s.num_blocks, vocab_size=s.vocab_size, architecture=s.architecture)
         env = {k: ("<set>" if "KEY" in k else v) for k, v in os.environ.items() if k.startswith("JITKERN_")}

@@ -3,8 +3,10 @@
 Each device (cpu; cuda and vulkan, both marked `gpu`: `-m gpu` runs them) starts two servers once, serving
 the same tiny random Llama with the embedded SmolLM2's tokenizer (a real 49152-token byte-level vocabulary, so
 JSON constraints and tool calls meet realistic tokens, while a step costs milliseconds):
-- "env": `gunicorn server.app` configured by JITKERN_* variables (JITKERN_DEVICE picks the device);
-- "cli": `python -m server --model ... --num-blocks ...` with JITKERN_DEVICE in its environment.
+- "env": `gunicorn server.app` configured by JITKERN_* variables (JITKERN_DEVICE picks the device), the engine in
+  the worker process (JITKERN_ENGINE_PROCESS=0);
+- "cli": `python -m server --model ... --num-blocks ... --engine-process` with JITKERN_DEVICE in its environment,
+  the engine in a process of its own.
 
 Oracles are computed, never hard-coded: greedy text equals the engine alone (`engine.LLM` on the same
 device in this process), streaming equals non-streaming, seeded sampling repeats, a stop string cuts the
@@ -156,9 +158,12 @@ def dev(request):
     model_dir = request.getfixturevalue("model_dir")      # after the skips: a skipped device builds nothing
     env = {"JITKERN_MODEL": model_dir, "JITKERN_DEVICE": device, "JITKERN_API_KEY": API_KEY,
            "JITKERN_MAX_MODEL_LEN": MAX_MODEL_LEN, "JITKERN_NUM_BLOCKS": NUM_BLOCKS,
-           "JITKERN_BLOCK_SIZE": BLOCK_SIZE, "JITKERN_MAX_NUM_SEQS": MAX_NUM_SEQS}
+           "JITKERN_BLOCK_SIZE": BLOCK_SIZE, "JITKERN_MAX_NUM_SEQS": MAX_NUM_SEQS, "JITKERN_ENGINE_PROCESS": "0"}
+    # the two ways the engine runs beside the HTTP threads, on every device: in the worker ("env") and in a
+    # process of its own ("cli"; the CUDA default)
     cli = ["--model", model_dir, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-           "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(MAX_NUM_SEQS)]
+           "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--engine-process"]
     # One after the other: the second start finds the first one's compiled kernels in the shared cache.
     servers = {}
     try:
