@@ -10,11 +10,12 @@ import os
 import numpy as np
 
 VOCAB = 128
-WORDS = 112                     # t0 .. t111 are ordinary words
 LANGS = ("en", "de", "fr")
+# Whisper's order; <|notimestamps|> is the last id: transformers takes every id after it for a timestamp token
 SPECIALS = (["<|endoftext|>", "<|startoftranscript|>"] + [f"<|{c}|>" for c in LANGS] +
             ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
              "<|notimestamps|>"])
+WORDS = VOCAB - len(SPECIALS)   # t0 .. t116 are ordinary words
 IDS = {tok: WORDS + i for i, tok in enumerate(SPECIALS)}
 EOS, SOT = IDS["<|endoftext|>"], IDS["<|startoftranscript|>"]
 NO_TIMESTAMPS = IDS["<|notimestamps|>"]
@@ -58,13 +59,15 @@ def make_whisper_dir(path: str, seed: int = 0, num_mel_bins: int = 80):
                            pad_token_id=EOS, bos_token_id=EOS, suppress_tokens=None, begin_suppress_tokens=None)
     model = tf.WhisperForConditionalGeneration(cfg).eval()
     # random norms and larger weights than HF's init (0.02), so that a wrong formula anywhere moves the outputs
-    # well past the tolerances and greedy tokens vary
+    # well past the tolerances; small token embeddings (tied to the output: large ones make every greedy step
+    # repeat its input token) and large decoder positions, so that greedy tokens vary
+    scale = {"decoder.embed_tokens": 0.05, "decoder.embed_positions": 0.5}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layer_norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif "embed_positions" not in name:
-                p.copy_(torch.randn_like(p) * 0.15)
+            elif "encoder.embed_positions" not in name:        # (the encoder's are sinusoidal, as saved)
+                p.copy_(torch.randn_like(p) * next((v for k, v in scale.items() if k in name), 0.25))
     model.generation_config = tf.GenerationConfig(**generation_config())
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
