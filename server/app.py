@@ -182,6 +182,9 @@ class _GenerationResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         state = self.state
         body = _read_json(req, state)
+        if state.task == "transcription":         # before parsing: a Whisper tokenizer has no chat template
+            raise APIError("this model is a speech recognition model (Whisper): text generation is not available; "
+                           "use /v1/audio/transcriptions", status=400, param="model", code="model_not_supported")
         gen_req = type(self).parse(body, state.ctx)
         _check_model(state, gen_req.model)
         if state.draining:
