@@ -103,7 +103,8 @@ class GenerationSettings:
                                  "token_id / eos_token_id)", path=f, key="decoder_start_token_id")
         self.sot = int(self.sot)
         self.no_timestamps = pick("no_timestamps_token_id", "<|notimestamps|>")
-        self.start_of_prev = tid("<|startofprev|>")
+        sop = pick("prev_sot_token_id", "<|startofprev|>")
+        self.start_of_prev = int(sop) if sop is not None else None
         lang = gen.get("lang_to_id")
         if lang is None:        # a checkpoint without generation_config.json: the tokenizer's language tokens
             lang = {}

@@ -110,6 +110,41 @@ def test_greedy_tokens_match_transformers_generate(whisper):
         assert out.token_ids == _hf_generate(hf, feats, 16, language="en", prompt_ids=prompt_ids)
 
 
+def test_english_only_checkpoint(whisper, tmp_path):
+    """is_multilingual false (whisper-*.en): the start sequence has no language or task token."""
+    import json
+    import shutil
+
+    from engine.llm import LLM
+    path, hf, _ = whisper
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "preprocessor_config.json"):
+        shutil.copy(f"{path}/{f}", tmp_path / f)
+    gen = json.loads(open(f"{path}/generation_config.json").read())
+    gen["is_multilingual"] = False
+    for k in ("lang_to_id", "task_to_id"):
+        del gen[k]
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(tmp_path))
+    try:
+        a = random_audio(25, 1.2)
+        out = llm.transcribe(a, max_tokens=12)
+        # (generate merges a generation_config argument into the model's own: the English-only one must be the
+        # model's for its missing languages to count)
+        own, hf.generation_config = hf.generation_config, tf.GenerationConfig(**gen)
+        try:
+            with torch.no_grad():
+                want = hf.generate(_features(path, a), max_new_tokens=12)[0].tolist()
+        finally:
+            hf.generation_config = own
+        assert out.language == "en" and out.token_ids == want
+        with pytest.raises(InvalidRequestError, match="English only") as e:
+            llm.transcribe(a, language="de")
+        assert e.value.param == "language"
+    finally:
+        llm.close()
+
+
 def test_long_audio_runs_window_by_window(whisper):
     path, hf, llm = whisper
     a = random_audio(30, 2 * CHUNK_SECONDS + 0.7)
