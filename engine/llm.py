@@ -12,6 +12,7 @@
                   "multi_modal_data": {"image": PIL.Image.open("cat.png")}})
     llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=16))   # engine.beam_search
     LLM("embedding-model-dir").embed(["a sentence"])[0].outputs.embedding     # engine.pooling
+    LLM("whisper-dir").transcribe("speech.wav", language="en").text            # engine.transcription
 """
 from __future__ import annotations
 
@@ -185,6 +186,20 @@ class LLM:
                for p in prompts]
         vecs = emb.embed(ids, pooling_params)
         return [EmbeddingRequestOutput(self._next_id(), i, EmbeddingOutput(v.tolist())) for i, v in zip(ids, vecs)]
+
+    def transcribe(self, audio, *, sampling_rate: int | None = None, language: str | None = None,
+                   prompt: str | None = None, temperature: float = 0.0, seed: int | None = None,
+                   max_tokens: int | None = None, task: str = "transcribe"):
+        """Speech to text with a Whisper checkpoint (engine.transcription): `audio` is a path or encoded bytes
+        (WAV, FLAC, OGG), an (array, sample rate) pair, or an array at `sampling_rate` (default 16 kHz); any rate
+        is resampled, channels are averaged. Returns a Transcription (text, language, duration, segments,
+        token_ids). language: a code ("en") or None to detect it; prompt: text the transcript continues;
+        temperature 0 is greedy, above 0 samples (with `seed`, reproducibly). A list of audios gives a list."""
+        kw = dict(sampling_rate=sampling_rate, language=language, prompt=prompt, temperature=temperature,
+                  seed=seed, max_tokens=max_tokens, task=task)
+        if isinstance(audio, list):
+            return [self.engine.transcribe(a, **kw) for a in audio]
+        return self.engine.transcribe(audio, **kw)
 
     def close(self) -> None:
         """Frees the engine (its memory, threads, GPU context); closing twice is harmless."""

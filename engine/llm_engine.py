@@ -214,6 +214,10 @@ class LLMEngine:
         self.checkpoint = ckpt = load_checkpoint(path, tokenizer_config=args.tokenizer_config)
         self.config = cfg = ckpt.config
         self.tokenizer = ckpt.tokenizer
+        from engine.models.whisper import is_whisper
+        if is_whisper(cfg):             # speech recognition: no paged engine (engine.transcription runs it)
+            self._init_transcription(args, ckpt, path, t0)
+            return
         from engine.generation_defaults import load_generation_defaults
         from engine.pooling import adapt_for_embedding, resolve_task
         self.task = resolve_task(args.task, ckpt.path)
@@ -332,6 +336,39 @@ class LLMEngine:
                  num_blocks, args.block_size, kv_dtype, self.max_model_len,
                  " (auto-fitted)" if sizing.auto_fitted else "", self.load_seconds)
 
+    def _init_transcription(self, args, ckpt, path, t0) -> None:
+        """A Whisper checkpoint: the model and its Transcriber (engine.transcription), requests through
+        `transcribe`; text generation is refused (prepare_request) and there is no KV pool or scheduler."""
+        from engine.models import build_model
+        from engine.transcription import Transcriber
+        if args.task not in ("auto", "transcription"):
+            raise ValueError(f"task {args.task!r}: a Whisper checkpoint is a speech recognition model (task "
+                             "'auto' or 'transcription')")
+        self.task = "transcription"
+        self.model = build_model(ckpt, device=args.device)
+        self.transcriber = Transcriber(self.model, self.tokenizer, ckpt.path)
+        self.default_sampling = {}
+        self.image_inputs = self.lora = self.spec = self.kv = self.scheduler = self.runner = None
+        self.max_model_len = self.model.cfg.max_target_positions
+        self.num_blocks = 0
+        self.stop_ids = (self.transcriber.gen.eos,)
+        self._reqs, self._seq_of = {}, {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
+        self.last_step_error = None
+        self.load_seconds = time.perf_counter() - t0
+        log.info("engine ready: %s, speech recognition (Whisper, %d mels, %.0f s windows), load %.2fs", path,
+                 self.model.cfg.num_mel_bins, self.transcriber.features.seconds, self.load_seconds)
+
+    def transcribe(self, audio, **kwargs):
+        """Speech to text with a Whisper checkpoint (engine.transcription.Transcriber.transcribe)."""
+        tr = getattr(self, "transcriber", None)
+        if tr is None:
+            raise InvalidRequestError("this model does not do transcription (it is not a Whisper speech "
+                                      "recognition model)", param="model")
+        out = tr.transcribe(audio, **kwargs)
+        self.stats["generation_tokens"] += len(out.token_ids)
+        return out
+
     @staticmethod
     def _memory_device(args):
         """The runtime device whose memory is measured, or None where nothing is: not CUDA (the CPU; Vulkan
@@ -430,6 +467,9 @@ class LLMEngine:
         if getattr(self, "task", "generate") == "embed":
             raise InvalidRequestError("this model is served for embeddings (--task embed): text generation is "
                                       "not available; use /v1/embeddings or LLM.embed", param="model")
+        if getattr(self, "task", "generate") == "transcription":
+            raise InvalidRequestError("this model is a speech recognition model (Whisper): text generation is not "
+                                      "available; use /v1/audio/transcriptions or LLM.transcribe", param="model")
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request id must be a non-empty string", param="request_id")
@@ -836,6 +876,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------ metrics
     def metrics_snapshot(self) -> dict:
+        if self.kv is None:             # a transcription engine: no scheduler, no KV pool
+            return {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0,
+                    "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+                    "prompt_tokens": self.stats["prompt_tokens"], "generation_tokens": self.stats["generation_tokens"]}
         st = self.kv.stats
         return {
             "num_requests_running": self.scheduler.num_running,
@@ -850,6 +894,8 @@ class LLMEngine:
         }
 
     def reset_prefix_cache(self) -> bool:
+        if self.scheduler is None:
+            return False
         ok = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()        # AllBlocksCleared now, not at the next request's step
         return ok
@@ -867,7 +913,8 @@ class LLMEngine:
         """Frees the KV pool and model buffers; the engine cannot be used afterwards."""
         for rid in list(self._reqs):
             self.abort_request(rid)
-        self.runner.close()
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
         if self.kv_events_publisher is not None:
             self.kv_events_publisher.shutdown()

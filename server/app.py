@@ -90,6 +90,10 @@ class AppState:
         self.num_blocks = facts["num_blocks"]
         self.architecture = facts["architecture"]
         self.task = facts.get("task", "generate")
+        # a Whisper checkpoint's Transcriber, called from request threads (server/audio.py); None with the engine
+        # in another process (transcriptions then go through engine.call) or for any other model
+        self.transcriber = getattr(getattr(engine, "engine", None), "transcriber", None) \
+            if self.task == "transcription" else None
         self.served_model_name = _served_name(settings, self.model_path)
         self.model_names = {self.served_model_name}
         if settings.model:
@@ -178,6 +182,9 @@ class _GenerationResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         state = self.state
         body = _read_json(req, state)
+        if state.task == "transcription":         # before parsing: a Whisper tokenizer has no chat template
+            raise APIError("this model is a speech recognition model (Whisper): text generation is not available; "
+                           "use /v1/audio/transcriptions", status=400, param="model", code="model_not_supported")
         gen_req = type(self).parse(body, state.ctx)
         _check_model(state, gen_req.model)
         if state.draining:
@@ -428,6 +435,9 @@ class OpenAIServer:
         if state.task == "embed":          # an embedding model: /v1/embeddings (404 at the route table otherwise)
             from server.embeddings import EmbeddingsResource
             app.add_route("/v1/embeddings", EmbeddingsResource(state))
+        from server.audio import TranscriptionsResource
+        # every model answers it: a model that does not transcribe gets a 400 saying so (not a 404)
+        app.add_route("/v1/audio/transcriptions", TranscriptionsResource(state))
         from server import lora, webui
         lora.add_routes(app, state)    # /v1/load_lora_adapter, /v1/unload_lora_adapter
         webui.add_routes(app)          # GET /: the chat page (public; the /v1 routes it calls need the key)
@@ -539,6 +549,11 @@ def warm_up(state: AppState) -> None:
     from engine.sampling_params import SamplingParams
     t0 = time.perf_counter()
     ids = state.tokenizer.encode("Hello", add_special_tokens=True) or [0]
+    if state.task == "transcription":
+        from server.audio import warm_up_transcription
+        warm_up_transcription(state)
+        log.info("warm-up transcription done in %.1fs", time.perf_counter() - t0)
+        return
     if state.task == "embed":
         from server.embeddings import warm_up_embeddings
         warm_up_embeddings(state, ids)

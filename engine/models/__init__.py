@@ -12,6 +12,8 @@ SUPPORTED = _arch.names("decoder")
 MLA = _arch.names("mla")
 # Bidirectional encoders for embeddings (engine/models/encoder.py; engine.pooling)
 ENCODERS = _arch.names("encoder")
+# Speech recognition (engine/models/whisper.py): transcription only (engine.transcription)
+SPEECH = _arch.names("whisper")
 # Architectures whose config we can read but whose model code is not written yet: what is missing.
 KNOWN_UNIMPLEMENTED = {a.name: a.missing for a in _arch.ARCHS if a.model == "unimplemented"}
 
@@ -24,8 +26,9 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: 
     rec = _arch.arch_of(arch)
     model = rec.model if _arch.known(arch) else None
     from engine.models.llava import is_llava
-    if (model == "mla" or is_llava(ckpt.config)) and (device or "auto").strip().lower() == "auto":
-        device = "cpu"          # MLA and LLaVA run on the CPU only so far: "auto" must not pick a GPU they would refuse
+    if (model in ("mla", "whisper") or is_llava(ckpt.config)) and (device or "auto").strip().lower() == "auto":
+        device = "cpu"          # MLA, LLaVA and Whisper run on the CPU only so far: "auto" must not pick a GPU they
+        #                         would refuse
     device = resolve_device(device)
     if model == "decoder":
         from engine.models.decoder import DecoderLM
@@ -46,6 +49,12 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: 
                                  path=ckpt.path, key="architecture")
         from engine.models.encoder import BertEncoder
         return BertEncoder(ckpt, device=device)
+    if model == "whisper":
+        if device != "cpu":
+            raise ModelLoadError("Whisper (transcription) runs on the CPU only so far: use --device cpu",
+                                 path=ckpt.path, key="device")
+        from engine.models.whisper import WhisperModel
+        return WhisperModel(ckpt)
     if model == "unimplemented":
         raise ModelLoadError(f"architecture '{arch}' is recognised but not implemented yet: missing "
                              f"{rec.missing}", path=ckpt.path, key="architecture")

@@ -109,7 +109,8 @@ class Arch:
     hf_architectures: tuple[str, ...] = ()      # config.json "architectures" class names
     gguf_names: tuple[str, ...] = ()            # GGUF general.architecture spellings (llama.cpp's)
     model: str = "decoder"                      # "decoder" (DecoderLM) | "mla" (MLADecoderLM) | "encoder"
-    #                                             (BertEncoder, embeddings only) | "unimplemented"
+    #                                             (BertEncoder, embeddings only) | "whisper" (WhisperModel,
+    #                                             transcription only) | "unimplemented"
     missing: str = ""                           # "unimplemented": the model code that is not written yet
 
     # ---- HF config.json
@@ -278,6 +279,17 @@ ARCHS: tuple[Arch, ...] = (
          moe=MoE(routing="sigmoid"), mla_rope_interleave_key=True),
     # bidirectional encoders for embeddings (engine/models/encoder.py; engine.pooling)
     Arch("bert", ("bert",), ("BertModel", "BertForMaskedLM"), ("bert",), model="encoder"),
+    # encoder-decoder speech recognition (engine/models/whisper.py; engine.transcription): config.json's decoder
+    # keys read as the text model's, the encoder's by the model code
+    Arch("whisper", ("whisper",), ("WhisperForConditionalGeneration",), (), model="whisper",
+         hf_defaults=_ro(d_model=384, decoder_layers=4, decoder_attention_heads=6, decoder_ffn_dim=1536,
+                         max_target_positions=448, vocab_size=51865, activation_function="gelu",
+                         tie_word_embeddings=True, eos_token_id=50256, bos_token_id=50256, pad_token_id=50256,
+                         layer_norm_epsilon=1e-5),
+         hf_keys=_ro(hidden_size=("d_model",), num_hidden_layers=("decoder_layers",),
+                     num_attention_heads=("decoder_attention_heads",), intermediate_size=("decoder_ffn_dim",),
+                     max_position_embeddings=("max_target_positions",)),
+         norm="layernorm", position="learned", mlp="plain", activation="gelu"),
     # configs we can read but whose model code is not written yet
     Arch("falcon", ("falcon",), ("FalconForCausalLM",), ("falcon",), model="unimplemented",
          missing="Falcon's parallel attention/MLP block and ALiBi"),
