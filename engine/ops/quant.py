@@ -34,7 +34,11 @@ follow ggml's plan for the arithmetic:
    Batch invariance: the integer dots are exact and the float operations of an output depend only on the
    tier's step S (`qmm_step`) and K, never on M or the tile, so a row's result is bit-identical alone or in
    any batch (tests/ops/test_quant.py checks it).
-4. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
+4. On CUDA targets (tuning.quant_gemv) q8_0 / q4_0 / q4_1 run on `_qmv_gpu_kernel` instead, for every M: a CTA's
+   threads over (row, lane, word), lanes over a row's blocks, the block dots in `jk.dp4a` (PTX dp4a) against the
+   activations in the 'natural' layout (16-byte loads), no repeated scales; batch invariant the same way (the
+   float operations of an output follow from K alone). See the comment above the kernel.
+5. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
    the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above, GEMM tiles 4 x 2;
    the same arithmetic for every tile shape.
 
