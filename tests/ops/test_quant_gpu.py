@@ -190,3 +190,40 @@ def test_gpu_linear_ptx_assembles_without_spills(qtype, BM, tmp_path):
     spills = [int(v) for v in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr).groups()]
     assert sum(spills) == 0 and "bytes stack frame" in r.stderr, r.stderr
     assert int(re.search(r"(\d+) bytes stack frame", r.stderr).group(1)) == 0, r.stderr
+
+
+# ------------------------------------------------------------------- the producers of the linear's int8 input
+@pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n", [576, 96])
+def test_natural_layout_producers_on_the_gpu_equal_the_separate_ops(backend, n, monkeypatch):
+    """rms_norm_q8 and act_and_mul_q8 in the 'natural' layout (what the GPU-shaped linear takes) quantise a CTA's
+    blocks as one tile on GPUs (NAT; the last tile shifted back over its neighbour): bit-identical to the separate
+    norm / activation followed by quantize_q8 on the same device, and within half a quantisation step of the
+    float64 numpy values."""
+    cuda = _device(backend, monkeypatch)
+    from engine.ops.activation import act_and_mul_q8, silu_and_mul
+    from engine.ops.norm import rms_norm, rms_norm_q8
+    rng = np.random.default_rng(60 + n)
+    T, nb = 3, n // 32
+    x = (rng.standard_normal((T, n)) * rng.uniform(0.1, 5, (T, 1))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    gu = rng.standard_normal((T, 2 * n)).astype(np.float32)
+    D = cuda.DeviceArray
+
+    def bufs():
+        return (D.empty((T, n), np.int8), D.empty((T, nb), np.float32), D.empty((T, nb), np.float32))
+    cases = (
+        ("rms_norm_q8", lambda o: rms_norm_q8(D.from_numpy(x), D.from_numpy(w), 1e-5, o),
+         lambda: rms_norm(D.from_numpy(x), D.from_numpy(w), 1e-5),
+         x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * w),
+        ("act_and_mul_q8", lambda o: act_and_mul_q8(D.from_numpy(gu), o),
+         lambda: silu_and_mul(D.from_numpy(gu)),
+         gu[:, :n] / (1 + np.exp(-gu[:, :n].astype(np.float64))) * gu[:, n:]))
+    for name, fused, plain, ref in cases:
+        got = [a.numpy() for a in fused(bufs())]
+        want = [a.numpy() for a in Q.quantize_q8(plain(), out=bufs())]
+        for g, wnt in zip(got, want):
+            np.testing.assert_array_equal(g, wnt, err_msg=name)
+        deq = dequant_acts(got[0], got[1])
+        step = np.repeat(got[1], 32, axis=1)
+        assert (np.abs(deq - ref) <= 0.5 * step * (1 + 1e-5) + 1e-6 * np.abs(ref)).all(), name
