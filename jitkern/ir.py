@@ -188,6 +188,7 @@ class Function:
 #   argreduce[kind, axis] argmax argmin -> i32
 #   dot                   (M,K)x(K,N)[+acc] -> (M,N), f32 (or i32 for integer inputs)
 #   dot4[axis]            (...,K)x(...,K) int8/uint8 -> (...,K/4) i32: sums of products of groups of 4
+#   dp4a[a_signed,b_signed] a, b i32/u32 packed bytes, c i32 (same shape) -> c + sum of the 4 byte products
 #   madd                  (...,K)x(...,K) u8 x i8 -> (...,K/2) i16 (saturated), i16 x i16 -> i32: pair sums
 #                         (with axis: also summed over that input axis, which the result drops)
 #   for                   lb, ub, step, *inits; region args (iv, *carried); yields carried; results
@@ -276,7 +277,7 @@ def _verify_op(op: Op) -> None:
     t = [o.type for o in op.operands if o is not None]
     r = [x.type for x in op.results]
     where = f"{op.name} at {op.loc}"
-    if op.name in ("binary", "select", "fma"):
+    if op.name in ("binary", "select", "fma", "dp4a"):
         shapes = {x.shape for x in t}
         if len(shapes) != 1:
             raise VerifyError(f"{where}: operand shapes differ {shapes}")

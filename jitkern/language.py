@@ -743,6 +743,26 @@ def dot4(a, b, axis=None) -> Tile:
 
 
 @builtin
+def dp4a(a, b, c) -> Tile:
+    """c + the sum of the products of the four bytes of each 32-bit element of `a` and `b` (elementwise, i32).
+
+    `a` and `b` are i32 or u32 tiles of four packed bytes each (byte 0 the lowest): a u32 operand's bytes are
+    unsigned (0..255), an i32 operand's signed (-128..127). `c` is i32 (a Python int adopts that type). The sum
+    is exact in i32 (it wraps only where c does), so every target gives the same bits: one PTX dp4a per element
+    on CUDA, byte extracts, multiplies and adds elsewhere. Unlike `dot4` the bytes never leave their element,
+    so on a GPU it is a register operation (dot4's groups of 4 tile elements may live in other threads)."""
+    a, b = to_tile(a), to_tile(b)
+    if a.dtype not in (i32, u32) or b.dtype not in (i32, u32):
+        _error(f"dp4a takes i32 / u32 tiles of packed bytes, got ({a.dtype}, {b.dtype})")
+    c = c if isinstance(c, Tile) else _const(int(getattr(c, "value", c)), i32)
+    if c.dtype != i32:
+        _error(f"dp4a's accumulator must be i32, got {c.dtype}")
+    shape = broadcast_shapes(broadcast_shapes(a.shape, b.shape), c.shape)
+    return _builder().value("dp4a", [broadcast_to(a, shape), broadcast_to(b, shape), broadcast_to(c, shape)],
+                            TileType(i32, shape), a_signed=a.dtype == i32, b_signed=b.dtype == i32)
+
+
+@builtin
 def madd(a, b) -> Tile:
     """Sums of products of adjacent pairs along the last axis: (..., K) x (..., K) -> (..., K/2).
 

@@ -23,6 +23,12 @@ max error against an f32 reference where one is cheap):
   gemv  M = 1 `linear` (decode projections) as GB/s of weights read vs the measured copy bandwidth, next to
         torch.matmul at M = 1.
   elem  rms_norm and silu_and_mul (f32) as GB/s vs the copy bandwidth.
+  qgemv GGUF-quantised linears (matmul_q8 on device arrays, activations quantised once outside the timing) of
+        --qtypes at SmolLM2-135M shapes (576 x 576, 1536 x 576, 576 x 1536, the 49152 x 576 head) and Llama-3-8B
+        ones (4096 x 4096, 14336 x 4096, 4096 x 14336), M = --qgemv-m (default 1 16 64), as GB/s of weight
+        blocks + int8 activations vs the copy bandwidth, A/B: [gpu] the GPU-shaped kernel (_qmv_gpu_kernel, the
+        CUDA default) and [qmm] the CPU-shaped _qmm_kernel (tuning.quant_gemv off); err is [gpu] against [qmm]
+        (both sum exact integer block dots in f32, in different orders).
 The copy bandwidth (cuMemcpyDtoDAsync of 1 GiB, read + write bytes) is measured first in every run.
 
 Timing: CUDA events on jitkern's stream (torch and Triton are made to run on the same stream); before each
@@ -391,6 +397,68 @@ def gemv(b: Bench, copy_gbs: float, NKs, Ms=(1,)):
         del ws
 
 
+QGEMV_NK = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096), (14336, 4096), (4096, 14336))
+
+
+def _qweight(qtype: str, N: int, K: int, rng) -> np.ndarray:
+    """Random GGUF blocks of `qtype` (N, row bytes) with finite f16 scales (and q4_1 mins)."""
+    from engine.ops import quant as Q
+    q = Q.QTYPES[qtype]
+    nb = K // 32
+    raw = rng.integers(0, 256, (N, nb, q.block_bytes), dtype=np.uint8)
+    for off in {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2)}[qtype]:
+        raw[:, :, off:off + 2] = rng.uniform(-0.02, 0.02, (N, nb)).astype(np.float16).view(np.uint8).reshape(
+            N, nb, 2)
+    return raw.reshape(N, -1)
+
+
+def qgemv(b: Bench, copy_gbs: float, NKs, Ms, qtypes):
+    from engine.ops import quant as Q
+    from targets import tuned
+    _header(f"GGUF linears (GB/s of blocks + int8 activations; ratio: of the {copy_gbs:.0f} GB/s copy bandwidth)")
+    rng = np.random.default_rng(0)
+    dev = b.jdev
+    base = dev.target()
+    own = dev.__dict__.get("target")             # a stand-in device may carry its target on the instance
+    cuda = b.cuda_mod
+    for qtype in qtypes:
+        for N, K in NKs:
+            rb = Q.row_bytes(qtype, K)
+            copies = max(1, min(8, math.ceil(ROTATE_BYTES / (N * rb))))
+            one = _qweight(qtype, N, K, rng)
+            ws = [cuda.DeviceArray.from_numpy(one, device=dev) for _ in range(copies)]
+            for M in Ms:
+                case = f"{qtype} M={M} N={N} K={K}"
+                x = cuda.DeviceArray.from_numpy(rng.standard_normal((M, K)).astype(np.float32), device=dev)
+                out = {}
+                for name, tgt in (("gpu", base), ("qmm", tuned(base, quant_gemv=False))):
+                    dev.target = lambda t=tgt: t          # the ops read their choices from the device's target
+                    try:
+                        lay = Q.act_layout(qtype, M, tgt)
+                        rep4 = not Q._gpu_qmv(Q.QTYPES[qtype], tgt)
+                        xq = Q.quantize_q8(x, layout=lay, rep4=rep4)
+                        y = cuda.DeviceArray.empty((M, N), np.float32, dev)
+                        fns = [lambda w=w: Q.matmul_q8(xq, w, qtype, N, K, out=y) for w in ws]
+                        t, note = b.time(fns)
+                        fns[0]()
+                        b.sync()
+                        out[name] = y.numpy()
+                        err = None
+                        if name == "qmm" and "gpu" in out:
+                            err = float(np.abs(out["gpu"] - out["qmm"]).max() / max(np.abs(out["qmm"]).max(), 1e-30))
+                        nb = N * rb + M * K + 8 * M * K // 32 + 4 * M * N
+                        b.row("qgemv", case, f"[{name}] matmul_q8", t, note, nbytes=nb, peer=nb / copy_gbs / 1e9,
+                              err=err)
+                    except Exception as e:      # noqa: BLE001
+                        b.fail("qgemv", case, f"[{name}] matmul_q8", e)
+                    finally:
+                        if own is None:
+                            del dev.target
+                        else:
+                            dev.target = own
+            del ws
+
+
 def _paged_cache(b, B, S, dtype, block=16):
     """A paged cache holding B sequences of S random tokens each (sequence i in blocks i*nb .. i*nb+nb-1)."""
     torch = b.torch
@@ -622,8 +690,10 @@ def _triton(b: Bench):
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", choices=("gemm", "attn", "gemv", "elem"),
-                    default=["gemm", "attn", "gemv", "elem"])
+    ap.add_argument("--only", nargs="+", choices=("gemm", "attn", "gemv", "elem", "qgemv"),
+                    default=["gemm", "attn", "gemv", "elem", "qgemv"])
+    ap.add_argument("--qtypes", nargs="+", default=["q4_1", "q8_0", "q4_0"], help="qgemv: GGUF types")
+    ap.add_argument("--qgemv-m", type=int, nargs="+", default=[1, 16, 64], help="qgemv: token counts")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (seconds)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--reps", type=int, default=20, help="timed batches per variant (median)")
@@ -668,10 +738,12 @@ def _run(a) -> int:
         Ms, NKs = a.m or (1, 16, 64), ((128, 64), (96, 160))
         pre, dec = ((1, 64), (2, 48)), ((1, 40), (3, 64))
         copy_mib, elem = 4, (64, 256, 384)
+        qnk = ((96, 64), (40, 576))
     else:
         Ms, NKs = a.m or GEMM_M, GEMM_NK
         pre, dec = PREFILL_CASES, DECODE_CASES
         copy_mib, elem = 1024, (8192, 4096, 14336)
+        qnk = QGEMV_NK
     if a.decode_cases is not None:
         dec = tuple(tuple(int(v) for v in c.split("x")) for c in a.decode_cases)
     if a.prefill_cases is not None:
@@ -687,6 +759,8 @@ def _run(a) -> int:
             attention(b, pre, dec, copy_gbs, a.attn_variants)
         if "elem" in a.only:
             elementwise(b, copy_gbs, *elem)
+        if "qgemv" in a.only:
+            qgemv(b, copy_gbs, qnk, a.qgemv_m, a.qtypes)
     b.sync()
     failed = [r for r in b.rows if "error" in r]
     print(f"\n{len(b.rows)} rows, {len(failed)} failed, {time.perf_counter() - t0:.1f} s")

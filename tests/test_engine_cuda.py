@@ -535,3 +535,46 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
     assert want[0][0] == want[-1][0]     # alone as in the batch
     # (the rounding is real: f32 gate/up logprobs differ somewhere)
     assert got[(False, True, False)] != want
+
+
+@pytest.mark.parametrize("where", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+def test_gguf_linears_on_the_gpu_kernel_give_the_cpu_greedy_tokens(tmp_path, monkeypatch, where, qtype):
+    """A tiny Llama written as a GGUF of `qtype` blocks: on CUDA its linears run on the GPU-shaped quantised kernel
+    (quant._qmv_gpu_kernel, dp4a dots), and the greedy tokens equal the CPU engine's (which runs _qmm_kernel), each
+    prompt alone and all of them in one batch bit-identical. "fake": tests/fake_cuda.py's device with the sm_90a
+    target (each launch compiled for sm_90a, then run on the CPU); "cuda": a real GPU (gpu-marked)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from engine.llm import LLM
+    from engine.ops import quant
+    from tests.gguf_export import write_gguf
+    from tests.model_fixtures import make_model_dir
+    hf = make_model_dir("llama", str(tmp_path / "hf"), seed=11, overrides={"hidden_size": 128,
+                                                                            "intermediate_size": 192})
+    path = write_gguf(hf, str(tmp_path / "model.gguf"), qtype=qtype)
+    prompts = _prompts(3, seed=12)
+    cpu = _cpu_side("_cpu_greedy", path, prompts, 10)
+    if where == "fake":
+        from tests.fake_cuda import install
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        install(monkeypatch)
+    elif not _real_gpu():
+        pytest.skip("no CUDA device here")
+    names = set()
+    real_run = quant.run
+
+    def spy(kernel, grid, args, target=None, **kw):
+        names.add(kernel.__name__)
+        return real_run(kernel, grid, args, target, **kw)
+    monkeypatch.setattr(quant, "run", spy)
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
+    try:
+        alone = [_greedy(llm, [p], 10)[0] for p in prompts]
+        batched = _greedy(llm, prompts, 10)
+    finally:
+        llm.close()
+    assert "_qmv_gpu_kernel" in names and "_qmm_kernel" not in names, names
+    assert batched == alone
+    assert alone == cpu

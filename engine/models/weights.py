@@ -90,10 +90,11 @@ class Linear:
         if type(self) is not Linear or not self.quantized:
             return None
         from engine.ops._hostargs import is_device, resolve_target
-        from engine.ops.quant import _qmm_kernel_for, _qtype, act_layout
+        from engine.ops.quant import _gpu_qmv, _qmm_kernel_for, _qtype, act_layout
         q = _qtype(self.kind)
         dev = is_device(self.weight)
-        return act_layout(q, M, resolve_target(None, self.weight)), (M > 1 or dev) and _qmm_kernel_for(q)
+        T = resolve_target(None, self.weight)
+        return act_layout(q, M, T), (M > 1 or dev) and _qmm_kernel_for(q) and not _gpu_qmv(q, T)
 
     def call_q8(self, xq, out):
         """y = x @ W^T (+ b) from x already quantised as `q8_input` says (a engine.ops.quant.Q8Activations)."""

@@ -48,36 +48,44 @@ def act_and_mul_kernel(gu, gu_s, gu_ps, out, o_s, n, ACT: jk.constexpr, BLOCK: j
 
 @jk.jit
 def _act_mul_q8_group(base, n, ACT: jk.constexpr, qx, xd, xs, xd4, xs4, row, nblk, b0, NB: jk.constexpr,
-                      REP4: jk.constexpr):
-    """ACT(gate) * up of the NB 32-blocks of a row from block b0, stored quantised as one group of NB blocks."""
+                      REP4: jk.constexpr, NG: jk.constexpr = 1):
+    """ACT(gate) * up of the NB 32-blocks of a row from block b0, stored quantised as one group of NB blocks (NG = NB:
+    as NB blocks in element order, the 'natural' layout)."""
     blk = b0.to(jk.i64) + jk.arange(0, NB)
     cols = blk[:, None] * 32 + jk.arange(0, 32)[None, :]
     g = jk.load(base + cols).to(jk.f32)
     u = jk.load(base + n + cols).to(jk.f32)
     r, d, s = _q8_blocks(ACT(g) * u)
-    _store_grouped(qx, row * n + b0.to(jk.i64) * 32, r, 1, NB)
+    _store_grouped(qx, row * n + b0.to(jk.i64) * 32, r, NG, NB // NG)
     _store_scales(xd, xs, xd4, xs4, row, nblk, blk, d, s, NB, REP4)
 
 
 @jk.kernel
 def act_and_mul_q8_kernel(gu, gu_s, qx, xd, xs, xd4, xs4, n, nblk, ACT: jk.constexpr, G: jk.constexpr,
-                          GP: jk.constexpr, REP4: jk.constexpr):
+                          GP: jk.constexpr, REP4: jk.constexpr, NAT: jk.constexpr = 0):
     """ACT(gate) * up straight into quantize_q8's int8 blocks; program (row, j) does groups [j GP, (j+1) GP) of
     G 32-blocks, the last program of a row also the grouped layouts' leftovers (as quantize_q8: a pair, then a
-    single block). Every block is quantised on its own values, so the split never changes a result."""
+    single block). Every block is quantised on its own values, so the split never changes a result.
+    NAT > 0 (the 'natural' layout on GPUs): program (row, j) does blocks [j NAT, (j+1) NAT) as one (NAT, 32)
+    tile spread over the CTA (the last program of a row shifted back to end at nblk, rewriting its neighbour's
+    blocks with the same bits), not NAT one-block steps of 32 active threads."""
     row = jk.program_id(0).to(jk.i64)
     j = jk.program_id(1)
     base = gu + row * gu_s
-    ng = nblk // G
-    for gi in range(j * GP, jk.minimum(j * GP + GP, ng)):
-        _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, gi * G, G, REP4)
-    if G > 1:
-        if j == jk.num_programs(1) - 1:
-            if G > 2:
-                if nblk % G >= 2:
-                    _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - nblk % G, 2, REP4)
-            if nblk % 2 == 1:
-                _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - 1, 1, REP4)
+    if NAT > 0:
+        _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, jk.minimum(j * NAT, nblk - NAT), NAT, REP4,
+                          NAT)
+    else:
+        ng = nblk // G
+        for gi in range(j * GP, jk.minimum(j * GP + GP, ng)):
+            _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, gi * G, G, REP4)
+        if G > 1:
+            if j == jk.num_programs(1) - 1:
+                if G > 2:
+                    if nblk % G >= 2:
+                        _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - nblk % G, 2, REP4)
+                if nblk % 2 == 1:
+                    _act_mul_q8_group(base, n, ACT, qx, xd, xs, xd4, xs4, row, nblk, nblk - 1, 1, REP4)
 
 
 @jk.jit
@@ -193,6 +201,14 @@ def silu_and_mul(gate_up: np.ndarray, out: np.ndarray | None = None, *, target=N
 
 
 ACT_Q8_BLOCKS_PER_PROGRAM = None     # override of act_and_mul_q8's blocks per program (results never depend on it)
+GPU_Q8_TILE_BLOCKS = 8              # GPUs, natural layout: 32-blocks a program quantises as one tile (any gives the same bits)
+
+
+def _pow2_le(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
 
 
 def act_and_mul_q8(gate_up: np.ndarray, out: tuple, *, gelu: bool = False, layout: str = "natural",
@@ -232,9 +248,14 @@ def act_and_mul_q8(gate_up: np.ndarray, out: tuple, *, gelu: bool = False, layou
     GP = max(1, 8 // G) if t.fast_workgroups else max(1, nblk // G)
     if ACT_Q8_BLOCKS_PER_PROGRAM is not None:          # tests: the GPU split on a CPU tier
         GP = max(1, ACT_Q8_BLOCKS_PER_PROGRAM // G)
+    nat = {}
+    if G == 1 and t.fast_workgroups and nblk >= 2:
+        # the natural layout on a GPU: a program's blocks as one tile over the CTA's threads
+        nat = {"NAT": _pow2_le(nblk, GPU_Q8_TILE_BLOCKS)}
+        GP = nat["NAT"]
     run(act_and_mul_q8_kernel, (R, max(1, -(-(nblk // G) // GP))),
         (gp, gs, qx, xd, xs, xd if xd4 is None else xd4, xs if xs4 is None else xs4, n, nblk),
-        target, ACT=gelu_tanh_f if gelu else silu, G=G, GP=GP, REP4=xd4 is not None)
+        target, ACT=gelu_tanh_f if gelu else silu, G=G, GP=GP, REP4=xd4 is not None, **nat)
     return Q8Activations(qx, xd, xs, layout, xd4, xs4)
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 import jitkern as jk
-from ._hostargs import (block_for, check_shape, elem_strides, empty_like_dev, fptr, has_half, is_array, resolve_target,
-                        row_stride, run)
+from ._hostargs import (block_for, check_shape, elem_strides, empty_like_dev, fptr, has_half, is_array, launch_target,
+                        resolve_target, row_stride, run)
 
 _MAX_BLOCK = 128      # rows wider than this loop over chunks (wider tiles measured slower)
+GPU_Q8_TILE_BLOCKS = 16   # GPUs, natural layout: 32-blocks rms_norm_q8 quantises as one tile (any gives the same bits)
 
 from .quant import Q8Activations, _eff_group, _q8_blocks, _store_grouped, _store_scales  # noqa: E402
 
@@ -118,25 +119,29 @@ def layer_norm_kernel(x, x_s, w, b, out, o_s, n, eps, HAS_BIAS: jk.constexpr, BL
 
 @jk.jit
 def _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, b0, NB: jk.constexpr,
-                   REP4: jk.constexpr):
+                   REP4: jk.constexpr, NG: jk.constexpr = 1):
     """Normalises the NB 32-blocks of a row from block b0 (y = v * inv * (w + w_off), as rms_norm_kernel) and
-    stores them quantised as one group of NB blocks (quantize_q8's layouts)."""
+    stores them quantised as one group of NB blocks (quantize_q8's layouts; NG = NB: as NB blocks in element
+    order, the 'natural' layout)."""
     blk = b0.to(jk.i64) + jk.arange(0, NB)
     cols = blk[:, None] * 32 + jk.arange(0, 32)[None, :]
     v = jk.load(src + sb + cols).to(jk.f32)
     wv = jk.load(w + cols).to(jk.f32) + w_off
     r, d, s = _q8_blocks(v * inv * wv)
-    _store_grouped(qx, row * n + b0.to(jk.i64) * 32, r, 1, NB)
+    _store_grouped(qx, row * n + b0.to(jk.i64) * 32, r, NG, NB // NG)
     _store_scales(xd, xs, xd4, xs4, row, nblk, blk, d, s, NB, REP4)
 
 
 @jk.kernel
 def rms_norm_q8_kernel(x, x_s, w, res, r_s, qx, xd, xs, xd4, xs4, n, nblk, eps, w_off, RES: jk.constexpr,
-                       BLOCK: jk.constexpr, G: jk.constexpr, REP4: jk.constexpr):
+                       BLOCK: jk.constexpr, G: jk.constexpr, REP4: jk.constexpr, NAT: jk.constexpr = 0):
     """RMSNorm of one row (program) straight into quantize_q8's int8 blocks: the statistics exactly as
     rms_norm_kernel (same chunks, same tree), then per group of G 32-blocks the normalised f32 values, which
     are the values rms_norm would store, quantised as _quantize_q8_kernel does. RES: 0 none, 1 residual += x
-    (normalise the sum), 2 residual = x (the first layer's copy)."""
+    (normalise the sum), 2 residual = x (the first layer's copy). NAT > 0 (the 'natural' layout on GPUs): the
+    row's blocks NAT at a time as one (NAT, 32) tile spread over the CTA (the last tile shifted back to end at
+    nblk, rewriting blocks with the same bits: each block is quantised on its own values), not one 32-value
+    block a step."""
     row = jk.program_id(0).to(jk.i64)
     xb = row * x_s
     rb = row * r_s
@@ -160,15 +165,20 @@ def rms_norm_q8_kernel(x, x_s, w, res, r_s, qx, xd, xs, xd4, xs4, n, nblk, eps, 
     if RES != 0:
         src = res
         sb = rb
-    for g in range(0, nblk // G):
-        _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, g * G, G, REP4)
-    # a grouped layout's leftover blocks: a pair, then a single block, each its own group (as quantize_q8)
-    if G > 2:
-        if nblk % G >= 2:
-            _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, nblk - nblk % G, 2, REP4)
-    if G > 1:
-        if nblk % 2 == 1:
-            _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, nblk - 1, 1, REP4)
+    if NAT > 0:
+        for g in range(0, (nblk + NAT - 1) // NAT):
+            _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk,
+                           jk.minimum(g * NAT, nblk - NAT), NAT, REP4, NAT)
+    else:
+        for g in range(0, nblk // G):
+            _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, g * G, G, REP4)
+        # a grouped layout's leftover blocks: a pair, then a single block, each its own group (as quantize_q8)
+        if G > 2:
+            if nblk % G >= 2:
+                _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, nblk - nblk % G, 2, REP4)
+        if G > 1:
+            if nblk % 2 == 1:
+                _norm_q8_group(src, sb, w, w_off, inv, qx, xd, xs, xd4, xs4, row, n, nblk, nblk - 1, 1, REP4)
 
 
 def _check_weight(weight, n, what):
@@ -286,11 +296,17 @@ def rms_norm_q8(x: np.ndarray, weight: np.ndarray, eps: float, out: tuple, *, la
     from .quant import LAYOUTS
     if layout not in LAYOUTS:
         raise ValueError(f"rms_norm_q8: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    G = _eff_group(layout, nblk)
+    nat = {}
+    if G == 1 and nblk >= 2 and launch_target(target).fast_workgroups:
+        # the natural layout on a GPU: the row's blocks as tiles over the CTA's threads
+        nat["NAT"] = 1
+        while nat["NAT"] * 2 <= min(nblk, GPU_Q8_TILE_BLOCKS):
+            nat["NAT"] *= 2
     run(rms_norm_q8_kernel, (T,), (fptr(x, "rms_norm_q8: x"), xs_, wp, rp, rs, qx, xd, xs,
                                    xd if xd4 is None else xd4, xs if xs4 is None else xs4, n, nblk, float(eps),
                                    float(weight_offset)),
-        target, RES=0 if residual is None else (2 if residual_copy else 1), G=_eff_group(layout, nblk),
-        REP4=xd4 is not None,
+        target, RES=0 if residual is None else (2 if residual_copy else 1), G=G, REP4=xd4 is not None, **nat,
         # the statistics' chunking exactly as rms_norm picks it (same tree: bit-identical results)
         BLOCK=block_for(n, _MAX_BLOCK, target, has_half(x, weight, x, residual)))
     return Q8Activations(qx, xd, xs, layout, xd4, xs4)

@@ -34,7 +34,11 @@ follow ggml's plan for the arithmetic:
    Batch invariance: the integer dots are exact and the float operations of an output depend only on the
    tier's step S (`qmm_step`) and K, never on M or the tile, so a row's result is bit-identical alone or in
    any batch (tests/ops/test_quant.py checks it).
-4. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
+4. On CUDA targets (tuning.quant_gemv) q8_0 / q4_0 / q4_1 run on `_qmv_gpu_kernel` instead, for every M: a CTA's
+   threads over (row, lane, word), lanes over a row's blocks, the block dots in `jk.dp4a` (PTX dp4a) against the
+   activations in the 'natural' layout (16-byte loads), no repeated scales; batch invariant the same way (the
+   float operations of an output follow from K alone). See the comment above the kernel.
+5. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
    the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above, GEMM tiles 4 x 2;
    the same arithmetic for every tile shape.
 
@@ -241,6 +245,8 @@ def act_layout(qtype, M: int = 1, target=None) -> str:
     (`_q8_halves`), else 'natural'. The same for every M (`M` is accepted for callers that pass it)."""
     q = _qtype(qtype)
     T = resolve_target(target)
+    if _gpu_qmv(q, T):
+        return "natural"
     if q.name in ("q4_0", "q4_1") or (q.name == "q8_0" and _q8_halves(T)):
         return {4: "q4x4", 2: "q4", 1: "natural"}[qmm_step(q, T)]
     return "natural"
@@ -1232,7 +1238,7 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
         xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q, 0, target))
         return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
     M = 1 if x.ndim == 1 else x.shape[0]
-    rep4 = (M > 1 or is_device(x)) and _qmm_kernel_for(q)
+    rep4 = (M > 1 or is_device(x)) and _qmm_kernel_for(q) and not _gpu_qmv(q, target)
     out8 = out4 = None
     if is_device(x):
         # device arrays: reused scratch (no allocation per call, stable addresses for CUDA graphs), and always
@@ -1281,6 +1287,8 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     if M == 0 or N == 0:
         return out, None
     T = resolve_target(target)
+    if _gpu_qmv(q, T):
+        return out, _matmul_qmv(q, w, qx, xd, xs, out, M, N, K, T)
     if _qmm_kernel_for(q):
         BM, R, RS, S = qmm_tiles(q, M, N, K, T)
         nb = K // 32
@@ -1306,6 +1314,118 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
              (w, wh, qx, xd, xs, out, M, N, K, K // 256, row_bytes(q, K), RS), target, DEC=_DECODERS[q.name],
              BM=BM, R=R)
     return out, ck
+
+
+# ------------------------------------------------------- GPU: warps over rows, lanes over blocks, dp4a dots
+# The CPU-shaped _qmm_kernel runs one program per 8 rows at M = 1 with serial K loops over tiles of a block or two,
+# and its dot4 goes through shared memory on a GPU. This kernel is shaped for the GPU: a CTA of QMV_WARPS warps
+# owns R weight rows and deals them (R, L) positions x 4 words, one position a thread: lane l of a row takes the
+# row's blocks l, l + L, ... (consecutive threads read consecutive blocks of a row: coalesced), each block's
+# quants as 32-bit words of packed bytes against the int8 activations' words (quantize_q8's 'natural' layout:
+# 16-byte vector loads) in jk.dp4a (PTX dp4a: exact i32), word j of a lane with the block's words j and j + 4.
+# Per (token, row) the float work is fixed by K alone: per block and word one FMA of the exact integer dot with
+# d_w * d_x into the lane's word accumulator, for the formats with an offset one FMA of c * s (the activation
+# block sum; c = m for q4_1, -8 d for q4_0) into word 0, then the 4 words of each lane summed, then the L lanes
+# in order (the GPU lowering's reductions fold in an order fixed by the reduced length). Neither the batch, the
+# token tile BM, R nor the grid changes a row's operations: batch invariant.
+@jk.jit
+def _qmv_words(w16, w32, rows, b, RB: jk.constexpr, QT: jk.constexpr):
+    """The quants of blocks b (R, L, 4) (in range) of rows `rows` as two (R, L, 4) tiles of 32-bit words, lane j
+    of the first holding the bytes that meet activation word j, of the second those that meet word j + 4:
+    q8_0 i32 (signed bytes), q4_0 / q4_1 u32 (nibbles 0..15)."""
+    j = jk.arange(0, 4)[None, None, :]
+    if QT == 0:         # q8_0 (34 B: f16 d, 32 x i8): quants 2-byte aligned, each word from two u16 loads
+        h = rows * (RB // 2) + b * 17 + 1 + 2 * j
+        lo = jk.load(w16 + h).to(jk.u32) | (jk.load(w16 + h + 1).to(jk.u32) << 16)
+        hi = jk.load(w16 + h + 8).to(jk.u32) | (jk.load(w16 + h + 9).to(jk.u32) << 16)
+        return lo.to(jk.i32, bitcast=True), hi.to(jk.i32, bitcast=True)
+    if QT == 1:         # q4_0 (18 B: f16 d, 16 B nibbles): 2-byte aligned
+        h = rows * (RB // 2) + b * 9 + 1 + 2 * j
+        v = jk.load(w16 + h).to(jk.u32) | (jk.load(w16 + h + 1).to(jk.u32) << 16)
+    else:               # q4_1 (20 B: f16 d, f16 m, 16 B nibbles): 4-byte aligned
+        v = jk.load(w32 + rows * (RB // 4) + b * 5 + 1 + j)
+    # byte i of word j holds element 4j + i in its low nibble, element 16 + 4j + i in its high nibble
+    return v & 0x0F0F0F0F, (v >> 4) & 0x0F0F0F0F
+
+
+@jk.kernel(do_not_specialize=('M',))
+def _qmv_gpu_kernel(w16, w32, wh, xw, xd, xs, y, M, N, K: jk.constexpr, QT: jk.constexpr, RB: jk.constexpr,
+                    R: jk.constexpr, L: jk.constexpr, BM: jk.constexpr):
+    # program (R rows from program_id(0) * R, BM tokens from program_id(1) * BM, the last token tile shifted back
+    # to end at M: overlapping tokens are recomputed with the same operations); QT 0 q8_0, 1 q4_0, 2 q4_1.
+    # Lanes past a row's last block (K / 32 not a multiple of L) read the last block again (no masks, no
+    # branches) with a zero weight scale and offset, which adds exact zeros; only the activations' vector loads
+    # are masked (a predicated 16-byte load).
+    NB = K // 32
+    n0 = jk.program_id(0) * R
+    t0 = jk.minimum(jk.program_id(1) * BM, M - BM)
+    # (R, L, 4) index tiles by broadcasts (constant along the word axis, so the activations' 4 words of a
+    # lane are one aligned 16-byte load with one mask bit)
+    rows = jk.broadcast_to(jk.minimum(n0 + jk.arange(0, R), N - 1).to(jk.i64)[:, None, None], (R, L, 4))
+    j = jk.arange(0, 4)[None, None, :]
+    first = j == 0
+    accs = ()
+    for t in jk.static_range(BM):
+        accs = accs + (jk.zeros((R, L, 4), jk.f32),)
+    for s in range(0, (NB + L - 1) // L):
+        b = jk.broadcast_to(s * L + jk.arange(0, L)[None, :, None], (R, L, 4))
+        ok = b < NB
+        bc = jk.minimum(b, NB - 1)
+        wa, wb = _qmv_words(w16, w32, rows, bc, RB, QT)
+        d = jk.where(ok, jk.load(wh + rows * (RB // 2) + bc * (RB // (2 * NB))).to(jk.f32), 0.0)
+        if QT == 1:     # sum_k d (q - 8) x = d dot(q, x) - 8 d sum(x): the -8 d rides on the block sum
+            c = jk.where(first, d * -8.0, 0.0)
+        if QT == 2:
+            c = jk.where(first & ok, jk.load(wh + rows * (RB // 2) + bc * 10 + 1).to(jk.f32), 0.0)
+        nxt = ()
+        for t in jk.static_range(BM):
+            tok = (t0 + t).to(jk.i64)
+            xo = tok * (K // 4) + b * 8 + j
+            dot = jk.dp4a(wa, jk.load(xw + xo, mask=ok, other=0), jk.dp4a(wb, jk.load(xw + xo + 4, mask=ok, other=0), 0))
+            blk = tok * NB + bc
+            acc = jk.fma(dot.to(jk.f32), d * jk.load(xd + blk), accs[t])
+            if QT != 0:
+                acc = jk.fma(c, jk.load(xs + blk), acc)
+            nxt = nxt + (acc,)
+        accs = nxt
+    orow = n0 + jk.arange(0, R)
+    for t in jk.static_range(BM):
+        # the 4 word accumulators of each lane, then the L lanes, each in an order fixed by its length
+        res = jk.sum(jk.sum(accs[t], axis=2), axis=1)
+        jk.store(y + (t0 + t).to(jk.i64) * N + orow, res, mask=orow < N)
+
+
+_QMV_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+
+
+def _gpu_qmv(q: QType, target) -> bool:
+    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: CUDA targets, the types it has, while
+    the target's tuning.quant_gemv is on (off: the CPU-shaped _qmm_kernel, for A/B)."""
+    return target is not None and target.is_cuda and q.name in _QMV_TYPES and target.tuning.quant_gemv
+
+
+def qmv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
+    """(R, L, BM, num_warps) of `_qmv_gpu_kernel`: L lanes a row (a power of two up to 32, from K alone: it fixes
+    every row's order of operations), R = 32 * warps / L rows a CTA, BM tokens a program (a power of two up to
+    the target's tuning.quant_gemv_tokens that is at most M)."""
+    nb = K // 32
+    L = 4
+    while L < 32 and L * 2 <= nb:
+        L *= 2
+    warps = 4
+    BM = 1
+    cap = target.tuning.quant_gemv_tokens if target is not None else 8
+    while BM * 2 <= min(M, cap):
+        BM *= 2
+    return 32 * warps // L, L, BM, warps
+
+
+def _matmul_qmv(q: QType, w, qx, xd, xs, out, M: int, N: int, K: int, target):
+    R, L, BM, warps = qmv_tiles(q, M, N, K, target)
+    return run(_qmv_gpu_kernel, (-(-N // R), -(-M // BM)),
+               (jk.as_pointer(w, "u16"), jk.as_pointer(w, "u32"), jk.as_pointer(w, "f16"), jk.as_pointer(qx, "i32"),
+                xd, xs, out, M, N), target, K=K, QT=_QMV_TYPES[q.name], RB=row_bytes(q, K), R=R, L=L, BM=BM,
+               num_warps=warps)
 
 
 # ------------------------------------------------------------------------------------------ dequantisation

@@ -355,6 +355,28 @@ class LlvmEmitter:
         m = self.val(f"mul {a.ty} {a.ref}, {b.ref}", a.et, a.n, a.shape)
         return self.val(f"add {a.ty} {m.ref}, {c.ref}", a.et, a.n, a.shape)
 
+    def op_dp4a(self, op):
+        a, b, c = (self.get(o) for o in op.operands)
+        return self.dp4a(a, b, c, op.attrs["a_signed"], op.attrs["b_signed"])
+
+    def dp4a(self, a: LV, b: LV, c: LV, a_signed: bool, b_signed: bool) -> LV:
+        """c + sum over the 4 bytes j of byte_j(a) * byte_j(b): each byte sign- or zero-extended in its i32
+        lane by shifts, then 4 multiplies and adds (exact: |products| <= 2^16). The portable form of PTX dp4a,
+        which the GPU lowering takes where its hooks have it (the same bits)."""
+        def byte(v, j, signed):
+            if signed:
+                t = self.val(f"shl {v.ty} {v.ref}, {self.const(24 - 8 * j, 'i32', v.n).ref}", "i32", v.n, v.shape) \
+                    if j < 3 else v
+                return self.val(f"ashr {v.ty} {t.ref}, {self.const(24, 'i32', v.n).ref}", "i32", v.n, v.shape)
+            t = self.val(f"lshr {v.ty} {v.ref}, {self.const(8 * j, 'i32', v.n).ref}", "i32", v.n, v.shape) \
+                if j else v
+            return self.val(f"and {v.ty} {t.ref}, {self.const(255, 'i32', v.n).ref}", "i32", v.n, v.shape)
+        acc = c
+        for j in range(4):
+            p = self.val(f"mul {a.ty} {byte(a, j, a_signed).ref}, {byte(b, j, b_signed).ref}", "i32", a.n, a.shape)
+            acc = self.val(f"add {a.ty} {acc.ref}, {p.ref}", "i32", a.n, a.shape)
+        return acc
+
     def fmuladd(self, a: LV, b: LV, c: LV) -> LV:
         # llvm.fmuladd, not llvm.fma: on tiers without FMA, llvm.fma becomes a libm call per element.
         name = f"llvm.fmuladd.{self.sfx(a)}"

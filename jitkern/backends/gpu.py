@@ -104,6 +104,10 @@ class GpuHooks:
         and + with integer constants (kept symbolic, folded into each register's address)."""
         raise NotImplementedError
 
+    def dp4a(self, low, a: LV, b: LV, c: LV, a_signed: bool, b_signed: bool):
+        """An LV of jk.dp4a in hardware (a 4-byte integer dot instruction), or None for the emitter's shifts."""
+        return None
+
     has_ldmatrix = False
     # lane shuffles within a warp (shuffle_idx / shuffle_xor): row reductions of warp-owned MMA rows
     has_shuffle = False
@@ -2241,6 +2245,11 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             regs.append(r)
         out = MmaAcc(key, [self.val(f"fadd float {x}, {y}", "float", 0).ref for x, y in zip(*regs)], a.plan)
         return out if self._keep_frag(op.results[0], key) else self._materialise(out)
+
+    def op_dp4a(self, op):
+        a, b, c = (self.get(o) for o in op.operands)
+        r = self.hooks.dp4a(self, a, b, c, op.attrs["a_signed"], op.attrs["b_signed"])
+        return r if r is not None else self.dp4a(a, b, c, op.attrs["a_signed"], op.attrs["b_signed"])
 
     def op_binary(self, op):
         if self._wg_sums and id(op) in self._wg_sums:

@@ -103,6 +103,16 @@ class NvptxHooks(GpuHooks):
             return low.build_vector(parts, "float", x.shape)
         return None
 
+    def dp4a(self, low, a, b, c, a_signed, b_signed):
+        # dp4a.{s32|u32}.{s32|u32} (sm_61+): c + the four byte products, exact, one instruction per lane
+        fn = f"llvm.nvvm.idp4a.{'s' if a_signed else 'u'}.{'s' if b_signed else 'u'}"
+        low.declare(fn, "i32", ["i32", "i32", "i32"])
+        if a.n == 0:
+            return low.val(f"call i32 @{fn}(i32 {a.ref}, i32 {b.ref}, i32 {c.ref})", "i32", 0)
+        parts = [low.val(f"call i32 @{fn}(i32 {low.extract(a, j).ref}, i32 {low.extract(b, j).ref}, "
+                         f"i32 {low.extract(c, j).ref})", "i32", 0) for j in range(a.n)]
+        return low.build_vector(parts, "i32", a.shape)
+
     def round_bf16(self, low, x):
         # fptrunc to bfloat: cvt.rn.bf16x2.f32, two lanes per instruction (sm_80+)
         if self.target.mma not in ("mma.sync", "wgmma", "tcgen05"):
