@@ -75,8 +75,7 @@ class Tuning(CachedHash):
     rope_tiles: bool = True          # rope + KV cache writes of long steps take a token's heads as one tile
     flash_prefill_pipeline: bool = True   # the flash prefill kernel loads the next cache block during the current one
     token_attention: bool = False    # experiment: GPU attention all on token_attention_kernel (the pre-flash path)
-    quant_gemv: bool = True          # CUDA: GGUF q8_0 / q4_0 / q4_1 linears on the GPU-shaped dp4a kernel (off: _qmm_kernel)
-    quant_gemv_tokens: int = 8       # ... tokens a program of it takes (weights loaded once for them)
+    quant_gemv_tokens: int = 8       # CUDA: tokens a program of the GPU-shaped GGUF linear takes (weights loaded once for them)
     # CPU tiers' attention launches (ops/attention.py)
     decode_skip_idle: bool = True    # decode / merge programs without work return at once
     decode_head_split: bool = True   # decode programs per KV head when there are fewer sequences than threads

@@ -34,7 +34,7 @@ follow ggml's plan for the arithmetic:
    Batch invariance: the integer dots are exact and the float operations of an output depend only on the
    tier's step S (`qmm_step`) and K, never on M or the tile, so a row's result is bit-identical alone or in
    any batch (tests/ops/test_quant.py checks it).
-4. On CUDA targets (tuning.quant_gemv) q8_0 / q4_0 / q4_1 run on `_qmv_gpu_kernel` instead, for every M: a CTA's
+4. On CUDA targets q8_0 / q4_0 / q4_1 run on `_qmv_gpu_kernel` instead, for every M: a CTA's
    threads over (row, lane, word), lanes over a row's blocks, the block dots in `jk.dp4a` (PTX dp4a) against the
    activations in the 'natural' layout (16-byte loads), no repeated scales; batch invariant the same way (the
    float operations of an output follow from K alone). See the comment above the kernel.
@@ -1399,9 +1399,9 @@ _QMV_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 
 def _gpu_qmv(q: QType, target) -> bool:
-    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: CUDA targets, the types it has, while
-    the target's tuning.quant_gemv is on (off: the CPU-shaped _qmm_kernel, for A/B)."""
-    return target is not None and target.is_cuda and q.name in _QMV_TYPES and target.tuning.quant_gemv
+    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: CUDA targets, the types it has (it replaced
+    the CPU-shaped _qmm_kernel there, faster at every measured shape: docs/BENCHMARKS.md)."""
+    return target is not None and target.is_cuda and q.name in _QMV_TYPES
 
 
 def qmv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
