@@ -72,7 +72,8 @@ def test_llvm_abort_becomes_compile_error(monkeypatch):
         }}
     """)
     monkeypatch.setenv("JITKERN_ALWAYS_COMPILE", "1")
-    monkeypatch.setattr(compiler, "lower", lambda fn, target: bad.format(name=fn.name))
+    from jitkern.backends import cpu as cpu_backend     # the CPU backend's lowering, which its compile calls
+    monkeypatch.setattr(cpu_backend, "lower_to_llvm", lambda fn, target: bad.format(name=fn.name))
     t = get_target("sse2")
     with pytest.raises(CompileError) as e:
         compiler.compile_kernel(_scale, _SPEC, {"BLOCK": 8}, t, load=False)
