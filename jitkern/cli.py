@@ -193,7 +193,7 @@ def parse_sig(kernel, sig: str, consts: list) -> tuple:
     if extra:
         raise ValueError(f"--sig names unknown parameters: {', '.join(sorted(extra))}")
     if hinted:
-        from .jit import SPEC_HINTS
+        from .args import SPEC_HINTS
         cx[SPEC_HINTS] = tuple((n, 16) for n, _ in params if n in hinted)
     return params, cx
 

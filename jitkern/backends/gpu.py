@@ -38,6 +38,7 @@ from .. import ir
 from ..language import CompilationError
 from .emitter import LV, PT, Aff, LlvmEmitter, _ops_of, _prod, elem_ty, vty
 from .gpu_fragments import FragmentOps, FragV
+from .gpu_lanes import _LaneExpr, _sym
 from .gpu_staging import _ASYNC_BASE, _PIN_BASE, _ROWS_BASE, AsyncTile, Staging
 
 _ES = {"float": 4, "double": 8, "half": 2, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
@@ -197,55 +198,6 @@ _LAZY = object()      # a value left for the dot that consumes it to lower (see 
 PINNED_MMA_UNROLL = 8
 # The lowering's other choices (ldmatrix, wgmma staging, pinning, reductions, ...) are the target's tuning table,
 # targets/tuning.py: self.tuning.
-
-
-class _LaneExpr:
-    """An i32 of the lowering plus a constant (what GpuHooks.mma_layout computes with): shifts, masks,
-    products and quotients emit IR; adding a constant stays symbolic, so registers whose coordinates differ
-    by a constant share one base value."""
-
-    def __init__(self, low, ref: str, off: int = 0):
-        self.low, self.ref, self.off = low, ref, off
-
-    def value(self) -> str:
-        if not self.off:
-            return self.ref
-        return self.low.val(f"add i32 {self.ref}, {self.off}", "i32", 0).ref
-
-    def __add__(self, c):
-        if not isinstance(c, int):
-            return NotImplemented
-        return _LaneExpr(self.low, self.ref, self.off + c)
-
-    __radd__ = __add__
-
-    def _op(self, instr, c):
-        if not isinstance(c, int):
-            return NotImplemented
-        return _LaneExpr(self.low, self.low.val(f"{instr} i32 {self.value()}, {c}", "i32", 0).ref)
-
-    def __rshift__(self, c):
-        return self._op("lshr", c)
-
-    def __lshift__(self, c):
-        return self._op("shl", c)
-
-    def __and__(self, c):
-        return self._op("and", c)
-
-    def __mul__(self, c):
-        return self._op("mul", c)
-
-    def __floordiv__(self, c):
-        return self._op("udiv", c)
-
-    def __mod__(self, c):
-        return self._op("urem", c)
-
-
-def _sym(x):
-    """(symbolic ref or None, constant) of a layout coordinate (a _LaneExpr or an int)."""
-    return (x.ref, x.off) if isinstance(x, _LaneExpr) else (None, int(x))
 
 
 class GpuLowering(FragmentOps, Staging, LlvmEmitter):
@@ -496,7 +448,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         fn = self.fn
         h = self.hooks
         from ..analysis import AxisAnalysis
-        from ..jit import SPEC_HINTS
+        from ..args import SPEC_HINTS
         self.axes = AxisAnalysis(fn, dict(fn.constexprs.get(SPEC_HINTS, ())))
         self.defs = {r.id: op for op in _ops_of(fn.body) for r in op.results}
         self.uses = {}

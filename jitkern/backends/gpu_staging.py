@@ -168,8 +168,8 @@ class Staging:
 
     def _stage_mma_operands(self, plan, a_in_regs=False):
         """Stages a planned dot's A (parts) and B in shared memory as padded rows of k + 8 elements; operands
-        already there (AsyncTile: copied by the target's copy engine) are waited for instead. Returns (A regions, B region,
-        end of what was staged); regions are byte offsets (ints, or i32 refs for async buffers)."""
+        already there (AsyncTile: copied by the target's copy engine) are waited for instead. Returns (A regions,
+        B region, end of what was staged); regions are byte offsets (ints, or i32 refs for async buffers)."""
         m, n, k = plan["m"], plan["n"], plan["k"]
         KP = k + 8
         av, bv = self.vals.get(plan["a"].id), self.vals.get(plan["b"].id)
