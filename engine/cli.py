@@ -115,7 +115,8 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     # Everything a user can get wrong is checked here, before the model loads (seconds) or a kernel compiles.
-    rc = check_settings(PROG, engine=True)
+    from engine.settings import check_environment as check_engine_environment
+    rc = check_settings(PROG, also=(check_engine_environment,))
     if rc is not None:
         return rc
     from engine.sizing import KVPoolTooSmallError, check_gpu_memory_utilization

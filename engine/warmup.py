@@ -46,6 +46,15 @@ def build_kernel_set(model: str | None, device: str = "cpu") -> int:
         raise BuildInputError(str(e)) from e
 
 
+def _check_environment() -> None:
+    from engine.settings import check_environment
+    check_environment()
+
+
+# `jitkern build` runs the kernel set's setting checks with its own, before it compiles anything
+build_kernel_set.check_environment = _check_environment
+
+
 def _drive(eng, lengths: list, max_num_seqs: int, decode_buckets: int = 0) -> int:
     from engine.sampling_params import SamplingParams
     # Under compile-only launches no kernel runs, so sampled ids and logprobs are garbage: keep the

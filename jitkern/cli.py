@@ -43,15 +43,15 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_settings(prog: str, *, engine: bool = False, **what) -> int | None:
-    """jitkern.env.check_environment(**what) (and with `engine`, engine/settings.py's check: commands that run
-    the engine); on a bad JITKERN_* setting prints one line and returns 2."""
+def check_settings(prog: str, *, also=(), **what) -> int | None:
+    """jitkern.env.check_environment(**what), then each of `also` (a client's own checks, e.g. engine/settings.py's
+    for the commands that run the engine: jitkern imports nothing above it); on a bad JITKERN_* setting prints one
+    line and returns 2."""
     from .env import SettingError, check_environment
     try:
         check_environment(**what)
-        if engine:
-            from engine.settings import check_environment as check_engine_environment
-            check_engine_environment()
+        for check in also:
+            check()
     except SettingError as e:
         return _fail(str(e), prog)
     return None
@@ -193,7 +193,7 @@ def parse_sig(kernel, sig: str, consts: list) -> tuple:
     if extra:
         raise ValueError(f"--sig names unknown parameters: {', '.join(sorted(extra))}")
     if hinted:
-        from .jit import SPEC_HINTS
+        from .args import SPEC_HINTS
         cx[SPEC_HINTS] = tuple((n, 16) for n, _ in params if n in hinted)
     return params, cx
 
@@ -384,11 +384,18 @@ def _main(argv) -> int:
     # Settings are checked before any kernel is loaded or compiled. `targets` reports a bad JITKERN_CPU_TIER
     # in its listing; commands that name their --target do not use it; only commands that write check the cache.
     checks = {"targets": dict(tier=False, cache=False),
-              "build": dict(tier=False, engine=True),
+              "build": dict(tier=False),
               "ir": dict(tier=args.cmd == "ir" and args.target is None, cache=False),
               "asm": dict(tier=args.cmd == "asm" and args.target is None),
               "cache": dict(tier=False)}[args.cmd]
-    rc = check_settings(f"jitkern {args.cmd}", **checks)
+    also = ()
+    if args.cmd == "build":
+        # the registered kernel set's own setting checks (the engine's), before anything compiles
+        try:
+            also = tuple(c for c in (getattr(kernel_set(), "check_environment", None),) if c is not None)
+        except LookupError:
+            pass                # (cmd_build reports the missing registration)
+    rc = check_settings(f"jitkern {args.cmd}", also=also, **checks)
     if rc is not None:
         return rc
     from .errors import JitkernError

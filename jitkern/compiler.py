@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from . import ir
 from .backends import backend_of
 from .cache import KernelCache, compiler_source_hash, hash_key
-from .frontend import trace
+from .frontend import Traceable, trace
 
 _lock = threading.RLock()
 _cache = None
@@ -62,8 +62,7 @@ class CompiledKernel:
 
 
 def _constexpr_repr(v) -> str:
-    from .jit import JitFunction
-    if isinstance(v, JitFunction):
+    if isinstance(v, Traceable):
         return f"jit:{v.__qualname__}:{v.cache_key}"
     if isinstance(v, ir.DType):
         return f"dtype:{v.name}"

@@ -28,6 +28,12 @@ _CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.G
            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
 
 
+class Traceable:
+    """The base of what kernels call and the tracer inlines (jit.py's JitFunction, kernels included): the tracer
+    and the compile driver recognise such functions by it without importing jit.py, which builds on them."""
+    __slots__ = ()
+
+
 class _Return(Exception):
     def __init__(self, value):
         self.value = value
@@ -505,7 +511,6 @@ class Tracer:
         return self.expr(node.body) if cond else self.expr(node.orelse)
 
     def expr_Call(self, node):
-        from .jit import JitFunction
         fn = self.expr(node.func)
         if isinstance(fn, constexpr):
             fn = fn.value
@@ -516,7 +521,7 @@ class Tracer:
             else:
                 args.append(self.expr(a))
         kwargs = {k.arg: self.expr(k.value) for k in node.keywords if k.arg is not None}
-        if isinstance(fn, JitFunction):
+        if isinstance(fn, Traceable):
             return self.inline_call(node, fn, args, kwargs)
         if getattr(fn, "_jk_builtin", False):
             return fn(*args, **kwargs)

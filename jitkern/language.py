@@ -505,7 +505,7 @@ def tma(tile, tensor_map, row, col) -> Tile:
     `tensor_map` (an i64: the global address of a 128-byte CUtensorMap, cuTensorMapEncodeTiled) describes the
     same elements, rows past the map's last one and masked-off elements reading zero. Targets with a tensor
     memory accelerator (sm_90+, kernels launched with the `tma` option) may copy the box into shared memory
-    with one bulk copy instead of the loads (backends/gpu_staging.py); everywhere else it is `tile` itself."""
+    with one bulk copy instead of the loads (backends/nvidia/staging.py); everywhere else it is `tile` itself."""
     tile = to_tile(tile)
     if len(tile.shape) != 2:
         _error(f"tma needs a 2-D tile, got shape {tile.shape}")

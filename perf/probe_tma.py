@@ -4,7 +4,7 @@
     python3 perf/probe_tma.py --ptxas-only     # anywhere with ptxas: generate and assemble the kernel only
     python3 perf/probe_tma.py --self-check     # anywhere: the host-side swizzle model against probe_wgmma's
 
-Why: the cp.async linear (backends/gpu_staging.py) has every thread compute and issue 8-byte copies (16 per
+Why: the cp.async linear (backends/nvidia/staging.py) has every thread compute and issue 8-byte copies (16 per
 thread per K step on the (128, 128, 64, 8) tile) and covers one K step of memory latency; on the H200 it stays
 well below cuBLAS at M >= 256. With TMA one thread issues one bulk copy per tile
 and an mbarrier counts the bytes in. What this settles, on fresh random bf16 data (never zeros):
@@ -13,7 +13,7 @@ and an mbarrier counts the bytes in. What this settles, on fresh random bf16 dat
    its address).
 2. The shared-memory image one `cp.async.bulk.tensor.2d` writes, completed through an mbarrier
    (`mbarrier.arrive.expect_tx` + `try_wait.parity`): it must equal probe_wgmma.pack_sw128 of the box, the
-   layout the wgmma linear's staging already uses (GpuLowering._core_elem: row r at r * 128 bytes, 16-byte chunk
+   layout the wgmma linear's staging already uses (nvidia/staging.py _core_elem: row r at r * 128 bytes, 16-byte chunk
    c at chunk c ^ (r % 8), 1024-byte aligned) - then TMA can write the warpgroup MMAs' operands in place.
 3. Boxes past the matrix's last row (a tile's masked tokens) read as zeros (the out-of-bounds fill).
 4. Two boxes on one mbarrier (x and w tiles of one K step) and a second phase of the same barrier (the next

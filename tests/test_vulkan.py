@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _spirv_val():
-    from jitkern.backends.spirv import find_spirv_val
+    from jitkern.runtime.vulkan import find_spirv_val
     return find_spirv_val()
 
 

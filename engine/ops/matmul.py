@@ -561,7 +561,7 @@ GPU_NOSPLIT_MIN_TILES = 200
 GPU_LINEAR_MAXNREG = None
 
 
-# The tensor-core linear's dots run as warpgroup MMAs (sm_90a, `wgmma` launch option; GpuLowering._dot_wgmma) for
+# The tensor-core linear's dots run as warpgroup MMAs (sm_90a, `wgmma` launch option; backends/nvidia/wgmma.py) for
 # tiles of T.tuning.linear_wgmma_min_bm tokens and more where T.tuning.linear_wgmma (targets/tuning.py): a token's
 # row has the same bits as under mma.sync, and the tiles fed by cp.async / TMA run faster on them.
 
@@ -592,7 +592,7 @@ def _mma_regs(T, BM: int = 0, act16: int = 0, serial: bool = False, steps: int =
 
 
 # T.tuning.linear_prefetch = 2: the TMA-fed tiles' K loops load the tiles two steps ahead into three buffers
-# (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/gpu_staging.py), so two steps of MMAs cover the copies'
+# (PREFETCH = 2, num_stages=3: a prefetch-2 chain, backends/nvidia/staging.py), so two steps of MMAs cover the copies'
 # latency instead of one; the same dots in the same order (the last two dots chain in the accumulator registers,
 # gpu.py _keep_frag; wgmma tiles only). On cp.async it was slower, so with T.tuning.linear_tma it applies to TMA
 # launches only (_tma_maps). T.tuning.linear_tma: the wgmma tiles' K loops fed by the tensor memory accelerator (one
@@ -648,7 +648,7 @@ def _tma_maps_for(T, opts: dict, x2, w, M: int, N: int, K: int, ldx: int, BM: in
 
 
 # Tiles of at least this many tokens are launched with num_stages=2: their K loop's x and weight tiles go
-# global -> shared memory by cp.async into two buffers (backends/gpu_staging.py AsyncTile) instead of through
+# global -> shared memory by cp.async into two buffers (backends/nvidia/staging.py) instead of through
 # registers. H200 (BENCHMARKS.md session 9): the (64, 256, 64, 8) tile 1.06-1.12x at M = 64-1024 (128 instead of
 # 176 registers with bf16 x, its buffers sharing shared memory with the C tile: two CTAs an SM); the M = 1 decode
 # tile 0.84-0.95x, so it keeps the register path. Same bits either way (the staged values are the same). 0 = never.

@@ -654,8 +654,8 @@ class LlvmEmitter:
 
     # -------------------------------------------------------------------------------------- memory
     def op_tma(self, op):
-        # jk.tma: the loaded tile itself (GpuLowering copies it by the tensor memory accelerator instead where
-        # its K-loop staging allows, backends/gpu_staging.py)
+        # jk.tma: the loaded tile itself (the NVPTX lowering copies it by the tensor memory accelerator instead where
+        # its K-loop staging allows, backends/nvidia/staging.py)
         return self.get(op.operands[0])
 
     def op_addptr(self, op):

@@ -38,7 +38,8 @@ from .. import ir
 from ..language import CompilationError
 from .emitter import LV, PT, Aff, LlvmEmitter, _ops_of, _prod, elem_ty, vty
 from .gpu_fragments import FragmentOps, FragV
-from .gpu_staging import _ASYNC_BASE, _PIN_BASE, _ROWS_BASE, _TMA_BASE, AsyncTile, Staging
+from .gpu_lanes import _LaneExpr, _sym
+from .gpu_staging import _ASYNC_BASE, _PIN_BASE, _ROWS_BASE, AsyncTile, Staging
 
 _ES = {"float": 4, "double": 8, "half": 2, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
 
@@ -119,9 +120,6 @@ class GpuHooks:
     def shuffle_xor(self, low, v: str, mask: int) -> str:
         """f32 `v` of lane (this lane ^ mask)."""
         raise NotImplementedError
-    # warpgroup MMAs (NVIDIA sm_90a) for dots of kernels launched with the `wgmma` option (GpuLowering._dot_wgmma;
-    # the NVPTX hooks: wgmma_fence, wgmma, wgmma_commit_wait, fence_async_smem, smem_address)
-    has_wgmma = False
 
     def ldmatrix_lanes(self, lane) -> dict:
         """For has_ldmatrix targets: the (row, k) each lane addresses for A's (16, 16) step (4 matrices) and B's
@@ -143,9 +141,9 @@ class GpuHooks:
         """Emits code at the top of the entry block (e.g. parameter values that are not LLVM arguments)."""
 
     def smem_decl(self, low) -> list:
-        """The module-level declaration(s) of shared memory (1024-byte aligned where a swizzled wgmma operand
-        needs its atoms there, GpuLowering._wgmma_swizzled)."""
-        align = 1024 if low._wgmma_swizzled() else 16
+        """The module-level declaration(s) of shared memory (1024-byte aligned where a swizzled operand needs
+        its atoms there, GpuLowering._wg_swizzled)."""
+        align = 1024 if low._wg_swizzled() else 16
         return [f"@__jk_smem = external addrspace({self.smem_as}) global [0 x i8], align {align}"]
 
     # a bulk prefetch of a contiguous run into L2 (jk.prefetch(..., nbytes=); NVIDIA sm_90+)
@@ -154,21 +152,6 @@ class GpuHooks:
     def bulk_prefetch_l2(self, low, ptr: str, nbytes: int, pred: str) -> None:
         """Prefetches `nbytes` (a multiple of 16) from generic pointer `ptr` (16-byte aligned) into L2 where i1
         `pred` holds."""
-        raise NotImplementedError
-
-    has_cp_async = False     # global -> shared copies that run while the thread goes on (cp.async)
-    has_tma = False          # bulk tensor copies by the tensor memory accelerator, completed on mbarriers
-
-    def cp_async(self, low, dst: str, src: str, nbytes: int, src_bytes: str) -> None:
-        """Copies nbytes from global pointer src (a global-space ptr ref) to shared pointer dst, reading
-        src_bytes of them (i32 ref; the rest zero-filled)."""
-        raise NotImplementedError
-
-    def cp_async_commit(self, low) -> None:
-        raise NotImplementedError
-
-    def cp_async_wait(self, low, pending: int) -> None:
-        """Waits until at most `pending` committed copy groups of this thread are still running."""
         raise NotImplementedError
 
     def load(self, low, p, shape, mask, other):
@@ -217,55 +200,6 @@ PINNED_MMA_UNROLL = 8
 # targets/tuning.py: self.tuning.
 
 
-class _LaneExpr:
-    """An i32 of the lowering plus a constant (what GpuHooks.mma_layout computes with): shifts, masks,
-    products and quotients emit IR; adding a constant stays symbolic, so registers whose coordinates differ
-    by a constant share one base value."""
-
-    def __init__(self, low, ref: str, off: int = 0):
-        self.low, self.ref, self.off = low, ref, off
-
-    def value(self) -> str:
-        if not self.off:
-            return self.ref
-        return self.low.val(f"add i32 {self.ref}, {self.off}", "i32", 0).ref
-
-    def __add__(self, c):
-        if not isinstance(c, int):
-            return NotImplemented
-        return _LaneExpr(self.low, self.ref, self.off + c)
-
-    __radd__ = __add__
-
-    def _op(self, instr, c):
-        if not isinstance(c, int):
-            return NotImplemented
-        return _LaneExpr(self.low, self.low.val(f"{instr} i32 {self.value()}, {c}", "i32", 0).ref)
-
-    def __rshift__(self, c):
-        return self._op("lshr", c)
-
-    def __lshift__(self, c):
-        return self._op("shl", c)
-
-    def __and__(self, c):
-        return self._op("and", c)
-
-    def __mul__(self, c):
-        return self._op("mul", c)
-
-    def __floordiv__(self, c):
-        return self._op("udiv", c)
-
-    def __mod__(self, c):
-        return self._op("urem", c)
-
-
-def _sym(x):
-    """(symbolic ref or None, constant) of a layout coordinate (a _LaneExpr or an int)."""
-    return (x.ref, x.off) if isinstance(x, _LaneExpr) else (None, int(x))
-
-
 class GpuLowering(FragmentOps, Staging, LlvmEmitter):
     _flat_override = None           # (shape, flat index LV) while an operand is evaluated in a fragment layout
     _async_live = False             # (see __init__)
@@ -293,12 +227,12 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._async_loads = {}      # id(load) -> (region spec, slot arg or None, first buffer) (_async_analysis)
         self._async_slots = {}      # (id(for), slot) -> async region spec
         self._async_bytes = 0
-        self._async_align = 128     # the async regions' alignment (1024 for swizzled wgmma atoms)
-        self._async_issued = []     # per loop being lowered: cp.async groups committed in this step so far
+        self._async_align = 128     # the async regions' alignment (1024 for swizzled operand atoms)
+        self._async_issued = []     # per loop being lowered: async copy groups committed in this step so far
         self._async_ahead = {}      # value id -> AsyncTile.ahead of a prefetch-2 chain's head (_async_analysis)
         self._async_ahead_now = 0   # the ahead of the last async wait (_async_wait)
         self._wg_sums, self._wg_sum_slots = {}, {}      # (_wg_sum_analysis)
-        self._async_live = False    # from the first cp.async until the last dot reading async buffers
+        self._async_live = False    # from the first async copy until the last dot reading async buffers
         self._row_slots = {}        # id of a (R, 1) broadcast source -> (its (R,) value id, slot byte offset)
         self._row_of = {}           # id of that (R,) value -> slot byte offset
         self._rows_bytes = 0
@@ -312,9 +246,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._pinned = {}           # A value id -> region refs (one per part), while its loop is lowered
         self._pin_frags = {}        # id(dot) -> its pinned A's fragment registers [unit][k step] (PIN_REGS)
         self._async_shared = False  # something claimed shared memory meanwhile
-        self._tma_nbars = 0         # mbarriers of the TMA-fed async regions (placed last: _TMA_BASE)
-        self._tma_absorbed = set()  # id(load) whose tile a TMA copy brings instead (_async_analysis)
-        self._tma_deferred = []     # TMA_PIPE: a loop step's copies, issued after its dot's MMAs (_tma_load)
+        self._absorbed_loads = set()    # id(load) whose tile an async copy brings instead (_async_analysis)
         self.loop_md = []           # loop metadata nodes (emit_loop's unroll limits)
 
     # ------------------------------------------------------------------------------ layout helpers
@@ -516,7 +448,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         fn = self.fn
         h = self.hooks
         from ..analysis import AxisAnalysis
-        from ..jit import SPEC_HINTS
+        from ..args import SPEC_HINTS
         self.axes = AxisAnalysis(fn, dict(fn.constexprs.get(SPEC_HINTS, ())))
         self.defs = {r.id: op for op in _ops_of(fn.body) for r in op.results}
         self.uses = {}
@@ -531,7 +463,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                     self.users.setdefault(o.id, []).append((op, i))
         self._frag_yields = {}      # (id(yield op), slot) -> accumulator layout carried in registers
         self._frag_loops = []       # (iv, lb, step) of the register-accumulator loops being lowered
-        self._wg_regions = None     # id(dot) -> (byte offset, bytes, buffers) of pipelined wgmma operands
+        self._wg_regions = None     # id(dot) -> (byte offset, bytes, buffers) of pipelined warpgroup operands
         self.lazy = set()           # values lowered by the dot that consumes them (see _mma_plan)
         self.mma_plans = {}
         if h.mma_shape:
@@ -568,8 +500,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
                 et = elem_ty(t.elem)
                 v = LV(ref, "i64", 0) if et == "i64" else self.val(f"trunc i64 {ref} to {et}", et, 0)
                 self.vals[prm.value.id] = v
-        if self._tma_nbars:
-            self._tma_init_barriers()
+        self._staging_entry()
         self.lower_block(fn.body)
         self.emit("ret void")
         self.lines[splice_at:splice_at] = self.entry_defs
@@ -593,11 +524,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             self.smem_bytes = base + self._rows_bytes
         if self._pin_bytes:
             self.smem_bytes = max(self.smem_bytes, pin_end)
-        if self._tma_nbars:
-            # the TMA regions' mbarriers, above everything (the C tile may overlap the async buffers, never them)
-            base = -(-self.smem_bytes // 8) * 8
-            self.lines = [ln.replace(_TMA_BASE, str(base)) if ln and _TMA_BASE in ln else ln for ln in self.lines]
-            self.smem_bytes = base + 8 * self._tma_nbars
+        self._staging_layout_end()
         if self.smem_bytes > h.max_smem_bytes:
             raise CompilationError(
                 f"kernel {fn.name} needs {self.smem_bytes} bytes of shared memory for its layout changes, more "
@@ -641,9 +568,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         return r
 
     def op_tma(self, op):
-        hit = self._async_loads.get(id(op)) if self._async_loads else None
-        if hit is not None:
-            return self._tma_load(op, *hit)
+        # the loaded tile itself; a target with bulk tensor copies overrides this (backends/nvidia/staging.py)
         return self.get(op.operands[0])
 
     def op_splat(self, op):
@@ -865,8 +790,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         hit = self._async_loads.get(id(op)) if self._async_loads else None
         if hit is not None:
             return self._async_load(op, *hit)
-        if id(op) in self._tma_absorbed:
-            return None             # its one user, a jk.tma, copies the tile by TMA (_tma_load)
+        if id(op) in self._absorbed_loads:
+            return None             # its one user, a jk.tma, copies the tile instead (the target's op_tma)
         if self.pending_write:
             self.barrier()
         self.pending_read = True
@@ -1252,10 +1177,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         self._frag_loops.append((iv, lb, step))
         self._async_issued.append(0)
         ys = self.lower_block(body)
-        if self._tma_deferred:
-            # (a step whose copies no dot issued: issue them here, after a barrier for the buffers' readers)
-            self.barrier()
-            self._tma_issue_deferred()
+        self._loop_step_end()
         self._async_issued.pop()
         self._frag_loops.pop()
         ys_r = []
@@ -1637,20 +1559,8 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             return None
         plan = dict(a=a_src, split=split, b=b_src, nk=nk, kind=kind, m=m, n=n, k=k, lazy=lazy,
                     acc=len(op.operands) > 2 and op.operands[2] is not None, id=id(op))
-        plan["wg"] = self._wgmma_fits(plan)
+        plan["wg"] = self._wg_fits(plan)
         return plan
-
-    def _wgmma_fits(self, plan) -> bool:
-        """Whether a planned dot runs as warpgroup MMAs (_dot_wgmma): only in kernels launched with the
-        `wgmma` option (a kernel's dots must all give the bits its callers expect, so the kernel opts in as a
-        whole), on targets that have them, for dot(x, trans(w)) with w's rows a whole number of 64-row blocks
-        per warpgroup and 8..256 tokens (x's rows) in steps of 8."""
-        if not self.fn.constexprs.get("wgmma") or not self.hooks.has_wgmma:
-            return False
-        m, n, k = plan["m"], plan["n"], plan["k"]
-        wgs = self.num_warps // 4
-        return (plan["nk"] and self.num_warps % 4 == 0 and n % 64 == 0 and (n // 64) % wgs == 0
-                and m % 8 == 0 and 8 <= m <= 256 and k % 16 == 0)
 
     def _b_trans(self, plan) -> bool:
         """Whether a planned dot's B, a (k, n) tile rather than a folded trans(w), is staged in its own row order
@@ -1735,7 +1645,7 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
         (MmaAcc, see op_for) and the next step's MMAs start from it. Per output element the K steps and the
         hi/lo order are the same whatever m is, so results stay batch invariant."""
         if plan["wg"]:
-            return self._dot_wgmma(op, plan)
+            return self._dot_wg(op, plan)
         m, n, k = plan["m"], plan["n"], plan["k"]
         g = self._mma_geometry(plan)
         fkey = self.frag_keys.get(op.results[0].id)
@@ -1830,247 +1740,38 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             parts = [a]
         return parts
 
-    # ---------------------------------------------------------------------- dot as warpgroup MMAs (sm_90a)
-    def _smem_write_cores(self, x: LV, off: int, shape, dyn=None) -> int:
-        """Writes an (R0, C0) 16-bit tile K-major as wgmma's core matrices without swizzle: 8 rows x 8
-        elements (16 bytes a row) in 128 contiguous bytes, core matrices adjacent along C0 (K) next to each
-        other (128 bytes apart), row blocks of 8 C0 / 8 * 128 bytes apart. Element (r, c) goes to element
-        offset ((r >> 3) * (C0 / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7); a thread's run of V = 4
-        consecutive elements stays inside one core-matrix row (one 8-byte store)."""
-        R0, C0 = shape
-        assert R0 % 8 == 0 and C0 % 8 == 0
-        numel = R0 * C0
-        V = self.vec(shape)
-        flat = self.flat_index(shape)
-        r, c = self._coords(flat, shape)
-        n = flat.n
-        if self._wgmma_swizzled():
-            # 128-byte swizzle: K in atoms of 64 elements; atom a's rows at a * R0 / 8 * 1024 elements * 2 bytes
-            # ... in elements: row r at (r >> 3) * 512 + (r & 7) * 64 of its atom, its 8-element chunk j at chunk
-            # j ^ (r & 7) (the hardware XORs address bits 4-6 with bits 7-9 of 1024-byte aligned atoms)
-            a_ = self.ibin("lshr", c, 6)
-            d = self.ibin("mul", a_, (R0 // 8) * 512)
-            d = self.ibin("add", d, self.ibin("shl", r, 6))
-            j_ = self.ibin("xor", self.ibin("and", self.ibin("lshr", c, 3), 7), self.ibin("and", r, 7))
-            d = self.ibin("add", d, self.ibin("shl", j_, 3))
-            d = self.ibin("add", d, self.ibin("and", c, 7))
-        else:
-            d = self.ibin("add", self.ibin("mul", self.ibin("lshr", r, 3), C0 // 8), self.ibin("lshr", c, 3))
-            d = self.ibin("shl", d, 6)
-            d = self.ibin("add", d, self.ibin("shl", self.ibin("and", r, 7), 3))
-            d = self.ibin("add", d, self.ibin("and", c, 7))
-        scratch = numel                                   # padding lanes write past the tile
-        if numel % (self.T * V) != 0:
-            ok = self.val(f"icmp ult {flat.ty} {flat.ref}, {self.iconst(numel, n).ref}", "i1", n)
-            d = self.val(f"select {ok.ty} {ok.ref}, {d.ty} {d.ref}, {d.ty} {self.iconst(scratch, n).ref}",
-                         "i32", n)
-        a = self.hooks.smem_as
-        base = self.smem_ptr(off)
-        if dyn is not None:
-            base = self.val(f"getelementptr i8, ptr addrspace({a}) {base}, i32 {dyn}", "ptr", 0).ref
-        step = V if V > 1 and C0 % V == 0 and 8 % V == 0 else 1
-        vt = vty(x.et, step) if step > 1 else x.et
-        for j in range(0, n, step):
-            dj = self.extract(d, j)
-            ptr = self.val(f"getelementptr {x.et}, ptr addrspace({a}) {base}, i32 {dj.ref}", "ptr", 0)
-            part = self.shuffle(x, list(range(j, j + step))) if step > 1 else self.extract(x, j)
-            self.emit(f"store {vt} {part.ref}, ptr addrspace({a}) {ptr.ref}, align {step * _ES[x.et]}")
-        return self._claim(off, (numel + V) * _ES[x.et])
+    # ------------------------------------------------------- hook points of target-specific matrix paths
+    # A target with warpgroup MMAs or asynchronous operand copies overrides these in a mixin of its lowering
+    # (backends/nvidia/: NvptxLowering); here every dot runs on the warp-level MMAs with operands staged from
+    # registers, and no tile is copied asynchronously.
+    def _wg_fits(self, plan) -> bool:
+        """Whether a planned dot runs as warpgroup MMAs (_dot_wg)."""
+        return False
 
-    def _wgmma_swizzled(self) -> bool:
-        """Whether this kernel stages its warpgroup-MMA operands 128-byte swizzled (tuning.wgmma_swizzle, and every
-        such dot's K a multiple of 64)."""
-        plans = [p for p in self.mma_plans.values() if p.get("wg")]
-        return self.tuning.wgmma_swizzle == 128 and bool(plans) and all(p["k"] % 64 == 0 for p in plans)
+    def _wg_swizzled(self) -> bool:
+        """Whether this kernel stages its warpgroup-MMA operands swizzled (1024-byte aligned atoms)."""
+        return False
 
-    def _dot_wgmma(self, op, plan) -> LV:
-        """dot(x, trans(w)) as warpgroup MMAs with the operands' roles swapped ("swap AB"): w's (n, k) rows
-        are wgmma's A (64-row blocks, one warpgroup each in turn), x's m rows (tokens) its B (N = m), both
-        staged K-major as core matrices; f32 x as hi + lo parts in separate accumulators, as the mma.sync path
-        does. Per output the K steps run in order as chains of m64nNk16 MMAs whatever the tile, so a
-        token's result should not depend on the others (to be verified on the GPU: perf/probe_wgmma.py).
-        tuning.wgmma_pipe: operands in this dot's own buffers (two inside a register-accumulator loop, by iteration
-        parity), a wait for all but the latest group before staging, and no wait after the MMAs while the
-        accumulator stays in registers (its consumers wait: _materialise, the next dot)."""
-        m, n, k = plan["m"], plan["n"], plan["k"]
-        g = self._mma_geometry(plan)
-        acc_op, acc_val, frag_in = self._frag_acc_in(op, g)
-        pipe = self.tuning.wgmma_pipe
-        regs_in = frag_in.regs if frag_in is not None else None
-        if pipe and regs_in is not None:
-            # the group that last read the buffer staged next has finished (only the latest may still run)
-            regs_in = self.hooks.wgmma_wait(self, 1, regs_in)
-        elif pipe:
-            self.hooks.wgmma_wait(self, 1, [])
-        av, bv = self.vals.get(plan["a"].id), self.vals.get(plan["b"].id)
-        if isinstance(av, AsyncTile) or isinstance(bv, AsyncTile):
-            return self._dot_wgmma_async(op, plan, g, acc_op, acc_val, frag_in, regs_in, av, bv)
-        a = self.get(plan["a"])
-        parts = self._a_parts(a, plan)
-        b = self.get(plan["b"])
-        self.barrier()
-        al = 1024 if self._wgmma_swizzled() else 128      # swizzle atoms must sit at 1024-byte addresses
-        base, dyn = 0, None
-        if pipe:
-            base, size, nbuf = self._wg_region(op, plan, al)
-            if nbuf == 2 and self._frag_loops:
-                iv, lb, step = self._frag_loops[-1]
-                t = lb.et
-                d_ = self.val(f"sub {t} {iv}, {lb.ref}", t, 0)
-                d_ = self.val(f"sdiv {t} {d_.ref}, {step.ref}", t, 0)
-                d_ = self.val(f"and {t} {d_.ref}, 1", t, 0)
-                if t != "i32":
-                    d_ = self.val(f"trunc {t} {d_.ref} to i32", "i32", 0)
-                dyn = self.val(f"mul i32 {d_.ref}, {size}", "i32", 0).ref
-        off, offs_a = base, []
-        for p in parts:
-            offs_a.append(off)
-            off = -(-self._smem_write_cores(LV(p.ref, p.et, p.n, (m, k)), off, (m, k), dyn) // al) * al
-        offb = off
-        off = -(-self._smem_write_cores(LV(b.ref, b.et, b.n, (n, k)), offb, (n, k), dyn) // al) * al
-        offc = self._wg_c_offset(al) if pipe else off
-        self._claim(offc, g["csize"])
-        self.hooks.fence_async_smem(self)
-        self.barrier()
-        regs = self._wgmma_run(plan, g, offs_a, offb, regs_in, dyn)
-        keep = (acc_op is None or frag_in is not None) and self._keep_frag(op.result, g["key"])
-        if keep and pipe:
-            return MmaAcc(g["key"], self.hooks.wgmma_commit(self, regs), plan)
-        regs = self.hooks.wgmma_commit_wait(self, regs)
-        if keep:
-            return MmaAcc(g["key"], regs, plan)
-        if pipe:
-            self.barrier()          # every warpgroup's MMAs are done before any writes the C region
-        self._wgmma_store(plan, g, regs, offc)
-        self.barrier()
-        return self._add_tile_acc(self._tile_read_back(offc, (m, n)), acc_op, acc_val, frag_in, (m, n))
+    def _dot_wg(self, op, plan) -> LV:
+        raise CompilationError(f"internal: no warpgroup MMAs on {self.target.name}")
 
-    def _wg_region(self, op, plan, al) -> tuple:
-        """(byte offset, bytes of one buffer, buffers) of a pipelined wgmma dot's operand buffers: every such
-        dot of the kernel has its own (two for a dot inside a loop), laid out once in program order, so no
-        dot stages over operands a still-running group of another dot reads."""
-        if self._wg_regions is None:
-            self._wg_regions = {}
-            off = 0
+    def _materialise_wg(self, acc: "MmaAcc", plan, g) -> LV:
+        raise CompilationError(f"internal: no warpgroup MMAs on {self.target.name}")
 
-            def walk(block, in_loop):
-                nonlocal off
-                for o in block.ops:
-                    pl = self.mma_plans.get(id(o))
-                    if o.name == "dot" and pl is not None and pl.get("wg"):
-                        parts = 2 if pl["split"] else 1
-                        # (+ 16 bytes: padding lanes of _smem_write_cores store just past each operand)
-                        sz = parts * (-(-(pl["m"] * pl["k"] * 2 + 16) // al) * al) \
-                            + -(-(pl["n"] * pl["k"] * 2 + 16) // al) * al
-                        nb = 2 if in_loop else 1
-                        self._wg_regions[id(o)] = (off, sz, nb)
-                        off += sz * nb
-                    for r in o.regions:
-                        walk(r, in_loop or o.name == "for")
-            walk(self.fn.body, False)
-            self._wg_end = off
-        return self._wg_regions[id(op)]
+    def _wg_sum_analysis(self) -> None:
+        """Sums of warpgroup-MMA accumulators kept in their registers (_wg_sums, _wg_sum_slots): none here."""
 
-    def _wg_c_offset(self, al) -> int:
-        """The C (result) region of pipelined wgmma dots: past every operand buffer."""
-        return -(-self._wg_end // al) * al
+    def _async_analysis(self) -> None:
+        """K-loop slots whose tiles an asynchronous copy brings (AsyncTile, _async_loads): none here."""
 
-    def _warpgroup_ids(self) -> tuple:
-        """(warp, lane, warpgroup, warp within the warpgroup) of this thread, as i32 refs."""
-        ws = self.target.warp_size
-        warp = self.val(f"udiv i32 {self.tid}, {ws}", "i32", 0).ref
-        lane = self.val(f"urem i32 {self.tid}, {ws}", "i32", 0).ref
-        wg = self.val(f"udiv i32 {warp}, 4", "i32", 0).ref
-        q = self.val(f"urem i32 {warp}, 4", "i32", 0).ref
-        return warp, lane, wg, q
+    def _staging_entry(self) -> None:
+        """Set-up at the kernel's entry for the asynchronous copies (after the parameters)."""
 
-    def _wgmma_run(self, plan, g, offs_a, offb, init, dyn=None) -> list:
-        """The K steps of one staged dot (not yet committed): registers [block][part][m / 2], from `init` or
-        0.0; dyn: an i32 byte offset added to the staged regions' addresses (a pipelined dot's buffer)."""
-        m, k = plan["m"], plan["k"]
-        kind = "bf16" if plan["kind"] == ir.bf16 else "f16"
-        nr = m // 2
-        regs = list(init) if init is not None else ["0.0"] * g["nregs"]
-        wg = self._warpgroup_ids()[2]
-        smem = self.hooks.smem_address(self)
-        row_block = 8 * (k // 8) * 128              # bytes of one 64-row block of w
-        sw = self._wgmma_swizzled()
-        if sw:
-            # 128-byte swizzle (mode 1, bits 62-63): stride byte offset 1024 (8-row groups), leading byte
-            # offset unused (1); K step s starts (s % 4) * 32 bytes into atom s // 4
-            cdesc = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
-        else:
-            # no swizzle: leading byte offset (core matrices adjacent in K) 128, stride byte offset (adjacent
-            # 8-row groups) k / 8 * 128, base offset 0
-            cdesc = ((128 >> 4) << 16) | (((k // 8) * 128 >> 4) << 32)
+    def _staging_layout_end(self) -> None:
+        """Places what the asynchronous copies keep above the rest of shared memory, once it is laid out."""
 
-        def kstep(rows, s_):
-            """Byte offset of K step s_ in an operand region of `rows` rows."""
-            return (s_ // 4) * (rows // 8) * 1024 + (s_ % 4) * 32 if sw else s_ * 256
-
-        def desc(byte_ref):
-            a_ = self.val(f"lshr i32 {byte_ref}, 4", "i32", 0)
-            a_ = self.val(f"and i32 {a_.ref}, 16383", "i32", 0)
-            w_ = self.val(f"zext i32 {a_.ref} to i64", "i64", 0)
-            return self.val(f"or i64 {w_.ref}, {cdesc}", "i64", 0).ref
-
-        n = plan["n"]
-        wbase = self.val(f"mul i32 {wg}, {g['per_wg'] * (8 * 1024 if sw else row_block)}", "i32", 0)
-        wbase = self.val(f"add i32 {wbase.ref}, {smem}", "i32", 0).ref
-        if dyn is not None:
-            smem = self.val(f"add i32 {smem}, {dyn}", "i32", 0).ref
-            wbase = self.val(f"add i32 {wbase}, {dyn}", "i32", 0).ref
-        regs = self.hooks.wgmma_fence(self, regs)
-        for s_ in range(k // 16):
-            for blk in range(g["per_wg"]):
-                # (swizzled: w's 64-row blocks are 8 row groups of 1024 bytes in each K atom, so a block's
-                # atom-0 rows start blk * 8 KiB in and its K step adds the atom's n / 8 * 1024 stride)
-                wblk = blk * 8 * 1024 if sw else blk * row_block
-                if isinstance(offb, str):       # (a cp.async buffer: a run-time offset)
-                    wa = self.val(f"add i32 {wbase}, {offb}", "i32", 0).ref
-                    wa = self.val(f"add i32 {wa}, {wblk + kstep(n, s_)}", "i32", 0).ref
-                else:
-                    wa = self.val(f"add i32 {wbase}, {offb + wblk + kstep(n, s_)}", "i32", 0).ref
-                da = desc(wa)
-                for pi, pa in enumerate(offs_a):
-                    if isinstance(pa, str):
-                        xa = self.val(f"add i32 {smem}, {pa}", "i32", 0).ref
-                        xa = self.val(f"add i32 {xa}, {kstep(m, s_)}", "i32", 0).ref
-                    else:
-                        xa = self.val(f"add i32 {smem}, {pa + kstep(m, s_)}", "i32", 0).ref
-                    base = (blk * len(offs_a) + pi) * nr
-                    regs[base:base + nr] = self.hooks.wgmma(self, kind, m, da, desc(xa), regs[base:base + nr])
-        return regs
-
-    def _wgmma_store(self, plan, g, regs, offc) -> None:
-        """Accumulators to the (m, n) f32 tile at byte offset offc, parts summed in order (hi + lo). m64nNk16
-        register i of a lane of warp q of the warpgroup: w row 16 q + lane / 4 + 8 ((i % 4) / 2) of its block,
-        token 8 (i / 4) + 2 (lane % 4) + i % 2 (the mma.sync C fragment of each 8-token column block)."""
-        m, n = plan["m"], plan["n"]
-        nr = m // 2
-        nparts = g["nparts"]
-        _, lane, wg, q = self._warpgroup_ids()
-        row0 = self.val(f"mul i32 {q}, 16", "i32", 0).ref
-        g4 = self.val(f"udiv i32 {lane}, 4", "i32", 0).ref
-        row0 = self.val(f"add i32 {row0}, {g4}", "i32", 0).ref
-        blk0 = self.val(f"mul i32 {wg}, {g['per_wg'] * 64}", "i32", 0).ref
-        row0 = self.val(f"add i32 {row0}, {blk0}", "i32", 0).ref
-        t4 = self.val(f"urem i32 {lane}, 4", "i32", 0).ref
-        tok0 = self.val(f"mul i32 {t4}, 2", "i32", 0).ref
-        # element (token, row) at token * n + row: this thread's base tok0 * n + row0, constants per register
-        e0 = self.val(f"mul i32 {tok0}, {n}", "i32", 0).ref
-        e0 = self.val(f"add i32 {e0}, {row0}", "i32", 0).ref
-        base_c = self.smem_ptr(offc)
-        a3 = self.hooks.smem_as
-        p0 = self.val(f"getelementptr float, ptr addrspace({a3}) {base_c}, i32 {e0}", "ptr", 0).ref
-        for blk in range(g["per_wg"]):
-            for i in range(nr):
-                v = regs[(blk * nparts) * nr + i]
-                for pi in range(1, nparts):
-                    v = self.val(f"fadd float {v}, {regs[(blk * nparts + pi) * nr + i]}", "float", 0).ref
-                const = (8 * (i // 4) + i % 2) * n + blk * 64 + 8 * ((i % 4) // 2)
-                ptr = self.val(f"getelementptr float, ptr addrspace({a3}) {p0}, i32 {const}", "ptr", 0).ref
-                self.emit(f"store float {v}, ptr addrspace({a3}) {ptr}, align 4")
+    def _loop_step_end(self) -> None:
+        """At the end of a loop step's body: copies of the step still to issue."""
 
     def _tile_read_back(self, offc, oshape) -> LV:
         m, n = oshape
@@ -2170,110 +1871,17 @@ class GpuLowering(FragmentOps, Staging, LlvmEmitter):
             return False
         return True
 
-    def _wg_sum_analysis(self) -> None:
-        """Sums of warpgroup-MMA accumulators kept in their registers (the serial split's running sum of slab
-        results, _mma_serial_chain): an f32 add whose operands are both, in one layout, a wgmma dot's result,
-        a K loop's register accumulator (_frag_slots) or such a sum; and loop slots that carry such a sum
-        (initialised to a constant, used once by the add, which is yielded back to the slot). They are added
-        register by register, which is the tile's elementwise add, with no C tile in shared memory (whose
-        region could not share the copy buffers while the next slab's copies are in flight)."""
-        self._wg_sums, self._wg_sum_slots = {}, {}
-        if not self.tuning.wg_sums or not any(p["wg"] for p in self.mma_plans.values()):
-            return
-
-        def acc_of(v):
-            """(layout key, plan) of a value the MMA registers can hold: a wgmma dot's result or a K loop's
-            register accumulator (its loop result)."""
-            d = self.defs.get(v.id)
-            if d is None:
-                return None
-            if d.name == "dot":
-                plan = self.mma_plans.get(id(d))
-                if plan is not None and plan["wg"] and not plan["split"]:
-                    return self._mma_geometry(plan)["key"], plan
-            elif d.name == "for":
-                j = next(i for i, r in enumerate(d.results) if r.id == v.id)
-                fs = self._frag_slots(d)
-                if j in fs and fs[j][1]["wg"]:
-                    return fs[j]
-            return None
-
-        def is_add(op):
-            return op.name == "binary" and op.attrs.get("op") == "add" and op.results[0].type.elem == ir.f32 \
-                and len(op.results[0].type.shape) == 2
-
-        sums = {}                       # id(value) -> (key, plan): values held as register sums
-        for loop, body, yop in self._loops():
-            for j, arg in enumerate(body.args[1:]):
-                d = self.defs.get(loop.operands[3 + j].id)
-                if d is not None and d.name == "splat":
-                    d = self.defs.get(d.operands[0].id)
-                us = self.users.get(arg.id, [])
-                if d is None or d.name != "const" or len(us) != 1 or not is_add(us[0][0]) \
-                        or not any(o is us[0][0] for o in body.ops):
-                    continue
-                add, idx = us[0]
-                other = acc_of(add.operands[1 - idx])
-                if other is None or self.users.get(add.results[0].id) != [(yop, j)]:
-                    continue
-                self._wg_sum_slots[(id(loop), j)] = (other[0], other[1], float(d.attrs["value"]))
-                self._wg_sums[id(add)] = other[0]
-                self._frag_yields[(id(yop), j)] = other[0]
-                sums[loop.results[j].id] = other
-        for op in _ops_of(self.fn.body):
-            if not is_add(op) or id(op) in self._wg_sums:
-                continue
-            ks = [sums.get(o.id) or acc_of(o) for o in op.operands]
-            if ks[0] is not None and ks[1] is not None and ks[0][0] == ks[1][0]:
-                self._wg_sums[id(op)] = ks[0][0]
-                sums[op.results[0].id] = ks[0]
-
-    def _wg_sum(self, op):
-        """A _wg_sum_analysis add: the two accumulators' registers added one by one (each waited for first if
-        its MMAs may still run); kept in registers where its users take that, else a tile value."""
-        key = self._wg_sums[id(op)]
-        a, b = (self.vals.get(o.id) for o in op.operands)
-        if not (isinstance(a, MmaAcc) and isinstance(b, MmaAcc) and a.key == key and b.key == key
-                and len(a.regs) == len(b.regs)):
-            subs = {o.id: self._materialise(v) for o, v in zip(op.operands, (a, b)) if isinstance(v, MmaAcc)}
-            return self._lower_with(op, subs)
-        regs = []
-        for acc in (a, b):
-            r = acc.regs
-            if self.tuning.wgmma_pipe or acc.plan.get("in_flight"):
-                r = self.hooks.wgmma_wait(self, 0, r)       # (its last group was committed, not waited)
-            regs.append(r)
-        out = MmaAcc(key, [self.val(f"fadd float {x}, {y}", "float", 0).ref for x, y in zip(*regs)], a.plan)
-        return out if self._keep_frag(op.results[0], key) else self._materialise(out)
-
     def op_dp4a(self, op):
         a, b, c = (self.get(o) for o in op.operands)
         r = self.hooks.dp4a(self, a, b, c, op.attrs["a_signed"], op.attrs["b_signed"])
         return r if r is not None else self.dp4a(a, b, c, op.attrs["a_signed"], op.attrs["b_signed"])
-
-    def op_binary(self, op):
-        if self._wg_sums and id(op) in self._wg_sums:
-            return self._wg_sum(op)
-        return super().op_binary(op)
 
     def _materialise(self, acc: "MmaAcc") -> LV:
         """An accumulator held in MMA registers as the tile layout's value (through shared memory)."""
         plan = acc.plan
         g = self._mma_geometry(plan)
         if plan["wg"]:
-            regs = acc.regs
-            if self.tuning.wgmma_pipe or plan.get("in_flight"):
-                regs = self.hooks.wgmma_wait(self, 0, regs)     # (its last group was committed, not waited)
-            if self._async_live and not self._async_issued and not self._async_ahead_now:
-                # outside every loop, and the last async wait was after the last copy and had none of its
-                # chain still coming: no copy is in flight and (after the barrier below) no MMA reads the
-                # buffers, so the C tile may overlap them (the register sums of _wg_sum_analysis end here)
-                self._async_live = False
-            self.barrier()
-            self._claim(0, g["csize"])
-            self._wgmma_store(plan, g, regs, 0)
-            self.barrier()
-            return self._tile_read_back(0, (plan["m"], plan["n"]))
+            return self._materialise_wg(acc, plan, g)
         ctx = self._mma_ctx(plan, g, plan["k"] + 8, None, None)
         self.barrier()
         self._claim(0, g["csize"])

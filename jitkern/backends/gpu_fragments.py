@@ -14,6 +14,7 @@ from __future__ import annotations
 from .. import ir
 from ..language import CompilationError
 from .emitter import LV, _ops_of, _prod, vty
+from .gpu_lanes import _LaneExpr, _sym
 from .gpu_staging import _ROWS_BASE
 
 
@@ -573,7 +574,6 @@ class FragmentOps:
 
     def _row_flat(self, key) -> LV:
         """i32 lanes of row layout `key`: the row each lane holds ([row tile of the warp][class] order)."""
-        from .gpu import _LaneExpr, _sym
         MS = self.hooks.mma_shape[0]
         ws = self.target.warp_size
         mtw, H, rep = self._row_geom(key)

@@ -18,6 +18,8 @@ from .cpu import LV, elem_ty
 from .emitter import vty
 from .base import GpuBackend
 from .gpu import GpuHooks, GpuLowering
+from .nvidia.staging import AsyncCopies
+from .nvidia.wgmma import WarpgroupMma
 
 
 class NvptxHooks(GpuHooks):
@@ -136,7 +138,7 @@ class NvptxHooks(GpuHooks):
         return [low.val(f"extractvalue {{ float, float, float, float }} {res.ref}, {j}", "float", 0).ref
                 for j in range(4)]
 
-    # ---- wgmma (sm_90a): warpgroup MMAs on operands in shared memory (GpuLowering._dot_wgmma). LLVM 22 has
+    # ---- wgmma (sm_90a): warpgroup MMAs on operands in shared memory (nvidia/wgmma.py). LLVM 22 has
     # intrinsics for the fence / commit / wait only, so all four are inline PTX: the fence and the wait take
     # the accumulators as tied operands, so LLVM cannot move any use of them between an MMA and its wait
     # (the MMA writes them asynchronously), and every statement clobbers memory, so none moves across the
@@ -187,12 +189,14 @@ class NvptxHooks(GpuHooks):
         write (tied, so no use of them moves above the wait)."""
         return self._tied_asm(low, f"wgmma.wait_group.sync.aligned {pending};", regs)
 
-    # ---- cp.async (sm_80+): global -> shared copies that run asynchronously (GpuLowering AsyncTile)
+    # ---- cp.async (sm_80+): global -> shared copies that run asynchronously (nvidia/staging.py)
     @property
     def has_cp_async(self):
         return self.target.async_copy in ("cp.async", "tma")
 
     def cp_async(self, low, dst: str, src: str, nbytes: int, src_bytes: str) -> None:
+        """Copies nbytes from global pointer src (a global-space ptr ref) to shared pointer dst, reading
+        src_bytes of them (i32 ref; the rest zero-filled)."""
         kind = "cg" if nbytes == 16 else "ca"           # .cg (L2 only) exists for 16-byte copies only
         name = f"llvm.nvvm.cp.async.{kind}.shared.global.{nbytes}.s"
         low.declare(name, "void", [f"ptr addrspace({self.smem_as})", f"ptr addrspace({self.global_as})", "i32"])
@@ -204,10 +208,11 @@ class NvptxHooks(GpuHooks):
         low.emit("call void @llvm.nvvm.cp.async.commit.group()")
 
     def cp_async_wait(self, low, pending: int) -> None:
+        """Waits until at most `pending` committed copy groups of this thread are still running."""
         low.declare("llvm.nvvm.cp.async.wait.group", "void", ["i32 immarg"])
         low.emit(f"call void @llvm.nvvm.cp.async.wait.group(i32 {pending})")
 
-    # ---- TMA (sm_90+): bulk tensor copies global -> shared (GpuLowering._tma_load). Inline PTX, as the probe
+    # ---- TMA (sm_90+): bulk tensor copies global -> shared (nvidia/staging.py _tma_load). Inline PTX, as the probe
     # that checked the layout (perf/probe_tma.py) ran it: thread 0 arms a buffer's mbarrier with the bytes to
     # come and issues the copies; every thread spins on try_wait.parity. Every statement clobbers memory, so
     # none moves across the staging, the MMAs and the barriers around it.
@@ -349,9 +354,19 @@ class NvptxHooks(GpuHooks):
         return True
 
 
+class NvptxLowering(WarpgroupMma, AsyncCopies, GpuLowering):
+    """The shared GPU lowering with NVIDIA's own matrix paths: warpgroup MMAs and cp.async / TMA operand copies
+    (backends/nvidia/), behind GpuLowering's hook points."""
+
+    def __init__(self, fn, target, hooks):
+        super().__init__(fn, target, hooks)
+        self._tma_nbars = 0         # mbarriers of the TMA-fed async regions (placed last: _TMA_BASE)
+        self._tma_deferred = []     # TMA_PIPE: a loop step's copies, issued after its dot's MMAs (_tma_load)
+
+
 def lower_to_nvptx(fn, target) -> tuple[str, dict]:
     """(LLVM IR text, launch metadata) for one kernel."""
-    low = GpuLowering(fn, target, NvptxHooks(target))
+    low = NvptxLowering(fn, target, NvptxHooks(target))
     text = low.lower()
     return text, {"num_threads": low.T, "shared_bytes": low.smem_bytes}
 

@@ -25,11 +25,7 @@ Launch metadata: threads per workgroup, shared bytes, the slot count and the poi
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 
 from ..errors import CompileError
 from ..language import CompilationError
@@ -544,23 +540,7 @@ def finish_module(spv: bytes) -> bytes:
     return strip_int8_capability(decorate_no_contraction(fix_barrier_semantics(spv)))
 
 
-def find_spirv_val():
-    return os.environ.get("JITKERN_SPIRV_VAL") or shutil.which("spirv-val")
-
-
-def spirv_validate(spv: bytes, env: str = "vulkan1.2") -> str | None:
-    """spirv-val's complaint about a module, None if it is valid; raises CompileError without spirv-val."""
-    tool = find_spirv_val()
-    if tool is None:
-        raise CompileError("spirv-val not found (Debian: apt-get install spirv-tools)", target="vulkan")
-    with tempfile.NamedTemporaryFile(suffix=".spv") as f:
-        f.write(spv)
-        f.flush()
-        r = subprocess.run([tool, "--target-env", env, f.name], capture_output=True, text=True, timeout=120)
-    return None if r.returncode == 0 else (r.stderr or r.stdout).strip()
-
-
-__all__ = ["SpirvHooks", "lower_to_spirv", "compile_module", "duplicate_result_ids", "strip_int8_capability", "fix_barrier_semantics", "finish_module", "spirv_validate", "find_spirv_val"]
+__all__ = ["SpirvHooks", "lower_to_spirv", "compile_module", "duplicate_result_ids", "strip_int8_capability", "fix_barrier_semantics", "finish_module"]
 
 
 # ------------------------------------------------------------------------------------------ backend

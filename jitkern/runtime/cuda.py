@@ -20,9 +20,10 @@ import weakref
 import numpy as np
 
 from ..errors import JitkernError
+from . import device as _device_module
 from .device import (Device, DeviceArray, LoadedKernel, StreamDevice, StreamGraph, _Allocation, _as_dtype,  # noqa: F401
-                     _capturing, _deferred_frees, _flush_deferred_frees, is_device_array, np_dtype_of, pack_slots,
-                     to_device)
+                     _capturing, _deferred_frees, _flush_deferred_frees, has_host_arrays, is_device_array, np_dtype_of,
+                     pack_slots, run_staged, to_device)
 
 
 class CudaError(JitkernError):
@@ -176,6 +177,10 @@ def get_device(ordinal: int = 0) -> CudaDevice:
     return d
 
 
+# arrays made without a device are CUDA device 0's (looked up at each call: a stand-in device answers)
+_device_module.default_device = lambda: get_device()
+
+
 class HostMemoryDevice(Device):
     """A stand-in CUDA device whose memory is host memory and whose target is `target`: `jitkern build
     --target sm_XX` runs the engine's CUDA path on it under compile-only launches, so the cache gets exactly
@@ -327,11 +332,10 @@ def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
     it. Host (numpy) arguments are staged through device memory (run_staged): a convenience for tests and
     one-off calls that keeps the op wrappers' numpy interface; the engine passes DeviceArrays."""
     from . import gpu_profile
-    from .launch import has_host_arrays, resolve_launch, run_staged
     if has_host_arrays(args):
         return run_staged(get_device(), args,
                           lambda dargs: launch_args(kernel, grid, dargs, kwargs, target, jk_graph))
-    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    ck, values, g = kernel.resolve_launch(grid, args, kwargs, target)
     if g is None:
         return ck
     dev = get_device()

@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from .. import ir
+from ..args import _NP_TO_DTYPE, Pointer
 
 
 class Device:
@@ -216,11 +217,17 @@ class StreamGraph:
         raise NotImplementedError
 
 
+# The device of arrays made without one, a function: runtime/cuda.py installs its get_device (CUDA device 0, looked
+# up at each call so that a stand-in device answers) when it is imported, so that this base module, which the
+# CUDA runtime builds on, does not import it back; jitkern.runtime.cuda is where such arrays are made.
+default_device = None
+
+
 def _default_device():
-    """The device of arrays made without one: CUDA device 0 (runtime/cuda.py's get_device, looked up at
-    each call so that a stand-in device answers)."""
-    from . import cuda
-    return cuda.get_device()
+    if default_device is None:
+        raise RuntimeError("a device array made without a device before the CUDA runtime was imported: pass "
+                           "device=, or make it through jitkern.runtime.cuda")
+    return default_device()
 
 
 # ---------------------------------------------------------------------------------------- arrays
@@ -320,7 +327,6 @@ class DeviceArray:
     @classmethod
     def from_numpy(cls, host: np.ndarray, dtype=None, device: Device | None = None) -> "DeviceArray":
         """Uploads `host`; `dtype` reinterprets its bytes (e.g. uint16 storage as bf16)."""
-        from ..jit import _NP_TO_DTYPE
         host = np.ascontiguousarray(host)
         if dtype is not None:
             d = _as_dtype(dtype)
@@ -516,7 +522,6 @@ def _as_dtype(d) -> ir.DType:
         return d
     if isinstance(d, str) and d in ir.DTYPES:
         return ir.DTYPES[d]
-    from ..jit import _NP_TO_DTYPE
     try:
         return _NP_TO_DTYPE[np.dtype(d)]
     except (KeyError, TypeError):
@@ -561,3 +566,46 @@ def pack_slots(values) -> np.ndarray:
             raise TypeError(f"cannot pass {type(v).__name__} to a GPU kernel")
     return slots
 
+
+# ------------------------------------------------------------------------- host arrays in a GPU launch
+def has_host_arrays(args) -> bool:
+    """Whether a GPU launch was given host (numpy / Pointer) arguments: its runtime stages them (run_staged)."""
+    return any(isinstance(a, (np.ndarray, Pointer)) for a in args)
+
+
+def run_staged(dev, args, run, what: str = "a GPU launch", error=TypeError):
+    """Host (numpy / Pointer-over-numpy) arguments through device memory: each distinct root buffer goes to
+    `dev` whole (views keep their offsets and strides, aliasing between arguments stays), `run(device_args)`
+    launches, and every writeable buffer comes back (a kernel may write any of them). Returns run's result.
+    Shared by the GPU runtimes' staged launches."""
+    staged, dargs = {}, []
+
+    def stage(arr: np.ndarray, address: int, dtype, shape):
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not root.flags.c_contiguous:
+            root = arr = np.ascontiguousarray(arr)
+            address = arr.ctypes.data
+        key = id(root)
+        if key not in staged:
+            staged[key] = (root, DeviceArray.from_numpy(root.reshape(-1).view(np.uint8), device=dev))
+        d = staged[key][1]
+        return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
+
+    for a in args:
+        if isinstance(a, Pointer):
+            host = a.keepalive
+            if not isinstance(host, np.ndarray):
+                raise error(f"{what} cannot take a raw host Pointer; pass a DeviceArray")
+            dargs.append(stage(host, a.address, a.dtype, (host.nbytes // a.dtype.itemsize,)))
+        elif isinstance(a, np.ndarray):
+            dargs.append(stage(a, a.ctypes.data, _NP_TO_DTYPE[a.dtype], a.shape))
+        else:
+            dargs.append(a)
+    out = run(dargs)
+    dev.synchronize()
+    for root, d in staged.values():
+        if root.flags.writeable:
+            root.reshape(-1).view(np.uint8)[...] = d.numpy()
+    return out

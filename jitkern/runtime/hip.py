@@ -31,7 +31,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import JitkernError
-from .device import DeviceArray, LoadedKernel, StreamDevice, StreamGraph, pack_slots  # noqa: F401
+from .device import (DeviceArray, LoadedKernel, StreamDevice, StreamGraph, has_host_arrays,  # noqa: F401
+                     pack_slots, run_staged)
 
 
 class HipError(JitkernError):
@@ -253,9 +254,8 @@ def launch(kernel, grid, *args, target=None, **kwargs):
 
 
 def _launch_staged(kernel, grid, args, kwargs, target, jk_graph):
-    """numpy arguments: copied in whole, the kernel runs, copied back (launch.run_staged). Not inside a
+    """numpy arguments: copied in whole, the kernel runs, copied back (device.py run_staged). Not inside a
     capture: a replay would not copy anything."""
-    from .launch import run_staged
     if jk_graph is not None or getattr(_capture, "graph", None) is not None:
         raise HipError(f"{kernel.__name__}: numpy arguments cannot be captured (a staged copy per launch is "
                        f"not replayable); upload them with jitkern.runtime.hip.to_device")
@@ -267,11 +267,10 @@ def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
     """One launch on the AMD GPU. `jk_graph`: the `jk.capture()` graph active on this thread, if any: its
     launches go into one HipGraph (stream capture starts at the first, capture's exit ends it; the graph's
     `cuda` slot holds it, as for a CUDA graph, so `Graph.replay()` replays it)."""
-    from .launch import has_host_arrays, resolve_launch
     if has_host_arrays(args):
         return _launch_staged(kernel, grid, args, kwargs, target, jk_graph)
     dev = get_device()
-    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    ck, values, g = kernel.resolve_launch(grid, args, kwargs, target)
     if g is None:
         return ck
     slots = pack_slots(values)

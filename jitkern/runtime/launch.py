@@ -13,7 +13,7 @@ import weakref
 
 import numpy as np
 
-from ..jit import LAUNCH_OPTIONS, Pointer
+from ..args import LAUNCH_OPTIONS, Pointer
 
 _pack_d = struct.Struct("<d")
 _unpack_q = struct.Struct("<q")
@@ -304,57 +304,12 @@ def _device_target(args):
 
 def resolve_launch(kernel, grid, args, kwargs, target):
     """(compiled kernel, run-time argument values, 3-D grid) of a GPU launch; the grid is None when it is empty.
-    The GPU runtimes' launch_args start here."""
+    The GPU runtimes' launch_args start here (through Kernel.resolve_launch)."""
     ck, values, consts = resolve(kernel, args, kwargs, target)
     if callable(grid):
         grid = grid(consts if consts is not None else dict(kwargs))
     g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
     return ck, values, (g if g[0] * g[1] * g[2] else None)
-
-
-def has_host_arrays(args) -> bool:
-    """Whether a GPU launch was given host (numpy / Pointer) arguments: its runtime stages them (run_staged)."""
-    return any(isinstance(a, (np.ndarray, Pointer)) for a in args)
-
-
-def run_staged(dev, args, run, what: str = "a GPU launch", error=TypeError):
-    """Host (numpy / Pointer-over-numpy) arguments through device memory: each distinct root buffer goes to
-    `dev` whole (views keep their offsets and strides, aliasing between arguments stays), `run(device_args)`
-    launches, and every writeable buffer comes back (a kernel may write any of them). Returns run's result.
-    Shared by the GPU runtimes' staged launches."""
-    from .device import DeviceArray
-    from ..jit import _NP_TO_DTYPE
-    staged, dargs = {}, []
-
-    def stage(arr: np.ndarray, address: int, dtype, shape):
-        root = arr
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        if not root.flags.c_contiguous:
-            root = arr = np.ascontiguousarray(arr)
-            address = arr.ctypes.data
-        key = id(root)
-        if key not in staged:
-            staged[key] = (root, DeviceArray.from_numpy(root.reshape(-1).view(np.uint8), device=dev))
-        d = staged[key][1]
-        return DeviceArray(d.ptr + (address - root.ctypes.data), shape, dtype, dev, d)
-
-    for a in args:
-        if isinstance(a, Pointer):
-            host = a.keepalive
-            if not isinstance(host, np.ndarray):
-                raise error(f"{what} cannot take a raw host Pointer; pass a DeviceArray")
-            dargs.append(stage(host, a.address, a.dtype, (host.nbytes // a.dtype.itemsize,)))
-        elif isinstance(a, np.ndarray):
-            dargs.append(stage(a, a.ctypes.data, _NP_TO_DTYPE[a.dtype], a.shape))
-        else:
-            dargs.append(a)
-    out = run(dargs)
-    dev.synchronize()
-    for root, d in staged.values():
-        if root.flags.writeable:
-            root.reshape(-1).view(np.uint8)[...] = d.numpy()
-    return out
 
 
 def launch(kernel, grid, args, kwargs, target=None):

@@ -22,16 +22,37 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 import threading
 
 import numpy as np
 
-from ..errors import JitkernError
-from .device import Device, DeviceArray, pack_slots
+from ..errors import CompileError, JitkernError
+from .device import Device, DeviceArray, has_host_arrays, pack_slots, run_staged
 
 _ES = {"float": 4, "double": 8, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
 _VA_START = 1 << 40           # virtual addresses of device arrays: away from small integers
 _VA_ALIGN = 4096
+
+
+
+# spirv-val (SPIRV-Tools): why a driver rejected a pipeline, when it can tell
+def find_spirv_val():
+    return os.environ.get("JITKERN_SPIRV_VAL") or shutil.which("spirv-val")
+
+
+def spirv_validate(spv: bytes, env: str = "vulkan1.2") -> str | None:
+    """spirv-val's complaint about a module, None if it is valid; raises CompileError without spirv-val."""
+    tool = find_spirv_val()
+    if tool is None:
+        raise CompileError("spirv-val not found (Debian: apt-get install spirv-tools)", target="vulkan")
+    with tempfile.NamedTemporaryFile(suffix=".spv") as f:
+        f.write(spv)
+        f.flush()
+        r = subprocess.run([tool, "--target-env", env, f.name], capture_output=True, text=True, timeout=120)
+    return None if r.returncode == 0 else (r.stderr or r.stdout).strip()
 
 
 class VulkanError(JitkernError):
@@ -299,7 +320,6 @@ class VulkanDevice(Device):
                     with open(os.path.join(os.environ["JITKERN_VULKAN_DUMP"], meta["entry"] + ".spv"), "wb") as f:
                         f.write(spv)
                 try:
-                    from ..backends.spirv import spirv_validate
                     why = spirv_validate(spv) or "spirv-val accepts the module"
                 except Exception as ve:     # noqa: BLE001 - no spirv-val here
                     why = str(ve)
@@ -555,14 +575,13 @@ def launch_args(kernel, grid, args, kwargs, target, jk_graph=None):
     """One dispatch on the Vulkan device (launch.py comes here for the vulkan target): synchronous; inside
     `jk.capture()` (`jk_graph`) recorded into the graph's VulkanGraph instead (replayed as one command buffer).
     Host (numpy) arguments are staged through device memory, outside a capture only."""
-    from .launch import has_host_arrays, resolve_launch, run_staged
     if has_host_arrays(args):
         if jk_graph is not None:
             raise NotImplementedError("jk.capture() on Vulkan records launches on Vulkan device arrays; numpy "
                                       "arguments (a staged copy per launch) cannot be replayed")
         return run_staged(get_device(), args,
                           lambda dargs: launch_args(kernel, grid, dargs, kwargs, target, jk_graph))
-    ck, values, g = resolve_launch(kernel, grid, args, kwargs, target)
+    ck, values, g = kernel.resolve_launch(grid, args, kwargs, target)
     if g is None:
         return ck
     if jk_graph is not None:
