@@ -160,3 +160,25 @@ def test_a_text_model_answers_400(tmp_path):
         assert r.json["error"]["param"] == "model" and "does not do transcription" in r.json["error"]["message"]
     finally:
         app.close()
+
+
+def test_transcription_with_the_engine_in_its_own_process(srv):
+    """`--engine-process` (the CUDA default, also under --device auto on a CUDA host): the transcriber runs in the
+    engine's process, reached through engine.call, and answers as the in-process server does."""
+    from engine.data_parallel import DataParallelEngine
+    from engine.llm_engine import EngineArgs
+    from server.app import create_app
+    from server.settings import ServerSettings
+    path, _, client = srv
+    files = {"file": ("speech.wav", wav(random_audio(71, 1.2)), "audio/wav")}
+    fields = {"language": "de", "max_tokens": "10", "response_format": "verbose_json"}
+    want = _post(client, fields, files)
+    assert want.status_code == 200, want.text
+    app = create_app(engine=DataParallelEngine(EngineArgs(model=path)),
+                     settings=ServerSettings(log_requests=False, enable_metrics=False, max_body_bytes=1 << 20))
+    try:
+        got = _post(falcon_testing.TestClient(app), fields, files)
+        assert got.status_code == 200, got.text
+        assert got.json == want.json
+    finally:
+        app.close()
