@@ -14,7 +14,6 @@ mix-down, resampling and the log-mel spectrogram, all on the host with numpy.
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,13 +173,8 @@ class LogMel:
         f = (p if p.is_dir() else p.parent) / "preprocessor_config.json"
         if not f.is_file():
             return cls()
-        from engine.errors import ModelLoadError
-        try:
-            cfg = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read preprocessor_config.json: {e}", path=f) from None
-        if not isinstance(cfg, dict):
-            raise ModelLoadError("preprocessor_config.json is not a JSON object", path=f)
+        from engine.errors import ModelLoadError, read_json_object
+        cfg = read_json_object(f)
         keys = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft")
         try:
             return cls(**{k: cfg[k] for k in keys if k in cfg})

@@ -12,14 +12,13 @@ size, layers, heads) have no safe default: a file without them is refused, namin
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, read_json_object
 from engine.models.arch import arch_of
 from engine.models.llava import LLAMA_TEXT_DEFAULTS, LLAVA_MODEL_TYPES
 
@@ -103,14 +102,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config_file(cls, path: str | os.PathLike) -> "ModelConfig":
         path = Path(path)
-        if not path.is_file():
-            raise ModelLoadError("config.json not found", path=path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"cannot parse JSON: {exc}", path=path) from None
-        if not isinstance(raw, dict):
-            raise ModelLoadError("config.json is not a JSON object", path=path)
+        raw = read_json_object(path, required=True)
         return cls.from_hf_config(raw, source=str(path))
 
     @classmethod

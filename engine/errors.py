@@ -33,6 +33,26 @@ class ModelLoadError(Exception):
         super().__init__(prefix + message)
 
 
+def read_json_object(path, required: bool = False) -> dict:
+    """A checkpoint's JSON file (config.json, preprocessor_config.json, generation_config.json) as a dict: {} when
+    the file is absent and not required; a ModelLoadError naming the file when it is missing but required, cannot
+    be read, is not JSON or is not an object."""
+    import json
+    from pathlib import Path
+    path = Path(path)
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path.name} not found", path=path)
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot parse JSON: {exc}", path=path) from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path.name} is not a JSON object", path=path)
+    return data
+
+
 class TokenizerLoadError(ModelLoadError):
     """The tokenizer described by a tokenizer.json / GGUF vocabulary cannot be built."""
 

@@ -18,7 +18,6 @@ a prefix-cache hit over a whole image needs no encoder run at all.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,12 +76,8 @@ class ImageProcessor:
         f = (p if p.is_dir() else p.parent) / "preprocessor_config.json"
         if not f.is_file():
             return cls(None, image_size)
-        try:
-            cfg = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            from engine.errors import ModelLoadError
-            raise ModelLoadError(f"cannot read preprocessor_config.json: {e}", path=f) from None
-        return cls(cfg if isinstance(cfg, dict) else None, image_size)
+        from engine.errors import read_json_object
+        return cls(read_json_object(f), image_size)
 
     def _resize_to(self, h: int, w: int) -> tuple:
         s = self.size

@@ -21,7 +21,6 @@ scratch are shared.
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 import zlib
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import InvalidRequestError, ModelLoadError, read_json_object
 
 TASKS = ("transcribe", "translate")
 _LANG_TOKEN = re.compile(r"^<\|([a-z]{2,3}(?:-[A-Za-z]+)?)\|>$")
@@ -73,15 +72,8 @@ class GenerationSettings:
         p = Path(path)
         d = p if p.is_dir() else p.parent
         raw = config.extra or {}
-        gen = {}
         f = d / "generation_config.json"
-        if f.is_file():
-            try:
-                gen = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise ModelLoadError(f"cannot read generation_config.json: {e}", path=f) from None
-            if not isinstance(gen, dict):
-                raise ModelLoadError("generation_config.json is not a JSON object", path=f)
+        gen = read_json_object(f)
         tid = tokenizer.token_to_id
 
         def pick(key, token=None):
