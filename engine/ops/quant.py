@@ -1400,7 +1400,8 @@ _QMV_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 def _gpu_qmv(q: QType, target) -> bool:
     """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: CUDA targets, the types it has (it replaced
-    the CPU-shaped _qmm_kernel there, faster at every measured shape: docs/BENCHMARKS.md)."""
+    the CPU-shaped _qmm_kernel there: faster at every q4_0 shape the kernel benchmark printed, and the Q4_1 model
+    with its Q8_0 head decodes several times faster end to end: docs/BENCHMARKS.md)."""
     return target is not None and target.is_cuda and q.name in _QMV_TYPES
 
 
