@@ -487,8 +487,13 @@ def engine_in_own_process(settings: ServerSettings) -> bool:
     to handler threads formatting tokens, and the step resumes only when they let go of it."""
     if settings.engine_process is not None:
         return settings.engine_process
-    from engine.device import resolve_device
-    return resolve_device(settings.device) == "cuda"
+    device = (settings.device or "auto").strip().lower()
+    if device != "auto":
+        return device == "cuda"
+    # auto picks CUDA where a device answers; asked without making a context, which would hold memory on the card
+    # in this process that never runs a kernel (the engine process checks the device itself)
+    from engine.parallel.config import cuda_device_count
+    return cuda_device_count() > 0
 
 
 def configure_logging(verbose: bool) -> None:

@@ -191,6 +191,26 @@ def test_device_setting(monkeypatch):
     assert ServerSettings.from_env(env).device == "cpu"
 
 
+def test_engine_process_setting(monkeypatch):
+    """Where the engine runs: the flag when given; else its own process exactly when the device is CUDA (auto: a
+    CUDA device answers), decided without making a CUDA context in the front end."""
+    from engine.parallel import config as parallel_config
+    from server.app import engine_in_own_process
+    from server.settings import ServerSettings, SettingsError
+    monkeypatch.setattr(parallel_config, "cuda_device_count", lambda: 0)
+    assert not engine_in_own_process(ServerSettings(device="auto"))
+    assert not engine_in_own_process(ServerSettings(device="cpu"))
+    assert not engine_in_own_process(ServerSettings(device="vulkan"))
+    assert engine_in_own_process(ServerSettings(device="cuda"))
+    assert engine_in_own_process(ServerSettings(device="cpu", engine_process=True))
+    monkeypatch.setattr(parallel_config, "cuda_device_count", lambda: 2)
+    assert engine_in_own_process(ServerSettings())
+    assert not engine_in_own_process(ServerSettings(engine_process=False))
+    assert ServerSettings.from_env({"JITKERN_ENGINE_PROCESS": "0"}).engine_process is False
+    with pytest.raises(SettingsError, match="JITKERN_ENGINE_PROCESS"):
+        ServerSettings.from_env({"JITKERN_ENGINE_PROCESS": "maybe"})
+
+
 GREEDY = dict(temperature=0.0)
 IGNORE_EOS = {"ignore_eos": True}
 
