@@ -377,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--logs", help="folder for the server's log")
         s.add_argument("--json")
         if name == "serving":
-            s.add_argument("--server-args", help="more `python -m server` flags, as one string "
-                                                  "(e.g. \"--no-engine-process\")")
+            s.add_argument("--server-args", help="more `python -m server` flags, as one string joined to the option "
+                                                  "with '=' (it starts with a dash): --server-args=--no-engine-process")
             s.add_argument("--skip-engine", action="store_true", help="the server only (no engine-alone runs)")
         s.set_defaults(fn=fn)
     t = sub.add_parser("table", help="the summary table of a results folder")
