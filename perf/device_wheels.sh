@@ -57,6 +57,8 @@ PKGS=(
   vulkan==1.3.275.1
   cffi==2.1.1
   pycparser==3.12
+  # the sampling profiler perf/gpu_check.py serving --profile-concurrency attaches to the server's processes
+  py-spy==0.4.3
 )
 
 # Newest glibc tags first; pip takes the first wheel that any listed tag matches. Pure-python wheels

@@ -7,7 +7,12 @@
     python3 perf/gpu_check.py serving --model M --concurrency 1 64 256 --json serving.json
         The engine alone (LLMEngine in a process of its own, a closed loop of C requests in flight, as
         perf/bench_serving.py keeps C streams open) against `python -m server` driven by perf/bench_serving.py
-        on the same random prompts: output tok/s, TTFT and ITL P50/P99, served / engine.
+        on the same random prompts: output tok/s, TTFT and ITL P50/P99, served / engine. Each concurrency runs
+        --waves x C requests (a single wave is mostly its ramp: the arrivals and the last stragglers), and the
+        timed served run reports the CPU cores each of the server's processes (gunicorn worker, engine process)
+        and the client kept busy. --profile-concurrency C also records py-spy flame data (only the threads
+        holding the interpreter lock) of the worker and the engine process during that run, with a summary of
+        the top frames beside it.
     python3 perf/gpu_check.py table DIR
         One summary table of every JSON result in DIR (pytest counts from DIR/pytest-*.txt).
 """
@@ -19,6 +24,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,6 +64,132 @@ def _cache_entries(cache: Path) -> dict:
             meta = {}
         out[(e.device_tag, e.key)] = meta
     return out
+
+
+def _process_tree(root: int) -> dict:
+    """{pid: role} for `root` and its descendants: 'engine' (the engine process), 'worker' (a gunicorn worker),
+    'master' (the root) or 'other'."""
+    kids: dict = {}
+    for st in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(st).read_text()
+        except OSError:
+            continue
+        kids.setdefault(int(text[text.rfind(")") + 2:].split()[1]), []).append(int(st.split("/")[2]))
+    roles, todo = {}, [(root, None)]
+    while todo:
+        pid, parent = todo.pop()
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "dp_replica" in cmd:
+            roles[pid] = "engine"
+        elif parent is None:
+            roles[pid] = "master"
+        elif "gunicorn" in cmd or "server" in cmd:
+            roles[pid] = "worker"
+        else:
+            roles[pid] = "other"
+        todo += [(k, pid) for k in kids.get(pid, [])]
+    return roles
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    f = text[text.rfind(")") + 2:].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU cores each role of a process tree (and this process, the client) kept busy between start and stop."""
+
+    def __init__(self, root: int):
+        self.roles = _process_tree(root)
+        self.t0 = time.perf_counter()
+        self.c0 = {pid: _cpu_seconds(pid) for pid in self.roles}
+        self.self0 = sum(os.times()[:2])
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        busy: dict = {"client": (sum(os.times()[:2]) - self.self0) / wall}
+        for pid, role in self.roles.items():
+            busy[role] = busy.get(role, 0.0) + (_cpu_seconds(pid) - self.c0[pid]) / wall
+        return {k: round(v, 2) for k, v in busy.items()}
+
+
+def _py_spy() -> str | None:
+    """py-spy's binary: on PATH, or beside a PYTHONPATH entry (perf/gpu_check.sh installs .whl/ with --target)."""
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        cand = Path(entry) / "bin" / "py-spy"
+        if entry and cand.exists():
+            return str(cand)
+    return None
+
+
+def flame_summary(raw: Path, top: int = 30) -> str:
+    """The top frames of a py-spy raw (collapsed) file: by samples in the frame itself and with its callees."""
+    own: dict = {}
+    incl: dict = {}
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        stack, n = line.rsplit(" ", 1)
+        n = int(n)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return "no samples"
+    out = [f"{total} samples", "-- own"]
+    out += [f"{n / total:6.1%} {f}" for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]]
+    out += ["-- with callees"]
+    out += [f"{n / total:6.1%} {f}" for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(out)
+
+
+class Profiler:
+    """py-spy record (--gil: the samples of the thread holding the interpreter lock) of the server's worker and
+    engine processes until stop(); raw flame files and their summaries land in `logs`."""
+
+    def __init__(self, root: int, logs: Path, tag: str):
+        self.procs = []
+        exe = _py_spy()
+        if exe is None:
+            print("serving: no py-spy here (perf/device_wheels.sh brings it): no profile", flush=True)
+            return
+        for pid, role in _process_tree(root).items():
+            if role in ("worker", "engine"):
+                raw = logs / f"profile-{tag}-{role}-{pid}.txt"
+                p = subprocess.Popen([exe, "record", "--gil", "-r", "250", "-f", "raw", "-o", str(raw),
+                                      "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                self.procs.append((p, raw))
+
+    def stop(self) -> None:
+        for p, raw in self.procs:
+            p.send_signal(signal.SIGINT)
+        for p, raw in self.procs:
+            try:
+                _, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            if raw.exists():
+                summary = flame_summary(raw)
+                raw.with_name(raw.stem + "-summary.txt").write_text(summary + "\n")
+                print(f"serving: profile {raw.name}: " + "\n    ".join(summary.splitlines()[:14]), flush=True)
+            else:
+                print(f"serving: py-spy wrote no {raw.name}: {err.decode(errors='replace')[-400:]}", flush=True)
 
 
 class Server:
@@ -234,7 +367,7 @@ def _closed_loop_engine(args, concurrency: int) -> dict:
                     tokens += len(out.outputs[0].token_ids)
         return tokens, time.perf_counter() - t0
 
-    n = args.num_prompts or max(concurrency, 8)
+    n = args.num_prompts or max(args.waves * concurrency, 8)
     wave(random_prompts(tok, min(n, concurrency), args.input_len, args.seed + 1000), "warm")
     tokens, wall = wave(random_prompts(tok, n, args.input_len, args.seed), "run")
     engine.close()
@@ -257,8 +390,7 @@ def cmd_serving(args) -> int:
         cmd = [sys.executable, str(Path(__file__)), "engine", "--model", args.model, "--concurrency", str(c),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
                "--device", args.device, "--max-num-seqs", str(max(args.concurrency))]
-        if args.num_prompts:
-            cmd += ["--num-prompts", str(args.num_prompts)]
+        cmd += ["--waves", str(args.waves)] + (["--num-prompts", str(args.num_prompts)] if args.num_prompts else [])
         if args.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
@@ -276,7 +408,7 @@ def cmd_serving(args) -> int:
     try:
         from perf import bench_serving
         for c in args.concurrency:
-            n = args.num_prompts or max(c, 8)
+            n = args.num_prompts or max(args.waves * c, 8)
             # an unmeasured wave at this concurrency first, as the engine alone gets one: the decode graphs of
             # its batch sizes and the prefill graphs of its step sizes are recorded there, not in the timed run
             warm = bench_serving.build_parser().parse_args([
@@ -288,17 +420,26 @@ def cmd_serving(args) -> int:
                 "--base-url", server.url + "/v1", "--num-prompts", str(n), "--concurrency", str(c),
                 "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
                 "--tokenizer", args.model, "--warmup", "0", "-q"])
-            rep = bench_serving.run_benchmark(ns)
+            meter = CpuMeter(server.proc.pid)
+            prof = Profiler(server.proc.pid, logs, f"c{c}") if c == args.profile_concurrency else None
+            try:
+                rep = bench_serving.run_benchmark(ns)
+            finally:
+                cpu = meter.stop()
+                if prof is not None:
+                    prof.stop()
             eng = engine.get(c)
             row = {"concurrency": c, "served_tok_s": rep["output_throughput"],
                    "engine_tok_s": eng["output_throughput"] if eng else None,
                    "ttft_p50_ms": rep["ttft_ms"]["median"], "ttft_p99_ms": rep["ttft_ms"]["p99"],
                    "itl_p50_ms": rep["itl_ms"]["median"], "itl_p99_ms": rep["itl_ms"]["p99"],
-                   "failed": rep["failed_requests"], "errors": rep["errors"]}
+                   "failed": rep["failed_requests"], "errors": rep["errors"], "cpu_cores": cpu,
+                   "requests": n}
             row["ratio"] = row["served_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
             rows.append(row)
             print(f"serving: served c={c}: {row['served_tok_s']:.1f} output tok/s, TTFT P50/P99 "
-                  f"{row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, {row['failed']} failed", flush=True)
+                  f"{row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, {row['failed']} failed, CPU cores busy {cpu}",
+                  flush=True)
         metrics = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
         preempt = re.search(r"^vllm:num_preemptions(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)", metrics, re.M)
         kv_line = [ln for ln in server.tail(400).splitlines() if "KV cache" in ln]
@@ -344,12 +485,16 @@ def cmd_table(args) -> int:
         s = json.loads(srv.read_text())
         print(f"\nserved vs engine alone, {s['input_len']} in / {s['output_len']} out, ignore_eos, greedy; "
               f"preemptions {s.get('preemptions')}; {s.get('kv_log') or ''}")
-        print("\n| c | engine tok/s | served tok/s | served / engine | TTFT P50 ms | TTFT P99 ms | ITL P50 ms | "
-              "ITL P99 ms | failed |\n|---|---|---|---|---|---|---|---|---|")
+        print("\n| c | requests | engine tok/s | served tok/s | served / engine | TTFT P50 ms | TTFT P99 ms | "
+              "ITL P50 ms | ITL P99 ms | failed | CPU cores busy: worker / engine process / client |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
         for r in s["rows"]:
-            print(f"| {r['concurrency']} | {_fmt(r['engine_tok_s'])} | {_fmt(r['served_tok_s'])} | "
-                  f"{_fmt(r['ratio'], '.3f')} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} | "
-                  f"{_fmt(r['itl_p50_ms'], '.2f')} | {_fmt(r['itl_p99_ms'], '.2f')} | {r['failed']} |")
+            cpu = r.get("cpu_cores") or {}
+            print(f"| {r['concurrency']} | {r.get('requests', '-')} | {_fmt(r['engine_tok_s'])} | "
+                  f"{_fmt(r['served_tok_s'])} | {_fmt(r['ratio'], '.3f')} | {_fmt(r['ttft_p50_ms'])} | "
+                  f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['itl_p50_ms'], '.2f')} | {_fmt(r['itl_p99_ms'], '.2f')} | "
+                  f"{r['failed']} | {_fmt(cpu.get('worker'), '.2f')} / {_fmt(cpu.get('engine'), '.2f')} / "
+                  f"{_fmt(cpu.get('client'), '.2f')} |")
     return 0
 
 
@@ -367,7 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help="served vs engine alone" if name == "serving" else "the engine alone (one C)")
         s.add_argument("--model", required=True)
         s.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-        s.add_argument("--num-prompts", type=int, default=None, help="requests per concurrency (default max(C, 8))")
+        s.add_argument("--num-prompts", type=int, default=None,
+                       help="requests per concurrency (default max(WAVES x C, 8))")
+        s.add_argument("--waves", type=int, default=4, help="requests per concurrency, in multiples of C (default 4)")
         s.add_argument("--input-len", type=int, default=128)
         s.add_argument("--output-len", type=int, default=128)
         s.add_argument("--seed", type=int, default=0)
@@ -380,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--server-args", help="more `python -m server` flags, as one string joined to the option "
                                                   "with '=' (it starts with a dash): --server-args=--no-engine-process")
             s.add_argument("--skip-engine", action="store_true", help="the server only (no engine-alone runs)")
+            s.add_argument("--profile-concurrency", type=int, default=None, metavar="C",
+                           help="py-spy the server's worker and engine process during the timed run at C")
         s.set_defaults(fn=fn)
     t = sub.add_parser("table", help="the summary table of a results folder")
     t.add_argument("dir")

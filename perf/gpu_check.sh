@@ -4,7 +4,7 @@
 #
 #     bash perf/gpu_check.sh [--model DIR|FILE] [--shape llama3-8b] [--layers N] [--out DIR]
 #                            [--skip-tests] [--tests "PATHS"] [--tests-timeout S] [--concurrency "1 64 256"]
-#                            [--aot-model DIR|FILE] [--skip-aot] [--skip-serving]
+#                            [--aot-model DIR|FILE] [--skip-aot] [--skip-serving] [--serving-args "ARGS"]
 #
 # 1. installs what the machine lacks from wheels brought along in .whl/ (perf/device_wheels.sh fetches them
 #    where PyPI is reachable) and the Vulkan loader from .gl/*.deb when present;
@@ -13,6 +13,8 @@
 #    server compile nothing (perf/gpu_check.py aot);
 # 4. the server against the engine alone at each concurrency (perf/gpu_check.py serving: random 128-token
 #    prompts, 128 out, ignore_eos), on a random-weight model of --shape made here unless --model is given;
+#    --serving-args adds perf/gpu_check.py serving options, e.g. "--profile-concurrency 256" (py-spy of the
+#    server's processes) or "--server-args=--no-engine-process";
 # 5. one summary table, last. Results (JSON, logs) land in --out (default $OUT or /tmp/gpu-check).
 set -u
 cd "$(dirname "$0")/.."
@@ -27,6 +29,7 @@ TESTS_TIMEOUT=300
 TESTS=tests
 AOT_MODEL=""
 CONCURRENCY="1 64 256"
+SERVING_ARGS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --model) MODEL=$2; shift 2 ;;
@@ -40,7 +43,8 @@ while [ $# -gt 0 ]; do
         --tests) TESTS=$2; shift 2 ;;
         --aot-model) AOT_MODEL=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        --serving-args) SERVING_ARGS=$2; shift 2 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
     esac
 done
@@ -105,7 +109,7 @@ fi
 if [ "$SKIP_SERVING" = 0 ]; then
     stamp "serving vs engine at c = $CONCURRENCY"
     $PY perf/gpu_check.py serving --model "$MODEL" --concurrency $CONCURRENCY --logs "$OUT_DIR" \
-        --json "$OUT_DIR/serving.json"
+        --json "$OUT_DIR/serving.json" $SERVING_ARGS
 fi
 
 # 5. the table, last
