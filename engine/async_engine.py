@@ -53,7 +53,9 @@ class RequestStream:
     def __init__(self, engine: "AsyncEngine", request_id: str):
         self.engine = engine
         self.request_id = request_id
-        self.queue: queue.Queue = queue.Queue()
+        # one put per token and request: SimpleQueue's put and get are C, where Queue's Python-level lock and
+        # condition cost about as much as the waiting thread's wake-up itself
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.finished = False
 
     def _put(self, item) -> None:
@@ -107,7 +109,7 @@ class RequestGroupStream:
     def __init__(self, engine: "AsyncEngine", request_ids: list):
         self.engine = engine
         self.request_ids = list(request_ids)
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.members = [_GroupMember(self, i, rid) for i, rid in enumerate(self.request_ids)]
         self._open = set(range(len(self.request_ids)))
 

@@ -43,6 +43,7 @@ from engine.async_engine import (_DONE, EngineDeadError, EngineUnavailableError,
                                  RequestStream)
 from engine.dp_replica import READY_TIMEOUT_S, rebuild_error
 from engine.output_wire import OutputDecoder
+from engine.outputs import merge_deltas
 
 log = logging.getLogger("engine.dp")
 
@@ -50,6 +51,9 @@ BACKENDS = ("mp", "ray")
 ROUTINGS = ("prefix", "load", "round_robin")
 _LIVENESS_POLL_S = 0.5
 CONNECT_TIMEOUT_S = 5.0
+# At most this many messages (a step's outputs each, under load) are taken from a replica before they are
+# delivered: a front end that fell behind catches up with one hand-off per request for all of them.
+_DRAIN_MAX = 64
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -163,6 +167,10 @@ class _MPTransport:
             raise EOFError(f"exit code {self.proc.returncode}")
         return []
 
+    def more(self) -> bool:
+        """Whether more messages have arrived already (recv() would not wait)."""
+        return self.conn.poll(0)
+
     def describe_death(self, cause) -> str:
         code = self.proc.poll() if self.proc is not None else None
         if code is not None and code < 0:
@@ -236,6 +244,9 @@ class _RayTransport:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise EOFError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
+    def more(self) -> bool:
+        return False            # each poll() call already returns everything the actor has queued
+
     def describe_death(self, cause) -> str:
         return f"actor died: {cause}"
 
@@ -264,7 +275,7 @@ class _SyncSink:
     """Delivers one request's outputs to the LLM-API side of the front end (step())."""
     __slots__ = ("q", "request_id")
 
-    def __init__(self, q: queue.Queue, request_id: str):
+    def __init__(self, q: queue.SimpleQueue, request_id: str):
         self.q = q
         self.request_id = request_id
 
@@ -328,7 +339,7 @@ class DataParallelEngine:
         self.command_timeout_s = limits.ENGINE_COMMAND_TIMEOUT_S
         self._tags = itertools.count()
         self._rr = itertools.count()
-        self._sync_q: queue.Queue = queue.Queue()
+        self._sync_q: queue.SimpleQueue = queue.SimpleQueue()
         self._sync_ids: set = set()
         self._owner: dict = {}           # request id -> _Replica
         self._lock = threading.Lock()
@@ -460,25 +471,54 @@ class DataParallelEngine:
                 if rep.generation == gen and rep.state == "up" and not self._closed:
                     self._on_death(rep, rep.transport.describe_death(e))
                 return
-            for m in msgs:
-                try:
-                    self._dispatch(rep, m)
-                except Exception:  # noqa: BLE001 - one bad message must not stop the replica's stream
-                    log.exception("replica %d: could not handle a %r message", rep.rank, m[0])
+            try:
+                while len(msgs) < _DRAIN_MAX and rep.transport.more():
+                    msgs += rep.transport.recv()
+            except Exception:  # noqa: BLE001 - the next recv() reports a dead replica
+                pass
+            self._dispatch_all(rep, msgs)
+
+    def _dispatch_all(self, rep: _Replica, msgs: list) -> None:
+        """Handles messages in order, except that a request's outputs among them reach its stream as one output
+        (their deltas merged, engine.outputs.merge_deltas), delivered after the batch or before that request's
+        end: each delivery wakes the thread reading the stream, and under load a batch holds several steps."""
+        pending: dict = {}
+        for m in msgs:
+            try:
+                kind = m[0]
+                if kind == "out":
+                    _, rid, body = m
+                    if rid not in rep.inflight:
+                        continue
+                    dec = rep.decoders.get(rid)
+                    if dec is None:
+                        dec = rep.decoders[rid] = OutputDecoder()
+                    out = dec.decode(rid, body)
+                    prev = pending.get(rid)
+                    pending[rid] = out if prev is None else merge_deltas(prev, out)
+                    continue
+                if kind in ("end", "fail") and m[1] in pending:
+                    self._deliver(rep, m[1], pending.pop(m[1]))
+                self._dispatch(rep, m)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the replica's stream
+                log.exception("replica %d: could not handle a %r message", rep.rank, m[0])
+        for rid, out in pending.items():
+            try:
+                self._deliver(rep, rid, out)
+            except Exception:  # noqa: BLE001
+                log.exception("replica %d: could not deliver an output of %s", rep.rank, rid)
+
+    def _deliver(self, rep: _Replica, rid: str, out) -> None:
+        sink = rep.inflight.get(rid)
+        if sink is not None:
+            sink._put(out)
+            if out.finished:
+                self._forget(rep, rid)
 
     def _dispatch(self, rep: _Replica, m) -> None:
         kind = m[0]
         if kind == "out":
-            _, rid, body = m
-            sink = rep.inflight.get(rid)
-            if sink is not None:
-                dec = rep.decoders.get(rid)
-                if dec is None:
-                    dec = rep.decoders[rid] = OutputDecoder()
-                out = dec.decode(rid, body)
-                sink._put(out)
-                if out.finished:
-                    self._forget(rep, rid)
+            self._dispatch_all(rep, [m])
         elif kind in ("end", "fail"):
             rid = m[1]
             sink = rep.inflight.get(rid)
