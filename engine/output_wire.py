@@ -11,6 +11,11 @@ Cumulative fields travel whole only when they are not the concatenation of the d
 engine holds back characters that may start a stop string (its `text` then runs ahead of the deltas), and ids or
 logprobs if the engine ever rewrites them. Encoder and decoder keep the same running state, so the rebuilt output
 equals the engine's field for field.
+
+Most messages are a streaming token of a plain request: one completion, no logprobs, not finished, only the
+metrics' last_token_time new. Those travel as (delta text, delta ids, last_token_time, cumulative logprob), a
+quarter of the objects to pickle and unpickle of the general form, which matters in the receiving process: it
+handles every token of every request.
 """
 from __future__ import annotations
 
@@ -28,14 +33,18 @@ class _SentCompletion:
 
 class OutputEncoder:
     """One request's outputs, on the engine's side: `encode(out)` gives the message body for `out`."""
-    __slots__ = ("_sent_head", "_n_prompt_lps", "_comps")
+    __slots__ = ("_sent_head", "_n_prompt_lps", "_comps", "_mt")
 
     def __init__(self):
         self._sent_head = False
         self._n_prompt_lps = 0
         self._comps: dict = {}
+        self._mt = None
 
     def encode(self, out: RequestOutput) -> tuple:
+        short = self._short(out)
+        if short is not None:
+            return short
         head = None
         if not self._sent_head:
             head = (out.prompt, out.prompt_token_ids)
@@ -67,7 +76,30 @@ class OutputEncoder:
         m = out.metrics
         mt = None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
                                      m.finished_time, m.num_cached_tokens)
+        self._mt = mt
         return (head, plp, out.finished, out.error, mt, comps)
+
+    def _short(self, out: RequestOutput):
+        """The 4-tuple form of a plain streaming step (see the module's docstring), or None."""
+        m, mt = out.metrics, self._mt
+        if (not self._sent_head or out.finished or out.error is not None or len(out.outputs) != 1 or m is None
+                or mt is None or out.prompt_logprobs is not None):
+            return None
+        c = out.outputs[0]
+        s = self._comps.get(c.index)
+        if (c.index != 0 or s is None or c.logprobs is not None or c.finish_reason is not None
+                or c.stop_reason is not None or len(c.token_ids) != s.n_ids + len(c.delta_token_ids)
+                or len(c.text) != len(s.text) + len(c.delta_text) or m.arrival_time != mt[0]
+                or m.first_scheduled_time != mt[1] or m.first_token_time != mt[2] or m.finished_time != mt[4]
+                or m.num_cached_tokens != mt[5]):
+            return None
+        new_text = s.text + c.delta_text
+        if new_text != c.text:
+            return None
+        s.text = new_text
+        s.n_ids += len(c.delta_token_ids)
+        self._mt = mt[:3] + (m.last_token_time,) + mt[4:]
+        return (c.delta_text, c.delta_token_ids, m.last_token_time, c.cumulative_logprob)
 
 
 class _Completion:
@@ -92,6 +124,8 @@ class OutputDecoder:
         self._comps: dict = {}
 
     def decode(self, request_id: str, body: tuple) -> RequestOutput:
+        if len(body) == 4:
+            return self._decode_short(request_id, body)
         head, plp, finished, error, metrics, comps = body
         if head is not None:
             self._prompt, self._prompt_ids = head
@@ -124,3 +158,14 @@ class OutputDecoder:
                 stop_reason=stop, delta_text=dtext, delta_token_ids=dids, delta_logprobs=dlps))
         return RequestOutput(request_id, self._prompt, self._prompt_ids, outputs, finished,
                              prompt_logprobs=self._prompt_lps, metrics=self._metrics, error=error)
+
+    def _decode_short(self, request_id: str, body: tuple) -> RequestOutput:
+        dtext, dids, last_token_time, cum_lp = body
+        c = self._comps[0]
+        c.text += dtext
+        c.ids.extend(dids)
+        self._metrics.last_token_time = last_token_time
+        return RequestOutput(request_id, self._prompt, self._prompt_ids, [CompletionOutput(
+            index=0, text=c.text, token_ids=list(c.ids), cumulative_logprob=cum_lp, logprobs=None, finish_reason=None,
+            stop_reason=None, delta_text=dtext, delta_token_ids=dids, delta_logprobs=None)], False,
+            prompt_logprobs=self._prompt_lps, metrics=self._metrics, error=None)

@@ -51,13 +51,17 @@ def test_round_trip_equals_the_engines_outputs(engine):
     enc = {rid: OutputEncoder() for rid, _, _ in cases}
     dec = {rid: OutputDecoder() for rid, _, _ in cases}
     seen = {rid: 0 for rid, _, _ in cases}
+    short = {rid: 0 for rid, _, _ in cases}
     whole_text_sent = 0
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             want = _snapshot(out)
             body = pickle.loads(pickle.dumps(enc[out.request_id].encode(out)))
-            whole_text_sent += sum(c[8] is not None for c in body[5])
+            if len(body) == 4:
+                short[out.request_id] += 1
+            else:
+                whole_text_sent += sum(c[8] is not None for c in body[5])
             got = dec[out.request_id].decode(out.request_id, body)
             assert _snapshot(got) == want, out.request_id
             seen[out.request_id] += 1
@@ -67,6 +71,10 @@ def test_round_trip_equals_the_engines_outputs(engine):
     assert all(n > 0 for n in seen.values()), seen
     assert seen["n3"] > 1 and seen["stop"] > 1
     assert whole_text_sent > 0          # the stop string's held-back text took the whole-text path
+    # a plain greedy stream's tokens after the first and before the last take the 4-tuple form; a request with
+    # logprobs never does
+    assert short["greedy"] == seen["greedy"] - 2 and short["abort"] > 0, short
+    assert short["n3"] == short["plp"] == 0, short
 
 
 def test_the_delta_is_smaller_than_the_output(engine):
