@@ -4,7 +4,7 @@ API: `matmul_q(x, weight_raw, qtype, N, K)`; `quantize_q8(x, layout=act_layout(q
 per weight when several weights share an input; `dequantize_rows(raw, qtype, rows_idx, K)` (embedding lookup);
 `row_bytes`, `QTYPES`, `qmm_tiles` / `qmm_step` (the 32-element formats' tiles). qtypes: q8_0 q4_0 q4_1 q5_0
 q5_1 iq4_nl mxfp4 (32-element blocks, `_qmm_kernel`), q2_K q3_K q4_K q5_K q6_K iq4_xs (256-element super-blocks,
-`_kq_kernel`).
+`_kq_kernel`); on CUDA all of them on `_qmv_gpu_kernel`.
 
 Decode is a bandwidth-bound GEMV over the weights, prefill and batched decode a compute-bound GEMM; both
 follow ggml's plan for the arithmetic:
@@ -34,11 +34,12 @@ follow ggml's plan for the arithmetic:
    Batch invariance: the integer dots are exact and the float operations of an output depend only on the
    tier's step S (`qmm_step`) and K, never on M or the tile, so a row's result is bit-identical alone or in
    any batch (tests/ops/test_quant.py checks it).
-4. On CUDA targets q8_0 / q4_0 / q4_1 run on `_qmv_gpu_kernel` instead, for every M: a CTA's
-   threads over (row, lane, word), lanes over a row's blocks, the block dots in `jk.dp4a` (PTX dp4a) against the
-   activations in the 'natural' layout (16-byte loads), no repeated scales; batch invariant the same way (the
-   float operations of an output follow from K alone). See the comment above the kernel.
-5. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
+4. On CUDA targets every type runs on `_qmv_gpu_kernel` instead, for every M: a CTA's threads over (row, lane,
+   word), lanes over a row's 32-element blocks (the K-quants' sub-blocks), the block dots in `jk.dp4a` (PTX dp4a)
+   against the activations in the 'natural' layout (16-byte loads), no repeated scales, a decoder per type
+   (`_qmv_decode`) giving packed quant words, scales and offsets; batch invariant the same way (the float
+   operations of an output follow from K and the type alone). See the comment above the kernel.
+5. The K-quants on the CPU tiers (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
    the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above, GEMM tiles 4 x 2;
    the same arithmetic for every tile shape.
 
@@ -1603,26 +1604,29 @@ _QMV_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_K": 3, "q5_K": 4, "q6_K": 5, 
 
 
 def _gpu_qmv(q: QType, target) -> bool:
-    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: CUDA targets, the types it has (it replaced
-    the CPU-shaped _qmm_kernel there: faster at every q4_0 shape the kernel benchmark printed, and the Q4_1 model
-    with its Q8_0 head decodes several times faster end to end: docs/BENCHMARKS.md)."""
+    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: on CUDA targets every type (it replaced
+    the CPU-shaped _qmm_kernel / _kq_kernel there: faster at every q4_0 shape the kernel benchmark printed, and the
+    Q4_1 model with its Q8_0 head decodes several times faster end to end: docs/BENCHMARKS.md)."""
     return target is not None and target.is_cuda and q.name in _QMV_TYPES
 
 
 def qmv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
-    """(R, L, BM, num_warps) of `_qmv_gpu_kernel`: L lanes a row (a power of two up to 32, from K alone: it fixes
-    every row's order of operations), R = 32 * warps / L rows a CTA, BM tokens a program (a power of two up to
-    the target's tuning.quant_gemv_tokens that is at most M)."""
+    """(R, L, BM, num_warps) of `_qmv_gpu_kernel`: L lanes a row (a power of two from 4 up to the target's
+    tuning.quant_gemv_lanes and K / 32, from K alone: it fixes every row's order of operations), R = 32 * warps / L
+    rows a CTA (tuning.quant_gemv_warps), BM tokens a program (a power of two up to tuning.quant_gemv_tokens that is
+    at most M). The same for every type: 32 lanes and 4 warps were measured on q4_0 / q4_1 (docs/BENCHMARKS.md),
+    the other types take them untested."""
+    tn = target.tuning if target is not None else None
     nb = K // 32
     L = 4
-    while L < 32 and L * 2 <= nb:
+    while L < (tn.quant_gemv_lanes if tn else 32) and L * 2 <= nb:
         L *= 2
-    warps = 4
+    warps = tn.quant_gemv_warps if tn else 4
     BM = 1
-    cap = target.tuning.quant_gemv_tokens if target is not None else 8
+    cap = tn.quant_gemv_tokens if tn else 8
     while BM * 2 <= min(M, cap):
         BM *= 2
-    return 32 * warps // L, L, BM, warps
+    return max(1, 32 * warps // L), L, BM, warps
 
 
 def _matmul_qmv(q: QType, w, qx, xd, xs, out, M: int, N: int, K: int, target):

@@ -152,16 +152,19 @@ def test_gpu_linear_rows_alone_equal_batched(backend, qtype, monkeypatch):
 def test_gpu_linear_is_the_cuda_choice():
     from targets import cpu_tier_names, get_target, tuned
     sm90 = get_target("sm_90a")
+    assert sorted(GPU_TYPES) == sorted(Q.QTYPES)           # every type the CPU runs
     for q in GPU_TYPES:
         assert Q._gpu_qmv(Q.QTYPES[q], sm90) and Q.act_layout(q, 1, sm90) == "natural"
         for name in cpu_tier_names():
             assert not Q._gpu_qmv(Q.QTYPES[q], get_target(name))
-    assert not Q._gpu_qmv(Q.QTYPES["q4_K"], sm90)
     # tiles: lanes from K alone, tokens from M up to the tuning's cap
     assert Q.qmv_tiles("q4_1", 1, 576, 576, sm90)[:3] == (8, 16, 1)
     assert Q.qmv_tiles("q4_1", 37, 576, 576, sm90)[:3] == (8, 16, 8)
     assert Q.qmv_tiles("q4_1", 3, 576, 1536, sm90)[:3] == (4, 32, 2)
     assert Q.qmv_tiles("q4_1", 37, 576, 1536, tuned(sm90, quant_gemv_tokens=4))[2] == 4
+    # lanes and warps from the tuning table
+    assert Q.qmv_tiles("q4_K", 1, 576, 4096, tuned(sm90, quant_gemv_lanes=16))[:2] == (8, 16)
+    assert Q.qmv_tiles("q4_K", 1, 576, 4096, tuned(sm90, quant_gemv_warps=8))[:2] == (8, 32)
 
 
 # ------------------------------------------------------------------------------------------------- the PTX
@@ -181,7 +184,7 @@ def _qmv_ptx(qtype, K, BM):
 @pytest.mark.parametrize("BM", [1, 8])
 def test_gpu_linear_ptx_assembles_without_spills(qtype, BM, tmp_path):
     from jitkern.backends.nvptx import find_ptxas
-    ptx = _qmv_ptx(qtype, 576, BM)
+    ptx = _qmv_ptx(qtype, _ks(qtype)[0], BM)
     # the activations' words: one 16-byte load per block half and token; the dots: dp4a, two a word and token
     assert len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", ptx)) >= 2 * BM, ptx
     assert ptx.count("dp4a.") >= 8 * BM
