@@ -39,9 +39,9 @@ follow ggml's plan for the arithmetic:
    against the activations in the 'natural' layout (16-byte loads), no repeated scales, a decoder per type
    (`_qmv_decode`) giving packed quant words, scales and offsets; batch invariant the same way (the float
    operations of an output follow from K and the type alone). See the comment above the kernel.
-5. The K-quants on the CPU tiers (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
-   the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above, GEMM tiles 4 x 2;
-   the same arithmetic for every tile shape.
+5. The K-quants on the CPU tiers (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per
+   sub-block summed over the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above,
+   GEMM tiles 4 x 2; the same arithmetic for every tile shape.
 
 Weight layout (ggml-common.h; rows are K/block_elems consecutive blocks, row r of an (N, K) tensor starts at
 byte r * row_bytes). A decoder turns a step's blocks into small integers q (natural element order, or for
@@ -1363,8 +1363,8 @@ def _bits_to_bytes(m, sh):
 
 @jk.jit
 def _signed_bytes(v, bias: jk.constexpr):
-    """v - bias per byte as i32 words of signed bytes, for u32 words of bytes in [0, 128 - bias]: byte + (128 -
-    bias) stays below 256 (no carry into the next byte), and flipping bit 7 subtracts the 128 back in two's
+    """v - bias per byte as i32 words of signed bytes, for u32 words of bytes in [0, 127 + bias]: byte + (128 -
+    bias) stays below 256 (no carry into the next byte), and flipping bit 7 takes the 128 back off in two's
     complement."""
     return ((v + (128 - bias) * 0x01010101) ^ 0x80808080).to(jk.i32, bitcast=True)
 

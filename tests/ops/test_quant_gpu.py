@@ -174,7 +174,8 @@ def _qmv_ptx(qtype, K, BM):
     from targets import get_target
     t = get_target("sm_90a")
     R, L, _, warps = Q.qmv_tiles(qtype, BM, 576, K, t)
-    sig = "w8=*u8:16,w16=*u16:16,w32=*u32:16,wh=*f16:16,xw=*i32:16,xd=*f32:16,xs=*f32:16,y=*f32:16,M=i32,N=i32:16"
+    sig = ("w8=*u8:16,w16=*u16:16,w32=*u32:16,wh=*f16:16,xw=*i32:16,xd=*f32:16,xs=*f32:16,y=*f32:16,M=i32,"
+           "N=i32:16")
     params, cx = parse_sig(Q._qmv_gpu_kernel, sig, [f"K={K}", f"QT={Q._QMV_TYPES[qtype]}", f"RB={Q.row_bytes(qtype, K)}",
                                                    f"R={R}", f"L={L}", f"BM={BM}", f"num_warps={warps}"])
     return compile_kernel(Q._qmv_gpu_kernel, params, cx, t, load=False).artifacts["kernel.ptx"].decode()
