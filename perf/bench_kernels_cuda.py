@@ -738,7 +738,7 @@ def _run(a) -> int:
         Ms, NKs = a.m or (1, 16, 64), ((128, 64), (96, 160))
         pre, dec = ((1, 64), (2, 48)), ((1, 40), (3, 64))
         copy_mib, elem = 4, (64, 256, 384)
-        qnk = ((96, 64), (40, 576))
+        qnk = ((96, 64), (40, 576), (24, 768))      # (768: a shape for the 256-element super-block types)
     else:
         Ms, NKs = a.m or GEMM_M, GEMM_NK
         pre, dec = PREFILL_CASES, DECODE_CASES
