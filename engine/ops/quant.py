@@ -1485,13 +1485,16 @@ def _qmv_decode(w8, w16, w32, wh, rows, b, ok, RB: jk.constexpr, QT: jk.constexp
         # nibbles): sub-block s in the low (even s) or high nibbles of bytes 32 (s // 2) + i; w = d sc q - dmin m
         BB = 144 if QT == 3 else 176
         base = rows * RB + (b >> 3) * BB
-        q = base + BB - 128 + (s >> 1) * 32 + 4 * j
+        # the nibbles' words indexed in words, not bytes >> 2: the offsets then show they are 16-byte aligned
+        # (block sizes and field offsets multiples of 16), and a lane's 4 words load as one vector
+        q = rows * (RB // 4) + (b >> 3) * (BB // 4) + (BB - 128) // 4 + (s >> 1) * 8 + j
         nib = ((s & 1) * 4).to(jk.u32)
-        wa = (_u32_at(w8, w16, w32, q, 4) >> nib) & 0x0F0F0F0F
-        wb = (_u32_at(w8, w16, w32, q + 16, 4) >> nib) & 0x0F0F0F0F
-        if QT == 4:                  # element i's fifth bit: bit s of qh[i]
-            wa = wa | (((_u32_at(w8, w16, w32, base + 16 + 4 * j, 4) >> s.to(jk.u32)) & 0x01010101) << 4)
-            wb = wb | (((_u32_at(w8, w16, w32, base + 32 + 4 * j, 4) >> s.to(jk.u32)) & 0x01010101) << 4)
+        wa = (jk.load(w32 + q) >> nib) & 0x0F0F0F0F
+        wb = (jk.load(w32 + q + 4) >> nib) & 0x0F0F0F0F
+        if QT == 4:                  # element i's fifth bit: bit s of qh[i] (bytes 16..47, words 4..11)
+            qh = rows * (RB // 4) + (b >> 3) * (BB // 4) + 4 + j
+            wa = wa | (((jk.load(w32 + qh) >> s.to(jk.u32)) & 0x01010101) << 4)
+            wb = wb | (((jk.load(w32 + qh + 4) >> s.to(jk.u32)) & 0x01010101) << 4)
         sc, m = _kq_scale_min(w8, base, s)
         dw = jk.where(ok, jk.load(wh + (base >> 1)).to(jk.f32) * sc.to(jk.f32), 0.0)
         c = jk.where(first, -(jk.load(wh + (base >> 1) + 1).to(jk.f32) * m.to(jk.f32)), 0.0)

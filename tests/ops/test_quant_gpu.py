@@ -186,8 +186,11 @@ def _qmv_ptx(qtype, K, BM):
 def test_gpu_linear_ptx_assembles_without_spills(qtype, BM, tmp_path):
     from jitkern.backends.nvptx import find_ptxas
     ptx = _qmv_ptx(qtype, _ks(qtype)[0], BM)
-    # the activations' words: one 16-byte load per block half and token; the dots: dp4a, two a word and token
-    assert len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", ptx)) >= 2 * BM, ptx
+    # the activations' words: one 16-byte load per block half and token, and q4_K / q5_K's quant words (their
+    # 144 / 176-byte blocks keep the nibbles and q5_K's high bits 16-byte aligned) one per half too; the dots:
+    # dp4a, two a word and token
+    weights = {"q4_K": 2, "q5_K": 4}.get(qtype, 0)
+    assert len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", ptx)) >= 2 * BM + weights, ptx
     assert ptx.count("dp4a.") >= 8 * BM
     if find_ptxas() is None:
         pytest.skip("no ptxas (the [cuda] extra)")
