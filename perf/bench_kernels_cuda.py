@@ -26,8 +26,8 @@ max error against an f32 reference where one is cheap):
   qgemv GGUF-quantised linears (matmul_q8 on device arrays, activations quantised once outside the timing) of
         --qtypes at SmolLM2-135M shapes (576 x 576, 1536 x 576, 576 x 1536, the 49152 x 576 head) and Llama-3-8B
         ones (4096 x 4096, 14336 x 4096, 4096 x 14336), M = --qgemv-m (default 1 16 64), as GB/s of weight
-        blocks + int8 activations vs the copy bandwidth (q8_0 / q4_0 / q4_1 on the GPU-shaped _qmv_gpu_kernel, the
-        other types on _qmm_kernel).
+        blocks + int8 activations vs the copy bandwidth (every type on the GPU-shaped _qmv_gpu_kernel; shapes whose
+        K is not a multiple of a type's block are skipped).
 The copy bandwidth (cuMemcpyDtoDAsync of 1 GiB, read + write bytes) is measured first in every run.
 
 Timing: CUDA events on jitkern's stream (torch and Triton are made to run on the same stream); before each
@@ -399,15 +399,23 @@ def gemv(b: Bench, copy_gbs: float, NKs, Ms=(1,)):
 QGEMV_NK = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096), (14336, 4096), (4096, 14336))
 
 
+# byte offsets of each type's f16 scales (and mins) in a block (ggml-common.h)
+_F16_SCALES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
+               "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "q2_K": (80, 82), "q3_K": (108,), "iq4_xs": (0,),
+               "mxfp4": ()}
+
+
 def _qweight(qtype: str, N: int, K: int, rng) -> np.ndarray:
-    """Random GGUF blocks of `qtype` (N, row bytes) with finite f16 scales (and q4_1 mins)."""
+    """Random GGUF blocks of `qtype` (N, row bytes) with finite f16 scales and mins (mxfp4: exponents near 2^0)."""
     from engine.ops import quant as Q
     q = Q.QTYPES[qtype]
-    nb = K // 32
+    nb = K // q.block_elems
     raw = rng.integers(0, 256, (N, nb, q.block_bytes), dtype=np.uint8)
-    for off in {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2)}[qtype]:
+    for off in _F16_SCALES[qtype]:
         raw[:, :, off:off + 2] = rng.uniform(-0.02, 0.02, (N, nb)).astype(np.float16).view(np.uint8).reshape(
             N, nb, 2)
+    if qtype == "mxfp4":
+        raw[:, :, 0] = rng.integers(118, 128, (N, nb))
     return raw.reshape(N, -1)
 
 
@@ -421,6 +429,8 @@ def qgemv(b: Bench, copy_gbs: float, NKs, Ms, qtypes):
     cuda = b.cuda_mod
     for qtype in qtypes:
         for N, K in NKs:
+            if K % Q.QTYPES[qtype].block_elems:
+                continue                                  # (the 256-element super-block types need K % 256 == 0)
             rb = Q.row_bytes(qtype, K)
             copies = max(1, min(8, math.ceil(ROTATE_BYTES / (N * rb))))
             one = _qweight(qtype, N, K, rng)
@@ -728,7 +738,7 @@ def _run(a) -> int:
         Ms, NKs = a.m or (1, 16, 64), ((128, 64), (96, 160))
         pre, dec = ((1, 64), (2, 48)), ((1, 40), (3, 64))
         copy_mib, elem = 4, (64, 256, 384)
-        qnk = ((96, 64), (40, 576))
+        qnk = ((96, 64), (40, 576), (24, 768))      # (768: a shape for the 256-element super-block types)
     else:
         Ms, NKs = a.m or GEMM_M, GEMM_NK
         pre, dec = PREFILL_CASES, DECODE_CASES

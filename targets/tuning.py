@@ -76,6 +76,8 @@ class Tuning(CachedHash):
     flash_prefill_pipeline: bool = True   # the flash prefill kernel loads the next cache block during the current one
     token_attention: bool = False    # experiment: GPU attention all on token_attention_kernel (the pre-flash path)
     quant_gemv_tokens: int = 8       # CUDA: tokens a program of the GPU-shaped GGUF linear takes (weights loaded once for them)
+    quant_gemv_lanes: int = 32       # CUDA: most lanes (threads) over a row's 32-element blocks there (a power of 2)
+    quant_gemv_warps: int = 4        # CUDA: warps a CTA of that linear (rows a CTA: 32 * warps / lanes)
     # CPU tiers' attention launches (ops/attention.py)
     decode_skip_idle: bool = True    # decode / merge programs without work return at once
     decode_head_split: bool = True   # decode programs per KV head when there are fewer sequences than threads

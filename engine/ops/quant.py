@@ -4,7 +4,7 @@ API: `matmul_q(x, weight_raw, qtype, N, K)`; `quantize_q8(x, layout=act_layout(q
 per weight when several weights share an input; `dequantize_rows(raw, qtype, rows_idx, K)` (embedding lookup);
 `row_bytes`, `QTYPES`, `qmm_tiles` / `qmm_step` (the 32-element formats' tiles). qtypes: q8_0 q4_0 q4_1 q5_0
 q5_1 iq4_nl mxfp4 (32-element blocks, `_qmm_kernel`), q2_K q3_K q4_K q5_K q6_K iq4_xs (256-element super-blocks,
-`_kq_kernel`).
+`_kq_kernel`); on CUDA all of them on `_qmv_gpu_kernel`.
 
 Decode is a bandwidth-bound GEMV over the weights, prefill and batched decode a compute-bound GEMM; both
 follow ggml's plan for the arithmetic:
@@ -34,13 +34,14 @@ follow ggml's plan for the arithmetic:
    Batch invariance: the integer dots are exact and the float operations of an output depend only on the
    tier's step S (`qmm_step`) and K, never on M or the tile, so a row's result is bit-identical alone or in
    any batch (tests/ops/test_quant.py checks it).
-4. On CUDA targets q8_0 / q4_0 / q4_1 run on `_qmv_gpu_kernel` instead, for every M: a CTA's
-   threads over (row, lane, word), lanes over a row's blocks, the block dots in `jk.dp4a` (PTX dp4a) against the
-   activations in the 'natural' layout (16-byte loads), no repeated scales; batch invariant the same way (the
-   float operations of an output follow from K alone). See the comment above the kernel.
-5. The K-quants (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per sub-block summed over
-   the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above, GEMM tiles 4 x 2;
-   the same arithmetic for every tile shape.
+4. On CUDA targets every type runs on `_qmv_gpu_kernel` instead, for every M: a CTA's threads over (row, lane,
+   word), lanes over a row's 32-element blocks (the K-quants' sub-blocks), the block dots in `jk.dp4a` (PTX dp4a)
+   against the activations in the 'natural' layout (16-byte loads), no repeated scales, a decoder per type
+   (`_qmv_decode`) giving packed quant words, scales and offsets; batch invariant the same way (the float
+   operations of an output follow from K and the type alone). See the comment above the kernel.
+5. The K-quants on the CPU tiers (`_kq_kernel`, one super-block per step): the scaled dots of 8 lanes per
+   sub-block summed over the sub-blocks, min terms FMA'd with the activation block sums; GEMV programs as above,
+   GEMM tiles 4 x 2; the same arithmetic for every tile shape.
 
 Weight layout (ggml-common.h; rows are K/block_elems consecutive blocks, row r of an (N, K) tensor starts at
 byte r * row_bytes). A decoder turns a step's blocks into small integers q (natural element order, or for
@@ -1317,42 +1318,245 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
 
 
 # ------------------------------------------------------- GPU: warps over rows, lanes over blocks, dp4a dots
-# The CPU-shaped _qmm_kernel runs one program per 8 rows at M = 1 with serial K loops over tiles of a block or two,
-# and its dot4 goes through shared memory on a GPU. This kernel is shaped for the GPU: a CTA of QMV_WARPS warps
-# owns R weight rows and deals them (R, L) positions x 4 words, one position a thread: lane l of a row takes the
-# row's blocks l, l + L, ... (consecutive threads read consecutive blocks of a row: coalesced), each block's
-# quants as 32-bit words of packed bytes against the int8 activations' words (quantize_q8's 'natural' layout:
-# 16-byte vector loads) in jk.dp4a (PTX dp4a: exact i32), word j of a lane with the block's words j and j + 4.
-# Per (token, row) the float work is fixed by K alone: per block and word one FMA of the exact integer dot with
-# d_w * d_x into the lane's word accumulator, for the formats with an offset one FMA of c * s (the activation
-# block sum; c = m for q4_1, -8 d for q4_0) into word 0, then the 4 words of each lane summed, then the L lanes
-# in order (the GPU lowering's reductions fold in an order fixed by the reduced length). Neither the batch, the
-# token tile BM, R nor the grid changes a row's operations: batch invariant.
+# The CPU-shaped kernels run one program per 8 rows at M = 1 with serial K loops over tiles of a block or two, and
+# their dot4 goes through shared memory on a GPU. This kernel is shaped for the GPU: a CTA of `warps` warps owns R
+# weight rows and deals them (R, L) positions x 4 words, one position a thread: lane l of a row takes the row's
+# 32-element blocks l, l + L, ... (for the 256-element super-block types: sub-blocks, so consecutive lanes read
+# consecutive sub-blocks of a super-block and consecutive super-blocks: coalesced), each block's quants as
+# 32-bit words of packed bytes against the int8 activations' words (quantize_q8's 'natural' layout: 16-byte
+# vector loads) in jk.dp4a (PTX dp4a: exact i32), word j of a lane with the block's words j and j + 4 (elements
+# 4j..4j+3 and 16+4j..16+4j+3). A decoder per type (_qmv_decode) turns a block into those words (unsigned
+# bytes, or signed where the format's zero point is not a per-32 constant: q6_K's -32, q3_K's -4, the iq4 / mxfp4
+# grids), its scales and offsets:
+#   one scale per 32 elements (q8_0, q4_*, q5_*, q4_K / q5_K's d * sc, iq4_*, mxfp4): dot = dp4a(a) + dp4a(b);
+#   one integer scale per 16 elements (q6_K, q3_K, q2_K): dot = sa * dp4a(a) + sb * dp4a(b), exact in i32
+#     (|dot| < 2^23, so its f32 conversion is exact too), the super-block's d the float scale;
+#   an offset per 32 elements (q4_0's -8 d, q5_0's -16 d, q4_1 / q5_1's m, q4_K / q5_K's -dmin * m) as c times
+#     the activation block sum s (quantize_q8's d_x * sum(q)), on word 0;
+#   q2_K's mins per 16 elements against the activations' 16-element integer sums (dp4a with ones), scaled by
+#     -dmin * d_x.
+# Per (token, row) the float work is fixed by K and the type alone: per block and word one FMA of the exact integer
+# dot with d_w * d_x into the lane's word accumulator, one FMA of c * s (word 0; an exact zero elsewhere) or of
+# q2_K's min term, then the 4 words of each lane summed, then the L lanes in order (the GPU lowering's reductions
+# fold in an order fixed by the reduced length). Neither the batch, the token tile BM, R nor the grid changes a
+# row's operations: batch invariant.
 @jk.jit
-def _qmv_words(w16, w32, rows, b, RB: jk.constexpr, QT: jk.constexpr):
-    """The quants of blocks b (R, L, 4) (in range) of rows `rows` as two (R, L, 4) tiles of 32-bit words, lane j
-    of the first holding the bytes that meet activation word j, of the second those that meet word j + 4:
-    q8_0 i32 (signed bytes), q4_0 / q4_1 u32 (nibbles 0..15)."""
+def _u32_at(w8, w16, w32, off, A: jk.constexpr):
+    """The little-endian 32-bit words at byte offsets `off` (multiples of A: 4, 2 or 1) as u32, by loads of A
+    bytes (a format's fields are only as aligned as its block size: q6_K's 210 B and q3_K's 110 B are 2-byte
+    aligned, mxfp4's 17 B not at all)."""
+    if A == 4:
+        return jk.load(w32 + (off >> 2))
+    if A == 2:
+        h = off >> 1
+        return jk.load(w16 + h).to(jk.u32) | (jk.load(w16 + h + 1).to(jk.u32) << 16)
+    return (jk.load(w8 + off).to(jk.u32) | (jk.load(w8 + off + 1).to(jk.u32) << 8)
+            | (jk.load(w8 + off + 2).to(jk.u32) << 16) | (jk.load(w8 + off + 3).to(jk.u32) << 24))
+
+
+@jk.jit
+def _bits_to_bytes(m, sh):
+    """Bits sh..sh+3 of the u32 masks m, bit k moved to bit 4 of byte k (q5_0 / q5_1's fifth bits): the multiply
+    places bit k at bit 8k (the four shifted copies of a 4-bit value cannot carry into each other)."""
+    return ((((m >> sh) & 15) * 0x204081) & 0x01010101) << 4
+
+
+@jk.jit
+def _signed_bytes(v, bias: jk.constexpr):
+    """v - bias per byte as i32 words of signed bytes, for u32 words of bytes in [0, 127 + bias]: byte + (128 -
+    bias) stays below 256 (no carry into the next byte), and flipping bit 7 takes the 128 back off in two's
+    complement."""
+    return ((v + (128 - bias) * 0x01010101) ^ 0x80808080).to(jk.i32, bitcast=True)
+
+
+@jk.jit
+def _lut16(v, MX: jk.constexpr):
+    """table[n] of the u32 words v of nibble bytes n (0..15) as i32 words of signed bytes: kvalues_iq4nl, or with MX
+    kvalues_mxfp4 (the doubled e2m1 grid), each packed little-endian in four u32 constants (entries 4i..4i+3 in
+    the i-th): per byte two selects on bits 3 and 2 of n and a shift by its bits 0-1 (no table in memory)."""
+    if MX:              # 0 1 2 3 | 4 6 8 12 | 0 -1 -2 -3 | -4 -6 -8 -12
+        t0, t1 = jk.full((1, 1, 1), 0x03020100, jk.u32), jk.full((1, 1, 1), 0x0C080604, jk.u32)
+        t2, t3 = jk.full((1, 1, 1), 0xFDFEFF00, jk.u32), jk.full((1, 1, 1), 0xF4F8FAFC, jk.u32)
+    else:               # -127 -104 -83 -65 | -49 -35 -22 -10 | 1 13 25 38 | 53 69 89 113
+        t0, t1 = jk.full((1, 1, 1), 0xBFAD9881, jk.u32), jk.full((1, 1, 1), 0xF6EADDCF, jk.u32)
+        t2, t3 = jk.full((1, 1, 1), 0x26190D01, jk.u32), jk.full((1, 1, 1), 0x71594535, jk.u32)
+    out = v & 0
+    for k in jk.static_range(4):
+        n = (v >> (8 * k)) & 15
+        t = jk.where((n & 8) != 0, jk.where((n & 4) != 0, t3, t2), jk.where((n & 4) != 0, t1, t0))
+        out = out | (((t >> ((n & 3) * 8)) & 255) << (8 * k))
+    return out.to(jk.i32, bitcast=True)
+
+
+@jk.jit
+def _kq_scale_min(w8, base, s):
+    """q4_K / q5_K's 6-bit scale and min of sub-blocks s (ggml's get_scale_min_k4) from the 12 bytes at base + 4,
+    as i32."""
+    a = jk.load(w8 + base + 4 + s).to(jk.i32)          # scales[s]
+    b = jk.load(w8 + base + 8 + s).to(jk.i32)          # scales[s + 4]
+    c = jk.load(w8 + base + s).to(jk.i32)              # scales[s - 4] (for s >= 4)
+    low = s < 4
+    return (jk.where(low, a & 63, (b & 15) | ((c >> 6) << 4)),
+            jk.where(low, b & 63, (b >> 4) | ((a >> 6) << 4)))
+
+
+@jk.jit
+def _q3_scale(w8, base, k):
+    """q3_K's scale k (0..15, bias 32 removed) of the 12 bytes at base + 96, as i32: low 4 bits
+    (b[k % 8] >> 4 (k // 8)) & 15, high 2 bits (b[8 + k % 4] >> 2 (k // 4)) & 3."""
+    lo = (jk.load(w8 + base + 96 + (k & 7)).to(jk.i32) >> ((k >> 3) * 4)) & 15
+    hi = (jk.load(w8 + base + 104 + (k & 3)).to(jk.i32) >> ((k >> 2) * 2)) & 3
+    return (lo | (hi << 4)) - 32
+
+
+@jk.jit
+def _qmv_decode(w8, w16, w32, wh, rows, b, ok, RB: jk.constexpr, QT: jk.constexpr):
+    """Block b (R, L, 4) (in range; `ok` false where a lane is past the row: its scales and offsets are then exact
+    zeros) of rows `rows` (i64), for word j = arange(4) of a lane: (wa, wb, sa, sb, dw, c, ma, mb, dm) with
+    wa / wb the u32 (unsigned bytes) or i32 (signed bytes) words that meet activation words j and j + 4;
+    sa / sb the i32 integer scales of the two 16-element halves, or None; dw the f32 weight scale; c the f32
+    coefficient of the activation block sum (on word 0, zero elsewhere), or None; ma / mb / dm q2_K's integer
+    mins of the halves and its f32 -dmin, else None. QT: _QMV_TYPES. Layouts: the comment at the top."""
     j = jk.arange(0, 4)[None, None, :]
-    if QT == 0:         # q8_0 (34 B: f16 d, 32 x i8): quants 2-byte aligned, each word from two u16 loads
-        h = rows * (RB // 2) + b * 17 + 1 + 2 * j
-        lo = jk.load(w16 + h).to(jk.u32) | (jk.load(w16 + h + 1).to(jk.u32) << 16)
-        hi = jk.load(w16 + h + 8).to(jk.u32) | (jk.load(w16 + h + 9).to(jk.u32) << 16)
-        return lo.to(jk.i32, bitcast=True), hi.to(jk.i32, bitcast=True)
-    if QT == 1:         # q4_0 (18 B: f16 d, 16 B nibbles): 2-byte aligned
-        h = rows * (RB // 2) + b * 9 + 1 + 2 * j
-        v = jk.load(w16 + h).to(jk.u32) | (jk.load(w16 + h + 1).to(jk.u32) << 16)
-    else:               # q4_1 (20 B: f16 d, f16 m, 16 B nibbles): 4-byte aligned
-        v = jk.load(w32 + rows * (RB // 4) + b * 5 + 1 + j)
-    # byte i of word j holds element 4j + i in its low nibble, element 16 + 4j + i in its high nibble
-    return v & 0x0F0F0F0F, (v >> 4) & 0x0F0F0F0F
+    first = (j == 0) & ok
+    sa = None
+    sb = None
+    c = None
+    ma = None
+    mb = None
+    dm = None
+    if QT <= 2 or QT == 6 or QT == 7 or QT == 8 or QT == 12:
+        # 32-element blocks: block b at byte b * BB of its row; byte i of the 16 nibble bytes holds element i in
+        # its low nibble and element 16 + i in its high nibble, so word j's low nibbles meet activation word j,
+        # its high nibbles word j + 4
+        if QT == 0:         # q8_0 (34 B: f16 d, 32 x i8)
+            base = rows * RB + b * 34
+            wa = _u32_at(w8, w16, w32, base + 2 + 4 * j, 2).to(jk.i32, bitcast=True)
+            wb = _u32_at(w8, w16, w32, base + 18 + 4 * j, 2).to(jk.i32, bitcast=True)
+            d = jk.load(wh + (base >> 1)).to(jk.f32)
+        if QT == 1:         # q4_0 (18 B: f16 d, 16 B nibbles); sum_k d (q - 8) x = d dot(q, x) - 8 d sum(x)
+            base = rows * RB + b * 18
+            v = _u32_at(w8, w16, w32, base + 2 + 4 * j, 2)
+            wa, wb = v & 0x0F0F0F0F, (v >> 4) & 0x0F0F0F0F
+            d = jk.load(wh + (base >> 1)).to(jk.f32)
+            c = jk.where(first, d * -8.0, 0.0)
+        if QT == 2:         # q4_1 (20 B: f16 d, f16 m, 16 B nibbles)
+            base = rows * RB + b * 20
+            v = _u32_at(w8, w16, w32, base + 4 + 4 * j, 4)
+            wa, wb = v & 0x0F0F0F0F, (v >> 4) & 0x0F0F0F0F
+            d = jk.load(wh + (base >> 1)).to(jk.f32)
+            c = jk.where(first, jk.load(wh + (base >> 1) + 1).to(jk.f32), 0.0)
+        if QT == 6 or QT == 7:
+            # q5_0 (22 B: f16 d, 32-bit mask qh, nibbles; w = d (q - 16)), q5_1 (24 B: f16 d, f16 m, qh, nibbles;
+            # w = d q + m): bit i of qh is element i's fifth bit
+            BB = 22 if QT == 6 else 24
+            base = rows * RB + b * BB
+            qh = _u32_at(w8, w16, w32, base + BB - 20, 2 if QT == 6 else 4)
+            v = _u32_at(w8, w16, w32, base + BB - 16 + 4 * j, 2 if QT == 6 else 4)
+            sh = (4 * j).to(jk.u32)
+            wa = (v & 0x0F0F0F0F) | _bits_to_bytes(qh, sh)
+            wb = ((v >> 4) & 0x0F0F0F0F) | _bits_to_bytes(qh, sh + 16)
+            d = jk.load(wh + (base >> 1)).to(jk.f32)
+            if QT == 6:
+                c = jk.where(first, d * -16.0, 0.0)
+            else:
+                c = jk.where(first, jk.load(wh + (base >> 1) + 1).to(jk.f32), 0.0)
+        if QT == 8:         # iq4_nl (18 B: f16 d, nibbles indexing kvalues_iq4nl)
+            base = rows * RB + b * 18
+            v = _u32_at(w8, w16, w32, base + 2 + 4 * j, 2)
+            wa = _lut16(v & 0x0F0F0F0F, False)
+            wb = _lut16((v >> 4) & 0x0F0F0F0F, False)
+            d = jk.load(wh + (base >> 1)).to(jk.f32)
+        if QT == 12:        # mxfp4 (17 B: e8m0 exponent e, nibbles indexing the doubled e2m1 grid)
+            base = rows * RB + b * 17
+            v = _u32_at(w8, w16, w32, base + 1 + 4 * j, 1)
+            wa = _lut16(v & 0x0F0F0F0F, True)
+            wb = _lut16((v >> 4) & 0x0F0F0F0F, True)
+            # d = 2^(e - 128): f32 bits 0x00200000 << e for e < 2, else (e - 1) << 23 (ggml_e8m0_to_fp32_half)
+            e = jk.load(w8 + base).to(jk.i32)
+            d = jk.where(e < 2, jk.where(e == 0, 2097152, 4194304), (e - 1) << 23).to(jk.f32, bitcast=True)
+        return wa, wb, sa, sb, jk.where(ok, d, 0.0), c, ma, mb, dm
+    # 256-element super-blocks: block b is sub-block s = b % 8 of super-block b // 8
+    s = b & 7
+    h = s >> 2                       # q6_K / q2_K / q3_K: the 128-element half of the super-block
+    u = (s & 3).to(jk.u32)           # ... and the 32-element group within it
+    if QT == 3 or QT == 4:
+        # q4_K (144 B: f16 d, f16 dmin, 12 B scales / mins, 128 B nibbles), q5_K (176 B: ..., 32 B qh, then the
+        # nibbles): sub-block s in the low (even s) or high nibbles of bytes 32 (s // 2) + i; w = d sc q - dmin m
+        BB = 144 if QT == 3 else 176
+        base = rows * RB + (b >> 3) * BB
+        # the nibbles' words indexed in words, not bytes >> 2: the offsets then show they are 16-byte aligned
+        # (block sizes and field offsets multiples of 16), and a lane's 4 words load as one vector
+        q = rows * (RB // 4) + (b >> 3) * (BB // 4) + (BB - 128) // 4 + (s >> 1) * 8 + j
+        nib = ((s & 1) * 4).to(jk.u32)
+        wa = (jk.load(w32 + q) >> nib) & 0x0F0F0F0F
+        wb = (jk.load(w32 + q + 4) >> nib) & 0x0F0F0F0F
+        if QT == 4:                  # element i's fifth bit: bit s of qh[i] (bytes 16..47, words 4..11)
+            qh = rows * (RB // 4) + (b >> 3) * (BB // 4) + 4 + j
+            wa = wa | (((jk.load(w32 + qh) >> s.to(jk.u32)) & 0x01010101) << 4)
+            wb = wb | (((jk.load(w32 + qh + 4) >> s.to(jk.u32)) & 0x01010101) << 4)
+        sc, m = _kq_scale_min(w8, base, s)
+        dw = jk.where(ok, jk.load(wh + (base >> 1)).to(jk.f32) * sc.to(jk.f32), 0.0)
+        c = jk.where(first, -(jk.load(wh + (base >> 1) + 1).to(jk.f32) * m.to(jk.f32)), 0.0)
+        return wa, wb, sa, sb, dw, c, ma, mb, dm
+    if QT == 5:
+        # q6_K (210 B: 128 B low nibbles ql, 64 B high 2-bit pairs qh, 16 x i8 scales, f16 d): group u of half h
+        # takes ql[64h + 32 (u % 2) + i] >> 4 (u // 2) and qh[32h + i] >> 2u; q - 32 as signed bytes; a scale
+        # per 16 elements
+        base = rows * RB + (b >> 3) * 210
+        ql = base + h * 64 + (s & 1) * 32 + 4 * j
+        qh = base + 128 + h * 32 + 4 * j
+        nib = (u >> 1) * 4
+        wa = _signed_bytes(((_u32_at(w8, w16, w32, ql, 2) >> nib) & 0x0F0F0F0F)
+                           | (((_u32_at(w8, w16, w32, qh, 2) >> (2 * u)) & 0x03030303) << 4), 32)
+        wb = _signed_bytes(((_u32_at(w8, w16, w32, ql + 16, 2) >> nib) & 0x0F0F0F0F)
+                           | (((_u32_at(w8, w16, w32, qh + 16, 2) >> (2 * u)) & 0x03030303) << 4), 32)
+        sa = jk.load(w8 + base + 192 + 2 * s).to(jk.i8, bitcast=True).to(jk.i32)
+        sb = jk.load(w8 + base + 193 + 2 * s).to(jk.i8, bitcast=True).to(jk.i32)
+        return wa, wb, sa, sb, jk.where(ok, jk.load(wh + (base >> 1) + 104).to(jk.f32), 0.0), c, ma, mb, dm
+    if QT == 9:
+        # q2_K (84 B: 16 B scales (low nibble scale, high nibble min, per 16 elements), 64 B 2-bit quants
+        # (group u of half h: (qs[32h + i] >> 2u) & 3), f16 d, f16 dmin); w = d sc q - dmin m
+        base = rows * RB + (b >> 3) * 84
+        q = base + 16 + h * 32 + 4 * j
+        wa = (_u32_at(w8, w16, w32, q, 4) >> (2 * u)) & 0x03030303
+        wb = (_u32_at(w8, w16, w32, q + 16, 4) >> (2 * u)) & 0x03030303
+        s0 = jk.load(w8 + base + 2 * s).to(jk.i32)
+        s1 = jk.load(w8 + base + 2 * s + 1).to(jk.i32)
+        sa, sb, ma, mb = s0 & 15, s1 & 15, s0 >> 4, s1 >> 4
+        dm = jk.where(ok, -jk.load(wh + (base >> 1) + 41).to(jk.f32), 0.0)
+        return wa, wb, sa, sb, jk.where(ok, jk.load(wh + (base >> 1) + 40).to(jk.f32), 0.0), c, ma, mb, dm
+    if QT == 10:
+        # q3_K (110 B: 32 B high-bit mask, 64 B 2-bit quants as q2_K's, 12 B of 16 6-bit scales, f16 d):
+        # q = low 2 bits + 4 * (bit s of hmask[i]) - 4, as signed bytes
+        base = rows * RB + (b >> 3) * 110
+        q = base + 32 + h * 32 + 4 * j
+        su = s.to(jk.u32)
+        wa = _signed_bytes(((_u32_at(w8, w16, w32, q, 2) >> (2 * u)) & 0x03030303)
+                           | (((_u32_at(w8, w16, w32, base + 4 * j, 2) >> su) & 0x01010101) << 2), 4)
+        wb = _signed_bytes(((_u32_at(w8, w16, w32, q + 16, 2) >> (2 * u)) & 0x03030303)
+                           | (((_u32_at(w8, w16, w32, base + 16 + 4 * j, 2) >> su) & 0x01010101) << 2), 4)
+        sa = _q3_scale(w8, base, 2 * s)
+        sb = _q3_scale(w8, base, 2 * s + 1)
+        return wa, wb, sa, sb, jk.where(ok, jk.load(wh + (base >> 1) + 54).to(jk.f32), 0.0), c, ma, mb, dm
+    # QT == 11: iq4_xs (136 B: f16 d, u16 scales_h, 4 B scales_l, 16 nibble bytes a sub-block in q4_0's order
+    # indexing kvalues_iq4nl); w = d (ls - 32) kvalues[q], ls = 4 bits of scales_l[s // 2] | 2 bits of
+    # scales_h >> 2s
+    base = rows * RB + (b >> 3) * 136
+    v = _u32_at(w8, w16, w32, base + 8 + s * 16 + 4 * j, 4)
+    wa = _lut16(v & 0x0F0F0F0F, False)
+    wb = _lut16((v >> 4) & 0x0F0F0F0F, False)
+    lo = (jk.load(w8 + base + 4 + (s >> 1)).to(jk.i32) >> ((s & 1) * 4)) & 15
+    hi = (jk.load(w16 + (base >> 1) + 1).to(jk.i32) >> (2 * s)) & 3
+    ls = (lo | (hi << 4)) - 32
+    return wa, wb, sa, sb, jk.where(ok, jk.load(wh + (base >> 1)).to(jk.f32) * ls.to(jk.f32), 0.0), c, ma, mb, dm
 
 
 @jk.kernel(do_not_specialize=('M',))
-def _qmv_gpu_kernel(w16, w32, wh, xw, xd, xs, y, M, N, K: jk.constexpr, QT: jk.constexpr, RB: jk.constexpr,
+def _qmv_gpu_kernel(w8, w16, w32, wh, xw, xd, xs, y, M, N, K: jk.constexpr, QT: jk.constexpr, RB: jk.constexpr,
                     R: jk.constexpr, L: jk.constexpr, BM: jk.constexpr):
     # program (R rows from program_id(0) * R, BM tokens from program_id(1) * BM, the last token tile shifted back
-    # to end at M: overlapping tokens are recomputed with the same operations); QT 0 q8_0, 1 q4_0, 2 q4_1.
+    # to end at M: overlapping tokens are recomputed with the same operations); QT: _QMV_TYPES.
     # Lanes past a row's last block (K / 32 not a multiple of L) read the last block again (no masks, no
     # branches) with a zero weight scale and offset, which adds exact zeros; only the activations' vector loads
     # are masked (a predicated 16-byte load).
@@ -1363,29 +1567,32 @@ def _qmv_gpu_kernel(w16, w32, wh, xw, xd, xs, y, M, N, K: jk.constexpr, QT: jk.c
     # lane are one aligned 16-byte load with one mask bit)
     rows = jk.broadcast_to(jk.minimum(n0 + jk.arange(0, R), N - 1).to(jk.i64)[:, None, None], (R, L, 4))
     j = jk.arange(0, 4)[None, None, :]
-    first = j == 0
+    ones = jk.full((1, 1, 4), 0x01010101, jk.u32)
     accs = ()
     for t in jk.static_range(BM):
         accs = accs + (jk.zeros((R, L, 4), jk.f32),)
     for s in range(0, (NB + L - 1) // L):
         b = jk.broadcast_to(s * L + jk.arange(0, L)[None, :, None], (R, L, 4))
         ok = b < NB
-        bc = jk.minimum(b, NB - 1)
-        wa, wb = _qmv_words(w16, w32, rows, bc, RB, QT)
-        d = jk.where(ok, jk.load(wh + rows * (RB // 2) + bc * (RB // (2 * NB))).to(jk.f32), 0.0)
-        if QT == 1:     # sum_k d (q - 8) x = d dot(q, x) - 8 d sum(x): the -8 d rides on the block sum
-            c = jk.where(first, d * -8.0, 0.0)
-        if QT == 2:
-            c = jk.where(first & ok, jk.load(wh + rows * (RB // 2) + bc * 10 + 1).to(jk.f32), 0.0)
+        wa, wb, sa, sb, dw, c, ma, mb, dm = _qmv_decode(w8, w16, w32, wh, rows, jk.minimum(b, NB - 1), ok, RB, QT)
         nxt = ()
         for t in jk.static_range(BM):
             tok = (t0 + t).to(jk.i64)
             xo = tok * (K // 4) + b * 8 + j
-            dot = jk.dp4a(wa, jk.load(xw + xo, mask=ok, other=0), jk.dp4a(wb, jk.load(xw + xo + 4, mask=ok, other=0), 0))
-            blk = tok * NB + bc
-            acc = jk.fma(dot.to(jk.f32), d * jk.load(xd + blk), accs[t])
-            if QT != 0:
+            xa = jk.load(xw + xo, mask=ok, other=0)
+            xb = jk.load(xw + xo + 4, mask=ok, other=0)
+            if sa is None:
+                dot = jk.dp4a(wa, xa, jk.dp4a(wb, xb, 0))
+            else:
+                dot = sa * jk.dp4a(wa, xa, 0) + sb * jk.dp4a(wb, xb, 0)
+            blk = tok * NB + jk.minimum(b, NB - 1)
+            dx = jk.load(xd + blk)
+            acc = jk.fma(dot.to(jk.f32), dw * dx, accs[t])
+            if c is not None:
                 acc = jk.fma(c, jk.load(xs + blk), acc)
+            if dm is not None:
+                mins = ma * jk.dp4a(ones, xa, 0) + mb * jk.dp4a(ones, xb, 0)
+                acc = jk.fma(mins.to(jk.f32), dm * dx, acc)
             nxt = nxt + (acc,)
         accs = nxt
     orow = n0 + jk.arange(0, R)
@@ -1395,36 +1602,40 @@ def _qmv_gpu_kernel(w16, w32, wh, xw, xd, xs, y, M, N, K: jk.constexpr, QT: jk.c
         jk.store(y + (t0 + t).to(jk.i64) * N + orow, res, mask=orow < N)
 
 
-_QMV_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+_QMV_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_K": 3, "q5_K": 4, "q6_K": 5, "q5_0": 6, "q5_1": 7, "iq4_nl": 8,
+              "q2_K": 9, "q3_K": 10, "iq4_xs": 11, "mxfp4": 12}
 
 
 def _gpu_qmv(q: QType, target) -> bool:
-    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: CUDA targets, the types it has (it replaced
-    the CPU-shaped _qmm_kernel there: faster at every q4_0 shape the kernel benchmark printed, and the Q4_1 model
-    with its Q8_0 head decodes several times faster end to end: docs/BENCHMARKS.md)."""
+    """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: on CUDA targets every type (it replaced
+    the CPU-shaped _qmm_kernel / _kq_kernel there: faster at every q4_0 shape the kernel benchmark printed, and the
+    Q4_1 model with its Q8_0 head decodes several times faster end to end: docs/BENCHMARKS.md)."""
     return target is not None and target.is_cuda and q.name in _QMV_TYPES
 
 
 def qmv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
-    """(R, L, BM, num_warps) of `_qmv_gpu_kernel`: L lanes a row (a power of two up to 32, from K alone: it fixes
-    every row's order of operations), R = 32 * warps / L rows a CTA, BM tokens a program (a power of two up to
-    the target's tuning.quant_gemv_tokens that is at most M)."""
+    """(R, L, BM, num_warps) of `_qmv_gpu_kernel`: L lanes a row (a power of two from 4 up to the target's
+    tuning.quant_gemv_lanes and K / 32, from K alone: it fixes every row's order of operations), R = 32 * warps / L
+    rows a CTA (tuning.quant_gemv_warps), BM tokens a program (a power of two up to tuning.quant_gemv_tokens that is
+    at most M). The same for every type: 32 lanes and 4 warps were measured on q4_0 / q4_1 (docs/BENCHMARKS.md),
+    the other types take them untested."""
+    tn = target.tuning if target is not None else None
     nb = K // 32
     L = 4
-    while L < 32 and L * 2 <= nb:
+    while L < (tn.quant_gemv_lanes if tn else 32) and L * 2 <= nb:
         L *= 2
-    warps = 4
+    warps = tn.quant_gemv_warps if tn else 4
     BM = 1
-    cap = target.tuning.quant_gemv_tokens if target is not None else 8
+    cap = tn.quant_gemv_tokens if tn else 8
     while BM * 2 <= min(M, cap):
         BM *= 2
-    return 32 * warps // L, L, BM, warps
+    return max(1, 32 * warps // L), L, BM, warps
 
 
 def _matmul_qmv(q: QType, w, qx, xd, xs, out, M: int, N: int, K: int, target):
     R, L, BM, warps = qmv_tiles(q, M, N, K, target)
     return run(_qmv_gpu_kernel, (-(-N // R), -(-M // BM)),
-               (jk.as_pointer(w, "u16"), jk.as_pointer(w, "u32"), jk.as_pointer(w, "f16"), jk.as_pointer(qx, "i32"),
+               (w, jk.as_pointer(w, "u16"), jk.as_pointer(w, "u32"), jk.as_pointer(w, "f16"), jk.as_pointer(qx, "i32"),
                 xd, xs, out, M, N), target, K=K, QT=_QMV_TYPES[q.name], RB=row_bytes(q, K), R=R, L=L, BM=BM,
                num_warps=warps)
 

@@ -21,10 +21,16 @@ from jitkern.runtime.launch import launch
 from engine.ops import quant as Q
 from tests.ops.test_quant import dequant_acts, make_weight, ref_quantize_q8
 
-GPU_TYPES = ["q8_0", "q4_0", "q4_1"]
-# K: 18 blocks (SmolLM2's 576: lanes of 16, the second step past the row for most lanes) and 64 blocks (two
-# full steps of 32 lanes)
-KS = (576, 2048)
+# every GGUF type the engine runs: the K-quants first (the Q4_K_M / Q5_K_M / Q6_K files), then the 32-element ones
+GPU_TYPES = ["q4_K", "q6_K", "q5_K", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_K", "q3_K",
+             "mxfp4"]
+
+
+def _ks(qtype) -> tuple:
+    """K of the tests: 18 blocks (SmolLM2's 576: lanes of 16, the second step past the row for most lanes) or for
+    the 256-element super-block types 24 (768: 3 super-blocks, lanes of 16, the second step half past the row),
+    and 64 blocks (two full steps of 32 lanes)."""
+    return (768 if Q.QTYPES[qtype].block_elems == 256 else 576, 2048)
 
 
 @jk.kernel
@@ -111,7 +117,7 @@ def test_gpu_linear_matches_the_float64_reference(backend, qtype, monkeypatch):
     names = _spy(monkeypatch)
     rng = np.random.default_rng(40 + GPU_TYPES.index(qtype))
     N = 45                                    # not a whole number of row groups
-    for K in KS:
+    for K in _ks(qtype):
         raw, wd = make_weight(qtype, N, K, rng)
         draw = cuda.DeviceArray.from_numpy(raw)
         for M in (1, 3, 9):
@@ -120,7 +126,7 @@ def test_gpu_linear_matches_the_float64_reference(backend, qtype, monkeypatch):
             y = Q.matmul_q(cuda.DeviceArray.from_numpy(x), draw, qtype, N, K).numpy()
             ok, worst, ratio = _tight(y, x, wd)
             assert ok, f"{qtype} K={K} M={M}: max err {worst:.3g}, worst ratio {ratio:.3g}"
-    assert "_qmv_gpu_kernel" in names and "_qmm_kernel" not in names, names
+    assert "_qmv_gpu_kernel" in names and not names & {"_qmm_kernel", "_kq_kernel"}, names
 
 
 @pytest.mark.parametrize("backend", ["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -130,7 +136,7 @@ def test_gpu_linear_rows_alone_equal_batched(backend, qtype, monkeypatch):
     # back over earlier tokens, every output is the same bits
     cuda = _device(backend, monkeypatch)
     rng = np.random.default_rng(50 + GPU_TYPES.index(qtype))
-    N, K = 37, 576
+    N, K = 37, _ks(qtype)[0]
     raw, _ = make_weight(qtype, N, K, rng)
     draw = cuda.DeviceArray.from_numpy(raw)
     x = rng.standard_normal((19, K)).astype(np.float32)
@@ -146,16 +152,19 @@ def test_gpu_linear_rows_alone_equal_batched(backend, qtype, monkeypatch):
 def test_gpu_linear_is_the_cuda_choice():
     from targets import cpu_tier_names, get_target, tuned
     sm90 = get_target("sm_90a")
+    assert sorted(GPU_TYPES) == sorted(Q.QTYPES)           # every type the CPU runs
     for q in GPU_TYPES:
         assert Q._gpu_qmv(Q.QTYPES[q], sm90) and Q.act_layout(q, 1, sm90) == "natural"
         for name in cpu_tier_names():
             assert not Q._gpu_qmv(Q.QTYPES[q], get_target(name))
-    assert not Q._gpu_qmv(Q.QTYPES["q4_K"], sm90)
     # tiles: lanes from K alone, tokens from M up to the tuning's cap
     assert Q.qmv_tiles("q4_1", 1, 576, 576, sm90)[:3] == (8, 16, 1)
     assert Q.qmv_tiles("q4_1", 37, 576, 576, sm90)[:3] == (8, 16, 8)
     assert Q.qmv_tiles("q4_1", 3, 576, 1536, sm90)[:3] == (4, 32, 2)
     assert Q.qmv_tiles("q4_1", 37, 576, 1536, tuned(sm90, quant_gemv_tokens=4))[2] == 4
+    # lanes and warps from the tuning table
+    assert Q.qmv_tiles("q4_K", 1, 576, 4096, tuned(sm90, quant_gemv_lanes=16))[:2] == (8, 16)
+    assert Q.qmv_tiles("q4_K", 1, 576, 4096, tuned(sm90, quant_gemv_warps=8))[:2] == (8, 32)
 
 
 # ------------------------------------------------------------------------------------------------- the PTX
@@ -165,7 +174,8 @@ def _qmv_ptx(qtype, K, BM):
     from targets import get_target
     t = get_target("sm_90a")
     R, L, _, warps = Q.qmv_tiles(qtype, BM, 576, K, t)
-    sig = "w16=*u16:16,w32=*u32:16,wh=*f16:16,xw=*i32:16,xd=*f32:16,xs=*f32:16,y=*f32:16,M=i32,N=i32:16"
+    sig = ("w8=*u8:16,w16=*u16:16,w32=*u32:16,wh=*f16:16,xw=*i32:16,xd=*f32:16,xs=*f32:16,y=*f32:16,M=i32,"
+           "N=i32:16")
     params, cx = parse_sig(Q._qmv_gpu_kernel, sig, [f"K={K}", f"QT={Q._QMV_TYPES[qtype]}", f"RB={Q.row_bytes(qtype, K)}",
                                                    f"R={R}", f"L={L}", f"BM={BM}", f"num_warps={warps}"])
     return compile_kernel(Q._qmv_gpu_kernel, params, cx, t, load=False).artifacts["kernel.ptx"].decode()
@@ -175,9 +185,12 @@ def _qmv_ptx(qtype, K, BM):
 @pytest.mark.parametrize("BM", [1, 8])
 def test_gpu_linear_ptx_assembles_without_spills(qtype, BM, tmp_path):
     from jitkern.backends.nvptx import find_ptxas
-    ptx = _qmv_ptx(qtype, 576, BM)
-    # the activations' words: one 16-byte load per block half and token; the dots: dp4a, two a word and token
-    assert len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", ptx)) >= 2 * BM, ptx
+    ptx = _qmv_ptx(qtype, _ks(qtype)[0], BM)
+    # the activations' words: one 16-byte load per block half and token, and q4_K / q5_K's quant words (their
+    # 144 / 176-byte blocks keep the nibbles and q5_K's high bits 16-byte aligned) one per half too; the dots:
+    # dp4a, two a word and token
+    weights = {"q4_K": 2, "q5_K": 4}.get(qtype, 0)
+    assert len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", ptx)) >= 2 * BM + weights, ptx
     assert ptx.count("dp4a.") >= 8 * BM
     if find_ptxas() is None:
         pytest.skip("no ptxas (the [cuda] extra)")
