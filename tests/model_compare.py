@@ -81,6 +81,23 @@ def solo_and_batch(llm, prompts, n: int):
     return greedy(llm, prompts[:1], n)[0], greedy(llm, prompts, n)
 
 
+def each_alone_and_batch(llm, prompts, n: int):
+    """([each prompt's greedy tokens run alone], every prompt's run as one batch)."""
+    return [greedy(llm, [p], n)[0] for p in prompts], greedy(llm, prompts, n)
+
+
+def greedy_on_devices(path, prompts, n: int, devices=("cpu", "cuda"), **llm_kw) -> dict:
+    """{device: each_alone_and_batch} from one engine per device (block_size 16, 64-token steps, `llm_kw`)."""
+    got = {}
+    for dev in devices:
+        llm = LLM(path, **{"block_size": 16, "max_num_batched_tokens": 64, **llm_kw, "device": dev})
+        try:
+            got[dev] = each_alone_and_batch(llm, prompts, n)
+        finally:
+            llm.close()
+    return got
+
+
 def check_logits_match_transformers(path, hf) -> None:
     """The engine's prompt logprobs (chunked prefill) = transformers' log-softmax within FLOAT_TOL."""
     prompt = logit_prompt()
