@@ -163,9 +163,11 @@ def init_weights(arch: str, model) -> None:
                 p.add_(torch.randn_like(p) * 0.1)
 
 
-def save_tiny_model(cfg, path: str, seed: int = 0, init=None, auto_class: str = "AutoModelForCausalLM"):
+def save_tiny_model(cfg, path: str, seed: int = 0, init=None, auto_class: str = "AutoModelForCausalLM",
+                    tokenizer: bool = True):
     """Seeds torch, builds `cfg` in float32 with transformers' `auto_class`, runs `init(model)` under no_grad,
-    saves it (safetensors) with the word-level tokenizer under `path`; returns the model (eval mode)."""
+    saves it (safetensors) under `path` with the word-level tokenizer (unless `tokenizer` is False: the caller
+    writes its own); returns the model (eval mode)."""
     import torch
     import transformers as tf
     torch.manual_seed(seed)
@@ -175,7 +177,8 @@ def save_tiny_model(cfg, path: str, seed: int = 0, init=None, auto_class: str = 
             init(model)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer_json(path)
+    if tokenizer:
+        _tokenizer_json(path)
     return model
 
 
