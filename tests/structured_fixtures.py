@@ -29,6 +29,7 @@ def write_smollm2_tokenizer(path: str) -> None:
 
 def make_constrained_model_dir(path: str, seed: int = 0) -> str:
     import transformers as tf
+
     from tests.model_fixtures import save_tiny_model
     os.makedirs(path, exist_ok=True)
     tok = write_smollm2_tokenizer(path)
