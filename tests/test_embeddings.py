@@ -7,7 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from tests.model_fixtures import _tokenizer_json, init_weights, make_config, save_tiny_model
+from tests.model_fixtures import (
+    _tokenizer_json,
+    init_weights,
+    make_config,
+    save_tiny_model,
+)
 
 
 def _sentence_transformers_layout(path: str, normalize: bool, pooling_config: dict) -> None:

@@ -12,14 +12,21 @@ import os
 import numpy as np
 import pytest
 
+from tests.model_compare import (
+    FLOAT_TOL,
+    greedy_params,
+    hf_greedy,
+    hf_logprobs,
+    prompt_logprob_rows,
+    random_prompts,
+)
+
 torch = pytest.importorskip("torch")
 
 from engine.errors import InvalidRequestError  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.lora import LoRARequest  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.model_compare import (FLOAT_TOL, greedy_params, hf_greedy, hf_logprobs,  # noqa: E402
-                                 prompt_logprob_rows, random_prompts)
 from tests.model_fixtures import make_model_dir  # noqa: E402
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

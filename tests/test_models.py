@@ -10,8 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine.llm import LLM  # noqa: E402
-from tests.model_compare import (check_greedy_matches_transformers, check_logits_match_transformers,  # noqa: E402
-                                 greedy, hf_greedy, random_prompts)
+from tests.model_compare import (  # noqa: E402
+    check_greedy_matches_transformers,
+    check_logits_match_transformers,
+    greedy,
+    hf_greedy,
+    random_prompts,
+)
 from tests.model_fixtures import make_model_dir  # noqa: E402
 
 ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gemma2", "granite", "olmo2"]

@@ -5,11 +5,12 @@ import json
 import numpy as np
 import pytest
 
+from tests.model_compare import hf_greedy
+
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")   # the HTTP library of the installed openai client
 
-from tests.model_compare import hf_greedy  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 from tests.test_lora import ATTN, MLP, merged, write_adapter  # noqa: E402
 

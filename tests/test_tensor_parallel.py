@@ -21,11 +21,12 @@ import threading
 import numpy as np
 import pytest
 
+from tests.model_compare import greedy, random_prompts
+
 torch = pytest.importorskip("torch")
 
 from engine.parallel import comm as tpcomm  # noqa: E402
 from engine.parallel.tp import ShardingError, head_plan, shard_model, vocab_range  # noqa: E402
-from tests.model_compare import greedy, random_prompts  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 
 BLOCK = 16

@@ -13,13 +13,14 @@ LlavaForConditionalGeneration on a tiny random model (float32), fed the same pro
 import numpy as np
 import pytest
 
+from tests.model_compare import hf_greedy
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 from engine.llm import LLM  # noqa: E402
 from engine.multimodal import ImageProcessor  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.model_compare import hf_greedy  # noqa: E402
 from tests.vision_fixtures import (IMAGE_SIZE, IMAGE_TOKEN_ID, VARIANTS, VOCAB, hf_greedy_with_images,  # noqa: E402
                                    make_llava_dir, num_features, random_image)
 

@@ -81,6 +81,7 @@ def hf_greedy_with_images(hf, ids, pixels, n: int) -> list:
     """transformers' greedy continuation (exactly n tokens) of `ids` with the processed images `pixels`."""
     import numpy as np
     import torch
+
     from tests.model_compare import hf_greedy
     return hf_greedy(hf, ids, n, pixel_values=torch.from_numpy(np.stack(pixels)))
 
