@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from tests.model_fixtures import VOCAB
 
 FLOAT_TOL = {"atol": 2e-4, "rtol": 1e-4}
-# the logits checks' engine: 16-token prefill chunks, so the logit prompt's 34-63 tokens take several chunks
+# the logits checks' engine: 16-token prefill chunks, so the logit prompt's 33-69 tokens take several chunks
 CHUNKED = {"num_blocks": 64, "block_size": 16, "max_num_batched_tokens": 16, "max_logprobs": -1}
 
 
