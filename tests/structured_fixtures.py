@@ -28,19 +28,15 @@ def write_smollm2_tokenizer(path: str) -> None:
 
 
 def make_constrained_model_dir(path: str, seed: int = 0) -> str:
-    import torch
     import transformers as tf
-    torch.manual_seed(seed)
+
+    from tests.model_fixtures import save_tiny_model
     os.makedirs(path, exist_ok=True)
     tok = write_smollm2_tokenizer(path)
     cfg = tf.LlamaConfig(vocab_size=SMOLLM2_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          rope_theta=10000.0, rms_norm_eps=1e-5)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        # logits spread wide enough that greedy and sampled picks differ from step to step
-        model.get_input_embeddings().weight.normal_(0, 1.0)
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
+    # logits spread wide enough that greedy and sampled picks differ from step to step
+    save_tiny_model(cfg, path, seed, init=lambda m: m.get_input_embeddings().weight.normal_(0, 1.0), tokenizer=False)
     return path

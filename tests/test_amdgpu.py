@@ -838,7 +838,7 @@ def test_build_with_a_bf16_model_has_the_mma_linear(target, tmp_path):
     import torch
     from tests.model_fixtures import make_model_dir
     model = str(tmp_path / "tiny-bf16")
-    make_model_dir("llama", model, seed=3).to(torch.bfloat16).save_pretrained(model, safe_serialization=True)
+    make_model_dir("llama", model, seed=3, dtype=torch.bfloat16)
     cfg_path = os.path.join(model, "config.json")
     cfg = json.load(open(cfg_path))
     cfg["max_position_embeddings"] = 4096            # the build's warm-up asks for 2048 positions

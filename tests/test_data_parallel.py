@@ -15,7 +15,7 @@ import time
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import make_model_dir
+from tests.model_fixtures import tiny_model_dir
 
 BS = 16
 # two "system prompts" of 3 full blocks each, then a per-request tail
@@ -26,11 +26,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, detokenize=False)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama-dp")
-    make_model_dir("llama", str(path), seed=11)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, "tiny-llama-dp", seed=11)[0]
 
 
 ENGINE_KW = dict(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=256)

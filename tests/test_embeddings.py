@@ -7,39 +7,39 @@ import os
 import numpy as np
 import pytest
 
-from tests.model_fixtures import _tokenizer_json, make_config
+from tests.model_fixtures import (
+    _tokenizer_json,
+    init_weights,
+    make_config,
+    save_tiny_model,
+)
+
+
+def _sentence_transformers_layout(path: str, normalize: bool, pooling_config: dict) -> None:
+    """modules.json (Transformer, Pooling, Normalize when `normalize`) and 1_Pooling/config.json."""
+    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(mods, f)
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump(pooling_config, f)
 
 
 def make_embedding_dir(arch: str, path: str, seed: int = 0, pooling: str | None = "last", normalize: bool = True,
                        matryoshka=None):
     """A bare HF model (`AutoModel`, no LM head) with a sentence-transformers layout when `pooling` is set."""
-    import torch
-    import transformers as tf
-    torch.manual_seed(seed)
     cfg = make_config(arch)
     if matryoshka is not None:
         cfg.matryoshka_dimensions = matryoshka
-    model = tf.AutoModel.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    _tokenizer_json(path)
+    model = save_tiny_model(cfg, path, seed, init=lambda m: init_weights(arch, m), auto_class="AutoModel")
     if pooling is not None:
-        mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            mods.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                         "type": "sentence_transformers.models.Normalize"})
-        with open(os.path.join(path, "modules.json"), "w") as f:
-            json.dump(mods, f)
-        os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-        with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-            json.dump({"word_embedding_dimension": cfg.hidden_size,
-                       "pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
-                       "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": pooling == "last"}, f)
+        _sentence_transformers_layout(path, normalize, {
+            "word_embedding_dimension": cfg.hidden_size, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+            "pooling_mode_lasttoken": pooling == "last"})
     return model
 
 
@@ -173,17 +173,9 @@ def make_bert_dir(path: str, seed: int = 0, pooling: str | None = "cls", normali
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer_json(path)
     if pooling is not None:
-        mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            mods.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                         "type": "sentence_transformers.models.Normalize"})
-        with open(os.path.join(path, "modules.json"), "w") as f:
-            json.dump(mods, f)
-        os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-        with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-            json.dump({"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
-                       "pooling_mode_lasttoken": pooling == "last"}, f)
+        _sentence_transformers_layout(path, normalize, {
+            "pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_lasttoken": pooling == "last"})
     return model
 
 

@@ -11,20 +11,16 @@ import pytest
 from engine.errors import InvalidRequestError, ModelLoadError  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.model_fixtures import make_model_dir  # noqa: E402
+from tests.model_fixtures import tiny_model_dir  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    # The oracle libraries, needed here (make_model_dir) and not at module level: the tests on the embedded
-    # model need neither.
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf = make_model_dir("llama", str(path), seed=5)
-    return str(path), hf
+    # The oracle libraries (torch, transformers) are needed here and not at module level: the tests on the
+    # embedded model need neither.
+    return tiny_model_dir(tmp_path_factory, "tiny-llama", seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +57,12 @@ def test_n_sequences(llm):
 
 
 def test_greedy_logprobs_match_transformers(llm, tiny):
-    import torch
+    from tests.model_compare import hf_logprobs
     _, hf = tiny
     out = llm.generate([P1], SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True,
                                             detokenize=False))[0].outputs[0]
     seq = P1 + out.token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1).numpy()
+    ref = hf_logprobs(hf, seq)
     assert len(out.logprobs) == 6
     cum = 0.0
     for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):

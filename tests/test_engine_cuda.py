@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.model_compare import each_alone_and_batch, greedy, greedy_margins, hf_greedy, random_prompts
 
 # arch[@weight dtype]: f32 checkpoints are also checked against transformers; bf16 / f16 ones (the weights the
 # kernels read as stored: uint16 = bf16) against the CPU engine only
@@ -30,16 +31,6 @@ ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", 
 @pytest.fixture
 def device(fake_or_cuda):
     return fake_or_cuda
-
-
-def _prompts(k, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 256, int(rng.integers(3, 40))).tolist() for _ in range(k)]
-
-
-def _greedy(llm, prompts, n):
-    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
 
 
 def _tokens_and_prompt_logprobs(outs) -> list:
@@ -62,8 +53,7 @@ def _bf16_llama_on(where, tmp_path, monkeypatch, seed, overrides=None) -> None:
         install(monkeypatch)
     elif not _real_gpu():
         pytest.skip("no CUDA device here")
-    make_model_dir("llama", str(tmp_path), seed=seed, overrides=overrides).to(torch.bfloat16).save_pretrained(
-        str(tmp_path), safe_serialization=True)
+    make_model_dir("llama", str(tmp_path), seed=seed, overrides=overrides, dtype=torch.bfloat16)
 
 
 def _device_tuned(monkeypatch, **choices):
@@ -110,7 +100,7 @@ def _cpu_greedy(path, prompts, n, kv_cache_dtype="auto"):
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype,
               device="cpu")
     try:
-        return _greedy(llm, prompts, n)
+        return greedy(llm, prompts, n)
     finally:
         llm.close()
 
@@ -129,25 +119,6 @@ def _smollm2_run(path, prompts, dev, kv_cache_dtype="auto"):
         llm.close()
 
 
-def _greedy_margins(path, runs, kv_cache_dtype="auto"):
-    """For each (prompt ids, another device's greedy continuation): per generated token, how far below this
-    engine's (CPU's) best logprob at that position the chosen token lies (0 where the CPU would pick it too)."""
-    from engine.llm import LLM
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=256, device="cpu",
-              kv_cache_dtype=kv_cache_dtype)
-    try:
-        out = []
-        for prompt, cont in runs:
-            ids = list(prompt) + list(cont)
-            o = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1,
-                                                   detokenize=False))[0]
-            out.append([max(v.logprob for v in o.prompt_logprobs[i].values()) - o.prompt_logprobs[i][ids[i]].logprob
-                        for i in range(len(prompt), len(ids))])
-        return out
-    finally:
-        llm.close()
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory):
     pytest.importorskip("torch")
@@ -156,18 +127,15 @@ def tiny(request, tmp_path_factory):
     from tests.model_fixtures import make_model_dir
     arch, _, wdt = request.param.partition("@")
     path = str(tmp_path_factory.mktemp(arch))
-    hf = make_model_dir(arch, path, seed=3)
+    hf = make_model_dir(arch, path, seed=3, dtype={"bf16": torch.bfloat16, "f16": torch.float16}.get(wdt))
     if wdt:
-        hf = hf.to({"bf16": torch.bfloat16, "f16": torch.float16}[wdt])
-        hf.save_pretrained(path, safe_serialization=True)
         hf = None
-    prompts = _prompts(5, seed=4)
+    prompts = random_prompts(5, seed=4)
     cpu = _cpu_side("_cpu_greedy", path, prompts, 24)
     return request.param, path, hf, prompts, cpu
 
 
 def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, device):
-    import torch
     from engine.llm import LLM
     arch, path, hf, prompts, cpu = tiny
     wdt = arch.partition("@")[2]
@@ -180,8 +148,8 @@ def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, devic
         from jitkern.runtime.cuda import DeviceArray
         assert isinstance(llm.engine.model.k_caches[0], DeviceArray)
         assert isinstance(llm.engine.model.lm_head.weight, DeviceArray)
-        alone = [_greedy(llm, [p], 24)[0] for p in prompts[:2]]
-        batch = _greedy(llm, prompts, 24)
+        alone = [greedy(llm, [p], 24)[0] for p in prompts[:2]]
+        batch = greedy(llm, prompts, 24)
         # decode steps were recorded and replayed as graphs (CUDA graphs on a GPU), not refused
         assert llm.engine.runner.use_graphs and llm.engine.runner.num_graphs > 0
     finally:
@@ -194,20 +162,17 @@ def test_tiny_models_greedy_on_the_device_equal_cpu_and_transformers(tiny, devic
         llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
         try:
             assert llm.engine.model.compute16
-            alone16 = [_greedy(llm, [p], 24)[0] for p in prompts[:2]]
-            batch16 = _greedy(llm, prompts, 24)
+            alone16 = [greedy(llm, [p], 24)[0] for p in prompts[:2]]
+            batch16 = greedy(llm, prompts, 24)
         finally:
             llm.close()
         assert batch16[:2] == alone16
-        margins = _cpu_side("_greedy_margins", path, [[p, c] for p, c in zip(prompts, batch16)])
+        margins = _cpu_side("greedy_margins", path, [[p, c] for p, c in zip(prompts, batch16)])
         assert max(max(m) for m in margins) <= 0.1, margins
     if hf is None:
         return
-    with torch.no_grad():
-        for p, got in zip(prompts[:2], alone):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, min_new_tokens=24)[0, len(p):].tolist()
-            assert got == ref, arch
+    for p, got in zip(prompts[:2], alone):
+        assert got == hf_greedy(hf, p, 24), arch
 
 
 def test_f16_kv_cache_and_eager_decode_on_the_device(device, tmp_path):
@@ -215,13 +180,13 @@ def test_f16_kv_cache_and_eager_decode_on_the_device(device, tmp_path):
     from tests.model_fixtures import make_model_dir
     pytest.importorskip("transformers")
     make_model_dir("llama", str(tmp_path), seed=6)
-    prompts = _prompts(4, seed=7)
+    prompts = random_prompts(4, seed=7)
     got = {("cpu", True): _cpu_side("_cpu_greedy", str(tmp_path), prompts, 20, "f16")}
     for dev, graphs in (("cuda", False), ("cuda", True)):
         llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, kv_cache_dtype="f16",
                   device=dev, use_graphs=graphs)
         try:
-            got[dev, graphs] = _greedy(llm, prompts, 20)
+            got[dev, graphs] = greedy(llm, prompts, 20)
         finally:
             llm.close()
     assert got["cuda", False] == got["cpu", True]
@@ -256,10 +221,10 @@ def test_greedy_margins_measure_ties_and_catch_wrong_tokens():
     path = _smollm2_path()
     texts, _, runs = _smollm2_run(path, ["The capital of France is"], "cpu")
     prompt, cont = runs[0]
-    assert max(_greedy_margins(path, [(prompt, cont)])[0]) <= 1e-6
+    assert max(greedy_margins(path, [(prompt, cont)])[0]) <= 1e-6
     wrong = list(cont)
     wrong[3] = (wrong[3] + 1234) % 49152
-    assert max(_greedy_margins(path, [(prompt, wrong)])[0]) > 1.0
+    assert max(greedy_margins(path, [(prompt, wrong)])[0]) > 1.0
 
 
 @pytest.mark.parametrize("kv,near_tie", [("f32", 0.05), ("auto", 0.1)])
@@ -275,7 +240,7 @@ def test_smollm2_on_the_device_matches_the_cpu(device, kv, near_tie):
         # then every token the device picked must be within `near_tie` nats of the CPU's own best there. H200,
         # 2026-12-02 (scratch diagnosis, both prompts, 16 tokens): worst 0.022 with an f32 cache, 0.062 with
         # f16 (a key or value rounds to the other side of an f16 step), NLLs within 0.06% either way.
-        margins = _cpu_side("_greedy_margins", path, res["cuda"][2], kv)
+        margins = _cpu_side("greedy_margins", path, res["cuda"][2], kv)
         worst = max(max(m) for m in margins)
         assert worst <= near_tie, (res["cuda"][0], res["cpu"][0], margins)
     cpu_nll, dev_nll = res["cpu"][1], res["cuda"][1]
@@ -309,7 +274,7 @@ def test_greedy_steps_pick_tokens_on_the_device_like_the_host_sampler(device, tm
     from tests.model_fixtures import make_model_dir
     pytest.importorskip("transformers")
     make_model_dir("llama", str(tmp_path), seed=8)
-    prompts = _prompts(4, seed=9)
+    prompts = random_prompts(4, seed=9)
     calls = []
     real = ModelRunner._greedy_on_device
     monkeypatch.setattr(ModelRunner, "_greedy_on_device", lambda self, res: (calls.append(1), real(self, res)))
@@ -319,7 +284,7 @@ def test_greedy_steps_pick_tokens_on_the_device_like_the_host_sampler(device, tm
         llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
         llm.engine.runner.device_greedy = on
         try:
-            got[on] = _greedy(llm, prompts, 12)
+            got[on] = greedy(llm, prompts, 12)
             # a request with logprobs needs the logits rows on the host: the host sampler takes that step
             n0 = len(calls)
             sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, detokenize=False)
@@ -344,9 +309,8 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
     from engine.llm import LLM
     from engine.ops import matmul as mm
     from tests.model_fixtures import make_model_dir
-    hf = make_model_dir("llama", str(tmp_path), seed=3).to(torch.bfloat16)
-    hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    prompts = _prompts(3, seed=5)
+    make_model_dir("llama", str(tmp_path), seed=3, dtype=torch.bfloat16)
+    prompts = random_prompts(3, seed=5)
     llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda", dtype=dtype)
     try:
         model = llm.engine.model
@@ -362,11 +326,11 @@ def test_dtype_sets_the_gpu_compute_precision(device, tmp_path, dtype, monkeypat
             return real_linear(*a, **kw)
         monkeypatch.setattr(mm, "linear", spy)
         mm._LAST.clear()
-        alone = _greedy(llm, prompts[:1], 8)
+        alone = greedy(llm, prompts[:1], 8)
         assert seen == {"16bit" if want16 else None}
         if device == "cuda":     # (the fake device's target has no matrix units: the FMA linear ignores it)
             assert mm.last_compiled("_gpu_linear_mma_kernel").constexprs["ACT16"] == (1 if want16 else 0)
-        assert _greedy(llm, prompts, 8)[0] == alone[0]
+        assert greedy(llm, prompts, 8)[0] == alone[0]
     finally:
         llm.close()
     cpu = LLM(str(tmp_path), num_blocks=64, block_size=16, device="cpu", dtype=dtype)
@@ -393,9 +357,8 @@ def test_16bit_linear_inputs_leave_every_bit_as_it_was(tmp_path, monkeypatch, ti
     from engine.llm import LLM
     from engine.models import decoder
     from tests.model_fixtures import make_model_dir
-    hf = make_model_dir("llama", str(tmp_path), seed=7).to(torch.bfloat16)
-    hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    prompts = _prompts(4, seed=9)
+    make_model_dir("llama", str(tmp_path), seed=7, dtype=torch.bfloat16)
+    prompts = random_prompts(4, seed=9)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
     from engine.ops import matmul as mm
     if tile is not None:
@@ -445,8 +408,7 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
     from tests.model_fixtures import make_model_dir
     monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
     install(monkeypatch)
-    make_model_dir(arch, str(tmp_path), seed=7).to(torch.bfloat16).save_pretrained(str(tmp_path),
-                                                                                   safe_serialization=True)
+    make_model_dir(arch, str(tmp_path), seed=7, dtype=torch.bfloat16)
     monkeypatch.setattr(mm, "GPU_LINEAR_MMA_TILE", (16, 32, 16, 4, 2))
     parts = []
     real = rp.rope_and_cache
@@ -455,7 +417,7 @@ def test_split_k_qkv_fold_into_rope_keeps_every_bit(tmp_path, monkeypatch, arch)
         parts.append(k.get("parts", 1))
         return real(*a, **k)
     monkeypatch.setattr(rp, "rope_and_cache", spy)
-    prompts = _prompts(4, seed=9)
+    prompts = random_prompts(4, seed=9)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
     got, seen = {}, {}
     for on in (True, False):
@@ -515,7 +477,7 @@ def test_gate_up_writes_16bit_for_the_activation(tmp_path, monkeypatch, where, t
         gated.append(x.shape[0])
         return real_gated(x, *a, **k)
     monkeypatch.setattr(mm, "gated_linear", gated_spy)
-    prompts = _prompts(4, seed=9)
+    prompts = random_prompts(4, seed=9)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
     got = {}
     for on, one, round_first in ((True, True, False), (True, False, False), (False, True, True),
@@ -554,7 +516,7 @@ def test_gguf_linears_on_the_gpu_kernel_give_the_cpu_greedy_tokens(tmp_path, mon
     hf = make_model_dir("llama", str(tmp_path / "hf"), seed=11, overrides={"hidden_size": 128,
                                                                             "intermediate_size": 192})
     path = write_gguf(hf, str(tmp_path / "model.gguf"), qtype=qtype)
-    prompts = _prompts(3, seed=12)
+    prompts = random_prompts(3, seed=12)
     cpu = _cpu_side("_cpu_greedy", path, prompts, 10)
     if where == "fake":
         from tests.fake_cuda import install
@@ -571,8 +533,7 @@ def test_gguf_linears_on_the_gpu_kernel_give_the_cpu_greedy_tokens(tmp_path, mon
     monkeypatch.setattr(quant, "run", spy)
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, device="cuda")
     try:
-        alone = [_greedy(llm, [p], 10)[0] for p in prompts]
-        batched = _greedy(llm, prompts, 10)
+        alone, batched = each_alone_and_batch(llm, prompts, 10)
     finally:
         llm.close()
     assert "_qmv_gpu_kernel" in names and not names & {"_qmm_kernel", "_kq_kernel"}, names

@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.model_compare import random_prompts
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from tests.model_fixtures import make_model_dir
-    path = str(tmp_path_factory.mktemp("tiny-llama-overlap"))
-    make_model_dir("llama", path, seed=21)
-    return path
+    from tests.model_fixtures import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory, "tiny-llama-overlap", seed=21)[0]
 
 
 @pytest.fixture()
@@ -76,8 +73,7 @@ def _run(eng, requests, abort_at=None, after_abort=None):
 
 
 def _prompts(k, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 256, int(rng.integers(3, 30))).tolist() for _ in range(k)]
+    return random_prompts(k, seed, hi=30)
 
 
 def _scenario(tiny):

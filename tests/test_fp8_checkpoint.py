@@ -23,8 +23,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.ops.fp8 import dequantize_fp8  # noqa: E402
+from tests.model_compare import each_alone_and_batch, greedy_on_devices, prompt_logprobs  # noqa: E402
 from tests.model_fixtures import make_model_dir  # noqa: E402
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -86,12 +86,8 @@ def _run(path, prompts):
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_logprobs=-1,
               kv_cache_dtype="float32")
     try:
-        plp = llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                        detokenize=False))[0].prompt_logprobs
-        lp = np.array([[plp[i][t].logprob for t in range(256)] for i in range(1, len(prompts[0]))])
-        greedy = SamplingParams(max_tokens=16, temperature=0, detokenize=False, ignore_eos=True)
-        alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        lp = prompt_logprobs(llm, prompts[0])
+        alone, batch = each_alone_and_batch(llm, prompts, 16)
     finally:
         llm.close()
     return lp, alone, batch
@@ -138,13 +134,5 @@ def test_fp8_checkpoint_on_the_device_equals_the_cpu(tmp_path, monkeypatch, back
     fp8_dir, _ = _write_pair(tmp_path, "block")
     rng = np.random.default_rng(4)
     prompts = [rng.integers(2, 256, n).tolist() for n in (12, 6)]
-    greedy = SamplingParams(max_tokens=10, temperature=0, detokenize=False, ignore_eos=True)
-    got = {}
-    for dev in ("cpu", "cuda"):
-        llm = LLM(fp8_dir, num_blocks=64, block_size=16, max_num_batched_tokens=64, device=dev)
-        try:
-            got[dev] = ([llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts],
-                        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
-        finally:
-            llm.close()
+    got = greedy_on_devices(fp8_dir, prompts, 10, num_blocks=64)
     assert got["cuda"] == got["cpu"]

@@ -22,10 +22,9 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from engine.llm import LLM  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.model_compare import engine_prompt_logprobs, greedy_on_devices  # noqa: E402
 from tests.ops.test_quant import dequant_acts, ref_quantize_q8  # noqa: E402
 
 HIDDEN, HEADS, KV, HD, FFN, VOCAB, LAYERS = 256, 4, 2, 64, 512, 256, 2
@@ -208,14 +207,7 @@ def _ref_logprobs(vals, types, prompt):
 
 
 def _prompt_logprobs(path, prompt):
-    llm = LLM(path, num_blocks=32, block_size=16, max_num_batched_tokens=64, max_logprobs=-1)
-    try:
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                    detokenize=False))[0]
-    finally:
-        llm.close()
-    plp = out.prompt_logprobs
-    return np.array([[plp[i][t].logprob for t in range(VOCAB)] for i in range(1, len(prompt))])
+    return engine_prompt_logprobs(path, prompt, VOCAB, num_blocks=32, max_num_batched_tokens=64)
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -269,14 +261,6 @@ def test_mixed_fused_groups_on_the_device_equal_the_cpu(tmp_path, monkeypatch, b
     qpath = _model_pair(tmp_path, "Q4_K_M", seed=5)[0]
     rng = np.random.default_rng(9)
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (13, 4, 9)]
-    greedy = SamplingParams(max_tokens=12, temperature=0, detokenize=False, ignore_eos=True)
-    got = {}
-    for dev in ("cpu", "cuda"):
-        llm = LLM(qpath, num_blocks=32, block_size=16, max_num_batched_tokens=64, device=dev)
-        try:
-            got[dev] = ([llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts],
-                        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
-        finally:
-            llm.close()
+    got = greedy_on_devices(qpath, prompts, 12, num_blocks=32)
     assert got["cuda"] == got["cpu"]
     assert got["cpu"][0] == got["cpu"][1]

@@ -115,12 +115,8 @@ def test_stand_in_device_reports_memory_as_a_pool():
 # ------------------------------------------------------------------------------------ the engine on the fake
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from tests.model_fixtures import make_model_dir
-    path = str(tmp_path_factory.mktemp("llama"))
-    make_model_dir("llama", path, seed=3)
-    return path
+    from tests.model_fixtures import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory, "llama", seed=3)[0]
 
 
 def _card(monkeypatch, total, free):

@@ -13,7 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineArgs, LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import make_model_dir
+from tests.model_fixtures import tiny_model_dir
 
 P1 = [5, 17, 33, 2, 9, 100, 44]
 P2 = [7, 8, 9, 10, 11]
@@ -22,11 +22,7 @@ P3 = [200, 3, 150, 77]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    pytest.importorskip("torch")            # the tiny model is built with transformers (the oracle libraries)
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama-isolation")
-    make_model_dir("llama", str(path), seed=11)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, "tiny-llama-isolation", seed=11)[0]
 
 
 @pytest.fixture(scope="module")

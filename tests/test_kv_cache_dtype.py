@@ -80,16 +80,10 @@ def test_the_server_and_cli_take_the_same_spellings():
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
     """The same tiny random Llama saved in f32 and in bf16 (safetensors, as transformers writes them)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import torch
-    from tests.model_fixtures import make_model_dir
-    f32 = str(tmp_path_factory.mktemp("kv-f32"))
-    hf = make_model_dir("llama", f32, seed=12)
-    bf16 = str(tmp_path_factory.mktemp("kv-bf16"))
-    make_model_dir("llama", bf16, seed=12)          # tokenizer and config files
-    hf.to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
-    return {"f32": f32, "bf16": bf16}
+    from tests.model_fixtures import tiny_model_dir
+    torch = pytest.importorskip("torch")
+    return {"f32": tiny_model_dir(tmp_path_factory, "kv-f32", seed=12)[0],
+            "bf16": tiny_model_dir(tmp_path_factory, "kv-bf16", seed=12, dtype=torch.bfloat16)[0]}
 
 
 def _kv_np_dtype(model):

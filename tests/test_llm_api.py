@@ -9,16 +9,12 @@ import pytest
 from engine.beam_search import BeamSearchParams, beam_search_score
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import make_model_dir
+from tests.model_fixtures import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama-api")
-    hf = make_model_dir("llama", str(path), seed=11)
-    return str(path), hf
+    return tiny_model_dir(tmp_path_factory, "tiny-llama-api", seed=11)
 
 
 @pytest.fixture(scope="module")

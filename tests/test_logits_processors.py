@@ -20,12 +20,8 @@ P3 = [200, 3, 3, 4]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from tests.model_fixtures import make_model_dir
-    path = tmp_path_factory.mktemp("tiny-llama-logits")
-    hf = make_model_dir("llama", str(path), seed=21)
-    return str(path), hf
+    from tests.model_fixtures import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory, "tiny-llama-logits", seed=21)
 
 
 _ENGINES: dict = {}

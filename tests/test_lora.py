@@ -12,6 +12,15 @@ import os
 import numpy as np
 import pytest
 
+from tests.model_compare import (
+    FLOAT_TOL,
+    greedy_params,
+    hf_greedy,
+    hf_logprobs,
+    prompt_logprob_rows,
+    random_prompts,
+)
+
 torch = pytest.importorskip("torch")
 
 from engine.errors import InvalidRequestError  # noqa: E402
@@ -78,8 +87,7 @@ def setup(tmp_path_factory):
 
 
 def _prompts(k, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 256, int(rng.integers(20, 40))).tolist() for _ in range(k)]
+    return random_prompts(k, seed, lo=20, hi=40)
 
 
 def test_mixed_batch_logits_match_merged_transformers(setup):
@@ -91,28 +99,18 @@ def test_mixed_batch_logits_match_merged_transformers(setup):
     # every prompt was prefilled in one step, and the decode steps mixed both adapters and the base model
     assert llm.engine.lora.step_slots == {0, 1}
     for p, name, o in zip(prompts, names, outs):
-        with torch.no_grad():
-            ref = torch.log_softmax(refs[name](torch.tensor([p])).logits[0].double(), -1).numpy()
-            base = torch.log_softmax(refs[None](torch.tensor([p])).logits[0].double(), -1).numpy()
-        got = np.array([[o.prompt_logprobs[i][t].logprob for t in range(256)] for i in range(1, len(p))])
-        np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
+        ref, base = hf_logprobs(refs[name], p), hf_logprobs(refs[None], p)
+        np.testing.assert_allclose(prompt_logprob_rows(o.prompt_logprobs, p), ref[:-1], **FLOAT_TOL)
         if name is not None:       # the adapter changes the logits far beyond the tolerance
             assert np.abs(ref - base).max() > 0.05
-
-
-def _hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
 
 
 def test_greedy_mixed_batch_equals_solo_and_transformers(setup):
     _, _, _, refs, reqs, llm = setup
     prompts = _prompts(6, seed=6)
     names = [None, "a1", "a2", "a1", None, "a2"]
-    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, detokenize=False)
-    want = [_hf_greedy(refs[n], p, 10) for p, n in zip(prompts, names)]
+    sp = greedy_params(10)
+    want = [hf_greedy(refs[n], p, 10) for p, n in zip(prompts, names)]
     batch = llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
     assert [o.outputs[0].token_ids for o in batch] == want
     solo = llm.generate([prompts[2]], sp, lora_request=reqs["a2"])[0].outputs[0].token_ids
@@ -122,16 +120,16 @@ def test_greedy_mixed_batch_equals_solo_and_transformers(setup):
 def test_prefix_cache_is_keyed_by_adapter(setup):
     _, _, _, refs, reqs, llm = setup
     p = _prompts(1, seed=7)[0] + list(range(10, 40))          # > 3 full blocks
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
+    sp = greedy_params(4)
     kv = llm.engine.kv.stats
     first = llm.generate([p], sp, lora_request=reqs["a1"])[0]
     h0 = kv.hits
     other = llm.generate([p], sp, lora_request=reqs["a2"])[0]     # a2 must not read a1's KV
     assert kv.hits == h0
-    assert other.outputs[0].token_ids == _hf_greedy(refs["a2"], p, 4)
+    assert other.outputs[0].token_ids == hf_greedy(refs["a2"], p, 4)
     base = llm.generate([p], sp)[0]
     assert kv.hits == h0
-    assert base.outputs[0].token_ids == _hf_greedy(refs[None], p, 4)
+    assert base.outputs[0].token_ids == hf_greedy(refs[None], p, 4)
     again = llm.generate([p], sp, lora_request=reqs["a1"])[0]     # a1 again: its own blocks are hit
     assert kv.hits > h0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -141,10 +139,10 @@ def test_one_slot_serves_two_adapters_in_turn(setup):
     _, path, _, refs, reqs, _ = setup
     prompts = _prompts(3, seed=8)
     names = ["a1", "a2", "a1"]
-    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, detokenize=False)
+    sp = greedy_params(5)
     with LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=64, block_size=16) as llm:
         outs = llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(refs[n], p, 5) for p, n in zip(prompts, names)]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(refs[n], p, 5) for p, n in zip(prompts, names)]
 
 
 def test_bad_adapters_name_the_field_or_file(setup):
@@ -212,7 +210,5 @@ def test_gguf_checkpoint_takes_hf_adapters(setup):
     sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1, detokenize=False)
     with LLM(gguf, enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=32, max_logprobs=-1) as llm:
         out = llm.generate([p], sp, lora_request=reqs["a2"])[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(refs["a2"](torch.tensor([p])).logits[0].double(), -1).numpy()
-    got = np.array([[out.prompt_logprobs[i][t].logprob for t in range(256)] for i in range(1, len(p))])
-    np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
+    ref = hf_logprobs(refs["a2"], p)
+    np.testing.assert_allclose(prompt_logprob_rows(out.prompt_logprobs, p), ref[:-1], **FLOAT_TOL)

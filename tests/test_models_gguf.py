@@ -9,12 +9,11 @@ from pytest import approx
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from engine.llm import LLM  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.gguf_export import roundtrip_hf, write_gguf  # noqa: E402
+from tests.model_compare import (check_logits_and_greedy_match_transformers, engine_prompt_logprobs,  # noqa: E402
+                                 hf_logprobs, logit_prompt)
 from tests.model_fixtures import make_model_dir  # noqa: E402
-from tests.test_models import _hf_greedy, _prompts  # noqa: E402
 
 ARCHS = ["gemma2-gguf", "granite", "olmo2"]
 
@@ -56,25 +55,7 @@ def test_gguf_metadata_and_names(gguf_model):
 
 def test_gguf_logits_and_greedy_match_transformers(gguf_model):
     arch, path, hf = gguf_model
-    prompt = _prompts(1, seed=1)[0] + list(range(5, 35))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
-    prompts = _prompts(5, seed=2)
-    want = [_hf_greedy(hf, p, 32) for p in prompts]
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16, max_logprobs=-1)  # chunked prefill
-    try:
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                    detokenize=False))[0]
-        sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
-        solo = llm.generate([prompts[0]], sp)[0].outputs[0].token_ids
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    finally:
-        llm.close()
-    plp = out.prompt_logprobs
-    got = np.array([[plp[i][t].logprob for t in range(256)] for i in range(1, len(prompt))])
-    np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
-    assert solo == want[0]
-    assert batch == want
+    check_logits_and_greedy_match_transformers(path, hf, n_prompts=5)
 
 
 @pytest.mark.parametrize("arch", ["phi3", "granite"])
@@ -85,24 +66,15 @@ def test_gguf_q8_0_matches_its_dequantised_twin(arch, tmp_path):
     weight quantisation itself (measured: 0.09 / 0.02 max vs 0.11 / 0.02): the bound is loose, but a wrong
     fused-row split or permutation moves them by whole units, and the argmax must agree almost everywhere."""
     hf = make_model_dir(arch, str(tmp_path / "hf"))
-    prompt = _prompts(1, seed=1)[0] + list(range(5, 35))
-    with torch.no_grad():
-        orig = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()[:-1]
+    prompt = logit_prompt()
+    orig = hf_logprobs(hf, prompt)[:-1]
     path = write_gguf(hf, str(tmp_path / "model.gguf"), qtype="Q8_0")
     ckpt = load_checkpoint(path)
     assert ckpt.tensors["blk.0.ffn_down.weight"].dtype == "q8_0"
     roundtrip_hf(hf, "Q8_0")
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()[:-1]
+    ref = hf_logprobs(hf, prompt)[:-1]
     # Phi-3: a 128-token limit keeps LongRoPE on the short factors transformers uses for this prompt
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16, max_logprobs=-1,
-              max_model_len=128 if arch == "phi3" else None)
-    try:
-        plp = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                    detokenize=False))[0].prompt_logprobs
-    finally:
-        llm.close()
-    got = np.array([[plp[i][t].logprob for t in range(256)] for i in range(1, len(prompt))])
+    got = engine_prompt_logprobs(path, prompt, max_model_len=128 if arch == "phi3" else None)
     err = np.abs(got - ref).max()
     assert err < 0.25, err
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9

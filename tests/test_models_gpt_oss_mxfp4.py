@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-tf = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from engine.llm import LLM  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.gguf_export import write_gguf  # noqa: E402
-from tests.model_fixtures import VOCAB, _tokenizer_json  # noqa: E402
-from tests.test_models import _hf_greedy, _prompts  # noqa: E402
-from tests.test_models_gpt_oss import _config  # noqa: E402
+from tests.model_compare import (FLOAT_TOL, check_device_greedy_matches_transformers,  # noqa: E402
+                                 engine_prompt_logprobs, greedy_params, hf_greedy, hf_logprobs, logit_prompt,
+                                 random_prompts)
+from tests.model_fixtures import VOCAB, init_weights, make_config, save_tiny_model  # noqa: E402
 
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
@@ -51,19 +51,12 @@ def mxfp4_model(tmp_path_factory):
     """(dir of the MXFP4 safetensors checkpoint, HF float32 model with the dequantised experts, {HF expert name:
     (blocks, scales)})."""
     root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    torch.manual_seed(3)
-    hf = tf.AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
     packed = {}
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn_like(p) * 2.0)
-            elif "bias" in name:
-                p.copy_(torch.randn_like(p) * 0.5)
-            elif "experts" in name:
-                p.copy_(torch.randn_like(p) * 0.3)
+
+    def init(model):
+        init_weights("gpt_oss", model)          # the gpt-oss draws; then the float experts become MXFP4 values
+        for name, p in model.named_parameters():
+            if name.endswith(("gate_up_proj", "down_proj")):
                 # HF keeps x @ W ([E, in, out]); the blocks run along `in` for each output row
                 blocks, scales = quantize_mxfp4(p.detach().numpy().swapaxes(1, 2))
                 deq = _hf_dequant(blocks, scales)
@@ -71,10 +64,9 @@ def mxfp4_model(tmp_path_factory):
                 assert torch.abs(deq - p).max() < 0.5 * torch.abs(p).max()       # a faithful quantiser
                 p.copy_(deq)
                 packed[name] = (blocks, scales)
-    hf.eval()
+
     ref_dir = str(root / "deq")
-    hf.save_pretrained(ref_dir, safe_serialization=True)
-    _tokenizer_json(ref_dir)
+    hf = save_tiny_model(make_config("gpt_oss"), ref_dir, seed=3, init=init)
     qdir = str(root / "mxfp4")
     os.makedirs(qdir)
     from safetensors.torch import save_file
@@ -96,21 +88,11 @@ def mxfp4_model(tmp_path_factory):
     return qdir, hf, packed, ref_dir
 
 
-def _prompt_logprobs(path, prompt, **kw):
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16, max_logprobs=-1, **kw)
-    try:
-        plp = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                    detokenize=False))[0].prompt_logprobs
-    finally:
-        llm.close()
-    return np.array([[plp[i][t].logprob for t in range(VOCAB)] for i in range(1, len(prompt))])
-
-
 def _greedy(path, prompts, n=32):
     """Greedy tokens and their logprobs: the first prompt alone, then all of them in one batch."""
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64)
     try:
-        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False, logprobs=0)
+        sp = greedy_params(n, logprobs=0)
         res = [llm.generate([prompts[0]], sp)[0].outputs[0]] + [o.outputs[0] for o in llm.generate(prompts, sp)]
     finally:
         llm.close()
@@ -138,17 +120,16 @@ def test_mxfp4_experts_match_dequantised_float32(mxfp4_model):
     experts, and vs the engine on those float experts: logprobs within 0.05 (measured ~0.01: the int8
     activation rounding of the expert inputs), equal greedy tokens; alone = batched bit for bit."""
     qdir, hf, _, ref_dir = mxfp4_model
-    prompt = _prompts(1, seed=1)[0] + list(range(5, 35))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()[:-1]
-    got = _prompt_logprobs(qdir, prompt)
-    flt = _prompt_logprobs(ref_dir, prompt)
-    np.testing.assert_allclose(flt, ref, atol=2e-4, rtol=1e-4)       # the float path (tests/test_models_gpt_oss)
+    prompt = logit_prompt()
+    ref = hf_logprobs(hf, prompt)[:-1]
+    got = engine_prompt_logprobs(qdir, prompt)
+    flt = engine_prompt_logprobs(ref_dir, prompt)
+    np.testing.assert_allclose(flt, ref, **FLOAT_TOL)                # the float path (tests/test_models_gpt_oss)
     err = np.abs(got - ref).max()
     assert err < 0.05, err
     assert err > 0                                                   # int8 activations: not the float path
-    prompts = _prompts(6, seed=2)
-    want = [_hf_greedy(hf, p, 32) for p in prompts]
+    prompts = random_prompts(6, seed=2)
+    want = [hf_greedy(hf, p, 32) for p in prompts]
     res = _greedy(qdir, prompts)
     (solo, solo_lp), batch = res[0], res[1:]
     assert [t for t, _ in batch] == want
@@ -193,17 +174,16 @@ def test_gguf_matches_transformers(mxfp4_model, tmp_path, experts):
                       mxfp4_experts=packed if experts == "mxfp4" else None)
     ckpt = load_checkpoint(path)
     assert ckpt.tensors["blk.0.ffn_gate_exps.weight"].dtype == experts
-    prompt = _prompts(1, seed=1)[0] + list(range(5, 35))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()[:-1]
-    got = _prompt_logprobs(path, prompt)
+    prompt = logit_prompt()
+    ref = hf_logprobs(hf, prompt)[:-1]
+    got = engine_prompt_logprobs(path, prompt)
     if experts == "f32":
-        np.testing.assert_allclose(got, ref, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(got, ref, **FLOAT_TOL)
     else:
-        np.testing.assert_array_equal(got, _prompt_logprobs(qdir, prompt))
+        np.testing.assert_array_equal(got, engine_prompt_logprobs(qdir, prompt))
         assert np.abs(got - ref).max() < 0.05
-    prompts = _prompts(5, seed=2)
-    want = [_hf_greedy(hf, p, 32) for p in prompts]
+    prompts = random_prompts(5, seed=2)
+    want = [hf_greedy(hf, p, 32) for p in prompts]
     res = _greedy(path, prompts)
     assert res[0][0] == want[0]
     assert [t for t, _ in res[1:]] == want
@@ -218,14 +198,6 @@ def test_gguf_float_experts_on_the_fake_device(mxfp4_model, tmp_path, monkeypatc
     qdir, hf, packed, _ = mxfp4_model
     install(monkeypatch)
     path = write_gguf(hf, str(tmp_path / "m.gguf"), vocab=VOCAB)
-    prompts = _prompts(3, seed=7)
-    want = [_hf_greedy(hf, p, 12) for p in prompts]
-    llm = LLM(path, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64)
-    try:
-        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
-        assert llm.generate([prompts[0]], sp)[0].outputs[0].token_ids == want[0]
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
-    finally:
-        llm.close()
+    check_device_greedy_matches_transformers(path, hf, random_prompts(3, seed=7))
     with pytest.raises(ModelLoadError, match="CPU only"):
         LLM(qdir, device="cuda", num_blocks=16, block_size=16)

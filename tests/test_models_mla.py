@@ -3,7 +3,7 @@ transformers (torch CPU, float32), with the checks of tests/test_models.py: full
 chunked prefill; 32 greedy tokens alone and in a mixed batch of 8 (batch invariance: every request's text equals
 transformers' solo text); prefix-cache hits.
 
-Variants: V2 with a plain q_proj, softmax top-k routing with routed_scaling_factor and shared experts (layer 0
+Variants (tests/model_fixtures.py): V2 with a plain q_proj, softmax top-k routing with routed_scaling_factor and shared experts (layer 0
 dense via first_k_dense_replace); V2 with q_lora_rank (q_a_proj -> q_a_layernorm -> q_b_proj) and
 group_limited_greedy routing; V3 with yarn rope
 scaling (mscale / mscale_all_dim: both the cos/sin tables and the softmax scale change), interleaved rope and
@@ -15,73 +15,25 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests import test_models as tm  # noqa: E402
-from tests.model_fixtures import VOCAB, _tokenizer_json  # noqa: E402
+from tests.model_compare import check_greedy_matches_transformers, check_logits_match_transformers  # noqa: E402
+from tests.model_fixtures import VOCAB, make_model_dir  # noqa: E402
 
 ARCHS = ["deepseek_v2", "deepseek_v2-qlora", "deepseek_v3"]
-# yarn with mscale == mscale_all_dim: what a GGUF can say (rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim)
-_V3_GGUF_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-                 "mscale": 1.3, "mscale_all_dim": 1.3, "beta_fast": 32, "beta_slow": 1}
-
-
-def make_mla_config(arch: str):
-    import transformers as tf
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                  tie_word_embeddings=False, eos_token_id=1, bos_token_id=None, moe_intermediate_size=32,
-                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=24, qk_nope_head_dim=16,
-                  qk_rope_head_dim=8, v_head_dim=12, initializer_range=0.05)
-    if arch == "deepseek_v2":
-        return tf.DeepseekV2Config(**common, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
-                                   routed_scaling_factor=1.5)
-    if arch == "deepseek_v2-qlora":      # and group_limited_greedy routing: 6 experts in 3 groups, 1 eligible
-        return tf.DeepseekV2Config(**common, q_lora_rank=20, n_routed_experts=6, num_experts_per_tok=2,
-                                   topk_method="group_limited_greedy", n_group=3, topk_group=1)
-    if arch == "deepseek_v3":
-        return tf.DeepseekV3Config(**common, q_lora_rank=20, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
-                                   topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                    "original_max_position_embeddings": 128, "mscale": 0.8,
-                                                    "mscale_all_dim": 1.2, "beta_fast": 32, "beta_slow": 1})
-    if arch == "deepseek_v3-gguf":
-        return tf.DeepseekV3Config(**common, q_lora_rank=20, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
-                                   topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-                                   rope_parameters=dict(_V3_GGUF_YARN))
-    raise ValueError(arch)
-
-
-def make_mla_model_dir(arch: str, path: str, seed: int = 0):
-    import transformers as tf
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(make_mla_config(arch), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                p.mul_(60.0)                                  # clear routing margins
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn_like(buf) * 0.3)        # the bias changes which experts win
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    _tokenizer_json(path)
-    return model
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def mla_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    hf = make_mla_model_dir(request.param, str(path))
+    hf = make_model_dir(request.param, str(path))
     return request.param, str(path), hf
 
 
 def test_mla_logits_match_transformers(mla_model):
-    tm.test_logits_match_transformers(mla_model)
+    check_logits_match_transformers(*mla_model[1:])
 
 
 def test_mla_greedy_matches_transformers_alone_and_in_a_batch(mla_model):
-    tm.test_greedy_matches_transformers_alone_and_in_a_batch(mla_model)
+    check_greedy_matches_transformers(*mla_model[1:])
 
 
 def test_mla_cache_is_compressed(mla_model):
@@ -209,10 +161,10 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool, mtp: bool = False):
 @pytest.mark.parametrize("arch,split_kv_b", [("deepseek_v2", False), ("deepseek_v2-qlora", True),
                                              ("deepseek_v3-gguf", True)])
 def test_mla_gguf_matches_transformers(arch, split_kv_b, tmp_path):
-    hf = make_mla_model_dir(arch, str(tmp_path / "hf"))
+    hf = make_model_dir(arch, str(tmp_path / "hf"))
     # V3: with a multi-token-prediction block counted in block_count (newer converters), not to be run
     path = write_deepseek2_gguf(hf, tmp_path / f"{arch}.gguf", split_kv_b, mtp=arch == "deepseek_v3-gguf")
-    tm.test_logits_match_transformers((arch, path, hf))
+    check_logits_match_transformers(path, hf)
 
 
 def test_mla_safetensors_with_mtp_layer_matches_transformers(tmp_path):
@@ -220,7 +172,7 @@ def test_mla_safetensors_with_mtp_layer_matches_transformers(tmp_path):
     module); transformers ignores them and so must the engine (loading, not running them)."""
     import json
     from safetensors.numpy import load_file, save_file
-    hf = make_mla_model_dir("deepseek_v3", str(tmp_path))
+    hf = make_model_dir("deepseek_v3", str(tmp_path))
     st = tmp_path / "model.safetensors"
     sd = load_file(str(st))
     for k in [k for k in sd if k.startswith("model.layers.1.")]:
@@ -230,7 +182,7 @@ def test_mla_safetensors_with_mtp_layer_matches_transformers(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    tm.test_logits_match_transformers(("deepseek_v3", str(tmp_path), hf))
+    check_logits_match_transformers(str(tmp_path), hf)
 
 
 def test_mla_device_auto_stays_on_cpu_and_cuda_is_refused(mla_model, monkeypatch):

@@ -6,7 +6,7 @@ renormalisation, a sigmoid-gated shared expert, one dense layer via mlp_only_lay
 llama.cpp's tensor names and metadata keys load and match too; GGUF Q8_0 experts match their dequantised
 F32 twin and stay batch invariant.
 
-Router weights are scaled up so that no token's top-k choice is a near tie (HF and the engine compute the
+Router weights are scaled up (tests/model_fixtures.py) so that no token's top-k choice is a near tie (HF and the engine compute the
 router logits in a different order; a tie could pick different experts)."""
 import numpy as np
 import pytest
@@ -14,62 +14,27 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from tests import test_models as tm  # noqa: E402
-from tests.model_fixtures import VOCAB, _tokenizer_json  # noqa: E402
+from tests.model_compare import (check_device_greedy_matches_transformers,  # noqa: E402
+                                 check_greedy_matches_transformers, check_logits_match_transformers,
+                                 engine_prompt_logprobs, greedy, logit_prompt, random_prompts)
+from tests.model_fixtures import MOE_ARCHS, VOCAB, make_model_dir  # noqa: E402
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
-
-
-def make_moe_config(arch: str):
-    import transformers as tf
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, eos_token_id=1, bos_token_id=None)
-    if arch == "mixtral":
-        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
-    if arch == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1])
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
-                                 norm_topk_prob=True, head_dim=16)
-    if arch == "olmoe":
-        return tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
-    raise ValueError(arch)
-
-
-def make_moe_model_dir(arch: str, path: str, seed: int = 0):
-    import transformers as tf
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(make_moe_config(arch), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
-                p.mul_(60.0)                          # clear routing margins (see the module docs)
-            elif "shared_expert_gate" in name:
-                p.mul_(30.0)
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    _tokenizer_json(path)
-    return model
+ARCHS = list(MOE_ARCHS)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def moe_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    hf = make_moe_model_dir(request.param, str(path))
+    hf = make_model_dir(request.param, str(path))
     return request.param, str(path), hf
 
 
 def test_moe_logits_match_transformers(moe_model):
-    tm.test_logits_match_transformers(moe_model)
+    check_logits_match_transformers(*moe_model[1:])
 
 
 def test_moe_greedy_matches_transformers_alone_and_in_a_batch(moe_model):
-    tm.test_greedy_matches_transformers_alone_and_in_a_batch(moe_model)
+    check_greedy_matches_transformers(*moe_model[1:])
 
 
 # ------------------------------------------------------------------------------------------------- GGUF
@@ -182,17 +147,7 @@ def write_moe_gguf(arch, hf, path, expert_qtype=None, replace=None):
 def test_moe_gguf_matches_transformers(moe_model, tmp_path):
     arch, _, hf = moe_model
     path = write_moe_gguf(arch, hf, tmp_path / f"{arch}.gguf")
-    tm.test_logits_match_transformers((arch, path, hf))
-
-
-def _prompt_logprobs(path, prompt):
-    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=16, max_logprobs=-1)
-    try:
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                    detokenize=False))[0]
-    finally:
-        llm.close()
-    return np.array([[out.prompt_logprobs[i][t].logprob for t in range(VOCAB)] for i in range(1, len(prompt))])
+    check_logits_match_transformers(path, hf)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe"])
@@ -201,7 +156,7 @@ def test_moe_gguf_q8_0_experts(arch, tmp_path):
     dequantised to F32 by the gguf package, and greedy tokens alone vs in a batch (batch invariance)."""
     import gguf
     from gguf.quants import dequantize
-    hf = make_moe_model_dir(arch, str(tmp_path / "hf"))
+    hf = make_model_dir(arch, str(tmp_path / "hf"))
     qpath = write_moe_gguf(arch, hf, tmp_path / "q8.gguf", expert_qtype=gguf.GGMLQuantizationType.Q8_0)
     # the twin: every expert tensor replaced by its values dequantised by the gguf package
     reader = gguf.GGUFReader(qpath)
@@ -209,16 +164,15 @@ def test_moe_gguf_q8_0_experts(arch, tmp_path):
            if t.tensor_type == gguf.GGMLQuantizationType.Q8_0}
     assert deq and all("_exps" in n for n in deq)
     fpath = write_moe_gguf(arch, hf, tmp_path / "f32.gguf", replace=deq)
-    prompt = tm._prompts(1, seed=1)[0] + list(range(5, 35))
-    got, want = _prompt_logprobs(qpath, prompt), _prompt_logprobs(fpath, prompt)
+    prompt = logit_prompt()
+    got, want = engine_prompt_logprobs(qpath, prompt), engine_prompt_logprobs(fpath, prompt)
     # the activations are quantised to 8 bits on the way (as llama.cpp does): ~1e-2 on log-probabilities
     np.testing.assert_allclose(got, want, atol=3e-2)
-    prompts = tm._prompts(6, seed=4)
+    prompts = random_prompts(6, seed=4)
     llm = LLM(qpath, num_blocks=128, block_size=16, max_num_batched_tokens=64)
     try:
-        sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)
-        solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts[:3]]
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        solo = [greedy(llm, [p], 16)[0] for p in prompts[:3]]
+        batch = greedy(llm, prompts, 16)
     finally:
         llm.close()
     assert batch[:3] == solo
@@ -229,7 +183,7 @@ def test_moe_config_errors_are_named(tmp_path):
     from engine.loader import load_checkpoint
     from engine.models import build_model
     import json
-    hf = make_moe_model_dir("qwen3_moe", str(tmp_path))
+    hf = make_model_dir("qwen3_moe", str(tmp_path))
     cfgp = tmp_path / "config.json"
     c = json.loads(cfgp.read_text())
     c["num_experts_per_tok"] = 9
@@ -247,7 +201,7 @@ def test_moe_gguf_problems_are_named(tmp_path):
     from engine.errors import ModelLoadError
     from engine.loader import load_checkpoint
     from engine.models import build_model
-    hf = make_moe_model_dir("qwen3_moe", str(tmp_path / "hf"))
+    hf = make_model_dir("qwen3_moe", str(tmp_path / "hf"))
     good = write_moe_gguf("qwen3_moe", hf, tmp_path / "good.gguf")
     reader = gguf.GGUFReader(good)
     E, I, H = 6, 40, 64
@@ -290,12 +244,4 @@ def test_moe_on_a_device_matches_transformers(moe_model, backend, monkeypatch):
         from jitkern.runtime import cuda
         if not cuda.is_available():
             pytest.skip("no CUDA device here")
-    prompts = tm._prompts(5, seed=7)
-    want = [tm._hf_greedy(hf, p, 12) for p in prompts]
-    llm = LLM(path, device="cuda", num_blocks=64, block_size=16, max_num_batched_tokens=64)
-    try:
-        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
-        assert llm.generate([prompts[0]], sp)[0].outputs[0].token_ids == want[0]
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
-    finally:
-        llm.close()
+    check_device_greedy_matches_transformers(path, hf, random_prompts(5, seed=7))

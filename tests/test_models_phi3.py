@@ -15,10 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.gguf_export import write_gguf  # noqa: E402
+from tests.model_compare import (FLOAT_TOL, greedy, hf_greedy, hf_logprobs, prompt_logprobs,  # noqa: E402
+                                 random_prompts, solo_and_batch)
 from tests.model_fixtures import make_model_dir  # noqa: E402
-from tests.test_models import _hf_greedy  # noqa: E402
 
 ORIG = 128
 
@@ -31,29 +31,15 @@ def phi3(tmp_path_factory):
     return hf, {"safetensors": str(d / "hf"), "gguf": gguf_path}
 
 
-def _prompts(k, lo, hi, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 256, int(rng.integers(lo, hi))).tolist() for _ in range(k)]
-
-
 def _run(path, max_model_len, logit_prompt, prompts):
     llm = LLM(path, num_blocks=96, block_size=16, max_num_batched_tokens=48, max_logprobs=-1,
               max_model_len=max_model_len)
     try:
-        plp = llm.generate([logit_prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1,
-                                                          detokenize=False))[0].prompt_logprobs
-        sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
-        solo = llm.generate([prompts[0]], sp)[0].outputs[0].token_ids
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        got = prompt_logprobs(llm, logit_prompt)
+        solo, batch = solo_and_batch(llm, prompts, 32)
     finally:
         llm.close()
-    got = np.array([[plp[i][t].logprob for t in range(256)] for i in range(1, len(logit_prompt))])
     return got, solo, batch
-
-
-def _hf_logprobs(hf, prompt):
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()[:-1]
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
@@ -61,13 +47,15 @@ def _hf_logprobs(hf, prompt):
 def test_phi3_longrope_matches_transformers(phi3, fmt, regime):
     hf, paths = phi3
     if regime == "short":        # every sequence within the pretrained context: short factors
-        max_model_len, logit_prompt, prompts = ORIG, _prompts(1, 60, 90, 1)[0], _prompts(4, 3, 60, 2)
+        max_model_len, logit_prompt = ORIG, random_prompts(1, seed=1, lo=60, hi=90)[0]
+        prompts = random_prompts(4, seed=2, lo=3, hi=60)
         assert max(map(len, prompts)) + 32 <= ORIG
     else:                        # prompts past the pretrained context: long factors throughout
-        max_model_len, logit_prompt, prompts = None, _prompts(1, 140, 170, 3)[0], _prompts(4, ORIG + 1, 170, 4)
-    want = [_hf_greedy(hf, p, 32) for p in prompts]
+        max_model_len, logit_prompt = None, random_prompts(1, seed=3, lo=140, hi=170)[0]
+        prompts = random_prompts(4, seed=4, lo=ORIG + 1, hi=170)
+    want = [hf_greedy(hf, p, 32) for p in prompts]
     got, solo, batch = _run(paths[fmt], max_model_len, logit_prompt, prompts)
-    np.testing.assert_allclose(got, _hf_logprobs(hf, logit_prompt), atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(got, hf_logprobs(hf, logit_prompt)[:-1], **FLOAT_TOL)
     assert solo == want[0]
     assert batch == want
 
@@ -75,14 +63,14 @@ def test_phi3_longrope_matches_transformers(phi3, fmt, regime):
 def test_phi3_factor_sets_differ(phi3):
     # the test above can fail: the long factors change transformers' logits for a prompt past 128 tokens
     hf, _ = phi3
-    prompt = _prompts(1, 140, 170, 3)[0]
-    ref = _hf_logprobs(hf, prompt)
+    prompt = random_prompts(1, seed=3, lo=140, hi=170)[0]
+    ref = hf_logprobs(hf, prompt)[:-1]
     rp = hf.config.rope_parameters
     saved = rp["long_factor"]
     try:
         rp["long_factor"] = rp["short_factor"]
         hf.model.rotary_emb.long_inv_freq = None
-        other = _hf_logprobs(hf, prompt)
+        other = hf_logprobs(hf, prompt)[:-1]
     finally:
         rp["long_factor"] = saved
         hf.model.rotary_emb.long_inv_freq = None
@@ -102,12 +90,12 @@ def test_phi3_longrope_on_a_device(phi3, backend, regime, monkeypatch):
         from jitkern.runtime import cuda
         if not cuda.is_available():
             pytest.skip("no CUDA device here")
-    prompts = _prompts(3, 3, 60, 2) if regime == "short" else _prompts(3, ORIG + 1, 170, 4)
-    want = [_hf_greedy(hf, p, 12) for p in prompts]
+    prompts = (random_prompts(3, seed=2, lo=3, hi=60) if regime == "short" else
+               random_prompts(3, seed=4, lo=ORIG + 1, hi=170))
+    want = [hf_greedy(hf, p, 12) for p in prompts]
     llm = LLM(paths["safetensors"], device="cuda", num_blocks=96, block_size=16, max_num_batched_tokens=64,
               max_model_len=ORIG if regime == "short" else None)
     try:
-        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+        assert greedy(llm, prompts, 12) == want
     finally:
         llm.close()

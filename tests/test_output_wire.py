@@ -9,17 +9,14 @@ import pytest
 
 from engine.output_wire import OutputDecoder, OutputEncoder
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import make_model_dir
+from tests.model_fixtures import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from engine.llm_engine import EngineArgs, LLMEngine
-    path = tmp_path_factory.mktemp("tiny-llama-wire")
-    make_model_dir("llama", str(path), seed=5)
-    eng = LLMEngine(EngineArgs(model=str(path), num_blocks=64, block_size=16, max_num_seqs=8))
+    path = tiny_model_dir(tmp_path_factory, "tiny-llama-wire", seed=5)[0]
+    eng = LLMEngine(EngineArgs(model=path, num_blocks=64, block_size=16, max_num_seqs=8))
     yield eng
     eng.close()
 

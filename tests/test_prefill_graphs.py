@@ -66,12 +66,8 @@ def _check(model, prompts, max_tokens=6, logprobs=None, **kw):
 
 
 def _tiny(tmp_path_factory, arch):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from tests.model_fixtures import make_model_dir
-    path = tmp_path_factory.mktemp(f"tiny-{arch}-pg")
-    make_model_dir(arch, str(path), seed=11)
-    return str(path)
+    from tests.model_fixtures import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory, f"tiny-{arch}-pg", arch, seed=11)[0]
 
 
 @pytest.fixture(scope="module")

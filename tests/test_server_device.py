@@ -73,23 +73,22 @@ def make_model_dir(path: str, seed: int = 1) -> str:
     that outputs are informative: layer weights at 1/sqrt(fan-in) make attention carry the context (with HF's
     0.02 init the continuation depends on the last token alone, so prompts ending alike would continue alike),
     and an lm_head whose logits spread ~3 keeps temperature-1 samples varied without being uniform."""
-    import torch
     import transformers as tf
+    from tests.model_fixtures import save_tiny_model
     from tests.structured_fixtures import SMOLLM2_VOCAB, write_smollm2_tokenizer
-    torch.manual_seed(seed)
     tok = write_smollm2_tokenizer(path)
     cfg = tf.LlamaConfig(vocab_size=SMOLLM2_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          rope_theta=10000.0, rms_norm_eps=1e-5)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
+
+    def init(model):
         model.get_input_embeddings().weight.normal_(0, 1.0)
         model.lm_head.weight.normal_(0, 3.0 / cfg.hidden_size ** 0.5)
         for p in model.model.layers.parameters():
             if p.dim() == 2:
                 p.normal_(0, 1.0 / p.shape[1] ** 0.5)
-    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_model(cfg, path, seed, init=init, tokenizer=False)
     return path
 
 

@@ -5,12 +5,14 @@ import json
 import numpy as np
 import pytest
 
+from tests.model_compare import hf_greedy
+
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")   # the HTTP library of the installed openai client
 
 from tests.model_fixtures import make_model_dir  # noqa: E402
-from tests.test_lora import ATTN, MLP, _hf_greedy, merged, write_adapter  # noqa: E402
+from tests.test_lora import ATTN, MLP, merged, write_adapter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +55,10 @@ def test_model_names_the_adapter(srv):
     _, refs, client, _ = srv
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 256, 12).tolist() for _ in range(2)]
-    want = [_hf_greedy(refs["sql"], p, 6) for p in prompts]
-    assert want != [_hf_greedy(refs["base"], p, 6) for p in prompts]       # the adapter changes the tokens
+    want = [hf_greedy(refs["sql"], p, 6) for p in prompts]
+    assert want != [hf_greedy(refs["base"], p, 6) for p in prompts]       # the adapter changes the tokens
     assert _tokens(client, "sql", prompts) == want
-    assert _tokens(client, "base", prompts[:1]) == [_hf_greedy(refs["base"], prompts[0], 6)]
+    assert _tokens(client, "base", prompts[:1]) == [hf_greedy(refs["base"], prompts[0], 6)]
 
 
 def test_dynamic_load_use_unload(srv):
@@ -65,8 +67,8 @@ def test_dynamic_load_use_unload(srv):
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(root / "chat")})
     assert r.status_code == 200 and "chat" in r.text
     assert "chat" in {m.id for m in client.models.list().data}
-    assert _hf_greedy(refs["chat"], p, 6) != _hf_greedy(refs["base"], p, 6)
-    assert _tokens(client, "chat", [p]) == [_hf_greedy(refs["chat"], p, 6)]
+    assert hf_greedy(refs["chat"], p, 6) != hf_greedy(refs["base"], p, 6)
+    assert _tokens(client, "chat", [p]) == [hf_greedy(refs["chat"], p, 6)]
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(root / "chat")})
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})

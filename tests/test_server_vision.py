@@ -4,14 +4,14 @@ that are no image, and a model without a vision tower, each naming the field."""
 import base64
 import io
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 falcon_testing = pytest.importorskip("falcon.testing")
 
-from tests.vision_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, make_llava_dir, num_features, random_image  # noqa: E402
+from tests.vision_fixtures import (IMAGE_SIZE, IMAGE_TOKEN_ID, hf_greedy_with_images, make_llava_dir,  # noqa: E402
+                                   num_features, random_image)
 
 
 def data_url(img, fmt="PNG") -> str:
@@ -38,13 +38,6 @@ def _user(*parts):
     return [{"role": "user", "content": list(parts)}]
 
 
-def _hf_greedy(hf, ids, pixels, n):
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(np.stack(pixels)),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def test_chat_with_an_image_matches_transformers(srv):
     path, hf, client = srv
     from engine.multimodal import ImageProcessor
@@ -61,7 +54,7 @@ def test_chat_with_an_image_matches_transformers(srv):
     choice = r.json["choices"][0]
     assert choice["prompt_token_ids"] == expanded
     px = ImageProcessor.from_dir(path, IMAGE_SIZE)(img)
-    assert choice["token_ids"] == _hf_greedy(hf, expanded, [px], 6)
+    assert choice["token_ids"] == hf_greedy_with_images(hf, expanded, [px], 6)
     assert r.json["usage"]["prompt_tokens"] == len(expanded)
     assert ids != expanded
     # another image with the same text answers for that image (no prefix-cache hit across images)
@@ -72,7 +65,7 @@ def test_chat_with_an_image_matches_transformers(srv):
     from PIL import Image
     decoded = Image.open(io.BytesIO(base64.b64decode(data_url(img2, "JPEG").split(",", 1)[1])))
     px2 = ImageProcessor.from_dir(path, IMAGE_SIZE)(decoded)
-    assert r2.json["choices"][0]["token_ids"] == _hf_greedy(hf, expanded, [px2], 6)
+    assert r2.json["choices"][0]["token_ids"] == hf_greedy_with_images(hf, expanded, [px2], 6)
 
 
 def test_image_part_errors_name_the_field(srv):

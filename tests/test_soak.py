@@ -22,7 +22,7 @@ import pytest
 
 from engine.llm_engine import EngineArgs, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import make_model_dir
+from tests.model_fixtures import tiny_model_dir
 
 MAX_GRAPHS = 6
 ADDRESS_CACHE_MAX = 512
@@ -32,11 +32,7 @@ PROBES = [[5, 17, 33, 2, 9], [7, 8, 9, 10, 11, 12, 13], [200, 3]]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    pytest.importorskip("torch")            # the tiny model is built with transformers (the oracle libraries)
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama-soak")
-    make_model_dir("llama", str(path), seed=3)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, "tiny-llama-soak", seed=3)[0]
 
 
 def kernel_plans() -> dict:

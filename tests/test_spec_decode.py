@@ -172,15 +172,9 @@ def test_spec_backoff_setting(monkeypatch):
 # -------------------------------------------------------------------------------- tiny random models
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from tests.model_fixtures import make_model_dir
-    out = {}
-    for arch, seed in (("llama", 3), ("gemma3", 4), ("llama-draft", 9)):
-        path = tmp_path_factory.mktemp(arch)
-        make_model_dir(arch.split("-")[0], str(path), seed=seed)
-        out[arch] = str(path)
-    return out
+    from tests.model_fixtures import tiny_model_dir
+    return {arch: tiny_model_dir(tmp_path_factory, arch, arch.split("-")[0], seed=seed)[0]
+            for arch, seed in (("llama", 3), ("gemma3", 4), ("llama-draft", 9))}
 
 
 ENGINE = dict(num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)

@@ -21,6 +21,8 @@ import threading
 import numpy as np
 import pytest
 
+from tests.model_compare import greedy, random_prompts
+
 torch = pytest.importorskip("torch")
 
 from engine.parallel import comm as tpcomm  # noqa: E402
@@ -104,8 +106,7 @@ def _ranks_forward(shards, arrays):
 
 
 def _prompts(k, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 256, int(rng.integers(3, 30))).tolist() for _ in range(k)]
+    return random_prompts(k, seed, hi=30)
 
 
 def _setup(path, world):
@@ -197,12 +198,6 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _greedy(llm, prompts, n=12):
-    from engine.sampling_params import SamplingParams
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False))
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_engine_with_cpu_ranks_gives_unsharded_greedy_tokens(llama_path, world):
     """LLM(tensor_parallel_size=N) on the CPU test backend: N processes, rank 0 schedules and sends each step,
@@ -211,7 +206,7 @@ def test_engine_with_cpu_ranks_gives_unsharded_greedy_tokens(llama_path, world):
     prompts = _prompts(4, seed=11)
     ref = LLM(llama_path, device="cpu", num_blocks=64, max_num_batched_tokens=32)
     try:
-        want = _greedy(ref, prompts)
+        want = greedy(ref, prompts, 12)
     finally:
         ref.close()
     llm = LLM(llama_path, device="cpu", num_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=world,
@@ -219,7 +214,7 @@ def test_engine_with_cpu_ranks_gives_unsharded_greedy_tokens(llama_path, world):
     try:
         assert llm.engine.model.tensor_parallel_size == world
         assert all(p.is_alive() for p in llm.engine.model._procs) and len(llm.engine.model._procs) == world - 1
-        assert _greedy(llm, prompts) == want
+        assert greedy(llm, prompts, 12) == want
     finally:
         llm.close()
     assert not llm_procs_alive(llm)
@@ -235,14 +230,14 @@ def test_a_dying_rank_gives_one_clear_error(llama_path):
     from engine.parallel.comm import RankFailure
     llm = LLM(llama_path, device="cpu", num_blocks=64, tensor_parallel_size=2, tensor_parallel_backend="cpu-pipes")
     try:
-        assert len(_greedy(llm, _prompts(1, seed=3), n=2)[0]) == 2
+        assert len(greedy(llm, _prompts(1, seed=3), 2)[0]) == 2
         proc = llm.engine.model._procs[0]
         proc.kill()
         proc.join(10)
         with pytest.raises(RankFailure, match=r"^tensor-parallel rank 1 exited \(exit code -9\)$"):
-            _greedy(llm, _prompts(2, seed=4), n=4)
+            greedy(llm, _prompts(2, seed=4), 4)
         with pytest.raises(RankFailure, match="rank 1 exited"):        # and stays failed, without hanging
-            _greedy(llm, _prompts(1, seed=5), n=1)
+            greedy(llm, _prompts(1, seed=5), 1)
     finally:
         llm.close()
 
@@ -258,7 +253,7 @@ def test_rank_0_failing_in_a_step_is_fatal_and_stops_the_workers(llama_path, cap
             raise RuntimeError("boom")
         llm.engine.model._shard.tp.lm_head = boom          # after every layer's collectives, before the gather
         with pytest.raises(RankFailure, match=r"^tensor-parallel rank 0 failed during a step: RuntimeError: boom$"):
-            _greedy(llm, _prompts(2, seed=4), n=2)
+            greedy(llm, _prompts(2, seed=4), 2)
         proc = llm.engine.model._procs[0]
         proc.join(20)
         assert proc.exitcode == 1

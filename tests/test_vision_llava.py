@@ -13,14 +13,16 @@ LlavaForConditionalGeneration on a tiny random model (float32), fed the same pro
 import numpy as np
 import pytest
 
+from tests.model_compare import hf_greedy
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 from engine.llm import LLM  # noqa: E402
 from engine.multimodal import ImageProcessor  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.vision_fixtures import (IMAGE_SIZE, IMAGE_TOKEN_ID, VARIANTS, VOCAB, make_llava_dir,  # noqa: E402
-                                   num_features, random_image)
+from tests.vision_fixtures import (IMAGE_SIZE, IMAGE_TOKEN_ID, VARIANTS, VOCAB, hf_greedy_with_images,  # noqa: E402
+                                   make_llava_dir, num_features, random_image)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -45,13 +47,6 @@ def _expanded(prompt, variant):
 def _hf_logits(hf, ids, pixels):
     with torch.no_grad():
         return hf(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(np.stack(pixels))).logits[0]
-
-
-def _hf_greedy(hf, ids, pixels, n):
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(np.stack(pixels)),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_preprocessing_matches_clip_image_processor(tmp_path):
@@ -114,16 +109,14 @@ def test_prompt_logprobs_and_greedy_match_transformers(llava):
         np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
 
         sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
-        want_a = _hf_greedy(hf, ids, [pa], 12)
+        want_a = hf_greedy_with_images(hf, ids, [pa], 12)
         assert llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": img_a}},
                             sp)[0].outputs[0].token_ids == want_a
         # in one batch: another image, a text-only prompt, and a prompt with both images
         two = [5, IMAGE_TOKEN_ID, 6, IMAGE_TOKEN_ID, 4]
         text_only = [3, 4, 5, 6, 7, 8, 9]
-        want = [_hf_greedy(hf, ids, [pb], 12), _hf_greedy(hf, _expanded(two, variant), [pa, pb], 12)]
-        with torch.no_grad():
-            want.append(hf.generate(input_ids=torch.tensor([text_only]), max_new_tokens=12, min_new_tokens=12,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(text_only):].tolist())
+        want = [hf_greedy_with_images(hf, ids, [pb], 12),
+                hf_greedy_with_images(hf, _expanded(two, variant), [pa, pb], 12), hf_greedy(hf, text_only, 12)]
         outs = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": img_b}},
                              {"prompt_token_ids": two, "multi_modal_data": {"image": [img_a, img_b]}},
                              text_only], sp)
@@ -138,7 +131,7 @@ def test_prefix_cache_keys_blocks_by_image(llava):
     # the image starts inside the first block: every block of the prompt holds image tokens or follows them
     prompt = [7, 8, IMAGE_TOKEN_ID] + list(range(20, 50))
     ids = _expanded(prompt, variant)
-    want_b = _hf_greedy(hf, ids, [_pixels(path, img_b)], 6)
+    want_b = hf_greedy_with_images(hf, ids, [_pixels(path, img_b)], 6)
     llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=64)
     try:
         sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)

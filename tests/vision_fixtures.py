@@ -77,6 +77,15 @@ def make_llava_dir(path: str, variant: str = "default", seed: int = 0):
     return model
 
 
+def hf_greedy_with_images(hf, ids, pixels, n: int) -> list:
+    """transformers' greedy continuation (exactly n tokens) of `ids` with the processed images `pixels`."""
+    import numpy as np
+    import torch
+
+    from tests.model_compare import hf_greedy
+    return hf_greedy(hf, ids, n, pixel_values=torch.from_numpy(np.stack(pixels)))
+
+
 def random_image(seed: int, size=(45, 37)):
     """A random RGB PIL image (not square, so the resize and the crop both matter)."""
     import numpy as np
