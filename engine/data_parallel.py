@@ -208,6 +208,156 @@ class _MPTransport:
             pass
 
 
+def replica_kwargs(args) -> dict:
+    """EngineArgs (or a namespace of its fields) as the keyword arguments of one replica's engine."""
+    from dataclasses import asdict, is_dataclass
+    kw = asdict(args) if is_dataclass(args) else dict(vars(args))
+    kw["data_parallel_size"] = 1
+    kw["distributed_executor_backend"] = None
+    return kw
+
+
+class SharedEngine:
+    """An engine process several front ends attach to (engine.dp_replica.serve_main): the server's master
+    process starts it before it forks its API processes (`--api-server-count N`), each of which attaches with
+    DataParallelEngine(attach=shared.attach); restarted when it dies, stopped by stop()."""
+
+    def __init__(self, args):
+        import secrets
+        import tempfile
+        self._kw = replica_kwargs(args)
+        self.address = os.path.join(tempfile.mkdtemp(prefix="jitkern-engine"), "engine.sock")
+        self.authkey = secrets.token_bytes(16)
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self.proc = None
+        self._spawn()
+        threading.Thread(target=self._watch, daemon=True, name="shared-engine-watch").start()
+
+    @property
+    def attach(self) -> tuple:
+        return self.address, self.authkey
+
+    def _spawn(self) -> None:
+        import pickle
+        import subprocess
+        import sys
+        try:
+            os.unlink(self.address)     # a dead engine's socket file: the new one listens at the same path
+        except OSError:
+            pass
+        cores = core_sets(1)[0]
+        setup = (0, self._kw, cores, threads_per_replica(1, cores))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.dp_replica", "--serve", self.address], env=env,
+                                     stdin=subprocess.PIPE)
+        self.proc.stdin.write((self.authkey.hex() + "\n" + pickle.dumps(setup).hex() + "\n").encode())
+        self.proc.stdin.close()
+        log.info("shared engine: process %d starting, front ends attach at %s", self.proc.pid, self.address)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.5):
+            code = self.proc.poll()
+            if code is None:
+                continue
+            if self._stopping.is_set():
+                return
+            delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
+            log.error("shared engine: process %d exited with %s; restarting in %.1f s", self.proc.pid, code, delay)
+            if self._stopping.wait(delay):
+                return
+            self.restarts += 1
+            self._spawn()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        import subprocess
+        self._stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        try:
+            os.unlink(self.address)
+            os.rmdir(os.path.dirname(self.address))
+        except OSError:
+            pass
+
+
+class _AttachTransport:
+    """A connection to a SharedEngine's process (another front end may share it): the engine is neither
+    started nor stopped here; restart() reconnects once its owner has restarted it."""
+
+    def __init__(self, rank: int, address: str, authkey: bytes):
+        self.rank, self.address, self.authkey = rank, address, authkey
+        self._send_lock = threading.Lock()
+        self.conn = None
+        self.proc = None
+        self._pid = None
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> None:
+        from multiprocessing.connection import Client
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
+                return
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no engine process answered at {self.address} within {timeout:g} s: "
+                                       f"{e}") from None
+                time.sleep(0.2)
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.2):
+                for m in self.conn.recv():
+                    if m[0] == "ready":
+                        self._pid = m[1].get("pid")
+                        return m[1]
+        raise TimeoutError(f"the engine process did not answer within {timeout:g} s")
+
+    def send(self, cmd) -> None:
+        with self._send_lock:
+            self.conn.send(cmd)
+
+    def recv(self) -> list:
+        if self.conn.poll(_LIVENESS_POLL_S):
+            return self.conn.recv()
+        return []
+
+    def more(self) -> bool:
+        return self.conn.poll(0)
+
+    def describe_death(self, cause) -> str:
+        return f"the engine process{f' {self._pid}' if self._pid else ''} closed its connection ({cause})"
+
+    def pid(self) -> Optional[int]:
+        return self._pid
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.conn is None:
+            return
+        try:
+            if timeout > 0:
+                self.send(("stop",))        # this front end leaves; the engine serves the others
+        except (OSError, EOFError, BrokenPipeError, ValueError):
+            pass
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
 class _RayTransport:
     """A replica as a Ray actor in its placement-group bundle; Ray restarts it when it dies."""
 
@@ -321,19 +471,19 @@ class DataParallelEngine:
     server) that is also LLMEngine-like (add_request / step / has_unfinished_requests, for the LLM API)."""
 
     def __init__(self, args=None, *, routing: Optional[str] = None, max_load_imbalance: Optional[int] = None,
-                 restart: bool = True, **kwargs):
-        from dataclasses import asdict, is_dataclass
-
+                 restart: bool = True, attach: Optional[tuple] = None, **kwargs):
         from engine.llm_engine import EngineArgs
         args = args if args is not None else EngineArgs(**kwargs)
         self.args = args
         n = int(getattr(args, "data_parallel_size", 1) or 1)
         backend = getattr(args, "distributed_executor_backend", None) or "mp"
         check_data_parallel(n, backend)
+        # attach: (address, authkey) of a SharedEngine's process, the one replica, shared with other front ends
+        self._attach = attach
+        if attach is not None:
+            n, backend = 1, "mp"
         self.size, self.backend = n, backend
-        kw = asdict(args) if is_dataclass(args) else dict(vars(args))
-        kw["data_parallel_size"] = 1
-        kw["distributed_executor_backend"] = None
+        kw = replica_kwargs(args)
         self._replica_kwargs = kw
         self.restart_enabled = restart
         self.command_timeout_s = limits.ENGINE_COMMAND_TIMEOUT_S
@@ -372,13 +522,17 @@ class DataParallelEngine:
             max(8, (self.max_num_seqs or 32) // 2)
         from engine.kv_cache_manager import root_hash
         self._root_hash = root_hash()
-        if n == 1:
+        if attach is not None:
+            log.info("attached to the engine process %s at %s", self.replicas[0].transport.pid(), attach[0])
+        elif n == 1:
             log.info("the engine runs in its own process (%s)", backend)
         else:
             log.info("data parallelism: %d replicas on %s, routing %s", n, backend, self.routing)
 
     # ----------------------------------------------------------------------------- start / stop
     def _make_replicas(self, kw: dict) -> list:
+        if self._attach is not None:
+            return [_Replica(0, _AttachTransport(0, *self._attach))]
         if self.backend == "mp":
             sets = core_sets(self.size)
             return [_Replica(r, _MPTransport(r, kw, sets[r], threads_per_replica(self.size, sets[r])))

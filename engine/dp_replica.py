@@ -10,6 +10,9 @@ Front end -> replica (commands, in order):
     ("call", tag, fn, args)             fn(LLMEngine, *args) between steps (fn must pickle: a module-level
                                         function or an operator.methodcaller / attrgetter)
     ("stop",)
+A shared engine (`python -m engine.dp_replica --serve ADDRESS`, serve_main) listens instead and serves several
+front ends at once, the same messages on each connection.
+
 Replica -> front end (a list of messages per send, in order):
     ("ready", facts)                    once, after the engine loaded
     ("added", tag, error | None)        the add's validation (prepare_request) result
@@ -27,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+from typing import Optional
 
 log = logging.getLogger("engine.dp")
 
@@ -80,14 +84,14 @@ class _ForwardingPublisher:
     """Stands in for the engine's KV-event publisher: each batch goes to the front end (the router), and to
     the publisher the user configured, if any."""
 
-    def __init__(self, outbox: queue.Queue, rank: int, inner=None):
-        self.outbox = outbox
+    def __init__(self, emit, rank: int, inner=None):
+        self.emit = emit
         self.rank = rank
         self.inner = inner
 
     def publish(self, batch) -> None:
         batch.data_parallel_rank = self.rank
-        self.outbox.put(("kv", batch))
+        self.emit(("kv", batch))
         if self.inner is not None:
             self.inner.publish(batch)
 
@@ -97,14 +101,16 @@ class _ForwardingPublisher:
 
 
 class _Sink:
-    """Where the replica's AsyncEngine delivers one request's outputs: into the outbox, tagged, as deltas."""
-    __slots__ = ("outbox", "request_id", "encoder")
+    """Where the replica's AsyncEngine delivers one request's outputs: into the outbox, tagged, as deltas.
+    `owned`: the set of request ids of the front end that added it (a shared engine's), left when it ends."""
+    __slots__ = ("outbox", "request_id", "encoder", "owned")
 
-    def __init__(self, outbox: queue.Queue, request_id: str):
+    def __init__(self, outbox: queue.Queue, request_id: str, owned: Optional[set] = None):
         from engine.output_wire import OutputEncoder
         self.outbox = outbox
         self.request_id = request_id
         self.encoder = OutputEncoder()
+        self.owned = owned
 
     def _put(self, item) -> None:
         from engine.async_engine import _DONE
@@ -114,6 +120,10 @@ class _Sink:
             self.outbox.put(("fail", self.request_id, wire_error(item)))
         else:
             self.outbox.put(("out", self.request_id, self.encoder.encode(item)))
+            if not item.finished:
+                return
+        if self.owned is not None:
+            self.owned.discard(self.request_id)
 
 
 class ReplicaCore:
@@ -124,6 +134,8 @@ class ReplicaCore:
         from engine.llm_engine import EngineArgs, LLMEngine
         self.rank = rank
         self.outbox: queue.Queue = queue.Queue()
+        # where the prefix cache's events go: this outbox, or every attached front end's (serve_main)
+        self.kv_outboxes: list = [self.outbox]
         kw = dict(engine_kwargs)
         user_events = kw.get("kv_events_config")
         if kw.get("enable_prefix_caching", True):
@@ -138,7 +150,7 @@ class ReplicaCore:
         if llm_engine.kv_events_publisher is not None:
             inner = llm_engine.kv_events_publisher
             llm_engine.kv_events_publisher = _ForwardingPublisher(
-                self.outbox, rank, None if type(inner).__name__ == "NullEventPublisher" else inner)
+                self._emit_kv, rank, None if type(inner).__name__ == "NullEventPublisher" else inner)
         self.engine = AsyncEngine(engine=llm_engine)
         self.facts = replica_facts(llm_engine)
 
@@ -146,32 +158,41 @@ class ReplicaCore:
     def dead(self):
         return self.engine.dead
 
-    def handle(self, cmd) -> bool:
-        """Runs one command; False for "stop"."""
+    def _emit_kv(self, msg) -> None:
+        for outbox in list(self.kv_outboxes):
+            outbox.put(msg)
+
+    def handle(self, cmd, outbox: Optional[queue.Queue] = None, owned: Optional[set] = None) -> bool:
+        """Runs one command, answering into `outbox` (default: this core's own); False for "stop". `owned`
+        collects the ids of the requests added through it while they run."""
+        outbox = self.outbox if outbox is None else outbox
         kind = cmd[0]
         if kind == "add":
             _, tag, reqs, priority, lora = cmd
-            self._add(tag, reqs, priority, lora)
+            self._add(tag, reqs, priority, lora, outbox, owned)
         elif kind == "abort":
             self.engine.abort_many(cmd[1])
         elif kind == "call":
             _, tag, fn, args = cmd
-            self._call(tag, fn, args)
+            self._call(tag, fn, args, outbox)
         elif kind == "stop":
             return False
         return True
 
-    def _add(self, tag, reqs, priority, lora=None) -> None:
+    def _add(self, tag, reqs, priority, lora=None, outbox=None, owned=None) -> None:
         from concurrent.futures import Future
+        outbox = self.outbox if outbox is None else outbox
         eng = self.engine
         try:
             eng._check_alive()
             preps = [eng.engine.prepare_request(rid, prompt, params, priority=priority, lora_request=lora)
                      for rid, prompt, params in reqs]
         except Exception as e:  # noqa: BLE001 - the caller's error (usually InvalidRequestError)
-            self.outbox.put(("added", tag, wire_error(e)))
+            outbox.put(("added", tag, wire_error(e)))
             return
-        sinks = [_Sink(self.outbox, rid) for rid, _, _ in reqs]
+        if owned is not None:
+            owned.update(rid for rid, _, _ in reqs)
+        sinks = [_Sink(outbox, rid, owned) for rid, _, _ in reqs]
         fut: Future = Future()
 
         def added(f) -> None:
@@ -182,28 +203,31 @@ class ReplicaCore:
                     s._put(err)
         fut.add_done_callback(added)
         # validated: answered now, without waiting for the engine thread's next step boundary
-        self.outbox.put(("added", tag, None))
+        outbox.put(("added", tag, None))
         eng._cmds.put(("add", (preps, sinks), fut))
         eng._wake.set()
 
-    def _call(self, tag, fn, args) -> None:
+    def _call(self, tag, fn, args, outbox=None) -> None:
+        outbox = self.outbox if outbox is None else outbox
+
         def run():
             try:
                 value = self.engine.call(fn, *args)
-                self.outbox.put(("reply", tag, True, value))
+                outbox.put(("reply", tag, True, value))
             except Exception as e:  # noqa: BLE001 - handed to the caller
-                self.outbox.put(("reply", tag, False, wire_error(e)))
+                outbox.put(("reply", tag, False, wire_error(e)))
         threading.Thread(target=run, daemon=True, name="dp-call").start()
 
-    def take(self, timeout: float) -> list:
+    def take(self, timeout: float, outbox: Optional[queue.Queue] = None) -> list:
         """The messages queued since the last take (waits up to timeout for the first)."""
+        outbox = self.outbox if outbox is None else outbox
         try:
-            out = [self.outbox.get(timeout=timeout)]
+            out = [outbox.get(timeout=timeout)]
         except queue.Empty:
             return []
         while True:
             try:
-                out.append(self.outbox.get_nowait())
+                out.append(outbox.get_nowait())
             except queue.Empty:
                 return out
 
@@ -277,6 +301,79 @@ def mp_main(address: str, authkey: bytes) -> None:
         os._exit(0)
 
 
+# ------------------------------------------------------------------------------------ a shared engine
+def serve_main(address: str, authkey: bytes, setup) -> None:
+    """An engine shared by several front ends (the server's API processes, `--api-server-count`): loads the
+    engine of `setup` (rank, engine kwargs, cores, threads), then listens on the AF_UNIX `address` and serves
+    every front end that connects with `authkey`, each with its own outbox and sender thread. A front end that
+    leaves ("stop" or a closed connection) has its running requests aborted; the engine stays for the others.
+    Exits when the engine thread dies (whoever started it restarts it) or when its parent is gone."""
+    from multiprocessing.connection import Listener
+    rank, engine_kwargs, cpus, threads = setup
+    apply_placement(cpus, threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    parent = os.getppid()
+    core = ReplicaCore(rank, engine_kwargs)
+    core.kv_outboxes.clear()            # no front end yet; each one that connects gets the events
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    log.info("engine process %d: serving front ends at %s", os.getpid(), address)
+
+    def watch() -> None:
+        # the starter (the server's master process) is gone: so is the server, and so goes this engine
+        while os.getppid() == parent:
+            if core.dead is not None:
+                log.error("the engine thread stopped (%s); exiting", core.dead)
+                os._exit(4)
+            threading.Event().wait(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="engine-watch").start()
+    while True:
+        try:
+            conn = listener.accept()
+        except OSError as e:            # a client that failed the handshake (AuthenticationError is an OSError)
+            log.warning("engine process: refused a connection: %s", e)
+            continue
+        threading.Thread(target=_serve_front_end, args=(core, conn), daemon=True, name="engine-link").start()
+
+
+def _serve_front_end(core: ReplicaCore, conn) -> None:
+    outbox: queue.Queue = queue.Queue()
+    owned: set = set()
+    gone = threading.Event()
+
+    def sender() -> None:
+        try:
+            conn.send([("ready", core.facts)])
+            core.kv_outboxes.append(outbox)
+            while not gone.is_set():
+                msgs = core.take(0.5, outbox)
+                if msgs:
+                    conn.send(msgs)
+        except (OSError, EOFError, BrokenPipeError, ValueError):
+            gone.set()
+    threading.Thread(target=sender, daemon=True, name="engine-link-send").start()
+    try:
+        while not gone.is_set():
+            try:
+                cmd = conn.recv()
+            except (EOFError, OSError):
+                break
+            if not core.handle(cmd, outbox, owned):
+                break                   # this front end leaves; the engine serves the others
+    finally:
+        gone.set()
+        try:
+            core.kv_outboxes.remove(outbox)
+        except ValueError:
+            pass
+        if owned:
+            core.engine.abort_many(list(owned))
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
 # ------------------------------------------------------------------------------------------ Ray
 class RayReplica:
     """The Ray actor (wrapped with ray.remote by engine.data_parallel): `command` runs in the default
@@ -305,4 +402,10 @@ class RayReplica:
 
 if __name__ == "__main__":
     import sys
-    mp_main(sys.argv[1], bytes.fromhex(sys.stdin.readline().strip()))
+    if sys.argv[1] == "--serve":
+        # the authkey, then the pickled setup, each as one hex line on stdin
+        import pickle
+        key = bytes.fromhex(sys.stdin.readline().strip())
+        serve_main(sys.argv[2], key, pickle.loads(bytes.fromhex(sys.stdin.readline().strip())))
+    else:
+        mp_main(sys.argv[1], bytes.fromhex(sys.stdin.readline().strip()))

@@ -475,6 +475,10 @@ def build_engine(settings: ServerSettings):
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import EngineArgs
     args = EngineArgs(**settings.engine_kwargs())
+    from server import shared_engine
+    if shared_engine.current() is not None:         # one of several API processes: attach to the master's engine
+        from engine.data_parallel import DataParallelEngine
+        return DataParallelEngine(args, attach=shared_engine.current().attach)
     if args.data_parallel_size != 1 or args.distributed_executor_backend == "ray" or engine_in_own_process(settings):
         from engine.data_parallel import DataParallelEngine
         return DataParallelEngine(args)

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (as vLLM's engine core), apart from the HTTP "
                         "threads; default: on where the device is CUDA")
+    p.add_argument("--api-server-count", type=_positive, default=None, metavar="N",
+                   help="HTTP worker processes in front of the one engine process (vLLM's flag; default 1): each "
+                        "has its own interpreter for the per-token work of its streams, so more serve more "
+                        "concurrent streams; N > 1 runs the engine in its own process")
     p.add_argument("-v", "--verbose", action="store_true", help="verbose logging (and gunicorn's access log)")
     for flag in INERT_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -206,6 +210,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_lora_rank=args.max_lora_rank, lora_modules=_lora_modules_json(args.lora_modules),
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, engine_process=args.engine_process,
+        api_server_count=args.api_server_count,
         # the flag, else JITKERN_DEVICE from the environment (`python -m server` clears the other JITKERN_* names)
         device=args.device or os.environ.get("JITKERN_DEVICE") or None,
         gpu_memory_utilization=args.gpu_memory_utilization, api_key=args.api_key or os.environ.get("JITKERN_API_KEY"),
@@ -275,6 +280,15 @@ def main(argv: list | None = None) -> int:
             check_tensor_parallel(args.tensor_parallel_size, "auto")
         except TensorParallelError as e:
             parser.error(f"--tensor-parallel-size: {e}")
+    if (args.api_server_count or 1) > 1:
+        # the API processes share one engine process (server/shared_engine.py), one replica without adapters
+        if args.engine_process is False:
+            parser.error("--api-server-count > 1 shares one engine process: drop --no-engine-process")
+        if (args.data_parallel_size or 1) > 1 or args.distributed_executor_backend == "ray":
+            parser.error("--api-server-count > 1 with data parallelism is not supported yet: use one of the two")
+        if args.enable_lora:
+            parser.error("--api-server-count > 1 with --enable-lora is not supported yet (each API process would "
+                         "keep its own adapter list)")
     command, env = gunicorn_command(args)
     # JITKERN_* settings (from the environment and the flags above) are checked here, before gunicorn and
     # the model load: one line naming the setting, exit 2

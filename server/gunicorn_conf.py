@@ -1,6 +1,7 @@
 """gunicorn settings for the OpenAI server (the repo root's gunicorn.conf.py imports these).
 
-One worker process owns the engine; its threads serve concurrent requests, which the one engine batches.
+One worker process owns the engine; its threads serve concurrent requests, which the one engine batches. With
+JITKERN_API_SERVER_COUNT > 1, that many workers share one engine process started by the master.
 There is no worker timeout: a gthread worker's heartbeat does not depend on request length, and loading
 the model (kernel compilation on a cold cache) may take long before the first heartbeat.
 Everything here can be changed through JITKERN_* variables (set by `python -m server`) or gunicorn's own
@@ -15,7 +16,9 @@ _port = env_int("JITKERN_PORT", 8000, low=0)
 # [::1]-style IPv6 literals need brackets in a gunicorn bind address.
 bind = [f"[{_host}]:{_port}" if ":" in _host and not _host.startswith("[") else f"{_host}:{_port}"]
 
-workers = 1
+# JITKERN_API_SERVER_COUNT (--api-server-count): more than one worker share one engine process, which the master
+# starts before it forks them (server/shared_engine.py); one worker starts its own engine.
+workers = env_int("JITKERN_API_SERVER_COUNT", 1, low=1)
 # gthread, with request heads and bodies read in the event loop (a slow client never holds a thread) and
 # gunicorn's own error pages as OpenAI JSON: see server/http_worker.py.
 worker_class = "server.http_worker.ServerWorker"
@@ -33,6 +36,17 @@ loglevel = "debug" if os.environ.get("JITKERN_VERBOSE", "").lower() in ("1", "tr
 accesslog = "-" if loglevel == "debug" else None
 errorlog = "-"
 proc_name = "jitkern-server"
+
+
+def on_starting(server):
+    if server.cfg.workers > 1:
+        from server import shared_engine
+        shared_engine.start()
+
+
+def on_exit(server):
+    from server import shared_engine
+    shared_engine.stop()
 
 
 def post_worker_init(worker):

@@ -8,6 +8,7 @@ what a client experiences.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import prometheus_client
@@ -122,7 +123,8 @@ class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], dict], max_model_len: int):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(snapshot, model_name))
+        self._engine_collector = _EngineCollector(snapshot, model_name)
+        self.registry.register(self._engine_collector)
         labels = ["model_name"]
         reg = self.registry
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -153,4 +155,12 @@ class ServerMetrics:
             self.tpot.observe(max(finished - first_token, 0.0) / (num_generation_tokens - 1))
 
     def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # several API processes (server/shared_engine.py): their histograms and counters added up from the
+            # multiprocess files, the engine's numbers read once from the engine
+            from prometheus_client import multiprocess
+            reg = CollectorRegistry(auto_describe=False)
+            multiprocess.MultiProcessCollector(reg)
+            reg.register(self._engine_collector)
+            return generate_latest(reg)
         return generate_latest(self.registry)

@@ -98,6 +98,9 @@ class ServerSettings:
     # JITKERN_ENGINE_PROCESS: the engine in a process of its own (vLLM's engine core), so that the HTTP threads
     # never hold the interpreter lock the engine's step needs; None: on where the device is CUDA
     engine_process: Optional[bool] = None
+    # JITKERN_API_SERVER_COUNT: HTTP worker processes in front of the one engine process (vLLM's
+    # --api-server-count), each with its own interpreter lock for the per-token work of its streams; default 1
+    api_server_count: Optional[int] = None
     # server
     api_key: Optional[str] = None
     log_requests: bool = True
@@ -131,7 +134,7 @@ class ServerSettings:
         "kv_events_config": "kv_events", "itl_target_ms": "nonneg_float",
         "enable_lora": "bool", "max_loras": "pos_int", "max_lora_rank": "pos_int", "lora_modules": "lora_modules",
         "data_parallel_size": "pos_int", "distributed_executor_backend": "executor_backend",
-        "engine_process": "bool",
+        "engine_process": "bool", "api_server_count": "pos_int",
     }
 
     @classmethod
