@@ -400,11 +400,27 @@ def cmd_serving(args) -> int:
             continue
         engine[c] = json.loads(p.stdout.strip().splitlines()[-1])
         print(f"serving: engine alone c={c}: {engine[c]['output_throughput']:.1f} output tok/s", flush=True)
-    extra = ["--max-num-seqs", str(max(args.concurrency))] + shlex.split(args.server_args or "")
+    preemptions, kv_log = None, None
+    for i, variant in enumerate(args.server_args or [""]):
+        got, preempt, kv = _serve_variant(args, variant, engine, logs, f"serving-server{i or ''}")
+        rows += got
+        preemptions = preempt if preemptions is None else max(preemptions, preempt or 0)
+        kv_log = kv_log or kv
+    result = {"step": "serving", "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+              "rows": rows, "preemptions": preemptions, "kv_log": kv_log}
+    _dump(args.json, result)
+    return 0 if rows and all(r["failed"] == 0 for r in rows) else 1
+
+
+def _serve_variant(args, variant: str, engine: dict, logs: Path, log_name: str) -> tuple:
+    """One server (`python -m server` with these extra flags) at every concurrency: (rows, preemptions, KV line)."""
+    rows = []
+    extra = ["--max-num-seqs", str(max(args.concurrency))] + shlex.split(variant)
     if args.gpu_memory_utilization is not None:
         extra += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    server = Server(args.model, extra, _env(JITKERN_DEVICE=args.device), logs / "serving-server.log")
-    print(f"serving: server ready in {server.ready_s:.1f} s", flush=True)
+    server = Server(args.model, extra, _env(JITKERN_DEVICE=args.device), logs / f"{log_name}.log")
+    label = variant or "default"
+    print(f"serving [{label}]: server ready in {server.ready_s:.1f} s", flush=True)
     try:
         from perf import bench_serving
         for c in args.concurrency:
@@ -421,7 +437,8 @@ def cmd_serving(args) -> int:
                 "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
                 "--tokenizer", args.model, "--warmup", "0", "-q"])
             meter = CpuMeter(server.proc.pid)
-            prof = Profiler(server.proc.pid, logs, f"c{c}") if c == args.profile_concurrency else None
+            tag = f"c{c}" + (f"-{re.sub(r'[^A-Za-z0-9]+', '_', variant).strip('_')}" if variant else "")
+            prof = Profiler(server.proc.pid, logs, tag) if c == args.profile_concurrency else None
             try:
                 rep = bench_serving.run_benchmark(ns)
             finally:
@@ -429,7 +446,7 @@ def cmd_serving(args) -> int:
                 if prof is not None:
                     prof.stop()
             eng = engine.get(c)
-            row = {"concurrency": c, "served_tok_s": rep["output_throughput"],
+            row = {"server": label, "concurrency": c, "served_tok_s": rep["output_throughput"],
                    "engine_tok_s": eng["output_throughput"] if eng else None,
                    "ttft_p50_ms": rep["ttft_ms"]["median"], "ttft_p99_ms": rep["ttft_ms"]["p99"],
                    "itl_p50_ms": rep["itl_ms"]["median"], "itl_p99_ms": rep["itl_ms"]["p99"],
@@ -437,7 +454,7 @@ def cmd_serving(args) -> int:
                    "requests": n}
             row["ratio"] = row["served_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
             rows.append(row)
-            print(f"serving: served c={c}: {row['served_tok_s']:.1f} output tok/s, TTFT P50/P99 "
+            print(f"serving [{label}]: served c={c}: {row['served_tok_s']:.1f} output tok/s, TTFT P50/P99 "
                   f"{row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, {row['failed']} failed, CPU cores busy {cpu}",
                   flush=True)
         metrics = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
@@ -445,11 +462,7 @@ def cmd_serving(args) -> int:
         kv_line = [ln for ln in server.tail(400).splitlines() if "KV cache" in ln]
     finally:
         server.stop()
-    result = {"step": "serving", "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-              "rows": rows, "preemptions": float(preempt.group(1)) if preempt else None,
-              "kv_log": kv_line[-1] if kv_line else None}
-    _dump(args.json, result)
-    return 0 if rows and all(r["failed"] == 0 for r in rows) else 1
+    return rows, float(preempt.group(1)) if preempt else None, kv_line[-1] if kv_line else None
 
 
 # -------------------------------------------------------------------------------------------------- table
@@ -485,12 +498,13 @@ def cmd_table(args) -> int:
         s = json.loads(srv.read_text())
         print(f"\nserved vs engine alone, {s['input_len']} in / {s['output_len']} out, ignore_eos, greedy; "
               f"preemptions {s.get('preemptions')}; {s.get('kv_log') or ''}")
-        print("\n| c | requests | engine tok/s | served tok/s | served / engine | TTFT P50 ms | TTFT P99 ms | "
-              "ITL P50 ms | ITL P99 ms | failed | CPU cores busy: worker / engine process / client |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| server | c | requests | engine tok/s | served tok/s | served / engine | TTFT P50 ms | "
+              "TTFT P99 ms | ITL P50 ms | ITL P99 ms | failed | CPU cores busy: workers / engine process / client |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in s["rows"]:
             cpu = r.get("cpu_cores") or {}
-            print(f"| {r['concurrency']} | {r.get('requests', '-')} | {_fmt(r['engine_tok_s'])} | "
+            print(f"| {r.get('server', 'default')} | {r['concurrency']} | {r.get('requests', '-')} | "
+                  f"{_fmt(r['engine_tok_s'])} | "
                   f"{_fmt(r['served_tok_s'])} | {_fmt(r['ratio'], '.3f')} | {_fmt(r['ttft_p50_ms'])} | "
                   f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['itl_p50_ms'], '.2f')} | {_fmt(r['itl_p99_ms'], '.2f')} | "
                   f"{r['failed']} | {_fmt(cpu.get('worker'), '.2f')} / {_fmt(cpu.get('engine'), '.2f')} / "
@@ -524,8 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--logs", help="folder for the server's log")
         s.add_argument("--json")
         if name == "serving":
-            s.add_argument("--server-args", help="more `python -m server` flags, as one string joined to the option "
-                                                  "with '=' (it starts with a dash): --server-args=--no-engine-process")
+            s.add_argument("--server-args", action="append", default=None,
+                           help="more `python -m server` flags, as one string joined to the option with '=' (it "
+                                "starts with a dash): --server-args=--no-engine-process. Given several times, each is "
+                                "a server of its own, measured one after the other against the same engine-alone "
+                                "runs: --server-args= --server-args='--api-server-count 4'")
             s.add_argument("--skip-engine", action="store_true", help="the server only (no engine-alone runs)")
             s.add_argument("--profile-concurrency", type=int, default=None, metavar="C",
                            help="py-spy the server's worker and engine process during the timed run at C")

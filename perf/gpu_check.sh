@@ -14,7 +14,8 @@
 # 4. the server against the engine alone at each concurrency (perf/gpu_check.py serving: random 128-token
 #    prompts, 128 out, ignore_eos), on a random-weight model of --shape made here unless --model is given;
 #    --serving-args adds perf/gpu_check.py serving options, e.g. "--profile-concurrency 256" (py-spy of the
-#    server's processes) or "--server-args=--no-engine-process";
+#    server's processes), "--server-args=--no-engine-process", or several servers measured one after the
+#    other against the same engine-alone runs: "--server-args= --server-args=--api-server-count=4";
 # 5. one summary table, last. Results (JSON, logs) land in --out (default $OUT or /tmp/gpu-check).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
         --aot-model) AOT_MODEL=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
         --serving-args) SERVING_ARGS=$2; shift 2 ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
     esac
 done
