@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
         --aot-model) AOT_MODEL=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
         --serving-args) SERVING_ARGS=$2; shift 2 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | grep '^#'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
     esac
 done
