@@ -84,3 +84,67 @@ def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_p
         assert solo == want[2]
     finally:
         llm.close()
+
+
+# ---------------------------------------------------------------------------------------------------- LLaVA
+def _data_url(img) -> str:
+    import base64
+    import io
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")                 # lossless: the server's decode gives the same pixels back
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("variant", ["default", "full-multi"])
+def test_llava_on_the_device_matches_transformers(where, variant, tmp_path, monkeypatch):
+    pytest.importorskip("PIL")
+    from engine.llm import LLM
+    from tests.test_vision_llava import _expanded, _hf_greedy, _hf_logits, _pixels
+    from tests.vision_fixtures import IMAGE_TOKEN_ID, VOCAB, make_llava_dir, random_image
+    path = str(tmp_path)
+    hf = make_llava_dir(path, variant, seed=3)
+    img_a, img_b = random_image(20), random_image(21, (50, 40))
+    pa, pb = _pixels(path, img_a), _pixels(path, img_b)
+    prompt = [7, 8, IMAGE_TOKEN_ID, 9, 10, 11, 12]
+    ids = _expanded(prompt, variant)
+    ref = torch.log_softmax(_hf_logits(hf, ids, [pa]).double(), -1).numpy()
+    two = [5, IMAGE_TOKEN_ID, 6, IMAGE_TOKEN_ID, 4]
+    text_only = [3, 4, 5, 6, 7, 8, 9]
+    want_a = _hf_greedy(hf, ids, [pa], 12)
+    want = [_hf_greedy(hf, ids, [pb], 12), _hf_greedy(hf, _expanded(two, variant), [pa, pb], 12)]
+    with torch.no_grad():
+        want.append(hf.generate(input_ids=torch.tensor([text_only]), max_new_tokens=12, min_new_tokens=12,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(text_only):].tolist())
+    _on(where, monkeypatch)
+    # max_num_batched_tokens 8: the prefill runs in chunks that split the image's rows
+    llm = LLM(path, num_blocks=64, block_size=16, max_num_batched_tokens=8, max_logprobs=-1, device="cuda")
+    try:
+        vision = llm.engine.model.vision
+        assert llm.engine.model.device == "cuda" and _on_device(vision.layers[0]["qkv"].weight)
+        out = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": img_a}},
+                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1, detokenize=False))[0]
+        assert out.prompt_token_ids == ids
+        plp = out.prompt_logprobs
+        got = np.array([[plp[i][t].logprob for t in range(VOCAB)] for i in range(1, len(ids))])
+        np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+        assert llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": img_a}},
+                            sp)[0].outputs[0].token_ids == want_a
+        # in one batch: another image, a prompt with both images, a text-only prompt
+        outs = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": img_b}},
+                             {"prompt_token_ids": two, "multi_modal_data": {"image": [img_a, img_b]}},
+                             text_only], sp)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        # LLM.chat: the image as an OpenAI image_url part (a PNG data: URL) and as vLLM's image_pil part
+        text = {"type": "text", "text": "t7 t8"}
+        chat_ids = llm.tokenizer.encode_chat([{"role": "user", "content": [text, {"type": "image"}]}])
+        assert chat_ids.count(IMAGE_TOKEN_ID) == 1
+        want_chat = _hf_greedy(hf, _expanded(chat_ids, variant), [pb], 12)
+        for part in ({"type": "image_url", "image_url": {"url": _data_url(img_b)}},
+                     {"type": "image_pil", "image_pil": img_b}):
+            got = llm.chat([{"role": "user", "content": [text, part]}], sp)[0]
+            assert got.prompt_token_ids == _expanded(chat_ids, variant)
+            assert got.outputs[0].token_ids == want_chat, part["type"]
+    finally:
+        llm.close()
