@@ -229,7 +229,7 @@ class LoRALinear:
         # device twins on a GPU (a changed slot is uploaded whole)
         self.host_a = np.zeros((manager.max_loras, S * R, base.k), np.float32)
         self.host_b = np.zeros((manager.max_loras, base.n, S * R), np.float32)
-        self.lora_a, self.lora_b = manager.to_device(self.host_a), manager.to_device(self.host_b)
+        self.lora_a, self.lora_b = manager.arrays.put(self.host_a), manager.arrays.put(self.host_b)
         self.live = set()             # slots whose adapter has weights here
 
     def __getattr__(self, name):
@@ -292,25 +292,11 @@ class LoRAManager:
         self.tiles = _EMPTY
         self.step_slots: set = set()
         # a GPU model: the slots, the step's tiles and the scratch live on its device
-        self.device = None
-        if getattr(model, "device", "cpu") != "cpu":
-            from engine.device import runtime_device
-            self.device = runtime_device(model.device)
-        self._v = self._zeros(0)
+        from engine.device import Arrays
+        self.arrays = Arrays(getattr(model, "device", "cpu"))
+        self.device = self.arrays.device
+        self._v = self.arrays.zeros(0)
         self.shapes, self.linears = self._wrap(model)
-
-    def to_device(self, host: np.ndarray):
-        """`host` as the kernels read it: itself on the CPU, a device copy on a GPU."""
-        if self.device is None:
-            return host
-        from jitkern.runtime.device import DeviceArray
-        return DeviceArray.from_numpy(host, device=self.device)
-
-    def _zeros(self, n: int):
-        if self.device is None:
-            return np.zeros(n, np.float32)
-        from jitkern.runtime.device import DeviceArray
-        return DeviceArray.zeros(n, np.float32, self.device)
 
     # -------------------------------------------------------------------- the model
     def _wrap(self, model):
@@ -384,7 +370,7 @@ class LoRAManager:
     # -------------------------------------------------------------------- steps
     def scratch(self, T: int, R: int):
         if self._v.size < T * R:
-            self._v = self._zeros(max(T * R, 2 * self._v.size))
+            self._v = self.arrays.zeros(max(T * R, 2 * self._v.size))
         return self._v[:T * R].reshape(T, R)
 
     def _slot_for(self, ad: LoRAAdapter, busy: set) -> int:
@@ -424,7 +410,7 @@ class LoRAManager:
         from engine.ops.lora import lora_tiles
         tiles = lora_tiles(np.repeat(np.asarray(slots, np.int32), counts))
         if self.device is not None:        # one copy of the three arrays; the kernels read views of it
-            dev = self.to_device(np.stack(tiles))
+            dev = self.arrays.put(np.stack(tiles))
             tiles = (dev[0], dev[1], dev[2])
         self.tiles = tiles
 

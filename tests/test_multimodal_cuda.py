@@ -148,3 +148,46 @@ def test_llava_on_the_device_matches_transformers(where, variant, tmp_path, monk
             assert got.outputs[0].token_ids == want_chat, part["type"]
     finally:
         llm.close()
+
+
+# -------------------------------------------------------------------------------------------------- Whisper
+@pytest.mark.parametrize("where", WHERE)
+def test_whisper_on_the_device_matches_transformers(where, tmp_path, monkeypatch):
+    from engine.llm import LLM
+    from engine.ops._hostargs import host_copy
+    from tests.test_whisper import _features, _hf_generate
+    from tests.whisper_fixtures import IDS, LANGS, NO_TIMESTAMPS, SOT, make_whisper_dir, random_audio
+    path = str(tmp_path)
+    hf = make_whisper_dir(path, seed=1)
+    audio = random_audio(10, 1.3)
+    feats = _features(path, audio)
+    rng = np.random.default_rng(11)
+    ids = [SOT, IDS["<|fr|>"], IDS["<|transcribe|>"], NO_TIMESTAMPS] + rng.integers(0, 100, 6).tolist()
+    with torch.no_grad():
+        want_enc = hf.model.encoder(feats).last_hidden_state[0].numpy()
+        want = hf(input_features=feats, decoder_input_ids=torch.tensor([ids])).logits[0].numpy()
+    _on(where, monkeypatch)
+    llm = LLM(path, device="cuda")
+    try:
+        tr = llm.engine.transcriber
+        assert tr.model.device == "cuda" and _on_device(tr.model.embed)
+        enc = tr.model.encode(tr.features(audio))
+        assert _on_device(enc)
+        np.testing.assert_allclose(host_copy(enc), want_enc, atol=2e-5, rtol=1e-4)
+        state = tr.model.start(enc)
+        got = [tr.model.decode(state, ids[:5], all_logits=True)] + \
+            [tr.model.decode(state, [t])[None] for t in ids[5:]]
+        np.testing.assert_allclose(np.concatenate(got), want, atol=5e-5, rtol=1e-4)
+        for seed in (20, 21):
+            a = random_audio(seed, 1.1 + 0.4 * (seed - 20))
+            f = _features(path, a)
+            out = llm.transcribe(a, language="de", max_tokens=24)
+            assert out.token_ids == _hf_generate(hf, f, 24, language="de")
+            # no language: detected from the audio as generate's detect_language does
+            with torch.no_grad():
+                detected = int(hf.detect_language(f)[0])
+            out = llm.transcribe(a, max_tokens=24)
+            assert out.language == {IDS[f"<|{c}|>"]: c for c in LANGS}[detected]
+            assert out.token_ids == _hf_generate(hf, f, 24, language=out.language)
+    finally:
+        llm.close()

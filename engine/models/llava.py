@@ -209,8 +209,8 @@ class LlavaVision:
                                  path=ckpt.path, tensor="multi_modal_projector.linear_1.weight")
         self._attn_ws: dict = {}
         self.device = device
-        self._dev = None                   # the runtime device the weights live on (GPU devices)
-        from engine.device import GPU_DEVICES
+        from engine.device import GPU_DEVICES, Arrays
+        self.arrays = Arrays(device)             # the encode's buffers and index arrays
         if device in GPU_DEVICES:
             self._to_device()
 
@@ -226,26 +226,6 @@ class LlavaVision:
                 L[k].to_device(up)
             for k in ("ln1", "ln2"):
                 L[k] = tuple(up(v) for v in L[k])
-        self._dev = up.device
-
-    def _put(self, host: np.ndarray):
-        """A host array (pixels, index arrays) where the kernels read it."""
-        if self._dev is None:
-            return host
-        from jitkern.runtime.device import DeviceArray
-        return DeviceArray.from_numpy(host, device=self._dev)
-
-    def _empty(self, shape, dtype=np.float32):
-        if self._dev is None:
-            return np.empty(shape, dtype)
-        from jitkern.runtime.device import DeviceArray
-        return DeviceArray.empty(shape, dtype, self._dev)
-
-    def _zeros(self, shape):
-        if self._dev is None:
-            return np.zeros(shape, np.float32)
-        from jitkern.runtime.device import DeviceArray
-        return DeviceArray.zeros(shape, np.float32, self._dev)
 
     # ------------------------------------------------------------------------------------ loading
     def _get(self, name, required=True):
@@ -302,20 +282,20 @@ class LlavaVision:
         T = N * S
         Hd, H, D = vc.hidden_size, vc.num_heads, vc.head_dim
         eps = vc.layer_norm_eps
-        x = self._empty((T, Hd))
-        t = self._empty((T, Hd))
-        self.patch(self._put(self.unfold(pixels)), out=x)
-        embedding(self._put(np.tile(np.arange(S, dtype=np.int32), N)), self.pos_table, out=t)
+        x = self.arrays.empty((T, Hd))
+        t = self.arrays.empty((T, Hd))
+        self.patch(self.arrays.put(self.unfold(pixels)), out=x)
+        embedding(self.arrays.put(np.tile(np.arange(S, dtype=np.int32), N)), self.pos_table, out=t)
         add(x, t, out=x)
         layer_norm(x, *self.pre_ln, eps, out=x)
         keep = {j: None for j in vc.feature_layers}
         if 0 in keep:
-            keep[0] = copy(x, out=self._empty((T, Hd)))
+            keep[0] = copy(x, out=self.arrays.empty((T, Hd)))
         # attention layout: image n's tokens in its own scratch blocks; every token one query over its image
         bs = self.BLOCK
         nb = -(-S // bs)
-        kc = self._zeros((N * nb, bs, H, D))
-        vcache = self._zeros((N * nb, bs, H, D))
+        kc = self.arrays.zeros((N * nb, bs, H, D))
+        vcache = self.arrays.zeros((N * nb, bs, H, D))
         tok = np.arange(T, dtype=np.int32)
         img = tok // S
         slots = (img * nb * bs + tok % S).astype(np.int32)
@@ -323,13 +303,13 @@ class LlavaVision:
         lens_h = np.full(T, S, np.int32)
         table = (img[:, None] * nb + np.arange(nb, dtype=np.int32)[None, :]).astype(np.int32)
         # (a GPU's attention reads the lengths' host copies for its launch shape: host_step)
-        host_step = (qs_h, lens_h) if self._dev is not None else None
-        slots, qs, lens, table = (self._put(a) for a in (slots, qs_h, lens_h, table))
+        host_step = (qs_h, lens_h) if self.arrays.device is not None else None
+        slots, qs, lens, table = (self.arrays.put(a) for a in (slots, qs_h, lens_h, table))
         scale = float(D) ** -0.5
         act = _act(vc.hidden_act)
-        qkv = self._empty((T, 3 * Hd))
-        attn = self._empty((T, Hd))
-        mid = self._empty((T, vc.intermediate_size))
+        qkv = self.arrays.empty((T, 3 * Hd))
+        attn = self.arrays.empty((T, Hd))
+        mid = self.arrays.empty((T, vc.intermediate_size))
         for li, L in enumerate(self.layers):
             layer_norm(x, *L["ln1"], eps, out=t)
             L["qkv"](t, out=qkv)
@@ -345,7 +325,7 @@ class LlavaVision:
             L["fc2"](mid, out=t)
             add(x, t, out=x)
             if li + 1 in keep:
-                keep[li + 1] = x if li + 1 == self.depth else copy(x, out=self._empty((T, Hd)))
+                keep[li + 1] = x if li + 1 == self.depth else copy(x, out=self.arrays.empty((T, Hd)))
         return [keep[j] for j in vc.feature_layers]
 
     def features(self, pixels: np.ndarray) -> np.ndarray:
@@ -358,13 +338,13 @@ class LlavaVision:
         if len(states) == 1:
             cat = states[0]
         else:
-            cat = self._empty((N * S, Hd * len(states)))
+            cat = self.arrays.empty((N * S, Hd * len(states)))
             for j, s in enumerate(states):
                 copy(s, out=cat[:, j * Hd:(j + 1) * Hd])
         if vc.select_strategy == "full":
             return cat.reshape(N, S, -1)
         rows = (np.arange(N, dtype=np.int32)[:, None] * S + np.arange(1, S, dtype=np.int32)[None, :]).reshape(-1)
-        out = embedding(self._put(rows), cat)       # the CLS rows dropped (a row gather)
+        out = embedding(self.arrays.put(rows), cat)       # the CLS rows dropped (a row gather)
         return out.reshape(N, S - 1, -1)
 
     def encode(self, pixels: np.ndarray):
