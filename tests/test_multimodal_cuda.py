@@ -86,6 +86,48 @@ def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_p
         llm.close()
 
 
+def _cpu_lora_greedy(path, adapter, names, prompts, n):
+    """The CPU engine's greedy tokens of `prompts`, each with the adapter at `adapter` or none (names[i] None)."""
+    from engine.llm import LLM
+    from engine.lora import LoRARequest
+    req = LoRARequest("a", 1, adapter)
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+    with LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=64, device="cpu") as llm:
+        outs = llm.generate(prompts, sp, lora_request=[req if m else None for m in names])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_lora_on_a_bf16_checkpoint_on_the_device(where, tmp_path, monkeypatch):
+    """A bf16 checkpoint: with dtype "float32" the device's greedy tokens are the CPU engine's; with vLLM's default
+    dtype (16-bit matrix-unit inputs: the base linears take bf16 x, Linear.x16) the wrapped linears still get
+    f32 x (LoRALinear.x16 is None), and a prompt alone gives the tokens it gives in the mixed batch."""
+    from engine.llm import LLM
+    from engine.lora import LoRARequest
+    from tests.model_fixtures import make_model_dir
+    from tests.test_engine_cuda import _cpu_side
+    from tests.test_lora import ATTN, MLP, _prompts, write_adapter
+    path, adapter = str(tmp_path / "model"), str(tmp_path / "a")
+    hf = make_model_dir("llama", path)
+    write_adapter(adapter, hf, ATTN + MLP, r=4, alpha=8, seed=2)
+    hf.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    prompts, names = _prompts(4, seed=6), ["a", None, "a", "a"]
+    cpu = _cpu_side("_cpu_lora_greedy", path, adapter, names, prompts, 8, module="tests.test_multimodal_cuda")
+    _on(where, monkeypatch)
+    req = LoRARequest("a", 1, adapter)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
+    for dtype in ("float32", "auto"):
+        with LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=64, device="cuda",
+                 dtype=dtype) as llm:
+            assert llm.engine.model.compute16 is (dtype == "auto")
+            batch = [list(o.outputs[0].token_ids)
+                     for o in llm.generate(prompts, sp, lora_request=[req if m else None for m in names])]
+            solo = list(llm.generate([prompts[2]], sp, lora_request=req)[0].outputs[0].token_ids)
+        assert solo == batch[2], dtype
+        if dtype == "float32":
+            assert batch == cpu
+
+
 # ---------------------------------------------------------------------------------------------------- LLaVA
 def _data_url(img) -> str:
     import base64
