@@ -127,3 +127,30 @@ class StepStaging:
 
     def send(self) -> None:
         self.dev.copy_from_numpy(self.host)
+
+
+class Arrays:
+    """Where a model's own buffers and small index arrays go when it runs outside the engine's buffer pool (LLaVA's
+    vision tower, Whisper): numpy on the CPU, device arrays on a GPU (`kind`: "cpu" or a GPU device kind)."""
+
+    def __init__(self, kind: str = "cpu"):
+        self.device = runtime_device(kind) if kind in GPU_DEVICES else None
+
+    def empty(self, shape, dtype=np.float32):
+        if self.device is None:
+            return np.empty(shape, dtype)
+        from jitkern.runtime.device import DeviceArray
+        return DeviceArray.empty(shape, dtype, self.device)
+
+    def zeros(self, shape, dtype=np.float32):
+        if self.device is None:
+            return np.zeros(shape, dtype)
+        from jitkern.runtime.device import DeviceArray
+        return DeviceArray.zeros(shape, dtype, self.device)
+
+    def put(self, host: np.ndarray):
+        """`host` where the kernels read it: itself on the CPU, a device copy on a GPU."""
+        if self.device is None:
+            return host
+        from jitkern.runtime.device import DeviceArray
+        return DeviceArray.from_numpy(np.ascontiguousarray(host), device=self.device)

@@ -156,11 +156,21 @@ class LLM:
              add_generation_prompt: bool = True, tools=None, chat_template_kwargs: dict | None = None,
              use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         """Renders one conversation (a list of messages) or a list of conversations with the model's chat
-        template and generates a reply to each; returns a list of outputs (one per conversation), as vLLM."""
+        template and generates a reply to each; returns a list of outputs (one per conversation), as vLLM.
+        A message's content may be a list of parts: text, and for a model that takes images (LLaVA) OpenAI's
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} or vLLM's {"type": "image_pil",
+        "image_pil": PIL.Image} (engine.multimodal.chat_images)."""
+        from engine.multimodal import chat_images
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.tokenizer.encode_chat(m, add_generation_prompt=add_generation_prompt, tools=tools,
-                                          **(chat_template_kwargs or {})) for m in convs]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        inputs = getattr(self.engine, "image_inputs", None)
+        placeholder = inputs.token_text if inputs is not None else None
+        prompts = []
+        for conv in convs:
+            conv, images = chat_images(conv, getattr(self.tokenizer, "chat_template", None), placeholder)
+            ids = self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts, params, *, use_tqdm: bool = False) -> list:
         """vLLM's LLM.beam_search (engine.beam_search): one BeamSearchOutput per prompt."""

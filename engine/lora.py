@@ -8,13 +8,17 @@ adapter_model.safetensors (`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in
 on q/k/v/o_proj and gate/up/down_proj. Its delta is y += scale * (x A^T) B^T with scale = lora_alpha / r
 (lora_alpha / sqrt(r) with use_rslora); the scale is folded into B at load, as vLLM does.
 
-Serving (vLLM's design, on the CPU): loaded adapters are kept in host memory (`LoRAManager.adapters`, by
+Serving (vLLM's design, on the CPU and CUDA): loaded adapters are kept in host memory (`LoRAManager.adapters`, by
 lora_int_id); each step's adapters are copied into one of `max_loras` slots of every wrapped linear (least
-recently used slot first); the scheduler admits requests of at most max_loras distinct adapters at a time. The
+recently used slot first; on a GPU the slots live in device memory and a slot's change is one upload per
+linear); the scheduler admits requests of at most max_loras distinct adapters at a time. The
 model's q/k/v, o, gate/up and down linears are wrapped (`LoRALinear`): the base product, then the segmented
 low-rank products of engine.ops.lora over the step's tokens by each token's slot (tokens without an adapter
 are skipped), so a batch mixes adapters and the base model in one forward pass. Prefix-cache blocks are keyed by
 the adapter (a prompt cached under adapter A is not reused under B or the base model).
+
+On a GPU the step's tiles go over in one copy per step; the engine runs LoRA steps eagerly (no recorded graphs:
+a step's tile count is the launch grid, and whether any adapter applies is decided on the host).
 """
 from __future__ import annotations
 
@@ -210,7 +214,10 @@ class LoRALinear:
     its slot. A fused linear (q/k/v, gate/up) stacks its modules' A rows ([S*R, K]) and gives each module's output
     rows of B only that module's R columns. Everything else is the base Linear's (attribute access falls through);
     q8_input is None, so the forward always hands it f32 x (the GGUF decode fusions that quantise x inside the
-    norm or the activation are skipped where an adapter may apply)."""
+    norm or the activation are skipped where an adapter may apply). x16 is None for the same reason: the 16-bit
+    input a GPU tensor-core linear may take would reach the low-rank kernels, which read f32 x."""
+
+    x16 = None
 
     def __init__(self, base, modules: tuple, out_sizes: tuple, manager: "LoRAManager"):
         self.base = base
@@ -218,8 +225,11 @@ class LoRALinear:
         self.offsets = tuple(itertools.accumulate((0,) + out_sizes))
         self._mgr = manager
         R, S = manager.max_rank, len(modules)
-        self.lora_a = np.zeros((manager.max_loras, S * R, base.k), np.float32)
-        self.lora_b = np.zeros((manager.max_loras, base.n, S * R), np.float32)
+        # host copies of the slots (filled here), and what the kernels read: the same arrays on the CPU, their
+        # device twins on a GPU (a changed slot is uploaded whole)
+        self.host_a = np.zeros((manager.max_loras, S * R, base.k), np.float32)
+        self.host_b = np.zeros((manager.max_loras, base.n, S * R), np.float32)
+        self.lora_a, self.lora_b = manager.arrays.put(self.host_a), manager.arrays.put(self.host_b)
         self.live = set()             # slots whose adapter has weights here
 
     def __getattr__(self, name):
@@ -230,20 +240,22 @@ class LoRALinear:
 
     def load_slot(self, slot: int, adapter: LoRAAdapter | None, layer: int) -> None:
         R = self._mgr.max_rank
-        self.lora_a[slot] = 0
-        self.lora_b[slot] = 0
+        ha, hb = self.host_a, self.host_b
+        ha[slot] = 0
+        hb[slot] = 0
         self.live.discard(slot)
-        if adapter is None:
-            return
         for i, mod in enumerate(self.lora_modules):
-            w = adapter.weights.get((layer, mod))
+            w = adapter.weights.get((layer, mod)) if adapter is not None else None
             if w is None:
                 continue
             A, B = w
             r = A.shape[0]
-            self.lora_a[slot, i * R:i * R + r] = A
-            self.lora_b[slot, self.offsets[i]:self.offsets[i + 1], i * R:i * R + r] = B
+            ha[slot, i * R:i * R + r] = A
+            hb[slot, self.offsets[i]:self.offsets[i + 1], i * R:i * R + r] = B
             self.live.add(slot)
+        if self.lora_a is not ha:
+            self.lora_a[slot].copy_from_numpy(ha[slot])
+            self.lora_b[slot].copy_from_numpy(hb[slot])
 
     def __call__(self, x, out=None, **_kw):
         y = self.base(x, out=out)
@@ -257,6 +269,7 @@ class LoRALinear:
 
 
 _EMPTY = (np.zeros(0, np.int32),) * 3
+LORA_DEVICES = ("cpu", "cuda")         # where the low-rank kernels are wired (Vulkan: not yet)
 
 
 class LoRAManager:
@@ -278,7 +291,11 @@ class LoRAManager:
         self._lru = list(range(max_loras))          # least recently used first
         self.tiles = _EMPTY
         self.step_slots: set = set()
-        self._v = np.zeros(0, np.float32)
+        # a GPU model: the slots, the step's tiles and the scratch live on its device
+        from engine.device import Arrays
+        self.arrays = Arrays(getattr(model, "device", "cpu"))
+        self.device = self.arrays.device
+        self._v = self.arrays.zeros(0)
         self.shapes, self.linears = self._wrap(model)
 
     # -------------------------------------------------------------------- the model
@@ -351,9 +368,9 @@ class LoRAManager:
         return None
 
     # -------------------------------------------------------------------- steps
-    def scratch(self, T: int, R: int) -> np.ndarray:
+    def scratch(self, T: int, R: int):
         if self._v.size < T * R:
-            self._v = np.zeros(max(T * R, 2 * self._v.size), np.float32)
+            self._v = self.arrays.zeros(max(T * R, 2 * self._v.size))
         return self._v[:T * R].reshape(T, R)
 
     def _slot_for(self, ad: LoRAAdapter, busy: set) -> int:
@@ -391,7 +408,11 @@ class LoRAManager:
             self.tiles = _EMPTY
             return
         from engine.ops.lora import lora_tiles
-        self.tiles = lora_tiles(np.repeat(np.asarray(slots, np.int32), counts))
+        tiles = lora_tiles(np.repeat(np.asarray(slots, np.int32), counts))
+        if self.device is not None:        # one copy of the three arrays; the kernels read views of it
+            dev = self.arrays.put(np.stack(tiles))
+            tiles = (dev[0], dev[1], dev[2])
+        self.tiles = tiles
 
 
 def check_lora_args(args) -> None:
@@ -402,9 +423,9 @@ def check_lora_args(args) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     from engine.device import resolve_device
     dev = resolve_device(args.device)
-    if dev != "cpu":
-        raise ValueError(f"enable_lora: LoRA adapters run on the CPU only for now; device={args.device!r} resolves "
-                         f"to {dev!r} (pass device='cpu' / --device cpu)")
+    if dev not in LORA_DEVICES:
+        raise ValueError(f"enable_lora: LoRA adapters run on the CPU and CUDA only for now; device={args.device!r} "
+                         f"resolves to {dev!r} (pass device='cpu' or 'cuda')")
     if args.tensor_parallel_size not in (None, 1):
         raise ValueError("enable_lora cannot be combined with tensor_parallel_size > 1")
     if args.speculative_config is not None:
@@ -414,9 +435,9 @@ def check_lora_args(args) -> None:
 def enable_lora(engine, args) -> LoRAManager:
     """The engine's LoRAManager for EngineArgs with enable_lora, or a ValueError naming what cannot have one."""
     dev = getattr(engine.model, "device", "cpu")
-    if dev != "cpu":
-        raise ValueError(f"enable_lora: LoRA adapters run on the CPU only for now (device {dev!r}); use "
-                         "device='cpu'")
+    if dev not in LORA_DEVICES:
+        raise ValueError(f"enable_lora: LoRA adapters run on the CPU and CUDA only for now (device {dev!r}); use "
+                         "device='cpu' or 'cuda'")
     if getattr(engine, "tensor_parallel_size", 1) != 1:
         raise ValueError("enable_lora cannot be combined with tensor_parallel_size > 1")
     if args.speculative_config is not None:

@@ -292,7 +292,9 @@ class ModelRunner:
         # one per (tokens, sequences): every kernel reads the step's layout from the batch arrays
         spec_step = bool(res.spec_rows) and not res.prompt_rows and len(b.logits_rows) == b.num_tokens \
             and self.staging is None and getattr(self.model, "supports_graphs", True)
-        decode_graph = self.use_graphs and pure_decode and getattr(self.model, "supports_graphs", True)
+        # (a one-token step of a prompt that ends in an image's rows scatters image features: eager, as prefills)
+        decode_graph = self.use_graphs and pure_decode and getattr(self.model, "supports_graphs", True) \
+            and b.mm_rows is None
         # prefill / mixed steps: padded to a bucket (before the staged copy on CUDA) and replayed as a graph
         padded = None
         if not decode_graph and not (self.use_graphs and spec_step) and self.prefill_graphs.eligible(res):
@@ -378,6 +380,12 @@ class ModelRunner:
         self.staging.host_views["logits_rows"][:R] = b.logits_rows
         self.staging.send()
         d.num_tokens, d.num_seqs, d.logits_rows = b.num_tokens, b.num_seqs, b.logits_rows
+        d.mm_rows = d.mm_embeds = None
+        if b.mm_rows is not None:
+            # image features: a step of their own shape (run eagerly, never recorded), so plain uploads
+            from jitkern.runtime.device import to_device
+            dev = self.staging.dev.device
+            d.mm_rows, d.mm_embeds = to_device(b.mm_rows, device=dev), to_device(b.mm_embeds, device=dev)
 
     def _replay_decode(self, key=None) -> np.ndarray:
         """Decode steps of the same batch size replay one recorded graph (launch cost ~1 us per kernel

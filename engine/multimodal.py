@@ -160,6 +160,109 @@ def images_of(mm_data, param: str = "multi_modal_data") -> list:
     return imgs
 
 
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024      # a decoded image larger than this is refused (decompression bombs)
+
+
+def image_from_data_url(url: str, where: str):
+    """The PIL image of a base64 data: URL (an OpenAI image_url part's url; nothing is downloaded). Raises
+    InvalidRequestError naming `where` (the part)."""
+    if not url.startswith("data:"):
+        raise InvalidRequestError(f"'{where}.image_url.url' must be a data: URL (data:image/png;base64,...): this "
+                                  "server does not download images", param=f"{where}.image_url.url")
+    head, sep, payload = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise InvalidRequestError(f"'{where}.image_url.url' must be a base64 data: URL (data:image/png;base64,...)",
+                                  param=where)
+    import base64
+    import binascii
+    import io
+    import warnings
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"'{where}' holds invalid base64 data", param=where) from None
+    from PIL import Image
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw))
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise InvalidRequestError(f"'{where}' is a {img.width}x{img.height} image; at most "
+                                          f"{MAX_IMAGE_PIXELS} pixels", param=where)
+            img.load()
+    except InvalidRequestError:
+        raise
+    except Exception as e:      # noqa: BLE001 - whatever Pillow says, the part is not a readable image
+        raise InvalidRequestError(f"'{where}' is not a decodable image ({type(e).__name__}: {e})",
+                                  param=where) from None
+    return img
+
+
+def fit_template_format(messages: list, template, placeholder: str) -> None:
+    """Messages with images as the chat template takes them. A template that handles content parts (it looks at
+    a part's type: LLaVA's do) gets the parts list, `{"type": "image"}` where each image goes. A template that
+    renders content as a string gets the text with one placeholder line per image first (vLLM's "string"
+    content format)."""
+    if isinstance(template, dict):
+        template = "\n".join(str(t) for t in template.values())
+    if isinstance(template, str) and "image" in template and "type" in template:
+        return
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            n = sum(p["type"] == "image" for p in c)
+            text = "\n".join(p["text"] for p in c if p["type"] == "text")
+            m["content"] = (placeholder + "\n") * n + text
+
+
+def chat_images(messages: list, template, placeholder: str | None) -> tuple:
+    """(messages for the chat template, PIL images in prompt order) of an `LLM.chat` conversation whose contents
+    may be lists of OpenAI / vLLM content parts: {"type": "text", "text": ...}, {"type": "image_url",
+    "image_url": {"url": "data:image/png;base64,..."}} and {"type": "image_pil", "image_pil": PIL.Image}. Each
+    image becomes a {"type": "image"} part (fit_template_format); `placeholder`: the model's image token text,
+    None for a model without image input (an image part is then refused)."""
+    from PIL import Image
+    images, out = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text", "")})
+                continue
+            if kind == "image_url":
+                iu = part.get("image_url")
+                url = iu.get("url") if isinstance(iu, dict) else iu
+                if not isinstance(url, str):
+                    raise InvalidRequestError(f"'{where}.image_url.url' must be a data: URL string",
+                                              param=f"{where}.image_url.url")
+                img = image_from_data_url(url, where)
+            elif kind == "image_pil":
+                img = part.get("image_pil")
+                if not isinstance(img, Image.Image):
+                    raise InvalidRequestError(f"'{where}.image_pil' is a {type(img).__name__}, not a PIL image",
+                                              param=f"{where}.image_pil")
+            else:
+                raise InvalidRequestError(f"'{where}.type' {kind!r} is not supported ('text', 'image_url' and "
+                                          "'image_pil' parts)", param=f"{where}.type")
+            if placeholder is None:
+                raise InvalidRequestError("this model does not take image input", param=where)
+            images.append(img)
+            parts.append({"type": "image"})
+        msg = dict(m)
+        msg["content"] = parts if any(p["type"] == "image" for p in parts) else \
+            "\n".join(p["text"] for p in parts)
+        out.append(msg)
+    if images:
+        fit_template_format(out, template, placeholder)
+    return out, images
+
+
 def expand_placeholders(ids: list, token_id: int, count: int, n_images: int, token_text: str = "the image token"):
     """(new ids, offsets): each of the prompt's `n_images` image tokens expanded to `count` of them, or, when the
     prompt already holds n_images runs of exactly `count`, those runs as they are."""
@@ -221,6 +324,9 @@ def ensure_embeds(vision, images: list) -> None:
     todo = list({id(im): im for im in images if im.embeds is None}.values())
     if not todo:
         return
-    feats = vision.encode(np.stack([im.pixel_values for im in todo]))
+    from engine.ops._hostargs import host_copy
+    # kept on the host (a GPU tower's output is copied back once): the steps that cover an image's rows (chunked
+    # prefill may split them) take slices of it, staged with the step (ModelRunner._send_step)
+    feats = host_copy(vision.encode(np.stack([im.pixel_values for im in todo])))
     for im, f in zip(todo, feats):
         im.embeds = np.ascontiguousarray(f, np.float32)

@@ -695,48 +695,17 @@ def _content_text(content, where: str, images: Optional[list] = None, placeholde
     return parts
 
 
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024      # a decoded image larger than this is refused (decompression bombs)
-
-
 def _data_url_image(part: dict, where: str):
     """The PIL image of an image_url content part: only data: URLs (base64), since the server downloads nothing."""
+    from engine.multimodal import image_from_data_url
     iu = part.get("image_url")
     url = iu.get("url") if isinstance(iu, dict) else iu
     if not isinstance(url, str):
         raise _type_error(f"{where}.image_url.url", "a string (a data: URL)", url)
-    if not url.startswith("data:"):
-        raise bad_request(f"'{where}.image_url.url' must be a data: URL (data:image/png;base64,...): this server "
-                          "does not download images", param=f"{where}.image_url.url", code="invalid_value")
-    head, sep, payload = url.partition(",")
-    if not sep or not head.endswith(";base64"):
-        raise bad_request(f"'{where}.image_url.url' must be a base64 data: URL (data:image/png;base64,...)",
-                          param=where, code="invalid_value")
-    import base64
-    import binascii
-    import io
     try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad_request(f"'{where}' holds invalid base64 data", param=where, code="invalid_value") from None
-    try:
-        from PIL import Image
-    except ImportError:     # pragma: no cover - Pillow is a dependency
-        raise bad_request("image input needs Pillow on the server", param=where) from None
-    import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(raw))
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise bad_request(f"'{where}' is a {img.width}x{img.height} image; at most {MAX_IMAGE_PIXELS} pixels",
-                                  param=where, code="invalid_value")
-            img.load()
-    except APIError:
-        raise
-    except Exception as e:      # noqa: BLE001 - whatever Pillow says, the part is not a readable image
-        raise bad_request(f"'{where}' is not a decodable image ({type(e).__name__}: {e})", param=where,
-                          code="invalid_value") from None
-    return img
+        return image_from_data_url(url, where)
+    except InvalidRequestError as e:
+        raise bad_request(e.message, param=e.param, code="invalid_value") from None
 
 
 def _messages(f: Fields, max_chars: Optional[int] = None, ctx: Optional[ServingContext] = None,
@@ -789,20 +758,8 @@ def _messages(f: Fields, max_chars: Optional[int] = None, ctx: Optional[ServingC
 
 
 def _fit_template_format(messages: list, template, placeholder: str) -> None:
-    """Messages with images as the chat template takes them. A template that handles content parts (it looks at
-    a part's type: LLaVA's do) gets the parts list, `{"type": "image"}` where each image goes. A template that
-    renders content as a string gets the text with one placeholder line per image first (vLLM's "string"
-    content format)."""
-    if isinstance(template, dict):
-        template = "\n".join(str(t) for t in template.values())
-    if isinstance(template, str) and "image" in template and "type" in template:
-        return
-    for m in messages:
-        c = m.get("content")
-        if isinstance(c, list):
-            n = sum(p["type"] == "image" for p in c)
-            text = "\n".join(p["text"] for p in c if p["type"] == "text")
-            m["content"] = (placeholder + "\n") * n + text
+    from engine.multimodal import fit_template_format
+    fit_template_format(messages, template, placeholder)
 
 
 def parse_chat_request(body: dict, ctx: ServingContext) -> GenerationRequest:

@@ -76,15 +76,16 @@ def _real_gpu() -> bool:
         return False
 
 
-def _cpu_side(func_name, *args):
-    """The CPU engine's half of a comparison: tests.test_engine_cuda.<func_name>(*args), in this process, or in
-    a fresh one where a real CUDA device is present. On the H200 that half has aborted the whole pytest process
-    in LLVM's ORC linker while loading a CPU kernel object, in a process that also holds CUDA, torch and
-    transformers (4 of 5 runs; not diagnosed): a separate process keeps the GPU half's verdict."""
+def _cpu_side(func_name, *args, module="tests.test_engine_cuda"):
+    """The CPU engine's half of a comparison: <module>.<func_name>(*args) (JSON-able arguments and result), in
+    this process, or in a fresh one where a real CUDA device is present. On the H200 that half has aborted the
+    whole pytest process in LLVM's ORC linker while loading a CPU kernel object, in a process that also holds
+    CUDA, torch and transformers (4 of 5 runs; not diagnosed): a separate process keeps the GPU half's verdict."""
     if not _real_gpu():
-        return globals()[func_name](*args)
+        import importlib
+        return getattr(importlib.import_module(module), func_name)(*args)
     code = ("import json, sys\n"
-            f"from tests.test_engine_cuda import {func_name} as f\n"
+            f"from {module} import {func_name} as f\n"
             "print(json.dumps(f(*json.loads(sys.argv[1]))))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,

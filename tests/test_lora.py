@@ -196,9 +196,9 @@ def test_lora_settings_and_devices_refused_before_the_load(monkeypatch):
     from engine.lora import check_lora_args
     with pytest.raises(ValueError, match="max_lora_rank"):
         check_lora_args(EngineArgs(enable_lora=True, max_lora_rank=0, device="cpu"))
-    monkeypatch.setattr(device, "resolve_device", lambda setting: "cuda")
-    with pytest.raises(ValueError, match="CPU only"):
-        LLM("no-such-model-is-loaded", enable_lora=True, device="cuda")
+    monkeypatch.setattr(device, "resolve_device", lambda setting: "vulkan")
+    with pytest.raises(ValueError, match="CPU and CUDA only"):
+        LLM("no-such-model-is-loaded", enable_lora=True, device="vulkan")
 
 
 def test_gguf_checkpoint_takes_hf_adapters(setup):

@@ -176,6 +176,41 @@ def test_bad_image_requests(llava, tmp_path):
         text.close()
 
 
+def test_chat_takes_image_parts(llava, tmp_path):
+    """LLM.chat as vLLM's: OpenAI image_url parts (a base64 data: URL) and image_pil parts give the tokens of the
+    rendered prompt with the image (transformers' greedy); a bad part is refused naming it, and an image part to a
+    text-only model too."""
+    import base64
+    import io
+
+    from engine.errors import InvalidRequestError
+    from tests.model_fixtures import make_model_dir
+    variant, path, hf = llava
+    img = random_image(22)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    text = {"type": "text", "text": "t7 t8"}
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
+    with LLM(path, num_blocks=32, block_size=16, max_num_batched_tokens=64) as llm:
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": [text, {"type": "image"}]}])
+        want = _hf_greedy(hf, _expanded(ids, variant), [_pixels(path, img)], 6)
+        for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_pil", "image_pil": img}):
+            out = llm.chat([{"role": "user", "content": [text, part]}], sp)[0]
+            assert out.outputs[0].token_ids == want, part["type"]
+        with pytest.raises(InvalidRequestError, match="must be a data: URL") as e:
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}], sp)
+        assert e.value.param == "messages[0].content[0].image_url.url"
+        with pytest.raises(InvalidRequestError, match="not a PIL image"):
+            llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": b"png"}]}], sp)
+        with pytest.raises(InvalidRequestError, match="'audio_url' is not supported"):
+            llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {}}]}], sp)
+    make_model_dir("llama", str(tmp_path))
+    with LLM(str(tmp_path), num_blocks=16, block_size=16) as text_llm:
+        with pytest.raises(InvalidRequestError, match="does not take image input"):
+            text_llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img}]}], sp)
+
+
 def test_chat_template_json_beside_the_tokenizer(tmp_path):
     """llava-hf repos keep the processor's chat template in chat_template.json, not in tokenizer_config.json."""
     import json

@@ -26,19 +26,18 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: 
     rec = _arch.arch_of(arch)
     model = rec.model if _arch.known(arch) else None
     from engine.models.llava import is_llava
-    if (model in ("mla", "whisper") or is_llava(ckpt.config)) and (device or "auto").strip().lower() == "auto":
-        device = "cpu"          # MLA, LLaVA and Whisper run on the CPU only so far: "auto" must not pick a GPU they
-        #                         would refuse
+    if model == "mla" and (device or "auto").strip().lower() == "auto":
+        device = "cpu"          # MLA runs on the CPU only so far: "auto" must not pick a GPU it would refuse
     device = resolve_device(device)
     if model == "decoder":
         from engine.models.decoder import DecoderLM
         from engine.models.llava import LlavaVision
-        if is_llava(ckpt.config) and device != "cpu":
-            raise ModelLoadError("LLaVA (image input) runs on the CPU only so far: use --device cpu",
-                                 path=ckpt.path, key="device")
+        if is_llava(ckpt.config) and device not in ("cpu", "cuda"):
+            raise ModelLoadError(f"LLaVA (image input) runs on the CPU and CUDA only so far, not {device}: use "
+                                 "--device cpu or cuda", path=ckpt.path, key="device")
         lm = DecoderLM(ckpt, kv_dtype=kv_dtype, device=device, dtype=dtype)
         if is_llava(ckpt.config):
-            lm.vision = LlavaVision(ckpt)       # takes image input (engine.multimodal)
+            lm.vision = LlavaVision(ckpt, device)       # takes image input (engine.multimodal)
         return lm
     if model == "mla":
         from engine.models.mla import MLADecoderLM
@@ -50,11 +49,11 @@ def build_model(ckpt, kv_dtype: str = "f32", device: str | None = "cpu", dtype: 
         from engine.models.encoder import BertEncoder
         return BertEncoder(ckpt, device=device)
     if model == "whisper":
-        if device != "cpu":
-            raise ModelLoadError("Whisper (transcription) runs on the CPU only so far: use --device cpu",
-                                 path=ckpt.path, key="device")
+        if device not in ("cpu", "cuda"):
+            raise ModelLoadError(f"Whisper (transcription) runs on the CPU and CUDA only so far, not {device}: use "
+                                 "--device cpu or cuda", path=ckpt.path, key="device")
         from engine.models.whisper import WhisperModel
-        return WhisperModel(ckpt)
+        return WhisperModel(ckpt, device)
     if model == "unimplemented":
         raise ModelLoadError(f"architecture '{arch}' is recognised but not implemented yet: missing "
                              f"{rec.missing}", path=ckpt.path, key="architecture")

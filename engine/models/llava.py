@@ -17,6 +17,9 @@ Every tensor operation runs on jitkern kernels. The patch convolution (stride = 
 over the image's patches, unfolded on the host (a reshape and transpose of the pixels). Attention reuses the
 paged decode kernel as the BERT encoder does (engine/models/encoder.py): an image's keys and values go into
 scratch blocks of its own, and each of its tokens is a one-query sequence over all of them.
+
+On CUDA the tower's weights are uploaded once (engine.device.Uploader); an encode uploads the unfolded pixels and
+its index arrays, runs on device arrays, and `encode` returns the features on the device.
 """
 from __future__ import annotations
 
@@ -163,7 +166,7 @@ class LlavaVision:
 
     BLOCK = 16          # scratch KV block size of the encoder's attention
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, device: str = "cpu"):
         # (imported here: engine.config reads this module's constants, and the weights module imports the loader,
         # which imports engine.config)
         from engine.models.weights import Linear, linear_from, vector_f32
@@ -205,6 +208,24 @@ class LlavaVision:
                                  f"(vision hidden x feature layers) -> {vc.text_hidden} (text hidden)",
                                  path=ckpt.path, tensor="multi_modal_projector.linear_1.weight")
         self._attn_ws: dict = {}
+        self.device = device
+        from engine.device import GPU_DEVICES, Arrays
+        self.arrays = Arrays(device)             # the encode's buffers and index arrays
+        if device in GPU_DEVICES:
+            self._to_device()
+
+    def _to_device(self) -> None:
+        from engine.device import Uploader
+        up = Uploader(self.device)
+        for lin in (self.patch, self.proj1, self.proj2):
+            lin.to_device(up)
+        self.pos_table = up(self.pos_table)
+        self.pre_ln = tuple(up(v) for v in self.pre_ln)
+        for L in self.layers:
+            for k in ("qkv", "o", "fc1", "fc2"):
+                L[k].to_device(up)
+            for k in ("ln1", "ln2"):
+                L[k] = tuple(up(v) for v in L[k])
 
     # ------------------------------------------------------------------------------------ loading
     def _get(self, name, required=True):
@@ -261,38 +282,41 @@ class LlavaVision:
         T = N * S
         Hd, H, D = vc.hidden_size, vc.num_heads, vc.head_dim
         eps = vc.layer_norm_eps
-        x = np.empty((T, Hd), np.float32)
-        t = np.empty((T, Hd), np.float32)
-        self.patch(self.unfold(pixels), out=x)
-        embedding(np.tile(np.arange(S, dtype=np.int32), N), self.pos_table, out=t)
+        x = self.arrays.empty((T, Hd))
+        t = self.arrays.empty((T, Hd))
+        self.patch(self.arrays.put(self.unfold(pixels)), out=x)
+        embedding(self.arrays.put(np.tile(np.arange(S, dtype=np.int32), N)), self.pos_table, out=t)
         add(x, t, out=x)
         layer_norm(x, *self.pre_ln, eps, out=x)
         keep = {j: None for j in vc.feature_layers}
         if 0 in keep:
-            keep[0] = x.copy()
+            keep[0] = copy(x, out=self.arrays.empty((T, Hd)))
         # attention layout: image n's tokens in its own scratch blocks; every token one query over its image
         bs = self.BLOCK
         nb = -(-S // bs)
-        kc = np.zeros((N * nb, bs, H, D), np.float32)
-        vcache = np.zeros_like(kc)
+        kc = self.arrays.zeros((N * nb, bs, H, D))
+        vcache = self.arrays.zeros((N * nb, bs, H, D))
         tok = np.arange(T, dtype=np.int32)
         img = tok // S
         slots = (img * nb * bs + tok % S).astype(np.int32)
-        qs = np.arange(T + 1, dtype=np.int32)
-        lens = np.full(T, S, np.int32)
+        qs_h = np.arange(T + 1, dtype=np.int32)
+        lens_h = np.full(T, S, np.int32)
         table = (img[:, None] * nb + np.arange(nb, dtype=np.int32)[None, :]).astype(np.int32)
+        # (a GPU's attention reads the lengths' host copies for its launch shape: host_step)
+        host_step = (qs_h, lens_h) if self.arrays.device is not None else None
+        slots, qs, lens, table = (self.arrays.put(a) for a in (slots, qs_h, lens_h, table))
         scale = float(D) ** -0.5
         act = _act(vc.hidden_act)
-        qkv = np.empty((T, 3 * Hd), np.float32)
-        attn = np.empty((T, Hd), np.float32)
-        mid = np.empty((T, vc.intermediate_size), np.float32)
+        qkv = self.arrays.empty((T, 3 * Hd))
+        attn = self.arrays.empty((T, Hd))
+        mid = self.arrays.empty((T, vc.intermediate_size))
         for li, L in enumerate(self.layers):
             layer_norm(x, *L["ln1"], eps, out=t)
             L["qkv"](t, out=qkv)
             q, k, v = (_heads(qkv, j * Hd, H, D) for j in range(3))
             reshape_and_cache(k, v, kc, vcache, slots)
             paged_attention(q, kc, vcache, qs, lens, table, scale=scale, out=attn.reshape(T, H, D),
-                            workspace=self._attn_ws, max_query_len=1)
+                            workspace=self._attn_ws, max_query_len=1, host_step=host_step)
             L["o"](attn, out=t)
             add(x, t, out=x)
             layer_norm(x, *L["ln2"], eps, out=t)
@@ -301,7 +325,7 @@ class LlavaVision:
             L["fc2"](mid, out=t)
             add(x, t, out=x)
             if li + 1 in keep:
-                keep[li + 1] = x if li + 1 == self.depth else copy(x, out=np.empty_like(x))
+                keep[li + 1] = x if li + 1 == self.depth else copy(x, out=self.arrays.empty((T, Hd)))
         return [keep[j] for j in vc.feature_layers]
 
     def features(self, pixels: np.ndarray) -> np.ndarray:
@@ -314,17 +338,18 @@ class LlavaVision:
         if len(states) == 1:
             cat = states[0]
         else:
-            cat = np.empty((N * S, Hd * len(states)), np.float32)
+            cat = self.arrays.empty((N * S, Hd * len(states)))
             for j, s in enumerate(states):
                 copy(s, out=cat[:, j * Hd:(j + 1) * Hd])
         if vc.select_strategy == "full":
             return cat.reshape(N, S, -1)
         rows = (np.arange(N, dtype=np.int32)[:, None] * S + np.arange(1, S, dtype=np.int32)[None, :]).reshape(-1)
-        out = embedding(rows, cat)                  # the CLS rows dropped (a row gather)
+        out = embedding(self.arrays.put(rows), cat)       # the CLS rows dropped (a row gather)
         return out.reshape(N, S - 1, -1)
 
-    def encode(self, pixels: np.ndarray) -> np.ndarray:
-        """Projected image features [N, F, text hidden] for pixel values [N, C, S, S] (engine.multimodal's)."""
+    def encode(self, pixels: np.ndarray):
+        """Projected image features [N, F, text hidden] for pixel values [N, C, S, S] (engine.multimodal's), on
+        the tower's device."""
         feats = self.features(pixels)
         N, F, K = feats.shape
         h = self.proj1(feats.reshape(N * F, K))
@@ -333,5 +358,6 @@ class LlavaVision:
 
 
 def _heads(a, col0, nheads, d):
-    return np.lib.stride_tricks.as_strided(a[:, col0:], shape=(a.shape[0], nheads, d),
-                                           strides=(a.strides[0], d * a.itemsize, a.itemsize))
+    # the decoder's (numpy and device arrays alike), imported here for the reason given in LlavaVision.__init__
+    from engine.models.decoder import _heads as heads
+    return heads(a, col0, nheads, d)

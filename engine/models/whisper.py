@@ -90,8 +90,9 @@ def _act(name: str):
 
 
 def _heads(a, col0, nheads, d):
-    return np.lib.stride_tricks.as_strided(a[:, col0:], shape=(a.shape[0], nheads, d),
-                                           strides=(a.strides[0], d * a.itemsize, a.itemsize))
+    # the decoder's (numpy and device arrays alike), imported here as engine.models.llava does
+    from engine.models.decoder import _heads as heads
+    return heads(a, col0, nheads, d)
 
 
 class DecoderState:
@@ -104,19 +105,20 @@ class DecoderState:
         H, D, bs = c.decoder_heads, c.d_model // c.decoder_heads, model.BLOCK
         L = c.decoder_layers
         nb = -(-c.max_target_positions // bs)
-        self.self_k = [np.zeros((nb, bs, H, D), np.float32) for _ in range(L)]
-        self.self_v = [np.zeros((nb, bs, H, D), np.float32) for _ in range(L)]
-        self.self_table = np.arange(nb, dtype=np.int32)[None, :]
+        arr = model.arrays
+        self.self_k = [arr.zeros((nb, bs, H, D)) for _ in range(L)]
+        self.self_v = [arr.zeros((nb, bs, H, D)) for _ in range(L)]
+        self.self_table = arr.put(np.arange(nb, dtype=np.int32)[None, :])
         S = enc.shape[0]
         nbe = -(-S // bs)
         self.enc_len = S
         self.cross_table = np.arange(nbe, dtype=np.int32)
         self.cross_k, self.cross_v = [], []
-        kv = np.empty((S, 2 * c.d_model), np.float32)
-        slots = np.arange(S, dtype=np.int32)
+        kv = arr.empty((S, 2 * c.d_model))
+        slots = arr.put(np.arange(S, dtype=np.int32))
         for layer in model.dec_layers:
-            kc = np.zeros((nbe, bs, H, D), np.float32)
-            vc = np.zeros_like(kc)
+            kc = arr.zeros((nbe, bs, H, D))
+            vc = arr.zeros((nbe, bs, H, D))
             layer["cross_kv"](enc, out=kv)
             reshape_and_cache(_heads(kv, 0, H, D), _heads(kv, c.d_model, H, D), kc, vc, slots)
             self.cross_k.append(kc)
@@ -125,12 +127,11 @@ class DecoderState:
 
 
 class WhisperModel:
-    """A Whisper checkpoint's encoder and decoder on jitkern kernels (CPU)."""
+    """A Whisper checkpoint's encoder and decoder on jitkern kernels (the CPU or CUDA)."""
 
     BLOCK = 16          # block size of the scratch and per-request KV caches
-    device = "cpu"
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, device: str = "cpu"):
         from engine.models.weights import Linear, linear_from, vector_f32
         self.ckpt = ckpt
         self.cfg = c = WhisperConfig.from_config(ckpt.config)
@@ -162,6 +163,24 @@ class WhisperModel:
                                  f"{c.vocab_size}", path=ckpt.path, tensor="proj_out.weight")
         self.embed_scale = float(np.sqrt(d)) if c.scale_embedding else None
         self._ws: dict = {}
+        self.device = device
+        from engine.device import GPU_DEVICES, Arrays
+        self.arrays = Arrays(device)             # buffers, caches and index arrays of encodes and decodes
+        if device in GPU_DEVICES:
+            self._to_device()
+
+    def _to_device(self) -> None:
+        from engine.device import Uploader
+        up = Uploader(self.device)
+        for lin in self.conv + [self.lm_head]:
+            lin.to_device(up)
+        self.enc_pos, self.embed, self.dec_pos = up(self.enc_pos), up(self.embed), up(self.dec_pos)
+        self.enc_ln, self.dec_ln = tuple(up(v) for v in self.enc_ln), tuple(up(v) for v in self.dec_ln)
+        for L in self.enc_layers + self.dec_layers:
+            for k, v in L.items():
+                L[k] = tuple(up(x) for x in v) if isinstance(v, tuple) else v
+                if not isinstance(v, tuple):
+                    v.to_device(up)
 
     # ------------------------------------------------------------------------------------ loading
     def _get(self, name, required=True):
@@ -234,9 +253,9 @@ class WhisperModel:
                     ln3=self._ln(pre + ".final_layer_norm"), fc1=fc1, fc2=fc2)
 
     # ------------------------------------------------------------------------------------ encoder
-    def encode(self, features: np.ndarray) -> np.ndarray:
+    def encode(self, features: np.ndarray):
         """Encoder output [max_source_positions, d_model] of one window's log-mel features [num_mel_bins,
-        2 * max_source_positions]."""
+        2 * max_source_positions], on the model's device."""
         from engine.ops.activation import add
         from engine.ops.attention import paged_attention, reshape_and_cache
         from engine.ops.audio import unfold1d
@@ -247,40 +266,42 @@ class WhisperModel:
         if feats.shape != (c.num_mel_bins, c.num_frames):
             raise ValueError(f"input features must be [{c.num_mel_bins}, {c.num_frames}], got {list(feats.shape)}")
         act = _act(c.activation)
+        arr = self.arrays
         d, H = c.d_model, c.encoder_heads
         D = d // H
-        h = self.conv[0](unfold1d(feats, 3, stride=1, pad=1, channels_first=True))
+        h = self.conv[0](unfold1d(arr.put(feats), 3, stride=1, pad=1, channels_first=True))
         act(h, out=h)
         x = self.conv[1](unfold1d(h, 3, stride=2, pad=1, channels_first=False))
         act(x, out=x)
         S = x.shape[0]
-        t = np.empty((S, d), np.float32)
-        embedding(np.arange(S, dtype=np.int32), self.enc_pos, out=t)
+        t = arr.empty((S, d))
+        frames = arr.put(np.arange(S, dtype=np.int32))       # positions, and the cache slots below
+        embedding(frames, self.enc_pos, out=t)
         add(x, t, out=x)
         # every frame one query over all of the window's frames (scratch blocks 0..nb)
         bs = self.BLOCK
         nb = -(-S // bs)
-        kc = np.zeros((nb, bs, H, D), np.float32)
-        vc = np.zeros_like(kc)
-        slots = np.arange(S, dtype=np.int32)
-        qs = np.arange(S + 1, dtype=np.int32)
-        lens = np.full(S, S, np.int32)
-        table = np.ascontiguousarray(np.broadcast_to(np.arange(nb, dtype=np.int32), (S, nb)))
+        kc = arr.zeros((nb, bs, H, D))
+        vc = arr.zeros((nb, bs, H, D))
+        qs_h, lens_h = np.arange(S + 1, dtype=np.int32), np.full(S, S, np.int32)
+        host_step = (qs_h, lens_h) if arr.device is not None else None     # a GPU launch's shape reads them
+        qs, lens = arr.put(qs_h), arr.put(lens_h)
+        table = arr.put(np.broadcast_to(np.arange(nb, dtype=np.int32), (S, nb)))
         scale = float(D) ** -0.5
-        qkv = np.empty((S, 3 * d), np.float32)
-        attn = np.empty((S, d), np.float32)
+        qkv = arr.empty((S, 3 * d))
+        attn = arr.empty((S, d))
         mid = None
         for L in self.enc_layers:
             layer_norm(x, *L["ln1"], 1e-5, out=t)
             L["qkv"](t, out=qkv)
-            reshape_and_cache(_heads(qkv, d, H, D), _heads(qkv, 2 * d, H, D), kc, vc, slots)
+            reshape_and_cache(_heads(qkv, d, H, D), _heads(qkv, 2 * d, H, D), kc, vc, frames)
             paged_attention(_heads(qkv, 0, H, D), kc, vc, qs, lens, table, scale=scale, out=attn.reshape(S, H, D),
-                            workspace=self._ws.setdefault("enc", {}), max_query_len=1)
+                            workspace=self._ws.setdefault("enc", {}), max_query_len=1, host_step=host_step)
             L["o"](attn, out=t)
             add(x, t, out=x)
             layer_norm(x, *L["ln2"], 1e-5, out=t)
             if mid is None:
-                mid = np.empty((S, L["fc1"].n), np.float32)
+                mid = arr.empty((S, L["fc1"].n))
             L["fc1"](t, out=mid)
             act(mid, out=mid)
             L["fc2"](mid, out=t)
@@ -307,43 +328,47 @@ class WhisperModel:
             raise ValueError("decode needs at least one token")
         if p0 + n > c.max_target_positions:
             raise ValueError(f"the decoder holds at most {c.max_target_positions} tokens; {p0} + {n} asked")
+        arr = self.arrays
         d, H = c.d_model, c.decoder_heads
         D = d // H
-        pos = np.arange(p0, p0 + n, dtype=np.int32)
-        x = embedding(ids, self.embed, scale=self.embed_scale)
-        t = embedding(pos, self.dec_pos)
+        # the step's index arrays (on a GPU, their host copies give the attention launches' shapes)
+        host = {"ids": ids, "pos": np.arange(p0, p0 + n, dtype=np.int32), "qs_self": np.array([0, n], np.int32),
+                "lens_self": np.array([p0 + n], np.int32), "qs_cross": np.arange(n + 1, dtype=np.int32),
+                "lens_cross": np.full(n, state.enc_len, np.int32),
+                "table_cross": np.broadcast_to(state.cross_table, (n, state.cross_table.shape[0]))}
+        a = {k: arr.put(v) for k, v in host.items()}
+        on_gpu = arr.device is not None
+        x = embedding(a["ids"], self.embed, scale=self.embed_scale)
+        t = embedding(a["pos"], self.dec_pos)
         add(x, t, out=x)
         scale = float(D) ** -0.5
-        qs_self = np.array([0, n], np.int32)
-        lens_self = np.array([p0 + n], np.int32)
-        qs_cross = np.arange(n + 1, dtype=np.int32)
-        lens_cross = np.full(n, state.enc_len, np.int32)
-        table_cross = np.ascontiguousarray(np.broadcast_to(state.cross_table, (n, state.cross_table.shape[0])))
-        qkv = np.empty((n, 3 * d), np.float32)
-        attn = np.empty((n, d), np.float32)
-        q = np.empty((n, d), np.float32)
+        qkv = arr.empty((n, 3 * d))
+        attn = arr.empty((n, d))
+        q = arr.empty((n, d))
         act = _act(c.activation)
         mid = None
         for li, L in enumerate(self.dec_layers):
             layer_norm(x, *L["ln1"], 1e-5, out=t)
             L["qkv"](t, out=qkv)
             reshape_and_cache(_heads(qkv, d, H, D), _heads(qkv, 2 * d, H, D), state.self_k[li], state.self_v[li],
-                              pos)
-            paged_attention(_heads(qkv, 0, H, D), state.self_k[li], state.self_v[li], qs_self, lens_self,
+                              a["pos"])
+            paged_attention(_heads(qkv, 0, H, D), state.self_k[li], state.self_v[li], a["qs_self"], a["lens_self"],
                             state.self_table, scale=scale, out=attn.reshape(n, H, D),
-                            workspace=self._ws.setdefault("self", {}), max_query_len=n)
+                            workspace=self._ws.setdefault("self", {}), max_query_len=n,
+                            host_step=(host["qs_self"], host["lens_self"]) if on_gpu else None)
             L["o"](attn, out=t)
             add(x, t, out=x)
             layer_norm(x, *L["ln2"], 1e-5, out=t)
             L["cross_q"](t, out=q)
-            paged_attention(q.reshape(n, H, D), state.cross_k[li], state.cross_v[li], qs_cross, lens_cross,
-                            table_cross, scale=scale, out=attn.reshape(n, H, D),
-                            workspace=self._ws.setdefault("cross", {}), max_query_len=1)
+            paged_attention(q.reshape(n, H, D), state.cross_k[li], state.cross_v[li], a["qs_cross"],
+                            a["lens_cross"], a["table_cross"], scale=scale, out=attn.reshape(n, H, D),
+                            workspace=self._ws.setdefault("cross", {}), max_query_len=1,
+                            host_step=(host["qs_cross"], host["lens_cross"]) if on_gpu else None)
             L["cross_o"](attn, out=t)
             add(x, t, out=x)
             layer_norm(x, *L["ln3"], 1e-5, out=t)
             if mid is None:
-                mid = np.empty((n, L["fc1"].n), np.float32)
+                mid = arr.empty((n, L["fc1"].n))
             L["fc1"](t, out=mid)
             act(mid, out=mid)
             L["fc2"](mid, out=t)
@@ -351,5 +376,6 @@ class WhisperModel:
         state.length = p0 + n
         rows = x if all_logits else x[n - 1:]
         h = layer_norm(rows, *self.dec_ln, 1e-5)
-        logits = self.lm_head(h)
+        from engine.ops._hostargs import host_copy
+        logits = host_copy(self.lm_head(h))          # (engine.transcription samples on the host)
         return logits if all_logits else logits[0]

@@ -96,9 +96,10 @@ def lora_tiles(token_slots: np.ndarray, block_m: int = BLOCK_M) -> tuple:
 
 
 def _tiles_for(target, n: int) -> tuple:
-    """(BN, V): output columns per program and FMA lanes."""
+    """(BN, V): output columns per program and FMA lanes. A GPU program (a CTA of 128 threads) takes V = 32 lanes
+    of the reduction axis: a warp reads 128 contiguous bytes of a weight row per step."""
     t = launch_target(target)
-    V = max(4, t.vector_bits // 32)
+    V = 32 if t.fast_workgroups else max(4, t.vector_bits // 32)
     BN = 8 if t.has("avx512f") else 4
     while BN > 1 and BN // 2 >= n:
         BN //= 2
