@@ -17,6 +17,7 @@ from .language import (  # noqa: F401
     float32, float16, bfloat16, float64, int8, uint8, int16, uint16, int32, uint32, int64,
 )
 from .jit import kernel, jit, Pointer, as_pointer  # noqa: F401
+from .autotune import autotune, Config, Autotuner, AutotuneError  # noqa: F401
 from .runtime.launch import capture, Graph  # noqa: F401
 from .errors import JitkernError, CompileError  # noqa: F401
 

@@ -46,6 +46,24 @@ class Device:
         """(free, total) bytes of device memory, or None where the device cannot tell."""
         return None
 
+    def time_calls(self, call, n: int, before=None, after=None) -> list:
+        """Seconds each of `n` calls of `call` (launches on this device) takes, for jk.autotune: the host clock
+        between device synchronisations (runtimes with device timers override it); `before` / `after` run
+        around each call outside the timed span."""
+        import time
+        out = []
+        for _ in range(n):
+            if before is not None:
+                before()
+            self.synchronize()
+            t0 = time.perf_counter()
+            call()
+            self.synchronize()
+            out.append(time.perf_counter() - t0)
+            if after is not None:
+                after()
+        return out
+
     # memory: addresses are ints (a device pointer, or a virtual address the device maps back)
     def alloc(self, nbytes: int) -> int:
         raise NotImplementedError

@@ -267,7 +267,9 @@ def _compile_only_target(co, target, args):
     return target if getattr(target, "name", None) == co.target.name else co.target
 
 
-def _compile_only_launch(co, kernel, args, kwargs, target=None):
+def _compile_only_launch(co, kernel, args, kwargs, target=None, record_errors=True):
+    """Compiles one launch's specialisation for `co`; record_errors=False leaves a failure out of `co.errors` (an
+    autotuned kernel's configs may fail one by one: jk.autotune records a failure only when every config fails)."""
     from ..compiler import compile_kernel
     target = co.target if target is None else target
     from ..compiler import spec_string
@@ -280,7 +282,8 @@ def _compile_only_launch(co, kernel, args, kwargs, target=None):
     except Exception as e:
         # kept here too: the engine driving the build fails just the request whose step raised, so the
         # error would otherwise never reach `jitkern build`
-        co.errors.append((kernel.__name__, e))
+        if record_errors:
+            co.errors.append((kernel.__name__, e))
         co._failed[key] = e
         raise
     co.compiled.append(ck)
