@@ -35,6 +35,7 @@ import numpy as np
 
 from .args import LAUNCH_OPTIONS, Pointer, _is_device_array, arg_type
 from .errors import JitkernError
+from .runtime.launch import _token
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +192,23 @@ class Autotuner:
         self.skipped: dict = {}             # Config -> reason, of the last tuning
         self.tunings = 0                    # keys timed in this process (not those read from disk)
         self.benchmarks = 0                 # configs timed in this process
+        self._fast: dict = {}               # (target, key values, argument tokens, kwargs) -> (Config, its kwargs)
+        self._key_pos = [(n, names.index(n)) for n in self.key]
         self._lock = threading.RLock()
 
     def __getitem__(self, grid):
         return _TunedLauncher(self, grid)
+
+    def compile(self, *args, target=None, **kwargs) -> list:
+        """Compiles every config (after pruning) for these arguments without running or timing anything, and
+        returns the CompiledKernels: what `jitkern build` does for an autotuned launch."""
+        from .runtime.launch import compile_only
+        if isinstance(target, str):
+            from targets import get_target
+            target = get_target(target)
+        with compile_only(target) as co:
+            self.run(None, args, kwargs)
+        return co.compiled
 
     def __call__(self, *args, **kwargs):
         raise JitkernError(f"{self.__name__} is an autotuned kernel: launch it with kernel[grid](...)")
@@ -216,6 +230,8 @@ class Autotuner:
             v = named.get(name)
             if isinstance(v, np.ndarray) or _is_device_array(v):
                 v = f"{tuple(v.shape)}:{arg_type(name, v)}"
+            elif isinstance(v, np.generic):
+                v = v.item()            # np.int64(33) is the key of 33
             parts.append(f"{name}={v!r}" if not isinstance(v, str) else f"{name}={v}")
         for name in self.arg_names:
             if name not in named or name in self.key:
@@ -295,19 +311,36 @@ class Autotuner:
     # ---------------------------------------------------------------------------------------- launch
     def run(self, grid, args, kwargs, target=None):
         from .runtime import launch as L
-        if L.launches_are_dry():
-            return None
         if isinstance(target, str):
             from targets import get_target
             target = get_target(target)
+        cap = L._capture
+        if target is None and not getattr(cap, "dry", False) and getattr(cap, "compile_only", None) is None:
+            target = L._device_target(args)
+        # the hot path: a launch whose argument tokens were seen before costs one dict lookup more than a plain
+        # launch (the key's text is only built on a miss)
+        try:
+            fkey = (target, tuple([args[i] if i < len(args) else kwargs.get(n, self._defaults.get(n))
+                                   for n, i in self._key_pos]),
+                    tuple([a if i in self.kernel._cx_positions else _token(a) for i, a in enumerate(args)]),
+                    tuple(kwargs.items()) if kwargs else ())
+            hit = self._fast.get(fkey)
+        except TypeError:           # an unhashable argument (an array named in `key`)
+            fkey = hit = None
+        if hit is not None and not getattr(cap, "dry", False) and getattr(cap, "compile_only", None) is None:
+            cfg, kw = hit
+            self.best_config = cfg
+            if cfg.pre_hook is not None:
+                cfg.pre_hook({**self._named(args, kwargs), **kw})
+            return L.launch(self.kernel, grid, args, {**kwargs, **kw}, target)
+        if L.launches_are_dry():
+            return None
         clash = self._tuned_names & set(kwargs)
         if clash:
             raise ValueError(f"{self.__name__}: {sorted(clash)} are set by the autotune configs; do not pass them")
-        co = getattr(L._capture, "compile_only", None)
+        co = getattr(cap, "compile_only", None)
         if co is not None:
             return self._compile_all(co, grid, args, kwargs, L._compile_only_target(co, target, args))
-        if target is None:
-            target = L._device_target(args)
         named = self._named(args, kwargs)
         key = self._key(named)
         mkey = (getattr(target, "name", None), key)
@@ -319,6 +352,8 @@ class Autotuner:
                     cfg = self._tune(grid, args, kwargs, target, named, key)
                     self.cache[mkey] = cfg
         self.best_config = cfg
+        if fkey is not None:
+            self._fast[fkey] = (cfg, cfg.all_kwargs())
         kw = {**kwargs, **cfg.all_kwargs()}
         if cfg.pre_hook is not None:
             cfg.pre_hook({**named, **kw})
