@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("targets", "list every known target, whether this host can run it, and the CPU tier selected (and "
                        "why)")
     s.set_defaults(fn=cmd_targets)
-    s = add("build", "compile every kernel the engine uses into the cache")
+    s = add("build", "compile every kernel the engine uses into the cache (every config of an autotuned kernel: "
+                     "the first run on the device times them, compiling nothing)")
     s.add_argument("--target", required=True, help="target name (jitkern targets lists them), e.g. avx2, sm_90a")
     s.add_argument("--model", default=None, help="model file or directory: compile the specialisations it needs "
                    "(default: the embedded SmolLM2)")

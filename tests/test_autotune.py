@@ -250,3 +250,27 @@ def test_compile_only_launches_compile_every_config(records):
     with compile_only(target) as co, pytest.raises(jk.CompilationError):
         only_bad[_grid(18, 18)](a, b, c, 18, 18, 18)
     assert len(co.errors) == 1
+
+
+def test_device_arrays_on_the_fake_device(records, monkeypatch):
+    """Device arrays (host memory standing in for a GPU): reset_to_zero / restore_value act on device memory,
+    and the device's timer (host clock around synchronisations, Device.time_calls) gives positive times."""
+    from tests.fake_cuda import install
+    dev = install(monkeypatch)
+    from jitkern.runtime.cuda import DeviceArray
+    rng = np.random.default_rng(8)
+    n = 70
+    cfgs = [jk.Config({"BLOCK": 16}), jk.Config({"BLOCK": 32})]
+    grid = lambda meta: (jk.cdiv(n, meta["BLOCK"]),)     # noqa: E731
+    x = rng.standard_normal(n).astype(np.float32)
+    out = DeviceArray.from_numpy(np.full(n, 5.0, np.float32))
+    acc = jk.autotune(configs=cfgs, key=["n"], reset_to_zero=["out"], do_bench=ScriptedBench([1.0, 2.0]))(_accumulate)
+    acc[grid](DeviceArray.from_numpy(x), out, n)
+    np.testing.assert_array_equal(out.numpy(), x)
+    x0 = rng.standard_normal(n).astype(np.float32)
+    d = DeviceArray.from_numpy(x0)
+    dbl = jk.autotune(configs=cfgs, key=["n"], restore_value=["x"], warmup=0.2, rep=0.5)(_double)
+    dbl[grid](d, n)
+    np.testing.assert_array_equal(d.numpy(), x0 * 2)
+    times = dev.time_calls(lambda: dbl[grid](d, n), 3)
+    assert len(times) == 3 and all(t > 0 for t in times)
