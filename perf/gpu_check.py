@@ -159,7 +159,8 @@ def flame_summary(raw: Path, top: int = 30) -> str:
 
 
 class Profiler:
-    """py-spy record (--gil: the samples of the thread holding the interpreter lock) of the server's worker and
+    """py-spy record (--gil: the samples of the thread holding the interpreter lock; --nonblocking: the processes
+    are never paused, so the run measured is not slowed) of the server's worker and
     engine processes until stop(); raw flame files and their summaries land in `logs`."""
 
     def __init__(self, root: int, logs: Path, tag: str):
@@ -171,7 +172,7 @@ class Profiler:
         for pid, role in _process_tree(root).items():
             if role in ("worker", "engine"):
                 raw = logs / f"profile-{tag}-{role}-{pid}.txt"
-                p = subprocess.Popen([exe, "record", "--gil", "-r", "250", "-f", "raw", "-o", str(raw),
+                p = subprocess.Popen([exe, "record", "--gil", "--nonblocking", "-r", "250", "-f", "raw", "-o", str(raw),
                                       "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 self.procs.append((p, raw))
 
