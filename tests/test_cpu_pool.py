@@ -340,7 +340,8 @@ def test_dynamic_split(k, nthreads):
         a = args_block(1000, owner.ctypes.data)
         pool.launch(k["owner"], a.ctypes.data, 1000)
         assert (owner[0::2] == owner[1::2]).all()
-        assert threading.get_ident() in {int(x) & 0xFFFFFFFFFFFFFFFF for x in owner}
+        # (which threads claim chunks is up to the scheduler: on a loaded host the workers may take them all
+        # before the calling thread claims one, so no thread's share is asserted here)
         # back to the static split: thread t runs the t-th contiguous chunk again
         pool.dynamic = False
         pool.launch(k["owner"], a.ctypes.data, 1000)

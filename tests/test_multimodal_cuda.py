@@ -47,7 +47,8 @@ def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_p
     from engine.llm import LLM
     from engine.lora import LoRARequest
     from tests.model_fixtures import make_model_dir
-    from tests.test_lora import ATTN, MLP, _hf_greedy, _prompts, merged, write_adapter
+    from tests.model_compare import hf_greedy
+    from tests.test_lora import ATTN, MLP, _prompts, merged, write_adapter
     path = str(tmp_path / "model")
     hf = make_model_dir("llama", path)
     t1 = write_adapter(str(tmp_path / "a1"), hf, ("q_proj", "v_proj", "o_proj"), r=8, alpha=16, seed=1)
@@ -77,7 +78,7 @@ def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_p
         prompts = _prompts(6, seed=6)
         names = [None, "a1", "a2", "a1", None, "a2"]
         sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, detokenize=False)
-        want = [_hf_greedy(refs[n], p, 10) for p, n in zip(prompts, names)]
+        want = [hf_greedy(refs[n], p, 10) for p, n in zip(prompts, names)]
         batch = llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
         assert [o.outputs[0].token_ids for o in batch] == want
         solo = llm.generate([prompts[2]], sp, lora_request=reqs["a2"])[0].outputs[0].token_ids
@@ -142,7 +143,8 @@ def _data_url(img) -> str:
 def test_llava_on_the_device_matches_transformers(where, variant, tmp_path, monkeypatch):
     pytest.importorskip("PIL")
     from engine.llm import LLM
-    from tests.test_vision_llava import _expanded, _hf_greedy, _hf_logits, _pixels
+    from tests.test_vision_llava import _expanded, _hf_logits, _pixels
+    from tests.vision_fixtures import hf_greedy_with_images
     from tests.vision_fixtures import IMAGE_TOKEN_ID, VOCAB, make_llava_dir, random_image
     path = str(tmp_path)
     hf = make_llava_dir(path, variant, seed=3)
@@ -153,8 +155,8 @@ def test_llava_on_the_device_matches_transformers(where, variant, tmp_path, monk
     ref = torch.log_softmax(_hf_logits(hf, ids, [pa]).double(), -1).numpy()
     two = [5, IMAGE_TOKEN_ID, 6, IMAGE_TOKEN_ID, 4]
     text_only = [3, 4, 5, 6, 7, 8, 9]
-    want_a = _hf_greedy(hf, ids, [pa], 12)
-    want = [_hf_greedy(hf, ids, [pb], 12), _hf_greedy(hf, _expanded(two, variant), [pa, pb], 12)]
+    want_a = hf_greedy_with_images(hf, ids, [pa], 12)
+    want = [hf_greedy_with_images(hf, ids, [pb], 12), hf_greedy_with_images(hf, _expanded(two, variant), [pa, pb], 12)]
     with torch.no_grad():
         want.append(hf.generate(input_ids=torch.tensor([text_only]), max_new_tokens=12, min_new_tokens=12,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(text_only):].tolist())
@@ -182,7 +184,7 @@ def test_llava_on_the_device_matches_transformers(where, variant, tmp_path, monk
         text = {"type": "text", "text": "t7 t8"}
         chat_ids = llm.tokenizer.encode_chat([{"role": "user", "content": [text, {"type": "image"}]}])
         assert chat_ids.count(IMAGE_TOKEN_ID) == 1
-        want_chat = _hf_greedy(hf, _expanded(chat_ids, variant), [pb], 12)
+        want_chat = hf_greedy_with_images(hf, _expanded(chat_ids, variant), [pb], 12)
         for part in ({"type": "image_url", "image_url": {"url": _data_url(img_b)}},
                      {"type": "image_pil", "image_pil": img_b}):
             got = llm.chat([{"role": "user", "content": [text, part]}], sp)[0]

@@ -69,10 +69,26 @@ def _itl_during_long_prefill(itl_target_ms, n_long):
 
 
 @pytest.mark.timeout(300)
+def _long_prompt_alone(n_long):
+    """The long prompt's greedy tokens on the unbounded path (itl_target_ms=0: one 2000-token step), alone."""
+    from engine.llm_engine import EngineArgs, LLMEngine
+    eng = LLMEngine(EngineArgs(usage_context="openai_api_server", itl_target_ms=0, max_num_seqs=8))
+    try:
+        eng.add_request("long", list(range(1000, 1000 + n_long)),
+                        SamplingParams(max_tokens=2, temperature=0, detokenize=False))
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    return o.outputs[0].token_ids
+    finally:
+        eng.close()
+
+
 def test_running_streams_keep_flowing_during_a_long_prefill():
     gaps, long_tokens = _itl_during_long_prefill(None, 2000)
-    # served, with the greedy tokens the unbounded path (itl_target_ms=0: one 2000-token step) gives
-    assert long_tokens == [337, 285]
+    # served, with the greedy tokens the unbounded path gives (computed on this CPU tier: the tiers' sums may
+    # round differently, each is batch- and chunking-invariant)
+    assert long_tokens == _long_prompt_alone(2000)
     p99 = gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))]
     # target 200 ms; 2 s leaves room for a loaded 2-core machine. One 2000-token step (itl_target_ms=0, the
     # old behaviour) takes 4-7 s there.

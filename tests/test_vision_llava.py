@@ -194,7 +194,7 @@ def test_chat_takes_image_parts(llava, tmp_path):
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
     with LLM(path, num_blocks=32, block_size=16, max_num_batched_tokens=64) as llm:
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": [text, {"type": "image"}]}])
-        want = _hf_greedy(hf, _expanded(ids, variant), [_pixels(path, img)], 6)
+        want = hf_greedy_with_images(hf, _expanded(ids, variant), [_pixels(path, img)], 6)
         for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_pil", "image_pil": img}):
             out = llm.chat([{"role": "user", "content": [text, part]}], sp)[0]
             assert out.outputs[0].token_ids == want, part["type"]
