@@ -148,6 +148,11 @@ _VULKAN_BROKEN: dict = {}
 # GPU flash kernels keep f32 and f16 caches, GQA and softcap / sinks on the CPU tier; the DSL's 16-bit dots
 # keep portable and the best tier.
 _HEAVY_CASES = {
+    # the GPU-shaped GGUF linear on the stand-in device: q4_K / q6_K (a Q4_K_M file's types) and the 32-element
+    # types q8_0 / q4_0 / q4_1 stay in the default suite; every type runs on a GPU and with JITKERN_TEST_FULL=1
+    "test_gpu_linear_matches_the_float64_reference": [(t, "fake") for t in (
+        "q2_K", "q3_K", "q5_K", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "mxfp4")],
+    "test_lora_on_a_bf16_checkpoint_on_the_device": [("fake",)],
     "test_linear_serial_chain_gives_the_serial_splits_bits": [("fake",)],
     "test_linear_16bit_out_is_the_f32_result_rounded": [("fake",)],
     "test_linear_prefetch_2_gives_the_same_bits": [("fake",)],
