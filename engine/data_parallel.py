@@ -99,14 +99,53 @@ def threads_per_replica(n: int, cores: Optional[list]) -> int:
 
 
 # ================================================================================ transports
-class _MPTransport:
-    """A replica process (a fresh interpreter running engine.dp_replica) and its connection."""
+class _ConnectionTransport:
+    """A replica's engine behind a multiprocessing connection: sending, receiving and the ready handshake;
+    subclasses say how the connection is made and what a quiet or dead peer means (`_check_peer`)."""
 
-    def __init__(self, rank: int, engine_kwargs: dict, cpus, threads):
-        self.rank, self.kwargs, self.cpus, self.threads = rank, engine_kwargs, cpus, threads
+    def __init__(self):
         self._send_lock = threading.Lock()
         self.proc = None
         self.conn = None
+
+    def _check_peer(self, loading: bool) -> None:
+        """Raises when the peer is known to be gone (loading: while the ready handshake waits)."""
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.2):
+                for m in self.conn.recv():
+                    if m[0] == "ready":
+                        return m[1]
+                    if m[0] == "failed":
+                        raise rebuild_error(m[1])
+            else:
+                self._check_peer(loading=True)
+        raise TimeoutError(f"the replica did not load within {timeout:g} s")
+
+    def send(self, cmd) -> None:
+        with self._send_lock:
+            self.conn.send(cmd)
+
+    def recv(self) -> list:
+        """The next messages (an empty list after a quiet while); raises EOFError when the peer is gone."""
+        if self.conn.poll(_LIVENESS_POLL_S):
+            return self.conn.recv()
+        self._check_peer(loading=False)
+        return []
+
+    def more(self) -> bool:
+        """Whether more messages have arrived already (recv() would not wait)."""
+        return self.conn.poll(0)
+
+
+class _MPTransport(_ConnectionTransport):
+    """A replica process (a fresh interpreter running engine.dp_replica) and its connection."""
+
+    def __init__(self, rank: int, engine_kwargs: dict, cpus, threads):
+        super().__init__()
+        self.rank, self.kwargs, self.cpus, self.threads = rank, engine_kwargs, cpus, threads
 
     def start(self) -> None:
         import secrets
@@ -141,35 +180,11 @@ class _MPTransport:
             pass
         self.conn.send((self.rank, self.kwargs, self.cpus, self.threads))
 
-    def wait_ready(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.2):
-                msgs = self.conn.recv()
-                for m in msgs:
-                    if m[0] == "ready":
-                        return m[1]
-                    if m[0] == "failed":
-                        raise rebuild_error(m[1])
-            elif self.proc.poll() is not None:
-                raise RuntimeError(f"the replica process exited with code {self.proc.returncode} while loading")
-        raise TimeoutError(f"the replica did not load within {timeout:g} s")
-
-    def send(self, cmd) -> None:
-        with self._send_lock:
-            self.conn.send(cmd)
-
-    def recv(self) -> list:
-        """The next messages (an empty list after a quiet while); raises EOFError when the process is gone."""
-        if self.conn.poll(_LIVENESS_POLL_S):
-            return self.conn.recv()
+    def _check_peer(self, loading: bool) -> None:
         if self.proc.poll() is not None:
+            if loading:
+                raise RuntimeError(f"the replica process exited with code {self.proc.returncode} while loading")
             raise EOFError(f"exit code {self.proc.returncode}")
-        return []
-
-    def more(self) -> bool:
-        """Whether more messages have arrived already (recv() would not wait)."""
-        return self.conn.poll(0)
 
     def describe_death(self, cause) -> str:
         code = self.proc.poll() if self.proc is not None else None
@@ -288,15 +303,14 @@ class SharedEngine:
             pass
 
 
-class _AttachTransport:
+class _AttachTransport(_ConnectionTransport):
     """A connection to a SharedEngine's process (another front end may share it): the engine is neither
-    started nor stopped here; restart() reconnects once its owner has restarted it."""
+    started nor stopped here; restart() reconnects once its owner has restarted it. A dead engine shows as
+    the connection's end of file."""
 
     def __init__(self, rank: int, address: str, authkey: bytes):
+        super().__init__()
         self.rank, self.address, self.authkey = rank, address, authkey
-        self._send_lock = threading.Lock()
-        self.conn = None
-        self.proc = None
         self._pid = None
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -313,26 +327,9 @@ class _AttachTransport:
                 time.sleep(0.2)
 
     def wait_ready(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.2):
-                for m in self.conn.recv():
-                    if m[0] == "ready":
-                        self._pid = m[1].get("pid")
-                        return m[1]
-        raise TimeoutError(f"the engine process did not answer within {timeout:g} s")
-
-    def send(self, cmd) -> None:
-        with self._send_lock:
-            self.conn.send(cmd)
-
-    def recv(self) -> list:
-        if self.conn.poll(_LIVENESS_POLL_S):
-            return self.conn.recv()
-        return []
-
-    def more(self) -> bool:
-        return self.conn.poll(0)
+        facts = super().wait_ready(timeout)
+        self._pid = facts.get("pid")
+        return facts
 
     def describe_death(self, cause) -> str:
         return f"the engine process{f' {self._pid}' if self._pid else ''} closed its connection ({cause})"
