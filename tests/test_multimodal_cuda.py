@@ -47,7 +47,7 @@ def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_p
     from engine.llm import LLM
     from engine.lora import LoRARequest
     from tests.model_fixtures import make_model_dir
-    from tests.model_compare import hf_greedy
+    from tests.model_compare import FLOAT_TOL, hf_greedy, hf_logprobs, prompt_logprob_rows
     from tests.test_lora import ATTN, MLP, _prompts, merged, write_adapter
     path = str(tmp_path / "model")
     hf = make_model_dir("llama", path)
@@ -70,10 +70,8 @@ def test_lora_mixed_batches_on_the_device_match_merged_transformers(where, tmp_p
         outs = llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
         assert llm.engine.lora.step_slots == {0, 1}
         for p, name, o in zip(prompts, names, outs):
-            with torch.no_grad():
-                ref = torch.log_softmax(refs[name](torch.tensor([p])).logits[0].double(), -1).numpy()
-            got = np.array([[o.prompt_logprobs[i][t].logprob for t in range(256)] for i in range(1, len(p))])
-            np.testing.assert_allclose(got, ref[:-1], atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(prompt_logprob_rows(o.prompt_logprobs, p), hf_logprobs(refs[name], p)[:-1],
+                                       **FLOAT_TOL)
         # greedy: a mixed batch, then one prompt alone
         prompts = _prompts(6, seed=6)
         names = [None, "a1", "a2", "a1", None, "a2"]
