@@ -282,13 +282,10 @@ def main(argv: list | None = None) -> int:
             parser.error(f"--tensor-parallel-size: {e}")
     if (args.api_server_count or 1) > 1:
         # the API processes share one engine process (server/shared_engine.py), one replica without adapters
-        if args.engine_process is False:
-            parser.error("--api-server-count > 1 shares one engine process: drop --no-engine-process")
-        if (args.data_parallel_size or 1) > 1 or args.distributed_executor_backend == "ray":
-            parser.error("--api-server-count > 1 with data parallelism is not supported yet: use one of the two")
-        if args.enable_lora:
-            parser.error("--api-server-count > 1 with --enable-lora is not supported yet (each API process would "
-                         "keep its own adapter list)")
+        from server.shared_engine import refusal
+        why = refusal(settings_from_args(args))
+        if why is not None:
+            parser.error(why)
     command, env = gunicorn_command(args)
     # JITKERN_* settings (from the environment and the flags above) are checked here, before gunicorn and
     # the model load: one line naming the setting, exit 2

@@ -21,17 +21,40 @@ def current():
     return _shared
 
 
+def refusal(settings) -> str | None:
+    """Why these settings cannot run with several API processes sharing one engine, or None."""
+    if settings.engine_process is False:
+        return ("--api-server-count (JITKERN_API_SERVER_COUNT) > 1 shares one engine process: drop "
+                "--no-engine-process (JITKERN_ENGINE_PROCESS=0)")
+    if (settings.data_parallel_size or 1) > 1 or settings.distributed_executor_backend == "ray":
+        return "--api-server-count > 1 with data parallelism is not supported yet: use one of the two"
+    if settings.enable_lora:
+        return ("--api-server-count > 1 with --enable-lora is not supported yet (each API process would keep its "
+                "own adapter list)")
+    return None
+
+
 def start(settings=None) -> None:
-    """In gunicorn's master, before any worker exists."""
+    """In gunicorn's master, before any worker exists. Settings it cannot serve stop the server with one line
+    naming them (exit status 2), before any engine or worker starts."""
     global _shared, _metrics_dir
+    import logging
+    from server.settings import ServerSettings, SettingsError
+    try:
+        settings = settings or ServerSettings.from_env()
+    except SettingsError as e:
+        logging.getLogger("jitkern.server").error("%s", e)
+        raise SystemExit(2) from None
+    why = refusal(settings)
+    if why is not None:
+        logging.getLogger("jitkern.server").error("%s", why)
+        raise SystemExit(2)
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # must be set before prometheus_client is first imported (its value class is chosen then)
         _metrics_dir = tempfile.mkdtemp(prefix="jitkern-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_dir
     from engine.data_parallel import SharedEngine
     from engine.llm_engine import EngineArgs
-    from server.settings import ServerSettings
-    settings = settings or ServerSettings.from_env()
     _shared = SharedEngine(EngineArgs(**settings.engine_kwargs()))
 
 

@@ -147,3 +147,15 @@ def test_flags_that_cannot_go_with_it_are_refused(flags, message):
     p = subprocess.run([sys.executable, "-m", "server", "--api-server-count", "2", *flags], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_gunicorn_with_settings_it_cannot_share_stops_with_one_line(model_dir):
+    """The same refusal when gunicorn is started directly with JITKERN_* settings: exit 2, no engine started."""
+    env = dict(os.environ, JITKERN_MODEL=model_dir, JITKERN_DEVICE="cpu", JITKERN_API_SERVER_COUNT="2",
+               JITKERN_ENGINE_PROCESS="0", JITKERN_HOST="127.0.0.1", JITKERN_PORT="0")
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "gunicorn", "--config", "python:server.gunicorn_conf", "server.app"],
+                       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "drop --no-engine-process" in out and "Traceback" not in out, out
+    assert "serving front ends" not in out          # no engine was started
