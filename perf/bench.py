@@ -100,6 +100,9 @@ def _parse(argv=None):
     ap.add_argument("--no-invariance-check", action="store_true",
                     help="skip the untimed check that every decode prompt alone gives the tokens it got in the "
                          "largest wave")
+    ap.add_argument("--no-bandwidth", action="store_true",
+                    help="skip the read-bandwidth probe (perf/bandwidth_cpu.py) timed before each round, and the "
+                         "'%% of the measured bandwidth' of every decode row")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.warmup < 0:
@@ -617,8 +620,13 @@ def main(args):
                 print(f"[{r.name}] warm-up ({args.warmup} round(s)) ...", file=sys.stderr, flush=True)
                 r.warmup(prompts["warmup"], args.warmup)
         rounds = {r.name: [] for r in runners}
+        bandwidth = []
         for i in range(args.repeats):
             print(f"timed round {i + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+            if not args.no_bandwidth:
+                from perf.bandwidth_cpu import read_bandwidth
+                _pause()
+                bandwidth.append(read_bandwidth(threads, mib=256, reps=3))
             for name, res in _timed_round(runners, prompts, args).items():
                 rounds[name].append(res)
         infos = {r.name: r.info() for r in runners}
@@ -638,6 +646,8 @@ def main(args):
     for name, rs in rounds.items():
         report["engines"][name] = _summarise(rs)
         report["engines"][name]["info"] = infos[name]
+    if bandwidth:
+        _add_bandwidth(report, gguf, bandwidth)
     report["determinism_failures"] = _check_determinism(rounds["jitkern"])
     report["batch_invariance"] = invariance
     if "llama.cpp" in rounds:
@@ -654,6 +664,28 @@ def main(args):
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _add_bandwidth(report, model, probe_gbs):
+    """Per decode phase of each engine: the bytes a step reads (the checkpoint's weights once, the f16 KV cache of
+    each sequence at its mean context) times steps per second, and that as a share of the best read bandwidth
+    the probe measured before the rounds at the same thread count."""
+    from perf.bandwidth_cpu import decode_bytes_per_token
+    context = report["input_len"] + report["output_len"] / 2
+    per = decode_bytes_per_token(model, context)
+    best = max(probe_gbs)
+    report["bandwidth"] = {"probe_read_gbs": probe_gbs, "best_read_gbs": best, "weights_bytes": per["weights"],
+                           "kv_bytes_per_seq": per["kv"], "mean_context": context}
+    for eng in report["engines"].values():
+        for p in eng["phases"]:
+            if not p["phase"].startswith("decode c="):
+                continue
+            c = int(p["phase"].split("=")[1])
+            step_bytes = per["weights"] + c * per["kv"]
+            for key in ("tok_s", "tok_s_median"):
+                gbs = p[key] / c * step_bytes / 1e9
+                p[key.replace("tok_s", "read_gbs")] = gbs
+                p[key.replace("tok_s", "pct_bw")] = 100.0 * gbs / best
 
 
 def _print_report(rep):
@@ -696,6 +728,20 @@ def _print_report(rep):
                   f"{r['tokens']:>7} {r['seconds']:>7.2f}")
     print("tok/s: best round (its TTFT/TPOT in ms beside it); median: over rounds. prefill = prompt tokens / "
           "wall, one prompt at a time; decode = tokens after every request's first / decode window, all streams")
+    bw = rep.get("bandwidth")
+    if bw:
+        print()
+        print(f"memory: read bandwidth {bw['best_read_gbs']:.1f} GB/s on {rep['threads']} threads (best of the "
+              f"probes before each round: {' '.join(f'{x:.1f}' for x in bw['probe_read_gbs'])}; "
+              f"perf/bandwidth_cpu.py); a decode step reads {bw['weights_bytes'] / 1e6:.1f} MB of weights + "
+              f"{bw['kv_bytes_per_seq'] / 1e6:.2f} MB of KV per sequence (mean context {bw['mean_context']:g})")
+        for p in ours["phases"]:
+            if "pct_bw" not in p:
+                continue
+            rows = [("jitkern", p)] + ([("llama.cpp", peer_by[p["phase"]])] if p["phase"] in peer_by else [])
+            print(f"{p['phase']:<12} " + "   ".join(
+                f"{name} {r['read_gbs']:.1f} GB/s = {r['pct_bw']:.0f}% (median {r['pct_bw_median']:.0f}%)"
+                for name, r in rows if "pct_bw" in r) + " of the measured read bandwidth")
     if peer:
         print()
         goals = {"prefill": 2.0, "decode c=1": 2.0, "decode c=16": 3.0}      # issue 12's targets
