@@ -78,6 +78,9 @@ class Tuning(CachedHash):
     quant_gemv_tokens: int = 8       # CUDA: tokens a program of the GPU-shaped GGUF linear takes (weights loaded once for them)
     quant_gemv_lanes: int = 32       # CUDA: most lanes (threads) over a row's 32-element blocks there (a power of 2)
     quant_gemv_warps: int = 4        # CUDA: warps a CTA of that linear (rows a CTA: 32 * warps / lanes)
+    # CPU tiers' quantised GEMV (engine/ops/quant.py gemv_rows)
+    cpu_gemv_rows: int = 4           # weight rows a decode GEMV tile takes in lockstep (1: each row alone)
+    cpu_gemv_rows_max_bytes: int = 512   # ... only for rows of at most this many bytes (longer: 1 row)
     # CPU tiers' attention launches (ops/attention.py)
     decode_skip_idle: bool = True    # decode / merge programs without work return at once
     decode_head_split: bool = True   # decode programs per KV head when there are fewer sequences than threads

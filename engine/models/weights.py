@@ -90,11 +90,10 @@ class Linear:
         if type(self) is not Linear or not self.quantized:
             return None
         from engine.ops._hostargs import is_device, resolve_target
-        from engine.ops.quant import _gpu_qmv, _qmm_kernel_for, _qtype, act_layout
+        from engine.ops.quant import _qtype, act_layout, q8_rep4
         q = _qtype(self.kind)
-        dev = is_device(self.weight)
         T = resolve_target(None, self.weight)
-        return act_layout(q, M, T), (M > 1 or dev) and _qmm_kernel_for(q) and not _gpu_qmv(q, T)
+        return act_layout(q, M, T), q8_rep4(q, M, self.n, self.k, T, is_device(self.weight))
 
     def call_q8(self, xq, out):
         """y = x @ W^T (+ b) from x already quantised as `q8_input` says (a engine.ops.quant.Q8Activations)."""

@@ -1123,7 +1123,8 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
         # exceed its 32 KiB of workgroup memory). The outputs do not depend on the tile (batch invariant).
         return min(4, M), 16, 1, S
     if M == 1:
-        return 1, 1, max(1, min(8, N)), S
+        R = gemv_rows(q, N, K, target)
+        return 1, R, max(1, min(8 // R, N // R)), S
     BM = 16 if vbytes >= 64 else 8 if vbytes >= 32 else 4
     if vbytes >= 64 and target.has("avx512vnni"):
         # VNNI's dot4 keeps one i32 vector per (token, row) live until the 4-row transpose-and-add, and LLVM
@@ -1141,6 +1142,33 @@ def qmm_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
     if QMM_TILE_OVERRIDE is not None:
         BM, R = QMM_TILE_OVERRIDE
     return min(BM, M), R, 1, S
+
+
+def gemv_rows(qtype, N: int, K: int, target) -> int:
+    """Weight rows a CPU GEMV (M = 1) tile of the 32-element formats takes in lockstep: 4 (the GEMM's tile, its
+    4-row transpose-and-add, which sums 4 rows' integer dots for the price of one row's) where the tuning table's
+    `cpu_gemv_rows` says 4 and a row is at most `cpu_gemv_rows_max_bytes` long, else 1 (one row at a time: one
+    monotonic weight stream per thread; 4 long rows in lockstep are 4 streams, which the prefetchers follow
+    worse). The outputs are the same bits either way (every output gets the same float operations whatever R)."""
+    q = _qtype(qtype)
+    if target is None:
+        from jitkern.compiler import default_target
+        target = default_target()
+    tn = target.tuning
+    if (not target.is_cpu or N < 4 or tn.cpu_gemv_rows < 4 or row_bytes(q, K) > tn.cpu_gemv_rows_max_bytes
+            or (q.name == "q8_0" and target.vector_bits == 256)):
+        return 1
+    return 4
+
+
+def q8_rep4(qtype, M: int, N: int, K: int, target, device: bool = False) -> bool:
+    """Whether the int8 activations of an M-row input to this weight need quantize_q8's 4x repeated scales and
+    sums (rep4): the 4-row tiles read them (every M > 1 tile, and the GEMV where `gemv_rows` is 4); device
+    arrays always carry them."""
+    q = _qtype(qtype)
+    if not _qmm_kernel_for(q) or _gpu_qmv(q, target):
+        return False
+    return M > 1 or device or gemv_rows(q, N, K, target) >= 4
 
 
 def _gemv_prefetch(M: int, rb: int, target) -> dict:
@@ -1239,7 +1267,7 @@ def matmul_q(x: np.ndarray, weight_raw: np.ndarray, qtype: str, N: int, K: int, 
         xq = Q8Activations(np.zeros(x.shape, np.int8), sc, sc, act_layout(q, 0, target))
         return matmul_q8(xq, weight_raw, q, N, K, out=out, target=target)
     M = 1 if x.ndim == 1 else x.shape[0]
-    rep4 = (M > 1 or is_device(x)) and _qmm_kernel_for(q) and not _gpu_qmv(q, target)
+    rep4 = q8_rep4(q, M, int(N), int(K), target, is_device(x))
     out8 = out4 = None
     if is_device(x):
         # device arrays: reused scratch (no allocation per call, stable addresses for CUDA graphs), and always

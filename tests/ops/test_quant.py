@@ -476,3 +476,28 @@ def test_gemm_token_tile_of_the_vnni_tiers_same_bits(tier, qtype, monkeypatch):
                 np.testing.assert_array_equal(got, default, err_msg=f"{qtype} K={K} tile {tile} groups of {tg}")
         monkeypatch.setattr(Q, "QMM_TILE_OVERRIDE", None)
         monkeypatch.setattr(Q, "QMM_TOKEN_GROUP", 4)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_gemv_rows_in_lockstep_same_bits(tier, qtype, monkeypatch):
+    # the CPU GEMV takes 4 short rows in lockstep (the GEMM's tile and its 4-row transpose-and-add; tuning
+    # cpu_gemv_rows) or one row at a time: the same float operations per output either way, so the same bits,
+    # against a float64 reference; the 4-row tile reads the activations' repeated scales (rep4), which
+    # matmul_q must then make for M = 1 too
+    if not tier.is_cpu:
+        pytest.skip("CPU GEMV tiles")
+    from targets.tuning import tuned
+    rng = np.random.default_rng(70 + ["q8_0", "q4_0", "q4_1"].index(qtype))
+    launches = _record_launches(monkeypatch)
+    N = 45
+    for K in KS[qtype]:
+        raw, wd = make_weight(qtype, N, K, rng)
+        x = rng.standard_normal(K).astype(np.float32)
+        four = Q.matmul_q(x, raw, qtype, N, K, target=tuned(tier, cpu_gemv_rows=4, cpu_gemv_rows_max_bytes=4096))
+        r4 = [c for k, a, c in launches[-3:] if k is Q._qmm_kernel][-1]["R"]
+        assert r4 == (1 if qtype == "q8_0" and tier.vector_bits == 256 else 4), r4
+        one = Q.matmul_q(x, raw, qtype, N, K, target=tuned(tier, cpu_gemv_rows=1))
+        assert [c for k, a, c in launches[-3:] if k is Q._qmm_kernel][-1]["R"] == 1
+        np.testing.assert_array_equal(four, one, err_msg=f"{qtype} K={K}")
+        ref = wd.astype(np.float64) @ x.astype(np.float64)
+        np.testing.assert_allclose(one, ref, rtol=0.05, atol=0.05 * np.abs(ref).max())
