@@ -81,6 +81,7 @@ class Tuning(CachedHash):
     # CPU tiers' quantised GEMV (engine/ops/quant.py gemv_rows)
     cpu_gemv_rows: int = 4           # weight rows a decode GEMV tile takes in lockstep (1: each row alone)
     cpu_gemv_rows_max_bytes: int = 512   # ... only for rows of at most this many bytes (longer: 1 row)
+    cpu_split_blocks: bool = True    # q4_0 / q4_1 / q8_0 linear weights regrouped into quant and scale planes at load
     # CPU tiers' attention launches (ops/attention.py)
     decode_skip_idle: bool = True    # decode / merge programs without work return at once
     decode_head_split: bool = True   # decode programs per KV head when there are fewer sequences than threads

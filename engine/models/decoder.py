@@ -182,6 +182,8 @@ class DecoderLM:
         self._attn_operands = "16bit" if self.compute16 else None
         if device in GPU_DEVICES:
             self._to_device()
+        else:
+            self._split_weights()
         self._fold_splitk = self._folds()             # fixed by the architecture and device: decided once
 
     def _to_device(self) -> None:
@@ -218,6 +220,17 @@ class DecoderLM:
         self.rope_global = up(self.rope_global)
         self.rope_local = up(self.rope_local)
         self.device_bytes = up.nbytes
+
+    def _split_weights(self) -> None:
+        """CPU: the linears' GGUF blocks regrouped into the planes the CPU kernels load fastest (Linear.use_split_layout:
+        one copy of the q4_0 / q4_1 / q8_0 weights at load; the embedding keeps the file's blocks)."""
+        from jitkern.compiler import default_target
+        target = default_target()
+        for L in self.layers:
+            for lin in (L.qkv, L.o, L.gate_up, L.up, L.down):
+                if lin is not None:
+                    lin.use_split_layout(target)
+        self.lm_head.use_split_layout(target)
 
     def set_max_model_len(self, n: int) -> None:
         """The engine's context limit, once sized: Phi-3's LongRoPE uses its long factors for every sequence

@@ -57,6 +57,15 @@ class Linear:
         self.weight = upload(self.weight)
         self.bias = upload(self.bias)
 
+    def use_split_layout(self, target) -> None:
+        """On a CPU tier, q4_0 / q4_1 / q8_0 weights regrouped into quant and scale planes (one copy at load,
+        engine.ops.quant.split_blocks): the matmul kernels then load a step's quants and scales contiguously; the
+        same results."""
+        from engine.ops.quant import split_blocks, split_layout_for
+        if type(self) is Linear and self.quantized and split_layout_for(self.kind, target):
+            self.weight = split_blocks(self.weight, self.kind, self.n, self.k)
+            note_host_copy(self.weight.nbytes)
+
     @property
     def quantized(self) -> bool:
         return self.kind in QUANT_TYPES

@@ -423,6 +423,47 @@ def _dec_q4_1(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     return q, sc, m, None
 
 
+# The 'split' layout of a q4_0 / q4_1 / q8_0 weight (`split_blocks`): the same bytes regrouped into two planes, every
+# row's quants back to back (K/2 or K bytes a row, `w` then points at the first) and after them every block's f16
+# scale (q4_1: scale, min), `wh` pointing at the first. A step's S blocks of one row are then one contiguous load
+# of quants and one of scales, where the GGUF blocks (18 / 20 / 34 bytes) took a load per block and inserts to
+# gather them. The decoders return exactly what the GGUF-layout ones do (same values, same order), so a split
+# weight gives the same bits. `rb` is the quant bytes of a row here.
+@jk.jit
+def _split_nibble_halves(w, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    b = jk.load(w + rows[:, None] * rb + st * (S * 16) + jk.arange(0, S * 16)[None, :])
+    b = jk.broadcast_to(jk.reshape(b, (R, 1, S, 16)), (R, 2, S, 16))
+    hi = jk.arange(0, 2)[None, :, None, None] == 1
+    return jk.where(hi, b >> 4, b & 15)
+
+
+@jk.jit
+def _dec_q4_0_split(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    q = _split_nibble_halves(w, rows, st, rb, R, S)
+    sc = jk.load(wh + rows[:, None] * (rb // 16) + st * S + jk.arange(0, S)[None, :]).to(jk.f32)   # (R, S)
+    return q, jk.reshape(sc, (R, S, 1)), sc * -8.0, 8
+
+
+@jk.jit
+def _dec_q4_1_split(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    q = _split_nibble_halves(w, rows, st, rb, R, S)
+    dm = jk.load(wh + rows[:, None] * (rb // 8) + st * (2 * S) + jk.arange(0, 2 * S)[None, :]).to(jk.f32)
+    dmt = jk.trans(jk.reshape(dm, (R * S, 2)))
+    first = jk.arange(0, 2)[:, None] == 0
+    sc = jk.reshape(jk.sum(jk.where(first, dmt, -0.0), axis=0), (R, S, 1))
+    m = jk.reshape(jk.sum(jk.where(first, -0.0, dmt), axis=0), (R, S))
+    return q, sc, m, None
+
+
+@jk.jit
+def _dec_q8_0_halves_split(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
+    # a step's S blocks' 32 quants each are S * 32 contiguous bytes (one load), put in the halves order by a shuffle
+    b = jk.load(w + rows[:, None] * rb + st * (S * 32) + jk.arange(0, S * 32)[None, :])
+    q = jk.trans(jk.reshape(b, (R, S, 2, 16)), (0, 2, 1, 3)).to(jk.i8, bitcast=True)
+    sc = jk.load(wh + rows[:, None] * (rb // 32) + st * S + jk.arange(0, S)[None, :]).to(jk.f32)
+    return q, jk.reshape(sc, (R, S, 1)), None, None
+
+
 @jk.jit
 def _k_scales(w, wh, base, hbase, R: jk.constexpr):
     """(d * sc, dmin * m) for the 8 sub-blocks of a q4_K / q5_K super-block, each (R, 8) f32."""
@@ -1087,8 +1128,16 @@ QMM_ROWS_OUTER_L1_BYTES = 24 * 1024
 QMM_ROWS_OUTER = True
 
 
-def _qmm_decoder(q: QType, target):
+def _qmm_decoder(q: QType, target, split: bool = False):
+    if split:
+        return {"q4_0": _dec_q4_0_split, "q4_1": _dec_q4_1_split}.get(q.name) or (
+            _dec_q8_0_halves_split if _q8_halves(target) else None) or _no_split_decoder(q, target)
     return _dec_q8_0_halves if q.name == "q8_0" and _q8_halves(target) else _DECODERS[q.name]
+
+
+def _no_split_decoder(q: QType, target):
+    raise ValueError(f"matmul_q8: no split-layout decoder for {q.name} on {getattr(target, 'name', 'this CPU')} (the split layout is for "
+                     f"tiers of 256-bit vectors and wider)")
 
 
 def qmm_step(qtype, target=None) -> int:
@@ -1237,6 +1286,43 @@ def _pow2_le(n: int, cap: int) -> int:
     return p
 
 
+# bytes of a block's scale(s) at its start; the rest are its quants
+_SPLIT_SCALE_BYTES = {"q4_0": 2, "q4_1": 4, "q8_0": 2}
+
+
+class SplitBlocks(np.ndarray):
+    """A q4_0 / q4_1 / q8_0 weight's bytes in the 'split' layout (see `_dec_q4_1_split`): all rows' quants, then all
+    blocks' scales; `quant_bytes` is the size of the first plane. The same nbytes as the GGUF blocks."""
+    quant_bytes: int = 0
+
+    def __array_finalize__(self, obj):
+        self.quant_bytes = getattr(obj, "quant_bytes", 0)
+
+
+def split_blocks(raw: np.ndarray, qtype: str, N: int, K: int) -> SplitBlocks:
+    """The GGUF blocks of an (N, K) q4_0 / q4_1 / q8_0 weight regrouped into the split layout (one copy)."""
+    q = _qtype(qtype)
+    if q.name not in _SPLIT_SCALE_BYTES:
+        raise ValueError(f"split_blocks: {q.name} has no split layout (only {', '.join(_SPLIT_SCALE_BYTES)})")
+    w, _ = _weight_arg(raw, q, N, K, "split_blocks")
+    sb = _SPLIT_SCALE_BYTES[q.name]
+    blocks = w.reshape(N, K // 32, q.block_bytes)
+    out = np.empty(w.nbytes, np.uint8).view(SplitBlocks)
+    qb = N * (K // 32) * (q.block_bytes - sb)
+    out[:qb].reshape(N, K // 32, q.block_bytes - sb)[...] = blocks[:, :, sb:]
+    out[qb:].reshape(N, K // 32, sb)[...] = blocks[:, :, :sb]
+    out.quant_bytes = qb
+    return out
+
+
+def split_layout_for(qtype, target) -> bool:
+    """Whether `Linear` weights of this type take the split layout on `target` (CPU tiers, tuning
+    `cpu_split_blocks`): the kernels then load a step's quants and scales contiguously."""
+    q = _qtype(qtype)
+    return bool(target is not None and target.is_cpu and target.tuning.cpu_split_blocks
+                and q.name in _SPLIT_SCALE_BYTES and (q.name != "q8_0" or _q8_halves(target)))
+
+
 def _weight_arg(raw, q: QType, N: int, K: int, what: str):
     if not is_array(raw):
         raise TypeError(f"{what}: the weight must be a numpy uint8 array of raw GGUF bytes, got {type(raw).__name__}")
@@ -1247,6 +1333,12 @@ def _weight_arg(raw, q: QType, N: int, K: int, what: str):
     need = N * row_bytes(q, K)
     if raw.nbytes != need:
         raise ValueError(f"{what}: a {q.name} weight of N={N} rows x K={K} has {need} bytes, got {raw.nbytes}")
+    if isinstance(raw, SplitBlocks):
+        if q.name not in _SPLIT_SCALE_BYTES or raw.quant_bytes != N * (K // 32) * (q.block_bytes -
+                                                                                   _SPLIT_SCALE_BYTES[q.name]):
+            raise ValueError(f"{what}: a split-layout weight that is not a {q.name} weight of N={N} x K={K}")
+        planes = np.asarray(raw).reshape(-1)
+        return planes[:raw.quant_bytes], planes[raw.quant_bytes:].view(np.float16)
     return raw, jk.as_pointer(raw, "f16")
 
 
@@ -1319,6 +1411,10 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
     if _gpu_qmv(q, T):
         return out, _matmul_qmv(q, w, qx, xd, xs, out, M, N, K, T)
     if _qmm_kernel_for(q):
+        split = isinstance(weight_raw, SplitBlocks)
+        if split and T is not None and not T.is_cpu:
+            raise ValueError(f"matmul_q8: a split-layout {q.name} weight runs on the CPU tiers only, not {T.name}")
+        rb = K // 32 * (q.block_bytes - _SPLIT_SCALE_BYTES[q.name]) if split else row_bytes(q, K)
         BM, R, RS, S = qmm_tiles(q, M, N, K, T)
         nb = K // 32
         rest = nb - nb // S * S
@@ -1332,10 +1428,10 @@ def _matmul_q8(xq, weight_raw, qtype, N, K, out, target):
             xd, xs = xd4, xs4
         for m0, mn, bm in _token_launches(M, BM):
             ck = run(_qmm_kernel, (-(-N // (RS * R)), -(-mn // bm)), (w, wh, qx, xd, xs, out, m0, mn, N), target,
-                     K=K, DEC=_qmm_decoder(q, T), RB=row_bytes(q, K), BM=bm, R=R, RI=RI, RS=RS, S=S,
+                     K=K, DEC=_qmm_decoder(q, T, split), RB=rb, BM=bm, R=R, RI=RI, RS=RS, S=S,
                      LOGS=S.bit_length() - 1, PAIR_TAIL=rest >= 2, ONE_TAIL=rest % 2 == 1,
                      SPLIT=_split_steps(q, M, S, T), FOLD=_fold_lanes(q, S, T), TT=_token_lanes(q, R, bm, T),
-                     ROWS_OUTER=_rows_outer(mn, bm, K, T), **_gemv_prefetch(M, row_bytes(q, K), T),
+                     ROWS_OUTER=_rows_outer(mn, bm, K, T), **_gemv_prefetch(M, rb, T),
                      **_gemm_route(RI, T), **_token_group(q, bm, R, T))
         return out, ck
     BM, R, RS = _kq_tiles(M, N)
@@ -1703,6 +1799,8 @@ def dequantize_rows(raw: np.ndarray, qtype: str, rows_idx: np.ndarray, K: int, o
     target = resolve_target(target, raw)
     if not is_array(raw) or raw.dtype != np.uint8 or not raw.flags.c_contiguous:
         raise TypeError("dequantize_rows: raw must be a contiguous uint8 array of GGUF bytes")
+    if isinstance(raw, SplitBlocks):
+        raise TypeError("dequantize_rows: takes GGUF blocks, not a split-layout weight (keep the embedding's own)")
     if raw.nbytes % rb:
         raise ValueError(f"dequantize_rows: {raw.nbytes} bytes is not a whole number of {q.name} rows of K={K} "
                          f"({rb} bytes each)")

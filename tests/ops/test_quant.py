@@ -501,3 +501,33 @@ def test_gemv_rows_in_lockstep_same_bits(tier, qtype, monkeypatch):
         np.testing.assert_array_equal(four, one, err_msg=f"{qtype} K={K}")
         ref = wd.astype(np.float64) @ x.astype(np.float64)
         np.testing.assert_allclose(one, ref, rtol=0.05, atol=0.05 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_split_layout_same_bits(tier, qtype):
+    # the split layout (all rows' quants, then all blocks' scales: the CPU linears' weights after load) holds the
+    # same bytes regrouped, and its decoders hand the kernel the same values: every M gives the GGUF layout's bits
+    if not Q.split_layout_for(qtype, tier):
+        with pytest.raises(ValueError, match="split"):
+            Q.matmul_q(np.ones((1, 64), np.float32), Q.split_blocks(make_weight(qtype, 4, 64, np.random.default_rng(0))[0],
+                                                                    qtype, 4, 64), qtype, 4, 64, target=tier)
+        return
+    rng = np.random.default_rng(80 + ["q4_0", "q4_1", "q8_0"].index(qtype))
+    N = 45
+    for K in KS[qtype]:
+        raw, wd = make_weight(qtype, N, K, rng)
+        sp = Q.split_blocks(raw, qtype, N, K)
+        assert sp.nbytes == raw.nbytes and sp.quant_bytes == N * K // 32 * (Q.QTYPES[qtype].block_bytes -
+                                                                          Q._SPLIT_SCALE_BYTES[qtype])
+        for M in (1, 2, 16, 37):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            got = Q.matmul_q(x, sp, qtype, N, K, target=tier)
+            np.testing.assert_array_equal(got, Q.matmul_q(x, raw, qtype, N, K, target=tier),
+                                          err_msg=f"{qtype} K={K} M={M}")
+            ref = x.astype(np.float64) @ wd.astype(np.float64).T
+            np.testing.assert_allclose(got, ref, rtol=0.05, atol=0.05 * np.abs(ref).max())
+    with pytest.raises(TypeError, match="split-layout"):
+        Q.dequantize_rows(sp, qtype, np.array([0], np.int32), K)
+    if qtype == "q4_0":       # iq4_nl has q4_0's block size: the bytes fit, the layout does not
+        with pytest.raises(ValueError, match="split-layout"):
+            Q.matmul_q(np.ones((1, K), np.float32), sp, "iq4_nl", N, K, target=tier)
