@@ -112,17 +112,21 @@ def test_a_killed_engine_process_is_restarted_and_both_workers_serve_again(serve
     model = client.models.list().data[0].id
     engine_pid = _pids(served, r"engine process (\d+): serving front ends")[-1]
     failed = []
+    streaming = threading.Event()
 
     def long_stream():
         try:
             for _ in client.completions.create(model=model, prompt="Long story:", stream=True, max_tokens=900,
                                                temperature=0, extra_body={"ignore_eos": True}):
-                pass
+                streaming.set()
         except openai.APIError as e:
             failed.append(e)
+        finally:
+            streaming.set()
     t = threading.Thread(target=long_stream)
     t.start()
-    time.sleep(0.5)
+    # killed as soon as tokens flow (a fixed sleep let a fast host finish all 900 tokens first)
+    assert streaming.wait(120), served.log_tail(40)
     os.kill(engine_pid, signal.SIGKILL)
     t.join(120)
     assert failed and "engine" in str(failed[0]), (failed, served.log_tail(40))
