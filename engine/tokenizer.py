@@ -647,6 +647,17 @@ def _ids(value) -> list[int]:
 _DETOK_CONTEXT = 5
 
 
+try:
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:                      # an older tokenizers: the window decode alone
+    _HFTokenizer = _DecodeStream = None
+
+
+def _is_hf_tokenizer(backend) -> bool:
+    return _HFTokenizer is not None and isinstance(backend, _HFTokenizer)
+
+
 class IncrementalDetokenizer:
     """Turn ids arriving one at a time into text deltas, as vLLM's ``detokenize_incrementally``.
 
@@ -665,17 +676,44 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(len(self.ids) - _DETOK_CONTEXT, 0)
         self.read_offset = len(self.ids)
         self.text = ""
+        # The same algorithm runs in the tokenizers library (DecodeStream: one call per token instead of two
+        # decodes of the window from Python, ~3.5x less time a token), primed with the prompt's context. A
+        # context that ends inside a UTF-8 sequence stays on the Python path: DecodeStream would emit that
+        # partial character of the prompt with the first new token, which the window decode leaves out.
+        self._stream = None
+        if _DecodeStream is not None and _is_hf_tokenizer(tokenizer.backend) and not (
+                self.ids and self._decode(self.ids).endswith("\ufffd")):
+            stream = _DecodeStream(skip_special_tokens=skip_special_tokens)
+            try:
+                for t in self.ids:
+                    stream.step(tokenizer.backend, t)
+                self._stream = stream
+            except Exception:       # see add()
+                pass
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""       # nothing new yet, or an incomplete UTF-8 sequence: wait for more bytes
-        delta = new_text[len(prefix_text):]
+        delta = None
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self.tokenizer.backend, self.ids[-1]) or ""
+            except Exception:       # the library gives up on some byte sequences: the window path goes on
+                self._stream = None
+            if delta is not None and "\ufffd" in delta:
+                # invalid UTF-8 from the model: the two count its replacement characters differently, and the
+                # window path is the reference (the rest of this stream stays on it)
+                delta = self._stream = None
+            if delta == "":
+                return ""
+        if delta is None:
+            prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            new_text = self._decode(self.ids[self.prefix_offset:])
+            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+                return ""       # nothing new yet, or an incomplete UTF-8 sequence: wait for more bytes
+            delta = new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         # Keep the window short: only the context needs to stay.
@@ -696,6 +734,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix_offset:])
         delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
+        self._stream = None                 # it still holds the flushed bytes: any later id takes the window path
         self.text += delta
         return delta
 

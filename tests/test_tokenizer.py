@@ -450,3 +450,23 @@ def test_tokenize_tool_refuses_unknown_pre_by_name(tmp_path, capsys):
     corpus.write_text("ab")
     assert main([str(path), str(corpus)]) == 2
     assert "'llama-bpe-ish'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_detok_stream_equals_the_window_decode(smol, spm_pair, skip):
+    # the DecodeStream path (one library call a token) gives the window algorithm's deltas token for token, on
+    # random ids after random prompt contexts (contexts that end inside a character included), for a byte-level
+    # BPE and a SentencePiece tokenizer
+    import random
+    rng = random.Random(11)
+    for tok in (smol, spm_pair[1]):
+        V = tok.vocab_size
+        for _ in range(60):
+            ids = [rng.randrange(V) for _ in range(rng.randint(1, 40))]
+            prompt = [rng.randrange(V) for _ in range(rng.randint(0, 8))]
+            fast = tok.detokenizer(skip_special_tokens=skip, prompt_ids=prompt)
+            slow = tok.detokenizer(skip_special_tokens=skip, prompt_ids=prompt)
+            slow._stream = None
+            assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids], (ids, prompt)
+            assert fast.flush() == slow.flush() and fast.text == slow.text
+    assert smol.detokenizer()._stream is not None
