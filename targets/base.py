@@ -90,6 +90,12 @@ class Target(CachedHash):
         `warp_rows` launch option)."""
         return self.backend == "cuda"
 
+    @property
+    def gpu_quant_linear(self) -> bool:
+        """GGUF linears take the GPU-shaped dp4a kernel (warps over rows, lanes over blocks) instead of the
+        CPU-shaped tiles: measured on CUDA (docs/BENCHMARKS.md); HIP and Vulkan keep the tiles until timed."""
+        return self.backend == "cuda"
+
     def has(self, feature: str) -> bool:
         """Whether code for this target may use `feature` (an LLVM feature name such as "avx2")."""
         return feature in self.features

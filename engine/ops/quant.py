@@ -1734,7 +1734,7 @@ def _gpu_qmv(q: QType, target) -> bool:
     """Whether GGUF linears of type q run on `_qmv_gpu_kernel` on `target`: on CUDA targets every type (it replaced
     the CPU-shaped _qmm_kernel / _kq_kernel there: faster at every q4_0 shape the kernel benchmark printed, and the
     Q4_1 model with its Q8_0 head decodes several times faster end to end: docs/BENCHMARKS.md)."""
-    return target is not None and target.is_cuda and q.name in _QMV_TYPES
+    return target is not None and target.gpu_quant_linear and q.name in _QMV_TYPES
 
 
 def qmv_tiles(qtype, M: int, N: int, K: int, target=None) -> tuple:
