@@ -171,15 +171,18 @@ class Arrays:
 
     def __init__(self, nbytes: int, seed: int = 0):
         n = nbytes // 4
-        n -= n % (BLOCK * UNROLL * 64)         # every thread count up to 64 splits it into whole steps
         rng = np.random.default_rng(seed)
         self.a, self.b, self.c = (rng.random(n, dtype=np.float32) for _ in range(3))
         self.out = np.zeros(64, np.float32)
         self.n = n
 
+    def elements(self, threads: int) -> int:
+        """Elements a run on `threads` threads covers: whole unrolled steps per thread (both systems the same)."""
+        return self.n // threads // (BLOCK * UNROLL) * (BLOCK * UNROLL) * threads
+
     def jitkern_call(self, kernel: str, threads: int, tier=None):
         from jitkern.runtime.launch import launch
-        n_per = self.n // threads
+        n_per = self.elements(threads) // threads
         a, b, c = self.a, self.b, self.c
         fn, args = {"read": (_read, (a, self.out, n_per)), "copy": (_copy, (a, c, n_per)),
                     "add": (_add, (a, b, n_per)), "triad": (_triad, (a, b, c, 0.5, n_per))}[kernel]
@@ -188,7 +191,7 @@ class Arrays:
 
     def c_call(self, so, kernel: str, threads: int):
         pa, pb, pc = (None if x is None else x.ctypes.data for x in (self.a, self.b, self.c))
-        n = self.n
+        n = self.elements(threads)
         if kernel == "read":
             return lambda: so.bw_read(pa, n, threads)
         if kernel == "copy":
@@ -223,7 +226,7 @@ def read_bandwidth(threads: int | None = None, mib: int = 256, reps: int = 5) ->
     threads = threads or get_pool().num_threads
     arr = Arrays(mib << 20)
     arr.b = arr.c = None                    # only `a` is read
-    gbs = measure({"read": arr.jitkern_call("read", threads)}, arr.n * KERNELS["read"], reps)["read"]
+    gbs = measure({"read": arr.jitkern_call("read", threads)}, arr.elements(threads) * KERNELS["read"], reps)["read"]
     return max(gbs)
 
 
@@ -284,7 +287,7 @@ def main(args) -> int:
                 calls[f"jitkern {tier.name if tier else 'native'}"] = arr.jitkern_call(kernel, t, tier)
             if so is not None:
                 calls["C"] = arr.c_call(so, kernel, t)
-            res = measure(calls, arr.n * KERNELS[kernel], args.reps)
+            res = measure(calls, arr.elements(t) * KERNELS[kernel], args.reps)
             for name, gbs in res.items():
                 rows.append(dict(kernel=kernel, threads=t, system=name, best_gbs=max(gbs),
                                  median_gbs=statistics.median(gbs), runs=gbs))
