@@ -1298,6 +1298,15 @@ class SplitBlocks(np.ndarray):
     def __array_finalize__(self, obj):
         self.quant_bytes = getattr(obj, "quant_bytes", 0)
 
+    def __reduce__(self):
+        # the planes' boundary travels with the bytes (ndarray's own pickling would drop it)
+        fn, args, state = super().__reduce__()
+        return fn, args, (state, self.quant_bytes)
+
+    def __setstate__(self, state):
+        nd_state, self.quant_bytes = state
+        super().__setstate__(nd_state)
+
 
 def split_blocks(raw: np.ndarray, qtype: str, N: int, K: int) -> SplitBlocks:
     """The GGUF blocks of an (N, K) q4_0 / q4_1 / q8_0 weight regrouped into the split layout (one copy)."""

@@ -526,6 +526,10 @@ def test_split_layout_same_bits(tier, qtype):
                                           err_msg=f"{qtype} K={K} M={M}")
             ref = x.astype(np.float64) @ wd.astype(np.float64).T
             np.testing.assert_allclose(got, ref, rtol=0.05, atol=0.05 * np.abs(ref).max())
+    import pickle
+    again = pickle.loads(pickle.dumps(sp))        # the planes' boundary survives a pickle
+    assert isinstance(again, Q.SplitBlocks) and again.quant_bytes == sp.quant_bytes
+    np.testing.assert_array_equal(Q.matmul_q(x, again, qtype, N, K, target=tier), got)
     with pytest.raises(TypeError, match="split-layout"):
         Q.dequantize_rows(sp, qtype, np.array([0], np.int32), K)
     if qtype == "q4_0":       # iq4_nl has q4_0's block size: the bytes fit, the layout does not
