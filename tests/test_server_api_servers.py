@@ -100,6 +100,10 @@ def _pids(proc, pattern) -> list:
 
 
 def test_two_workers_share_one_engine(served):
+    deadline = time.monotonic() + 120      # the second worker may still be warming up when the first is ready
+    while len(set(_pids(served, r"serving \S+ \(max_model_len \d+\) in pid (\d+)"))) < 2 and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
     workers = set(_pids(served, r"serving \S+ \(max_model_len \d+\) in pid (\d+)"))
     engines = set(_pids(served, r"engine process (\d+): serving front ends"))
     attached = set(_pids(served, r"attached to the engine process (\d+)"))

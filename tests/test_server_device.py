@@ -445,7 +445,9 @@ def test_concurrent_greedy_streams_equal_their_solo_runs(dev):
                                                         "weight"] * 8)]
     kwargs = dict(model=s.model, max_tokens=16, extra_body=IGNORE_EOS, **GREEDY)
     with s.explain():
+        t0 = time.monotonic()
         solo = [s.client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+        solo_s = time.monotonic() - t0
         # distinct prompts with (mostly) distinct texts: a stream given another one's tokens would show
         assert len(set(solo)) >= concurrency // 2, solo
         results, errors = {}, []
@@ -468,16 +470,20 @@ def test_concurrent_greedy_streams_equal_their_solo_runs(dev):
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
         watcher = threading.Thread(target=watch)
+        t0 = time.monotonic()
         for t in threads:
             t.start()
         watcher.start()
         for t in threads:
             t.join(300)
+        wave_s = time.monotonic() - t0
         watcher.join(60)
         assert not errors, errors
         assert len(results) == concurrency
         wrong = [(prompts[i], solo[i], results[i][0]) for i in range(concurrency) if results[i][0] != solo[i]]
         assert not wrong, f"{len(wrong)} of {concurrency} streams differ from their solo text: {wrong[:3]}"
         assert all(finish == "length" for _, finish in results.values())
-        # they were batched: several requests ran in one engine at once
-        assert max(running, default=0) > 1, running
+        # they were batched: several requests ran in one engine at once (seen by the gauge, or, where a fast
+        # engine finished between two samples of a busy server's /metrics, by the wave taking less than half
+        # the time the same requests took one after another)
+        assert max(running, default=0) > 1 or wave_s < 0.5 * solo_s, (running, wave_s, solo_s)
