@@ -416,11 +416,18 @@ def _dec_q4_1(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     # d and m are adjacent: one 4-byte load per block, split into two vectors by a transpose (the selects
     # against -0.0 fold away, leaving a shuffle)
     dm = jk.load((wh + hoff)[:, :, None] + jk.arange(0, 2)[None, None, :]).to(jk.f32)     # (R, S, 2)
+    sc, m = _scale_min(dm, R, S)
+    return q, sc, m, None
+
+
+@jk.jit
+def _scale_min(dm, R: jk.constexpr, S: jk.constexpr):
+    """q4_1's (R, S, 1) scales and (R, S) mins from its (d, m) pairs ((R, S, 2) or (R, 2 S) in pair order)."""
     dmt = jk.trans(jk.reshape(dm, (R * S, 2)))
     first = jk.arange(0, 2)[:, None] == 0
     sc = jk.reshape(jk.sum(jk.where(first, dmt, -0.0), axis=0), (R, S, 1))
     m = jk.reshape(jk.sum(jk.where(first, -0.0, dmt), axis=0), (R, S))
-    return q, sc, m, None
+    return sc, m
 
 
 # The 'split' layout of a q4_0 / q4_1 / q8_0 weight (`split_blocks`): the same bytes regrouped into two planes, every
@@ -448,10 +455,7 @@ def _dec_q4_0_split(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
 def _dec_q4_1_split(w, wh, rows, st, rb, R: jk.constexpr, S: jk.constexpr):
     q = _split_nibble_halves(w, rows, st, rb, R, S)
     dm = jk.load(wh + rows[:, None] * (rb // 8) + st * (2 * S) + jk.arange(0, 2 * S)[None, :]).to(jk.f32)
-    dmt = jk.trans(jk.reshape(dm, (R * S, 2)))
-    first = jk.arange(0, 2)[:, None] == 0
-    sc = jk.reshape(jk.sum(jk.where(first, dmt, -0.0), axis=0), (R, S, 1))
-    m = jk.reshape(jk.sum(jk.where(first, -0.0, dmt), axis=0), (R, S))
+    sc, m = _scale_min(dm, R, S)
     return q, sc, m, None
 
 
