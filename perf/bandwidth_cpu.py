@@ -167,12 +167,14 @@ def compile_c_probe():
 
 
 class Arrays:
-    """Three float32 arrays of `nbytes` each, filled with random values (first touch by this thread)."""
+    """Three float32 arrays of `nbytes` each (only `a` with read_only: the `read` kernel's), filled with random values
+    (first touch by this thread)."""
 
-    def __init__(self, nbytes: int, seed: int = 0):
+    def __init__(self, nbytes: int, seed: int = 0, read_only: bool = False):
         n = nbytes // 4
         rng = np.random.default_rng(seed)
-        self.a, self.b, self.c = (rng.random(n, dtype=np.float32) for _ in range(3))
+        self.a = rng.random(n, dtype=np.float32)
+        self.b, self.c = (None, None) if read_only else (rng.random(n, dtype=np.float32) for _ in range(2))
         self.out = np.zeros(64, np.float32)
         self.n = n
 
@@ -224,8 +226,7 @@ def read_bandwidth(threads: int | None = None, mib: int = 256, reps: int = 5) ->
     denominator of perf/bench.py's "% of the measured bandwidth"."""
     from jitkern.runtime.cpu_pool import get_pool
     threads = threads or get_pool().num_threads
-    arr = Arrays(mib << 20)
-    arr.b = arr.c = None                    # only `a` is read
+    arr = Arrays(mib << 20, read_only=True)
     gbs = measure({"read": arr.jitkern_call("read", threads)}, arr.elements(threads) * KERNELS["read"], reps)["read"]
     return max(gbs)
 

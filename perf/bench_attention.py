@@ -12,8 +12,8 @@ cache of --cache-blocks blocks, many times the L3 size), so K/V come from DRAM a
   tok/s       batch / best time: decode tokens per second for this layer's attention alone
   GB/s        K+V bytes the call must read (batch x context x 3 heads x 64 x 2 x itemsize) / best time
   % of bw     that rate over the measured streaming read bandwidth of this host at the same thread count
-The header names the CPU tier that ran and the bandwidth probe: a jitkern kernel summing a 256 MiB f32
-array split into 64 programs (best of 10).
+The header names the CPU tier that ran and the bandwidth probe: perf/bandwidth_cpu.py's read kernel over a
+256 MiB f32 array, one contiguous part per thread (best of 10).
 """
 from __future__ import annotations
 
@@ -46,33 +46,16 @@ os.environ["JITKERN_NUM_THREADS"] = str(args.threads)      # before the pool exi
 
 import numpy as np  # noqa: E402
 
-import jitkern as jk  # noqa: E402
 from engine.ops import attention as A  # noqa: E402
 from jitkern.runtime.cpu import runtime_target, runtime_target_reason  # noqa: E402
 
 H, KVH, D, BS = 9, 3, 64, 16
 
 
-@jk.kernel
-def _stream_sum(x, out, n_per, BLOCK: jk.constexpr):
-    p = jk.program_id(0)
-    acc = jk.zeros((BLOCK,), jk.f32)
-    base = p.to(jk.i64) * n_per
-    for i in range(0, n_per, BLOCK):
-        acc += jk.load(x + base + i + jk.arange(0, BLOCK))
-    jk.store(out + p, jk.sum(acc, axis=0))
-
-
 def read_bandwidth() -> float:
-    """Streaming read bandwidth in GB/s (best of 10 passes over 256 MiB)."""
-    n, progs = 64 * 1024 * 1024, 64
-    x = np.random.default_rng(0).random(n, dtype=np.float32)
-    out = np.zeros(progs, np.float32)
-    _stream_sum[(progs,)](x, out, n // progs, BLOCK=256)
-    if not np.isclose(out.sum(dtype=np.float64), x.sum(dtype=np.float64), rtol=1e-3):
-        raise RuntimeError("bandwidth probe summed wrongly")
-    best = min(_timed(lambda: _stream_sum[(progs,)](x, out, n // progs, BLOCK=256)) for _ in range(10))
-    return x.nbytes / best / 1e9
+    """Streaming read bandwidth in GB/s on this run's threads: perf/bandwidth_cpu.py's probe (256 MiB, best of 10)."""
+    from perf.bandwidth_cpu import read_bandwidth as probe
+    return probe(args.threads, mib=256, reps=10)
 
 
 def _timed(fn) -> float:

@@ -106,35 +106,25 @@ def timeit(fn, reps, min_batch_s=0.02):
     return statistics.median(out)
 
 
-@jk.kernel
-def _stream_sum(x, out, n_per, BLOCK: jk.constexpr, U: jk.constexpr):
-    # program p sums its contiguous n_per floats (U independent vector loads per step); the pool splits the
-    # programs between the threads, so every thread streams its own part of the array
-    base = jk.program_id(0).to(jk.i64) * n_per
-    acc = jk.zeros((BLOCK,), jk.f32)
-    for i in range(0, n_per, BLOCK * U):
-        for u in jk.static_range(U):
-            acc += jk.load(x + base + i + u * BLOCK + jk.arange(0, BLOCK))
-    jk.store(out + jk.program_id(0), jk.sum(acc))
-
-
 class Bandwidth:
-    def __init__(self, nbytes=256 << 20, programs=64):
-        self.x = np.random.default_rng(1).random(nbytes // 4, dtype=np.float32)
-        self.out = np.zeros(programs, np.float32)
-        self.per = self.x.size // programs
-        self.programs = programs
+    """The streaming-read probe of perf/bandwidth_cpu.py (one contiguous part of a 256 MB f32 array per pool thread),
+    timed here per round."""
 
-    def _run(self):
-        _stream_sum[(self.programs,)](self.x, self.out, self.per, BLOCK=64, U=4)
+    def __init__(self, nbytes=256 << 20):
+        from perf.bandwidth_cpu import Arrays
+        arr = Arrays(nbytes, seed=1, read_only=True)
+        threads = get_pool().num_threads
+        self.x = arr.a
+        self._run = arr.jitkern_call("read", threads)
+        self.nbytes = arr.elements(threads) * 4
 
     def read_gbs(self, reps) -> float:
-        return self.x.nbytes / timeit(self._run, reps, min_batch_s=0.0) / 1e9
+        return self.nbytes / timeit(self._run, reps, min_batch_s=0.0) / 1e9
 
     def read_gbs_once(self) -> float:
         t0 = time.perf_counter()
         self._run()
-        return self.x.nbytes / (time.perf_counter() - t0) / 1e9
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
 
     def numpy_copy_gbs(self, reps) -> float:
         y = np.empty_like(self.x)
