@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JITKERN_NUM_THREADS", "1")
+os.environ["JITKERN_NUM_THREADS"] = "1"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "perf"))

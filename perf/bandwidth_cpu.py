@@ -271,7 +271,14 @@ def main(args) -> int:
         if name == "native":
             tiers.append(None)
             continue
-        t = targets.get_target(name)
+        try:
+            t = targets.get_target(name)
+        except targets.UnknownTargetError as e:
+            print(f"error: --tiers: {e}", file=sys.stderr)
+            return 2
+        if not t.is_cpu:
+            print(f"error: --tiers: {name} is not a CPU tier", file=sys.stderr)
+            return 2
         if can_run(t):
             tiers.append(t)
         else:
